@@ -1,0 +1,31 @@
+# specplan: `make demo` and `make test` set up .venv from scratch first (torch pinned to the 2.13.0 CPU wheel).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+TORCH := torch==2.13.0
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest tests
+
+demo: setup
+	$(VENV)/bin/plan solve sequoia --acceptance examples/sequoia.acceptance.yaml \
+	    --profile examples/smollm2-135m.minimal-profile.yaml --max-size 64 --max-depth 12 \
+	    -o plans/demo.sequoia.yaml
+	$(VENV)/bin/plan show plans/demo.sequoia.yaml
+
+bench: setup
+	taskset -c 0 $(PY) bench/sequoia_dp.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,130 @@
+"""Benchmark: Sequoia's tree DP (the whole G(n, d) table), JIT excluded, against two baselines run side by side:
+a plain-Python implementation of the same recurrence and a straightforward numba loop (textbook loop order).
+
+    taskset -c 0 .venv/bin/python bench/sequoia_dp.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import numpy as np
+from numba import njit
+
+from planner.sequoia_dp import SequoiaTables
+
+NEG = -np.inf
+
+
+def python_reference(p: list[float], max_size: int, max_levels: int) -> list[list[float]]:
+    """T(m, l, b) exactly as written in the paper, in plain Python; returns M[l][m] = max_b T(m, l, b)."""
+    width = min(len(p), max_size - 1)
+    M = [[NEG] * (max_size + 1) for _ in range(max_levels + 1)]
+    for l in range(1, max_levels + 1):
+        T = [[NEG] * (width + 1) for _ in range(max_size + 1)]
+        T[1][0] = 1.0
+        M[l][1] = 1.0
+        if l > 1:
+            for m in range(2, max_size + 1):
+                T[m][1] = 1.0 + p[0] * M[l - 1][m - 1] if M[l - 1][m - 1] > NEG else NEG
+                for b in range(2, min(width, m - 1) + 1):
+                    best = NEG
+                    for y in range(b, m):
+                        left, right = T[y][b - 1], M[l - 1][m - y]
+                        if left == NEG or right == NEG:
+                            continue
+                        best = max(best, left + p[b - 1] * right)
+                    T[m][b] = best
+                M[l][m] = max(T[m])
+    return M
+
+
+@njit(cache=True)
+def numba_textbook(p: np.ndarray, max_size: int, max_levels: int) -> np.ndarray:
+    """The same recurrence as a straightforward numba loop: for each (l, m, b) a max over y."""
+    width = min(p.shape[0], max_size - 1)
+    M = np.full((max_levels + 1, max_size + 1), NEG)
+    T = np.full((max_size + 1, width + 1), NEG)
+    for l in range(1, max_levels + 1):
+        T[:, :] = NEG
+        T[1, 0] = 1.0
+        M[l, 1] = 1.0
+        if l == 1:
+            continue
+        for m in range(2, max_size + 1):
+            if M[l - 1, m - 1] > NEG:
+                T[m, 1] = 1.0 + p[0] * M[l - 1, m - 1]
+            best_m = T[m, 1]
+            for b in range(2, min(width, m - 1) + 1):
+                best = NEG
+                for y in range(b, m):
+                    left = T[y, b - 1]
+                    right = M[l - 1, m - y]
+                    if left == NEG or right == NEG:
+                        continue
+                    cand = left + p[b - 1] * right
+                    if cand > best:
+                        best = cand
+                T[m, b] = best
+                if best > best_m:
+                    best_m = best
+            M[l, m] = best_m
+    return M
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def best_of(repeats: int, fn, *args) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--depth", type=int, default=32)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    p = rng.random(args.width) ** 2
+    p = p / p.sum() * 0.9
+    print(f"machine: {cpu_model()}, numpy {np.__version__}; K = {args.width}, "
+          f"D = {args.depth}; best of repeats, JIT excluded")
+    SequoiaTables(p, 4, 2)
+    numba_textbook(p, 4, 3)
+
+    ours = SequoiaTables(p, 128, args.depth)
+    reference = python_reference(list(p), 128, args.depth + 1)
+    textbook = numba_textbook(p, 128, args.depth + 1)
+    ref_G = np.array(reference)[1:, :].T
+    assert np.allclose(ours.G[np.isfinite(ref_G)], ref_G[np.isfinite(ref_G)], rtol=0, atol=1e-12)
+    assert np.allclose(textbook[1:, :].T, ref_G, rtol=0, atol=1e-12)
+
+    t_python = best_of(1, python_reference, list(p), 128, args.depth + 1)
+    t_textbook_128 = best_of(3, numba_textbook, p, 128, args.depth + 1)
+    t_ours_128 = best_of(5, SequoiaTables, p, 128, args.depth)
+    print(f"N = 128:  plain Python {t_python:8.3f} s | numba textbook {t_textbook_128 * 1e3:8.2f} ms | "
+          f"specplan {t_ours_128 * 1e3:8.2f} ms | specplan vs Python {t_python / t_ours_128:,.0f}x")
+    for size in (1024, 2048):
+        t_textbook = best_of(1, numba_textbook, p, size, args.depth + 1)
+        t_ours = best_of(3, SequoiaTables, p, size, args.depth)
+        print(f"N = {size}: numba textbook {t_textbook:8.3f} s | specplan {t_ours:8.3f} s | "
+              f"ratio {t_textbook / t_ours:5.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Acceptance statistics files (`kind: acceptance/...`): what the profiler writes and the planner reads."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specplan.fileio import read_yaml
+from specplan.validate import Fields
+
+POSITIONAL_SUM_TOLERANCE = 1e-6
+
+
+@dataclass
+class SequoiaAcceptance:
+    """The positional acceptance vector p: p[k-1] = P(the k-th sampled child is the one accepted)."""
+
+    positional: np.ndarray
+    stderr: np.ndarray | None = None
+    target: str | None = None
+    draft: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    samples: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> SequoiaAcceptance:
+        f = Fields(data, where)
+        f.kind("acceptance/sequoia")
+        positional = f.number_list("positional", low=0.0, high=1.0)
+        if not positional:
+            raise f.fail("'positional' is empty")
+        total = sum(positional)
+        if total > 1.0 + POSITIONAL_SUM_TOLERANCE:
+            raise f.fail(f"'positional' sums to {total:.6f} > 1: the k-th-child acceptances are exclusive events")
+        stderr = f.number_list("stderr", required=False, low=0.0)
+        if stderr is not None and len(stderr) != len(positional):
+            raise f.fail("'stderr' must have one entry per positional entry")
+        models = f.sub("models", required=False)
+        return cls(
+            positional=np.asarray(positional, dtype=np.float64),
+            stderr=None if stderr is None else np.asarray(stderr, dtype=np.float64),
+            target=models.string("target", required=False) if models else None,
+            draft=models.string("draft", required=False) if models else None,
+            temperature=f.number("temperature", required=False, low=0.0),
+            top_p=f.number("top_p", required=False, low=0.0, high=1.0),
+            samples=f.integer("samples", required=False, low=0),
+            extra={k: v for k, v in data.items()
+                   if k not in {"kind", "positional", "stderr", "models", "temperature", "top_p", "samples"}},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": "acceptance/sequoia"}
+        if self.target or self.draft:
+            out["models"] = {"target": self.target, "draft": self.draft}
+        for key in ("temperature", "top_p", "samples"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        out["positional"] = [float(x) for x in self.positional]
+        if self.stderr is not None:
+            out["stderr"] = [float(x) for x in self.stderr]
+        out.update(self.extra)
+        return out
+
+
+def load_sequoia_acceptance(path: str | os.PathLike) -> SequoiaAcceptance:
+    return SequoiaAcceptance.from_dict(read_yaml(path), str(path))

@@ -1,0 +1,218 @@
+"""Plan files (`kind: plan/<method>`): the contract between the planner, which writes them, and the decoder.
+
+Every plan names the models it was made for (`models`), records its inputs (`inputs`), its prediction
+(`prediction.tokens_per_step`, `prediction.speedup` when a latency profile was given), how it was solved
+(`solver`) and where it came from (`provenance`). Method-specific fields:
+
+- plan/sequoia: `tree: {size, depth, parents}`: node 0 is the root (the last accepted token) with parent
+  -1; nodes are in BFS order and the children of a node appear in rank order (rank 1 first).
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specplan.errors import UserError
+from specplan.fileio import read_yaml, write_yaml
+from specplan.validate import Fields, check_number
+
+PLAN_KINDS = ("plan/sequoia",)
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """A rooted ordered tree given by BFS-ordered parents; children of a node are in rank order."""
+
+    parents: tuple[int, ...]
+
+    @classmethod
+    def from_parents(cls, parents: Any, where: str = "tree") -> TokenTree:
+        values = list(parents) if isinstance(parents, (list, tuple, np.ndarray)) else None
+        if values is None or not all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in values):
+            raise UserError(f"{where}: parents must be a list of integers")
+        tree = cls(tuple(int(p) for p in values))
+        tree._check(where)
+        return tree
+
+    def _check(self, where: str) -> None:
+        """Parents must precede children and be non-decreasing: that is BFS order with siblings contiguous."""
+        parents = self.parents
+        if not parents or parents[0] != -1:
+            raise UserError(f"{where}: node 0 must be the root with parent -1")
+        for v in range(1, len(parents)):
+            if not 0 <= parents[v] < v:
+                raise UserError(f"{where}: node {v} has parent {parents[v]}; parents must precede their children")
+            if parents[v] < parents[v - 1]:
+                raise UserError(f"{where}: node {v} breaks BFS order (parent {parents[v]} after {parents[v - 1]})")
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depths(self) -> list[int]:
+        depths = [0] * len(self.parents)
+        for v in range(1, len(self.parents)):
+            depths[v] = depths[self.parents[v]] + 1
+        return depths
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def children(self) -> list[list[int]]:
+        children: list[list[int]] = [[] for _ in self.parents]
+        for v in range(1, len(self.parents)):
+            children[self.parents[v]].append(v)
+        return children
+
+    @property
+    def ranks(self) -> list[int]:
+        """Rank of each node among its siblings, starting at 0 (the root gets 0)."""
+        ranks = [0] * len(self.parents)
+        for kids in self.children:
+            for rank, child in enumerate(kids):
+                ranks[child] = rank
+        return ranks
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """Per non-root node (BFS order), the sibling ranks (0-based) on its root path: Medusa/EAGLE choices."""
+        paths: list[tuple[int, ...]] = [()]
+        ranks = self.ranks
+        for v in range(1, len(self.parents)):
+            paths.append(paths[self.parents[v]] + (ranks[v],))
+        return paths[1:]
+
+    @classmethod
+    def from_paths(cls, paths: list[Any], where: str = "choices") -> TokenTree:
+        """Inverse of `paths`: the tree whose non-root nodes have these rank paths (in any order)."""
+        try:
+            keys = sorted({tuple(int(r) for r in path) for path in paths}, key=lambda t: (len(t), t))
+        except (TypeError, ValueError):
+            raise UserError(f"{where}: each choice must be a list of integers") from None
+        if len(keys) != len(paths):
+            raise UserError(f"{where}: duplicate paths")
+        index = {(): 0}
+        by_parent: dict[tuple[int, ...], list[int]] = {}
+        for key in keys:
+            if not key or any(r < 0 for r in key):
+                raise UserError(f"{where}: paths must be non-empty lists of ranks >= 0")
+            if key[:-1] not in index and key[:-1] != ():
+                raise UserError(f"{where}: path {list(key)} has no parent path {list(key[:-1])}")
+            by_parent.setdefault(key[:-1], []).append(key[-1])
+            index[key] = -1
+        for parent, ranks in by_parent.items():
+            if sorted(ranks) != list(range(len(ranks))):
+                raise UserError(f"{where}: children of {list(parent)} must have ranks 0..{len(ranks) - 1}")
+        # BFS from the root, children in rank order.
+        parents = [-1]
+        order: deque[tuple[int, ...]] = deque([()])
+        while order:
+            node = order.popleft()
+            for rank in range(len(by_parent.get(node, []))):
+                child = node + (rank,)
+                parents.append(index[node])
+                index[child] = len(parents) - 1
+                order.append(child)
+        return cls.from_parents(parents, where)
+
+
+def _finite_mapping(data: Any, where: str) -> dict[str, Any]:
+    """Check that every number inside a (nested) mapping is finite."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: expected a mapping")
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+        elif isinstance(value, float):
+            check_number(value, path)
+
+    walk(data, where)
+    return data
+
+
+@dataclass
+class Plan:
+    """A solved plan of any method; `params` holds the method-specific section (for Sequoia, the tree)."""
+
+    method: str
+    models: dict[str, Any]
+    prediction: dict[str, Any]
+    inputs: dict[str, Any] = field(default_factory=dict)
+    solver: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    tree: TokenTree | None = None
+
+    @property
+    def kind(self) -> str:
+        return f"plan/{self.method}"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> Plan:
+        f = Fields(data, where)
+        kind = f.kind(PLAN_KINDS)
+        method = kind.split("/", 1)[1]
+        prediction = f.sub("prediction")
+        tokens_per_step = prediction.number("tokens_per_step", low=1.0)
+        prediction.number("speedup", required=False, low=0.0)
+        models = f.sub("models", required=False)
+        plan = cls(
+            method=method,
+            models=dict(models.data) if models else {},
+            prediction=_finite_mapping(prediction.data, f"{where}: prediction"),
+            inputs=_finite_mapping(data.get("inputs"), f"{where}: inputs"),
+            solver=_finite_mapping(data.get("solver"), f"{where}: solver"),
+            provenance=_finite_mapping(data.get("provenance"), f"{where}: provenance"),
+            sampling=_finite_mapping(data.get("sampling"), f"{where}: sampling"),
+        )
+        if method == "sequoia":
+            tree = f.sub("tree")
+            plan.tree = TokenTree.from_parents(tree.data.get("parents") or [], f"{where}: tree.parents")
+            size = tree.integer("size", low=1)
+            depth = tree.integer("depth", low=0)
+            if size != plan.tree.size:
+                raise tree.fail(f"size {size} does not match the {plan.tree.size} parents")
+            if depth != plan.tree.depth:
+                raise tree.fail(f"depth {depth} does not match the tree's depth {plan.tree.depth}")
+            if tokens_per_step > plan.tree.size:
+                raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the tree size {plan.tree.size}")
+        return plan
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "models": self.models}
+        if self.sampling:
+            out["sampling"] = self.sampling
+        if self.tree is not None:
+            out["tree"] = {"size": self.tree.size, "depth": self.tree.depth, "parents": list(self.tree.parents)}
+        out["prediction"] = self.prediction
+        out["inputs"] = self.inputs
+        out["solver"] = self.solver
+        out["provenance"] = self.provenance
+        return out
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    return Plan.from_dict(read_yaml(path), str(path))
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+    write_yaml(path, plan.to_dict())
+
+
+def parents_array(tree: TokenTree) -> np.ndarray:
+    return np.asarray(tree.parents, dtype=np.int64)

@@ -1,0 +1,115 @@
+"""Latency profiles (`kind: profile/latency`): t(n) of the target per context length and the draft's step cost.
+
+The minimal form, which stays loadable:
+
+    kind: profile/latency
+    target: {t_seconds: {1: 0.035, 2: 0.036, 16: 0.07}}
+    draft: {step_seconds: 0.004}
+
+The profiler adds `target.contexts: {L: {t_seconds: {...}, spread_seconds: {...}}}`, `draft.contexts`,
+`source` (measured or modeled), `dtype`, `hardware` and `models`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy.interpolate import PchipInterpolator
+
+from specplan.fileio import read_yaml
+from specplan.validate import Fields
+
+
+class LatencyCurve:
+    """t(n) from measured points, interpolated monotonically (PCHIP) between them; no extrapolation."""
+
+    def __init__(self, t_seconds: dict[int, float]) -> None:
+        self.points = dict(sorted(t_seconds.items()))
+        sizes = np.array(list(self.points), dtype=np.float64)
+        times = np.array(list(self.points.values()), dtype=np.float64)
+        self._interp = PchipInterpolator(sizes, times) if len(sizes) > 1 else None
+        self.max_n = int(sizes[-1])
+        self.min_n = int(sizes[0])
+
+    def __call__(self, n: int | np.ndarray) -> np.ndarray:
+        n_arr = np.asarray(n, dtype=np.float64)
+        if np.any(n_arr < self.min_n) or np.any(n_arr > self.max_n):
+            raise ValueError(f"t(n) is profiled for n in [{self.min_n}, {self.max_n}] only")
+        if self._interp is None:
+            return np.full_like(n_arr, next(iter(self.points.values())))
+        return self._interp(n_arr)
+
+
+@dataclass
+class LatencyProfile:
+    target_t_seconds: dict[int, float]
+    draft_step_seconds: float | None = None
+    target_context: int | None = None
+    target_by_context: dict[int, dict[int, float]] = field(default_factory=dict)
+    draft_by_context: dict[int, float] = field(default_factory=dict)
+    source: str = "measured"
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> LatencyProfile:
+        f = Fields(data, where)
+        f.kind("profile/latency")
+        target = f.sub("target")
+        t_seconds = target.int_keyed_numbers("t_seconds", low=0.0)
+        if 1 not in t_seconds:
+            raise target.fail("'t_seconds' must include n = 1 (speedups are relative to t(1))")
+        if min(t_seconds) < 1:
+            raise target.fail("'t_seconds' keys must be >= 1")
+        if t_seconds[1] <= 0:
+            raise target.fail("t(1) must be > 0")
+        by_context: dict[int, dict[int, float]] = {}
+        contexts = target.sub("contexts", required=False)
+        if contexts is not None:
+            for key in contexts.data:
+                entry = Fields(contexts.data[key], f"{contexts.where}: {key}")
+                by_context[int(key)] = entry.int_keyed_numbers("t_seconds", low=0.0)
+        draft = f.sub("draft", required=False)
+        draft_step = draft.number("step_seconds", required=False, low=0.0) if draft else None
+        draft_by_context: dict[int, float] = {}
+        if draft is not None and draft.has("contexts"):
+            dctx = draft.sub("contexts")
+            for key in dctx.data:
+                entry = Fields(dctx.data[key], f"{dctx.where}: {key}")
+                draft_by_context[int(key)] = entry.number("step_seconds", low=0.0)
+        source = f.string("source", required=False, default="measured")
+        if source not in ("measured", "modeled"):
+            raise f.fail(f"'source' must be measured or modeled, got {source!r}")
+        return cls(
+            target_t_seconds=t_seconds,
+            draft_step_seconds=draft_step,
+            target_context=target.integer("context", required=False, low=1),
+            target_by_context=by_context,
+            draft_by_context=draft_by_context,
+            source=source,
+            raw=data,
+        )
+
+    def target_curve(self, context: int | None = None) -> LatencyCurve:
+        if context is None or context == self.target_context:
+            return LatencyCurve(self.target_t_seconds)
+        if context not in self.target_by_context:
+            known = sorted(self.target_by_context)
+            raise ValueError(f"the profile has no context {context} (it has {known})")
+        return LatencyCurve(self.target_by_context[context])
+
+    def draft_step(self, context: int | None = None) -> float | None:
+        if context is None or context == self.target_context or context not in self.draft_by_context:
+            return self.draft_step_seconds
+        return self.draft_by_context[context]
+
+    @property
+    def models(self) -> dict[str, Any]:
+        models = self.raw.get("models")
+        return models if isinstance(models, dict) else {}
+
+
+def load_profile(path: str | os.PathLike) -> LatencyProfile:
+    return LatencyProfile.from_dict(read_yaml(path), str(path))

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specplan.cli import main
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """Run `plan ARGS` in-process; returns (exit code, stdout, stderr)."""
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
+@pytest.fixture
+def write_yaml_file(tmp_path: Path):
+    def write(name: str, data) -> Path:
+        path = tmp_path / name
+        path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+        return path
+
+    return write
+
+
+ACCEPTANCE = {
+    "kind": "acceptance/sequoia",
+    "models": {"target": "toy-target", "draft": "toy-draft"},
+    "temperature": 0.6,
+    "positional": [0.634, 0.108, 0.057, 0.022, 0.015, 0.01, 0.005, 0.003, 0.012, 0.002],
+}
+PROFILE = {
+    "kind": "profile/latency",
+    "target": {"t_seconds": {1: 0.035, 16: 0.070, 64: 0.125, 128: 0.186}},
+    "draft": {"step_seconds": 0.004},
+}

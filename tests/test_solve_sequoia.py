@@ -1,0 +1,211 @@
+"""`plan solve sequoia`, `plan show`, `plan export`: plan files, the optimizer, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ACCEPTANCE, PROFILE
+from planner.export import EXPORT_FORMATS, export_tree, import_tree
+from planner.sequoia import rank_candidates, solve_sequoia
+from planner.sequoia_dp import SequoiaTables, tree_value
+from specplan.errors import UserError
+from specplan.plan_schema import TokenTree, load_plan
+from specplan.profile_schema import LatencyCurve, LatencyProfile
+
+
+def test_solve_writes_a_valid_plan(run_cli, write_yaml_file, tmp_path):
+    acc = write_yaml_file("acc.yaml", ACCEPTANCE)
+    prof = write_yaml_file("prof.yaml", PROFILE)
+    out = tmp_path / "plans" / "toy.sequoia.cpu.fp32.yaml"
+    code, stdout, stderr = run_cli("solve", "sequoia", "--acceptance", acc, "--profile", prof,
+                                   "--max-size", 128, "--max-depth", 12, "-o", out)
+    assert code == 0, stderr
+    assert "speedup" in stdout
+    plan = load_plan(out)
+    assert plan.models == {"target": "toy-target", "draft": "toy-draft"}
+    assert plan.sampling == {"temperature": 0.6}
+    p = np.array(ACCEPTANCE["positional"])
+    assert plan.prediction["tokens_per_step"] == pytest.approx(tree_value(np.array(plan.tree.parents), p))
+    assert plan.solver["seconds"] > 0
+    assert set(plan.provenance["inputs"]) == {str(acc), str(prof)}
+    assert plan.inputs["acceptance"]["positional"] == ACCEPTANCE["positional"]  # all entries, none dropped
+    # The chosen plan is the best speedup over the whole grid.
+    t = LatencyCurve({1: 0.035, 16: 0.070, 64: 0.125, 128: 0.186})
+    G = SequoiaTables(p, 128, 12).G
+    best = max(G[n, d] * t(1) / (t(n) + d * 0.004) for n in range(1, 129) for d in range(13) if np.isfinite(G[n, d]))
+    assert plan.prediction["speedup"] == pytest.approx(best)
+
+
+def test_without_profile_maximises_tokens_per_step(write_yaml_file):
+    acc = write_yaml_file("acc.yaml", ACCEPTANCE)
+    plan, ranked = solve_sequoia(acc, 40, 5)
+    G = SequoiaTables(np.array(ACCEPTANCE["positional"]), 40, 5).G
+    assert plan.prediction["tokens_per_step"] == pytest.approx(np.nanmax(G[np.isfinite(G)]))
+    assert "speedup" not in plan.prediction
+    assert plan.tree.size == 40
+
+
+def test_batch_uses_t_of_batch_times_n():
+    p = np.array([0.7, 0.1])
+    tables = SequoiaTables(p, 16, 4)
+    profile = LatencyProfile.from_dict({**PROFILE}, "p")
+    ranked = rank_candidates(tables, profile, batch=4)
+    assert max(c.size for c in ranked) <= 128 // 4
+    curve = profile.target_curve()
+    c = ranked[0]
+    assert c.speedup == pytest.approx(c.tokens_per_step * curve(4) / (curve(4 * c.size) + c.depth * 0.004))
+
+
+def test_latency_interpolation_is_monotone():
+    curve = LatencyCurve({1: 0.035, 16: 0.070, 64: 0.125, 128: 0.186})
+    values = curve(np.arange(1, 129))
+    assert np.all(np.diff(values) >= 0)
+    assert values[0] == pytest.approx(0.035) and values[15] == pytest.approx(0.070)
+    with pytest.raises(ValueError):
+        curve(129)
+
+
+def test_show_prints_tree_and_plots(run_cli, write_yaml_file, tmp_path):
+    acc = write_yaml_file("acc.yaml", ACCEPTANCE)
+    prof = write_yaml_file("prof.yaml", PROFILE)
+    out = tmp_path / "plan.yaml"
+    assert run_cli("solve", "sequoia", "--acceptance", acc, "--profile", prof, "--max-size", 32,
+                   "--max-depth", 6, "-o", out)[0] == 0
+    png = tmp_path / "plan.png"
+    code, stdout, stderr = run_cli("show", out, "--plot", png)
+    assert code == 0, stderr
+    assert "[0] root" in stdout and "rank 1" in stdout and "provenance" in stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("fmt", EXPORT_FORMATS)
+def test_export_round_trip(fmt):
+    tables = SequoiaTables(np.array([0.5, 0.2, 0.1, 0.05]), 40, 6)
+    tree = TokenTree.from_parents(tables.tree(40, 6))
+    text = export_tree(tree, fmt)
+    assert import_tree(text, fmt) == tree
+
+
+def test_export_formats_content():
+    tree = TokenTree.from_parents([-1, 0, 0, 1])
+    assert json.loads(export_tree(tree, "medusa")) == [[0], [1], [0, 0]]
+    assert json.loads(export_tree(tree, "trtllm")) == {"eagle_choices": [[0], [1], [0, 0]]}
+    assert json.loads(export_tree(tree, "vllm")) == {"num_speculative_tokens": 3,
+                                                     "speculative_token_tree": "[(0,), (1,), (0, 0)]"}
+    growmap = json.loads(export_tree(tree, "sequoia"))
+    assert growmap["roots"] == [[0], [1, 2], [3]]
+    assert growmap["branches"] == [[2], [1, 0], [0]]
+    assert growmap["Successors"] == [[1, 2], [3], [], []]
+    assert growmap["mask"] == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert growmap["depth"] == [0, 1, 1, 2] and growmap["size"] == 4
+
+
+def test_export_cli(run_cli, write_yaml_file, tmp_path):
+    acc = write_yaml_file("acc.yaml", ACCEPTANCE)
+    out = tmp_path / "plan.yaml"
+    assert run_cli("solve", "sequoia", "--acceptance", acc, "--max-size", 12, "--max-depth", 3, "-o", out)[0] == 0
+    code, stdout, _ = run_cli("export", out, "--format", "trtllm")
+    assert code == 0
+    assert import_tree(stdout, "trtllm") == load_plan(out).tree
+
+
+@pytest.mark.parametrize("parents", [[0, 0], [-1, 1], [-1, 0, 2], [-1, 0, 0, 2, 1], []])
+def test_invalid_trees_are_rejected(parents):
+    with pytest.raises(UserError):
+        TokenTree.from_parents(parents)
+
+
+def test_choices_need_parents():
+    with pytest.raises(UserError):
+        TokenTree.from_paths([[0, 0]])
+    with pytest.raises(UserError):
+        TokenTree.from_paths([[1]])
+
+
+BAD_ACCEPTANCE = {
+    "negative": {**ACCEPTANCE, "positional": [0.5, -0.1]},
+    "above_one": {**ACCEPTANCE, "positional": [1.2]},
+    "nan": "kind: acceptance/sequoia\npositional: [0.5, .nan]\n",
+    "sum_above_one": {**ACCEPTANCE, "positional": [0.6, 0.3, 0.2]},
+    "empty": {**ACCEPTANCE, "positional": []},
+    "wrong_kind": {**ACCEPTANCE, "kind": "acceptance/lookahead"},
+    "not_a_list": {**ACCEPTANCE, "positional": "0.5"},
+    "unreadable": "kind: acceptance/sequoia\npositional: [0.5, 0.2\n",
+    "not_a_mapping": "- 1\n- 2\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ACCEPTANCE))
+def test_bad_acceptance_exits_2_with_one_line(case, run_cli, write_yaml_file, tmp_path):
+    acc = write_yaml_file("acc.yaml", BAD_ACCEPTANCE[case])
+    out = tmp_path / "plan.yaml"
+    code, stdout, stderr = run_cli("solve", "sequoia", "--acceptance", acc, "--max-size", 8, "--max-depth", 3,
+                                   "-o", out)
+    assert code == 2
+    assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("plan: error:")
+    assert not out.exists()
+    assert list(tmp_path.glob(".plan.yaml*")) == []
+
+
+@pytest.mark.parametrize("args", [
+    ["--max-size", 0, "--max-depth", 3],
+    ["--max-size", 8, "--max-depth", -1],
+    ["--max-size", "eight", "--max-depth", 3],
+    ["--max-size", 8, "--max-depth", 3, "--batch", 0],
+])
+def test_bad_arguments_exit_2(args, run_cli, write_yaml_file, tmp_path):
+    acc = write_yaml_file("acc.yaml", ACCEPTANCE)
+    out = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acc, *args, "-o", out)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_missing_files_exit_2(run_cli, write_yaml_file, tmp_path):
+    acc = write_yaml_file("acc.yaml", ACCEPTANCE)
+    out = tmp_path / "plan.yaml"
+    for args in (["--acceptance", tmp_path / "nope.yaml"], ["--acceptance", acc, "--profile", tmp_path / "nope.yaml"]):
+        code, _, stderr = run_cli("solve", "sequoia", *args, "--max-size", 8, "--max-depth", 3, "-o", out)
+        assert code == 2 and "no such file" in stderr and len(stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("profile", [
+    {"kind": "profile/latency", "target": {"t_seconds": {2: 0.04}}, "draft": {"step_seconds": 0.01}},
+    {"kind": "profile/latency", "target": {"t_seconds": {1: 0.04, 4: float("nan")}}},
+    {"kind": "profile/latency", "target": {"t_seconds": {1: 0.04}}},  # no draft cost for Sequoia
+    {"kind": "plan/sequoia"},
+])
+def test_bad_profile_exits_2(profile, run_cli, write_yaml_file, tmp_path):
+    acc = write_yaml_file("acc.yaml", ACCEPTANCE)
+    prof = write_yaml_file("prof.yaml", profile)
+    out = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acc, "--profile", prof, "--max-size", 8,
+                              "--max-depth", 3, "-o", out)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_tampered_plan_is_rejected_on_load(run_cli, write_yaml_file, tmp_path):
+    acc = write_yaml_file("acc.yaml", ACCEPTANCE)
+    out = tmp_path / "plan.yaml"
+    assert run_cli("solve", "sequoia", "--acceptance", acc, "--max-size", 12, "--max-depth", 3, "-o", out)[0] == 0
+    data = yaml.safe_load(out.read_text())
+    data["tree"]["size"] = 11
+    bad = write_yaml_file("bad.yaml", data)
+    code, _, stderr = run_cli("show", bad)
+    assert code == 2 and "size" in stderr
+
+
+def test_console_script_exit_code(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "specplan.cli", "show", str(tmp_path / "missing.yaml")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"plan: error: {tmp_path / 'missing.yaml'}: no such file"]
