@@ -53,14 +53,98 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
                f"chose n = {plan.tree.size}, d = {plan.tree.depth}; wrote {output}")
 
 
+def _progress(message: str) -> None:
+    """Progress notes go to an interactive stderr only, so that a failure prints exactly one line."""
+    if sys.stderr.isatty():
+        click.echo(message, err=True)
+
+
+def _int_list(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"expected a comma-separated list of integers, got {text!r}") from None
+
+
+@cli.command()
+@click.option("--model", "target", required=True, help="target: preset, HF directory or .gguf")
+@click.option("--draft", help="draft model (its per-step cost is profiled too)")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--contexts", help="context lengths L, comma-separated [128,1024,4096]")
+@click.option("--sizes", help="new-token counts n, comma-separated [1,2,4,...,512]")
+@click.option("--gpu", help="a catalogue GPU (a100-80g, h100, ...) to model, or `cpu` to model this CPU")
+@click.option("--threads", type=int, help="torch threads (default: all cores)")
+@click.option("--repeats", type=int, help="timed repeats per point [7, quick 3]")
+@click.option("--quick", is_flag=True, help="fewer sizes and repeats")
+@click.option("--resume", is_flag=True, help="reuse the points an interrupted run already measured")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+def profile(target: str, draft: str | None, dtype: str, contexts: str | None, sizes: str | None, gpu: str | None,
+            threads: int | None, repeats: int | None, quick: bool, resume: bool, output: Path) -> None:
+    """Measure (or model) t(n) per context length and the draft's per-step cost."""
+    from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
+    from specplan.show import describe_profile
+
+    request = ProfileRequest(target=target, draft=draft, dtype=dtype, gpu=gpu)
+    if quick:
+        request.sizes, request.repeats, request.warmup = list(QUICK_SIZES), 3, 1
+    request.contexts = _int_list(contexts) or request.contexts
+    request.sizes = _int_list(sizes) or request.sizes
+    request.threads = threads or request.threads
+    request.repeats = repeats or request.repeats
+    if request.repeats < 1 or request.threads < 1:
+        raise UserError("--repeats and --threads must be >= 1")
+    document = run_profile(request, output, resume, log=_progress)
+    click.echo(describe_profile(document))
+    click.echo(f"wrote {output}")
+
+
+@cli.group()
+def accept() -> None:
+    """Measure acceptance statistics of a draft/target pair on a dataset."""
+
+
+@accept.command("sequoia")
+@click.option("--target", required=True)
+@click.option("--draft", required=True)
+@click.option("--dataset", required=True, help="PATH[:category]: Spec-Bench question.jsonl or its folder, "
+              "a .jsonl, a .txt file or a folder of them")
+@click.option("--samples", type=int, help="number of prompts (spread across categories)")
+@click.option("--temperature", type=float, required=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--width", type=int, default=16, show_default=True, help="K: children ranks measured")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="continuation length per prompt")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--paths", type=int, default=64, show_default=True, help="simulated rejection paths per position")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, temperature: float, top_p: float,
+                   width: int, max_new_tokens: int, dtype: str, chat: bool, seed: int, paths: int,
+                   output: Path) -> None:
+    """Sequoia's positional acceptance vector, by teacher forcing on the target's own continuations."""
+    from decoder.sampling import SamplingParams
+    from profiler.acceptance import run_sequoia_acceptance
+    from specplan.show import describe_acceptance
+
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    document = run_sequoia_acceptance(target, draft, dataset, samples, params, width, max_new_tokens, dtype, chat,
+                                      seed, paths, str(output), log=_progress)
+    click.echo(describe_acceptance(document))
+    click.echo(f"wrote {output}")
+
+
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="also draw a PNG")
-def show(file: Path, plot: Path | None) -> None:
+@click.option("--compare", type=click.Path(dir_okay=False, path_type=Path),
+              help="a second profile drawn beside the first (e.g. modeled against measured)")
+def show(file: Path, plot: Path | None, compare: Path | None) -> None:
     """Print a plan, profile or acceptance file readably."""
     from specplan.show import show_file
 
-    click.echo(show_file(file, plot))
+    click.echo(show_file(file, plot, compare))
     if plot is not None:
         click.echo(f"wrote {plot}")
 

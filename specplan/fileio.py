@@ -75,6 +75,8 @@ def plain(value: Any) -> Any:
         return [plain(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
+    if isinstance(value, str) and type(value) is not str:
+        return str(value)
     return value
 
 

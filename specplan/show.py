@@ -10,19 +10,124 @@ import numpy as np
 
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, read_yaml
+from specplan.acceptance_schema import SequoiaAcceptance
 from specplan.plan_schema import Plan, TokenTree
+from specplan.profile_schema import LatencyProfile
 
 
-def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None) -> str:
+def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
+              compare: str | os.PathLike | None = None) -> str:
     data = read_yaml(path)
     kind = data.get("kind")
+    if kind == "profile/latency":
+        profile = LatencyProfile.from_dict(data, str(path))
+        others = [LatencyProfile.from_dict(read_yaml(compare), str(compare))] if compare else []
+        if plot is not None:
+            plot_profiles([profile] + others, plot)
+        return "\n\n".join(describe_profile(p.raw) for p in [profile] + others)
+    if compare is not None:
+        raise UserError("--compare applies to profiles only")
+    if kind == "acceptance/sequoia":
+        acceptance = SequoiaAcceptance.from_dict(data, str(path))
+        if plot is not None:
+            plot_acceptance(acceptance, plot)
+        return describe_acceptance(data)
     if isinstance(kind, str) and kind.startswith("plan/"):
         plan = Plan.from_dict(data, str(path))
-        text = describe_plan(plan)
         if plot is not None:
             plot_plan(plan, plot)
-        return text
+        return describe_plan(plan)
     raise UserError(f"{path}: cannot show a document of kind {kind!r}")
+
+
+def describe_profile(document: dict[str, Any]) -> str:
+    lines = [f"profile/latency ({document.get('source', 'measured')}), dtype {document.get('dtype', '?')}, "
+             f"models: " + ", ".join(f"{k}={v}" for k, v in (document.get("models") or {}).items())]
+    machine = document.get("hardware") or {}
+    label = machine.get("gpu") or machine.get("cpu")
+    if label:
+        lines.append(f"hardware: {label}" + (f", {machine['threads']} threads" if "threads" in machine else ""))
+    for role in ("target", "draft"):
+        section = document.get(role)
+        if not section:
+            continue
+        contexts = section.get("contexts") or {section.get("context", "?"): {"t_seconds": section["t_seconds"]}}
+        sizes = sorted({int(n) for entry in contexts.values() for n in entry["t_seconds"]})
+        lines.append(f"{role}: t(n) in ms" + (f"; step {section['step_seconds'] * 1e3:.2f} ms"
+                                               if "step_seconds" in section else ""))
+        lines.append("  " + f"{'n':>6}" + "".join(f"{'L=' + str(L):>12}" for L in contexts))
+        for n in sizes:
+            row = "".join(f"{entry['t_seconds'][n] * 1e3:>12.2f}" if n in entry["t_seconds"] else f"{'':>12}"
+                          for entry in contexts.values())
+            lines.append(f"  {n:>6}{row}")
+    if "measurement_seconds" in document:
+        lines.append(f"measured in {document['measurement_seconds']} s")
+    return "\n".join(lines)
+
+
+def describe_acceptance(document: dict[str, Any]) -> str:
+    positional = document["positional"]
+    stderr = document.get("stderr") or [None] * len(positional)
+    models = document.get("models") or {}
+    lines = [f"{document['kind']}: draft {models.get('draft', '?')} for target {models.get('target', '?')}, "
+             f"T = {document.get('temperature')}, top-p = {document.get('top_p')}, "
+             f"{document.get('samples', '?')} positions",
+             f"  {'k':>3} {'p_k':>8} {'stderr':>8} {'cumulative':>11}"]
+    total = 0.0
+    for k, (p, se) in enumerate(zip(positional, stderr), 1):
+        total += p
+        lines.append(f"  {k:>3} {p:>8.4f} {se if se is not None else float('nan'):>8.4f} {total:>11.4f}")
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, png: str | os.PathLike) -> None:
+    with atomic_output(Path(png), "wb") as handle:
+        fig.savefig(handle, format="png", dpi=110)
+    _pyplot().close(fig)
+
+
+def plot_profiles(profiles: list[LatencyProfile], png: str | os.PathLike) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, profile in enumerate(profiles):
+        style = "-" if profile.source == "measured" else "--"
+        by_context = profile.target_by_context or {profile.target_context or 0: profile.target_t_seconds}
+        for j, (L, curve) in enumerate(sorted(by_context.items())):
+            sizes = sorted(curve)
+            ax.plot(sizes, [curve[n] * 1e3 for n in sizes], style, marker="o" if style == "-" else None, ms=3,
+                    color=colors[j % len(colors)], label=f"L = {L} ({profile.source})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("new tokens n")
+    ax.set_ylabel("target forward t(n) [ms]")
+    first = profiles[0].raw
+    ax.set_title(f"{(first.get('models') or {}).get('target', '?')}, {first.get('dtype', '?')}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    _save(fig, png)
+
+
+def plot_acceptance(acceptance: SequoiaAcceptance, png: str | os.PathLike) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ranks = np.arange(1, len(acceptance.positional) + 1)
+    ax.bar(ranks, acceptance.positional, yerr=acceptance.stderr, capsize=3, color="tab:blue", alpha=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("child rank k (sampling order)")
+    ax.set_ylabel("p_k")
+    ax.set_title(f"{acceptance.draft} -> {acceptance.target}, T = {acceptance.temperature}")
+    ax.grid(alpha=0.3, axis="y")
+    _save(fig, png)
 
 
 def _format_mapping(data: dict[str, Any], indent: str = "  ") -> list[str]:
@@ -90,16 +195,10 @@ def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
         raise UserError(f"--plot is not available for {plan.kind}")
     from planner.sequoia import rank_candidates
     from planner.sequoia_dp import SequoiaTables
-    from specplan.profile_schema import LatencyProfile
-
     positional = np.asarray(plan.inputs["acceptance"]["positional"])
     tables = SequoiaTables(positional, int(plan.inputs["max_size"]), int(plan.inputs["max_depth"]))
     G = tables.G
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     profile_inputs = plan.inputs.get("profile")
     fig, axes = plt.subplots(1, 2 if profile_inputs else 1, figsize=(12 if profile_inputs else 7, 4.5), squeeze=False)
     ax = axes[0, 0]
@@ -134,6 +233,4 @@ def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
         ax2.grid(alpha=0.3)
     fig.suptitle(f"{plan.kind}: {plan.models.get('target', '?')} / {plan.models.get('draft', '?')}")
     fig.tight_layout()
-    with atomic_output(Path(png), "wb") as handle:
-        fig.savefig(handle, format="png", dpi=110)
-    plt.close(fig)
+    _save(fig, png)

@@ -1,0 +1,196 @@
+"""A lean forward for Llama- and Qwen2-family models, in the spirit of gpt-fast.
+
+One forward scores `n` new tokens (a chain for prefill, a token tree for verification) against a static,
+preallocated KV cache: their keys and values are written after the committed prefix, attention runs over
+[cache | new tokens] with an additive mask, and `commit` compacts the accepted tokens into the prefix.
+Weights are taken from the transformers model the shared loader returns (q/k/v and gate/up fused), and the
+arithmetic mirrors transformers' (RMSNorm in fp32, RoPE tables in fp32), so fp32 greedy output matches.
+
+Two attention layouts:
+- dynamic (CPU default): attention over the first `length + n` cache slots only;
+- static (CUDA graphs): every tensor shape depends on `n` only; new keys go in with index_copy_ at slot
+  indices held in a tensor, attention runs over all `max_len` slots and the mask hides the unused ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specplan.errors import UserError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    architecture: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_context: int
+    rope_theta: float
+    rms_eps: float
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise UserError(f"architecture {config.model_type!r} is not supported (only {SUPPORTED_ARCHITECTURES})")
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise UserError(f"RoPE scaling {rope_type!r} is not supported")
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        heads = config.num_attention_heads
+        return cls(
+            architecture=config.model_type,
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            heads=heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab=config.vocab_size,
+            max_context=config.max_position_embeddings,
+            rope_theta=float(theta),
+            rms_eps=float(config.rms_norm_eps),
+        )
+
+
+class KVCache:
+    """Keys and values of all layers, [layers, kv_heads, max_len, head_dim]; `length` committed tokens."""
+
+    def __init__(self, shape: ModelShape, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        size = (shape.layers, shape.kv_heads, max_len, shape.head_dim)
+        self.k = torch.zeros(size, dtype=dtype, device=device)
+        self.v = torch.zeros(size, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def commit(self, kept: torch.Tensor | None, count: int) -> None:
+        """Keep `count` of the slots written after the prefix: `kept` lists them (slot offsets from `length`,
+        increasing), or None when they are already the first `count` slots."""
+        start = self.length
+        if kept is not None:
+            slots = kept + start
+            self.k[:, :, start:start + count] = self.k[:, :, slots]
+            self.v[:, :, start:start + count] = self.v[:, :, slots]
+        self.length = start + count
+
+    def truncate(self, length: int) -> None:
+        self.length = length
+
+
+class LeanModel:
+    def __init__(self, hf_model: Any, device: torch.device | str = "cpu") -> None:
+        self.shape = ModelShape.from_config(hf_model.config)
+        self.device = torch.device(device)
+        params = dict(hf_model.named_parameters())
+        self.dtype = params["model.embed_tokens.weight"].dtype
+        take = lambda name: params[name].detach().to(self.device)  # noqa: E731
+        self.embed = take("model.embed_tokens.weight")
+        self.lm_head = take("lm_head.weight") if "lm_head.weight" in params else self.embed
+        self.final_norm = take("model.norm.weight")
+        self.layers = []
+        for i in range(self.shape.layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = prefix + "self_attn.", prefix + "mlp."
+            bias = [params.get(attn + f"{p}_proj.bias") for p in "qkv"]
+            self.layers.append({
+                "ln1": take(prefix + "input_layernorm.weight"),
+                "ln2": take(prefix + "post_attention_layernorm.weight"),
+                "wqkv": torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"]),
+                "bqkv": torch.cat([b.detach() for b in bias]).to(self.device) if bias[0] is not None else None,
+                "wo": take(attn + "o_proj.weight"),
+                "w_gate_up": torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+                "w_down": take(mlp + "down_proj.weight"),
+            })
+        d = self.shape.head_dim
+        self.q_size, self.kv_size = self.shape.heads * d, self.shape.kv_heads * d
+        inv_freq = 1.0 / (self.shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = torch.arange(self.shape.max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.rope_cos = emb.cos().to(self.dtype).to(self.device)
+        self.rope_sin = emb.sin().to(self.dtype).to(self.device)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        if max_len > self.shape.max_context:
+            raise UserError(f"a cache of {max_len} tokens exceeds the model's maximum context {self.shape.max_context}")
+        return KVCache(self.shape, max_len, self.dtype, self.device)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps)
+        return weight * h.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+                logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Score `tokens` ([n]) at `positions` ([n]); returns logits [rows, vocab] for `logits_rows` (all by default).
+
+        Dynamic layout (slots None): new keys go to cache slots length..length+n-1 and `mask` is an additive
+        [n, length+n] mask, or None when every new token may see every slot (n = 1). Static layout: `slots`
+        ([n]) are the cache slots to write and `mask` is [n, max_len]. The cache length is not advanced.
+        """
+        shape = self.shape
+        n = tokens.shape[0]
+        x = F.embedding(tokens, self.embed)
+        cos = self.rope_cos[positions][None]  # [1, n, d]
+        sin = self.rope_sin[positions][None]
+        start = cache.length
+        end = start + n
+        attn_mask = None if mask is None else mask[None, None]
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["ln1"])
+            qkv = F.linear(h, layer["wqkv"], layer["bqkv"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self._rope(q.view(n, shape.heads, shape.head_dim).transpose(0, 1), cos, sin)
+            k = self._rope(k.view(n, shape.kv_heads, shape.head_dim).transpose(0, 1), cos, sin)
+            v = v.view(n, shape.kv_heads, shape.head_dim).transpose(0, 1)
+            if slots is None:
+                cache.k[i, :, start:end] = k
+                cache.v[i, :, start:end] = v
+                keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
+            else:
+                cache.k[i].index_copy_(1, slots, k)
+                cache.v[i].index_copy_(1, slots, v)
+                keys, values = cache.k[i], cache.v[i]
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask,
+                                                 enable_gqa=shape.kv_heads != shape.heads)
+            x = x + F.linear(out[0].transpose(0, 1).reshape(n, self.q_size), layer["wo"])
+            h = self._rms_norm(x, layer["ln2"])
+            gate, up = F.linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["w_down"])
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return F.linear(self._rms_norm(x, self.final_norm), self.lm_head)
+
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int = 512) -> torch.Tensor:
+        """Append `tokens` to the cache in causal chunks; returns the logits of the last token ([vocab])."""
+        if cache.length + tokens.shape[0] > cache.max_len:
+            raise UserError(f"{cache.length + tokens.shape[0]} tokens do not fit the {cache.max_len}-token cache")
+        logits = None
+        for begin in range(0, tokens.shape[0], chunk):
+            piece = tokens[begin:begin + chunk].to(self.device)
+            n = piece.shape[0]
+            positions = torch.arange(cache.length, cache.length + n, device=self.device)
+            mask = causal_mask(cache.length, n, self.dtype, self.device) if n > 1 else None
+            logits = self.forward(piece, positions, cache, mask, logits_rows=slice(n - 1, n))
+            cache.commit(None, n)
+        return logits[0]
+
+
+def causal_mask(prefix: int, n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """[n, prefix + n] additive mask: every new token sees the prefix and the new tokens up to itself."""
+    mask = torch.zeros(n, prefix + n, dtype=dtype, device=device)
+    mask[:, prefix:] = torch.full((n, n), float("-inf"), dtype=dtype, device=device).triu(1)
+    return mask

@@ -1,0 +1,96 @@
+"""Prompt datasets: Spec-Bench's question.jsonl (with a category filter), other JSONL files, plain text files."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from specplan.errors import UserError
+
+DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "specplan" / "prompts" / "demo.jsonl"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    text: str
+
+
+def split_dataset_spec(spec: str) -> tuple[Path, str | None]:
+    """`PATH[:category]`; a path that exists as given wins over a category suffix."""
+    if os.path.exists(spec) or ":" not in spec:
+        return Path(spec), None
+    path, category = spec.rsplit(":", 1)
+    return Path(path), category or None
+
+
+def read_dataset(spec: str) -> list[Prompt]:
+    path, category = split_dataset_spec(spec)
+    if path.is_dir():
+        if (path / "question.jsonl").is_file():
+            path = path / "question.jsonl"
+        else:
+            texts = sorted(path.glob("*.txt"))
+            if not texts:
+                raise UserError(f"{path}: no question.jsonl and no .txt files")
+            prompts = [Prompt(p.stem, "text", p.read_text(errors="replace")) for p in texts]
+            return _filter(prompts, category, path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such dataset")
+    if path.suffix == ".jsonl":
+        prompts = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                turns = record.get("turns") or [record.get("prompt") or record.get("text")]
+                text = turns[0]
+                if not isinstance(text, str):
+                    raise TypeError
+            except (json.JSONDecodeError, TypeError, AttributeError, IndexError):
+                raise UserError(f"{path}:{number}: expected a JSON object with 'turns' (or 'prompt'/'text')") from None
+            prompts.append(Prompt(str(record.get("question_id", number)), str(record.get("category", "default")),
+                                  text))
+        return _filter(prompts, category, path)
+    return _filter([Prompt(path.stem, "text", path.read_text(errors="replace"))], category, path)
+
+
+def _filter(prompts: list[Prompt], category: str | None, path: Path) -> list[Prompt]:
+    if category is None:
+        return prompts
+    wanted = set(category.split(","))
+    known = {p.category for p in prompts}
+    unknown = wanted - known
+    if unknown:
+        raise UserError(f"{path}: no category {', '.join(sorted(unknown))} (it has {', '.join(sorted(known))})")
+    return [p for p in prompts if p.category in wanted]
+
+
+def spread_sample(prompts: list[Prompt], count: int | None) -> list[Prompt]:
+    """The first `count` prompts taken round-robin across categories (deterministic)."""
+    if count is None or count >= len(prompts):
+        return prompts
+    by_category: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    queues = list(by_category.values())
+    out: list[Prompt] = []
+    while len(out) < count:
+        for queue in queues:
+            if queue and len(out) < count:
+                out.append(queue.pop(0))
+    return out
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError("the model's tokenizer has no chat template (drop --chat)")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return list(ids)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])

@@ -1,0 +1,292 @@
+"""`plan profile`: t(n) of the target (and the draft) for n new tokens over a context of L cached tokens.
+
+Measured on this machine with the decoder's own forward (static KV cache, tree-attention mask), or modeled
+by a roofline (profiler/roofline.py) for a GPU that is not here, or for this CPU from microbenchmarks.
+Each point: warm-up forwards, then timed repeats; the profile keeps the median and the 10th/90th
+percentiles. On a GPU, each shape is captured as a CUDA graph and timed with CUDA events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from decoder.model import KVCache, LeanModel, ModelShape, causal_mask
+from profiler import hardware, roofline
+from specplan.errors import UserError
+from specplan.fileio import atomic_output, write_yaml
+from specplan.models import LoadedModel, load_model, torch_dtype
+from specplan.provenance import provenance
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_CONTEXTS = (128, 1024, 4096)
+
+
+@dataclass
+class ProfileRequest:
+    target: str
+    draft: str | None = None
+    dtype: str = "fp32"
+    contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS))
+    sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
+    threads: int = max(1, (os.cpu_count() or 1))
+    warmup: int = 2
+    repeats: int = 7
+    gpu: str | None = None
+
+    def roles(self) -> list[tuple[str, str]]:
+        return [("target", self.target)] + ([("draft", self.draft)] if self.draft else [])
+
+
+def run_profile(request: ProfileRequest, output: Path, resume: bool = False, log: Callable[[str], None] = print,
+                progress: bool = True) -> dict:
+    torch_dtype(request.dtype)
+    if not request.sizes or min(request.sizes) < 1 or 1 not in request.sizes:
+        raise UserError("--sizes must be positive and include 1")
+    if not request.contexts or min(request.contexts) < 1:
+        raise UserError("--contexts must be positive")
+    torch.set_num_threads(request.threads)
+    local_gpu = _local_gpu_name()
+    if request.gpu is None or (request.gpu != "cpu" and request.gpu == local_gpu):
+        device = torch.device("cuda" if request.gpu else "cpu")
+        document = _measure(request, device, output, resume, log, progress)
+    else:
+        document = _model(request, log)
+    write_yaml(output, document)
+    return document
+
+
+def _local_gpu_name() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0).lower()
+    for key in sorted(roofline.CATALOGUE, key=len, reverse=True):
+        base = key.split("-")[0]
+        if base in name.replace(" ", ""):
+            return key
+    return None
+
+
+def _load(name: str, dtype: str, log) -> LoadedModel:
+    log(f"loading {name} ({dtype})")
+    return load_model(name, dtype, log=log)
+
+
+def _check_contexts(name: str, shape: ModelShape, request: ProfileRequest) -> None:
+    longest = max(request.contexts) + max(request.sizes)
+    if longest > shape.max_context:
+        raise UserError(f"context {max(request.contexts)} + {max(request.sizes)} new tokens exceeds {name}'s "
+                        f"maximum context of {shape.max_context}")
+
+
+# --- measured ---------------------------------------------------------------------------------------------
+
+class _Checkpoint:
+    """Points measured so far, kept next to the output so that --resume can skip them."""
+
+    def __init__(self, output: Path, key: dict, resume: bool) -> None:
+        self.path = output.parent / f".{output.name}.partial.json"
+        self.key = key
+        self.points: dict[str, dict] = {}
+        if resume and self.path.is_file():
+            try:
+                saved = json.loads(self.path.read_text())
+            except json.JSONDecodeError:
+                saved = {}
+            if saved.get("key") == key:
+                self.points = saved.get("points", {})
+
+    def save(self) -> None:
+        with atomic_output(self.path) as handle:
+            json.dump({"key": self.key, "points": self.points}, handle)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _measure(request: ProfileRequest, device: torch.device, output: Path, resume: bool, log, progress: bool) -> dict:
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    machine = hardware.fingerprint(device, request.dtype, request.threads)
+    models = {role: _load(name, request.dtype, log) for role, name in request.roles()}
+    key = {"request": asdict(request), "machine": {k: machine[k] for k in ("cpu", "device", "torch", "threads")},
+           "models": {role: m.fingerprint for role, m in models.items()}}
+    checkpoint = _Checkpoint(output, key, resume)
+    if checkpoint.points:
+        log(f"resuming: {len(checkpoint.points)} points already measured")
+    lean = {role: LeanModel(m.model, device) for role, m in models.items()}
+    for role, model in lean.items():
+        _check_contexts(models[role].name, model.shape, request)
+    todo = [(role, L, n) for role in lean for L in request.contexts for n in request.sizes]
+    bar = tqdm(total=len(todo), desc="profile", unit="point", disable=None if progress else True, leave=False)
+    curves: dict[str, dict[int, dict[int, dict]]] = {role: {} for role in lean}
+    for role, L, n in todo:
+        name = f"{role}|{L}|{n}"
+        if name not in checkpoint.points:
+            bar.set_postfix_str(f"{role} L={L} n={n}")
+            samples = _time_forward(lean[role], L, n, max(request.sizes), request.warmup, request.repeats)
+            checkpoint.points[name] = {"samples": samples}
+            checkpoint.save()
+        samples = np.array(checkpoint.points[name]["samples"])
+        curves[role].setdefault(L, {})[n] = {"median": float(np.median(samples)),
+                                             "p10": float(np.percentile(samples, 10)),
+                                             "p90": float(np.percentile(samples, 90))}
+        bar.update(1)
+    bar.close()
+    document = _document(request, "measured", machine, models, curves)
+    document["settings"] = {"engine": "specplan lean decoder", "threads": request.threads, "warmup": request.warmup,
+                            "repeats": request.repeats, "cuda_graphs": device.type == "cuda",
+                            "timer": "cuda events" if device.type == "cuda" else "time.perf_counter"}
+    document["measurement_seconds"] = round(time.perf_counter() - started, 1)
+    checkpoint.remove()
+    return document
+
+
+@torch.inference_mode()
+def _time_forward(model: LeanModel, context: int, n: int, max_n: int, warmup: int, repeats: int) -> list[float]:
+    """Seconds per forward of n new tokens over `context` cached tokens (cache contents are random:
+    the cost does not depend on them)."""
+    cache = model.new_cache(context + max_n)
+    cache.k.normal_(0, 0.1)
+    cache.v.normal_(0, 0.1)
+    cache.length = context
+    tokens = torch.randint(0, model.shape.vocab, (n,), device=model.device)
+    positions = torch.arange(context, context + n, device=model.device)
+    if model.device.type == "cuda":
+        return _time_cuda_graph(model, cache, tokens, positions, warmup, repeats)
+    mask = causal_mask(context, n, model.dtype, model.device)
+    for _ in range(warmup):
+        model.forward(tokens, positions, cache, mask)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.forward(tokens, positions, cache, mask)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def _time_cuda_graph(model: LeanModel, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, warmup: int,
+                     repeats: int) -> list[float]:
+    n = tokens.shape[0]
+    mask = torch.full((n, cache.max_len), float("-inf"), dtype=model.dtype, device=model.device)
+    mask[:, :cache.length + n] = causal_mask(cache.length, n, model.dtype, model.device)
+    slots = positions.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(max(warmup, 1)):
+            model.forward(tokens, positions, cache, mask, slots=slots)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model.forward(tokens, positions, cache, mask, slots=slots)
+    for _ in range(warmup):
+        graph.replay()
+    samples = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) / 1e3)
+    return samples
+
+
+# --- modeled ----------------------------------------------------------------------------------------------
+
+def _model(request: ProfileRequest, log) -> dict:
+    gpu = roofline.accelerator(request.gpu) if request.gpu != "cpu" else None
+    if gpu is not None:
+        bandwidth, flops = roofline.gpu_rates(gpu, request.dtype)
+    models = {role: _load(name, request.dtype, log) for role, name in request.roles()}
+    costs = {}
+    for role, m in models.items():
+        shape = ModelShape.from_config(m.config)
+        _check_contexts(m.name, shape, request)
+        costs[role] = roofline.ModelCost.from_shape(shape, m.config.intermediate_size, request.dtype)
+    if gpu is None:
+        log("microbenchmarking this CPU (bandwidth, matmul throughput, per-op cost)")
+        bench = hardware.measure_cpu(torch_dtype(request.dtype))
+        bandwidth, flops = bench["bandwidth_bytes_per_s"], bench["matmul_flops_per_s"]
+        machine = {**hardware.fingerprint(torch.device("cpu"), request.dtype, request.threads), "microbenchmark": bench}
+        overhead_of = {role: bench["op_seconds"] * _ops_per_forward(m) for role, m in models.items()}
+    else:
+        for role, m in models.items():
+            roofline.check_fits(gpu, m.name, costs[role], m.fingerprint["parameters"],
+                                max(request.contexts) + max(request.sizes))
+        machine = {"gpu": gpu.name, "memory_gb": gpu.memory_gb, "bandwidth_gb_s": gpu.bandwidth_gb_s,
+                   "tflops": gpu.tflops[request.dtype], "overhead_s": gpu.overhead_s, "source": gpu.source,
+                   "bandwidth_efficiency": roofline.BANDWIDTH_EFFICIENCY,
+                   "compute_efficiency": roofline.COMPUTE_EFFICIENCY, "dtype": request.dtype}
+        overhead_of = {role: gpu.overhead_s for role in models}
+    curves = {role: {L: {n: {"median": roofline.roofline_seconds(cost, n, L, bandwidth, flops, overhead_of[role])}
+                         for n in request.sizes} for L in request.contexts}
+              for role, cost in costs.items()}
+    document = _document(request, "modeled", machine, models, curves)
+    document["settings"] = {"model": "roofline", "bandwidth_bytes_per_s": bandwidth, "flops_per_s": flops}
+    return document
+
+
+@torch.inference_mode()
+def _ops_per_forward(loaded: LoadedModel) -> int:
+    """Tensor operations dispatched by one decode-step forward of the decoder (counted, not guessed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.count += 1
+            return func(*args, **(kwargs or {}))
+
+    model = LeanModel(loaded.model)
+    cache = model.new_cache(8)
+    with Counter():
+        model.forward(torch.tensor([0]), torch.tensor([0]), cache, None)
+    return Counter.count
+
+
+# --- the document -----------------------------------------------------------------------------------------
+
+def _document(request: ProfileRequest, source: str, machine: dict, models: dict[str, LoadedModel],
+              curves: dict[str, dict[int, dict[int, dict]]]) -> dict:
+    base = request.contexts[0]
+
+    def section(role: str) -> dict:
+        by_context = curves[role]
+        out = {"context": base, "t_seconds": {n: p["median"] for n, p in by_context[base].items()}}
+        if role == "draft":
+            out = {"step_seconds": by_context[base][1]["median"], **out}
+        out["contexts"] = {}
+        for L, points in by_context.items():
+            entry = {"t_seconds": {n: p["median"] for n, p in points.items()}}
+            if role == "draft":
+                entry["step_seconds"] = points[1]["median"]
+            if "p10" in next(iter(points.values())):
+                entry["spread_seconds"] = {n: [p["p10"], p["p90"]] for n, p in points.items()}
+            out["contexts"][L] = entry
+        return out
+
+    document = {
+        "kind": "profile/latency",
+        "source": source,
+        "models": {role: m.name for role, m in models.items()},
+        "dtype": request.dtype,
+        "hardware": machine,
+        "model_fingerprints": {role: m.fingerprint for role, m in models.items()},
+        "target": section("target"),
+    }
+    if "draft" in curves:
+        document["draft"] = section("draft")
+    document["provenance"] = provenance()
+    return document

