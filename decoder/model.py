@@ -174,19 +174,21 @@ class LeanModel:
             x = x[logits_rows]
         return F.linear(self._rms_norm(x, self.final_norm), self.lm_head)
 
-    def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int = 512) -> torch.Tensor:
-        """Append `tokens` to the cache in causal chunks; returns the logits of the last token ([vocab])."""
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int = 512, logits: bool = True
+                ) -> torch.Tensor | None:
+        """Append `tokens` to the cache in causal chunks; returns the last token's logits ([vocab]) if asked."""
         if cache.length + tokens.shape[0] > cache.max_len:
             raise UserError(f"{cache.length + tokens.shape[0]} tokens do not fit the {cache.max_len}-token cache")
-        logits = None
+        last = None
         for begin in range(0, tokens.shape[0], chunk):
             piece = tokens[begin:begin + chunk].to(self.device)
             n = piece.shape[0]
             positions = torch.arange(cache.length, cache.length + n, device=self.device)
             mask = causal_mask(cache.length, n, self.dtype, self.device) if n > 1 else None
-            logits = self.forward(piece, positions, cache, mask, logits_rows=slice(n - 1, n))
+            final = logits and begin + chunk >= tokens.shape[0]
+            last = self.forward(piece, positions, cache, mask, logits_rows=slice(n - 1, n) if final else slice(0, 0))
             cache.commit(None, n)
-        return logits[0]
+        return last[0] if logits and last is not None else None
 
 
 def causal_mask(prefix: int, n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -60,6 +60,7 @@ def atomic_output(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -78,6 +79,12 @@ def plain(value: Any) -> Any:
     if isinstance(value, str) and type(value) is not str:
         return str(value)
     return value
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_yaml(path: str | os.PathLike, data: dict[str, Any]) -> None:

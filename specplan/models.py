@@ -314,7 +314,7 @@ def _tiny_model(name: str, dtype: str) -> LoadedModel:
             torch.manual_seed(1)
             with torch.no_grad():
                 for parameter in model.parameters():
-                    parameter.add_(0.5 * parameter.std() * torch.randn_like(parameter))
+                    parameter.add_(0.05 * parameter.std() * torch.randn_like(parameter))
     model = model.to(torch_dtype(dtype)).eval()
     fingerprint = {"source": "tiny-random", "seed": 0, **model_fingerprint(name, model, dtype)}
     return LoadedModel(name, model, byte_tokenizer(), dtype, fingerprint)

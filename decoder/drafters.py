@@ -1,0 +1,128 @@
+"""Drafters: who proposes the token tree. One interface for a draft model with a fixed tree shape (Sequoia),
+a trie (Lookahead) and a hierarchy (TriForce); verification is kept apart (decoder/verify.py)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from decoder.model import LeanModel, causal_mask
+from decoder.sampling import SamplingParams, probabilities
+from decoder.tree import DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, \
+    tree_attention_mask
+
+
+class Drafter(ABC):
+    draws: tuple[str, ...] = (DETERMINISTIC,)  # the ways it can choose children
+    max_tree_size: int = 1
+
+    def reset(self, prompt: list[int], max_len: int) -> None:
+        """Start a new sequence; the last prompt token is the first root."""
+
+    @abstractmethod
+    def propose(self, root: int, params: SamplingParams, draw: str, generator: torch.Generator | None) -> DraftTree:
+        """A tree whose node 0 is `root`."""
+
+    def update(self, tree: DraftTree, accepted: list[int], next_token: int) -> None:
+        """The target accepted `accepted` (node indices, root first); `next_token` is the next root."""
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding: a one-node tree."""
+
+    def propose(self, root, params, draw, generator):
+        return DraftTree([root], [-1])
+
+
+def choose_children(logits: torch.Tensor, counts: list[int], params: SamplingParams, draw: str,
+                    generator: torch.Generator | None) -> tuple[list[list[int]], torch.Tensor | None]:
+    """Children tokens for each row of `logits` ([rows, vocab]) and the distributions they were drawn from.
+
+    Greedy or deterministic: the top-k of the logits. Without replacement: Gumbel-top-k, whose order is the
+    sequential draw order; once a row's support is used up the rest is uniform over tokens not yet drawn
+    (their keys sit below every positive-probability token). With replacement: i.i.d. draws.
+    """
+    widest = max(counts)
+    if params.greedy or draw == DETERMINISTIC:
+        top = torch.topk(logits, widest, dim=-1).indices
+        return [top[i, :c].tolist() for i, c in enumerate(counts)], None
+    probs = probabilities(logits, params)
+    if draw == WITH_REPLACEMENT:
+        picks = torch.multinomial(probs, widest, replacement=True, generator=generator)
+        return [picks[i, :c].tolist() for i, c in enumerate(counts)], probs
+    uniform = torch.rand(probs.shape, generator=generator).clamp_(min=1e-20)
+    gumbel = -torch.log(-torch.log(uniform))
+    keys = torch.where(probs > 0, probs.log(), torch.full_like(probs, -1e4)) + gumbel
+    top = torch.topk(keys, widest, dim=-1).indices
+    return [top[i, :c].tolist() for i, c in enumerate(counts)], probs
+
+
+class SequoiaDrafter(Drafter):
+    """A draft model grows a fixed tree shape level by level: one draft forward per level of expanded nodes."""
+
+    draws = (DETERMINISTIC, WITHOUT_REPLACEMENT, WITH_REPLACEMENT)
+
+    def __init__(self, model: LeanModel, parents: list[int]) -> None:
+        self.model = model
+        self.parents = list(parents)
+        self.max_tree_size = len(parents)
+        shape = DraftTree([0] * len(parents), self.parents)
+        self.child_counts = [len(c) for c in shape.children]
+        self.depths = shape.depths
+        # Expanded nodes (those with children) get draft-cache slots in BFS order, root first.
+        self.expanded = [v for v in range(len(parents)) if self.child_counts[v] > 0]
+        self.slot = {v: i for i, v in enumerate(self.expanded)}
+        self.levels: list[list[int]] = []
+        for v in self.expanded:
+            if self.depths[v] == len(self.levels):
+                self.levels.append([])
+            self.levels[self.depths[v]].append(v)
+        self.allowed = ancestor_matrix([self.slot[p] if p >= 0 else -1 for p in (self.parents[v] for v in self.expanded)])
+        self.cache = None
+        self.pending: list[int] = []
+
+    def reset(self, prompt: list[int], max_len: int) -> None:
+        self.cache = self.model.new_cache(max_len)
+        self.model.prefill(torch.tensor(prompt[:-1], dtype=torch.long), self.cache, logits=False)
+        self.pending = []
+
+    @torch.inference_mode()
+    def propose(self, root, params, draw, generator):
+        model, cache = self.model, self.cache
+        tokens = [root] + [0] * (len(self.parents) - 1)
+        tree = DraftTree(tokens, self.parents, DETERMINISTIC if params.greedy else draw)
+        if len(self.parents) == 1:
+            return tree
+        chain = self.pending + [root]
+        base = cache.length
+        positions = torch.arange(base, base + len(chain))
+        mask = causal_mask(base, len(chain), model.dtype, model.device) if len(chain) > 1 else None
+        logits = model.forward(torch.tensor(chain), positions, cache, mask, logits_rows=slice(len(chain) - 1, None))
+        cache.commit(None, len(self.pending))
+        self.pending = []
+        base = cache.length  # the root now sits, uncommitted, in slot `base`
+        for depth, level in enumerate(self.levels):
+            if depth > 0:
+                first = self.slot[level[0]]
+                rows = torch.arange(first, first + len(level))
+                cache.length = base + first  # the level's keys go to slots base + first ...
+                mask = tree_attention_mask(self.allowed[:, :first + len(level)], base, model.dtype, rows)
+                level_tokens = torch.tensor([tokens[v] for v in level])
+                logits = model.forward(level_tokens, torch.full((len(level),), base + depth), cache, mask)
+                cache.length = base
+            counts = [self.child_counts[v] for v in level]
+            picks, probs = choose_children(logits.float(), counts, params, tree.draw, generator)
+            for row, v in enumerate(level):
+                for child, token in zip(tree.children[v], picks[row]):
+                    tokens[child] = token
+                if probs is not None:
+                    tree.draft_probs[v] = probs[row]
+        return tree
+
+    def update(self, tree, accepted, next_token):
+        kept = [v for v in accepted if v in self.slot]
+        slots = [self.slot[v] for v in kept]
+        self.cache.commit(None if slots == list(range(len(slots))) else torch.tensor(slots), len(slots))
+        if accepted[-1] not in self.slot:  # a leaf the draft never ran: feed it with the next root
+            self.pending = [tree.tokens[accepted[-1]]]

@@ -1,0 +1,117 @@
+"""The verification engine: a drafter proposes a token tree, the target scores it in one forward over its static
+KV cache, a verification rule walks it, and the cache keeps the accepted path. Autoregressive decoding is the
+same loop with a one-node tree."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from decoder.drafters import Drafter, NoDrafter
+from decoder.model import LeanModel
+from decoder.sampling import SamplingParams
+from decoder.tree import ancestor_matrix, tree_attention_mask
+from decoder.verify import VerificationRule, choose_rule
+from specplan.errors import UserError
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    steps: int
+    accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per target forward
+    stop_reason: str = "length"
+
+    @property
+    def tokens_per_step(self) -> float:
+        return len(self.tokens) / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class SpeculativeEngine:
+    def __init__(self, target: LeanModel, drafter: Drafter | None = None, stop_ids: set[int] | None = None,
+                 rule: str | None = None) -> None:
+        self.target = target
+        self.drafter = drafter or NoDrafter()
+        self.stop_ids = set(stop_ids or ())
+        self.rule_name = rule
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def rule_for(self, params: SamplingParams) -> VerificationRule:
+        return choose_rule(self.rule_name, params, self.drafter.draws)
+
+    def check_fits(self, prompt_length: int, max_new_tokens: int) -> int:
+        """The cache length a generation needs; an error if the model's context cannot hold it."""
+        if prompt_length < 1:
+            raise UserError("the prompt is empty")
+        needed = prompt_length + max_new_tokens + self.drafter.max_tree_size
+        limit = self.target.shape.max_context
+        if prompt_length + max_new_tokens > limit:
+            raise UserError(f"the prompt ({prompt_length} tokens) plus {max_new_tokens} new tokens exceeds the "
+                            f"model's context of {limit}")
+        if needed > limit:
+            raise UserError(f"a tree of {self.drafter.max_tree_size} nodes does not fit the cache after "
+                            f"{prompt_length + max_new_tokens} tokens (context {limit})")
+        return needed
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        rule = self.rule_for(params)
+        max_len = self.check_fits(len(prompt), max_new_tokens)
+        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        target = self.target
+        start = time.perf_counter()
+        cache = target.new_cache(max_len)
+        target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), cache, logits=False)
+        self.drafter.reset(prompt, max_len)
+        prefill_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        out: list[int] = []
+        accepted_per_step: list[int] = []
+        root = prompt[-1]
+        reason = "length"
+        while len(out) < max_new_tokens:
+            tree = self.drafter.propose(root, params, rule.draw, generator)
+            tokens = torch.tensor(tree.tokens)
+            positions = cache.length + torch.tensor(tree.depths)
+            mask = self._mask(tree.parents, cache.length) if tree.size > 1 else None
+            logits = target.forward(tokens, positions, cache, mask)
+            path, next_token = rule.walk(tree, logits, params, generator)
+            contiguous = path == list(range(len(path)))
+            cache.commit(None if contiguous else torch.tensor(path), len(path))
+            self.drafter.update(tree, path, next_token)
+            new = [tree.tokens[v] for v in path[1:]] + [next_token]
+            accepted_per_step.append(len(new))
+            for i, token in enumerate(new):
+                if token in self.stop_ids:
+                    new = new[:i + 1]
+                    reason = "stop"
+                    break
+            new = new[:max_new_tokens - len(out)]
+            out.extend(new)
+            if on_tokens is not None:
+                on_tokens(new)
+            if reason == "stop":
+                break
+            root = next_token
+        return GenerationResult(out, prefill_seconds, time.perf_counter() - start, len(accepted_per_step),
+                                accepted_per_step, reason)
+
+    def _mask(self, parents: list[int], prefix: int) -> torch.Tensor:
+        key = tuple(parents)
+        allowed = self._masks.get(key)
+        if allowed is None:
+            allowed = self._masks[key] = ancestor_matrix(parents)
+            if len(self._masks) > 256:
+                self._masks.clear()
+        return tree_attention_mask(allowed, prefix, self.target.dtype)

@@ -1,0 +1,184 @@
+"""The decoder: greedy output identical to the target's own greedy output; sampled output distributed exactly
+as the target's (chi-square on a toy vocabulary) for the Sequoia and SpecInfer rules."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from decoder.drafters import SequoiaDrafter
+from decoder.engine import SpeculativeEngine
+from decoder.model import LeanModel
+from decoder.sampling import SamplingParams, probabilities
+from specplan.errors import UserError
+from specplan.models import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    target, draft = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
+    return target, LeanModel(target.model), LeanModel(draft.model)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_pair():
+    target, draft = load_model("tiny-random-qwen2"), load_model("tiny-random-qwen2-draft")
+    return target, LeanModel(target.model), LeanModel(draft.model)
+
+
+def random_tree(rng: np.random.Generator, size: int, max_children: int) -> list[int]:
+    """A random BFS-ordered tree: each new node hangs off one of the open nodes."""
+    parents = [-1]
+    frontier = [0]
+    while len(parents) < size:
+        node = frontier[0]
+        for _ in range(int(rng.integers(1, max_children + 1))):
+            if len(parents) == size:
+                break
+            parents.append(node)
+            frontier.append(len(parents) - 1)
+        frontier.pop(0)
+        if rng.random() < 0.3 and len(frontier) > 1:
+            frontier.pop(0)  # leave some nodes as leaves above the deepest level
+    return parents
+
+
+TREES = [[-1], [-1, 0], [-1, 0, 1, 2, 3], [-1, 0, 0, 1, 1, 2, 3, 4, 5]] + [
+    random_tree(np.random.default_rng(seed), size, 3) for seed, size in enumerate([6, 12, 20, 33])]
+
+
+@pytest.mark.parametrize("pair", ["tiny_pair", "tiny_qwen_pair"])
+@pytest.mark.parametrize("parents", TREES, ids=lambda p: f"n{len(p)}")
+def test_greedy_output_equals_transformers_greedy(pair, parents, request):
+    loaded, target, draft = request.getfixturevalue(pair)
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, parents) if len(parents) > 1 else None)
+    for seed in range(3):
+        prompt = torch.randint(0, 256, (int(8 + 5 * seed),), generator=torch.Generator().manual_seed(seed)).tolist()
+        reference = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        result = engine.generate(prompt, 40, SamplingParams())
+        assert result.tokens == reference
+        assert sum(result.accepted_per_step) >= 40 and result.steps <= 40
+
+
+def test_speculation_accepts_tokens(tiny_pair):
+    _, target, draft = tiny_pair
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3, 5]))
+    result = engine.generate(list(range(40, 60)), 60, SamplingParams())
+    assert result.tokens_per_step > 1.5
+
+
+def test_stop_token_ends_generation(tiny_pair):
+    _, target, draft = tiny_pair
+    free = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 1])).generate(list(range(40, 60)), 30,
+                                                                                  SamplingParams())
+    stop = free.tokens[7]
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 1]), stop_ids={stop})
+    result = engine.generate(list(range(40, 60)), 30, SamplingParams())
+    first = free.tokens.index(stop)
+    assert result.tokens == free.tokens[:first + 1] and result.stop_reason == "stop"
+
+
+def test_context_overflow_is_a_user_error(tiny_pair):
+    _, target, draft = tiny_pair
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 1]))
+    with pytest.raises(UserError, match="exceeds"):
+        engine.generate([1] * 4000, 200, SamplingParams())
+    with pytest.raises(UserError, match="does not fit"):
+        engine.generate([1] * 4000, 95, SamplingParams())
+
+
+# --- exact sampling -----------------------------------------------------------------------------------------
+
+VOCAB = 6
+
+
+def toy_model(seed: int, noise: float = 0.0) -> tuple[AutoModelForCausalLM, LeanModel]:
+    """Random logits over a toy vocabulary; `noise` perturbs the weights (a draft close to the target)."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         initializer_range=0.5, tie_word_embeddings=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
+    return model, LeanModel(model)
+
+
+@pytest.fixture(scope="module")
+def toy_pair():
+    target_hf, target = toy_model(10)
+    _, draft = toy_model(10, noise=0.6)
+    return target_hf, target, draft
+
+
+def first_two_distribution(model: AutoModelForCausalLM, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    with torch.inference_mode():
+        first = probabilities(model(torch.tensor([prompt])).logits[0, -1:], params)[0].double().numpy()
+        joint = np.zeros((VOCAB, VOCAB))
+        for x in range(VOCAB):
+            if first[x] > 0:
+                second = probabilities(model(torch.tensor([prompt + [x]])).logits[0, -1:], params)[0].double()
+                joint[x] = first[x] * second.numpy()
+    return joint
+
+
+def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    counts, expected = counts.ravel(), expected_probs.ravel() * counts.sum()
+    assert counts[expected == 0].sum() == 0, "a token with zero target probability was emitted"
+    keep = expected >= 5
+    observed = np.append(counts[keep], counts[~keep].sum())
+    wanted = np.append(expected[keep], expected[~keep].sum())
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    return float(chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue)
+
+
+@pytest.mark.parametrize("rule, temperature, top_p", [
+    ("sequoia", 1.0, 1.0), ("sequoia", 0.5, 0.8), ("specinfer", 1.0, 1.0), ("specinfer", 0.5, 0.8),
+])
+def test_sampled_output_is_distributed_as_the_target(rule, temperature, top_p, toy_pair):
+    target_hf, target, draft = toy_pair
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    prompt = [1, 4, 2]
+    parents = [-1, 0, 0, 1, 1, 2, 3]  # depth 3, width 2
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, parents), rule=rule)
+    samples = 6000
+    counts = np.zeros((VOCAB, VOCAB))
+    accepted = 0
+    for seed in range(samples):
+        result = engine.generate(prompt, 2, params, seed=seed)
+        counts[result.tokens[0], result.tokens[1]] += 1
+        accepted += result.accepted_per_step[0] > 1
+    expected = first_two_distribution(target_hf, prompt, params)
+    assert accepted > samples * 0.2  # the tree path, not just the bonus token, is exercised
+    assert chi_square_p(counts.sum(1), expected.sum(1)) > 1e-3
+    assert chi_square_p(counts, expected) > 1e-3
+
+
+def test_chi_square_detects_a_wrong_distribution(toy_pair):
+    """The test has power: the draft's own samples are rejected as the target's."""
+    target_hf, _, draft = toy_pair
+    params = SamplingParams(temperature=1.0)
+    engine = SpeculativeEngine(draft)  # autoregressive sampling from the draft
+    counts = np.zeros((VOCAB, VOCAB))
+    for seed in range(3000):
+        tokens = engine.generate([1, 4, 2], 2, params, seed=seed).tokens
+        counts[tokens[0], tokens[1]] += 1
+    assert chi_square_p(counts, first_two_distribution(target_hf, [1, 4, 2], params)) < 1e-6
+
+
+def test_rules_must_match_the_drafts(tiny_pair):
+    _, target, draft = tiny_pair
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0]), rule="specinfer")
+    with pytest.raises(UserError):
+        engine.generate([1, 2, 3], 4, SamplingParams())  # greedy needs the greedy rule
+    assert engine.rule_for(SamplingParams(temperature=1.0)).name == "specinfer"
+    assert list(itertools.islice(engine.generate([1, 2, 3], 4, SamplingParams(1.0), seed=1).tokens, 4))
