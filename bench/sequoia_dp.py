@@ -7,13 +7,13 @@ a plain-Python implementation of the same recurrence and a straightforward numba
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import numpy as np
 from numba import njit
 
 from planner.sequoia_dp import SequoiaTables
+from specplan.machine import cpu_info
 
 NEG = -np.inf
 
@@ -74,17 +74,6 @@ def numba_textbook(p: np.ndarray, max_size: int, max_levels: int) -> np.ndarray:
     return M
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def best_of(repeats: int, fn, *args) -> float:
     times = []
     for _ in range(repeats):
@@ -102,7 +91,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     p = rng.random(args.width) ** 2
     p = p / p.sum() * 0.9
-    print(f"machine: {cpu_model()}, numpy {np.__version__}; K = {args.width}, "
+    print(f"machine: {cpu_info()['cpu']}, numpy {np.__version__}; K = {args.width}, "
           f"D = {args.depth}; best of repeats, JIT excluded")
     SequoiaTables(p, 4, 2)
     numba_textbook(p, 4, 3)

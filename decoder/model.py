@@ -14,6 +14,8 @@ Two attention layouts:
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +112,7 @@ class LeanModel:
                 "w_gate_up": torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
                 "w_down": take(mlp + "down_proj.weight"),
             })
+        self.matmul_kernels = tuned_matmul_kernels(self.layers[0]["w_gate_up"]) if self.device.type == "cpu" else {}
         d = self.shape.head_dim
         self.q_size, self.kv_size = self.shape.heads * d, self.shape.kv_heads * d
         inv_freq = 1.0 / (self.shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -127,6 +130,10 @@ class LeanModel:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps)
         return weight * h.to(x.dtype)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        kernel = self.matmul_kernels.get(x.shape[0], "linear")
+        return MATMUL_KERNELS[kernel](x, weight, bias)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -151,7 +158,7 @@ class LeanModel:
         attn_mask = None if mask is None else mask[None, None]
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["ln1"])
-            qkv = F.linear(h, layer["wqkv"], layer["bqkv"])
+            qkv = self._linear(h, layer["wqkv"], layer["bqkv"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self._rope(q.view(n, shape.heads, shape.head_dim).transpose(0, 1), cos, sin)
             k = self._rope(k.view(n, shape.kv_heads, shape.head_dim).transpose(0, 1), cos, sin)
@@ -166,13 +173,13 @@ class LeanModel:
                 keys, values = cache.k[i], cache.v[i]
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask,
                                                  enable_gqa=shape.kv_heads != shape.heads)
-            x = x + F.linear(out[0].transpose(0, 1).reshape(n, self.q_size), layer["wo"])
+            x = x + self._linear(out[0].transpose(0, 1).reshape(n, self.q_size), layer["wo"])
             h = self._rms_norm(x, layer["ln2"])
-            gate, up = F.linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["w_down"])
+            gate, up = self._linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer["w_down"])
         if logits_rows is not None:
             x = x[logits_rows]
-        return F.linear(self._rms_norm(x, self.final_norm), self.lm_head)
+        return self._linear(self._rms_norm(x, self.final_norm), self.lm_head)
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int = 512, logits: bool = True
                 ) -> torch.Tensor | None:
@@ -189,6 +196,75 @@ class LeanModel:
             last = self.forward(piece, positions, cache, mask, logits_rows=slice(n - 1, n) if final else slice(0, 0))
             cache.commit(None, n)
         return last[0] if logits and last is not None else None
+
+
+def _linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _weight_times_columns(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(W @ x^T)^T, with a single row padded to two: on CPUs where a one-row product runs as a one-thread
+    GEMV and skinny GEMMs pack the weights, this streams the weights once with all threads."""
+    n = x.shape[0]
+    columns = torch.cat([x, x]) if n == 1 else x
+    out = (weight @ columns.t()).t()[:n].contiguous()
+    return out + bias if bias is not None else out
+
+
+def _columns_in_fours(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.cat([_weight_times_columns(part, weight, bias) for part in x.split(4)])
+
+
+MATMUL_KERNELS = {"linear": _linear_kernel, "columns": _weight_times_columns, "columns-in-fours": _columns_in_fours}
+TUNED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@torch.inference_mode()
+def tune_matmul(weight: torch.Tensor, repeats: int = 3) -> dict[int, str]:
+    """The fastest way to multiply n rows by this machine's weights, per n (measured on one real weight).
+
+    Rows counts between the tuned ones use the kernel of the next tuned count up; beyond, F.linear."""
+    fastest: dict[int, str] = {}
+    for n in TUNED_ROWS:
+        x = torch.randn(n, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        best = (float("inf"), "linear")
+        for name, kernel in MATMUL_KERNELS.items():
+            kernel(x, weight, None)
+            seconds = min(_timed(kernel, x, weight) for _ in range(repeats))
+            best = min(best, (seconds, name))
+        fastest[n] = best[1]
+    table = {}
+    for n in range(1, TUNED_ROWS[-1] + 1):
+        table[n] = fastest[min(t for t in TUNED_ROWS if t >= n)]
+    return table
+
+
+def tuned_matmul_kernels(weight: torch.Tensor) -> dict[int, str]:
+    """tune_matmul's answer for this machine, thread count, dtype and weight shape, cached on disk."""
+    import json
+
+    from specplan.machine import cpu_info
+    from specplan.models import cache_dir
+
+    key = f"{cpu_info()['cpu']}|{torch.__version__}|{torch.get_num_threads()}|{weight.dtype}|{tuple(weight.shape)}"
+    path = cache_dir() / "matmul-kernels.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = {str(n): kernel for n, kernel in tune_matmul(weight).items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, path)
+    return {int(n): kernel for n, kernel in known[key].items()}
+
+
+def _timed(kernel, x: torch.Tensor, weight: torch.Tensor) -> float:
+    start = time.perf_counter()
+    kernel(x, weight, None)
+    return time.perf_counter() - start
 
 
 def causal_mask(prefix: int, n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

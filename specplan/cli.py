@@ -136,6 +136,105 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
 
 
 @cli.command()
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="a plan file; without one, plain autoregressive decoding of --target")
+@click.option("--prompt", help="the prompt text, used as given (see --chat)")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--target", help="override the plan's target model")
+@click.option("--draft", help="override the plan's draft model")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), help="default: the plan's, else fp32")
+@click.option("--draft-dtype", type=click.Choice(["fp32", "bf16"]), help="default: --dtype")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, help="default: the plan's (0 = greedy)")
+@click.option("--top-p", type=float, help="default: the plan's, else 1")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--verify", type=click.Choice(["greedy", "sequoia", "specinfer", "sample-match"]),
+              help="verification rule (default: greedy at T = 0, else Sequoia's)")
+@click.option("--chat", is_flag=True, help="apply the target's chat template to the prompt")
+@click.option("--stream", is_flag=True, help="print tokens as they are accepted")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, target: str | None,
+             draft: str | None, dtype: str | None, draft_dtype: str | None, max_new_tokens: int,
+             temperature: float | None, top_p: float | None, top_k: int, seed: int, verify: str | None, chat: bool,
+             stream: bool, as_json: bool) -> None:
+    """Generate with a plan (Sequoia, Lookahead, TriForce) or autoregressively: lossless either way."""
+    import json
+
+    from decoder.api import load_decoder
+    from decoder.sampling import SamplingParams
+
+    if (prompt is None) == (prompt_file is None):
+        raise UserError("give exactly one of --prompt and --prompt-file")
+    if prompt_file is not None:
+        try:
+            prompt = prompt_file.read_text()
+        except OSError as exc:
+            raise UserError(f"{prompt_file}: cannot read: {exc.strerror}") from None
+    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress)
+    defaults = decoder.default_params()
+    params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
+                            top_p=defaults.top_p if top_p is None else top_p, top_k=top_k or defaults.top_k)
+    printed = {"text": "", "tokens": []}
+
+    def show(tokens: list[int]) -> None:
+        printed["tokens"].extend(tokens)
+        text = decoder.tokenizer.decode(printed["tokens"], skip_special_tokens=True)
+        click.echo(text[len(printed["text"]):], nl=False)
+        printed["text"] = text
+
+    output = decoder.generate(prompt, max_new_tokens, params, seed, chat, show if stream and not as_json else None)
+    result = output.result
+    if as_json:
+        click.echo(json.dumps(output.to_json()))
+        return
+    if stream:
+        click.echo()
+    else:
+        click.echo(output.text)
+    click.echo(f"[{len(result.tokens)} tokens, {result.steps} target steps, {result.tokens_per_step:.2f} tokens/step, "
+               f"{result.tokens_per_second:.2f} tokens/s after a {result.prefill_seconds:.2f} s prefill; "
+               f"stop: {result.stop_reason}]", err=True)
+
+
+@cli.command()
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.option("--dataset", required=True, help="PATH[:category[,category]]")
+@click.option("--prompts", type=int, default=8, show_default=True, help="prompts, spread across categories")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--baselines", default="hf,hf-assisted,ours-ar", show_default=True,
+              help="comma-separated: hf, hf-assisted, hf-prompt-lookup, ours-ar")
+@click.option("--target", help="override the plan's target model")
+@click.option("--draft", help="override the plan's draft model")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]))
+@click.option("--draft-dtype", type=click.Choice(["fp32", "bf16"]))
+@click.option("--temperature", type=float, help="default: the plan's")
+@click.option("--top-p", type=float)
+@click.option("--verify", type=click.Choice(["greedy", "sequoia", "specinfer", "sample-match"]))
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="report.json (a .md table and a .png plot are written beside it)")
+def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, baselines: str, target: str | None,
+          draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
+          top_p: float | None, verify: str | None, seed: int, chat: bool, output: Path) -> None:
+    """Our decoder against Hugging Face baselines on the same prompts, in one run."""
+    from decoder.api import load_decoder
+    from decoder.bench import BenchRequest, markdown_table, run_bench
+    from decoder.sampling import SamplingParams
+
+    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress)
+    defaults = decoder.default_params()
+    params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
+                            top_p=defaults.top_p if top_p is None else top_p)
+    request = BenchRequest(dataset, prompts, max_new_tokens, [b for b in baselines.split(",") if b], params, seed,
+                           chat)
+    report = run_bench(decoder, request, output, log=_progress)
+    click.echo(markdown_table(report))
+    click.echo(f"wrote {output} (+ .md, .png)")
+
+
+@cli.command()
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="also draw a PNG")
 @click.option("--compare", type=click.Path(dir_okay=False, path_type=Path),

@@ -1,0 +1,120 @@
+"""The Python API: load a plan with its models, then generate.
+
+    from decoder.api import load_decoder
+    decoder = load_decoder("plans/qwen2.5-coder-1.5b.sequoia.cpu-2c.fp32.yaml")
+    output = decoder.generate("Write a quicksort in Python.", max_new_tokens=128, chat=True)
+    print(output.text, output.result.tokens_per_second)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from decoder.drafters import Drafter, SequoiaDrafter
+from decoder.engine import GenerationResult, SpeculativeEngine
+from decoder.model import LeanModel
+from decoder.sampling import SamplingParams
+from profiler.datasets import encode_prompt
+from specplan.errors import UserError
+from specplan.models import LoadedModel, load_model
+from specplan.plan_schema import Plan, load_plan
+
+
+@dataclass
+class GenerationOutput:
+    result: GenerationResult
+    text: str
+    prompt_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        result = self.result
+        return {
+            "tokens": result.tokens,
+            "text": self.text,
+            "tokens_per_step": result.tokens_per_step,
+            "tokens_per_second": result.tokens_per_second,
+            "prefill_seconds": result.prefill_seconds,
+            "decode_seconds": result.decode_seconds,
+            "steps": result.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "stop_reason": result.stop_reason,
+        }
+
+
+def stop_token_ids(loaded: LoadedModel) -> set[int]:
+    ids = set()
+    configured = getattr(loaded.model.generation_config, "eos_token_id", None)
+    for value in (configured if isinstance(configured, list) else [configured]):
+        if value is not None:
+            ids.add(int(value))
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    return ids
+
+
+class Decoder:
+    def __init__(self, target: LoadedModel, drafter: Drafter | None, plan: Plan | None, verify: str | None,
+                 draft: LoadedModel | None = None) -> None:
+        self.target = target
+        self.draft = draft
+        self.plan = plan
+        self.lean_target = LeanModel(target.model)
+        self.engine = SpeculativeEngine(self.lean_target, drafter, stop_token_ids(target), verify)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.target.tokenizer
+
+    def default_params(self) -> SamplingParams:
+        sampling = self.plan.sampling if self.plan else {}
+        return SamplingParams(temperature=float(sampling.get("temperature", 0.0)),
+                              top_p=float(sampling.get("top_p", 1.0)), top_k=int(sampling.get("top_k", 0)))
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, prompt, chat)
+        return list(prompt)
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, params: SamplingParams | None = None,
+                 seed: int | None = None, chat: bool = False,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationOutput:
+        if max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        ids = self.encode(prompt, chat)
+        result = self.engine.generate(ids, max_new_tokens, params or self.default_params(), seed, on_tokens)
+        return GenerationOutput(result, self.tokenizer.decode(result.tokens, skip_special_tokens=True), len(ids))
+
+
+def load_decoder(plan_path: str | Path | None = None, target: str | None = None, draft: str | None = None,
+                 dtype: str | None = None, draft_dtype: str | None = None, verify: str | None = None,
+                 log: Callable[[str], None] = lambda message: None) -> Decoder:
+    """Load the plan (if any) and the models it names (or the ones given), and build its drafter."""
+    plan = load_plan(plan_path) if plan_path is not None else None
+    target_name = target or (plan.models.get("target") if plan else None)
+    if not target_name:
+        raise UserError("no target model: give --target or a plan that names one")
+    dtype = dtype or (plan.models.get("dtype") if plan else None) or "fp32"
+    log(f"loading {target_name} ({dtype})")
+    target_model = load_model(target_name, dtype, log=log)
+    if plan is None:
+        return Decoder(target_model, None, None, verify)
+    if plan.method == "sequoia":
+        draft_name = draft or plan.models.get("draft")
+        if not draft_name:
+            raise UserError(f"{plan_path}: the plan names no draft model; give --draft")
+        draft_dtype = draft_dtype or dtype
+        log(f"loading {draft_name} ({draft_dtype})")
+        draft_model = load_model(draft_name, draft_dtype, log=log)
+        check_same_vocabulary(target_model, draft_model)
+        drafter = SequoiaDrafter(LeanModel(draft_model.model), list(plan.tree.parents))
+        return Decoder(target_model, drafter, plan, verify, draft_model)
+    raise UserError(f"{plan_path}: plans of kind {plan.kind} cannot be run yet")
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    if target.config.vocab_size != draft.config.vocab_size or len(target.tokenizer) != len(draft.tokenizer):
+        raise UserError(f"the draft {draft.name} does not share the vocabulary of the target {target.name} "
+                        f"({draft.config.vocab_size} vs {target.config.vocab_size} logits)")

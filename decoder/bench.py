@@ -1,0 +1,232 @@
+"""`plan bench`: our decoder and the baselines on the same prompts, same dtype, in one process.
+
+Methods: `ours` (the plan), `ours-ar` (our engine with a one-node tree), and the transformers baselines
+`hf` (generate), `hf-assisted` (assistant_model = the plan's draft), `hf-prompt-lookup`
+(prompt_lookup_num_tokens = 10). For each prompt the methods run back to back, so machine noise spreads
+evenly; one warm-up generation per method comes first. Tokens/s counts new tokens over the wall time of the
+whole call (prefill included) for every method alike. Greedy runs are checked token by token against `hf`;
+at the first differing token the report gives the target's top-2 logit gap (a near-tie below 1e-4 is
+rounding, not a bug: multi-token and one-token forwards round differently).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from decoder.api import Decoder, stop_token_ids
+from decoder.engine import SpeculativeEngine
+from decoder.sampling import SamplingParams
+from profiler.datasets import encode_prompt, read_dataset, spread_sample
+from specplan.machine import cpu_info
+from specplan.errors import UserError
+from specplan.fileio import atomic_output, write_json
+
+BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar")
+NEAR_TIE = 1e-4
+
+
+@dataclass
+class BenchRequest:
+    dataset: str
+    prompts: int
+    max_new_tokens: int
+    baselines: list[str]
+    params: SamplingParams
+    seed: int = 0
+    chat: bool = True
+    prompt_lookup_tokens: int = 10
+
+
+def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callable[[str], None] = print) -> dict:
+    unknown = set(request.baselines) - set(BASELINES)
+    if unknown:
+        raise UserError(f"unknown baseline {', '.join(sorted(unknown))} (choose from {', '.join(BASELINES)})")
+    if "hf-assisted" in request.baselines and decoder.draft is None:
+        raise UserError("hf-assisted needs a plan with a draft model")
+    if request.prompts < 1 or request.max_new_tokens < 1:
+        raise UserError("--prompts and --max-new-tokens must be >= 1")
+    prompts = spread_sample(read_dataset(request.dataset), request.prompts)
+    if not prompts:
+        raise UserError(f"{request.dataset}: no prompts")
+    tokenizer = decoder.tokenizer
+    encoded = [encode_prompt(tokenizer, p.text, request.chat) for p in prompts]
+    for prompt, ids in zip(prompts, encoded):
+        decoder.engine.check_fits(len(ids), request.max_new_tokens)
+    methods = _methods(decoder, request)
+    names = list(methods)
+    log(f"warming up {', '.join(names)}")
+    for run in methods.values():
+        run(encoded[0][:64], 8, 0)
+    rows = []
+    for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        row: dict[str, Any] = {"id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids), "methods": {}}
+        for name, run in methods.items():
+            start = time.perf_counter()
+            tokens, extra = run(ids, request.max_new_tokens, request.seed + index)
+            seconds = time.perf_counter() - start
+            row["methods"][name] = {"new_tokens": len(tokens), "seconds": seconds,
+                                    "tokens_per_second": len(tokens) / seconds, "tokens": tokens, **extra}
+        if request.params.greedy and "hf" in row["methods"]:
+            reference = row["methods"]["hf"]["tokens"]
+            for name, entry in row["methods"].items():
+                if name != "hf":
+                    entry.update(_compare(decoder, ids, reference, entry["tokens"]))
+        rows.append(row)
+        log(f"[{index + 1}/{len(prompts)}] " + "  ".join(
+            f"{name} {row['methods'][name]['tokens_per_second']:.2f} tok/s" for name in names))
+    report = _report(decoder, request, rows, names)
+    write_json(output, report)
+    markdown = output.with_suffix(".md")
+    with atomic_output(markdown) as handle:
+        handle.write(markdown_table(report) + "\n")
+    plot_report(report, output.with_suffix(".png"))
+    return report
+
+
+def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
+    params = request.params
+    hf_model = decoder.target.model
+    stops = sorted(stop_token_ids(decoder.target))
+    pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else stops[0]
+
+    def ours(ids, max_new, seed):
+        result = decoder.engine.generate(ids, max_new, params, seed)
+        return result.tokens, {"tokens_per_step": result.tokens_per_step, "steps": result.steps,
+                               "prefill_seconds": result.prefill_seconds}
+
+    ar_engine = SpeculativeEngine(decoder.lean_target, None, stop_token_ids(decoder.target))
+
+    def ours_ar(ids, max_new, seed):
+        result = ar_engine.generate(ids, max_new, params, seed)
+        return result.tokens, {"prefill_seconds": result.prefill_seconds}
+
+    def hf(extra: dict) -> Callable:
+        def run(ids, max_new, seed):
+            torch.manual_seed(seed)
+            sampling = {"do_sample": False} if params.greedy else {
+                "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+            with torch.inference_mode():
+                out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new, eos_token_id=stops,
+                                        pad_token_id=pad, **sampling, **extra)
+            return out[0, len(ids):].tolist(), {}
+        return run
+
+    available = {
+        "ours": ours,
+        "ours-ar": ours_ar,
+        "hf": hf({}),
+        "hf-assisted": hf({"assistant_model": decoder.draft.model}) if decoder.draft is not None else None,
+        "hf-prompt-lookup": hf({"prompt_lookup_num_tokens": request.prompt_lookup_tokens}),
+    }
+    return {name: available[name] for name in ["ours"] + [b for b in BASELINES if b in request.baselines]}
+
+
+@torch.inference_mode()
+def _compare(decoder: Decoder, prompt: list[int], reference: list[int], tokens: list[int]) -> dict:
+    if tokens == reference:
+        return {"identical_to_hf": True}
+    first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    gap = None
+    if first < min(len(tokens), len(reference)):
+        logits = decoder.target.model(torch.tensor([prompt + reference[:first]])).logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        gap = float(top[0] - top[1])
+    return {"identical_to_hf": False, "first_difference": first, "top2_logit_gap": gap,
+            "near_tie": gap is not None and gap < NEAR_TIE}
+
+
+def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: list[str]) -> dict:
+    summary = {}
+    for name in names:
+        entries = [row["methods"][name] for row in rows]
+        tokens = sum(e["new_tokens"] for e in entries)
+        seconds = sum(e["seconds"] for e in entries)
+        summary[name] = {"tokens_per_second": tokens / seconds, "new_tokens": tokens, "seconds": seconds,
+                         "per_prompt_tokens_per_second_mean": float(np.mean([e["tokens_per_second"] for e in entries]))}
+        if "tokens_per_step" in entries[0]:
+            summary[name]["tokens_per_step"] = sum(e["new_tokens"] for e in entries) / sum(e["steps"] for e in entries)
+        if "identical_to_hf" in entries[0]:
+            summary[name]["identical_to_hf"] = sum(e["identical_to_hf"] for e in entries)
+            summary[name]["near_tie_divergences"] = sum(bool(e.get("near_tie")) for e in entries)
+            summary[name]["compared"] = len(entries)
+    for name in names:
+        for base in ("hf", "ours-ar", "hf-assisted", "hf-prompt-lookup"):
+            if base in summary and base != name:
+                summary[name][f"speedup_vs_{base}"] = summary[name]["tokens_per_second"] / summary[base]["tokens_per_second"]
+    plan = decoder.plan
+    prediction = {}
+    if plan is not None:
+        prediction = {"plan_tokens_per_step": plan.prediction.get("tokens_per_step"),
+                      "plan_speedup": plan.prediction.get("speedup"),
+                      "measured_tokens_per_step": summary["ours"].get("tokens_per_step")}
+        if "ours-ar" in summary:
+            prediction["measured_speedup_vs_ours_ar"] = summary["ours"]["speedup_vs_ours-ar"]
+            if prediction["plan_speedup"]:
+                prediction["measured_over_predicted"] = (prediction["measured_speedup_vs_ours_ar"]
+                                                         / prediction["plan_speedup"])
+    return {
+        "kind": "bench/report",
+        "machine": {**cpu_info(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "platform": platform.platform()},
+        "models": {"target": decoder.target.name, "draft": decoder.draft.name if decoder.draft else None,
+                   "dtype": decoder.target.dtype, "draft_dtype": decoder.draft.dtype if decoder.draft else None},
+        "plan": {"kind": plan.kind, "prediction": plan.prediction, "tree_size": plan.tree.size if plan.tree else None}
+        if plan else None,
+        "sampling": {"temperature": request.params.temperature, "top_p": request.params.top_p,
+                     "top_k": request.params.top_k},
+        "dataset": request.dataset, "prompts": len(rows), "max_new_tokens": request.max_new_tokens,
+        "summary": summary, "prediction": prediction, "per_prompt": rows,
+    }
+
+
+def markdown_table(report: dict) -> str:
+    models = report["models"]
+    lines = [f"{models['target']} ({models['dtype']})"
+             + (f", draft {models['draft']} ({models['draft_dtype']})" if models["draft"] else "")
+             + f"; {report['prompts']} prompts from {report['dataset']}, {report['max_new_tokens']} new tokens, "
+             f"T = {report['sampling']['temperature']}",
+             "",
+             "| method | tokens/s | vs hf | vs ours-ar | tokens/step | identical to hf |",
+             "|---|---|---|---|---|---|"]
+    for name, s in report["summary"].items():
+        identical = f"{s['identical_to_hf']}/{s['compared']}" + (
+            f" ({s['near_tie_divergences']} near-tie)" if s.get("near_tie_divergences") else "") \
+            if "identical_to_hf" in s else ""
+        lines.append(f"| {name} | {s['tokens_per_second']:.2f} | {s.get('speedup_vs_hf', 1.0):.2f}x | "
+                     f"{s.get('speedup_vs_ours-ar', 1.0):.2f}x | {s.get('tokens_per_step', 1.0):.2f} | {identical} |")
+    prediction = report.get("prediction") or {}
+    if prediction.get("plan_speedup"):
+        lines.append("")
+        lines.append(f"plan: predicted {prediction['plan_speedup']:.2f}x at {prediction['plan_tokens_per_step']:.2f} "
+                     f"tokens/step; measured {prediction.get('measured_speedup_vs_ours_ar', float('nan')):.2f}x at "
+                     f"{prediction['measured_tokens_per_step']:.2f} tokens/step (vs ours-ar)")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["summary"])
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    per_prompt = [[row["methods"][n]["tokens_per_second"] for row in report["per_prompt"]] for n in names]
+    ax.boxplot(per_prompt, tick_labels=names, showmeans=True)
+    ax.scatter(range(1, len(names) + 1), [report["summary"][n]["tokens_per_second"] for n in names], color="black",
+               zorder=5, label="aggregate tokens/s")
+    ax.set_ylabel("tokens/s per prompt")
+    ax.set_title(f"{report['models']['target']} ({report['models']['dtype']}), {report['prompts']} prompts")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    with atomic_output(png, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=110)
+    plt.close(fig)
