@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 from decoder.model import LeanModel, causal_mask
 from decoder.sampling import SamplingParams, probabilities
 from decoder.tree import DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, \
     tree_attention_mask
+from decoder.trie import Trie
 
 
 class Drafter(ABC):
@@ -24,8 +26,9 @@ class Drafter(ABC):
     def propose(self, root: int, params: SamplingParams, draw: str, generator: torch.Generator | None) -> DraftTree:
         """A tree whose node 0 is `root`."""
 
-    def update(self, tree: DraftTree, accepted: list[int], next_token: int) -> None:
-        """The target accepted `accepted` (node indices, root first); `next_token` is the next root."""
+    def update(self, tree: DraftTree, accepted: list[int], next_token: int | None) -> None:
+        """The target accepted `accepted` (node indices, root first); `next_token` is the next root, or None
+        when generation ends inside the accepted path."""
 
 
 class NoDrafter(Drafter):
@@ -126,3 +129,35 @@ class SequoiaDrafter(Drafter):
         self.cache.commit(None if slots == list(range(len(slots))) else torch.tensor(slots), len(slots))
         if accepted[-1] not in self.slot:  # a leaf the draft never ran: feed it with the next root
             self.pending = [tree.tokens[accepted[-1]]]
+
+
+class TrieDrafter(Drafter):
+    """Lookahead: drafts retrieved from a token trie of the prompt and of the output so far. The trie lives
+    across requests (outputs of earlier requests keep helping); a request's prompt branches leave with it."""
+
+    def __init__(self, trie: Trie) -> None:
+        self.trie = trie
+        self.max_tree_size = trie.settings.decoding_length
+        self.sequence = np.zeros(0, dtype=np.int64)
+        self.length = 0
+        self.live_request = False
+
+    def reset(self, prompt, max_len):
+        if self.live_request:
+            self.trie.end_request()
+        self.sequence = np.zeros(max_len + self.max_tree_size + 1, dtype=np.int64)
+        self.sequence[:len(prompt)] = prompt
+        self.length = len(prompt)
+        self.trie.insert(self.sequence, 0, self.length, from_prompt=True)
+        self.live_request = True
+
+    def propose(self, root, params, draw, generator):
+        tokens, parents = self.trie.retrieve(self.sequence, self.length)
+        return DraftTree(tokens.tolist(), parents.tolist())
+
+    def update(self, tree, accepted, next_token):
+        new = [tree.tokens[v] for v in accepted[1:]] + ([next_token] if next_token is not None else [])
+        old = self.length
+        self.sequence[old:old + len(new)] = new
+        self.length = old + len(new)
+        self.trie.insert(self.sequence, old, self.length)

@@ -89,19 +89,21 @@ class SpeculativeEngine:
             path, next_token = rule.walk(tree, logits, params, generator)
             contiguous = path == list(range(len(path)))
             cache.commit(None if contiguous else torch.tensor(path), len(path))
-            self.drafter.update(tree, path, next_token)
             new = [tree.tokens[v] for v in path[1:]] + [next_token]
             accepted_per_step.append(len(new))
-            for i, token in enumerate(new):
-                if token in self.stop_ids:
-                    new = new[:i + 1]
-                    reason = "stop"
-                    break
-            new = new[:max_new_tokens - len(out)]
-            out.extend(new)
+            keep = min(max_new_tokens - len(out), next((i + 1 for i, t in enumerate(new) if t in self.stop_ids),
+                                                       len(new)))
+            if any(t in self.stop_ids for t in new[:keep]):
+                reason = "stop"
+            # The drafter learns exactly the emitted tokens (a trie must not see tokens past the end).
+            if keep < len(new):
+                self.drafter.update(tree, path[:keep + 1], None)
+            else:
+                self.drafter.update(tree, path, next_token)
+            out.extend(new[:keep])
             if on_tokens is not None:
-                on_tokens(new)
-            if reason == "stop":
+                on_tokens(new[:keep])
+            if reason == "stop" or len(out) >= max_new_tokens:
                 break
             root = next_token
         return GenerationResult(out, prefill_seconds, time.perf_counter() - start, len(accepted_per_step),

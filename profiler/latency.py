@@ -35,6 +35,7 @@ class ProfileRequest:
     target: str
     draft: str | None = None
     dtype: str = "fp32"
+    draft_dtype: str | None = None  # default: dtype
     contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS))
     sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
     threads: int = max(1, (os.cpu_count() or 1))
@@ -42,13 +43,16 @@ class ProfileRequest:
     repeats: int = 7
     gpu: str | None = None
 
-    def roles(self) -> list[tuple[str, str]]:
-        return [("target", self.target)] + ([("draft", self.draft)] if self.draft else [])
+    def roles(self) -> list[tuple[str, str, str]]:
+        """(role, model, dtype) for each model to profile."""
+        target = [("target", self.target, self.dtype)]
+        return target + ([("draft", self.draft, self.draft_dtype or self.dtype)] if self.draft else [])
 
 
 def run_profile(request: ProfileRequest, output: Path, resume: bool = False, log: Callable[[str], None] = print,
                 progress: bool = True) -> dict:
     torch_dtype(request.dtype)
+    torch_dtype(request.draft_dtype or request.dtype)
     if not request.sizes or min(request.sizes) < 1 or 1 not in request.sizes:
         raise UserError("--sizes must be positive and include 1")
     if not request.contexts or min(request.contexts) < 1:
@@ -117,7 +121,7 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
 
     started = time.perf_counter()
     machine = hardware.fingerprint(device, request.dtype, request.threads)
-    models = {role: _load(name, request.dtype, log) for role, name in request.roles()}
+    models = {role: _load(name, dtype, log) for role, name, dtype in request.roles()}
     key = {"request": asdict(request), "machine": {k: machine[k] for k in ("cpu", "device", "torch", "threads")},
            "models": {role: m.fingerprint for role, m in models.items()}}
     checkpoint = _Checkpoint(output, key, resume)
@@ -208,12 +212,12 @@ def _model(request: ProfileRequest, log) -> dict:
     gpu = roofline.accelerator(request.gpu) if request.gpu != "cpu" else None
     if gpu is not None:
         bandwidth, flops = roofline.gpu_rates(gpu, request.dtype)
-    models = {role: _load(name, request.dtype, log) for role, name in request.roles()}
+    models = {role: _load(name, dtype, log) for role, name, dtype in request.roles()}
     costs = {}
     for role, m in models.items():
         shape = ModelShape.from_config(m.config)
         _check_contexts(m.name, shape, request)
-        costs[role] = roofline.ModelCost.from_shape(shape, m.config.intermediate_size, request.dtype)
+        costs[role] = roofline.ModelCost.from_shape(shape, m.config.intermediate_size, m.dtype)
     if gpu is None:
         log("microbenchmarking this CPU (bandwidth, matmul throughput, per-op cost)")
         bench = hardware.measure_cpu(torch_dtype(request.dtype))
@@ -282,6 +286,7 @@ def _document(request: ProfileRequest, source: str, machine: dict, models: dict[
         "source": source,
         "models": {role: m.name for role, m in models.items()},
         "dtype": request.dtype,
+        **({"draft_dtype": models["draft"].dtype} if "draft" in models else {}),
         "hardware": machine,
         "model_fingerprints": {role: m.fingerprint for role, m in models.items()},
         "target": section("target"),

@@ -72,6 +72,7 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--model", "target", required=True, help="target: preset, HF directory or .gguf")
 @click.option("--draft", help="draft model (its per-step cost is profiled too)")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--draft-dtype", type=click.Choice(["fp32", "bf16"]), help="default: --dtype")
 @click.option("--contexts", help="context lengths L, comma-separated [128,1024,4096]")
 @click.option("--sizes", help="new-token counts n, comma-separated [1,2,4,...,512]")
 @click.option("--gpu", help="a catalogue GPU (a100-80g, h100, ...) to model, or `cpu` to model this CPU")
@@ -80,13 +81,13 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
 @click.option("--resume", is_flag=True, help="reuse the points an interrupted run already measured")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def profile(target: str, draft: str | None, dtype: str, contexts: str | None, sizes: str | None, gpu: str | None,
+def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, contexts: str | None, sizes: str | None, gpu: str | None,
             threads: int | None, repeats: int | None, quick: bool, resume: bool, output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
     from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
     from specplan.show import describe_profile
 
-    request = ProfileRequest(target=target, draft=draft, dtype=dtype, gpu=gpu)
+    request = ProfileRequest(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype, gpu=gpu)
     if quick:
         request.sizes, request.repeats, request.warmup = list(QUICK_SIZES), 3, 1
     request.contexts = _int_list(contexts) or request.contexts

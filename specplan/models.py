@@ -229,6 +229,7 @@ def _load_directory(name: str, directory: Path, dtype: str, fingerprint: dict) -
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype(dtype))
         tokenizer = AutoTokenizer.from_pretrained(directory)

@@ -24,7 +24,8 @@ def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
         others = [LatencyProfile.from_dict(read_yaml(compare), str(compare))] if compare else []
         if plot is not None:
             plot_profiles([profile] + others, plot)
-        return "\n\n".join(describe_profile(p.raw) for p in [profile] + others)
+        text = "\n\n".join(describe_profile(p.raw) for p in [profile] + others)
+        return text + ("\n\n" + compare_profiles(profile, others[0]) if others else "")
     if compare is not None:
         raise UserError("--compare applies to profiles only")
     if kind == "acceptance/sequoia":
@@ -62,6 +63,27 @@ def describe_profile(document: dict[str, Any]) -> str:
             lines.append(f"  {n:>6}{row}")
     if "measurement_seconds" in document:
         lines.append(f"measured in {document['measurement_seconds']} s")
+    return "\n".join(lines)
+
+
+def compare_profiles(reference: LatencyProfile, other: LatencyProfile) -> str:
+    """Relative error of `other` against `reference`, per context and n (both points must exist)."""
+    lines = [f"target t(n): {other.source} vs {reference.source}, relative error (other / reference - 1)"]
+    contexts = sorted(set(reference.target_by_context) & set(other.target_by_context))
+    if not contexts:
+        return lines[0] + ": no context in common"
+    lines.append("  " + f"{'n':>6}" + "".join(f"{'L=' + str(L):>12}" for L in contexts))
+    sizes = sorted(set.intersection(*(set(reference.target_by_context[L]) & set(other.target_by_context[L])
+                                      for L in contexts)))
+    errors = []
+    for n in sizes:
+        row = []
+        for L in contexts:
+            error = other.target_by_context[L][n] / reference.target_by_context[L][n] - 1
+            errors.append(abs(error))
+            row.append(f"{error * 100:>+11.1f}%")
+        lines.append(f"  {n:>6}" + "".join(row))
+    lines.append(f"  mean |error| {np.mean(errors) * 100:.1f}%, max {np.max(errors) * 100:.1f}%")
     return "\n".join(lines)
 
 

@@ -31,6 +31,14 @@ def tiny_qwen_pair():
     return target, LeanModel(target.model), LeanModel(draft.model)
 
 
+def hf_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate; the explicit attention mask keeps it from masking pad-valued tokens."""
+    ids = torch.tensor([prompt])
+    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def random_tree(rng: np.random.Generator, size: int, max_children: int) -> list[int]:
     """A random BFS-ordered tree: each new node hangs off one of the open nodes."""
     parents = [-1]
@@ -59,8 +67,7 @@ def test_greedy_output_equals_transformers_greedy(pair, parents, request):
     engine = SpeculativeEngine(target, SequoiaDrafter(draft, parents) if len(parents) > 1 else None)
     for seed in range(3):
         prompt = torch.randint(0, 256, (int(8 + 5 * seed),), generator=torch.Generator().manual_seed(seed)).tolist()
-        reference = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        reference = hf_greedy(loaded, prompt, 40)
         result = engine.generate(prompt, 40, SamplingParams())
         assert result.tokens == reference
         assert sum(result.accepted_per_step) >= 40 and result.steps <= 40
@@ -182,3 +189,51 @@ def test_rules_must_match_the_drafts(tiny_pair):
         engine.generate([1, 2, 3], 4, SamplingParams())  # greedy needs the greedy rule
     assert engine.rule_for(SamplingParams(temperature=1.0)).name == "specinfer"
     assert list(itertools.islice(engine.generate([1, 2, 3], 4, SamplingParams(1.0), seed=1).tokens, 4))
+
+
+# --- the trie drafter (Lookahead) ----------------------------------------------------------------------------
+
+def trie_engine(target: LeanModel, **settings) -> SpeculativeEngine:
+    from decoder.drafters import TrieDrafter
+    from decoder.trie import Trie, TrieSettings
+
+    return SpeculativeEngine(target, TrieDrafter(Trie(TrieSettings(**settings))))
+
+
+@pytest.mark.parametrize("pair", ["tiny_pair", "tiny_qwen_pair"])
+@pytest.mark.parametrize("decoding_length, branch_length", [(2, 1), (8, 4), (24, 6)])
+def test_trie_greedy_output_equals_transformers_greedy(pair, decoding_length, branch_length, request):
+    loaded, target, _ = request.getfixturevalue(pair)
+    engine = trie_engine(target, decoding_length=decoding_length, branch_length=branch_length, window=8,
+                         capacity=2000)
+    reference_run = SpeculativeEngine(target)
+    accepted = 0
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        motif = torch.randint(0, 6, (5,), generator=gen).tolist()  # token 0 appears in the prompts
+        prompt = motif * 4 + torch.randint(0, 256, (6,), generator=gen).tolist() + motif[:3]
+        reference = hf_greedy(loaded, prompt, 48)
+        result = engine.generate(prompt, 48, SamplingParams())
+        assert result.tokens == reference
+        assert reference_run.generate(prompt, 48, SamplingParams()).tokens == reference
+        accepted += sum(result.accepted_per_step) - result.steps
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.5, 0.9, 0), (1.0, 0.85, 4)])
+def test_trie_sampling_is_distributed_as_the_target(temperature, top_p, top_k, toy_pair):
+    target_hf, target, _ = toy_pair
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    prompt = [5, 0, 3, 3]  # the trie proposes 3 after 3, a token the target draws about half the time
+    counts = np.zeros((VOCAB, VOCAB))
+    accepted = 0
+    engine = trie_engine(target, decoding_length=6, branch_length=3, window=5, capacity=500)
+    samples = 5000
+    for seed in range(samples):
+        result = engine.generate(prompt, 2, params, seed=seed)
+        counts[result.tokens[0], result.tokens[1]] += 1
+        accepted += result.accepted_per_step[0] > 1
+    expected = first_two_distribution(target_hf, prompt, params)
+    assert accepted > samples * 0.1
+    assert chi_square_p(counts.sum(1), expected.sum(1)) > 1e-3
+    assert chi_square_p(counts, expected) > 1e-3

@@ -1,0 +1,279 @@
+"""Lookahead's token trie: n-gram branches of the prompt and of the output, merged into draft token trees.
+
+Flat arrays, numba-compiled; node 0 is the root. A node's weight is
+    output_count + prompt_weight * prompt_count
+where output_count counts the windows of generated text through the node (across requests, decayed at
+capacity) and prompt_count the windows of the current prompt (eliminated when the request ends).
+Windows are `window` tokens long: every position of a sequence starts one, so a node at depth k below a
+matched context of j tokens holds the continuations seen after that context.
+
+Retrieval is multi-stage: the longest context suffix (up to `max_prefix` tokens) that matches is used first,
+then shorter ones while the draft has room, and from each matched node the heaviest nodes are taken
+best-first (a node is taken only after its parent) down to `branch_length` tokens below the root; branches
+sharing a prefix are merged into one tree of at most `decoding_length` tokens, root included.
+
+Pruning: when the trie holds more than `capacity` nodes, output counts are halved and nodes with no prompt
+count and an output count below 1 are removed (with their subtrees), until it fits (prompt branches are kept
+while their request is live).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, types
+from numba.typed import Dict
+
+from specplan.errors import UserError
+
+KEY_TYPE = types.int64
+_EMPTY = -1
+
+
+@dataclass(frozen=True)
+class TrieSettings:
+    decoding_length: int = 16  # L_d: tokens the target scores per step, root included
+    branch_length: int = 8  # L_b: deepest draft token below the root
+    window: int = 12  # tokens per inserted branch (a matched context plus its continuation)
+    max_prefix: int = 4  # longest context suffix matched
+    capacity: int = 16 * 16 * 12  # nodes before pruning
+    prompt_weight: float = 4.0  # prompt branches weigh this many output windows
+
+    def check(self) -> TrieSettings:
+        if self.decoding_length < 1:
+            raise UserError(f"decoding length L_d must be >= 1, got {self.decoding_length}")
+        if self.branch_length < 1:
+            raise UserError(f"branch length L_b must be >= 1, got {self.branch_length}")
+        if self.max_prefix < 1 or self.window < 2 or self.capacity < 1 or self.prompt_weight < 0:
+            raise UserError("trie settings: max_prefix >= 1, window >= 2, capacity >= 1, prompt_weight >= 0")
+        return self
+
+
+@njit(cache=True)
+def _key(parent: int, token: int) -> int:
+    return parent * 4294967296 + token
+
+
+@njit(cache=True)
+def _child(children, parent: int, token: int) -> int:
+    key = _key(parent, token)
+    if key in children:
+        return children[key]
+    return _EMPTY
+
+
+@njit(cache=True)
+def _add_child(state, children, parent: int, token: int) -> int:
+    tokens, parents, first_child, next_sibling, output_count, prompt_count, size = state
+    node = size[0]
+    tokens[node] = token
+    parents[node] = parent
+    first_child[node] = _EMPTY
+    next_sibling[node] = first_child[parent]
+    first_child[parent] = node
+    output_count[node] = 0.0
+    prompt_count[node] = 0.0
+    children[_key(parent, token)] = node
+    size[0] = node + 1
+    return node
+
+
+@njit(cache=True)
+def _extend_windows(state, children, sequence, old_length, new_length, window, from_prompt):
+    """Count the windows of sequence[:new_length] that gained tokens since old_length (the arrays must have
+    room for (new_length - old_length + window) * window new nodes)."""
+    counts = state[5] if from_prompt else state[4]
+    for start in range(max(0, old_length - window + 1), new_length):
+        node = 0
+        end = min(start + window, new_length)
+        done = min(start + window, old_length)  # tokens of this window counted before
+        for position in range(start, end):
+            token = sequence[position]
+            nxt = _child(children, node, token)
+            if nxt == _EMPTY:
+                nxt = _add_child(state, children, node, token)
+            node = nxt
+            if position >= done:
+                counts[node] += 1.0
+
+
+@njit(cache=True)
+def _match(children, sequence, length, prefix_length):
+    node = 0
+    for position in range(length - prefix_length, length):
+        node = _child(children, node, sequence[position])
+        if node == _EMPTY:
+            return _EMPTY
+    return node
+
+
+@njit(cache=True)
+def _retrieve(state, children, sequence, length, decoding_length, branch_length, max_prefix, prompt_weight,
+              draft_tokens, draft_parents):
+    """Fill draft_tokens/draft_parents (node 0 = the root, sequence[length-1]); returns the draft size."""
+    tokens, parents, first_child, next_sibling, output_count, prompt_count, size = state
+    draft_tokens[0] = sequence[length - 1]
+    draft_parents[0] = -1
+    count = 1
+    for prefix_length in range(min(max_prefix, length), 0, -1):
+        if count >= decoding_length:
+            break
+        matched = _match(children, sequence, length, prefix_length)
+        if matched == _EMPTY:
+            continue
+        # Best-first over the subtree below `matched`; heap entries (-weight, depth, trie node, draft parent).
+        heap = [(0.0, 0, 0, 0)]
+        heap.pop()
+        child = first_child[matched]
+        while child != _EMPTY:
+            heap.append((-(output_count[child] + prompt_weight * prompt_count[child]), 1, child, 0))
+            child = next_sibling[child]
+        _heapify(heap)
+        while heap and count < decoding_length:
+            negative_weight, depth, node, draft_parent = _heappop(heap)
+            token = tokens[node]
+            # Merge with an existing draft child holding the same token (shared prefixes).
+            existing = -1
+            for d in range(1, count):
+                if draft_parents[d] == draft_parent and draft_tokens[d] == token:
+                    existing = d
+                    break
+            if existing == -1:
+                existing = count
+                draft_tokens[count] = token
+                draft_parents[count] = draft_parent
+                count += 1
+            if depth < branch_length:
+                child = first_child[node]
+                while child != _EMPTY:
+                    _heappush(heap, (-(output_count[child] + prompt_weight * prompt_count[child]), depth + 1,
+                                     child, existing))
+                    child = next_sibling[child]
+    return count
+
+
+@njit(cache=True)
+def _heapify(heap):
+    for i in range(len(heap) // 2 - 1, -1, -1):
+        _sift_down(heap, i)
+
+
+@njit(cache=True)
+def _sift_down(heap, i):
+    n = len(heap)
+    while True:
+        smallest = i
+        left, right = 2 * i + 1, 2 * i + 2
+        if left < n and heap[left] < heap[smallest]:
+            smallest = left
+        if right < n and heap[right] < heap[smallest]:
+            smallest = right
+        if smallest == i:
+            return
+        heap[i], heap[smallest] = heap[smallest], heap[i]
+        i = smallest
+
+
+@njit(cache=True)
+def _heappush(heap, item):
+    heap.append(item)
+    i = len(heap) - 1
+    while i > 0:
+        parent = (i - 1) // 2
+        if heap[i] < heap[parent]:
+            heap[i], heap[parent] = heap[parent], heap[i]
+            i = parent
+        else:
+            return
+
+
+@njit(cache=True)
+def _heappop(heap):
+    last = heap.pop()
+    if not heap:
+        return last
+    top = heap[0]
+    heap[0] = last
+    _sift_down(heap, 0)
+    return top
+
+
+@njit(cache=True)
+def _surviving(state, decay, drop_prompt):
+    """Decay output counts (and forget prompt counts if asked); mark the nodes that stay (parents first)."""
+    tokens, parents, first_child, next_sibling, output_count, prompt_count, size = state
+    n = size[0]
+    keep = np.zeros(n, dtype=np.bool_)
+    keep[0] = True
+    for node in range(1, n):
+        output_count[node] *= decay
+        if drop_prompt:
+            prompt_count[node] = 0.0
+        keep[node] = keep[parents[node]] and (prompt_count[node] > 0.0 or output_count[node] >= 1.0)
+    return keep
+
+
+class Trie:
+    def __init__(self, settings: TrieSettings) -> None:
+        self.settings = settings.check()
+        self._allocate(max(1024, 2 * settings.capacity))
+        self.draft_tokens = np.zeros(settings.decoding_length, dtype=np.int64)
+        self.draft_parents = np.zeros(settings.decoding_length, dtype=np.int64)
+
+    def _allocate(self, slots: int) -> None:
+        self.state = (np.zeros(slots, np.int64), np.full(slots, -1, np.int64), np.full(slots, -1, np.int64),
+                      np.full(slots, -1, np.int64), np.zeros(slots), np.zeros(slots), np.ones(1, np.int64))
+        self.children = Dict.empty(key_type=KEY_TYPE, value_type=KEY_TYPE)
+
+    @property
+    def size(self) -> int:
+        return int(self.state[6][0])
+
+    def insert(self, sequence: np.ndarray, old_length: int, new_length: int, from_prompt: bool = False) -> None:
+        """Count the windows of sequence[:new_length] that grew since old_length (0 for a fresh sequence)."""
+        window = self.settings.window
+        needed = (new_length - max(0, old_length - window + 1)) * window
+        if len(self.state[0]) - self.size < needed:
+            self._rebuild(np.ones(self.size, dtype=bool), room=needed)
+        _extend_windows(self.state, self.children, sequence, old_length, new_length, window, from_prompt)
+        if self.size > self.settings.capacity:
+            self.prune()
+
+    def retrieve(self, sequence: np.ndarray, length: int, decoding_length: int | None = None,
+                 branch_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        s = self.settings
+        count = _retrieve(self.state, self.children, sequence, length, decoding_length or s.decoding_length,
+                          branch_length or s.branch_length, s.max_prefix, s.prompt_weight,
+                          self.draft_tokens, self.draft_parents)
+        return self.draft_tokens[:count], self.draft_parents[:count]
+
+    def prune(self) -> None:
+        while self.size > self.settings.capacity:
+            before = self.size
+            self._rebuild(_surviving(self.state, 0.5, False))
+            if self.size == before:
+                break  # only prompt branches left
+
+    def end_request(self) -> None:
+        """Branch eliminating: forget the finished prompt's branches."""
+        self._rebuild(_surviving(self.state, 1.0, True))
+
+    def _rebuild(self, keep: np.ndarray, room: int = 0) -> None:
+        """Copy the kept nodes (parents always precede children) into fresh arrays with `room` to spare."""
+        tokens, parents, _, _, output_count, prompt_count, _ = self.state
+        old_ids = np.nonzero(keep)[0]
+        self._allocate(max(1024, 2 * self.settings.capacity, 2 * (len(old_ids) + room)))
+        _copy_nodes(self.state, self.children, old_ids, tokens, parents, output_count, prompt_count)
+
+
+@njit(cache=True)
+def _copy_nodes(state, children, old_ids, tokens, parents, output_count, prompt_count):
+    new_id = np.full(tokens.shape[0], -1, dtype=np.int64)
+    new_id[0] = 0
+    for i in range(1, old_ids.shape[0]):
+        old = old_ids[i]
+        node = _add_child(state, children, new_id[parents[old]], tokens[old])
+        new_id[old] = node
+        state[4][node] = output_count[old]
+        state[5][node] = prompt_count[old]

@@ -1,0 +1,100 @@
+"""Lookahead's trie: window counts against a reference, retrieval, merging, pruning, elimination, token 0."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from decoder.trie import Trie, TrieSettings
+from specplan.errors import UserError
+
+
+def reference_counts(sequence: list[int], window: int) -> collections.Counter:
+    """Every window start contributes one count to each of its prefixes."""
+    counts = collections.Counter()
+    for start in range(len(sequence)):
+        for end in range(start + 1, min(start + window, len(sequence)) + 1):
+            counts[tuple(sequence[start:end])] += 1
+    return counts
+
+
+def trie_counts(trie: Trie, prompt: bool) -> dict:
+    tokens, parents, _, _, output, prompt_counts, size = trie.state
+    paths, out = {0: ()}, {}
+    for node in range(1, int(size[0])):
+        paths[node] = paths[int(parents[node])] + (int(tokens[node]),)
+        value = prompt_counts[node] if prompt else output[node]
+        if value:
+            out[paths[node]] = value
+    return out
+
+
+def test_incremental_insertion_counts_every_window_once():
+    rng = np.random.default_rng(0)
+    sequence = rng.integers(0, 5, 60)
+    trie = Trie(TrieSettings(window=6, capacity=10**6))
+    array = np.array(sequence, dtype=np.int64)
+    length = 0
+    for step in [7, 1, 3, 10, 1, 1, 20, 17]:
+        trie.insert(array, length, length + step)
+        length += step
+    assert trie_counts(trie, prompt=False) == reference_counts(list(sequence), 6)
+
+
+def test_retrieval_continues_the_matched_context():
+    trie = Trie(TrieSettings(decoding_length=8, branch_length=4, window=8, max_prefix=3, capacity=10**6))
+    prompt = np.array([5, 6, 7, 8, 9, 10, 5, 6, 7, 11, 12, 0, 0, 0], dtype=np.int64)
+    trie.insert(prompt, 0, len(prompt), from_prompt=True)
+    context = np.array([1, 2, 5, 6, 7], dtype=np.int64)
+    tokens, parents = trie.retrieve(context, len(context))
+    assert tokens[0] == 7 and parents[0] == -1
+    assert len(tokens) <= 8
+    children_of_root = {int(tokens[i]) for i in range(1, len(tokens)) if parents[i] == 0}
+    assert {8, 11} <= children_of_root  # both continuations of "5 6 7", merged under one root
+    depth = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        assert 0 <= parents[i] < i
+        depth[i] = depth[parents[i]] + 1
+    assert max(depth) <= 4
+    # Token 0 is a real token: the branch "11 12 0 0" is proposed after "... 7".
+    branch = [int(tokens[i]) for i in range(len(tokens))]
+    assert 0 in branch
+
+
+def test_branches_shared_across_stages_are_merged():
+    trie = Trie(TrieSettings(decoding_length=32, branch_length=3, window=5, max_prefix=2, capacity=10**6))
+    seq = np.array([1, 2, 3, 4, 9, 2, 3, 4, 5], dtype=np.int64)
+    trie.insert(seq, 0, len(seq), from_prompt=True)
+    tokens, parents = trie.retrieve(np.array([1, 2], dtype=np.int64), 2)
+    paths = {(): 0}
+    seen = set()
+    for i in range(1, len(tokens)):
+        path = next(p for p, node in paths.items() if node == parents[i]) + (int(tokens[i]),)
+        assert path not in seen, "a token path appears twice in the draft"
+        seen.add(path)
+        paths[path] = i
+
+
+def test_pruning_keeps_capacity_and_prompt_branches():
+    rng = np.random.default_rng(1)
+    trie = Trie(TrieSettings(window=4, capacity=200))
+    prompt = np.array([100, 101, 102, 103, 104], dtype=np.int64)
+    trie.insert(prompt, 0, 5, from_prompt=True)
+    output = np.concatenate([prompt, rng.integers(0, 50, 500)]).astype(np.int64)
+    length = 5
+    while length < len(output):
+        trie.insert(output, length, length + 3)
+        length += 3
+        assert trie.size <= 200 + 3 * 4 * 2
+    assert trie_counts(trie, prompt=True) == reference_counts(list(prompt), 4)
+    trie.end_request()
+    assert trie_counts(trie, prompt=True) == {}
+    assert all(v >= 1 for v in trie_counts(trie, prompt=False).values())
+
+
+def test_bad_settings():
+    for settings in (TrieSettings(decoding_length=0), TrieSettings(branch_length=0)):
+        with pytest.raises(UserError):
+            settings.check()
