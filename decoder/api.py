@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decoder.drafters import Drafter, SequoiaDrafter
+from decoder.drafters import Drafter, SequoiaDrafter, TrieDrafter
 from decoder.engine import GenerationResult, SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
+from decoder.trie import Trie, TrieSettings
 from profiler.datasets import encode_prompt
 from specplan.errors import UserError
-from specplan.models import LoadedModel, load_model
+from specplan.models import LoadedModel, load_model, tokenizer_fingerprint
 from specplan.plan_schema import Plan, load_plan
 
 
@@ -56,13 +57,18 @@ def stop_token_ids(loaded: LoadedModel) -> set[int]:
 
 
 class Decoder:
-    def __init__(self, target: LoadedModel, drafter: Drafter | None, plan: Plan | None, verify: str | None,
-                 draft: LoadedModel | None = None) -> None:
+    def __init__(self, target: LoadedModel, make_drafter: Callable[[], Drafter | None], plan: Plan | None,
+                 verify: str | None, draft: LoadedModel | None = None) -> None:
         self.target = target
         self.draft = draft
         self.plan = plan
+        self.make_drafter = make_drafter
         self.lean_target = LeanModel(target.model)
-        self.engine = SpeculativeEngine(self.lean_target, drafter, stop_token_ids(target), verify)
+        self.engine = SpeculativeEngine(self.lean_target, make_drafter(), stop_token_ids(target), verify)
+
+    def restart(self) -> None:
+        """A fresh drafter: forget what a trie learned (so a benchmark matches an offline replay)."""
+        self.engine.drafter = self.make_drafter() or self.engine.drafter
 
     @property
     def tokenizer(self) -> Any:
@@ -100,7 +106,15 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     log(f"loading {target_name} ({dtype})")
     target_model = load_model(target_name, dtype, log=log)
     if plan is None:
-        return Decoder(target_model, None, None, verify)
+        return Decoder(target_model, lambda: None, None, verify)
+    if plan.method == "lookahead":
+        fingerprint = tokenizer_fingerprint(target_model.tokenizer)
+        if fingerprint != plan.tokenizer:
+            raise UserError(f"{plan_path}: the plan was made for another tokenizer "
+                            f"({plan.tokenizer.get('vocab_size')} tokens) than {target_name}'s "
+                            f"({fingerprint['vocab_size']} tokens)")
+        settings = TrieSettings(**plan.settings).check()
+        return Decoder(target_model, lambda: TrieDrafter(Trie(settings)), plan, verify)
     if plan.method == "sequoia":
         draft_name = draft or plan.models.get("draft")
         if not draft_name:
@@ -109,8 +123,9 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
         log(f"loading {draft_name} ({draft_dtype})")
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target_model, draft_model)
-        drafter = SequoiaDrafter(LeanModel(draft_model.model), list(plan.tree.parents))
-        return Decoder(target_model, drafter, plan, verify, draft_model)
+        lean_draft = LeanModel(draft_model.model)
+        return Decoder(target_model, lambda: SequoiaDrafter(lean_draft, list(plan.tree.parents)), plan, verify,
+                       draft_model)
     raise UserError(f"{plan_path}: plans of kind {plan.kind} cannot be run yet")
 
 

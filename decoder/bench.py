@@ -65,6 +65,7 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
     log(f"warming up {', '.join(names)}")
     for run in methods.values():
         run(encoded[0][:64], 8, 0)
+    decoder.restart()
     rows = []
     for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
         row: dict[str, Any] = {"id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids), "methods": {}}

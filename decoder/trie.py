@@ -12,9 +12,9 @@ then shorter ones while the draft has room, and from each matched node the heavi
 best-first (a node is taken only after its parent) down to `branch_length` tokens below the root; branches
 sharing a prefix are merged into one tree of at most `decoding_length` tokens, root included.
 
-Pruning: when the trie holds more than `capacity` nodes, output counts are halved and nodes with no prompt
-count and an output count below 1 are removed (with their subtrees), until it fits (prompt branches are kept
-while their request is live).
+Pruning: when the trie holds more than `capacity` nodes beyond those of the live prompt's branches, output
+counts are halved and nodes with no prompt count and an output count below 1 are removed (with their
+subtrees) until it fits; prompt branches stay while their request is live.
 """
 
 from __future__ import annotations
@@ -217,6 +217,7 @@ def _surviving(state, decay, drop_prompt):
 class Trie:
     def __init__(self, settings: TrieSettings) -> None:
         self.settings = settings.check()
+        self.prompt_floor = 0  # nodes of the live prompt's branches: capacity counts the nodes beyond them
         self._allocate(max(1024, 2 * settings.capacity))
         self.draft_tokens = np.zeros(settings.decoding_length, dtype=np.int64)
         self.draft_parents = np.zeros(settings.decoding_length, dtype=np.int64)
@@ -237,7 +238,9 @@ class Trie:
         if len(self.state[0]) - self.size < needed:
             self._rebuild(np.ones(self.size, dtype=bool), room=needed)
         _extend_windows(self.state, self.children, sequence, old_length, new_length, window, from_prompt)
-        if self.size > self.settings.capacity:
+        if from_prompt:
+            self.prompt_floor = self.size
+        elif self.size > self.prompt_floor + self.settings.capacity:
             self.prune()
 
     def retrieve(self, sequence: np.ndarray, length: int, decoding_length: int | None = None,
@@ -249,15 +252,16 @@ class Trie:
         return self.draft_tokens[:count], self.draft_parents[:count]
 
     def prune(self) -> None:
-        while self.size > self.settings.capacity:
+        while self.size > self.prompt_floor + self.settings.capacity:
             before = self.size
             self._rebuild(_surviving(self.state, 0.5, False))
             if self.size == before:
-                break  # only prompt branches left
+                break
 
     def end_request(self) -> None:
         """Branch eliminating: forget the finished prompt's branches."""
         self._rebuild(_surviving(self.state, 1.0, True))
+        self.prompt_floor = 0
 
     def _rebuild(self, keep: np.ndarray, room: int = 0) -> None:
         """Copy the kept nodes (parents always precede children) into fresh arrays with `room` to spare."""

@@ -69,3 +69,55 @@ class SequoiaAcceptance:
 
 def load_sequoia_acceptance(path: str | os.PathLike) -> SequoiaAcceptance:
     return SequoiaAcceptance.from_dict(read_yaml(path), str(path))
+
+
+@dataclass
+class LookaheadRecord:
+    id: str
+    category: str
+    prompt: list[int]
+    output: list[int]
+
+
+@dataclass
+class LookaheadAcceptance:
+    """The target's greedy outputs on a dataset, in order: what an offline trie replay needs."""
+
+    target: str
+    tokenizer: dict[str, Any]
+    records: list[LookaheadRecord]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> LookaheadAcceptance:
+        f = Fields(data, where)
+        f.kind("acceptance/lookahead")
+        models = f.sub("models")
+        tokenizer = f.sub("tokenizer")
+        tokenizer.integer("vocab_size", low=1)
+        tokenizer.string("sha256")
+        raw = data.get("records")
+        if not isinstance(raw, list) or not raw:
+            raise f.fail("'records' must be a non-empty list")
+        records = []
+        for i, item in enumerate(raw):
+            r = Fields(item, f"{where}: records[{i}]")
+            token_lists = [r.data.get(key) for key in ("prompt", "output")]
+            if not all(isinstance(tokens, list) and tokens and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                      and t >= 0 for t in tokens)
+                       for tokens in token_lists):
+                raise r.fail("'prompt' and 'output' must be non-empty lists of token ids")
+            records.append(LookaheadRecord(str(r.data.get("id", i)), str(r.data.get("category", "")),
+                                           *token_lists))
+        return cls(target=models.string("target"), tokenizer=dict(tokenizer.data), records=records,
+                   extra={k: v for k, v in data.items() if k not in {"kind", "models", "tokenizer", "records"}})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "acceptance/lookahead", "models": {"target": self.target}, "tokenizer": self.tokenizer,
+                **self.extra,
+                "records": [{"id": r.id, "category": r.category, "prompt": r.prompt, "output": r.output}
+                            for r in self.records]}
+
+
+def load_lookahead_acceptance(path: str | os.PathLike) -> LookaheadAcceptance:
+    return LookaheadAcceptance.from_dict(read_yaml(path), str(path))

@@ -136,6 +136,55 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
     click.echo(f"wrote {output}")
 
 
+@accept.command("lookahead")
+@click.option("--target", required=True)
+@click.option("--dataset", required=True, help="PATH[:category[,category]]")
+@click.option("--samples", type=int, help="number of prompts (spread across categories)")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+def accept_lookahead(target: str, dataset: str, samples: int | None, max_new_tokens: int, dtype: str, chat: bool,
+                     output: Path) -> None:
+    """The target's own greedy outputs on a dataset, for the offline trie replay."""
+    from profiler.outputs import run_lookahead_acceptance
+
+    acceptance = run_lookahead_acceptance(target, dataset, samples, max_new_tokens, dtype, chat, str(output),
+                                          log=_progress)
+    tokens = sum(len(r.output) for r in acceptance.records)
+    click.echo(f"{len(acceptance.records)} prompts, {tokens} generated tokens; wrote {output}")
+
+
+@solve.command("lookahead")
+@click.option("--acceptance", "acceptance_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="acceptance/lookahead YAML (the target's greedy outputs)")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--decoding-lengths", help="L_d grid, comma-separated (default 2..64)")
+@click.option("--branch-lengths", help="L_b grid, comma-separated (default 1..16)")
+@click.option("--top", type=int, default=10, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
+                        branch_lengths: str | None, top: int, output: Path) -> None:
+    """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie."""
+    from planner.lookahead import BRANCH_LENGTHS, DECODING_LENGTHS, solve_lookahead
+    from specplan.plan_schema import save_plan
+
+    d_grid = tuple(_int_list(decoding_lengths) or DECODING_LENGTHS)
+    b_grid = tuple(_int_list(branch_lengths) or BRANCH_LENGTHS)
+    if min(d_grid) < 1 or min(b_grid) < 1:
+        raise UserError("decoding lengths L_d and branch lengths L_b must be >= 1")
+    plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid)
+    click.echo(f"{'L_d':>4} {'L_b':>4} {'tok/step':>9}" + (f" {'step ms':>8} {'speedup':>8}" if profile_path else ""))
+    for c in ranked[:top]:
+        row = f"{c.decoding_length:>4} {c.branch_length:>4} {c.tokens_per_step:>9.3f}"
+        if c.speedup is not None:
+            row += f" {c.step_seconds * 1e3:>8.2f} {c.speedup:>8.3f}"
+        click.echo(row)
+    save_plan(plan, output)
+    click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
+               f"{plan.settings['decoding_length']}, L_b = {plan.settings['branch_length']}; wrote {output}")
+
+
 @cli.command()
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
               help="a plan file; without one, plain autoregressive decoding of --target")

@@ -258,6 +258,13 @@ def model_fingerprint(name: str, model: Any, dtype: str) -> dict[str, Any]:
     }
 
 
+def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
+    """Identifies a vocabulary: plans holding token ids (a trie) must not be used with another one."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    return {"vocab_size": len(vocab), "sha256": digest}
+
+
 # --- tiny random models for tests -------------------------------------------------------------------------
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -6,6 +6,8 @@ Every plan names the models it was made for (`models`), records its inputs (`inp
 
 - plan/sequoia: `tree: {size, depth, parents}`: node 0 is the root (the last accepted token) with parent
   -1; nodes are in BFS order and the children of a node appear in rank order (rank 1 first).
+- plan/lookahead: `lookahead: {decoding_length, branch_length, window, max_prefix, capacity, prompt_weight}`
+  (the trie settings, decoder/trie.py) and `tokenizer: {vocab_size, sha256}` (a trie plan holds token ids).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from specplan.errors import UserError
 from specplan.fileio import read_yaml, write_yaml
 from specplan.validate import Fields, check_number
 
-PLAN_KINDS = ("plan/sequoia",)
+PLAN_KINDS = ("plan/sequoia", "plan/lookahead")
+LOOKAHEAD_SETTINGS = ("decoding_length", "branch_length", "window", "max_prefix", "capacity")
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,8 @@ class Plan:
     provenance: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
     tree: TokenTree | None = None
+    settings: dict[str, Any] = field(default_factory=dict)  # lookahead: the trie settings
+    tokenizer: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -191,6 +196,14 @@ class Plan:
                 raise tree.fail(f"depth {depth} does not match the tree's depth {plan.tree.depth}")
             if tokens_per_step > plan.tree.size:
                 raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the tree size {plan.tree.size}")
+        if method == "lookahead":
+            settings = f.sub("lookahead")
+            plan.settings = {key: settings.integer(key, low=1) for key in LOOKAHEAD_SETTINGS}
+            plan.settings["prompt_weight"] = settings.number("prompt_weight", low=0.0)
+            tokenizer = f.sub("tokenizer")
+            plan.tokenizer = {"vocab_size": tokenizer.integer("vocab_size", low=1), "sha256": tokenizer.string("sha256")}
+            if tokens_per_step > plan.settings["decoding_length"]:
+                raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the decoding length")
         return plan
 
     def to_dict(self) -> dict[str, Any]:
@@ -199,6 +212,10 @@ class Plan:
             out["sampling"] = self.sampling
         if self.tree is not None:
             out["tree"] = {"size": self.tree.size, "depth": self.tree.depth, "parents": list(self.tree.parents)}
+        if self.settings:
+            out[self.method] = self.settings
+        if self.tokenizer:
+            out["tokenizer"] = self.tokenizer
         out["prediction"] = self.prediction
         out["inputs"] = self.inputs
         out["solver"] = self.solver

@@ -12,6 +12,7 @@ The profiler adds `target.contexts: {L: {t_seconds: {...}, spread_seconds: {...}
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,23 @@ class LatencyProfile:
             known = sorted(self.target_by_context)
             raise ValueError(f"the profile has no context {context} (it has {known})")
         return LatencyCurve(self.target_by_context[context])
+
+    def latency(self, n: int | np.ndarray, context: float) -> np.ndarray:
+        """t(n) at any context length: PCHIP in n at each profiled context, linear in between (clamped)."""
+        curves = self._curves
+        contexts = sorted(curves)
+        context = min(max(context, contexts[0]), contexts[-1])
+        upper = next(i for i, L in enumerate(contexts) if L >= context)
+        if contexts[upper] == context or upper == 0:
+            return curves[contexts[upper]](n)
+        low, high = contexts[upper - 1], contexts[upper]
+        weight = (context - low) / (high - low)
+        return (1 - weight) * curves[low](n) + weight * curves[high](n)
+
+    @functools.cached_property
+    def _curves(self) -> dict[int, LatencyCurve]:
+        by_context = self.target_by_context or {self.target_context or 0: self.target_t_seconds}
+        return {L: LatencyCurve(points) for L, points in by_context.items()}
 
     def draft_step(self, context: int | None = None) -> float | None:
         if context is None or context == self.target_context or context not in self.draft_by_context:

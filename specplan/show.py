@@ -10,7 +10,7 @@ import numpy as np
 
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, read_yaml
-from specplan.acceptance_schema import SequoiaAcceptance
+from specplan.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance
 from specplan.plan_schema import Plan, TokenTree
 from specplan.profile_schema import LatencyProfile
 
@@ -28,6 +28,11 @@ def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
         return text + ("\n\n" + compare_profiles(profile, others[0]) if others else "")
     if compare is not None:
         raise UserError("--compare applies to profiles only")
+    if kind == "acceptance/lookahead":
+        acceptance = LookaheadAcceptance.from_dict(data, str(path))
+        generated = [len(r.output) for r in acceptance.records]
+        return (f"acceptance/lookahead: greedy outputs of {acceptance.target} on {len(generated)} prompts, "
+                f"{sum(generated)} tokens (mean {np.mean(generated):.0f} per prompt)")
     if kind == "acceptance/sequoia":
         acceptance = SequoiaAcceptance.from_dict(data, str(path))
         if plot is not None:
@@ -203,6 +208,9 @@ def describe_plan(plan: Plan) -> str:
         lines.append(f"tree: {plan.tree.size} nodes, depth {plan.tree.depth}, nodes per level {widths}")
         positional = plan.inputs.get("acceptance", {}).get("positional")
         lines.extend("  " + line for line in ascii_tree(plan.tree, positional))
+    if plan.settings:
+        lines.append(f"{plan.method}:")
+        lines.extend(_format_mapping(plan.settings))
     lines.append("inputs:")
     lines.extend(_format_mapping(plan.inputs))
     lines.append("solver:")

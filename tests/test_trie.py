@@ -87,7 +87,7 @@ def test_pruning_keeps_capacity_and_prompt_branches():
     while length < len(output):
         trie.insert(output, length, length + 3)
         length += 3
-        assert trie.size <= 200 + 3 * 4 * 2
+        assert trie.size <= trie.prompt_floor + 200 + 3 * 4 * 2
     assert trie_counts(trie, prompt=True) == reference_counts(list(prompt), 4)
     trie.end_request()
     assert trie_counts(trie, prompt=True) == {}

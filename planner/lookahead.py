@@ -1,0 +1,161 @@
+"""Lookahead's decoding length L_d and branch length L_b, chosen by replaying the trie offline.
+
+For greedy decoding the replay is exact: given the target's own greedy outputs, in the dataset's order, it
+runs the trie as the decoder would (prompt branches, retrieval, longest matching branch plus the bonus token,
+insertion of the emitted tokens, elimination at the end of each request) and counts target steps. Each step's
+cost is t(n, L) from the latency profile for the draft's actual size n at the current context L, so
+
+    predicted speedup = sum over emitted tokens of t(1, L) / sum over steps of t(n_step, L_step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from decoder.trie import Trie, TrieSettings
+from specplan.acceptance_schema import load_lookahead_acceptance
+from specplan.errors import UserError
+from specplan.plan_schema import Plan
+from specplan.profile_schema import LatencyProfile, load_profile
+from specplan.provenance import provenance
+
+DECODING_LENGTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+BRANCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    decoding_length: int
+    branch_length: int
+    tokens: int
+    steps: int
+    step_sizes: np.ndarray  # draft size (root included) per step
+    step_contexts: np.ndarray  # tokens in the cache before each step
+    step_tokens: np.ndarray  # tokens emitted by each step
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps
+
+
+def settings_for(decoding_length: int, branch_length: int, max_prefix: int = 4, capacity_factor: int = 16,
+                 prompt_weight: float = 4.0) -> TrieSettings:
+    """Windows hold a matched context and a full branch; capacity is `capacity_factor` x L_d windows."""
+    window = max_prefix + branch_length
+    return TrieSettings(decoding_length, branch_length, window, max_prefix, capacity_factor * decoding_length * window,
+                        prompt_weight).check()
+
+
+def replay(records: list, settings: TrieSettings) -> ReplayResult:
+    trie = Trie(settings)
+    tokens = steps = 0
+    sizes: list[int] = []
+    contexts: list[int] = []
+    emitted_per_step: list[int] = []
+    for index, record in enumerate(records):
+        if index:
+            trie.end_request()
+        sequence = np.array(record.prompt + record.output, dtype=np.int64)
+        position = len(record.prompt)
+        end = len(sequence)
+        trie.insert(sequence, 0, position, from_prompt=True)
+        while position < end:
+            draft_tokens, draft_parents = trie.retrieve(sequence, position)
+            accepted = _longest_match(draft_tokens, draft_parents, sequence, position, end)
+            emitted = min(accepted + 1, end - position)
+            sizes.append(len(draft_tokens))
+            contexts.append(position - 1)
+            emitted_per_step.append(emitted)
+            trie.insert(sequence, position, position + emitted)
+            position += emitted
+            tokens += emitted
+            steps += 1
+    return ReplayResult(settings.decoding_length, settings.branch_length, tokens, steps, np.array(sizes),
+                        np.array(contexts), np.array(emitted_per_step))
+
+
+def _longest_match(draft_tokens: np.ndarray, draft_parents: np.ndarray, sequence: np.ndarray, position: int,
+                   end: int) -> int:
+    """Draft tokens accepted by greedy verification: follow the children that hold the true next tokens."""
+    node, accepted = 0, 0
+    while position + accepted < end:
+        wanted = sequence[position + accepted]
+        child = next((c for c in range(node + 1, len(draft_tokens))
+                      if draft_parents[c] == node and draft_tokens[c] == wanted), None)
+        if child is None:
+            break
+        node, accepted = child, accepted + 1
+    return accepted
+
+
+def predicted_speedup(result: ReplayResult, profile: LatencyProfile) -> tuple[float, float]:
+    """(speedup over autoregressive decoding, seconds per step on average) from the profile."""
+    step_seconds = sum(float(profile.latency(n, L)) for n, L in zip(result.step_sizes, result.step_contexts))
+    # Autoregressive decoding spends t(1, L) per token; a step's tokens sit at about the step's context.
+    ar_seconds = sum(float(profile.latency(1, L)) * k for L, k in zip(result.step_contexts, result.step_tokens))
+    return ar_seconds / step_seconds, step_seconds / result.steps
+
+
+@dataclass(frozen=True)
+class LookaheadCandidate:
+    decoding_length: int
+    branch_length: int
+    tokens_per_step: float
+    speedup: float | None
+    step_seconds: float | None
+
+
+def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None,
+                    decoding_lengths: tuple[int, ...] = DECODING_LENGTHS,
+                    branch_lengths: tuple[int, ...] = BRANCH_LENGTHS) -> tuple[Plan, list[LookaheadCandidate]]:
+    acceptance = load_lookahead_acceptance(acceptance_path)
+    profile = load_profile(profile_path) if profile_path is not None else None
+    if profile is not None:
+        measured = profile.models.get("target")
+        if measured and measured != acceptance.target:
+            raise UserError(f"the outputs are from {acceptance.target!r} but the profile is for {measured!r}")
+        max_n = min(max(curve) for curve in (profile.target_by_context or {0: profile.target_t_seconds}).values())
+        decoding_lengths = tuple(d for d in decoding_lengths if d <= max_n)
+    grid = [(d, b) for d in decoding_lengths for b in branch_lengths if b < d]
+    if not grid:
+        raise UserError("no (L_d, L_b) pair to search: L_d must be >= 2 and within the profile's sizes")
+    start = time.perf_counter()
+    candidates, replays = [], {}
+    for d, b in grid:
+        result = replay(acceptance.records, settings_for(d, b))
+        replays[(d, b)] = result
+        speedup = step = None
+        if profile is not None:
+            speedup, step = predicted_speedup(result, profile)
+        candidates.append(LookaheadCandidate(d, b, result.tokens_per_step, speedup, step))
+    seconds = time.perf_counter() - start
+    key = (lambda c: (-c.speedup, c.decoding_length, c.branch_length)) if profile is not None else \
+        (lambda c: (-c.tokens_per_step, c.decoding_length, c.branch_length))
+    candidates.sort(key=key)
+    best = candidates[0]
+    settings = settings_for(best.decoding_length, best.branch_length)
+    prediction = {"tokens_per_step": best.tokens_per_step, "replayed_tokens": replays[(best.decoding_length,
+                                                                                         best.branch_length)].tokens}
+    if profile is not None:
+        prediction.update(speedup=best.speedup, step_seconds=best.step_seconds, latency_source=profile.source)
+    plan = Plan(
+        method="lookahead",
+        models={"target": acceptance.target,
+                **({"dtype": profile.raw["dtype"]} if profile is not None and profile.raw.get("dtype") else {})},
+        prediction=prediction,
+        inputs={"acceptance": {"file": str(acceptance_path), "records": len(acceptance.records),
+                               "dataset": acceptance.extra.get("dataset")},
+                **({"profile": {"file": str(profile_path)}} if profile is not None else {}),
+                "grid": {"decoding_lengths": list(decoding_lengths), "branch_lengths": list(branch_lengths)}},
+        solver={"seconds": seconds, "algorithm": "exact greedy replay of the trie over the (L_d, L_b) grid",
+                "top": [asdict(c) for c in candidates[:10]]},
+        provenance=provenance([acceptance_path] + ([profile_path] if profile_path else [])),
+        sampling={"temperature": 0.0},
+        settings=asdict(settings),
+        tokenizer=acceptance.tokenizer,
+    )
+    return plan, candidates
