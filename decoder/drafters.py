@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-from decoder.model import LeanModel, causal_mask
+from decoder.model import KVCache, LeanModel, causal_mask
 from decoder.sampling import SamplingParams, probabilities
 from decoder.tree import DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, \
     tree_attention_mask
@@ -30,12 +30,30 @@ class Drafter(ABC):
         """The target accepted `accepted` (node indices, root first); `next_token` is the next root, or None
         when generation ends inside the accepted path."""
 
+    def bind(self, target_cache: KVCache) -> None:
+        """The engine's target cache after prefill (a drafter built on the target's own cache reads it)."""
+
+    # A drafter used as the bottom of a hierarchy follows speculative tokens that the top may reject:
+    def extend(self, tokens: list[int]) -> None:
+        """Take `tokens` as committed after the current root."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be the bottom of a hierarchy")
+
+    def rollback(self, count: int) -> None:
+        """Forget the last `count` committed tokens."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be the bottom of a hierarchy")
+
 
 class NoDrafter(Drafter):
-    """Plain autoregressive decoding: a one-node tree."""
+    """Plain autoregressive decoding: a one-node tree (as a hierarchy's bottom: the two-level variant)."""
 
     def propose(self, root, params, draw, generator):
         return DraftTree([root], [-1])
+
+    def extend(self, tokens):
+        pass
+
+    def rollback(self, count):
+        pass
 
 
 def choose_children(logits: torch.Tensor, counts: list[int], params: SamplingParams, draw: str,
@@ -156,8 +174,16 @@ class TrieDrafter(Drafter):
         return DraftTree(tokens.tolist(), parents.tolist())
 
     def update(self, tree, accepted, next_token):
-        new = [tree.tokens[v] for v in accepted[1:]] + ([next_token] if next_token is not None else [])
+        self.extend([tree.tokens[v] for v in accepted[1:]] + ([next_token] if next_token is not None else []))
+
+    def extend(self, tokens):
         old = self.length
-        self.sequence[old:old + len(new)] = new
-        self.length = old + len(new)
+        if old + len(tokens) > len(self.sequence):
+            self.sequence = np.concatenate([self.sequence, np.zeros(len(self.sequence), dtype=np.int64)])
+        self.sequence[old:old + len(tokens)] = tokens
+        self.length = old + len(tokens)
         self.trie.insert(self.sequence, old, self.length)
+
+    def rollback(self, count):
+        # The trie keeps the counts of the withdrawn tokens: they only shape future drafts, never the output.
+        self.length -= count

@@ -73,6 +73,8 @@ class SpeculativeEngine:
         cache = target.new_cache(max_len)
         target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), cache, logits=False)
         self.drafter.reset(prompt, max_len)
+        self.drafter.bind(cache)
+        queries = getattr(self.drafter, "queries", None)
         prefill_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -85,7 +87,7 @@ class SpeculativeEngine:
             tokens = torch.tensor(tree.tokens)
             positions = cache.length + torch.tensor(tree.depths)
             mask = self._mask(tree.parents, cache.length) if tree.size > 1 else None
-            logits = target.forward(tokens, positions, cache, mask)
+            logits = target.forward(tokens, positions, cache, mask, queries=queries, query_row=0)
             path, next_token = rule.walk(tree, logits, params, generator)
             contiguous = path == list(range(len(path)))
             cache.commit(None if contiguous else torch.tensor(path), len(path))

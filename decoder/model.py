@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +113,8 @@ class LeanModel:
                 "w_gate_up": torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
                 "w_down": take(mlp + "down_proj.weight"),
             })
-        self.matmul_kernels = tuned_matmul_kernels(self.layers[0]["w_gate_up"]) if self.device.type == "cpu" else {}
+        self.matmul_kernels = tuned_matmul_kernels([layer["w_gate_up"] for layer in self.layers]) \
+            if self.device.type == "cpu" else {}
         d = self.shape.head_dim
         self.q_size, self.kv_size = self.shape.heads * d, self.shape.kv_heads * d
         inv_freq = 1.0 / (self.shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -141,12 +143,15 @@ class LeanModel:
         return x * cos + rotated * sin
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+                logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None,
+                queries: torch.Tensor | None = None, query_row: int = -1) -> torch.Tensor:
         """Score `tokens` ([n]) at `positions` ([n]); returns logits [rows, vocab] for `logits_rows` (all by default).
 
         Dynamic layout (slots None): new keys go to cache slots length..length+n-1 and `mask` is an additive
         [n, length+n] mask, or None when every new token may see every slot (n = 1). Static layout: `slots`
         ([n]) are the cache slots to write and `mask` is [n, max_len]. The cache length is not advanced.
+        `queries` ([layers, heads, head_dim]), if given, receives the rotated query of row `query_row` per layer
+        (a retrieval cache scores its chunks with it).
         """
         shape = self.shape
         n = tokens.shape[0]
@@ -163,6 +168,8 @@ class LeanModel:
             q = self._rope(q.view(n, shape.heads, shape.head_dim).transpose(0, 1), cos, sin)
             k = self._rope(k.view(n, shape.kv_heads, shape.head_dim).transpose(0, 1), cos, sin)
             v = v.view(n, shape.kv_heads, shape.head_dim).transpose(0, 1)
+            if queries is not None:
+                queries[i] = q[:, query_row]
             if slots is None:
                 cache.k[i, :, start:end] = k
                 cache.v[i, :, start:end] = v
@@ -220,40 +227,47 @@ TUNED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 @torch.inference_mode()
-def tune_matmul(weight: torch.Tensor, repeats: int = 3) -> dict[int, str]:
-    """The fastest way to multiply n rows by this machine's weights, per n (measured on one real weight).
-
-    Rows counts between the tuned ones use the kernel of the next tuned count up; beyond, F.linear."""
+def tune_matmul(weights: list[torch.Tensor], repeats: int = 2) -> dict[int, str]:
+    """The fastest way to multiply n rows by this model's weights, per n, timed over a pass through enough of
+    its real weight matrices to leave the caches (as a forward does). Row counts between the tuned ones use
+    the kernel of the next tuned count up; beyond the last, F.linear."""
+    chosen, total = [], 0
+    for weight in weights:
+        chosen.append(weight)
+        total += weight.numel() * weight.element_size()
+        if total >= 256 * 2**20:
+            break
     fastest: dict[int, str] = {}
     for n in TUNED_ROWS:
-        x = torch.randn(n, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        best = (float("inf"), "linear")
+        x = torch.randn(n, chosen[0].shape[1], dtype=chosen[0].dtype, device=chosen[0].device)
+        timings = []
         for name, kernel in MATMUL_KERNELS.items():
-            kernel(x, weight, None)
-            seconds = min(_timed(kernel, x, weight) for _ in range(repeats))
-            best = min(best, (seconds, name))
-        fastest[n] = best[1]
-    table = {}
-    for n in range(1, TUNED_ROWS[-1] + 1):
-        table[n] = fastest[min(t for t in TUNED_ROWS if t >= n)]
-    return table
+            def sweep() -> None:
+                for weight in chosen:
+                    kernel(x, weight, None)
+            sweep()
+            timings.append((min(_timed(sweep) for _ in range(repeats)), name))
+        fastest[n] = min(timings)[1]
+    return {n: fastest[min(t for t in TUNED_ROWS if t >= n)] for n in range(1, TUNED_ROWS[-1] + 1)}
 
 
-def tuned_matmul_kernels(weight: torch.Tensor) -> dict[int, str]:
-    """tune_matmul's answer for this machine, thread count, dtype and weight shape, cached on disk."""
+def tuned_matmul_kernels(weights: list[torch.Tensor]) -> dict[int, str]:
+    """tune_matmul's answer for this machine, thread count, dtype and weight shapes, cached on disk."""
     import json
 
     from specplan.machine import cpu_info
     from specplan.models import cache_dir
 
-    key = f"{cpu_info()['cpu']}|{torch.__version__}|{torch.get_num_threads()}|{weight.dtype}|{tuple(weight.shape)}"
+    first = weights[0]
+    key = f"{cpu_info()['cpu']}|{torch.__version__}|{torch.get_num_threads()}|{first.dtype}|" \
+          f"{len(weights)}x{tuple(first.shape)}"
     path = cache_dir() / "matmul-kernels.json"
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
     if key not in known:
-        known[key] = {str(n): kernel for n, kernel in tune_matmul(weight).items()}
+        known[key] = {str(n): kernel for n, kernel in tune_matmul(weights).items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(known, indent=1))
@@ -261,9 +275,9 @@ def tuned_matmul_kernels(weight: torch.Tensor) -> dict[int, str]:
     return {int(n): kernel for n, kernel in known[key].items()}
 
 
-def _timed(kernel, x: torch.Tensor, weight: torch.Tensor) -> float:
+def _timed(sweep: Callable[[], None]) -> float:
     start = time.perf_counter()
-    kernel(x, weight, None)
+    sweep()
     return time.perf_counter() - start
 
 
