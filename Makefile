@@ -16,13 +16,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
+	$(PY) -m ruff check .
 	$(PY) -m pytest tests
 
 demo: setup
-	$(VENV)/bin/plan solve sequoia --acceptance examples/sequoia.acceptance.yaml \
-	    --profile examples/smollm2-135m.minimal-profile.yaml --max-size 64 --max-depth 12 \
-	    -o plans/demo.sequoia.yaml
-	$(VENV)/bin/plan show plans/demo.sequoia.yaml
+	$(PY) -m specplan.demo
 
 bench: setup
 	taskset -c 0 $(PY) bench/sequoia_dp.py

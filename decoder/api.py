@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decoder.drafters import Drafter, SequoiaDrafter, TrieDrafter
+from decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from decoder.engine import GenerationResult, SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
@@ -58,12 +58,12 @@ def stop_token_ids(loaded: LoadedModel) -> set[int]:
 
 class Decoder:
     def __init__(self, target: LoadedModel, make_drafter: Callable[[], Drafter | None], plan: Plan | None,
-                 verify: str | None, draft: LoadedModel | None = None) -> None:
+                 verify: str | None, draft: LoadedModel | None = None, lean_target: LeanModel | None = None) -> None:
         self.target = target
         self.draft = draft
         self.plan = plan
         self.make_drafter = make_drafter
-        self.lean_target = LeanModel(target.model)
+        self.lean_target = lean_target or LeanModel(target.model)
         self.engine = SpeculativeEngine(self.lean_target, make_drafter(), stop_token_ids(target), verify)
 
     def restart(self) -> None:
@@ -115,11 +115,13 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
                             f"({fingerprint['vocab_size']} tokens)")
         settings = TrieSettings(**plan.settings).check()
         return Decoder(target_model, lambda: TrieDrafter(Trie(settings)), plan, verify)
+    if plan.method == "triforce":
+        return _triforce_decoder(plan, target_model, draft, draft_dtype or dtype, verify, log)
     if plan.method == "sequoia":
         draft_name = draft or plan.models.get("draft")
         if not draft_name:
             raise UserError(f"{plan_path}: the plan names no draft model; give --draft")
-        draft_dtype = draft_dtype or dtype
+        draft_dtype = draft_dtype or plan.models.get("draft_dtype") or dtype
         log(f"loading {draft_name} ({draft_dtype})")
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target_model, draft_model)
@@ -127,6 +129,35 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
         return Decoder(target_model, lambda: SequoiaDrafter(lean_draft, list(plan.tree.parents)), plan, verify,
                        draft_model)
     raise UserError(f"{plan_path}: plans of kind {plan.kind} cannot be run yet")
+
+
+def _triforce_decoder(plan: Plan, target: LoadedModel, draft_name: str | None, draft_dtype: str,
+                      verify: str | None, log: Callable[[str], None]) -> Decoder:
+    from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
+
+    settings = plan.settings
+    retrieval = RetrievalSettings(settings["budget"], settings["chunk"], settings["stride"],
+                                  settings["rebuild_below"]).check()
+    lean_target = LeanModel(target.model)
+    draft_model = None
+    if settings["bottom"] == "model":
+        draft_name = draft_name or plan.models.get("draft")
+        if not draft_name:
+            raise UserError("the plan's bottom level is a draft model but names none; give --draft")
+        log(f"loading {draft_name} ({draft_dtype})")
+        draft_model = load_model(draft_name, draft_dtype, log=log)
+        check_same_vocabulary(target, draft_model)
+        lean_draft = LeanModel(draft_model.model)
+
+    def bottom() -> Drafter:
+        if settings["bottom"] == "trie":
+            return TrieDrafter(Trie(TrieSettings()))
+        if settings["bottom"] == "model":
+            return StreamingDrafter(lean_draft, settings["gamma1"], settings["sinks"], settings["window"])
+        return NoDrafter()
+
+    return Decoder(target, lambda: HierarchicalDrafter(lean_target, bottom(), settings["gamma1"], settings["gamma2"],
+                                                       retrieval), plan, verify, draft_model, lean_target)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

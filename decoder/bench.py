@@ -24,12 +24,14 @@ import torch
 from decoder.api import Decoder, stop_token_ids
 from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
-from profiler.datasets import encode_prompt, read_dataset, spread_sample
-from specplan.machine import cpu_info
+from profiler.datasets import Prompt, encode_prompt, read_dataset, spread_sample
+from profiler.haystack import build_prompts
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, write_json
+from specplan.machine import cpu_info
 
-BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar")
+BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming")
+TRIFORCE_BASELINES = ("two-level", "streaming")
 NEAR_TIE = 1e-4
 
 
@@ -43,6 +45,7 @@ class BenchRequest:
     seed: int = 0
     chat: bool = True
     prompt_lookup_tokens: int = 10
+    context: int | None = None  # build long prompts of this many tokens from a folder of essays
 
 
 def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callable[[str], None] = print) -> dict:
@@ -51,14 +54,22 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
         raise UserError(f"unknown baseline {', '.join(sorted(unknown))} (choose from {', '.join(BASELINES)})")
     if "hf-assisted" in request.baselines and decoder.draft is None:
         raise UserError("hf-assisted needs a plan with a draft model")
+    if any(b in TRIFORCE_BASELINES for b in request.baselines) and (decoder.plan is None
+                                                                     or decoder.plan.method != "triforce"):
+        raise UserError(f"the {', '.join(TRIFORCE_BASELINES)} baselines need a TriForce plan")
     if request.prompts < 1 or request.max_new_tokens < 1:
         raise UserError("--prompts and --max-new-tokens must be >= 1")
-    prompts = spread_sample(read_dataset(request.dataset), request.prompts)
-    if not prompts:
-        raise UserError(f"{request.dataset}: no prompts")
     tokenizer = decoder.tokenizer
-    encoded = [encode_prompt(tokenizer, p.text, request.chat) for p in prompts]
-    for prompt, ids in zip(prompts, encoded):
+    if request.context is not None:
+        long_prompts = build_prompts(request.dataset, tokenizer, request.context, request.prompts, request.chat)
+        prompts = [Prompt(p.id, p.category, "") for p in long_prompts]
+        encoded = [p.ids for p in long_prompts]
+    else:
+        prompts = spread_sample(read_dataset(request.dataset), request.prompts)
+        if not prompts:
+            raise UserError(f"{request.dataset}: no prompts")
+        encoded = [encode_prompt(tokenizer, p.text, request.chat) for p in prompts]
+    for ids in encoded:
         decoder.engine.check_fits(len(ids), request.max_new_tokens)
     methods = _methods(decoder, request)
     names = list(methods)
@@ -95,15 +106,14 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
 def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
     params = request.params
     hf_model = decoder.target.model
-    stops = sorted(stop_token_ids(decoder.target))
+    stops_set = stop_token_ids(decoder.target)
+    stops = sorted(stops_set)
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else stops[0]
 
     def ours(ids, max_new, seed):
-        result = decoder.engine.generate(ids, max_new, params, seed)
-        return result.tokens, {"tokens_per_step": result.tokens_per_step, "steps": result.steps,
-                               "prefill_seconds": result.prefill_seconds}
+        return engine_method(decoder.engine)(ids, max_new, seed)
 
-    ar_engine = SpeculativeEngine(decoder.lean_target, None, stop_token_ids(decoder.target))
+    ar_engine = SpeculativeEngine(decoder.lean_target, None, stops_set)
 
     def ours_ar(ids, max_new, seed):
         result = ar_engine.generate(ids, max_new, params, seed)
@@ -114,13 +124,37 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
             torch.manual_seed(seed)
             sampling = {"do_sample": False} if params.greedy else {
                 "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+            tensor = torch.tensor([ids])
             with torch.inference_mode():
-                out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new, eos_token_id=stops,
-                                        pad_token_id=pad, **sampling, **extra)
+                out = hf_model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=max_new,
+                                        eos_token_id=stops, pad_token_id=pad, **sampling, **extra)
             return out[0, len(ids):].tolist(), {}
         return run
 
+    def engine_method(engine: SpeculativeEngine) -> Callable:
+        def run(ids, max_new, seed):
+            result = engine.generate(ids, max_new, params, seed)
+            return result.tokens, {"tokens_per_step": result.tokens_per_step, "steps": result.steps,
+                                   "prefill_seconds": result.prefill_seconds}
+        return run
+
+    triforce = {}
+    if decoder.plan is not None and decoder.plan.method == "triforce":
+        from decoder.drafters import NoDrafter
+        from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
+
+        s = decoder.plan.settings
+        retrieval = RetrievalSettings(s["budget"], s["chunk"], s["stride"], s["rebuild_below"])
+        streaming_model = decoder.engine.drafter.bottom.model if s["bottom"] == "model" else decoder.lean_target
+        triforce = {
+            "two-level": engine_method(SpeculativeEngine(decoder.lean_target, HierarchicalDrafter(
+                decoder.lean_target, NoDrafter(), 1, s["gamma2"], retrieval), stops_set)),
+            "streaming": engine_method(SpeculativeEngine(decoder.lean_target, StreamingDrafter(
+                streaming_model, s["gamma2"], s["sinks"], s["window"]), stops_set)),
+        }
+
     available = {
+        **triforce,
         "ours": ours,
         "ours-ar": ours_ar,
         "hf": hf({}),
@@ -161,7 +195,8 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
     for name in names:
         for base in ("hf", "ours-ar", "hf-assisted", "hf-prompt-lookup"):
             if base in summary and base != name:
-                summary[name][f"speedup_vs_{base}"] = summary[name]["tokens_per_second"] / summary[base]["tokens_per_second"]
+                ratio = summary[name]["tokens_per_second"] / summary[base]["tokens_per_second"]
+                summary[name][f"speedup_vs_{base}"] = ratio
     plan = decoder.plan
     prediction = {}
     if plan is not None:

@@ -10,8 +10,14 @@ import torch
 
 from decoder.model import KVCache, LeanModel, causal_mask
 from decoder.sampling import SamplingParams, probabilities
-from decoder.tree import DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, \
-    tree_attention_mask
+from decoder.tree import (
+    DETERMINISTIC,
+    WITH_REPLACEMENT,
+    WITHOUT_REPLACEMENT,
+    DraftTree,
+    ancestor_matrix,
+    tree_attention_mask,
+)
 from decoder.trie import Trie
 
 
@@ -99,7 +105,7 @@ class SequoiaDrafter(Drafter):
             if self.depths[v] == len(self.levels):
                 self.levels.append([])
             self.levels[self.depths[v]].append(v)
-        self.allowed = ancestor_matrix([self.slot[p] if p >= 0 else -1 for p in (self.parents[v] for v in self.expanded)])
+        self.allowed = ancestor_matrix([self.slot.get(self.parents[v], -1) for v in self.expanded])
         self.cache = None
         self.pending: list[int] = []
 

@@ -133,6 +133,26 @@ class LeanModel:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps)
         return weight * h.to(x.dtype)
 
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                   attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + mask) v for q [heads, n, d] over keys/values [kv_heads, L, d].
+
+        Few query rows (decode steps, token trees) are computed with two grouped matmuls: on CPU, SDPA runs
+        one bf16 query row over 4096 keys about 10x slower than that, and its fp32 path gains nothing until
+        about 16 rows. Longer blocks (prefill) go to SDPA."""
+        n = q.shape[1]
+        if self.device.type == "cpu" and n <= (32 if self.dtype == torch.bfloat16 else 8):
+            heads, d = q.shape[0], q.shape[2]
+            kv_heads, length = keys.shape[0], keys.shape[1]
+            group = heads // kv_heads
+            scores = (q.reshape(kv_heads, group * n, d) @ keys.transpose(1, 2)).float() * d ** -0.5
+            if mask is not None:
+                scores = (scores.view(kv_heads, group, n, length) + mask.float()).view(kv_heads, group * n, length)
+            weights = scores.softmax(-1).to(values.dtype)
+            return (weights @ values).view(heads, n, d)
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask,
+                                              enable_gqa=self.shape.kv_heads != self.shape.heads)[0]
+
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         kernel = self.matmul_kernels.get(x.shape[0], "linear")
         return MATMUL_KERNELS[kernel](x, weight, bias)
@@ -178,9 +198,8 @@ class LeanModel:
                 cache.k[i].index_copy_(1, slots, k)
                 cache.v[i].index_copy_(1, slots, v)
                 keys, values = cache.k[i], cache.v[i]
-            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask,
-                                                 enable_gqa=shape.kv_heads != shape.heads)
-            x = x + self._linear(out[0].transpose(0, 1).reshape(n, self.q_size), layer["wo"])
+            out = self._attention(q, keys, values, mask, attn_mask)
+            x = x + self._linear(out.transpose(0, 1).reshape(n, self.q_size), layer["wo"])
             h = self._rms_norm(x, layer["ln2"])
             gate, up = self._linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
             x = x + self._linear(F.silu(gate) * up, layer["w_down"])
@@ -242,7 +261,7 @@ def tune_matmul(weights: list[torch.Tensor], repeats: int = 2) -> dict[int, str]
         x = torch.randn(n, chosen[0].shape[1], dtype=chosen[0].dtype, device=chosen[0].device)
         timings = []
         for name, kernel in MATMUL_KERNELS.items():
-            def sweep() -> None:
+            def sweep(kernel=kernel, x=x) -> None:
                 for weight in chosen:
                     kernel(x, weight, None)
             sweep()

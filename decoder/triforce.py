@@ -25,7 +25,7 @@ import torch
 
 from decoder.drafters import Drafter, choose_children
 from decoder.model import KVCache, LeanModel, causal_mask
-from decoder.sampling import SamplingParams, probabilities
+from decoder.sampling import probabilities
 from decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
 from decoder.verify import choose_rule
 from specplan.errors import UserError
@@ -176,7 +176,8 @@ class RetrievalCache:
         scores[:, :, 0] = float("inf")  # the attention sink
         best = torch.topk(scores, budget // s, dim=-1).indices  # best first
         index = (best[..., None] * s + torch.arange(s, device=best.device)).flatten(2)
-        index = torch.cat([index, torch.arange(chunks * s, length, device=best.device).expand(*index.shape[:2], tail)], 2)
+        tail_index = torch.arange(chunks * s, length, device=best.device).expand(*index.shape[:2], tail)
+        index = torch.cat([index, tail_index], 2)
         gather = index[..., None].expand(-1, -1, -1, shape.head_dim)
         kept = index.shape[2]
         self.cache.k[:, :, :kept] = torch.gather(full.k[:, :, :length], 2, gather)

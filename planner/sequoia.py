@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from specplan.provenance import provenance
 from planner.sequoia_dp import SequoiaTables
 from specplan.acceptance_schema import SequoiaAcceptance, load_sequoia_acceptance
 from specplan.errors import UserError
 from specplan.plan_schema import Plan, TokenTree
 from specplan.profile_schema import LatencyProfile, load_profile
+from specplan.provenance import provenance
 
 
 @dataclass(frozen=True)
@@ -114,14 +114,17 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         models=models,
         prediction=prediction,
         inputs=inputs,
-        solver={"seconds": dp_seconds, "algorithm": "depth-bounded tree DP (numba)", "width": len(acceptance.positional),
+        solver={"seconds": dp_seconds, "algorithm": "depth-bounded tree DP (numba)",
+                "width": len(acceptance.positional),
                 "top": [asdict(c) for c in ranked[:10]]},
         provenance=provenance([acceptance_path] + ([profile_path] if profile_path else [])),
         sampling=sampling,
         tree=tree,
     )
-    if profile is not None and profile.raw.get("dtype"):
-        plan.models["dtype"] = profile.raw["dtype"]
+    if profile is not None:
+        for key in ("dtype", "draft_dtype"):
+            if profile.raw.get(key):
+                plan.models[key] = profile.raw[key]
     return plan, ranked
 
 

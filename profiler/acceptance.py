@@ -268,7 +268,8 @@ def measure_sequoia(target: LeanModel, draft: LeanModel, prompts: list[list[int]
 
 def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samples: int | None,
                            params: SamplingParams, width: int, max_new_tokens: int, dtype: str, chat: bool,
-                           seed: int, paths: int, output: str, log=print, progress: bool = True) -> dict:
+                           seed: int, paths: int, output: str, log=print, progress: bool = True,
+                           draft_dtype: str | None = None) -> dict:
     """Measure and write an acceptance/sequoia file; returns its document."""
     from tqdm import tqdm
 
@@ -286,9 +287,10 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
     prompts = spread_sample(read_dataset(dataset), samples)
     if not prompts:
         raise UserError(f"{dataset}: no prompts")
-    log(f"loading {target_name} and {draft_name} ({dtype})")
+    draft_dtype = draft_dtype or dtype
+    log(f"loading {target_name} ({dtype}) and {draft_name} ({draft_dtype})")
     target = load_model(target_name, dtype, log=log)
-    draft = load_model(draft_name, dtype, log=log)
+    draft = load_model(draft_name, draft_dtype, log=log)
     if target.config.vocab_size != draft.config.vocab_size and \
             len(target.tokenizer) != len(draft.tokenizer):
         raise UserError(f"{target_name} and {draft_name} do not share a vocabulary")
@@ -298,7 +300,8 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
     if too_long:
         raise UserError(f"prompt {too_long[0]} plus {max_new_tokens} new tokens exceeds the context of {limit}")
     stop_ids = {t for t in [target.tokenizer.eos_token_id] if t is not None}
-    bar = tqdm(total=len(prompts) * max_new_tokens, desc="accept", unit="tok", disable=None if progress else True, leave=False)
+    bar = tqdm(total=len(prompts) * max_new_tokens, desc="accept", unit="tok", disable=None if progress else True,
+               leave=False)
     run = measure_sequoia(LeanModel(target.model), LeanModel(draft.model), encoded, params, width, max_new_tokens,
                           stop_ids, seed, paths, progress=lambda n: bar.update(max_new_tokens))
     bar.close()
@@ -307,6 +310,7 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
         temperature=params.temperature, top_p=params.top_p, samples=int(run.per_position.shape[0]),
         extra={
             "dtype": dtype,
+            "draft_dtype": draft_dtype,
             "method": "greedy top-k match" if params.greedy else
                       f"Algorithm 1 without replacement (exact for supports <= {EXACT_SUPPORT}, "
                       f"else {paths} rejection paths; tail mass {TAIL_MASS})",

@@ -9,6 +9,7 @@ import torch
 
 from specplan.machine import cpu_info
 
+
 def fingerprint(device: torch.device, dtype: str, threads: int) -> dict:
     info = {"device": device.type, "torch": torch.__version__, "dtype": dtype, "threads": threads,
             "platform": platform.platform(), **cpu_info()}
@@ -45,8 +46,7 @@ def measure_cpu(dtype: torch.dtype, repeats: int = 5) -> dict:
     rows = {}
     for n in (1, 16, 64, 256):
         x = torch.randn(n, 4096).to(dtype)
-        t = _best_time(lambda: torch.nn.functional.linear(x, weight), repeats)
-        rows[n] = t
+        rows[n] = _best_time(lambda x=x: torch.nn.functional.linear(x, weight), repeats)
     flops_256 = 2 * 256 * 4096 * 4096 / rows[256]
     small = torch.randn(1, 64)
     per_op = _best_time(lambda: [small.add(small) for _ in range(1000)], repeats) / 1000

@@ -40,7 +40,7 @@ class ProfileRequest:
     sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
     threads: int = max(1, (os.cpu_count() or 1))
     warmup: int = 2
-    repeats: int = 7
+    repeats: int = 9
     gpu: str | None = None
 
     def roles(self) -> list[tuple[str, str, str]]:
@@ -130,21 +130,23 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     lean = {role: LeanModel(m.model, device) for role, m in models.items()}
     for role, model in lean.items():
         _check_contexts(models[role].name, model.shape, request)
-    todo = [(role, L, n) for role in lean for L in request.contexts for n in request.sizes]
-    bar = tqdm(total=len(todo), desc="profile", unit="point", disable=None if progress else True, leave=False)
+    blocks = [(role, L) for role in lean for L in request.contexts]
+    bar = tqdm(total=len(blocks) * len(request.sizes), desc="profile", unit="point",
+               disable=None if progress else True, leave=False)
     curves: dict[str, dict[int, dict[int, dict]]] = {role: {} for role in lean}
-    for role, L, n in todo:
-        name = f"{role}|{L}|{n}"
+    for role, L in blocks:
+        name = f"{role}|{L}"
         if name not in checkpoint.points:
-            bar.set_postfix_str(f"{role} L={L} n={n}")
-            samples = _time_forward(lean[role], L, n, max(request.sizes), request.warmup, request.repeats)
-            checkpoint.points[name] = {"samples": samples}
+            bar.set_postfix_str(f"{role} L={L}")
+            measured = _time_block(lean[role], L, request.sizes, request.warmup, request.repeats)
+            checkpoint.points[name] = {str(n): samples for n, samples in measured.items()}
             checkpoint.save()
-        samples = np.array(checkpoint.points[name]["samples"])
-        curves[role].setdefault(L, {})[n] = {"median": float(np.median(samples)),
-                                             "p10": float(np.percentile(samples, 10)),
-                                             "p90": float(np.percentile(samples, 90))}
-        bar.update(1)
+        for n in request.sizes:
+            samples = np.array(checkpoint.points[name][str(n)])
+            curves[role].setdefault(L, {})[n] = {"median": float(np.median(samples)),
+                                                 "p10": float(np.percentile(samples, 10)),
+                                                 "p90": float(np.percentile(samples, 90))}
+        bar.update(len(request.sizes))
     bar.close()
     document = _document(request, "measured", machine, models, curves)
     document["settings"] = {"engine": "specplan lean decoder", "threads": request.threads, "warmup": request.warmup,
@@ -156,30 +158,48 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
 
 
 @torch.inference_mode()
-def _time_forward(model: LeanModel, context: int, n: int, max_n: int, warmup: int, repeats: int) -> list[float]:
-    """Seconds per forward of n new tokens over `context` cached tokens (cache contents are random:
-    the cost does not depend on them)."""
-    cache = model.new_cache(context + max_n)
+def _time_block(model: LeanModel, context: int, sizes: list[int], warmup: int, repeats: int) -> dict[int, list[float]]:
+    """Seconds per forward of n new tokens over `context` cached tokens, for every n in `sizes`.
+
+    The sizes are timed round-robin (one forward of each per pass), so a slow spell of the machine spreads over
+    all of them instead of bending one point of the curve. Cache contents are random: the cost does not
+    depend on them."""
+    cache = model.new_cache(context + max(sizes))
     cache.k.normal_(0, 0.1)
     cache.v.normal_(0, 0.1)
     cache.length = context
-    tokens = torch.randint(0, model.shape.vocab, (n,), device=model.device)
-    positions = torch.arange(context, context + n, device=model.device)
-    if model.device.type == "cuda":
-        return _time_cuda_graph(model, cache, tokens, positions, warmup, repeats)
-    mask = causal_mask(context, n, model.dtype, model.device)
-    for _ in range(warmup):
-        model.forward(tokens, positions, cache, mask)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        model.forward(tokens, positions, cache, mask)
-        samples.append(time.perf_counter() - start)
+    calls = {}
+    for n in sizes:
+        tokens = torch.randint(0, model.shape.vocab, (n,), device=model.device)
+        positions = torch.arange(context, context + n, device=model.device)
+        if model.device.type == "cuda":
+            calls[n] = _cuda_graph_call(model, cache, tokens, positions)
+        else:
+            mask = causal_mask(context, n, model.dtype, model.device) if n > 1 else None
+            calls[n] = _timed_call(model, cache, tokens, positions, mask)
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(warmup + repeats):
+        for n in sizes:
+            seconds = calls[n]()
+            if rep >= warmup:
+                samples[n].append(seconds)
     return samples
 
 
-def _time_cuda_graph(model: LeanModel, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, warmup: int,
-                     repeats: int) -> list[float]:
+def _timed_call(model: LeanModel, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None) -> Callable[[], float]:
+    def call() -> float:
+        start = time.perf_counter()
+        model.forward(tokens, positions, cache, mask)
+        return time.perf_counter() - start
+
+    return call
+
+
+def _cuda_graph_call(model: LeanModel, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor
+                     ) -> Callable[[], float]:
+    """Capture one forward of this shape as a CUDA graph (static layout); each call replays it, timed with
+    CUDA events."""
     n = tokens.shape[0]
     mask = torch.full((n, cache.max_len), float("-inf"), dtype=model.dtype, device=model.device)
     mask[:, :cache.length + n] = causal_mask(cache.length, n, model.dtype, model.device)
@@ -187,23 +207,22 @@ def _time_cuda_graph(model: LeanModel, cache: KVCache, tokens: torch.Tensor, pos
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(max(warmup, 1)):
+        for _ in range(2):
             model.forward(tokens, positions, cache, mask, slots=slots)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         model.forward(tokens, positions, cache, mask, slots=slots)
-    for _ in range(warmup):
-        graph.replay()
-    samples = []
-    for _ in range(repeats):
+
+    def call() -> float:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(begin.elapsed_time(end) / 1e3)
-    return samples
+        return begin.elapsed_time(end) / 1e3
+
+    return call
 
 
 # --- modeled ----------------------------------------------------------------------------------------------

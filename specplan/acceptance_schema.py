@@ -121,3 +121,46 @@ class LookaheadAcceptance:
 
 def load_lookahead_acceptance(path: str | os.PathLike) -> LookaheadAcceptance:
     return LookaheadAcceptance.from_dict(read_yaml(path), str(path))
+
+
+TRIFORCE_ENTRY_FIELDS = ("context", "budget", "chunk", "stride")
+
+
+@dataclass
+class TriForceAcceptance:
+    """Per (context, budget, chunk, stride): the middle level's (target over a retrieval cache) acceptance
+    against the full target, and the bottom drafter's against the middle level."""
+
+    target: str
+    bottom: str  # "trie" or the bottom model's name
+    entries: list[dict[str, Any]]
+    temperature: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> TriForceAcceptance:
+        f = Fields(data, where)
+        f.kind("acceptance/triforce")
+        models = f.sub("models")
+        raw = data.get("entries")
+        if not isinstance(raw, list) or not raw:
+            raise f.fail("'entries' must be a non-empty list")
+        entries = []
+        for i, item in enumerate(raw):
+            e = Fields(item, f"{where}: entries[{i}]")
+            entry = {key: e.integer(key, low=1) for key in TRIFORCE_ENTRY_FIELDS}
+            entry["middle"] = e.number("middle", low=0.0, high=1.0)
+            entry["bottom"] = e.number("bottom", low=0.0, high=1.0)
+            entry.update({k: v for k, v in item.items() if k not in entry})
+            entries.append(entry)
+        return cls(target=models.string("target"), bottom=models.string("bottom"), entries=entries,
+                   temperature=f.number("temperature", required=False, low=0.0, default=0.0),
+                   extra={k: v for k, v in data.items() if k not in {"kind", "models", "entries", "temperature"}})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "acceptance/triforce", "models": {"target": self.target, "bottom": self.bottom},
+                "temperature": self.temperature, **self.extra, "entries": self.entries}
+
+
+def load_triforce_acceptance(path: str | os.PathLike) -> TriForceAcceptance:
+    return TriForceAcceptance.from_dict(read_yaml(path), str(path))

@@ -81,7 +81,8 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
 @click.option("--resume", is_flag=True, help="reuse the points an interrupted run already measured")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, contexts: str | None, sizes: str | None, gpu: str | None,
+def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, contexts: str | None,
+            sizes: str | None, gpu: str | None,
             threads: int | None, repeats: int | None, quick: bool, resume: bool, output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
     from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
@@ -117,13 +118,14 @@ def accept() -> None:
 @click.option("--width", type=int, default=16, show_default=True, help="K: children ranks measured")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="continuation length per prompt")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--draft-dtype", type=click.Choice(["fp32", "bf16"]), help="default: --dtype")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--paths", type=int, default=64, show_default=True, help="simulated rejection paths per position")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, temperature: float, top_p: float,
-                   width: int, max_new_tokens: int, dtype: str, chat: bool, seed: int, paths: int,
-                   output: Path) -> None:
+                   width: int, max_new_tokens: int, dtype: str, draft_dtype: str | None, chat: bool, seed: int,
+                   paths: int, output: Path) -> None:
     """Sequoia's positional acceptance vector, by teacher forcing on the target's own continuations."""
     from decoder.sampling import SamplingParams
     from profiler.acceptance import run_sequoia_acceptance
@@ -131,7 +133,7 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
 
     params = SamplingParams(temperature=temperature, top_p=top_p)
     document = run_sequoia_acceptance(target, draft, dataset, samples, params, width, max_new_tokens, dtype, chat,
-                                      seed, paths, str(output), log=_progress)
+                                      seed, paths, str(output), log=_progress, draft_dtype=draft_dtype)
     click.echo(describe_acceptance(document))
     click.echo(f"wrote {output}")
 
@@ -183,6 +185,69 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     save_plan(plan, output)
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
                f"{plan.settings['decoding_length']}, L_b = {plan.settings['branch_length']}; wrote {output}")
+
+
+@accept.command("triforce")
+@click.option("--target", required=True)
+@click.option("--draft", help="bottom draft model (with a StreamingLLM cache); without it, a Lookahead trie")
+@click.option("--dataset", required=True, help="a folder of essays to build long prompts from")
+@click.option("--contexts", default="4096,8192", show_default=True, help="prompt lengths in tokens")
+@click.option("--samples", type=int, default=2, show_default=True, help="prompts per context (needle, summary, ...)")
+@click.option("--budgets", default="256,512,1024,2048", show_default=True)
+@click.option("--chunks", default="8,16", show_default=True)
+@click.option("--strides", default="64,256", show_default=True, help="retrieval-cache rebuild strides")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--sinks", type=int, default=4, show_default=True)
+@click.option("--window", type=int, default=1024, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str, samples: int, budgets: str,
+                    chunks: str, strides: str, max_new_tokens: int, temperature: float, top_p: float, dtype: str,
+                    sinks: int, window: int, output: Path) -> None:
+    """Acceptance of the retrieval-cache target (per budget/chunk/stride) and of the bottom drafter."""
+    from decoder.sampling import SamplingParams
+    from profiler.triforce_acceptance import run_triforce_acceptance
+
+    grid = [(b, c, r) for b in _int_list(budgets) for c in _int_list(chunks) for r in _int_list(strides)]
+    if samples < 1 or max_new_tokens < 1:
+        raise UserError("--samples and --max-new-tokens must be >= 1")
+    document = run_triforce_acceptance(target, draft, "model" if draft else "trie", dataset, _int_list(contexts),
+                                       samples, grid, max_new_tokens, SamplingParams(temperature, top_p), dtype,
+                                       sinks, window, str(output), log=_progress)
+    click.echo(f"{'L':>6} {'B':>5} {'s':>3} {'R':>4} {'middle':>7} {'bottom':>7}")
+    for e in document["entries"]:
+        click.echo(f"{e['context']:>6} {e['budget']:>5} {e['chunk']:>3} {e['stride']:>4} {e['middle']:>7.3f} "
+                   f"{e['bottom']:>7.3f}")
+    click.echo(f"wrote {output}")
+
+
+@solve.command("triforce")
+@click.option("--acceptance", "acceptance_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--profile", "profile_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--context", type=int, help="plan for this context (default: the longest measured)")
+@click.option("--two-level", is_flag=True, help="no bottom drafter: retrieval-cache self-speculation only")
+@click.option("--rebuild-below", type=float, default=0.0, show_default=True,
+              help="also rebuild when the rolling acceptance falls below this")
+@click.option("--top", type=int, default=10, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int | None, two_level: bool,
+                       rebuild_below: float, top: int, output: Path) -> None:
+    """TriForce: gamma1, gamma2, budget, chunk and rebuild stride by an expected-time-per-token model."""
+    from planner.triforce import solve_triforce
+    from specplan.plan_schema import save_plan
+
+    plan, ranked = solve_triforce(acceptance_path, profile_path, context, two_level=two_level,
+                                  rebuild_below=rebuild_below)
+    click.echo(f"{'g1':>3} {'g2':>3} {'B':>5} {'s':>3} {'R':>4} {'a_mid':>6} {'a_bot':>6} {'tok/step':>8} "
+               f"{'ms/tok':>7} {'speedup':>7}")
+    for c in ranked[:top]:
+        click.echo(f"{c.gamma1:>3} {c.gamma2:>3} {c.budget:>5} {c.chunk:>3} {c.stride:>4} {c.middle_acceptance:>6.3f} "
+                   f"{c.bottom_acceptance:>6.3f} {c.tokens_per_step:>8.2f} {c.seconds_per_token * 1e3:>7.2f} "
+                   f"{c.speedup:>7.3f}")
+    save_plan(plan, output)
+    click.echo(f"wrote {output}")
 
 
 @cli.command()
@@ -253,7 +318,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--prompts", type=int, default=8, show_default=True, help="prompts, spread across categories")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--baselines", default="hf,hf-assisted,ours-ar", show_default=True,
-              help="comma-separated: hf, hf-assisted, hf-prompt-lookup, ours-ar")
+              help="comma-separated: hf, hf-assisted, hf-prompt-lookup, ours-ar; two-level, streaming (TriForce)")
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]))
@@ -263,11 +328,12 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--verify", type=click.Choice(["greedy", "sequoia", "specinfer", "sample-match"]))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True)
+@click.option("--context", type=int, help="long prompts of this many tokens built from --dataset (a folder of essays)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, baselines: str, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
-          top_p: float | None, verify: str | None, seed: int, chat: bool, output: Path) -> None:
+          top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, output: Path) -> None:
     """Our decoder against Hugging Face baselines on the same prompts, in one run."""
     from decoder.api import load_decoder
     from decoder.bench import BenchRequest, markdown_table, run_bench
@@ -278,7 +344,7 @@ def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, base
     params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
                             top_p=defaults.top_p if top_p is None else top_p)
     request = BenchRequest(dataset, prompts, max_new_tokens, [b for b in baselines.split(",") if b], params, seed,
-                           chat)
+                           chat, context=context)
     report = run_bench(decoder, request, output, log=_progress)
     click.echo(markdown_table(report))
     click.echo(f"wrote {output} (+ .md, .png)")

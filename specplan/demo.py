@@ -68,9 +68,10 @@ def main() -> int:
         fast = decoder.generate(ids, 128, params).result
         slow = plain.generate(ids, 128, params).result
         with torch.inference_mode():
-            hf = decoder.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                               max_new_tokens=128, do_sample=False,
-                                               pad_token_id=decoder.tokenizer.pad_token_id)[0, len(ids):].tolist()
+            tensor = torch.tensor([ids])
+            hf = decoder.target.model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=128,
+                                               do_sample=False, pad_token_id=decoder.tokenizer.pad_token_id)
+            hf = hf[0, len(ids):].tolist()
         same = fast.tokens == slow.tokens == hf
         identical += same
         for name, result in (("lookahead", fast), ("plain", slow)):

@@ -8,6 +8,9 @@ Every plan names the models it was made for (`models`), records its inputs (`inp
   -1; nodes are in BFS order and the children of a node appear in rank order (rank 1 first).
 - plan/lookahead: `lookahead: {decoding_length, branch_length, window, max_prefix, capacity, prompt_weight}`
   (the trie settings, decoder/trie.py) and `tokenizer: {vocab_size, sha256}` (a trie plan holds token ids).
+- plan/triforce: `triforce: {gamma1, gamma2, budget, chunk, stride, context, rebuild_below, bottom, sinks,
+  window}`: bottom is `trie` (a Lookahead trie with default settings) or `model` (models.draft with a
+  StreamingLLM cache of `sinks` + `window` tokens), or `none` (the two-level variant).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from specplan.errors import UserError
 from specplan.fileio import read_yaml, write_yaml
 from specplan.validate import Fields, check_number
 
-PLAN_KINDS = ("plan/sequoia", "plan/lookahead")
+PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce")
 LOOKAHEAD_SETTINGS = ("decoding_length", "branch_length", "window", "max_prefix", "capacity")
+TRIFORCE_SETTINGS = ("gamma1", "gamma2", "budget", "chunk", "stride", "context")
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,7 @@ class Plan:
     provenance: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
     tree: TokenTree | None = None
-    settings: dict[str, Any] = field(default_factory=dict)  # lookahead: the trie settings
+    settings: dict[str, Any] = field(default_factory=dict)  # lookahead, triforce: the method's settings
     tokenizer: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -201,9 +205,23 @@ class Plan:
             plan.settings = {key: settings.integer(key, low=1) for key in LOOKAHEAD_SETTINGS}
             plan.settings["prompt_weight"] = settings.number("prompt_weight", low=0.0)
             tokenizer = f.sub("tokenizer")
-            plan.tokenizer = {"vocab_size": tokenizer.integer("vocab_size", low=1), "sha256": tokenizer.string("sha256")}
+            plan.tokenizer = {"vocab_size": tokenizer.integer("vocab_size", low=1),
+                              "sha256": tokenizer.string("sha256")}
             if tokens_per_step > plan.settings["decoding_length"]:
                 raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the decoding length")
+        if method == "triforce":
+            settings = f.sub("triforce")
+            plan.settings = {key: settings.integer(key, low=1) for key in TRIFORCE_SETTINGS}
+            plan.settings["rebuild_below"] = settings.number("rebuild_below", low=0.0, high=1.0)
+            plan.settings["bottom"] = settings.string("bottom")
+            if plan.settings["bottom"] not in ("trie", "model", "none"):
+                raise settings.fail("'bottom' must be trie, model or none")
+            plan.settings["sinks"] = settings.integer("sinks", low=0)
+            plan.settings["window"] = settings.integer("window", low=1)
+            if plan.settings["gamma2"] < plan.settings["gamma1"]:
+                raise settings.fail("gamma2 must be >= gamma1")
+            if plan.settings["budget"] % plan.settings["chunk"]:
+                raise settings.fail("the chunk size must divide the budget")
         return plan
 
     def to_dict(self) -> dict[str, Any]:

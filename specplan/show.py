@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from specplan.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, read_yaml
-from specplan.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance
 from specplan.plan_schema import Plan, TokenTree
 from specplan.profile_schema import LatencyProfile
 
@@ -126,7 +126,7 @@ def plot_profiles(profiles: list[LatencyProfile], png: str | os.PathLike) -> Non
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, profile in enumerate(profiles):
+    for profile in profiles:
         style = "-" if profile.source == "measured" else "--"
         by_context = profile.target_by_context or {profile.target_context or 0: profile.target_t_seconds}
         for j, (L, curve) in enumerate(sorted(by_context.items())):

@@ -5,7 +5,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from decoder.model import LeanModel
 from specplan.cli import main
+from specplan.models import load_model
+
+from toy import toy_model
 
 
 @pytest.fixture
@@ -41,3 +45,22 @@ PROFILE = {
     "target": {"t_seconds": {1: 0.035, 16: 0.070, 64: 0.125, 128: 0.186}},
     "draft": {"step_seconds": 0.004},
 }
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    target, draft = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
+    return target, LeanModel(target.model), LeanModel(draft.model)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_pair():
+    target, draft = load_model("tiny-random-qwen2"), load_model("tiny-random-qwen2-draft")
+    return target, LeanModel(target.model), LeanModel(draft.model)
+
+
+@pytest.fixture(scope="session")
+def toy_pair():
+    target_hf, target = toy_model(10)
+    _, draft = toy_model(10, noise=0.6)
+    return target_hf, target, draft

@@ -8,35 +8,20 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from decoder.drafters import SequoiaDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.model import LeanModel
-from decoder.sampling import SamplingParams, probabilities
+from decoder.sampling import SamplingParams
 from specplan.errors import UserError
-from specplan.models import load_model
 
-
-@pytest.fixture(scope="module")
-def tiny_pair():
-    target, draft = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
-    return target, LeanModel(target.model), LeanModel(draft.model)
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen_pair():
-    target, draft = load_model("tiny-random-qwen2"), load_model("tiny-random-qwen2-draft")
-    return target, LeanModel(target.model), LeanModel(draft.model)
-
-
-def hf_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy generate; the explicit attention mask keeps it from masking pad-valued tokens."""
-    ids = torch.tensor([prompt])
-    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+from toy import (
+    assert_distributed_as_target,
+    chi_square_p,
+    first_two_distribution,
+    hf_greedy,
+    sample_first_two,
+)
 
 
 def random_tree(rng: np.random.Generator, size: int, max_children: int) -> list[int]:
@@ -102,52 +87,6 @@ def test_context_overflow_is_a_user_error(tiny_pair):
 
 # --- exact sampling -----------------------------------------------------------------------------------------
 
-VOCAB = 6
-
-
-def toy_model(seed: int, noise: float = 0.0) -> tuple[AutoModelForCausalLM, LeanModel]:
-    """Random logits over a toy vocabulary; `noise` perturbs the weights (a draft close to the target)."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         initializer_range=0.5, tie_word_embeddings=False)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
-    return model, LeanModel(model)
-
-
-@pytest.fixture(scope="module")
-def toy_pair():
-    target_hf, target = toy_model(10)
-    _, draft = toy_model(10, noise=0.6)
-    return target_hf, target, draft
-
-
-def first_two_distribution(model: AutoModelForCausalLM, prompt: list[int], params: SamplingParams) -> np.ndarray:
-    with torch.inference_mode():
-        first = probabilities(model(torch.tensor([prompt])).logits[0, -1:], params)[0].double().numpy()
-        joint = np.zeros((VOCAB, VOCAB))
-        for x in range(VOCAB):
-            if first[x] > 0:
-                second = probabilities(model(torch.tensor([prompt + [x]])).logits[0, -1:], params)[0].double()
-                joint[x] = first[x] * second.numpy()
-    return joint
-
-
-def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
-    counts, expected = counts.ravel(), expected_probs.ravel() * counts.sum()
-    assert counts[expected == 0].sum() == 0, "a token with zero target probability was emitted"
-    keep = expected >= 5
-    observed = np.append(counts[keep], counts[~keep].sum())
-    wanted = np.append(expected[keep], expected[~keep].sum())
-    if wanted[-1] == 0:
-        observed, wanted = observed[:-1], wanted[:-1]
-    return float(chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue)
-
-
 @pytest.mark.parametrize("rule, temperature, top_p", [
     ("sequoia", 1.0, 1.0), ("sequoia", 0.5, 0.8), ("specinfer", 1.0, 1.0), ("specinfer", 0.5, 0.8),
 ])
@@ -157,17 +96,9 @@ def test_sampled_output_is_distributed_as_the_target(rule, temperature, top_p, t
     prompt = [1, 4, 2]
     parents = [-1, 0, 0, 1, 1, 2, 3]  # depth 3, width 2
     engine = SpeculativeEngine(target, SequoiaDrafter(draft, parents), rule=rule)
-    samples = 6000
-    counts = np.zeros((VOCAB, VOCAB))
-    accepted = 0
-    for seed in range(samples):
-        result = engine.generate(prompt, 2, params, seed=seed)
-        counts[result.tokens[0], result.tokens[1]] += 1
-        accepted += result.accepted_per_step[0] > 1
-    expected = first_two_distribution(target_hf, prompt, params)
-    assert accepted > samples * 0.2  # the tree path, not just the bonus token, is exercised
-    assert chi_square_p(counts.sum(1), expected.sum(1)) > 1e-3
-    assert chi_square_p(counts, expected) > 1e-3
+    counts, accepted = sample_first_two(lambda: engine, prompt, params, 6000)
+    assert accepted > 0.2  # the tree path, not just the bonus token, is exercised
+    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
 
 
 def test_chi_square_detects_a_wrong_distribution(toy_pair):
@@ -175,10 +106,7 @@ def test_chi_square_detects_a_wrong_distribution(toy_pair):
     target_hf, _, draft = toy_pair
     params = SamplingParams(temperature=1.0)
     engine = SpeculativeEngine(draft)  # autoregressive sampling from the draft
-    counts = np.zeros((VOCAB, VOCAB))
-    for seed in range(3000):
-        tokens = engine.generate([1, 4, 2], 2, params, seed=seed).tokens
-        counts[tokens[0], tokens[1]] += 1
+    counts, _ = sample_first_two(lambda: engine, [1, 4, 2], params, 3000)
     assert chi_square_p(counts, first_two_distribution(target_hf, [1, 4, 2], params)) < 1e-6
 
 
@@ -225,15 +153,7 @@ def test_trie_sampling_is_distributed_as_the_target(temperature, top_p, top_k, t
     target_hf, target, _ = toy_pair
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     prompt = [5, 0, 3, 3]  # the trie proposes 3 after 3, a token the target draws about half the time
-    counts = np.zeros((VOCAB, VOCAB))
-    accepted = 0
     engine = trie_engine(target, decoding_length=6, branch_length=3, window=5, capacity=500)
-    samples = 5000
-    for seed in range(samples):
-        result = engine.generate(prompt, 2, params, seed=seed)
-        counts[result.tokens[0], result.tokens[1]] += 1
-        accepted += result.accepted_per_step[0] > 1
-    expected = first_two_distribution(target_hf, prompt, params)
-    assert accepted > samples * 0.1
-    assert chi_square_p(counts.sum(1), expected.sum(1)) > 1e-3
-    assert chi_square_p(counts, expected) > 1e-3
+    counts, accepted = sample_first_two(lambda: engine, prompt, params, 5000)
+    assert accepted > 0.1
+    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))

@@ -35,29 +35,29 @@ def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
 
 def test_interrupted_profile_leaves_no_output_and_resumes(run_cli, tmp_path, monkeypatch):
     out = tmp_path / "tiny.yaml"
-    real = latency._time_forward
+    real = latency._time_block
     calls = {"n": 0}
 
-    def interrupt_after_three(*args, **kwargs):
+    def interrupt_in_the_second_block(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 4:
+        if calls["n"] == 2:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(latency, "_time_forward", interrupt_after_three)
+    monkeypatch.setattr(latency, "_time_block", interrupt_in_the_second_block)
     code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "-o", out)
     assert code == 130 and not out.exists()
 
-    measured = {"n": 0}
+    measured = []
 
-    def count(*args, **kwargs):
-        measured["n"] += 1
-        return real(*args, **kwargs)
+    def record(model, context, *args, **kwargs):
+        measured.append(context)
+        return real(model, context, *args, **kwargs)
 
-    monkeypatch.setattr(latency, "_time_forward", count)
+    monkeypatch.setattr(latency, "_time_block", record)
     code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "--resume", "-o", out)
     assert code == 0, stderr
-    assert measured["n"] == 8 - 3  # the three finished points were reused
+    assert measured == [64]  # the context-16 block finished before the interrupt and was reused
     assert len(load_profile(out).target_t_seconds) == 4
 
 

@@ -10,7 +10,7 @@ import pytest
 from planner.sequoia_dp import SequoiaTables, depth_unbounded_values, tree_value
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ordered_trees(n: int) -> tuple[tuple, ...]:
     """All ordered rooted trees with n nodes, as nested tuples of child subtrees."""
     if n == 1:

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ACCEPTANCE, PROFILE
 from planner.export import EXPORT_FORMATS, export_tree, import_tree
 from planner.sequoia import rank_candidates, solve_sequoia
 from planner.sequoia_dp import SequoiaTables, tree_value
 from specplan.errors import UserError
 from specplan.plan_schema import TokenTree, load_plan
 from specplan.profile_schema import LatencyCurve, LatencyProfile
+
+from conftest import ACCEPTANCE, PROFILE
 
 
 def test_solve_writes_a_valid_plan(run_cli, write_yaml_file, tmp_path):

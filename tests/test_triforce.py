@@ -12,7 +12,8 @@ from decoder.sampling import SamplingParams
 from decoder.trie import Trie, TrieSettings
 from decoder.triforce import HierarchicalDrafter, RetrievalCache, RetrievalSettings, StreamingDrafter
 from specplan.errors import UserError
-from test_decoder import VOCAB, chi_square_p, first_two_distribution, hf_greedy, toy_model
+
+from toy import VOCAB, assert_distributed_as_target, first_two_distribution, hf_greedy, sample_first_two
 
 
 def long_prompt(length: int, seed: int) -> list[int]:
@@ -49,15 +50,6 @@ def test_retrieval_cache_keeps_sink_tail_and_best_chunks(tiny_pair):
     torch.testing.assert_close(cache.k[:, :, 61:64].flip(2), full.k[:, :, 195:198])
 
 
-@pytest.fixture(scope="module")
-def tiny_pair():
-    from decoder.model import LeanModel
-    from specplan.models import load_model
-
-    target, draft = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
-    return target, LeanModel(target.model), LeanModel(draft.model)
-
-
 def bottoms(target, draft):
     return {
         "streaming-draft": lambda: StreamingDrafter(draft, gamma=2, sinks=4, window=64),
@@ -87,32 +79,22 @@ def test_streaming_only_drafter_is_lossless(tiny_pair):
     assert result.tokens == hf_greedy(loaded, prompt, 50)
 
 
-@pytest.fixture(scope="module")
-def toy_pair():
-    target_hf, target = toy_model(10)
-    _, draft = toy_model(10, noise=0.6)
-    return target_hf, target, draft
-
-
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.5, 0.8)])
 def test_hierarchy_sampling_is_distributed_as_the_target(temperature, top_p, toy_pair):
     target_hf, target, draft = toy_pair
     params = SamplingParams(temperature=temperature, top_p=top_p)
     prompt = [int(x) for x in np.random.default_rng(32).integers(0, VOCAB, 40)]  # two uncertain tokens
-    counts = np.zeros((VOCAB, VOCAB))
-    middle_corrections = accepted = 0
-    samples = 4000
-    for seed in range(samples):
-        drafter = HierarchicalDrafter(target, StreamingDrafter(draft, gamma=2, sinks=2, window=8), 2, 4,
-                                      RetrievalSettings(budget=16, chunk=4, stride=8))
-        result = SpeculativeEngine(target, drafter).generate(prompt, 2, params, seed=seed)
-        counts[result.tokens[0], result.tokens[1]] += 1
-        accepted += result.accepted_per_step[0] > 1
-        middle_corrections += drafter.stats["rounds"] > 2  # a middle-level rejection shortened a round
-    expected = first_two_distribution(target_hf, prompt, params)
-    assert accepted > samples * 0.2 and middle_corrections > samples * 0.1
-    assert chi_square_p(counts.sum(1), expected.sum(1)) > 1e-3
-    assert chi_square_p(counts, expected) > 1e-3
+    drafters = []
+
+    def make_engine() -> SpeculativeEngine:
+        drafters.append(HierarchicalDrafter(target, StreamingDrafter(draft, gamma=2, sinks=2, window=8), 2, 4,
+                                            RetrievalSettings(budget=16, chunk=4, stride=8)))
+        return SpeculativeEngine(target, drafters[-1])
+
+    counts, accepted = sample_first_two(make_engine, prompt, params, 4000)
+    middle_corrections = np.mean([d.stats["rounds"] > 2 for d in drafters])  # a middle rejection cut a round
+    assert accepted > 0.2 and middle_corrections > 0.1
+    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
 
 
 @pytest.mark.parametrize("settings, gammas, message", [

@@ -1,0 +1,205 @@
+"""`plan accept triforce`: how well each level of the TriForce hierarchy predicts the one above, on long prompts.
+
+For each long prompt, the target (full cache) generates its own continuation. Then, for every (budget,
+chunk, stride) on the grid, the middle level (the target over a retrieval cache built at the end of prefill
+from the last prompt token's query) is run over that continuation in segments of `segment` tokens, teacher
+forced, with the segment's tokens written over the lowest-ranked slots afterwards and rebuilds every `stride`
+tokens, as the decoder does. Per position, the middle level's acceptance is 1[argmax p_hat = argmax p] at
+T = 0 and sum_x min(p, p_hat) otherwise; the bottom drafter's acceptance against the middle level is measured
+the same way (the trie's first proposal, or the draft model over a StreamingLLM cache).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from decoder.model import LeanModel, causal_mask
+from decoder.sampling import SamplingParams, probabilities, sample
+from decoder.trie import Trie, TrieSettings
+from decoder.triforce import RetrievalCache, RetrievalSettings
+from profiler.haystack import LongPrompt
+
+
+@dataclass(frozen=True)
+class BottomSpec:
+    kind: str  # "trie", "model" or "none"
+    model: LeanModel | None = None
+    sinks: int = 4
+    window: int = 1024
+
+
+def _agreement(upper: torch.Tensor, lower: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    """Per row: probability that a token drawn from `lower` is accepted by `upper` (single-draft rule)."""
+    if params.greedy:
+        return (upper.argmax(-1) == lower.argmax(-1)).double().numpy()
+    return torch.minimum(probabilities(upper, params), probabilities(lower, params)).sum(-1).double().numpy()
+
+
+@torch.inference_mode()
+def _continuation(target: LeanModel, prompt: list[int], max_new_tokens: int, params: SamplingParams,
+                  generator: torch.Generator):
+    """The target's own continuation with its full cache: (full cache, logits per new token, tokens, query)."""
+    full = target.new_cache(len(prompt) + max_new_tokens + 1)
+    target.prefill(torch.tensor(prompt[:-1]), full, logits=False)
+    query = torch.zeros(target.shape.layers, target.shape.heads, target.shape.head_dim, dtype=target.dtype)
+    root, rows, tokens = prompt[-1], [], []
+    for step in range(max_new_tokens):
+        logits = target.forward(torch.tensor([root]), torch.tensor([full.length]), full, None,
+                                queries=query if step == 0 else None, query_row=0)[0]
+        full.commit(None, 1)
+        rows.append(logits.float())
+        root = int(logits.argmax()) if params.greedy else int(sample(probabilities(logits[None], params), generator))
+        tokens.append(root)
+    return full, torch.stack(rows), tokens, query
+
+
+@torch.inference_mode()
+def _middle_logits(target: LeanModel, full, prompt_length: int, sequence: list[int], query: torch.Tensor,
+                   settings: RetrievalSettings, segment: int) -> torch.Tensor:
+    """Teacher-forced middle-level logits for every continuation token (row i predicts continuation[i])."""
+    retrieval = RetrievalCache(target, settings, scratch=segment + 1)
+    committed = full.length
+    full.length = prompt_length - 1
+    retrieval.build(full, query)
+    latest = torch.zeros_like(query)
+    rows = []
+    end = len(sequence) - 1  # the last continuation token predicts nothing we score
+    for start in range(prompt_length - 1, end, segment):
+        piece = sequence[start:min(start + segment, end)]
+        n = len(piece)
+        cache = retrieval.cache
+        mask = causal_mask(cache.length, n, target.dtype, target.device) if n > 1 else None
+        rows.append(target.forward(torch.tensor(piece), torch.arange(start, start + n), cache, mask,
+                                   queries=latest, query_row=n - 1).float())
+        full.length = start + n
+        if not retrieval.insert(full, start, start + n):
+            retrieval.build(full, latest)
+    full.length = committed
+    return torch.cat(rows)
+
+
+@torch.inference_mode()
+def _bottom_logits_or_tokens(bottom: BottomSpec, sequence: list[int], prompt_length: int):
+    """The bottom drafter's greedy-style proposals along the continuation (trie: first proposed token or -1;
+    model: logits over a StreamingLLM cache)."""
+    steps = len(sequence) - prompt_length
+    if bottom.kind == "trie":
+        trie = Trie(TrieSettings())
+        array = np.array(sequence, dtype=np.int64)
+        trie.insert(array, 0, prompt_length, from_prompt=True)
+        proposals = []
+        for i in range(steps):
+            tokens, _ = trie.retrieve(array, prompt_length + i)
+            proposals.append(int(tokens[1]) if len(tokens) > 1 else -1)
+            trie.insert(array, prompt_length + i, prompt_length + i + 1)
+        return proposals
+    model = bottom.model
+    context = sequence[:prompt_length - 1]
+    kept = context[:bottom.sinks] + context[max(bottom.sinks, len(context) - bottom.window):]
+    positions = list(range(min(bottom.sinks, len(context)))) + list(
+        range(max(bottom.sinks, len(context) - bottom.window), len(context)))
+    cache = model.new_cache(len(kept) + steps + 1)
+    if kept:
+        n = len(kept)
+        model.forward(torch.tensor(kept), torch.tensor(positions), cache, causal_mask(0, n, model.dtype, model.device),
+                      logits_rows=slice(0, 0))
+        cache.commit(None, n)
+    chain = sequence[prompt_length - 1:len(sequence) - 1]
+    n = len(chain)
+    return model.forward(torch.tensor(chain), torch.arange(prompt_length - 1, prompt_length - 1 + n), cache,
+                         causal_mask(cache.length, n, model.dtype, model.device)).float()
+
+
+def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tuple[int, int, int]],
+                     bottom: BottomSpec, max_new_tokens: int, params: SamplingParams, segment: int = 8,
+                     seed: int = 0, log: Callable[[str], None] = print) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    samples: dict[tuple, dict[str, list[np.ndarray]]] = {}
+    for prompt in prompts:
+        started = time.perf_counter()
+        full, target_rows, continuation, query = _continuation(target, prompt.ids, max_new_tokens, params, generator)
+        sequence = prompt.ids + continuation
+        bottom_out = _bottom_logits_or_tokens(bottom, sequence, len(prompt.ids)) if bottom.kind != "none" else None
+        for budget, chunk, stride in grid:
+            settings = RetrievalSettings(budget, chunk, stride).check(len(prompt.ids))
+            middle = _middle_logits(target, full, len(prompt.ids), sequence, query, settings, segment)
+            upper = target_rows  # row i predicts continuation[i], as the middle's rows do
+            key = (prompt.context, budget, chunk, stride)
+            entry = samples.setdefault(key, {"middle": [], "bottom": []})
+            entry["middle"].append(_agreement(upper, middle, params))
+            if bottom_out is None:
+                continue
+            if bottom.kind == "trie":
+                proposals = torch.tensor(bottom_out[:len(middle)])
+                if params.greedy:
+                    agree = (middle.argmax(-1) == proposals).double().numpy()
+                else:
+                    p_hat = probabilities(middle, params)
+                    agree = torch.where(proposals >= 0, p_hat.gather(1, proposals.clamp(min=0)[:, None])[:, 0],
+                                        torch.zeros(len(proposals))).double().numpy()
+            else:
+                agree = _agreement(middle, bottom_out[:len(middle)], params)
+            entry["bottom"].append(agree)
+        log(f"{prompt.id}: {len(prompt.ids)} prompt tokens, {len(grid)} settings in "
+            f"{time.perf_counter() - started:.0f} s")
+    entries = []
+    for (context, budget, chunk, stride), values in samples.items():
+        middle = np.concatenate(values["middle"])
+        bottom_values = np.concatenate(values["bottom"]) if values["bottom"] else np.ones(1)
+        entries.append({"context": context, "budget": budget, "chunk": chunk, "stride": stride,
+                        "middle": float(middle.mean()), "bottom": float(bottom_values.mean()),
+                        "middle_stderr": float(middle.std(ddof=1) / np.sqrt(len(middle))),
+                        "bottom_stderr": float(bottom_values.std(ddof=1) / np.sqrt(len(bottom_values)))
+                        if len(bottom_values) > 1 else 0.0,
+                        "positions": int(len(middle))})
+    return entries
+
+
+def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kind: str, dataset: str,
+                            contexts: list[int], samples: int, grid: list[tuple[int, int, int]], max_new_tokens: int,
+                            params: SamplingParams, dtype: str, sinks: int, window: int, output: str,
+                            log: Callable[[str], None] = print) -> dict:
+    from decoder.api import check_same_vocabulary
+    from profiler.haystack import build_prompts
+    from specplan.acceptance_schema import TriForceAcceptance
+    from specplan.errors import UserError
+    from specplan.fileio import write_yaml
+    from specplan.models import load_model
+    from specplan.provenance import provenance
+
+    if bottom_kind == "model" and not draft_name:
+        raise UserError("a model bottom needs --draft")
+    target = load_model(target_name, dtype, log=log)
+    limit = target.config.max_position_embeddings
+    for context in contexts:
+        if context + max_new_tokens > limit:
+            raise UserError(f"context {context} plus {max_new_tokens} new tokens exceeds {target_name}'s "
+                            f"maximum context of {limit}")
+    for budget, chunk, stride in grid:
+        RetrievalSettings(budget, chunk, stride).check(min(contexts))
+    bottom = BottomSpec(bottom_kind, sinks=sinks, window=window)
+    if bottom_kind == "model":
+        draft = load_model(draft_name, dtype, log=log)
+        check_same_vocabulary(target, draft)
+        bottom = BottomSpec("model", LeanModel(draft.model), sinks, window)
+    lean = LeanModel(target.model)
+    started = time.perf_counter()
+    entries = []
+    for context in contexts:
+        prompts = build_prompts(dataset, target.tokenizer, context, samples)
+        entries += measure_triforce(lean, prompts, grid, bottom, max_new_tokens, params, log=log)
+    acceptance = TriForceAcceptance(
+        target=target_name, bottom=draft_name if bottom_kind == "model" else bottom_kind, entries=entries,
+        temperature=params.temperature,
+        extra={"dtype": dtype, "top_p": params.top_p, "max_new_tokens": max_new_tokens,
+               "bottom_cache": {"sinks": sinks, "window": window} if bottom_kind == "model" else None,
+               "dataset": {"path": dataset, "contexts": contexts, "prompts_per_context": samples},
+               "seconds": round(time.perf_counter() - started, 1), "provenance": provenance()})
+    document = acceptance.to_dict()
+    write_yaml(output, document)
+    return document

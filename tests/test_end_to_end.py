@@ -1,0 +1,88 @@
+"""End to end on the embedded default, smollm2-135m: profile -> accept -> solve -> generate, lossless."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from decoder.api import load_decoder
+from decoder.sampling import SamplingParams
+from profiler.datasets import DEMO_PROMPTS, encode_prompt, read_dataset
+from profiler.haystack import build_prompts
+from specplan.models import load_model
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(MODEL, "fp32")
+
+
+def hf_greedy(loaded, ids: list[int], max_new_tokens: int) -> list[int]:
+    tensor = torch.tensor([ids])
+    with torch.inference_mode():
+        out = loaded.model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=max_new_tokens,
+                                    do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def test_lookahead_workflow_is_lossless(run_cli, tmp_path, smollm2):
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(DEMO_PROMPTS.read_text().splitlines()[:4]))
+    profile, acceptance, plan = tmp_path / "p.yaml", tmp_path / "a.yaml", tmp_path / "plan.yaml"
+    assert run_cli("profile", "--model", MODEL, "--contexts", "256", "--sizes", "1,2,4,8", "--repeats", "2",
+                   "-o", profile)[0] == 0
+    assert run_cli("accept", "lookahead", "--target", MODEL, "--dataset", dataset, "--max-new-tokens", 48,
+                   "-o", acceptance)[0] == 0
+    code, stdout, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--profile", profile,
+                                   "--decoding-lengths", "2,4,8", "--branch-lengths", "1,3", "-o", plan)
+    assert code == 0, stderr
+    decoder = load_decoder(plan)
+    replayed = yaml_load(plan)["prediction"]["tokens_per_step"]
+    tokens = steps = 0
+    for prompt in read_dataset(str(dataset)):
+        ids = encode_prompt(decoder.tokenizer, prompt.text, True)
+        result = decoder.generate(ids, 48, SamplingParams()).result
+        assert result.tokens == hf_greedy(smollm2, ids, 48)
+        tokens += len(result.tokens)
+        steps += result.steps
+    assert tokens / steps == pytest.approx(replayed, rel=1e-9)  # the offline replay is exact
+    code, stdout, _ = run_cli("generate", "--plan", plan, "--prompt", "Name three colors.", "--chat",
+                              "--max-new-tokens", 16, "--json")
+    assert code == 0 and len(json.loads(stdout)["tokens"]) <= 16
+
+
+def yaml_load(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def test_triforce_on_a_long_prompt_is_lossless(smollm2):
+    from decoder.drafters import TrieDrafter
+    from decoder.engine import SpeculativeEngine
+    from decoder.model import LeanModel
+    from decoder.trie import Trie, TrieSettings
+    from decoder.triforce import HierarchicalDrafter, RetrievalSettings
+
+    prompt = build_prompts("../shared/data/haystack", smollm2.tokenizer, 2048, 1)[0]
+    lean = LeanModel(smollm2.model)
+    drafter = HierarchicalDrafter(lean, TrieDrafter(Trie(TrieSettings(decoding_length=4, branch_length=3))), 2, 6,
+                                  RetrievalSettings(budget=512, chunk=8, stride=64))
+    result = SpeculativeEngine(lean, drafter, {smollm2.tokenizer.eos_token_id}).generate(prompt.ids, 48,
+                                                                                         SamplingParams())
+    assert result.tokens == hf_greedy(smollm2, prompt.ids, 48)[:len(result.tokens)]
+    assert result.tokens_per_step > 1.2
+
+
+def test_plan_for_another_tokenizer_is_refused(run_cli, tmp_path, write_yaml_file):
+    plan = write_yaml_file("plan.yaml", {
+        "kind": "plan/lookahead", "models": {"target": MODEL}, "prediction": {"tokens_per_step": 1.5},
+        "lookahead": {"decoding_length": 4, "branch_length": 2, "window": 6, "max_prefix": 4, "capacity": 100,
+                      "prompt_weight": 4.0},
+        "tokenizer": {"vocab_size": 151665, "sha256": "0" * 64}})
+    code, _, stderr = run_cli("generate", "--plan", plan, "--prompt", "hi")
+    assert code == 2 and "another tokenizer" in stderr and len(stderr.strip().splitlines()) == 1

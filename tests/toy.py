@@ -1,0 +1,76 @@
+"""Shared test helpers: toy models over a tiny vocabulary, transformers' greedy reference, chi-square checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from decoder.model import LeanModel
+from decoder.sampling import SamplingParams, probabilities
+
+
+def hf_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate; the explicit attention mask keeps it from masking pad-valued tokens."""
+    ids = torch.tensor([prompt])
+    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+VOCAB = 6
+
+
+def toy_model(seed: int, noise: float = 0.0) -> tuple[AutoModelForCausalLM, LeanModel]:
+    """Random logits over a toy vocabulary; `noise` perturbs the weights (a draft close to the target)."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         initializer_range=0.5, tie_word_embeddings=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
+    return model, LeanModel(model)
+
+
+def sample_first_two(make_engine, prompt: list[int], params: SamplingParams, samples: int
+                     ) -> tuple[np.ndarray, float]:
+    """Counts of the first two generated tokens over `samples` seeds, and the share of first steps that
+    accepted a draft token."""
+    counts = np.zeros((VOCAB, VOCAB))
+    accepted = 0
+    for seed in range(samples):
+        result = make_engine().generate(prompt, 2, params, seed=seed)
+        counts[result.tokens[0], result.tokens[1]] += 1
+        accepted += result.accepted_per_step[0] > 1
+    return counts, accepted / samples
+
+
+def assert_distributed_as_target(counts: np.ndarray, expected: np.ndarray) -> None:
+    assert chi_square_p(counts.sum(1), expected.sum(1)) > 1e-3  # the first token
+    assert chi_square_p(counts, expected) > 1e-3  # the first two tokens
+
+
+def first_two_distribution(model: AutoModelForCausalLM, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    with torch.inference_mode():
+        first = probabilities(model(torch.tensor([prompt])).logits[0, -1:], params)[0].double().numpy()
+        joint = np.zeros((VOCAB, VOCAB))
+        for x in range(VOCAB):
+            if first[x] > 0:
+                second = probabilities(model(torch.tensor([prompt + [x]])).logits[0, -1:], params)[0].double()
+                joint[x] = first[x] * second.numpy()
+    return joint
+
+
+def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    counts, expected = counts.ravel(), expected_probs.ravel() * counts.sum()
+    assert counts[expected == 0].sum() == 0, "a token with zero target probability was emitted"
+    keep = expected >= 5
+    observed = np.append(counts[keep], counts[~keep].sum())
+    wanted = np.append(expected[keep], expected[~keep].sum())
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    return float(chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue)
