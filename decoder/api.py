@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from decoder.engine import GenerationResult, SpeculativeEngine
 from decoder.model import LeanModel
@@ -94,10 +96,23 @@ class Decoder:
         return GenerationOutput(result, self.tokenizer.decode(result.tokens, skip_special_tokens=True), len(ids))
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def lean_model(loaded: LoadedModel, device: str) -> LeanModel:
+    """The decoder's forward for a loaded model; on a GPU every shape replays as a CUDA graph."""
+    model = LeanModel(loaded.model, device)
+    if model.device.type == "cuda":
+        model.enable_cuda_graphs()
+    return model
+
+
 def load_decoder(plan_path: str | Path | None = None, target: str | None = None, draft: str | None = None,
                  dtype: str | None = None, draft_dtype: str | None = None, verify: str | None = None,
-                 log: Callable[[str], None] = lambda message: None) -> Decoder:
+                 log: Callable[[str], None] = lambda message: None, device: str | None = None) -> Decoder:
     """Load the plan (if any) and the models it names (or the ones given), and build its drafter."""
+    device = device or default_device()
     plan = load_plan(plan_path) if plan_path is not None else None
     target_name = target or (plan.models.get("target") if plan else None)
     if not target_name:
@@ -105,8 +120,9 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     dtype = dtype or (plan.models.get("dtype") if plan else None) or "fp32"
     log(f"loading {target_name} ({dtype})")
     target_model = load_model(target_name, dtype, log=log)
+    lean_target = lean_model(target_model, device)
     if plan is None:
-        return Decoder(target_model, lambda: None, None, verify)
+        return Decoder(target_model, lambda: None, None, verify, lean_target=lean_target)
     if plan.method == "lookahead":
         fingerprint = tokenizer_fingerprint(target_model.tokenizer)
         if fingerprint != plan.tokenizer:
@@ -114,9 +130,9 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
                             f"({plan.tokenizer.get('vocab_size')} tokens) than {target_name}'s "
                             f"({fingerprint['vocab_size']} tokens)")
         settings = TrieSettings(**plan.settings).check()
-        return Decoder(target_model, lambda: TrieDrafter(Trie(settings)), plan, verify)
+        return Decoder(target_model, lambda: TrieDrafter(Trie(settings)), plan, verify, lean_target=lean_target)
     if plan.method == "triforce":
-        return _triforce_decoder(plan, target_model, draft, draft_dtype or dtype, verify, log)
+        return _triforce_decoder(plan, target_model, lean_target, draft, draft_dtype or dtype, verify, log, device)
     if plan.method == "sequoia":
         draft_name = draft or plan.models.get("draft")
         if not draft_name:
@@ -125,20 +141,19 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
         log(f"loading {draft_name} ({draft_dtype})")
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target_model, draft_model)
-        lean_draft = LeanModel(draft_model.model)
+        lean_draft = lean_model(draft_model, device)
         return Decoder(target_model, lambda: SequoiaDrafter(lean_draft, list(plan.tree.parents)), plan, verify,
-                       draft_model)
+                       draft_model, lean_target)
     raise UserError(f"{plan_path}: plans of kind {plan.kind} cannot be run yet")
 
 
-def _triforce_decoder(plan: Plan, target: LoadedModel, draft_name: str | None, draft_dtype: str,
-                      verify: str | None, log: Callable[[str], None]) -> Decoder:
+def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, draft_name: str | None,
+                      draft_dtype: str, verify: str | None, log: Callable[[str], None], device: str) -> Decoder:
     from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
 
     settings = plan.settings
     retrieval = RetrievalSettings(settings["budget"], settings["chunk"], settings["stride"],
                                   settings["rebuild_below"]).check()
-    lean_target = LeanModel(target.model)
     draft_model = None
     if settings["bottom"] == "model":
         draft_name = draft_name or plan.models.get("draft")
@@ -147,11 +162,13 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, draft_name: str | None, d
         log(f"loading {draft_name} ({draft_dtype})")
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target, draft_model)
-        lean_draft = LeanModel(draft_model.model)
+        lean_draft = lean_model(draft_model, device)
 
     def bottom() -> Drafter:
-        if settings["bottom"] == "trie":
-            return TrieDrafter(Trie(TrieSettings()))
+        if settings["bottom"] == "trie":  # drafts of at most gamma1 tokens below the root, as the model assumes
+            gamma1 = settings["gamma1"]
+            return TrieDrafter(Trie(TrieSettings(decoding_length=gamma1 + 1, branch_length=gamma1,
+                                                 window=gamma1 + 4)))
         if settings["bottom"] == "model":
             return StreamingDrafter(lean_draft, settings["gamma1"], settings["sinks"], settings["window"])
         return NoDrafter()

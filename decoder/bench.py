@@ -105,26 +105,19 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
 
 def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
     params = request.params
-    hf_model = decoder.target.model
+    device = decoder.lean_target.device
+    hf_model = decoder.target.model.to(device)  # the baselines run where our decoder runs
+    hf_draft = decoder.draft.model.to(device) if decoder.draft is not None else None
     stops_set = stop_token_ids(decoder.target)
     stops = sorted(stops_set)
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else stops[0]
-
-    def ours(ids, max_new, seed):
-        return engine_method(decoder.engine)(ids, max_new, seed)
-
-    ar_engine = SpeculativeEngine(decoder.lean_target, None, stops_set)
-
-    def ours_ar(ids, max_new, seed):
-        result = ar_engine.generate(ids, max_new, params, seed)
-        return result.tokens, {"prefill_seconds": result.prefill_seconds}
 
     def hf(extra: dict) -> Callable:
         def run(ids, max_new, seed):
             torch.manual_seed(seed)
             sampling = {"do_sample": False} if params.greedy else {
                 "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
-            tensor = torch.tensor([ids])
+            tensor = torch.tensor([ids], device=device)
             with torch.inference_mode():
                 out = hf_model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=max_new,
                                         eos_token_id=stops, pad_token_id=pad, **sampling, **extra)
@@ -155,10 +148,10 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
 
     available = {
         **triforce,
-        "ours": ours,
-        "ours-ar": ours_ar,
+        "ours": lambda ids, max_new, seed: engine_method(decoder.engine)(ids, max_new, seed),  # after restart()
+        "ours-ar": engine_method(SpeculativeEngine(decoder.lean_target, None, stops_set)),
         "hf": hf({}),
-        "hf-assisted": hf({"assistant_model": decoder.draft.model}) if decoder.draft is not None else None,
+        "hf-assisted": hf({"assistant_model": hf_draft}) if hf_draft is not None else None,
         "hf-prompt-lookup": hf({"prompt_lookup_num_tokens": request.prompt_lookup_tokens}),
     }
     return {name: available[name] for name in ["ours"] + [b for b in BASELINES if b in request.baselines]}
@@ -171,7 +164,8 @@ def _compare(decoder: Decoder, prompt: list[int], reference: list[int], tokens: 
     first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
     gap = None
     if first < min(len(tokens), len(reference)):
-        logits = decoder.target.model(torch.tensor([prompt + reference[:first]])).logits[0, -1].float()
+        ids = torch.tensor([prompt + reference[:first]], device=decoder.lean_target.device)
+        logits = decoder.target.model(ids).logits[0, -1].float()
         top = torch.topk(logits, 2).values
         gap = float(top[0] - top[1])
     return {"identical_to_hf": False, "first_difference": first, "top2_logit_gap": gap,

@@ -78,7 +78,7 @@ def choose_children(logits: torch.Tensor, counts: list[int], params: SamplingPar
     if draw == WITH_REPLACEMENT:
         picks = torch.multinomial(probs, widest, replacement=True, generator=generator)
         return [picks[i, :c].tolist() for i, c in enumerate(counts)], probs
-    uniform = torch.rand(probs.shape, generator=generator).clamp_(min=1e-20)
+    uniform = torch.rand(probs.shape, generator=generator, device=probs.device).clamp_(min=1e-20)
     gumbel = -torch.log(-torch.log(uniform))
     keys = torch.where(probs > 0, probs.log(), torch.full_like(probs, -1e4)) + gumbel
     top = torch.topk(keys, widest, dim=-1).indices

@@ -67,7 +67,7 @@ class SpeculativeEngine:
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         rule = self.rule_for(params)
         max_len = self.check_fits(len(prompt), max_new_tokens)
-        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        generator = torch.Generator(device=self.target.device).manual_seed(seed if seed is not None else 0)
         target = self.target
         start = time.perf_counter()
         cache = target.new_cache(max_len)

@@ -80,7 +80,7 @@ class KVCache:
         increasing), or None when they are already the first `count` slots."""
         start = self.length
         if kept is not None:
-            slots = kept + start
+            slots = kept.to(self.k.device) + start
             self.k[:, :, start:start + count] = self.k[:, :, slots]
             self.v[:, :, start:start + count] = self.v[:, :, slots]
         self.length = start + count
@@ -113,6 +113,7 @@ class LeanModel:
                 "w_gate_up": torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
                 "w_down": take(mlp + "down_proj.weight"),
             })
+        self.graphed = None  # decoder.cuda_graphs.GraphedForward once enable_cuda_graphs() is called
         self.matmul_kernels = tuned_matmul_kernels([layer["w_gate_up"] for layer in self.layers]) \
             if self.device.type == "cpu" else {}
         d = self.shape.head_dim
@@ -122,6 +123,12 @@ class LeanModel:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.rope_cos = emb.cos().to(self.dtype).to(self.device)
         self.rope_sin = emb.sin().to(self.dtype).to(self.device)
+
+    def enable_cuda_graphs(self) -> None:
+        """Replay every forward of a given size as a CUDA graph (GPU only)."""
+        from decoder.cuda_graphs import GraphedForward
+
+        self.graphed = GraphedForward(self)
 
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.shape.max_context:
@@ -173,8 +180,12 @@ class LeanModel:
         `queries` ([layers, heads, head_dim]), if given, receives the rotated query of row `query_row` per layer
         (a retrieval cache scores its chunks with it).
         """
+        if self.graphed is not None and slots is None and queries is None:
+            return self.graphed(tokens, positions, cache, mask, logits_rows)
         shape = self.shape
         n = tokens.shape[0]
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        mask = None if mask is None else mask.to(self.device)
         x = F.embedding(tokens, self.embed)
         cos = self.rope_cos[positions][None]  # [1, n, d]
         sin = self.rope_sin[positions][None]
@@ -212,6 +223,13 @@ class LeanModel:
         """Append `tokens` to the cache in causal chunks; returns the last token's logits ([vocab]) if asked."""
         if cache.length + tokens.shape[0] > cache.max_len:
             raise UserError(f"{cache.length + tokens.shape[0]} tokens do not fit the {cache.max_len}-token cache")
+        graphed, self.graphed = self.graphed, None  # prefill chunks run eagerly: no graph per chunk size
+        try:
+            return self._prefill(tokens, cache, chunk, logits)
+        finally:
+            self.graphed = graphed
+
+    def _prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int, logits: bool) -> torch.Tensor | None:
         last = None
         for begin in range(0, tokens.shape[0], chunk):
             piece = tokens[begin:begin + chunk].to(self.device)

@@ -53,7 +53,7 @@ def _child_with_token(tree: DraftTree, node: int, token: int) -> int | None:
 
 
 def _uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator))
+    return float(torch.rand((), generator=generator, device=generator.device if generator is not None else None))
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -267,12 +267,13 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
 @click.option("--verify", type=click.Choice(["greedy", "sequoia", "specinfer", "sample-match"]),
               help="verification rule (default: greedy at T = 0, else Sequoia's)")
 @click.option("--chat", is_flag=True, help="apply the target's chat template to the prompt")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="default: cuda when available")
 @click.option("--stream", is_flag=True, help="print tokens as they are accepted")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, target: str | None,
              draft: str | None, dtype: str | None, draft_dtype: str | None, max_new_tokens: int,
              temperature: float | None, top_p: float | None, top_k: int, seed: int, verify: str | None, chat: bool,
-             stream: bool, as_json: bool) -> None:
+             device: str | None, stream: bool, as_json: bool) -> None:
     """Generate with a plan (Sequoia, Lookahead, TriForce) or autoregressively: lossless either way."""
     import json
 
@@ -286,7 +287,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
             prompt = prompt_file.read_text()
         except OSError as exc:
             raise UserError(f"{prompt_file}: cannot read: {exc.strerror}") from None
-    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress)
+    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device)
     defaults = decoder.default_params()
     params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
                             top_p=defaults.top_p if top_p is None else top_p, top_k=top_k or defaults.top_k)
@@ -329,17 +330,19 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True)
 @click.option("--context", type=int, help="long prompts of this many tokens built from --dataset (a folder of essays)")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="default: cuda when available")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, baselines: str, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
-          top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, output: Path) -> None:
+          top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
+          output: Path) -> None:
     """Our decoder against Hugging Face baselines on the same prompts, in one run."""
     from decoder.api import load_decoder
     from decoder.bench import BenchRequest, markdown_table, run_bench
     from decoder.sampling import SamplingParams
 
-    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress)
+    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device)
     defaults = decoder.default_params()
     params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
                             top_p=defaults.top_p if top_p is None else top_p)
