@@ -74,8 +74,9 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
     methods = _methods(decoder, request)
     names = list(methods)
     log(f"warming up {', '.join(names)}")
+    warm_up = encoded[0] if request.context is not None else encoded[0][:64]  # long-context methods need it all
     for run in methods.values():
-        run(encoded[0][:64], 8, 0)
+        run(warm_up, 8, 0)
     decoder.restart()
     rows = []
     for index, (prompt, ids) in enumerate(zip(prompts, encoded)):

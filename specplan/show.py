@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from specplan.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance
+from specplan.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance, TriForceAcceptance
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, read_yaml
 from specplan.plan_schema import Plan, TokenTree
@@ -33,6 +33,15 @@ def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
         generated = [len(r.output) for r in acceptance.records]
         return (f"acceptance/lookahead: greedy outputs of {acceptance.target} on {len(generated)} prompts, "
                 f"{sum(generated)} tokens (mean {np.mean(generated):.0f} per prompt)")
+    if kind == "acceptance/triforce":
+        acceptance = TriForceAcceptance.from_dict(data, str(path))
+        lines = [f"acceptance/triforce: {acceptance.target} with bottom {acceptance.bottom}, "
+                 f"T = {acceptance.temperature}",
+                 f"  {'L':>6} {'B':>5} {'s':>3} {'R':>4} {'middle':>7} {'bottom':>7} {'positions':>9}"]
+        for e in acceptance.entries:
+            lines.append(f"  {e['context']:>6} {e['budget']:>5} {e['chunk']:>3} {e['stride']:>4} {e['middle']:>7.3f} "
+                         f"{e['bottom']:>7.3f} {e.get('positions', 0):>9}")
+        return "\n".join(lines)
     if kind == "acceptance/sequoia":
         acceptance = SequoiaAcceptance.from_dict(data, str(path))
         if plot is not None:

@@ -107,3 +107,57 @@ def test_bad_settings(settings, gammas, message, tiny_pair):
     with pytest.raises(UserError, match=message):
         drafter = HierarchicalDrafter(target, NoDrafter(), *gammas, settings)
         SpeculativeEngine(target, drafter).generate(long_prompt(300, 0), 4, SamplingParams())
+
+
+TRIFORCE_ACCEPTANCE = {
+    "kind": "acceptance/triforce", "models": {"target": "tiny-random-llama", "bottom": "trie"}, "temperature": 0.0,
+    "entries": [
+        {"context": 4096, "budget": 256, "chunk": 8, "stride": 64, "middle": 0.7, "bottom": 0.5},
+        {"context": 4096, "budget": 1024, "chunk": 8, "stride": 64, "middle": 0.9, "bottom": 0.5},
+    ],
+}
+FLAT_PROFILE = {  # t(n, L) = 10 ms + 1 ms per new token at 264 tokens of context, 4x that at 4096
+    "kind": "profile/latency", "models": {"target": "tiny-random-llama"},
+    "target": {"context": 264, "t_seconds": {1: 0.011, 2: 0.012, 4: 0.014, 8: 0.018, 16: 0.026, 32: 0.042},
+               "contexts": {264: {"t_seconds": {1: 0.011, 2: 0.012, 4: 0.014, 8: 0.018, 16: 0.026, 32: 0.042}},
+                            4096: {"t_seconds": {1: 0.044, 2: 0.048, 4: 0.056, 8: 0.072, 16: 0.104,
+                                                 32: 0.168}}}},
+}
+
+
+def test_triforce_cost_model_by_hand():
+    from planner.triforce import evaluate, expected_tokens
+    from specplan.profile_schema import LatencyProfile
+
+    profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
+    entry = TRIFORCE_ACCEPTANCE["entries"][0]
+    c = evaluate(profile, 4096, entry, gamma1=2, gamma2=4, bottom_seconds=0.001)
+    per_round = 1 + 0.5 + 0.25  # E(0.5, 2)
+    rounds = 3  # ceil(4 / 1.75)
+    chain = rounds * per_round  # 5.25 tokens
+    middle_context = 256 + 8  # the budget plus one chunk: t(n, 264) from the profile
+    round_cost = 2 * 0.001 + profile.latency(3, middle_context)
+    top = profile.latency(chain + 1, 4096)
+    tokens = (1 - 0.7 ** (chain + 1)) / (1 - 0.7)
+    per_token = (rounds * round_cost + top) / tokens + 0.044 / 64
+    assert c.chain_tokens == pytest.approx(chain)
+    assert c.tokens_per_step == pytest.approx(tokens) == pytest.approx(expected_tokens(0.7, chain))
+    assert c.seconds_per_token == pytest.approx(per_token)
+    assert c.speedup == pytest.approx(0.044 / per_token)
+
+
+def test_solve_and_show_triforce(run_cli, write_yaml_file, tmp_path):
+    acceptance = write_yaml_file("acc.yaml", TRIFORCE_ACCEPTANCE)
+    profile = write_yaml_file("prof.yaml", FLAT_PROFILE)
+    assert run_cli("show", acceptance)[1].count("4096") == 2
+    out = tmp_path / "plan.yaml"
+    code, stdout, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile, "-o", out)
+    assert code == 0, stderr
+    from specplan.plan_schema import load_plan
+
+    plan = load_plan(out)
+    assert plan.settings["budget"] == 1024  # the better middle acceptance wins here
+    assert plan.settings["bottom"] == "trie" and plan.settings["gamma2"] >= plan.settings["gamma1"]
+    code, stdout, _ = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile, "--two-level",
+                              "-o", tmp_path / "two.yaml")
+    assert code == 0 and load_plan(tmp_path / "two.yaml").settings["bottom"] == "none"
