@@ -3,8 +3,12 @@
 Methods: `ours` (the plan), `ours-ar` (our engine with a one-node tree), and the transformers baselines
 `hf` (generate), `hf-assisted` (assistant_model = the plan's draft), `hf-prompt-lookup`
 (prompt_lookup_num_tokens = 10). For each prompt the methods run back to back, so machine noise spreads
-evenly; one warm-up generation per method comes first. Tokens/s counts new tokens over the wall time of the
-whole call (prefill included) for every method alike. Greedy runs are checked token by token against `hf`;
+evenly; one warm-up generation per method comes first. Two rates per method: end-to-end tokens/s (new tokens
+over the wall time of the whole call, prefill included) and decode tokens/s (tokens after the prefill over the
+time after it: for transformers, timed by a streamer from the first emitted tokens on; for our engine, whose
+prefill stops before the last prompt token, every new token over the decode time). Speedups compare decode
+rates, since at long contexts the prefill, the same work for every method, would hide them; the end-to-end
+ratio against `hf` is reported too. Greedy runs are checked token by token against `hf`;
 at the first differing token the report gives the target's top-2 logit gap (a near-tie below 1e-4 is
 rounding, not a bug: multi-token and one-token forwards round differently).
 """
@@ -85,8 +89,12 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
             start = time.perf_counter()
             tokens, extra = run(ids, request.max_new_tokens, request.seed + index)
             seconds = time.perf_counter() - start
+            decode_tokens, decode_seconds = extra.pop("decode")
             row["methods"][name] = {"new_tokens": len(tokens), "seconds": seconds,
-                                    "tokens_per_second": len(tokens) / seconds, "tokens": tokens, **extra}
+                                    "tokens_per_second": len(tokens) / seconds, "decode_tokens": decode_tokens,
+                                    "decode_seconds": decode_seconds,
+                                    "decode_tokens_per_second": decode_tokens / decode_seconds
+                                    if decode_seconds > 0 else 0.0, "tokens": tokens, **extra}
         if request.params.greedy and "hf" in row["methods"]:
             reference = row["methods"]["hf"]["tokens"]
             for name, entry in row["methods"].items():
@@ -94,7 +102,7 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
                     entry.update(_compare(decoder, ids, reference, entry["tokens"]))
         rows.append(row)
         log(f"[{index + 1}/{len(prompts)}] " + "  ".join(
-            f"{name} {row['methods'][name]['tokens_per_second']:.2f} tok/s" for name in names))
+            f"{name} {row['methods'][name]['decode_tokens_per_second']:.2f} tok/s" for name in names))
     report = _report(decoder, request, rows, names)
     write_json(output, report)
     markdown = output.with_suffix(".md")
@@ -119,17 +127,20 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
             sampling = {"do_sample": False} if params.greedy else {
                 "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
             tensor = torch.tensor([ids], device=device)
+            clock = _FirstTokensClock()
             with torch.inference_mode():
                 out = hf_model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=max_new,
-                                        eos_token_id=stops, pad_token_id=pad, **sampling, **extra)
-            return out[0, len(ids):].tolist(), {}
+                                        eos_token_id=stops, pad_token_id=pad, streamer=clock, **sampling, **extra)
+            tokens = out[0, len(ids):].tolist()
+            return tokens, {"decode": clock.decode(len(tokens))}
         return run
 
     def engine_method(engine: SpeculativeEngine) -> Callable:
         def run(ids, max_new, seed):
             result = engine.generate(ids, max_new, params, seed)
             return result.tokens, {"tokens_per_step": result.tokens_per_step, "steps": result.steps,
-                                   "prefill_seconds": result.prefill_seconds}
+                                   "prefill_seconds": result.prefill_seconds,
+                                   "decode": (len(result.tokens), result.decode_seconds)}
         return run
 
     triforce = {}
@@ -158,6 +169,31 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
     return {name: available[name] for name in ["ours"] + [b for b in BASELINES if b in request.baselines]}
 
 
+class _FirstTokensClock:
+    """A transformers streamer that notes when the first new tokens come out: `put` gets the prompt first,
+    then the new tokens, one or (assisted) several at a time."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_tokens = 0
+        self.first_time = 0.0
+        self.end_time = 0.0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first_time = time.perf_counter()
+            self.first_tokens = value.numel()
+
+    def end(self) -> None:
+        self.end_time = time.perf_counter()
+
+    def decode(self, new_tokens: int) -> tuple[int, float]:
+        if self.calls < 2:
+            return 0, 0.0
+        return new_tokens - self.first_tokens, self.end_time - self.first_time
+
+
 @torch.inference_mode()
 def _compare(decoder: Decoder, prompt: list[int], reference: list[int], tokens: list[int]) -> dict:
     if tokens == reference:
@@ -179,7 +215,10 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
         entries = [row["methods"][name] for row in rows]
         tokens = sum(e["new_tokens"] for e in entries)
         seconds = sum(e["seconds"] for e in entries)
+        decode_seconds = sum(e["decode_seconds"] for e in entries)
         summary[name] = {"tokens_per_second": tokens / seconds, "new_tokens": tokens, "seconds": seconds,
+                         "decode_tokens_per_second": sum(e["decode_tokens"] for e in entries) / decode_seconds
+                         if decode_seconds > 0 else 0.0,
                          "per_prompt_tokens_per_second_mean": float(np.mean([e["tokens_per_second"] for e in entries]))}
         if "tokens_per_step" in entries[0]:
             summary[name]["tokens_per_step"] = sum(e["new_tokens"] for e in entries) / sum(e["steps"] for e in entries)
@@ -188,10 +227,11 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
             summary[name]["near_tie_divergences"] = sum(bool(e.get("near_tie")) for e in entries)
             summary[name]["compared"] = len(entries)
     for name in names:
-        for base in ("hf", "ours-ar", "hf-assisted", "hf-prompt-lookup"):
+        for base in BASELINES:
             if base in summary and base != name:
-                ratio = summary[name]["tokens_per_second"] / summary[base]["tokens_per_second"]
-                summary[name][f"speedup_vs_{base}"] = ratio
+                summary[name][f"speedup_vs_{base}"] = _ratio(summary[name], summary[base], "decode_tokens_per_second")
+                summary[name][f"end_to_end_speedup_vs_{base}"] = _ratio(summary[name], summary[base],
+                                                                        "tokens_per_second")
     plan = decoder.plan
     prediction = {}
     if plan is not None:
@@ -218,21 +258,32 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
     }
 
 
+def _ratio(method: dict, base: dict, rate: str) -> float:
+    return method[rate] / base[rate] if base[rate] > 0 else float("nan")
+
+
 def markdown_table(report: dict) -> str:
     models = report["models"]
+    summary = report["summary"]
+    bases = [b for b in BASELINES if b in summary]
     lines = [f"{models['target']} ({models['dtype']})"
              + (f", draft {models['draft']} ({models['draft_dtype']})" if models["draft"] else "")
              + f"; {report['prompts']} prompts from {report['dataset']}, {report['max_new_tokens']} new tokens, "
              f"T = {report['sampling']['temperature']}",
              "",
-             "| method | tokens/s | vs hf | vs ours-ar | tokens/step | identical to hf |",
-             "|---|---|---|---|---|---|"]
-    for name, s in report["summary"].items():
+             "| method | decode tokens/s | " + " | ".join(f"vs {b}" for b in bases)
+             + " | end-to-end tokens/s | end-to-end vs hf | tokens/step | identical to hf |",
+             "|---|---|" + "---|" * len(bases) + "---|---|---|---|"]
+    for name, s in summary.items():
         identical = f"{s['identical_to_hf']}/{s['compared']}" + (
             f" ({s['near_tie_divergences']} near-tie)" if s.get("near_tie_divergences") else "") \
             if "identical_to_hf" in s else ""
-        lines.append(f"| {name} | {s['tokens_per_second']:.2f} | {s.get('speedup_vs_hf', 1.0):.2f}x | "
-                     f"{s.get('speedup_vs_ours-ar', 1.0):.2f}x | {s.get('tokens_per_step', 1.0):.2f} | {identical} |")
+        ratios = " | ".join(f"{_ratio(s, summary[b], 'decode_tokens_per_second'):.2f}x" for b in bases)
+        end_to_end = f"{_ratio(s, summary['hf'], 'tokens_per_second'):.2f}x" if "hf" in summary else ""
+        per_step = f"{s['tokens_per_step']:.2f}" if "tokens_per_step" in s else (
+            "1.00" if name == "hf" else "n/a")  # transformers does not report its steps
+        lines.append(f"| {name} | {s['decode_tokens_per_second']:.2f} | {ratios} | {s['tokens_per_second']:.2f} | "
+                     f"{end_to_end} | {per_step} | {identical} |")
     prediction = report.get("prediction") or {}
     if prediction.get("plan_speedup"):
         lines.append("")
@@ -250,11 +301,11 @@ def plot_report(report: dict, png: Path) -> None:
 
     names = list(report["summary"])
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    per_prompt = [[row["methods"][n]["tokens_per_second"] for row in report["per_prompt"]] for n in names]
+    per_prompt = [[row["methods"][n]["decode_tokens_per_second"] for row in report["per_prompt"]] for n in names]
     ax.boxplot(per_prompt, tick_labels=names, showmeans=True)
-    ax.scatter(range(1, len(names) + 1), [report["summary"][n]["tokens_per_second"] for n in names], color="black",
-               zorder=5, label="aggregate tokens/s")
-    ax.set_ylabel("tokens/s per prompt")
+    ax.scatter(range(1, len(names) + 1), [report["summary"][n]["decode_tokens_per_second"] for n in names],
+               color="black", zorder=5, label="aggregate decode tokens/s")
+    ax.set_ylabel("decode tokens/s per prompt")
     ax.set_title(f"{report['models']['target']} ({report['models']['dtype']}), {report['prompts']} prompts")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")

@@ -157,7 +157,8 @@ class SequoiaDrafter(Drafter):
 
 class TrieDrafter(Drafter):
     """Lookahead: drafts retrieved from a token trie of the prompt and of the output so far. The trie lives
-    across requests (outputs of earlier requests keep helping); a request's prompt branches leave with it."""
+    across requests (outputs of earlier requests keep helping); a request's prompt branches leave with it.
+    `sequence[:length]` holds the committed tokens before the current root, which `propose` writes after them."""
 
     def __init__(self, trie: Trie) -> None:
         self.trie = trie
@@ -171,24 +172,36 @@ class TrieDrafter(Drafter):
             self.trie.end_request()
         self.sequence = np.zeros(max_len + self.max_tree_size + 1, dtype=np.int64)
         self.sequence[:len(prompt)] = prompt
-        self.length = len(prompt)
-        self.trie.insert(self.sequence, 0, self.length, from_prompt=True)
+        self.length = len(prompt) - 1
+        self.trie.insert(self.sequence, 0, len(prompt), from_prompt=True)
         self.live_request = True
 
     def propose(self, root, params, draw, generator):
-        tokens, parents = self.trie.retrieve(self.sequence, self.length)
+        self.sequence[self.length] = root
+        tokens, parents = self.trie.retrieve(self.sequence, self.length + 1)
         return DraftTree(tokens.tolist(), parents.tolist())
 
     def update(self, tree, accepted, next_token):
-        self.extend([tree.tokens[v] for v in accepted[1:]] + ([next_token] if next_token is not None else []))
+        root_at = self.length
+        self._commit([tree.tokens[v] for v in accepted])
+        # Emitted tokens enter the trie at once, the next root included: this is what the offline replay
+        # of planner/lookahead.py does, so that replay stays exact.
+        end = self.length
+        if next_token is not None:
+            self.sequence[end] = next_token
+            end += 1
+        self.trie.insert(self.sequence, root_at + 1, end)
 
     def extend(self, tokens):
-        old = self.length
-        if old + len(tokens) > len(self.sequence):
-            self.sequence = np.concatenate([self.sequence, np.zeros(len(self.sequence), dtype=np.int64)])
-        self.sequence[old:old + len(tokens)] = tokens
-        self.length = old + len(tokens)
-        self.trie.insert(self.sequence, old, self.length)
+        # Only a hierarchy calls this, re-committing chain tokens whose windows its rounds already counted.
+        self._commit(tokens)
+
+    def _commit(self, tokens: list[int]) -> None:
+        needed = self.length + len(tokens) + 1
+        if needed > len(self.sequence):
+            self.sequence = np.concatenate([self.sequence, np.zeros(needed, dtype=np.int64)])
+        self.sequence[self.length:self.length + len(tokens)] = tokens
+        self.length += len(tokens)
 
     def rollback(self, count):
         # The trie keeps the counts of the withdrawn tokens: they only shape future drafts, never the output.

@@ -4,6 +4,7 @@ as the target's (chi-square on a toy vocabulary) for the Sequoia and SpecInfer r
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
 from specplan.errors import UserError
 
+from conftest import ACCEPTANCE
 from toy import (
     assert_distributed_as_target,
     chi_square_p,
@@ -157,3 +159,33 @@ def test_trie_sampling_is_distributed_as_the_target(temperature, top_p, top_k, t
     counts, accepted = sample_first_two(lambda: engine, prompt, params, 5000)
     assert accepted > 0.1
     assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+
+
+def test_bench_report_on_tiny_models(run_cli, write_yaml_file, tmp_path):
+    acceptance = write_yaml_file("acc.yaml", {**ACCEPTANCE, "temperature": 0.0})
+    plan = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--max-size", 8, "--max-depth", 3,
+                              "-o", plan)
+    assert code == 0, stderr
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"count {i} 1 2 3 4"]})
+                                 for i in range(2)))
+    report_path = tmp_path / "report.json"
+    code, _, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--draft",
+                              "tiny-random-llama-draft", "--dataset", dataset, "--prompts", 2, "--max-new-tokens", 12,
+                              "--baselines", "hf,hf-assisted,ours-ar", "-o", report_path)
+    assert code == 0, stderr
+    report = json.loads(report_path.read_text())
+    summary = report["summary"]
+    assert set(summary) == {"ours", "hf", "hf-assisted", "ours-ar"}
+    for name in ("ours", "hf-assisted", "ours-ar"):
+        assert summary[name]["identical_to_hf"] == summary[name]["compared"] == 2
+    for entry in summary.values():
+        assert entry["decode_tokens_per_second"] > 0 and entry["tokens_per_second"] > 0
+    for row in report["per_prompt"]:
+        hf = row["methods"]["hf"]
+        assert hf["decode_tokens"] == hf["new_tokens"] - 1 and hf["decode_seconds"] < hf["seconds"]
+    ours = summary["ours"]
+    hf_rate = summary["hf"]["decode_tokens_per_second"]
+    assert ours["speedup_vs_hf"] == pytest.approx(ours["decode_tokens_per_second"] / hf_rate)
+    assert "| ours |" in report_path.with_suffix(".md").read_text() and report_path.with_suffix(".png").stat().st_size

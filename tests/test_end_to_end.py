@@ -75,7 +75,7 @@ def test_triforce_on_a_long_prompt_is_lossless(smollm2):
     result = SpeculativeEngine(lean, drafter, {smollm2.tokenizer.eos_token_id}).generate(prompt.ids, 48,
                                                                                          SamplingParams())
     assert result.tokens == hf_greedy(smollm2, prompt.ids, 48)[:len(result.tokens)]
-    assert result.tokens_per_step > 1.2
+    assert result.tokens_per_step > 3  # of at most 7: the middle level agrees with the target most of the time
 
 
 def test_plan_for_another_tokenizer_is_refused(run_cli, tmp_path, write_yaml_file):
@@ -86,3 +86,21 @@ def test_plan_for_another_tokenizer_is_refused(run_cli, tmp_path, write_yaml_fil
         "tokenizer": {"vocab_size": 151665, "sha256": "0" * 64}})
     code, _, stderr = run_cli("generate", "--plan", plan, "--prompt", "hi")
     assert code == 2 and "another tokenizer" in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def test_lookahead_with_token_zero_in_the_prompt_is_lossless(smollm2):
+    from decoder.api import stop_token_ids
+    from decoder.drafters import TrieDrafter
+    from decoder.engine import SpeculativeEngine
+    from decoder.model import LeanModel
+    from decoder.trie import Trie, TrieSettings
+
+    tokenizer = smollm2.tokenizer
+    document = tokenizer.encode("The committee met on Tuesday and approved the budget for the new library. ")
+    ids = document + [0] + document * 2 + [0] + tokenizer.encode("The committee")
+    engine = SpeculativeEngine(LeanModel(smollm2.model),
+                               TrieDrafter(Trie(TrieSettings(decoding_length=8, branch_length=4))),
+                               stop_token_ids(smollm2))
+    result = engine.generate(ids, 40, SamplingParams())
+    assert result.tokens == hf_greedy(smollm2, ids, 40)[:len(result.tokens)] and len(result.tokens) > 0
+    assert result.tokens_per_step > 1.5  # the repeated document is drafted from the trie across the id-0 separators

@@ -71,6 +71,30 @@ def test_hierarchy_greedy_equals_transformers_greedy(bottom, tiny_pair):
         assert result.tokens_per_step > 1.0
 
 
+def test_bottom_follows_the_top_and_does_not_cost_acceptance(tiny_pair):
+    """With greedy decoding every bottom yields the middle level's own greedy chain, so the top accepts as
+    much of it as in the two-level variant; a bottom that lost track of the committed tokens would feed the
+    middle level a wrong root and fall far behind."""
+    loaded, target, draft = tiny_pair
+    prompt = long_prompt(400, 7)
+    top_acceptance = {}
+    for name, make in bottoms(target, draft).items():
+        drafter = HierarchicalDrafter(target, make(), 2, 6, RetrievalSettings(384, 8, 64))
+        out = SpeculativeEngine(target, drafter).generate(prompt, 80, SamplingParams()).tokens
+        # All emitted tokens but the next root are committed; the whole output when the last step was cut
+        # at max_new_tokens inside the accepted path.
+        everything = prompt + out
+        bottom = drafter.bottom
+        if isinstance(bottom, TrieDrafter):
+            assert bottom.sequence[:bottom.length].tolist() in (everything[:-1], everything)
+        if isinstance(bottom, StreamingDrafter):
+            assert bottom.positions in (len(everything) - 1, len(everything))
+        top_acceptance[name] = drafter.stats["accepted"] / drafter.stats["chain_tokens"]
+    assert top_acceptance["two-level"] > 0.15  # random weights: retrieval costs a tiny model much agreement
+    for name in ("trie", "streaming-draft"):
+        assert top_acceptance[name] >= 0.9 * top_acceptance["two-level"], top_acceptance
+
+
 def test_streaming_only_drafter_is_lossless(tiny_pair):
     loaded, target, _ = tiny_pair
     prompt = long_prompt(300, 5)
