@@ -135,13 +135,15 @@ def plot_profiles(profiles: list[LatencyProfile], png: str | os.PathLike) -> Non
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for profile in profiles:
+    curves = [(profile, profile.target_by_context or {profile.target_context or 0: profile.target_t_seconds})
+              for profile in profiles]
+    contexts = sorted({L for _, by_context in curves for L in by_context})  # one color per L across profiles
+    for profile, by_context in curves:
         style = "-" if profile.source == "measured" else "--"
-        by_context = profile.target_by_context or {profile.target_context or 0: profile.target_t_seconds}
-        for j, (L, curve) in enumerate(sorted(by_context.items())):
+        for L, curve in sorted(by_context.items()):
             sizes = sorted(curve)
             ax.plot(sizes, [curve[n] * 1e3 for n in sizes], style, marker="o" if style == "-" else None, ms=3,
-                    color=colors[j % len(colors)], label=f"L = {L} ({profile.source})")
+                    color=colors[contexts.index(L) % len(colors)], label=f"L = {L} ({profile.source})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("new tokens n")
