@@ -93,8 +93,8 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
             row["methods"][name] = {"new_tokens": len(tokens), "seconds": seconds,
                                     "tokens_per_second": len(tokens) / seconds, "decode_tokens": decode_tokens,
                                     "decode_seconds": decode_seconds,
-                                    "decode_tokens_per_second": decode_tokens / decode_seconds
-                                    if decode_seconds > 0 else 0.0, "tokens": tokens, **extra}
+                                    "decode_tokens_per_second": _rate(decode_tokens, decode_seconds),
+                                    "tokens": tokens, **extra}
         if request.params.greedy and "hf" in row["methods"]:
             reference = row["methods"]["hf"]["tokens"]
             for name, entry in row["methods"].items():
@@ -217,8 +217,7 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
         seconds = sum(e["seconds"] for e in entries)
         decode_seconds = sum(e["decode_seconds"] for e in entries)
         summary[name] = {"tokens_per_second": tokens / seconds, "new_tokens": tokens, "seconds": seconds,
-                         "decode_tokens_per_second": sum(e["decode_tokens"] for e in entries) / decode_seconds
-                         if decode_seconds > 0 else 0.0,
+                         "decode_tokens_per_second": _rate(sum(e["decode_tokens"] for e in entries), decode_seconds),
                          "per_prompt_tokens_per_second_mean": float(np.mean([e["tokens_per_second"] for e in entries]))}
         if "tokens_per_step" in entries[0]:
             summary[name]["tokens_per_step"] = sum(e["new_tokens"] for e in entries) / sum(e["steps"] for e in entries)
@@ -256,6 +255,10 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
         "dataset": request.dataset, "prompts": len(rows), "max_new_tokens": request.max_new_tokens,
         "summary": summary, "prediction": prediction, "per_prompt": rows,
     }
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
 
 
 def _ratio(method: dict, base: dict, rate: str) -> float:
