@@ -17,21 +17,21 @@ def sequoia_plan(run_cli, write_yaml_file, tmp_path):
     return plan
 
 
-def one_line_exit_2(result, message):
+def assert_one_line_exit_2(result, message):
     code, _, stderr = result
     assert code == 2, stderr
     assert message in stderr and len(stderr.strip().splitlines()) == 1
 
 
 def test_draft_with_another_vocabulary(run_cli, sequoia_plan):
-    one_line_exit_2(run_cli("generate", "--plan", sequoia_plan, "--target", "tiny-random-llama", "--draft",
+    assert_one_line_exit_2(run_cli("generate", "--plan", sequoia_plan, "--target", "tiny-random-llama", "--draft",
                             "smollm2-135m", "--prompt", "hi"), "does not share the vocabulary")
 
 
 def test_prompt_over_the_context(run_cli, sequoia_plan, tmp_path):
     long = tmp_path / "long.txt"
     long.write_text("x" * 5000)
-    one_line_exit_2(run_cli("generate", "--plan", sequoia_plan, *TINY_PAIR, "--prompt-file", long), "exceeds")
+    assert_one_line_exit_2(run_cli("generate", "--plan", sequoia_plan, *TINY_PAIR, "--prompt-file", long), "exceeds")
 
 
 def test_tree_larger_than_the_cache(run_cli, write_yaml_file, tmp_path):
@@ -40,7 +40,7 @@ def test_tree_larger_than_the_cache(run_cli, write_yaml_file, tmp_path):
     assert run_cli("solve", "sequoia", "--acceptance", acc, "--max-size", 600, "--max-depth", 8, "-o", plan)[0] == 0
     prompt = tmp_path / "p.txt"
     prompt.write_text("y" * 3400)
-    one_line_exit_2(run_cli("generate", "--plan", plan, *TINY_PAIR, "--prompt-file", prompt,
+    assert_one_line_exit_2(run_cli("generate", "--plan", plan, *TINY_PAIR, "--prompt-file", prompt,
                             "--max-new-tokens", 100), "does not fit")
 
 
@@ -52,13 +52,13 @@ def test_tree_larger_than_the_cache(run_cli, write_yaml_file, tmp_path):
     (["--prompt", "hi", "--temperature", "0.5", "--verify", "greedy"], "--verify greedy"),
 ])
 def test_generate_bad_arguments(args, message, run_cli, sequoia_plan):
-    one_line_exit_2(run_cli("generate", "--plan", sequoia_plan, *TINY_PAIR, *args), message)
+    assert_one_line_exit_2(run_cli("generate", "--plan", sequoia_plan, *TINY_PAIR, *args), message)
 
 
 def test_missing_and_malformed_plans(run_cli, write_yaml_file, tmp_path):
-    one_line_exit_2(run_cli("generate", "--plan", tmp_path / "none.yaml", "--prompt", "hi"), "no such file")
+    assert_one_line_exit_2(run_cli("generate", "--plan", tmp_path / "none.yaml", "--prompt", "hi"), "no such file")
     bad = write_yaml_file("bad.yaml", "kind: plan/sequoia\ntree: [1, 2\n")
-    one_line_exit_2(run_cli("generate", "--plan", bad, "--prompt", "hi"), "malformed YAML")
+    assert_one_line_exit_2(run_cli("generate", "--plan", bad, "--prompt", "hi"), "malformed YAML")
 
 
 @pytest.mark.parametrize("grid, message", [
@@ -70,7 +70,7 @@ def test_lookahead_lengths_below_one(grid, message, run_cli, write_yaml_file, tm
                                        "tokenizer": {"vocab_size": 259, "sha256": "0" * 64},
                                        "records": [{"prompt": [1, 2, 3], "output": [4, 5]}]})
     out = tmp_path / "plan.yaml"
-    one_line_exit_2(run_cli("solve", "lookahead", "--acceptance", acc, *grid, "-o", out), message)
+    assert_one_line_exit_2(run_cli("solve", "lookahead", "--acceptance", acc, *grid, "-o", out), message)
     assert not out.exists()
 
 
@@ -87,12 +87,12 @@ TRIFORCE_PLAN = {"kind": "plan/triforce", "models": {"target": "tiny-random-llam
 ])
 def test_triforce_plan_bad_settings(change, message, run_cli, write_yaml_file):
     plan = write_yaml_file("plan.yaml", {**TRIFORCE_PLAN, "triforce": {**TRIFORCE_PLAN["triforce"], **change}})
-    one_line_exit_2(run_cli("generate", "--plan", plan, "--prompt", "a short prompt"), message)
+    assert_one_line_exit_2(run_cli("generate", "--plan", plan, "--prompt", "a short prompt"), message)
 
 
 def test_triforce_context_over_the_model_maximum(run_cli, tmp_path):
     out = tmp_path / "acc.yaml"
-    one_line_exit_2(run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
+    assert_one_line_exit_2(run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
                             "../shared/data/haystack", "--contexts", "8192", "--budgets", "256", "--chunks", "8",
                             "--strides", "64", "-o", out), "exceeds")
     assert not out.exists()
