@@ -12,21 +12,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from decoder.model import LeanModel, causal_mask
+from decoder.model import KVCache, LeanModel, causal_mask
 from specplan.machine import cpu_info
 from specplan.models import load_model
 
 
-def _prefilled(model: LeanModel, context: int, room: int):
+def _prefilled(model: LeanModel, context: int, room: int) -> KVCache:
     cache = model.new_cache(context + room)
     model.prefill(torch.arange(100, 100 + context) % model.shape.vocab, cache, logits=False)
     return cache
 
 
-def _step(forward, model: LeanModel, cache, tokens: torch.Tensor) -> tuple[float, torch.Tensor]:
+def _step(forward: Callable[..., torch.Tensor], model: LeanModel, cache: KVCache,
+          tokens: torch.Tensor) -> tuple[float, torch.Tensor]:
     n = tokens.shape[0]
     positions = torch.arange(cache.length, cache.length + n)
     mask = causal_mask(cache.length, n, model.dtype, model.device) if n > 1 else None

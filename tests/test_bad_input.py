@@ -25,7 +25,7 @@ def assert_one_line_exit_2(result, message):
 
 def test_draft_with_another_vocabulary(run_cli, sequoia_plan):
     assert_one_line_exit_2(run_cli("generate", "--plan", sequoia_plan, "--target", "tiny-random-llama", "--draft",
-                            "smollm2-135m", "--prompt", "hi"), "does not share the vocabulary")
+                                   "smollm2-135m", "--prompt", "hi"), "does not share the vocabulary")
 
 
 def test_prompt_over_the_context(run_cli, sequoia_plan, tmp_path):
@@ -41,7 +41,7 @@ def test_tree_larger_than_the_cache(run_cli, write_yaml_file, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("y" * 3400)
     assert_one_line_exit_2(run_cli("generate", "--plan", plan, *TINY_PAIR, "--prompt-file", prompt,
-                            "--max-new-tokens", 100), "does not fit")
+                                   "--max-new-tokens", 100), "does not fit")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -93,6 +93,6 @@ def test_triforce_plan_bad_settings(change, message, run_cli, write_yaml_file):
 def test_triforce_context_over_the_model_maximum(run_cli, tmp_path):
     out = tmp_path / "acc.yaml"
     assert_one_line_exit_2(run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
-                            "../shared/data/haystack", "--contexts", "8192", "--budgets", "256", "--chunks", "8",
-                            "--strides", "64", "-o", out), "exceeds")
+                                   "../shared/data/haystack", "--contexts", "8192", "--budgets", "256",
+                                   "--chunks", "8", "--strides", "64", "-o", out), "exceeds")
     assert not out.exists()
