@@ -100,9 +100,12 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def lean_model(loaded: LoadedModel, device: str) -> LeanModel:
-    """The decoder's forward for a loaded model; on a GPU every shape replays as a CUDA graph."""
+def lean_model(loaded: LoadedModel, device: str, vocabulary: int | None = None) -> LeanModel:
+    """The decoder's forward for a loaded model, scoring only the ids below `vocabulary` (and the stop tokens)
+    if given; on a GPU every shape replays as a CUDA graph."""
     model = LeanModel(loaded.model, device)
+    if vocabulary is not None:
+        model.limit_vocabulary(vocabulary, stop_token_ids(loaded))
     if model.device.type == "cuda":
         model.enable_cuda_graphs()
     return model
@@ -141,7 +144,7 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
         log(f"loading {draft_name} ({draft_dtype})")
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target_model, draft_model)
-        lean_draft = lean_model(draft_model, device)
+        lean_draft = lean_model(draft_model, device, plan.models.get("draft_vocab"))
         return Decoder(target_model, lambda: SequoiaDrafter(lean_draft, list(plan.tree.parents)), plan, verify,
                        draft_model, lean_target)
     raise UserError(f"{plan_path}: plans of kind {plan.kind} cannot be run yet")

@@ -247,7 +247,8 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
         "machine": {**cpu_info(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                     "platform": platform.platform()},
         "models": {"target": decoder.target.name, "draft": decoder.draft.name if decoder.draft else None,
-                   "dtype": decoder.target.dtype, "draft_dtype": decoder.draft.dtype if decoder.draft else None},
+                   "dtype": decoder.target.dtype, "draft_dtype": decoder.draft.dtype if decoder.draft else None,
+                   **({"draft_vocab": plan.models["draft_vocab"]} if plan and "draft_vocab" in plan.models else {})},
         "plan": {"kind": plan.kind, "prediction": plan.prediction, "tree_size": plan.tree.size if plan.tree else None}
         if plan else None,
         "sampling": {"temperature": request.params.temperature, "top_p": request.params.top_p,
@@ -270,7 +271,9 @@ def markdown_table(report: dict) -> str:
     summary = report["summary"]
     bases = [b for b in BASELINES if b in summary]
     lines = [f"{models['target']} ({models['dtype']})"
-             + (f", draft {models['draft']} ({models['draft_dtype']})" if models["draft"] else "")
+             + (f", draft {models['draft']} ({models['draft_dtype']}"
+                + (f", ids < {models['draft_vocab']}" if models.get("draft_vocab") else "") + ")"
+                if models["draft"] else "")
              + f"; {report['prompts']} prompts from {report['dataset']}, {report['max_new_tokens']} new tokens, "
              f"T = {report['sampling']['temperature']}",
              "",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +113,7 @@ class LeanModel:
                 "w_gate_up": torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
                 "w_down": take(mlp + "down_proj.weight"),
             })
+        self.output_ids: torch.Tensor | None = None  # set by limit_vocabulary
         self.graphed = None  # decoder.cuda_graphs.GraphedForward once enable_cuda_graphs() is called
         self.matmul_kernels = tuned_matmul_kernels([layer["w_gate_up"] for layer in self.layers]) \
             if self.device.type == "cpu" else {}
@@ -129,6 +130,17 @@ class LeanModel:
         from decoder.cuda_graphs import GraphedForward
 
         self.graphed = GraphedForward(self)
+
+    def limit_vocabulary(self, size: int, always: Iterable[int] = ()) -> None:
+        """Score only the token ids below `size`, plus `always` (the stop tokens); every other logit is -inf.
+
+        Meant for a draft model: on a memory-bound CPU its output matrix is a large share of the bytes a step
+        reads (27% for qwen2.5-coder-0.5b), and BPE ids are numbered in merge order, so a prefix of the
+        vocabulary holds most of the tokens worth drafting. Speculation stays lossless: the target verifies."""
+        if self.output_ids is not None:
+            raise UserError("the vocabulary of this model is already limited")
+        self.output_ids = torch.tensor(draft_vocabulary_ids(size, always, self.shape.vocab), device=self.device)
+        self.lm_head = self.lm_head[self.output_ids].contiguous()
 
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.shape.max_context:
@@ -216,7 +228,10 @@ class LeanModel:
             x = x + self._linear(F.silu(gate) * up, layer["w_down"])
         if logits_rows is not None:
             x = x[logits_rows]
-        return self._linear(self._rms_norm(x, self.final_norm), self.lm_head)
+        logits = self._linear(self._rms_norm(x, self.final_norm), self.lm_head)
+        if self.output_ids is None:
+            return logits
+        return logits.new_full((logits.shape[0], shape.vocab), float("-inf")).index_copy_(1, self.output_ids, logits)
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int = 512, logits: bool = True
                 ) -> torch.Tensor | None:
@@ -240,6 +255,13 @@ class LeanModel:
             last = self.forward(piece, positions, cache, mask, logits_rows=slice(n - 1, n) if final else slice(0, 0))
             cache.commit(None, n)
         return last[0] if logits and last is not None else None
+
+
+def draft_vocabulary_ids(size: int, always: Iterable[int], vocab: int) -> list[int]:
+    """The token ids a draft limited to `size` scores: those below `size` and the `always` ones."""
+    if not 0 < size <= vocab:
+        raise UserError(f"a draft vocabulary of {size} tokens is outside 1..{vocab}")
+    return sorted(set(range(size)) | {int(i) for i in always if 0 <= int(i) < vocab})
 
 
 def _linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -125,12 +125,18 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         for key in ("dtype", "draft_dtype"):
             if profile.raw.get(key):
                 plan.models[key] = profile.raw[key]
+    if acceptance.draft_vocab is not None:
+        plan.models["draft_vocab"] = acceptance.draft_vocab
     return plan, ranked
 
 
 def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None) -> dict:
     models = {"target": acceptance.target, "draft": acceptance.draft}
     if profile is not None:
+        if profile.draft_vocab != acceptance.draft_vocab:
+            raise UserError(f"the acceptance file's draft vocabulary ({acceptance.draft_vocab or 'all'}) differs from "
+                            f"the one the profile timed ({profile.draft_vocab or 'all'}): measure both with the same "
+                            "--draft-vocab")
         for role in ("target", "draft"):
             measured = profile.models.get(role)
             if measured and models[role] and measured != models[role]:

@@ -269,10 +269,11 @@ def measure_sequoia(target: LeanModel, draft: LeanModel, prompts: list[list[int]
 def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samples: int | None,
                            params: SamplingParams, width: int, max_new_tokens: int, dtype: str, chat: bool,
                            seed: int, paths: int, output: str, log=print, progress: bool = True,
-                           draft_dtype: str | None = None) -> dict:
+                           draft_dtype: str | None = None, draft_vocab: int | None = None) -> dict:
     """Measure and write an acceptance/sequoia file; returns its document."""
     from tqdm import tqdm
 
+    from decoder.api import lean_model
     from profiler.datasets import encode_prompt, read_dataset, spread_sample
     from specplan.acceptance_schema import SequoiaAcceptance
     from specplan.errors import UserError
@@ -302,8 +303,8 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
     stop_ids = {t for t in [target.tokenizer.eos_token_id] if t is not None}
     bar = tqdm(total=len(prompts) * max_new_tokens, desc="accept", unit="tok", disable=None if progress else True,
                leave=False)
-    run = measure_sequoia(LeanModel(target.model), LeanModel(draft.model), encoded, params, width, max_new_tokens,
-                          stop_ids, seed, paths, progress=lambda n: bar.update(max_new_tokens))
+    run = measure_sequoia(LeanModel(target.model), lean_model(draft, "cpu", draft_vocab), encoded, params, width,
+                          max_new_tokens, stop_ids, seed, paths, progress=lambda n: bar.update(max_new_tokens))
     bar.close()
     acceptance = SequoiaAcceptance(
         positional=run.positional, stderr=run.stderr, target=target_name, draft=draft_name,
@@ -311,6 +312,7 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
         extra={
             "dtype": dtype,
             "draft_dtype": draft_dtype,
+            **({"draft_vocab": draft_vocab} if draft_vocab is not None else {}),
             "method": "greedy top-k match" if params.greedy else
                       f"Algorithm 1 without replacement (exact for supports <= {EXACT_SUPPORT}, "
                       f"else {paths} rejection paths; tail mass {TAIL_MASS})",

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoder.model import KVCache, LeanModel, ModelShape, causal_mask
+from decoder.api import stop_token_ids
+from decoder.model import KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
 from profiler import hardware, roofline
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, write_yaml
@@ -36,6 +37,7 @@ class ProfileRequest:
     draft: str | None = None
     dtype: str = "fp32"
     draft_dtype: str | None = None  # default: dtype
+    draft_vocab: int | None = None  # time the draft scoring only the ids below this (plus the stop tokens)
     contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS))
     sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
     threads: int = max(1, (os.cpu_count() or 1))
@@ -128,25 +130,27 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     if checkpoint.points:
         log(f"resuming: {len(checkpoint.points)} points already measured")
     lean = {role: LeanModel(m.model, device) for role, m in models.items()}
+    if "draft" in lean and request.draft_vocab is not None:
+        lean["draft"].limit_vocabulary(request.draft_vocab, stop_token_ids(models["draft"]))
     for role, model in lean.items():
         _check_contexts(models[role].name, model.shape, request)
-    blocks = [(role, L) for role in lean for L in request.contexts]
-    bar = tqdm(total=len(blocks) * len(request.sizes), desc="profile", unit="point",
+    bar = tqdm(total=len(request.contexts) * len(lean) * len(request.sizes), desc="profile", unit="point",
                disable=None if progress else True, leave=False)
     curves: dict[str, dict[int, dict[int, dict]]] = {role: {} for role in lean}
-    for role, L in blocks:
-        name = f"{role}|{L}"
-        if name not in checkpoint.points:
-            bar.set_postfix_str(f"{role} L={L}")
-            measured = _time_block(lean[role], L, request.sizes, request.warmup, request.repeats)
-            checkpoint.points[name] = {str(n): samples for n, samples in measured.items()}
+    for L in request.contexts:
+        if any(f"{role}|{L}" not in checkpoint.points for role in lean):
+            bar.set_postfix_str(f"L={L}")
+            measured = _time_block(lean, L, request.sizes, request.warmup, request.repeats)
+            for role, samples_by_n in measured.items():
+                checkpoint.points[f"{role}|{L}"] = {str(n): samples for n, samples in samples_by_n.items()}
             checkpoint.save()
-        for n in request.sizes:
-            samples = np.array(checkpoint.points[name][str(n)])
-            curves[role].setdefault(L, {})[n] = {"median": float(np.median(samples)),
-                                                 "p10": float(np.percentile(samples, 10)),
-                                                 "p90": float(np.percentile(samples, 90))}
-        bar.update(len(request.sizes))
+        for role in lean:
+            for n in request.sizes:
+                samples = np.array(checkpoint.points[f"{role}|{L}"][str(n)])
+                curves[role].setdefault(L, {})[n] = {"median": float(np.median(samples)),
+                                                     "p10": float(np.percentile(samples, 10)),
+                                                     "p90": float(np.percentile(samples, 90))}
+            bar.update(len(request.sizes))
     bar.close()
     document = _document(request, "measured", machine, models, curves)
     document["settings"] = {"engine": "specplan lean decoder", "threads": request.threads, "warmup": request.warmup,
@@ -158,31 +162,33 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
 
 
 @torch.inference_mode()
-def _time_block(model: LeanModel, context: int, sizes: list[int], warmup: int, repeats: int) -> dict[int, list[float]]:
-    """Seconds per forward of n new tokens over `context` cached tokens, for every n in `sizes`.
+def _time_block(models: dict[str, LeanModel], context: int, sizes: list[int], warmup: int, repeats: int
+                ) -> dict[str, dict[int, list[float]]]:
+    """Seconds per forward of n new tokens over `context` cached tokens, for every model and every n in `sizes`.
 
-    The sizes are timed round-robin (one forward of each per pass), so a slow spell of the machine spreads over
-    all of them instead of bending one point of the curve. Cache contents are random: the cost does not
-    depend on them."""
-    cache = model.new_cache(context + max(sizes))
-    cache.k.normal_(0, 0.1)
-    cache.v.normal_(0, 0.1)
-    cache.length = context
+    All (model, n) points are timed round-robin (one forward of each per pass), so a slow spell of the machine
+    spreads over all of them instead of bending one point of a curve or the target against the draft, whose
+    ratio is what a plan rests on. Cache contents are random: the cost does not depend on them."""
     calls = {}
-    for n in sizes:
-        tokens = torch.randint(0, model.shape.vocab, (n,), device=model.device)
-        positions = torch.arange(context, context + n, device=model.device)
-        if model.device.type == "cuda":
-            calls[n] = _cuda_graph_call(model, cache, tokens, positions)
-        else:
-            mask = causal_mask(context, n, model.dtype, model.device) if n > 1 else None
-            calls[n] = _timed_call(model, cache, tokens, positions, mask)
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in range(warmup + repeats):
+    for role, model in models.items():
+        cache = model.new_cache(context + max(sizes))
+        cache.k.normal_(0, 0.1)
+        cache.v.normal_(0, 0.1)
+        cache.length = context
         for n in sizes:
-            seconds = calls[n]()
+            tokens = torch.randint(0, model.shape.vocab, (n,), device=model.device)
+            positions = torch.arange(context, context + n, device=model.device)
+            if model.device.type == "cuda":
+                calls[role, n] = _cuda_graph_call(model, cache, tokens, positions)
+            else:
+                mask = causal_mask(context, n, model.dtype, model.device) if n > 1 else None
+                calls[role, n] = _timed_call(model, cache, tokens, positions, mask)
+    samples: dict[str, dict[int, list[float]]] = {role: {n: [] for n in sizes} for role in models}
+    for rep in range(warmup + repeats):
+        for (role, n), call in calls.items():
+            seconds = call()
             if rep >= warmup:
-                samples[n].append(seconds)
+                samples[role][n].append(seconds)
     return samples
 
 
@@ -236,7 +242,9 @@ def _model(request: ProfileRequest, log) -> dict:
     for role, m in models.items():
         shape = ModelShape.from_config(m.config)
         _check_contexts(m.name, shape, request)
-        costs[role] = roofline.ModelCost.from_shape(shape, m.config.intermediate_size, m.dtype)
+        output_rows = len(draft_vocabulary_ids(request.draft_vocab, stop_token_ids(m), shape.vocab)) \
+            if role == "draft" and request.draft_vocab is not None else shape.vocab
+        costs[role] = roofline.ModelCost.from_shape(shape, m.config.intermediate_size, m.dtype, output_rows)
     if gpu is None:
         log("microbenchmarking this CPU (bandwidth, matmul throughput, per-op cost)")
         bench = hardware.measure_cpu(torch_dtype(request.dtype))
@@ -306,6 +314,7 @@ def _document(request: ProfileRequest, source: str, machine: dict, models: dict[
         "models": {role: m.name for role, m in models.items()},
         "dtype": request.dtype,
         **({"draft_dtype": models["draft"].dtype} if "draft" in models else {}),
+        **({"draft_vocab": request.draft_vocab} if "draft" in models and request.draft_vocab is not None else {}),
         "hardware": machine,
         "model_fingerprints": {role: m.fingerprint for role, m in models.items()},
         "target": section("target"),

@@ -64,12 +64,14 @@ class ModelCost:
     bytes_per_element: int
 
     @classmethod
-    def from_shape(cls, shape: ModelShape, intermediate: int, dtype: str) -> ModelCost:
+    def from_shape(cls, shape: ModelShape, intermediate: int, dtype: str, output_rows: int | None = None
+                   ) -> ModelCost:
+        """`output_rows`: rows of the output matrix that a forward reads (a draft with a limited vocabulary)."""
         q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         per_layer = shape.hidden * (q + 2 * kv) + q * shape.hidden + 3 * shape.hidden * intermediate
         element = BYTES_PER_ELEMENT[dtype]
         return cls(
-            matmul_params=shape.layers * per_layer + shape.vocab * shape.hidden,
+            matmul_params=shape.layers * per_layer + (output_rows or shape.vocab) * shape.hidden,
             kv_bytes_per_token=2 * shape.layers * kv * element,
             attention_width=shape.layers * q,
             bytes_per_element=element,

@@ -27,6 +27,11 @@ class SequoiaAcceptance:
     samples: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def draft_vocab(self) -> int | None:
+        """The draft scored only the ids below this (plus the stop tokens); None: the whole vocabulary."""
+        return self.extra.get("draft_vocab")
+
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str) -> SequoiaAcceptance:
         f = Fields(data, where)
@@ -41,6 +46,7 @@ class SequoiaAcceptance:
         if stderr is not None and len(stderr) != len(positional):
             raise f.fail("'stderr' must have one entry per positional entry")
         models = f.sub("models", required=False)
+        f.integer("draft_vocab", required=False, low=1)
         return cls(
             positional=np.asarray(positional, dtype=np.float64),
             stderr=None if stderr is None else np.asarray(stderr, dtype=np.float64),

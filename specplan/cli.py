@@ -59,6 +59,10 @@ def _progress(message: str) -> None:
         click.echo(message, err=True)
 
 
+DRAFT_VOCAB_HELP = ("the draft scores only the token ids below this (plus the stop tokens): a cheaper draft "
+                    "step; profile, acceptance and plan must agree")
+
+
 def _int_list(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -73,6 +77,7 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--draft", help="draft model (its per-step cost is profiled too)")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--draft-dtype", type=click.Choice(["fp32", "bf16"]), help="default: --dtype")
+@click.option("--draft-vocab", type=click.IntRange(min=1), help=DRAFT_VOCAB_HELP)
 @click.option("--contexts", help="context lengths L, comma-separated [128,1024,4096]")
 @click.option("--sizes", help="new-token counts n, comma-separated [1,2,4,...,512]")
 @click.option("--gpu", help="a catalogue GPU (a100-80g, h100, ...) to model, or `cpu` to model this CPU")
@@ -81,14 +86,15 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
 @click.option("--resume", is_flag=True, help="reuse the points an interrupted run already measured")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, contexts: str | None,
-            sizes: str | None, gpu: str | None,
+def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
+            contexts: str | None, sizes: str | None, gpu: str | None,
             threads: int | None, repeats: int | None, quick: bool, resume: bool, output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
     from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
     from specplan.show import describe_profile
 
-    request = ProfileRequest(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype, gpu=gpu)
+    request = ProfileRequest(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype,
+                             draft_vocab=draft_vocab, gpu=gpu)
     if quick:
         request.sizes, request.repeats, request.warmup = list(QUICK_SIZES), 3, 1
     request.contexts = _int_list(contexts) or request.contexts
@@ -119,13 +125,14 @@ def accept() -> None:
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="continuation length per prompt")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--draft-dtype", type=click.Choice(["fp32", "bf16"]), help="default: --dtype")
+@click.option("--draft-vocab", type=click.IntRange(min=1), help=DRAFT_VOCAB_HELP)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--paths", type=int, default=64, show_default=True, help="simulated rejection paths per position")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, temperature: float, top_p: float,
-                   width: int, max_new_tokens: int, dtype: str, draft_dtype: str | None, chat: bool, seed: int,
-                   paths: int, output: Path) -> None:
+                   width: int, max_new_tokens: int, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
+                   chat: bool, seed: int, paths: int, output: Path) -> None:
     """Sequoia's positional acceptance vector, by teacher forcing on the target's own continuations."""
     from decoder.sampling import SamplingParams
     from profiler.acceptance import run_sequoia_acceptance
@@ -133,7 +140,8 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
 
     params = SamplingParams(temperature=temperature, top_p=top_p)
     document = run_sequoia_acceptance(target, draft, dataset, samples, params, width, max_new_tokens, dtype, chat,
-                                      seed, paths, str(output), log=_progress, draft_dtype=draft_dtype)
+                                      seed, paths, str(output), log=_progress, draft_dtype=draft_dtype,
+                                      draft_vocab=draft_vocab)
     click.echo(describe_acceptance(document))
     click.echo(f"wrote {output}")
 

@@ -1,8 +1,9 @@
 """Plan files (`kind: plan/<method>`): the contract between the planner, which writes them, and the decoder.
 
-Every plan names the models it was made for (`models`), records its inputs (`inputs`), its prediction
-(`prediction.tokens_per_step`, `prediction.speedup` when a latency profile was given), how it was solved
-(`solver`) and where it came from (`provenance`). Method-specific fields:
+Every plan names the models it was made for (`models`: target, draft, dtype, draft_dtype and, when the draft
+scores only part of the vocabulary, `draft_vocab`: the ids below it, plus the stop tokens), records its inputs
+(`inputs`), its prediction (`prediction.tokens_per_step`, `prediction.speedup` when a latency profile was
+given), how it was solved (`solver`) and where it came from (`provenance`). Method-specific fields:
 
 - plan/sequoia: `tree: {size, depth, parents}`: node 0 is the root (the last accepted token) with parent
   -1; nodes are in BFS order and the children of a node appear in rank order (rank 1 first).
@@ -180,6 +181,8 @@ class Plan:
         tokens_per_step = prediction.number("tokens_per_step", low=1.0)
         prediction.number("speedup", required=False, low=0.0)
         models = f.sub("models", required=False)
+        if models:
+            models.integer("draft_vocab", required=False, low=1)
         plan = cls(
             method=method,
             models=dict(models.data) if models else {},

@@ -7,7 +7,8 @@ The minimal form, which stays loadable:
     draft: {step_seconds: 0.004}
 
 The profiler adds `target.contexts: {L: {t_seconds: {...}, spread_seconds: {...}}}`, `draft.contexts`,
-`source` (measured or modeled), `dtype`, `hardware` and `models`.
+`source` (measured or modeled), `dtype`, `hardware`, `models` and, when the draft was timed scoring only the
+token ids below some size (plus the stop tokens), `draft_vocab`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class LatencyProfile:
     target_by_context: dict[int, dict[int, float]] = field(default_factory=dict)
     draft_by_context: dict[int, float] = field(default_factory=dict)
     source: str = "measured"
+    draft_vocab: int | None = None  # the draft's step was timed scoring only the ids below this (+ stop tokens)
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -90,6 +92,7 @@ class LatencyProfile:
             target_by_context=by_context,
             draft_by_context=draft_by_context,
             source=source,
+            draft_vocab=f.integer("draft_vocab", required=False, low=1),
             raw=data,
         )
 

@@ -57,7 +57,8 @@ def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
 
 def describe_profile(document: dict[str, Any]) -> str:
     lines = [f"profile/latency ({document.get('source', 'measured')}), dtype {document.get('dtype', '?')}, "
-             f"models: " + ", ".join(f"{k}={v}" for k, v in (document.get("models") or {}).items())]
+             f"models: " + ", ".join(f"{k}={v}" for k, v in (document.get("models") or {}).items())
+             + (f", draft scores ids < {document['draft_vocab']}" if document.get("draft_vocab") else "")]
     machine = document.get("hardware") or {}
     label = machine.get("gpu") or machine.get("cpu")
     if label:

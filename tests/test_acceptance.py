@@ -112,6 +112,13 @@ def test_accept_cli_on_tiny_models(run_cli, tmp_path):
         assert 0 < acceptance.positional.sum() <= 1
         assert acceptance.target == "tiny-random-llama" and acceptance.draft == "tiny-random-llama-draft"
         assert acceptance.stderr is not None
+    out = tmp_path / "limited.yaml"
+    code, _, stderr = run_cli("accept", "sequoia", "--target", "tiny-random-llama", "--draft",
+                              "tiny-random-llama-draft", "--dataset", dataset, "--temperature", "0", "--width", 4,
+                              "--max-new-tokens", 12, "--draft-vocab", 64, "-o", out)
+    assert code == 0, stderr
+    limited = load_sequoia_acceptance(out)
+    assert limited.draft_vocab == 64 and 0 < limited.positional.sum() <= 1
 
 
 @pytest.mark.parametrize("args, message", [

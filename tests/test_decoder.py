@@ -15,6 +15,7 @@ from decoder.engine import SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
 from specplan.errors import UserError
+from specplan.models import load_model
 
 from conftest import ACCEPTANCE
 from toy import (
@@ -23,6 +24,7 @@ from toy import (
     first_two_distribution,
     hf_greedy,
     sample_first_two,
+    toy_model,
 )
 
 
@@ -60,6 +62,22 @@ def test_greedy_output_equals_transformers_greedy(pair, parents, request):
         assert sum(result.accepted_per_step) >= 40 and result.steps <= 40
 
 
+@pytest.mark.parametrize("names", [("tiny-random-llama", "tiny-random-llama-draft"),
+                                   ("tiny-random-qwen2", "tiny-random-qwen2-draft")])
+def test_greedy_output_is_unchanged_by_a_limited_draft_vocabulary(names):
+    """The draft proposes only ids below 128 (and EOS): tokens above are never drafted, the output is the same."""
+    loaded, draft = load_model(names[0]), load_model(names[1])
+    limited = LeanModel(draft.model)
+    limited.limit_vocabulary(128, always=[258])
+    engine = SpeculativeEngine(LeanModel(loaded.model), SequoiaDrafter(limited, [-1, 0, 0, 1, 2, 3]))
+    for seed in range(3):
+        prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        reference = hf_greedy(loaded, prompt, 40)
+        result = engine.generate(prompt, 40, SamplingParams())
+        assert result.tokens == reference
+        assert any(t >= 128 for t in reference) and result.tokens_per_step > 1
+
+
 def test_speculation_accepts_tokens(tiny_pair):
     _, target, draft = tiny_pair
     engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3, 5]))
@@ -89,11 +107,16 @@ def test_context_overflow_is_a_user_error(tiny_pair):
 
 # --- exact sampling -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rule, temperature, top_p", [
-    ("sequoia", 1.0, 1.0), ("sequoia", 0.5, 0.8), ("specinfer", 1.0, 1.0), ("specinfer", 0.5, 0.8),
+@pytest.mark.parametrize("rule, temperature, top_p, draft_vocab", [
+    ("sequoia", 1.0, 1.0, None), ("sequoia", 0.5, 0.8, None), ("specinfer", 1.0, 1.0, None),
+    ("specinfer", 0.5, 0.8, None), ("sequoia", 1.0, 1.0, 4), ("specinfer", 1.0, 0.9, 4),
 ])
-def test_sampled_output_is_distributed_as_the_target(rule, temperature, top_p, toy_pair):
+def test_sampled_output_is_distributed_as_the_target(rule, temperature, top_p, draft_vocab, toy_pair):
+    """draft_vocab: the draft never proposes id 4, the target's likeliest: it comes from the residuals."""
     target_hf, target, draft = toy_pair
+    if draft_vocab is not None:
+        _, draft = toy_model(10, noise=0.6)
+        draft.limit_vocabulary(draft_vocab, always=[5])
     params = SamplingParams(temperature=temperature, top_p=top_p)
     prompt = [1, 4, 2]
     parents = [-1, 0, 0, 1, 1, 2, 3]  # depth 3, width 2

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from decoder.model import LeanModel, causal_mask
+from specplan.errors import UserError
 from specplan.models import load_model
 
 
@@ -91,3 +92,22 @@ def test_static_layout_matches_dynamic(models):
     mask[:, :24 + n] = causal_mask(24, n, lean.dtype, "cpu")
     got = lean.forward(ids[24:], positions, static, mask, slots=positions.clone())
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_limited_vocabulary_scores_only_the_kept_ids(models):
+    loaded, full = models
+    limited = LeanModel(loaded.model)
+    limited.limit_vocabulary(100, always=[258])
+    assert limited.lm_head.shape[0] == 101
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(3))
+    expected = full.prefill(ids, full.new_cache(32))
+    logits = limited.prefill(ids, limited.new_cache(32))
+    kept = torch.zeros(full.shape.vocab, dtype=torch.bool)
+    kept[:100] = kept[258] = True
+    torch.testing.assert_close(logits[kept], expected[kept], atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(logits[~kept]).all()
+    with pytest.raises(UserError, match="already limited"):
+        limited.limit_vocabulary(50)
+    with pytest.raises(UserError, match="outside"):
+        LeanModel(loaded.model).limit_vocabulary(full.shape.vocab + 1)

@@ -61,6 +61,25 @@ def test_interrupted_profile_leaves_no_output_and_resumes(run_cli, tmp_path, mon
     assert len(load_profile(out).target_t_seconds) == 4
 
 
+def test_draft_vocabulary_is_timed_and_recorded(run_cli, tmp_path):
+    out = tmp_path / "tiny.yaml"
+    code, stdout, stderr = run_cli("profile", "--model", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
+                                   "--draft-vocab", 64, "--contexts", "16", "--sizes", "1,2", "--repeats", 1, "-o", out)
+    assert code == 0, stderr
+    assert load_profile(out).draft_vocab == 64 and "draft scores ids < 64" in stdout
+    code, _, stderr = run_cli("profile", "--model", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
+                              "--draft-vocab", 9999, "--contexts", "16", "--sizes", "1", "-o", tmp_path / "bad.yaml")
+    assert code == 2 and "outside 1..260" in stderr and len(stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bad.yaml").exists()
+
+
+def test_roofline_reads_only_the_kept_output_rows():
+    shape = ModelShape("qwen2", 24, 896, 14, 2, 64, 151936, 32768, 1e6, 1e-6)
+    full = roofline.ModelCost.from_shape(shape, 4864, "bf16")
+    limited = roofline.ModelCost.from_shape(shape, 4864, "bf16", output_rows=65537)
+    assert full.matmul_params - limited.matmul_params == (151936 - 65537) * 896
+
+
 def test_roofline_against_a_hand_calculation():
     # A Llama-7B-like shape: 32 layers, hidden 4096, 32 heads (no GQA), intermediate 11008, vocab 32000.
     shape = ModelShape("llama", 32, 4096, 32, 32, 128, 32000, 4096, 10000.0, 1e-6)

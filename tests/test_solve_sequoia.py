@@ -191,6 +191,27 @@ def test_bad_profile_exits_2(profile, run_cli, write_yaml_file, tmp_path):
     assert not out.exists()
 
 
+def test_draft_vocabulary_reaches_the_plan_and_the_decoder(run_cli, write_yaml_file, tmp_path):
+    from decoder.api import load_decoder
+
+    acc = write_yaml_file("acc.yaml", {**ACCEPTANCE, "draft_vocab": 64})
+    out = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acc, "--profile", write_yaml_file("p.yaml", PROFILE),
+                              "--max-size", 8, "--max-depth", 3, "-o", out)
+    assert code == 2 and "draft vocabulary (64) differs" in stderr and not out.exists()
+    prof = write_yaml_file("prof.yaml", {**PROFILE, "draft_vocab": 64})
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acc, "--profile", prof, "--max-size", 8,
+                              "--max-depth", 3, "-o", out)
+    assert code == 0, stderr
+    assert load_plan(out).models["draft_vocab"] == 64
+    decoder = load_decoder(out, "tiny-random-llama", "tiny-random-llama-draft", device="cpu")
+    assert decoder.engine.drafter.model.output_ids.tolist() == list(range(64)) + [258]
+    bad = write_yaml_file("bad.yaml", {**yaml.safe_load(out.read_text()),
+                                       "models": {"target": "toy-target", "draft_vocab": 0}})
+    code, _, stderr = run_cli("generate", "--plan", bad, "--prompt", "hi")
+    assert code == 2 and "draft_vocab" in stderr and len(stderr.strip().splitlines()) == 1
+
+
 def test_tampered_plan_is_rejected_on_load(run_cli, write_yaml_file, tmp_path):
     acc = write_yaml_file("acc.yaml", ACCEPTANCE)
     out = tmp_path / "plan.yaml"

@@ -1,0 +1,77 @@
+"""What does limiting a draft's vocabulary buy? The draft step with the whole output matrix against steps that
+score only the ids below K (plus the stop tokens), timed interleaved, and the share of a bench report's target
+tokens that such a draft could propose at all.
+
+    .venv/bin/python bench/draft_vocab.py --model qwen2.5-coder-0.5b --dtype bf16 --limits 65536,32768 \
+        --report reports/qwen2.5-coder-1.5b.sequoia.bf16.40.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from decoder.api import stop_token_ids
+from decoder.model import LeanModel, causal_mask
+from specplan.machine import cpu_info
+from specplan.models import load_model
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--limits", default="65536,32768")
+    parser.add_argument("--sizes", default="1,2")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--report", help="a bench report whose HF greedy tokens give the coverage")
+    args = parser.parse_args()
+    loaded = load_model(args.model, args.dtype)
+    limits = [int(x) for x in args.limits.split(",")]
+    sizes = [int(x) for x in args.sizes.split(",")]
+    models = {"all": LeanModel(loaded.model)}
+    for limit in limits:
+        models[f"< {limit}"] = LeanModel(loaded.model)
+        models[f"< {limit}"].limit_vocabulary(limit, stop_token_ids(loaded))
+    cache = models["all"].new_cache(args.context + max(sizes))
+    cache.k.normal_(0, 0.1)
+    cache.v.normal_(0, 0.1)
+    cache.length = args.context
+    samples: dict[tuple[str, int], list[float]] = {(name, n): [] for name in models for n in sizes}
+    for repeat in range(args.repeats + 2):  # interleaved, so a slow spell of the machine hits every variant
+        for name, model in models.items():
+            for n in sizes:
+                tokens = torch.arange(7, 7 + n)
+                positions = torch.arange(args.context, args.context + n)
+                mask = causal_mask(args.context, n, model.dtype, model.device) if n > 1 else None
+                start = time.perf_counter()
+                model.forward(tokens, positions, cache, mask)
+                if repeat >= 2:
+                    samples[(name, n)].append(time.perf_counter() - start)
+    print(f"machine: {cpu_info()['cpu']}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"{args.model} {args.dtype}, context {args.context}, median of {args.repeats} interleaved forwards")
+    print("| draft scores | output rows | " + " | ".join(f"n = {n} ms" for n in sizes) + " | vs all |")
+    print("|---|---|" + "---|" * len(sizes) + "---|")
+    base = statistics.median(samples[("all", sizes[0])])
+    for name, model in models.items():
+        medians = [statistics.median(samples[(name, n)]) for n in sizes]
+        print(f"| {name} | {model.lm_head.shape[0]} | " + " | ".join(f"{m * 1e3:.1f}" for m in medians)
+              + f" | {medians[0] / base:.2f}x |")
+    if args.report:
+        rows = json.load(open(args.report))["per_prompt"]
+        tokens = [t for row in rows for t in row["methods"]["hf"]["tokens"]]
+        stops = stop_token_ids(loaded)
+        for limit in limits:
+            covered = sum(t < limit or t in stops for t in tokens) / len(tokens)
+            print(f"ids < {limit} (or stop tokens): {covered:.1%} of the {len(tokens)} HF greedy tokens in "
+                  f"{args.report}")
+
+
+if __name__ == "__main__":
+    main()
