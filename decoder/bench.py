@@ -293,9 +293,12 @@ def markdown_table(report: dict) -> str:
     prediction = report.get("prediction") or {}
     if prediction.get("plan_speedup"):
         lines.append("")
+        measured = prediction.get("measured_speedup_vs_ours_ar")
         lines.append(f"plan: predicted {prediction['plan_speedup']:.2f}x at {prediction['plan_tokens_per_step']:.2f} "
-                     f"tokens/step; measured {prediction.get('measured_speedup_vs_ours_ar', float('nan')):.2f}x at "
-                     f"{prediction['measured_tokens_per_step']:.2f} tokens/step (vs ours-ar)")
+                     "tokens/step; measured "
+                     + (f"{measured:.2f}x at " if measured is not None else "")
+                     + f"{prediction['measured_tokens_per_step']:.2f} tokens/step"
+                     + (" (vs ours-ar)" if measured is not None else " (ours-ar not run: no measured speedup)"))
     return "\n".join(lines)
 
 
