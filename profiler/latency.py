@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoder.api import stop_token_ids
+from decoder.api import lean_model, stop_token_ids
 from decoder.model import KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
 from profiler import hardware, roofline
 from specplan.errors import UserError
@@ -129,9 +129,8 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     checkpoint = _Checkpoint(output, key, resume)
     if checkpoint.points:
         log(f"resuming: {len(checkpoint.points)} points already measured")
-    lean = {role: LeanModel(m.model, device) for role, m in models.items()}
-    if "draft" in lean and request.draft_vocab is not None:
-        lean["draft"].limit_vocabulary(request.draft_vocab, stop_token_ids(models["draft"]))
+    lean = {role: lean_model(m, device.type, request.draft_vocab if role == "draft" else None)
+            for role, m in models.items()}
     for role, model in lean.items():
         _check_contexts(models[role].name, model.shape, request)
     bar = tqdm(total=len(request.contexts) * len(lean) * len(request.sizes), desc="profile", unit="point",
