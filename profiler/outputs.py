@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from decoder.api import stop_token_ids
+from decoder.api import Decoder, load_decoder, stop_token_ids
 from decoder.engine import SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
@@ -14,18 +14,33 @@ from specplan.acceptance_schema import LookaheadAcceptance, LookaheadRecord
 from specplan.errors import UserError
 from specplan.fileio import write_yaml
 from specplan.models import load_model, tokenizer_fingerprint
+from specplan.plan_schema import load_plan
 from specplan.provenance import provenance
 
 
 def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None, max_new_tokens: int, dtype: str,
-                             chat: bool, output: str, log: Callable[[str], None] = print) -> LookaheadAcceptance:
+                             chat: bool, output: str, log: Callable[[str], None] = print,
+                             decode_with: str | None = None) -> LookaheadAcceptance:
+    """Greedy outputs of the target alone, or, with `decode_with` (a Lookahead plan), of that plan's decoder.
+
+    In fp32 both are the target's greedy outputs. In bf16 a forward of 12 tokens rounds differently from a
+    forward of one, so outputs drift apart after a few dozen tokens and a trie replay over the target's own
+    outputs predicts another text than speculative decoding emits; outputs decoded with the plan are the ones
+    a benchmark of that plan reproduces, prompt for prompt (same prompts, same order, one trie across them)."""
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     prompts = spread_sample(read_dataset(dataset), samples)
     if not prompts:
         raise UserError(f"{dataset}: no prompts")
-    target = load_model(target_name, dtype, log=log)
-    engine = SpeculativeEngine(LeanModel(target.model), None, stop_token_ids(target))
+    if decode_with is None:
+        target = load_model(target_name, dtype, log=log)
+        engine = SpeculativeEngine(LeanModel(target.model), None, stop_token_ids(target))
+        decoding = "greedy (the target alone)"
+    else:
+        decoder = _lookahead_decoder(decode_with, target_name, dtype, log)
+        target, engine = decoder.target, decoder.engine
+        decoding = f"greedy, decoded with the Lookahead plan {decode_with} " \
+                   f"(L_d = {decoder.plan.settings['decoding_length']}, L_b = {decoder.plan.settings['branch_length']})"
     start = time.perf_counter()
     records = []
     for index, prompt in enumerate(prompts):
@@ -36,9 +51,22 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
             f"{len(result.tokens)} generated")
     acceptance = LookaheadAcceptance(
         target=target_name, tokenizer=tokenizer_fingerprint(target.tokenizer), records=records,
-        extra={"dtype": dtype, "decoding": "greedy (the target alone)", "max_new_tokens": max_new_tokens,
+        extra={"dtype": dtype, "decoding": decoding, "max_new_tokens": max_new_tokens,
                "dataset": {"spec": dataset, "prompts": len(prompts), "chat_template": chat,
                            "categories": sorted({p.category for p in prompts})},
                "seconds": round(time.perf_counter() - start, 1), "provenance": provenance()})
     write_yaml(output, acceptance.to_dict())
     return acceptance
+
+
+def _lookahead_decoder(plan_path: str, target_name: str, dtype: str, log: Callable[[str], None]) -> Decoder:
+    plan = load_plan(plan_path)
+    if plan.method != "lookahead":
+        raise UserError(f"{plan_path}: --decode-with needs a Lookahead plan, not a {plan.method} plan")
+    if plan.models.get("target") != target_name:
+        raise UserError(f"{plan_path}: the plan is for {plan.models.get('target')!r}, not {target_name!r}")
+    if plan.models.get("dtype", dtype) != dtype:
+        raise UserError(f"{plan_path}: the plan is for {plan.models['dtype']}, not {dtype}")
+    decoder = load_decoder(plan_path, dtype=dtype, log=log)
+    decoder.restart()
+    return decoder

@@ -153,14 +153,16 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
+@click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
+              help="store the outputs of this Lookahead plan's decoder (bf16: the text speculative decoding emits)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def accept_lookahead(target: str, dataset: str, samples: int | None, max_new_tokens: int, dtype: str, chat: bool,
-                     output: Path) -> None:
+                     decode_with: str | None, output: Path) -> None:
     """The target's own greedy outputs on a dataset, for the offline trie replay."""
     from profiler.outputs import run_lookahead_acceptance
 
     acceptance = run_lookahead_acceptance(target, dataset, samples, max_new_tokens, dtype, chat, str(output),
-                                          log=_progress)
+                                          log=_progress, decode_with=decode_with)
     tokens = sum(len(r.output) for r in acceptance.records)
     click.echo(f"{len(acceptance.records)} prompts, {tokens} generated tokens; wrote {output}")
 

@@ -50,6 +50,17 @@ def test_lookahead_workflow_is_lossless(run_cli, tmp_path, smollm2):
         tokens += len(result.tokens)
         steps += result.steps
     assert tokens / steps == pytest.approx(replayed, rel=1e-9)  # the offline replay is exact
+    decoded = tmp_path / "decoded.yaml"
+    code, _, stderr = run_cli("accept", "lookahead", "--target", MODEL, "--dataset", dataset, "--max-new-tokens", 48,
+                              "--decode-with", plan, "-o", decoded)
+    assert code == 0, stderr
+    stored, redecoded = yaml_load(acceptance), yaml_load(decoded)
+    assert [r["output"] for r in redecoded["records"]] == [r["output"] for r in stored["records"]]  # fp32: lossless
+    assert "Lookahead plan" in redecoded["decoding"]
+    code, _, stderr = run_cli("accept", "lookahead", "--target", MODEL, "--dataset", dataset, "--dtype", "bf16",
+                              "--decode-with", plan, "-o", tmp_path / "bf16.yaml")
+    assert code == 2 and "not bf16" in stderr and len(stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bf16.yaml").exists()
     code, stdout, _ = run_cli("generate", "--plan", plan, "--prompt", "Name three colors.", "--chat",
                               "--max-new-tokens", 16, "--json")
     assert code == 0 and len(json.loads(stdout)["tokens"]) <= 16
