@@ -5,15 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from decoder.api import Decoder, load_decoder, stop_token_ids
-from decoder.engine import SpeculativeEngine
-from decoder.model import LeanModel
+from decoder.api import load_decoder
 from decoder.sampling import SamplingParams
 from profiler.datasets import encode_prompt, read_dataset, spread_sample
 from specplan.acceptance_schema import LookaheadAcceptance, LookaheadRecord
 from specplan.errors import UserError
 from specplan.fileio import write_yaml
-from specplan.models import load_model, tokenizer_fingerprint
+from specplan.models import tokenizer_fingerprint
 from specplan.plan_schema import load_plan
 from specplan.provenance import provenance
 
@@ -32,15 +30,14 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
     prompts = spread_sample(read_dataset(dataset), samples)
     if not prompts:
         raise UserError(f"{dataset}: no prompts")
-    if decode_with is None:
-        target = load_model(target_name, dtype, log=log)
-        engine = SpeculativeEngine(LeanModel(target.model), None, stop_token_ids(target))
-        decoding = "greedy (the target alone)"
-    else:
-        decoder = _lookahead_decoder(decode_with, target_name, dtype, log)
-        target, engine = decoder.target, decoder.engine
-        decoding = f"greedy, decoded with the Lookahead plan {decode_with} " \
-                   f"(L_d = {decoder.plan.settings['decoding_length']}, L_b = {decoder.plan.settings['branch_length']})"
+    if decode_with is not None:
+        _check_lookahead_plan(decode_with, target_name, dtype)
+    decoder = load_decoder(decode_with, target=target_name, dtype=dtype, log=log)
+    decoder.restart()
+    target, engine = decoder.target, decoder.engine
+    decoding = "greedy (the target alone)" if decoder.plan is None else \
+        f"greedy, decoded with the Lookahead plan {decode_with} (L_d = {decoder.plan.settings['decoding_length']}, " \
+        f"L_b = {decoder.plan.settings['branch_length']})"
     start = time.perf_counter()
     records = []
     for index, prompt in enumerate(prompts):
@@ -59,7 +56,7 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
     return acceptance
 
 
-def _lookahead_decoder(plan_path: str, target_name: str, dtype: str, log: Callable[[str], None]) -> Decoder:
+def _check_lookahead_plan(plan_path: str, target_name: str, dtype: str) -> None:
     plan = load_plan(plan_path)
     if plan.method != "lookahead":
         raise UserError(f"{plan_path}: --decode-with needs a Lookahead plan, not a {plan.method} plan")
@@ -67,6 +64,3 @@ def _lookahead_decoder(plan_path: str, target_name: str, dtype: str, log: Callab
         raise UserError(f"{plan_path}: the plan is for {plan.models.get('target')!r}, not {target_name!r}")
     if plan.models.get("dtype", dtype) != dtype:
         raise UserError(f"{plan_path}: the plan is for {plan.models['dtype']}, not {dtype}")
-    decoder = load_decoder(plan_path, dtype=dtype, log=log)
-    decoder.restart()
-    return decoder
