@@ -97,10 +97,9 @@ class LeanModel:
         self.embed = take("model.embed_tokens.weight")
         self.lm_head = take("lm_head.weight") if "lm_head.weight" in params else self.embed
         self.final_norm = take("model.norm.weight")
-        # On CPU every matmul weight is kept in oneDNN's blocked layout, packed once here. F.linear repacks
-        # (bf16) or falls back to a one-thread GEMV for one row (fp32) on every call; prepacked, a pass over the
-        # weights costs 1.7x (bf16) to 3x (fp32, 12 rows) less on this project's CPU, and bf16 results are
-        # bit-identical to F.linear's.
+        # On CPU every matmul weight is kept in oneDNN's blocked layout, packed once here: a pass over the
+        # weights costs 1.4x (bf16) to 3x (fp32) less than F.linear on this project's CPU (bench/matmul.py),
+        # and bf16 results are bit-identical to F.linear's.
         self.packed = self.device.type == "cpu" and torch.backends.mkldnn.is_available() \
             and self.dtype in (torch.float32, torch.bfloat16)
         self.layers = []

@@ -1,0 +1,59 @@
+"""One pass over a model's matmul weights, F.linear against the prepacked oneDNN weights the decoder uses,
+timed interleaved per row count (best of 3 sweeps). Checks that bf16 results are bit-identical.
+
+    .venv/bin/python bench/matmul.py --model smollm2-135m --dtype bf16 --rows 1,4,12,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from decoder.model import LeanModel
+from specplan.machine import cpu_info
+from specplan.models import load_model
+
+
+def _best_of(sweep, repeats: int = 3) -> float:
+    sweep()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sweep()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--rows", default="1,4,12,16")
+    args = parser.parse_args()
+    loaded = load_model(args.model, args.dtype)
+    lean = LeanModel(loaded.model)
+    if not lean.packed:
+        raise SystemExit("this torch build or dtype has no prepacked oneDNN path")
+    params = dict(loaded.model.named_parameters())
+    plain = [p.detach() for name, p in params.items() if name.endswith("proj.weight")]
+    plain.append(lean.lm_head)
+    packed = [lean._matmul_weight(w) for w in plain]
+    print(f"machine: {cpu_info()['cpu']}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"{args.model} {args.dtype}, {len(plain)} weight matrices")
+    print("| rows | F.linear ms | prepacked ms | F.linear / prepacked | identical |")
+    print("|---|---|---|---|---|")
+    for n in (int(r) for r in args.rows.split(",")):
+        x = {w.shape[1]: torch.randn(n, w.shape[1], dtype=lean.dtype) for w in plain}
+        linear = _best_of(lambda x=x: [F.linear(x[w.shape[1]], w) for w in plain])
+        prepacked = _best_of(lambda x=x: [lean._linear(x[w.shape[1]], p) for w, p in zip(plain, packed)])
+        identical = all(torch.equal(F.linear(x[w.shape[1]], w), lean._linear(x[w.shape[1]], p))
+                        for w, p in zip(plain, packed))
+        print(f"| {n} | {linear * 1e3:.2f} | {prepacked * 1e3:.2f} | {linear / prepacked:.2f} | {identical} |")
+
+
+if __name__ == "__main__":
+    main()
