@@ -7,7 +7,8 @@ Weights are taken from the transformers model the shared loader returns (q/k/v a
 arithmetic mirrors transformers' (RMSNorm in fp32, RoPE tables in fp32), so fp32 greedy output matches.
 
 Two attention layouts:
-- dynamic (CPU default): attention over the first `length + n` cache slots only;
+- dynamic (CPU default): attention over the first `length + n` cache slots only (in bf16, rounded up to a
+  multiple of KEY_BUCKET, the extra slots masked);
 - static (CUDA graphs): every tensor shape depends on `n` only; new keys go in with index_copy_ at slot
   indices held in a tensor, attention runs over all `max_len` slots and the mask hides the unused ones.
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from specplan.errors import UserError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+KEY_BUCKET = 64  # bf16 CPU attention runs over a key length rounded up to this (see LeanModel._key_span)
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ class LeanModel:
         one bf16 query row over 4096 keys about 10x slower than that, and its fp32 path gains nothing until
         about 16 rows. Longer blocks (prefill) go to SDPA."""
         n = q.shape[1]
-        if self.device.type == "cpu" and n <= (32 if self.dtype == torch.bfloat16 else 8):
+        if self._grouped_attention(n):
             heads, d = q.shape[0], q.shape[2]
             kv_heads, length = keys.shape[0], keys.shape[1]
             group = heads // kv_heads
@@ -182,6 +184,18 @@ class LeanModel:
             return (weights @ values).view(heads, n, d)
         return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask,
                                               enable_gqa=self.shape.kv_heads != self.shape.heads)[0]
+
+    def _grouped_attention(self, n: int) -> bool:
+        return self.device.type == "cpu" and n <= (32 if self.dtype == torch.bfloat16 else 8)
+
+    def _key_span(self, cache: KVCache, n: int, end: int, static: bool) -> int:
+        """How many cache slots the new tokens attend over: `end`, or in bf16 on the CPU `end` rounded up to a
+        multiple of KEY_BUCKET (the extra slots are masked). A CPU bf16 matmul JIT-compiles a kernel for each
+        new shape, about 0.5 ms; a key length that grows by a token per step would pay that on every step
+        (2 ms a step for smollm2-135m), a bucketed one once per KEY_BUCKET tokens."""
+        if static or self.dtype != torch.bfloat16 or not self._grouped_attention(n):
+            return end
+        return min(-(-end // KEY_BUCKET) * KEY_BUCKET, cache.max_len)
 
     def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
@@ -218,6 +232,11 @@ class LeanModel:
         sin = self.rope_sin[positions][None]
         start = cache.length
         end = start + n
+        span = self._key_span(cache, n, end, slots is not None)
+        if span > end:
+            padded = torch.full((n, span), float("-inf"), dtype=self.dtype, device=self.device)
+            padded[:, :end] = 0 if mask is None else mask
+            mask = padded
         attn_mask = None if mask is None else mask[None, None]
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["ln1"])
@@ -231,7 +250,7 @@ class LeanModel:
             if slots is None:
                 cache.k[i, :, start:end] = k
                 cache.v[i, :, start:end] = v
-                keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
+                keys, values = cache.k[i, :, :span], cache.v[i, :, :span]
             else:
                 cache.k[i].index_copy_(1, slots, k)
                 cache.v[i].index_copy_(1, slots, v)

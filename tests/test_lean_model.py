@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import decoder.model as model_module
 from decoder.model import LeanModel, causal_mask
 from specplan.errors import UserError
 from specplan.models import load_model
@@ -111,3 +112,28 @@ def test_limited_vocabulary_scores_only_the_kept_ids(models):
         limited.limit_vocabulary(50)
     with pytest.raises(UserError, match="outside"):
         LeanModel(loaded.model).limit_vocabulary(full.shape.vocab + 1)
+
+
+@pytest.mark.parametrize("name", ["tiny-random-llama", "tiny-random-qwen2"])
+@torch.inference_mode()
+def test_bf16_key_buckets_give_the_exact_span_logits(name, monkeypatch):
+    """bf16 attention over a key length rounded up to KEY_BUCKET (extra slots masked) is bit-identical to
+    attention over exactly the filled slots, for single steps (no mask) and for a masked block."""
+    lean = LeanModel(load_model(name, "bf16").model)
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(4))
+
+    def steps() -> torch.Tensor:
+        cache = lean.new_cache(80)
+        lean.prefill(ids[:40], cache, logits=False)
+        rows = []
+        for t in range(40, 55):
+            rows.append(lean.forward(ids[t:t + 1], torch.tensor([cache.length]), cache, None)[0])
+            cache.commit(None, 1)
+        rows += list(lean.forward(ids[55:], torch.arange(55, 60), cache, causal_mask(55, 5, lean.dtype, "cpu")))
+        return torch.stack(rows)
+
+    monkeypatch.setattr(model_module, "KEY_BUCKET", 1)
+    exact = steps()
+    monkeypatch.setattr(model_module, "KEY_BUCKET", 16)
+    assert lean._key_span(lean.new_cache(80), 1, 41, static=False) == 48
+    assert torch.equal(steps(), exact)
