@@ -19,7 +19,22 @@ With acceptance rate a, a chain of g drafts yields on average E(a, g) = (1 - a^(
     predicted speedup = t(1, L) / time per token
 
 The two-level variant (no bottom) has gamma1 = 0: each middle round is one forward t(1, B + s) yielding one
-token. Acceptances are treated as independent per token, which real text is not; the bench reports the gap.
+token.
+
+That closed form treats acceptances as independent per token, which real text is not: acceptance comes in
+runs, and a needle answer ends after twenty tokens. When the acceptance file holds per-prompt traces (the
+middle's and the bottom's acceptance at each position p of the target's own continuation, which ends at a
+stop token), the planner replays them instead, backwards over the positions of each continuation:
+
+    rounds(p), n(p): middle rounds from p, each yielding 1 + sum_{j=1..gamma1} prod_{i<j} b[q + i] tokens from
+                     its start q, until the chain holds n(p) >= gamma2 tokens;
+    P_j(p)         = prod_{i<j} a[p + i] * (1 - a[p + j]) for j < n(p), prod_{i<n(p)} a[p + i] for j = n(p):
+                     the probability that the top accepts exactly j of the chain (0/1 traces at T = 0);
+    time(p)        = rounds(p) * (gamma1 * c_b + t(gamma1 + 1, B + s)) + t(n(p) + 1, L + p)
+                     + sum_j P_j(p) * time(p + j + 1),   time(p) = 0 past the continuation's end,
+
+and likewise the expected step count. Then time per token = sum of time(0) / sum of tokens + t(1, L) / R, and
+the autoregressive time is the sum of t(1, L + p) over the positions.
 """
 
 from __future__ import annotations
@@ -28,6 +43,9 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
+from numba import njit
 
 from specplan.acceptance_schema import load_triforce_acceptance
 from specplan.errors import UserError
@@ -83,6 +101,82 @@ def evaluate(profile: LatencyProfile, context: int, entry: dict, gamma1: int, ga
                              entry["bottom"], chain, tokens, step, per_token, t1 / per_token)
 
 
+def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: int, gamma2: int,
+                    bottom_seconds: float | None, top_costs: dict[int, np.ndarray]) -> TriForceCandidate:
+    """The replay above for one setting; `top_costs[T]` is the t(n, L + p) table of `_top_costs`."""
+    middle_context = entry["budget"] + entry["chunk"]
+    if bottom_seconds is None:
+        gamma1, round_cost = 0, float(profile.latency(1, middle_context))
+    else:
+        round_cost = gamma1 * bottom_seconds + float(profile.latency(gamma1 + 1, middle_context))
+    tokens = steps = seconds = ar_seconds = chains = 0.0
+    for trace in entry["traces"]:
+        length = len(trace["middle"])
+        if length not in top_costs:
+            top_costs[length] = _top_costs(profile, context, length)
+        table = top_costs[length]
+        trace_seconds, trace_steps, mean_chain = _replay_trace(trace["middle"], trace["bottom"], gamma1, gamma2,
+                                                               round_cost, table)
+        tokens += length
+        steps += trace_steps
+        seconds += trace_seconds
+        ar_seconds += table[1].sum()
+        chains += mean_chain * length
+    t1 = float(profile.latency(1, context))
+    per_token = seconds / tokens + t1 / entry["stride"]
+    return TriForceCandidate(gamma1, gamma2, entry["budget"], entry["chunk"], entry["stride"], entry["middle"],
+                             entry["bottom"], chains / tokens, tokens / steps, seconds / steps, per_token,
+                             (ar_seconds / tokens) / per_token)
+
+
+def _top_costs(profile: LatencyProfile, context: int, length: int) -> np.ndarray:
+    """table[n, p] = t(n, context + p) for n = 0..max profiled size (row 0 unused), p < length."""
+    sizes = np.arange(1, _max_n(profile) + 1)
+    table = np.zeros((len(sizes) + 1, length))
+    for p in range(length):
+        table[1:, p] = profile.latency(sizes, context + p)
+    return table
+
+
+@njit(cache=True)
+def _replay_trace(middle: np.ndarray, bottom: np.ndarray, gamma1: int, gamma2: int, round_cost: float,
+                  top_costs: np.ndarray) -> tuple[float, float, float]:
+    """Expected (seconds, steps) to emit one continuation, and its mean chain length (see the docstring)."""
+    length = len(middle)
+    largest = top_costs.shape[0] - 1
+    bottom_mean = bottom.mean()
+    seconds = np.zeros(length + 1)
+    steps = np.zeros(length + 1)
+    chain_sum = 0.0
+    for p in range(length - 1, -1, -1):
+        if gamma1 == 0:
+            rounds, chain = gamma2, gamma2
+        else:
+            rounds, collected, start = 0, 0.0, float(p)
+            while collected < gamma2:
+                run, per_round = 1.0, 1.0
+                for j in range(gamma1):
+                    q = int(start) + j
+                    run *= bottom[q] if q < length else bottom_mean
+                    per_round += run
+                collected += per_round
+                start += per_round
+                rounds += 1
+            chain = int(round(collected))
+        chain_sum += chain
+        expected_seconds = expected_steps = 0.0
+        run = 1.0
+        for j in range(chain + 1):
+            accept = (middle[p + j] if p + j < length else 1.0) if j < chain else 0.0
+            after = min(p + j + 1, length)
+            expected_seconds += run * (1.0 - accept) * seconds[after]
+            expected_steps += run * (1.0 - accept) * steps[after]
+            run *= accept
+        seconds[p] = rounds * round_cost + top_costs[min(chain + 1, largest), p] + expected_seconds
+        steps[p] = 1.0 + expected_steps
+    return seconds[0], steps[0], chain_sum / length
+
+
 def _max_n(profile: LatencyProfile) -> int:
     curves = profile.target_by_context or {0: profile.target_t_seconds}
     return min(max(points) for points in curves.values())
@@ -110,12 +204,16 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
         bottom_seconds = TRIE_SECONDS_PER_DRAFT
     started = time.perf_counter()
     candidates = []
+    top_costs: dict[int, np.ndarray] = {}
+    replayed = all(entry["traces"] for entry in entries)
     for entry in entries:
         for gamma1 in (GAMMA1 if bottom != "none" else (1,)):
             for gamma2 in GAMMA2:
-                if gamma2 >= gamma1:
-                    candidates.append(evaluate(profile, context, entry, gamma1, gamma2,
-                                               None if bottom == "none" else bottom_seconds))
+                if gamma2 < gamma1:
+                    continue
+                drafted = None if bottom == "none" else bottom_seconds
+                candidates.append(evaluate_traces(profile, context, entry, gamma1, gamma2, drafted, top_costs)
+                                  if replayed else evaluate(profile, context, entry, gamma1, gamma2, drafted))
     candidates.sort(key=lambda c: (-c.speedup, c.gamma2, c.gamma1, c.budget))
     best = candidates[0]
     cache = acceptance.extra.get("bottom_cache") or {}
@@ -136,7 +234,9 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
                     "latency_source": profile.source},
         inputs={"acceptance": {"file": str(acceptance_path)}, "profile": {"file": str(profile_path)},
                 "context": context, "bottom_seconds_per_draft": bottom_seconds},
-        solver={"seconds": time.perf_counter() - started, "algorithm": "expected time per token (planner/triforce.py)",
+        solver={"seconds": time.perf_counter() - started,
+                "algorithm": "expected time per token, " + ("replayed over the acceptance traces" if replayed
+                                                            else "closed form") + " (planner/triforce.py)",
                 "top": [asdict(c) for c in candidates[:10]]},
         provenance=provenance([acceptance_path, profile_path]),
         sampling={"temperature": acceptance.temperature},

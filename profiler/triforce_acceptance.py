@@ -6,7 +6,9 @@ from the last prompt token's query) is run over that continuation in segments of
 forced, with the segment's tokens written over the lowest-ranked slots afterwards and rebuilds every `stride`
 tokens, as the decoder does. Per position, the middle level's acceptance is 1[argmax p_hat = argmax p] at
 T = 0 and sum_x min(p, p_hat) otherwise; the bottom drafter's acceptance against the middle level is measured
-the same way (the trie's first proposal, or the draft model over a StreamingLLM cache).
+the same way (the trie's first proposal, or the draft model over a StreamingLLM cache). The continuation
+ends at a stop token, as decoding does. Each entry keeps the means and, per prompt, both per-position traces,
+which `plan solve triforce` replays.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def _agreement(upper: torch.Tensor, lower: torch.Tensor, params: SamplingParams)
 
 @torch.inference_mode()
 def _continuation(target: LeanModel, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                  generator: torch.Generator):
-    """The target's own continuation with its full cache: (full cache, logits per new token, tokens, query)."""
+                  generator: torch.Generator, stop_ids: set[int]):
+    """The target's own continuation with its full cache, up to and including a stop token: (full cache,
+    logits per new token, tokens, query)."""
     full = target.new_cache(len(prompt) + max_new_tokens + 1)
     target.prefill(torch.tensor(prompt[:-1]), full, logits=False)
     query = torch.zeros(target.shape.layers, target.shape.heads, target.shape.head_dim, dtype=target.dtype)
@@ -55,6 +58,8 @@ def _continuation(target: LeanModel, prompt: list[int], max_new_tokens: int, par
         rows.append(logits.float())
         root = int(logits.argmax()) if params.greedy else int(sample(probabilities(logits[None], params), generator))
         tokens.append(root)
+        if root in stop_ids:
+            break
     return full, torch.stack(rows), tokens, query
 
 
@@ -116,13 +121,14 @@ def _bottom_logits_or_tokens(bottom: BottomSpec, sequence: list[int], prompt_len
 
 
 def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tuple[int, int, int]],
-                     bottom: BottomSpec, max_new_tokens: int, params: SamplingParams, segment: int = 8,
-                     seed: int = 0, log: Callable[[str], None] = print) -> list[dict]:
+                     bottom: BottomSpec, max_new_tokens: int, params: SamplingParams, stop_ids: set[int],
+                     segment: int = 8, seed: int = 0, log: Callable[[str], None] = print) -> list[dict]:
     generator = torch.Generator().manual_seed(seed)
     samples: dict[tuple, dict[str, list[np.ndarray]]] = {}
     for prompt in prompts:
         started = time.perf_counter()
-        full, target_rows, continuation, query = _continuation(target, prompt.ids, max_new_tokens, params, generator)
+        full, target_rows, continuation, query = _continuation(target, prompt.ids, max_new_tokens, params, generator,
+                                                               stop_ids)
         sequence = prompt.ids + continuation
         bottom_out = _bottom_logits_or_tokens(bottom, sequence, len(prompt.ids)) if bottom.kind != "none" else None
         for budget, chunk, stride in grid:
@@ -133,6 +139,7 @@ def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tu
             entry = samples.setdefault(key, {"middle": [], "bottom": []})
             entry["middle"].append(_agreement(upper, middle, params))
             if bottom_out is None:
+                entry["bottom"].append(np.ones(len(middle)))
                 continue
             if bottom.kind == "trie":
                 proposals = torch.tensor(bottom_out[:len(middle)])
@@ -150,21 +157,30 @@ def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tu
     entries = []
     for (context, budget, chunk, stride), values in samples.items():
         middle = np.concatenate(values["middle"])
-        bottom_values = np.concatenate(values["bottom"]) if values["bottom"] else np.ones(1)
+        bottom_values = np.concatenate(values["bottom"])
+        traces = [{"middle": _trace(m, params), "bottom": _trace(b, params)}
+                  for m, b in zip(values["middle"], values["bottom"])]
         entries.append({"context": context, "budget": budget, "chunk": chunk, "stride": stride,
                         "middle": float(middle.mean()), "bottom": float(bottom_values.mean()),
-                        "middle_stderr": float(middle.std(ddof=1) / np.sqrt(len(middle))),
-                        "bottom_stderr": float(bottom_values.std(ddof=1) / np.sqrt(len(bottom_values)))
-                        if len(bottom_values) > 1 else 0.0,
-                        "positions": int(len(middle))})
+                        "middle_stderr": _stderr(middle), "bottom_stderr": _stderr(bottom_values),
+                        "positions": int(len(middle)), "traces": traces})
     return entries
+
+
+def _stderr(values: np.ndarray) -> float:
+    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
+def _trace(values: np.ndarray, params: SamplingParams) -> list:
+    """Per-position acceptances as stored: 0/1 at T = 0, else probabilities to 4 decimals."""
+    return [int(v) for v in values] if params.greedy else [round(float(v), 4) for v in values]
 
 
 def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kind: str, dataset: str,
                             contexts: list[int], samples: int, grid: list[tuple[int, int, int]], max_new_tokens: int,
                             params: SamplingParams, dtype: str, sinks: int, window: int, output: str,
                             log: Callable[[str], None] = print) -> dict:
-    from decoder.api import check_same_vocabulary
+    from decoder.api import check_same_vocabulary, stop_token_ids
     from profiler.haystack import build_prompts
     from specplan.acceptance_schema import TriForceAcceptance
     from specplan.errors import UserError
@@ -192,7 +208,8 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
     entries = []
     for context in contexts:
         prompts = build_prompts(dataset, target.tokenizer, context, samples)
-        entries += measure_triforce(lean, prompts, grid, bottom, max_new_tokens, params, log=log)
+        entries += measure_triforce(lean, prompts, grid, bottom, max_new_tokens, params, stop_token_ids(target),
+                                    log=log)
     acceptance = TriForceAcceptance(
         target=target_name, bottom=draft_name if bottom_kind == "model" else bottom_kind, entries=entries,
         temperature=params.temperature,

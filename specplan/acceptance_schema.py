@@ -157,6 +157,7 @@ class TriForceAcceptance:
             entry = {key: e.integer(key, low=1) for key in TRIFORCE_ENTRY_FIELDS}
             entry["middle"] = e.number("middle", low=0.0, high=1.0)
             entry["bottom"] = e.number("bottom", low=0.0, high=1.0)
+            entry["traces"] = _traces(e)
             entry.update({k: v for k, v in item.items() if k not in entry})
             entries.append(entry)
         return cls(target=models.string("target"), bottom=models.string("bottom"), entries=entries,
@@ -166,6 +167,23 @@ class TriForceAcceptance:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "acceptance/triforce", "models": {"target": self.target, "bottom": self.bottom},
                 "temperature": self.temperature, **self.extra, "entries": self.entries}
+
+
+def _traces(entry: Fields) -> list[dict[str, np.ndarray]]:
+    """Per prompt, the middle and bottom acceptances at each continuation position (optional)."""
+    raw = entry.data.get("traces")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise entry.fail("'traces' must be a list")
+    traces = []
+    for i, item in enumerate(raw):
+        t = Fields(item, f"{entry.where}: traces[{i}]")
+        middle, bottom = (t.number_list(key, low=0.0, high=1.0) for key in ("middle", "bottom"))
+        if not middle or len(middle) != len(bottom):
+            raise t.fail("'middle' and 'bottom' must be non-empty and of equal length")
+        traces.append({"middle": np.array(middle), "bottom": np.array(bottom)})
+    return traces
 
 
 def load_triforce_acceptance(path: str | os.PathLike) -> TriForceAcceptance:

@@ -185,3 +185,62 @@ def test_solve_and_show_triforce(run_cli, write_yaml_file, tmp_path):
     code, stdout, _ = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile, "--two-level",
                               "-o", tmp_path / "two.yaml")
     assert code == 0 and load_plan(tmp_path / "two.yaml").settings["bottom"] == "none"
+
+
+def test_triforce_trace_replay_by_hand():
+    """Two-level, gamma2 = 2, middle trace 1 1 0 1: the top accepts the chain at 0 (tokens 0-2) and again
+    from 3 to the end: 2 steps of 2 x t(1, 264) + t(3, 4096) each (the profile is linear: t(n) = 40 + 4n ms
+    at 4096, 10 + n ms at 264)."""
+    from planner.triforce import evaluate_traces
+    from specplan.profile_schema import LatencyProfile
+
+    profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
+    entry = {**TRIFORCE_ACCEPTANCE["entries"][0],
+             "traces": [{"middle": np.array([1.0, 1.0, 0.0, 1.0]), "bottom": np.ones(4)}]}
+    c = evaluate_traces(profile, 4096, entry, gamma1=1, gamma2=2, bottom_seconds=None, top_costs={})
+    step = 2 * 0.011 + 0.052
+    assert c.tokens_per_step == pytest.approx(2.0)
+    assert c.step_seconds == pytest.approx(step)
+    assert c.speedup == pytest.approx(0.044 / (2 * step / 4 + 0.044 / 64))
+    # A trie bottom, gamma1 = 2, gamma2 = 3, one position: one round of 3 tokens (the bottom's trace beyond the
+    # end counts at its mean), then the top verifies the root and 3 tokens.
+    one = {**entry, "traces": [{"middle": np.array([1.0]), "bottom": np.array([1.0])}]}
+    c = evaluate_traces(profile, 4096, one, gamma1=2, gamma2=3, bottom_seconds=0.001, top_costs={})
+    assert c.chain_tokens == 3 and c.tokens_per_step == 1.0
+    assert c.step_seconds == pytest.approx(2 * 0.001 + 0.013 + 0.056)
+
+
+def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
+    from specplan.acceptance_schema import load_triforce_acceptance
+    from specplan.plan_schema import load_plan
+
+    out = tmp_path / "acc.yaml"
+    code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
+                              "../shared/data/haystack", "--contexts", "300", "--samples", "2", "--budgets", "64",
+                              "--chunks", "8", "--strides", "16", "--max-new-tokens", "12", "-o", out)
+    assert code == 0, stderr
+    acceptance = load_triforce_acceptance(out)
+    (entry,) = acceptance.entries
+    assert len(entry["traces"]) == 2
+    middle = np.concatenate([t["middle"] for t in entry["traces"]])
+    bottom = np.concatenate([t["bottom"] for t in entry["traces"]])
+    assert all(1 <= len(t["middle"]) <= 12 for t in entry["traces"]) and entry["positions"] == len(middle)
+    assert set(np.unique(middle)) <= {0.0, 1.0}
+    assert entry["middle"] == pytest.approx(middle.mean()) and entry["bottom"] == pytest.approx(bottom.mean())
+    profile = tmp_path / "prof.yaml"
+    assert run_cli("profile", "--model", "tiny-random-llama", "--contexts", "72,300", "--sizes", "1,2,4,8,16,32",
+                   "--repeats", "1", "-o", profile)[0] == 0
+    code, _, stderr = run_cli("solve", "triforce", "--acceptance", out, "--profile", profile, "-o",
+                              tmp_path / "plan.yaml")
+    assert code == 0, stderr
+    assert "replayed" in load_plan(tmp_path / "plan.yaml").solver["algorithm"]
+
+
+def test_unequal_traces_are_rejected(run_cli, write_yaml_file, tmp_path):
+    entry = {**TRIFORCE_ACCEPTANCE["entries"][0], "traces": [{"middle": [1, 0, 1], "bottom": [1, 1]}]}
+    acceptance = write_yaml_file("acc.yaml", {**TRIFORCE_ACCEPTANCE, "entries": [entry]})
+    profile = write_yaml_file("prof.yaml", FLAT_PROFILE)
+    code, _, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile, "-o",
+                              tmp_path / "plan.yaml")
+    assert code == 2 and "equal length" in stderr and len(stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "plan.yaml").exists()
