@@ -142,6 +142,11 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
                                                                                          best.branch_length)].tokens}
     if profile is not None:
         prediction.update(speedup=best.speedup, step_seconds=best.step_seconds, latency_source=profile.source)
+    decoded_with = acceptance.extra.get("decoded_with")
+    if decoded_with and acceptance.extra.get("dtype") != "fp32":
+        # Outside fp32 the text depends on the forward's size: the replay is exact for the decoding settings only.
+        prediction["replay_exact"] = (decoded_with.get("decoding_length"), decoded_with.get("branch_length")) == \
+            (best.decoding_length, best.branch_length)
     plan = Plan(
         method="lookahead",
         models={"target": acceptance.target,

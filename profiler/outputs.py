@@ -48,7 +48,10 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
             f"{len(result.tokens)} generated")
     acceptance = LookaheadAcceptance(
         target=target_name, tokenizer=tokenizer_fingerprint(target.tokenizer), records=records,
-        extra={"dtype": dtype, "decoding": decoding, "max_new_tokens": max_new_tokens,
+        extra={"dtype": dtype, "decoding": decoding,
+               "decoded_with": None if decoder.plan is None else {
+                   key: decoder.plan.settings[key] for key in ("decoding_length", "branch_length")},
+               "max_new_tokens": max_new_tokens,
                "dataset": {"spec": dataset, "prompts": len(prompts), "chat_template": chat,
                            "categories": sorted({p.category for p in prompts})},
                "seconds": round(time.perf_counter() - start, 1), "provenance": provenance()})

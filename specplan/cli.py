@@ -195,6 +195,10 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     save_plan(plan, output)
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
                f"{plan.settings['decoding_length']}, L_b = {plan.settings['branch_length']}; wrote {output}")
+    if plan.prediction.get("replay_exact") is False:
+        click.echo("note: the outputs were decoded with other settings, and in this dtype the text depends on the "
+                   "forward's size: decode them with this plan (plan accept lookahead --decode-with) and solve "
+                   "again for an exact replay", err=True)
 
 
 @accept.command("triforce")

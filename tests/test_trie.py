@@ -98,3 +98,21 @@ def test_bad_settings():
     for settings in (TrieSettings(decoding_length=0), TrieSettings(branch_length=0)):
         with pytest.raises(UserError):
             settings.check()
+
+
+@pytest.mark.parametrize("dtype, decoded_with, exact", [
+    ("bf16", {"decoding_length": 4, "branch_length": 3}, True),
+    ("bf16", {"decoding_length": 2, "branch_length": 1}, False),
+    ("fp32", {"decoding_length": 2, "branch_length": 1}, None),  # fp32 text is the target's own: always exact
+])
+def test_solver_says_whether_a_bf16_replay_is_exact(dtype, decoded_with, exact, write_yaml_file):
+    from planner.lookahead import solve_lookahead
+
+    repeated = [5, 6, 7, 8] * 6
+    acceptance = write_yaml_file("acc.yaml", {
+        "kind": "acceptance/lookahead", "models": {"target": "tiny-random-llama"},
+        "tokenizer": {"vocab_size": 259, "sha256": "0" * 64}, "dtype": dtype, "decoded_with": decoded_with,
+        "records": [{"prompt": repeated[:8], "output": repeated}]})
+    plan, _ = solve_lookahead(acceptance, None, decoding_lengths=(2, 4), branch_lengths=(1, 3))
+    assert (plan.settings["decoding_length"], plan.settings["branch_length"]) == (4, 3)  # most tokens per step
+    assert plan.prediction.get("replay_exact") is exact
