@@ -7,24 +7,14 @@ timed interleaved per row count (best of 3 sweeps). Checks that bf16 results are
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from decoder.model import LeanModel
+from profiler.hardware import best_time
 from specplan.machine import cpu_info
 from specplan.models import load_model
-
-
-def _best_of(sweep, repeats: int = 3) -> float:
-    sweep()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        sweep()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @torch.inference_mode()
@@ -48,8 +38,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for n in (int(r) for r in args.rows.split(",")):
         x = {w.shape[1]: torch.randn(n, w.shape[1], dtype=lean.dtype) for w in plain}
-        linear = _best_of(lambda x=x: [F.linear(x[w.shape[1]], w) for w in plain])
-        prepacked = _best_of(lambda x=x: [lean._linear(x[w.shape[1]], p) for w, p in zip(plain, packed)])
+        linear = best_time(lambda x=x: [F.linear(x[w.shape[1]], w) for w in plain], 3)
+        prepacked = best_time(lambda x=x: [lean._linear(x[w.shape[1]], p) for w, p in zip(plain, packed)], 3)
         identical = all(torch.equal(F.linear(x[w.shape[1]], w), lean._linear(x[w.shape[1]], p))
                         for w, p in zip(plain, packed))
         print(f"| {n} | {linear * 1e3:.2f} | {prepacked * 1e3:.2f} | {linear / prepacked:.2f} | {identical} |")
