@@ -101,9 +101,11 @@ class LeanModel:
         self.final_norm = take("model.norm.weight")
         # On CPU every matmul weight is kept in oneDNN's blocked layout, packed once here: a pass over the
         # weights costs 1.4x (bf16) to 3x (fp32) less than F.linear on this project's CPU (bench/matmul.py),
-        # and bf16 results are bit-identical to F.linear's.
-        self.packed = self.device.type == "cpu" and torch.backends.mkldnn.is_available() \
-            and self.dtype in (torch.float32, torch.bfloat16)
+        # and bf16 results are bit-identical to F.linear's. oneDNN packs bf16 only on CPUs with AVX-512 (or
+        # AVX-NE-CONVERT); elsewhere bf16 weights stay as they are.
+        self.packed = self.device.type == "cpu" and torch.backends.mkldnn.is_available() and (
+            self.dtype == torch.float32
+            or (self.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
         self.layers = []
         for i in range(self.shape.layers):
             prefix = f"model.layers.{i}."
