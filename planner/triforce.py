@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from specplan.acceptance_schema import load_triforce_acceptance
+from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS, load_triforce_acceptance
 from specplan.errors import UserError
 from specplan.plan_schema import Plan
 from specplan.profile_schema import LatencyProfile, load_profile
@@ -225,14 +225,19 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
         models["draft"] = acceptance.bottom
     if profile.raw.get("dtype"):
         models["dtype"] = profile.raw["dtype"]
+    prediction = {"tokens_per_step": best.tokens_per_step, "speedup": best.speedup,
+                  "seconds_per_token": best.seconds_per_token, "chain_tokens": best.chain_tokens,
+                  "middle_acceptance": best.middle_acceptance, "bottom_acceptance": best.bottom_acceptance,
+                  "latency_source": profile.source}
+    decoded_with = acceptance.extra.get("decoded_with")
+    if decoded_with and acceptance.extra.get("dtype") != "fp32":
+        # Outside fp32 the text depends on the forward's size: the replay is exact for the decoding settings only.
+        prediction["replay_exact"] = all(decoded_with.get(key) == settings[key] for key in TRIFORCE_DECODED_SETTINGS)
     plan = Plan(
         method="triforce",
         models=models,
-        prediction={"tokens_per_step": best.tokens_per_step, "speedup": best.speedup,
-                    "seconds_per_token": best.seconds_per_token, "chain_tokens": best.chain_tokens,
-                    "middle_acceptance": best.middle_acceptance, "bottom_acceptance": best.bottom_acceptance,
-                    "latency_source": profile.source},
-        inputs={"acceptance": {"file": str(acceptance_path)}, "profile": {"file": str(profile_path)},
+        prediction=prediction,
+        inputs={"acceptance": {"file": str(acceptance_path)}, "profile": profile.plan_inputs(profile_path),
                 "context": context, "bottom_seconds_per_draft": bottom_seconds},
         solver={"seconds": time.perf_counter() - started,
                 "algorithm": "expected time per token, " + ("replayed over the acceptance traces" if replayed

@@ -12,7 +12,7 @@ from specplan.acceptance_schema import LookaheadAcceptance, LookaheadRecord
 from specplan.errors import UserError
 from specplan.fileio import write_yaml
 from specplan.models import tokenizer_fingerprint
-from specplan.plan_schema import load_plan
+from specplan.plan_schema import load_decoding_plan
 from specplan.provenance import provenance
 
 
@@ -31,7 +31,7 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
     if not prompts:
         raise UserError(f"{dataset}: no prompts")
     if decode_with is not None:
-        _check_lookahead_plan(decode_with, target_name, dtype)
+        load_decoding_plan(decode_with, "lookahead", target_name, dtype)
     decoder = load_decoder(decode_with, target=target_name, dtype=dtype, log=log)
     decoder.restart()
     target, engine = decoder.target, decoder.engine
@@ -58,12 +58,3 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
     write_yaml(output, acceptance.to_dict())
     return acceptance
 
-
-def _check_lookahead_plan(plan_path: str, target_name: str, dtype: str) -> None:
-    plan = load_plan(plan_path)
-    if plan.method != "lookahead":
-        raise UserError(f"{plan_path}: --decode-with needs a Lookahead plan, not a {plan.method} plan")
-    if plan.models.get("target") != target_name:
-        raise UserError(f"{plan_path}: the plan is for {plan.models.get('target')!r}, not {target_name!r}")
-    if plan.models.get("dtype", dtype) != dtype:
-        raise UserError(f"{plan_path}: the plan is for {plan.models['dtype']}, not {dtype}")

@@ -25,6 +25,7 @@ from decoder.sampling import SamplingParams, probabilities, sample
 from decoder.trie import Trie, TrieSettings
 from decoder.triforce import RetrievalCache, RetrievalSettings
 from profiler.haystack import LongPrompt
+from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -44,21 +45,27 @@ def _agreement(upper: torch.Tensor, lower: torch.Tensor, params: SamplingParams)
 
 @torch.inference_mode()
 def _continuation(target: LeanModel, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                  generator: torch.Generator, stop_ids: set[int]):
-    """The target's own continuation with its full cache, up to and including a stop token: (full cache,
-    logits per new token, tokens, query)."""
-    full = target.new_cache(len(prompt) + max_new_tokens + 1)
+                  generator: torch.Generator, stop_ids: set[int], given: list[int] | None = None):
+    """The target's own continuation with its full cache, up to and including a stop token, or the `given`
+    one (teacher forced): (full cache, the target's logits per new token, tokens, query)."""
+    steps = max_new_tokens if given is None else len(given)
+    full = target.new_cache(len(prompt) + steps + 1)
     target.prefill(torch.tensor(prompt[:-1]), full, logits=False)
     query = torch.zeros(target.shape.layers, target.shape.heads, target.shape.head_dim, dtype=target.dtype)
     root, rows, tokens = prompt[-1], [], []
-    for step in range(max_new_tokens):
+    for step in range(steps):
         logits = target.forward(torch.tensor([root]), torch.tensor([full.length]), full, None,
                                 queries=query if step == 0 else None, query_row=0)[0]
         full.commit(None, 1)
         rows.append(logits.float())
-        root = int(logits.argmax()) if params.greedy else int(sample(probabilities(logits[None], params), generator))
+        if given is not None:
+            root = given[step]
+        elif params.greedy:
+            root = int(logits.argmax())
+        else:
+            root = int(sample(probabilities(logits[None], params), generator))
         tokens.append(root)
-        if root in stop_ids:
+        if given is None and root in stop_ids:
             break
     return full, torch.stack(rows), tokens, query
 
@@ -122,22 +129,28 @@ def _bottom_logits_or_tokens(bottom: BottomSpec, sequence: list[int], prompt_len
 
 def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tuple[int, int, int]],
                      bottom: BottomSpec, max_new_tokens: int, params: SamplingParams, stop_ids: set[int],
-                     segment: int = 8, seed: int = 0, log: Callable[[str], None] = print) -> list[dict]:
+                     segment: int = 8, seed: int = 0, log: Callable[[str], None] = print,
+                     decode: Callable[[list[int]], list[int]] | None = None) -> list[dict]:
+    """Acceptance entries per (context, budget, chunk, stride). With `decode` (greedy only), the continuation
+    is the one it returns for a prompt instead of the target's one-token greedy text."""
     generator = torch.Generator().manual_seed(seed)
     samples: dict[tuple, dict[str, list[np.ndarray]]] = {}
     for prompt in prompts:
         started = time.perf_counter()
+        given = decode(prompt.ids) if decode is not None else None
         full, target_rows, continuation, query = _continuation(target, prompt.ids, max_new_tokens, params, generator,
-                                                               stop_ids)
+                                                               stop_ids, given)
         sequence = prompt.ids + continuation
         bottom_out = _bottom_logits_or_tokens(bottom, sequence, len(prompt.ids)) if bottom.kind != "none" else None
         for budget, chunk, stride in grid:
             settings = RetrievalSettings(budget, chunk, stride).check(len(prompt.ids))
             middle = _middle_logits(target, full, len(prompt.ids), sequence, query, settings, segment)
-            upper = target_rows  # row i predicts continuation[i], as the middle's rows do
             key = (prompt.context, budget, chunk, stride)
             entry = samples.setdefault(key, {"middle": [], "bottom": []})
-            entry["middle"].append(_agreement(upper, middle, params))
+            if params.greedy:  # the top emits the continuation's tokens: row i of middle predicts continuation[i]
+                entry["middle"].append((middle.argmax(-1) == torch.tensor(continuation)).double().numpy())
+            else:
+                entry["middle"].append(_agreement(target_rows, middle, params))
             if bottom_out is None:
                 entry["bottom"].append(np.ones(len(middle)))
                 continue
@@ -179,8 +192,11 @@ def _trace(values: np.ndarray, params: SamplingParams) -> list:
 def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kind: str, dataset: str,
                             contexts: list[int], samples: int, grid: list[tuple[int, int, int]], max_new_tokens: int,
                             params: SamplingParams, dtype: str, sinks: int, window: int, output: str,
-                            log: Callable[[str], None] = print) -> dict:
-    from decoder.api import check_same_vocabulary, stop_token_ids
+                            log: Callable[[str], None] = print, decode_with: str | None = None) -> dict:
+    """With `decode_with` (a greedy TriForce plan), the continuations are that plan's decoded outputs: outside
+    fp32 the text depends on the forward's size, and a replay over the target's one-token text predicts
+    another text than the plan emits. The prompts are decoded as `plan bench` does (in order, one decoder)."""
+    from decoder.api import check_same_vocabulary, load_decoder, stop_token_ids
     from profiler.haystack import build_prompts
     from specplan.acceptance_schema import TriForceAcceptance
     from specplan.errors import UserError
@@ -190,7 +206,13 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
 
     if bottom_kind == "model" and not draft_name:
         raise UserError("a model bottom needs --draft")
-    target = load_model(target_name, dtype, log=log)
+    decoder = None
+    if decode_with is not None:
+        plan_settings = _check_triforce_plan(decode_with, target_name, dtype, params, contexts)
+        decoder = load_decoder(decode_with, target=target_name, dtype=dtype, log=log)
+        target = decoder.target
+    else:
+        target = load_model(target_name, dtype, log=log)
     limit = target.config.max_position_embeddings
     for context in contexts:
         if context + max_new_tokens > limit:
@@ -203,20 +225,43 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
         draft = load_model(draft_name, dtype, log=log)
         check_same_vocabulary(target, draft)
         bottom = BottomSpec("model", LeanModel(draft.model), sinks, window)
-    lean = LeanModel(target.model)
+    lean = decoder.lean_target if decoder is not None else LeanModel(target.model)
+
+    def decode(ids: list[int]) -> list[int]:
+        return decoder.engine.generate(ids, max_new_tokens, SamplingParams()).tokens
+
     started = time.perf_counter()
     entries = []
     for context in contexts:
         prompts = build_prompts(dataset, target.tokenizer, context, samples)
+        if decoder is not None:
+            decoder.restart()  # as `plan bench` does before its prompts
         entries += measure_triforce(lean, prompts, grid, bottom, max_new_tokens, params, stop_token_ids(target),
-                                    log=log)
+                                    log=log, decode=decode if decoder is not None else None)
     acceptance = TriForceAcceptance(
         target=target_name, bottom=draft_name if bottom_kind == "model" else bottom_kind, entries=entries,
         temperature=params.temperature,
         extra={"dtype": dtype, "top_p": params.top_p, "max_new_tokens": max_new_tokens,
                "bottom_cache": {"sinks": sinks, "window": window} if bottom_kind == "model" else None,
+               "decoded_with": None if decoder is None else {"plan": decode_with, **plan_settings},
                "dataset": {"path": dataset, "contexts": contexts, "prompts_per_context": samples},
                "seconds": round(time.perf_counter() - started, 1), "provenance": provenance()})
     document = acceptance.to_dict()
     write_yaml(output, document)
     return document
+
+
+def _check_triforce_plan(plan_path: str, target_name: str, dtype: str, params: SamplingParams,
+                         contexts: list[int]) -> dict:
+    """The plan's decoding settings, after checking it can decode these prompts greedily."""
+    from decoder.triforce import RetrievalSettings
+    from specplan.errors import UserError
+    from specplan.plan_schema import load_decoding_plan
+
+    plan = load_decoding_plan(plan_path, "triforce", target_name, dtype)
+    if not params.greedy or float(plan.sampling.get("temperature", 0.0)) != 0.0:
+        raise UserError("--decode-with replays greedy decoding: use a T = 0 plan and --temperature 0")
+    settings = plan.settings
+    for context in contexts:
+        RetrievalSettings(settings["budget"], settings["chunk"], settings["stride"]).check(context)
+    return {key: settings[key] for key in TRIFORCE_DECODED_SETTINGS}

@@ -130,6 +130,7 @@ def load_lookahead_acceptance(path: str | os.PathLike) -> LookaheadAcceptance:
 
 
 TRIFORCE_ENTRY_FIELDS = ("context", "budget", "chunk", "stride")
+TRIFORCE_DECODED_SETTINGS = ("gamma1", "gamma2", "budget", "chunk", "stride")  # a plan's, in `decoded_with`
 
 
 @dataclass

@@ -195,9 +195,13 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     save_plan(plan, output)
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
                f"{plan.settings['decoding_length']}, L_b = {plan.settings['branch_length']}; wrote {output}")
+    _note_inexact_replay(plan)
+
+
+def _note_inexact_replay(plan) -> None:
     if plan.prediction.get("replay_exact") is False:
         click.echo("note: the outputs were decoded with other settings, and in this dtype the text depends on the "
-                   "forward's size: decode them with this plan (plan accept lookahead --decode-with) and solve "
+                   f"forward's size: decode them with this plan (plan accept {plan.method} --decode-with) and solve "
                    "again for an exact replay", err=True)
 
 
@@ -216,10 +220,13 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--sinks", type=int, default=4, show_default=True)
 @click.option("--window", type=int, default=1024, show_default=True)
+@click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
+              help="a greedy TriForce plan: measure along the text it decodes (outside fp32 it differs from the "
+                   "target's one-token text)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str, samples: int, budgets: str,
                     chunks: str, strides: str, max_new_tokens: int, temperature: float, top_p: float, dtype: str,
-                    sinks: int, window: int, output: Path) -> None:
+                    sinks: int, window: int, decode_with: str | None, output: Path) -> None:
     """Acceptance of the retrieval-cache target (per budget/chunk/stride) and of the bottom drafter."""
     from decoder.sampling import SamplingParams
     from profiler.triforce_acceptance import run_triforce_acceptance
@@ -229,7 +236,7 @@ def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str,
         raise UserError("--samples and --max-new-tokens must be >= 1")
     document = run_triforce_acceptance(target, draft, "model" if draft else "trie", dataset, _int_list(contexts),
                                        samples, grid, max_new_tokens, SamplingParams(temperature, top_p), dtype,
-                                       sinks, window, str(output), log=_progress)
+                                       sinks, window, str(output), log=_progress, decode_with=decode_with)
     click.echo(f"{'L':>6} {'B':>5} {'s':>3} {'R':>4} {'middle':>7} {'bottom':>7}")
     for e in document["entries"]:
         click.echo(f"{e['context']:>6} {e['budget']:>5} {e['chunk']:>3} {e['stride']:>4} {e['middle']:>7.3f} "
@@ -262,6 +269,7 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
                    f"{c.speedup:>7.3f}")
     save_plan(plan, output)
     click.echo(f"wrote {output}")
+    _note_inexact_replay(plan)
 
 
 @cli.command()

@@ -248,6 +248,19 @@ def load_plan(path: str | os.PathLike) -> Plan:
     return Plan.from_dict(read_yaml(path), str(path))
 
 
+def load_decoding_plan(path: str | os.PathLike, method: str, target: str, dtype: str) -> Plan:
+    """A plan given to decode a measurement's outputs with (`--decode-with`): of `method`, for this target and
+    dtype."""
+    plan = load_plan(path)
+    if plan.method != method:
+        raise UserError(f"{path}: --decode-with needs a {method} plan, not a {plan.method} plan")
+    if plan.models.get("target") != target:
+        raise UserError(f"{path}: the plan is for {plan.models.get('target')!r}, not {target!r}")
+    if plan.models.get("dtype", dtype) != dtype:
+        raise UserError(f"{path}: the plan is for {plan.models['dtype']}, not {dtype}")
+    return plan
+
+
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
     write_yaml(path, plan.to_dict())
 

@@ -233,7 +233,31 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", out, "--profile", profile, "-o",
                               tmp_path / "plan.yaml")
     assert code == 0, stderr
-    assert "replayed" in load_plan(tmp_path / "plan.yaml").solver["algorithm"]
+    plan = tmp_path / "plan.yaml"
+    assert "replayed" in load_plan(plan).solver["algorithm"]
+
+    # Measured along the plan's own decoded text: in fp32 that text is the target's, so the traces are the same.
+    decoded = tmp_path / "decoded.yaml"
+    code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
+                              "../shared/data/haystack", "--contexts", "300", "--samples", "2", "--budgets", "64",
+                              "--chunks", "8", "--strides", "16", "--max-new-tokens", "12", "--decode-with", plan,
+                              "-o", decoded)
+    assert code == 0, stderr
+    redecoded = load_triforce_acceptance(decoded)
+    for again, first in zip(redecoded.entries[0]["traces"], entry["traces"], strict=True):
+        assert all(np.array_equal(again[level], first[level]) for level in ("middle", "bottom"))
+    settings = load_plan(plan).settings
+    assert redecoded.extra["decoded_with"] == {"plan": str(plan), **{key: settings[key] for key in (
+        "gamma1", "gamma2", "budget", "chunk", "stride")}}
+    code, _, stderr = run_cli("solve", "triforce", "--acceptance", decoded, "--profile", profile, "-o",
+                              tmp_path / "again.yaml")
+    assert code == 0 and "replay_exact" not in load_plan(tmp_path / "again.yaml").prediction  # fp32: always exact
+    for option, message in ((["--dtype", "bf16"], "not bf16"), (["--temperature", "0.7"], "greedy"),
+                            (["--contexts", "64"], "not below the context")):
+        code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
+                                  "../shared/data/haystack", "--decode-with", plan, *option, "-o", tmp_path / "x.yaml")
+        assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert not (tmp_path / "x.yaml").exists()
 
 
 def test_unequal_traces_are_rejected(run_cli, write_yaml_file, tmp_path):
