@@ -32,7 +32,9 @@ from profiler.datasets import Prompt, encode_prompt, read_dataset, spread_sample
 from profiler.haystack import build_prompts
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, write_json
-from specplan.machine import cpu_info
+from specplan.machine import cpu_info, machine_difference, this_machine
+from specplan.plan_schema import Plan
+from specplan.profile_schema import load_profile
 
 BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming")
 TRIFORCE_BASELINES = ("two-level", "streaming")
@@ -104,6 +106,9 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
         log(f"[{index + 1}/{len(prompts)}] " + "  ".join(
             f"{name} {row['methods'][name]['decode_tokens_per_second']:.2f} tok/s" for name in names))
     report = _report(decoder, request, rows, names)
+    elsewhere = _profiled_elsewhere(decoder.plan, str(decoder.lean_target.device)) if decoder.plan else None
+    if elsewhere:
+        report["prediction"]["profiled_elsewhere"] = elsewhere
     write_json(output, report)
     markdown = output.with_suffix(".md")
     with atomic_output(markdown) as handle:
@@ -258,6 +263,20 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
     }
 
 
+def _profiled_elsewhere(plan: Plan, device: str) -> str | None:
+    """How the machine of the plan's profile differs from this one, if it does."""
+    profile = plan.inputs.get("profile")
+    if not isinstance(profile, dict):
+        return None
+    machine = profile.get("machine")
+    if machine is None and Path(str(profile.get("file"))).is_file():  # solved before plans recorded the machine
+        try:
+            machine = load_profile(profile["file"]).machine
+        except UserError:
+            return None
+    return machine_difference(machine, this_machine(device)) if machine else None
+
+
 def _rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
@@ -299,6 +318,9 @@ def markdown_table(report: dict) -> str:
                      + (f"{measured:.2f}x at " if measured is not None else "")
                      + f"{prediction['measured_tokens_per_step']:.2f} tokens/step"
                      + (" (vs ours-ar)" if measured is not None else " (ours-ar not run: no measured speedup)"))
+        if prediction.get("profiled_elsewhere"):
+            lines.append(f"note: the plan's profile was measured on another machine "
+                         f"({prediction['profiled_elsewhere']}): the prediction is for that one")
     return "\n".join(lines)
 
 

@@ -154,7 +154,7 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
         prediction=prediction,
         inputs={"acceptance": {"file": str(acceptance_path), "records": len(acceptance.records),
                                "dataset": acceptance.extra.get("dataset")},
-                **({"profile": {"file": str(profile_path)}} if profile is not None else {}),
+                **({"profile": profile.plan_inputs(profile_path)} if profile is not None else {}),
                 "grid": {"decoding_lengths": list(decoding_lengths), "branch_lengths": list(branch_lengths)}},
         solver={"seconds": seconds, "algorithm": "exact greedy replay of the trie over the (L_d, L_b) grid",
                 "top": [asdict(c) for c in candidates[:10]]},

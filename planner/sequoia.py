@@ -103,7 +103,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     if profile is not None:
         curve = profile.target_curve(context)
         inputs["profile"] = {
-            "file": str(profile_path), "context": context if context is not None else profile.target_context,
+            **profile.plan_inputs(profile_path), "context": context if context is not None else profile.target_context,
             "target_t_seconds": {int(n): float(t) for n, t in curve.points.items()},
             "draft_step_seconds": profile.draft_step(context),
         }

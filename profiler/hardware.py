@@ -20,13 +20,6 @@ def fingerprint(device: torch.device, dtype: str, threads: int) -> dict:
     return info
 
 
-def hardware_label(device: torch.device, threads: int) -> str:
-    """Short name for file names: cpu-2c, or the GPU's name."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device).lower().replace("nvidia ", "").replace(" ", "-")
-    return f"cpu-{threads}c"
-
-
 def best_time(fn, repeats: int) -> float:
     """Seconds of the fastest of `repeats` calls of `fn`, after one untimed call."""
     fn()

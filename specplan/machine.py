@@ -1,4 +1,5 @@
-"""What this machine is: CPU model and the instruction-set flags that matter for inference kernels."""
+"""What this machine is: CPU model and the instruction-set flags that matter for inference kernels, and whether
+timings taken on one machine describe another."""
 
 from __future__ import annotations
 
@@ -21,3 +22,28 @@ def cpu_info() -> dict:
         pass
     return {"cpu": model, "cpu_flags": [f for f in INTERESTING_CPU_FLAGS if f in flags],
             "logical_cores": os.cpu_count()}
+
+
+def machine_identity(hardware: dict) -> dict:
+    """The part of a profile's `hardware` that timings depend on: the GPU, or the CPU, its flags and threads."""
+    if hardware.get("device") == "cuda" or "gpu" in hardware:
+        return {"device": "cuda", "gpu": hardware.get("gpu")}
+    return {"device": "cpu", "cpu": hardware.get("cpu"), "cpu_flags": list(hardware.get("cpu_flags") or []),
+            "threads": hardware.get("threads")}
+
+
+def this_machine(device: str) -> dict:
+    import torch
+
+    if device.startswith("cuda"):
+        return {"device": "cuda", "gpu": torch.cuda.get_device_name(torch.device(device))}
+    info = cpu_info()
+    return {"device": "cpu", "cpu": info["cpu"], "cpu_flags": info["cpu_flags"], "threads": torch.get_num_threads()}
+
+
+def machine_difference(recorded: dict, current: dict) -> str | None:
+    """None if both identities agree, else what differs, e.g. "cpu_flags: [avx2, fma] there, [...] here"."""
+    keys = [key for key in ("device", "gpu", "cpu", "cpu_flags", "threads") if recorded.get(key) != current.get(key)]
+    if not keys:
+        return None
+    return "; ".join(f"{key} {recorded.get(key)} there, {current.get(key)} here" for key in keys)

@@ -22,6 +22,7 @@ import numpy as np
 from scipy.interpolate import PchipInterpolator
 
 from specplan.fileio import read_yaml
+from specplan.machine import machine_identity
 from specplan.validate import Fields
 
 
@@ -125,6 +126,16 @@ class LatencyProfile:
         if context is None or context == self.target_context or context not in self.draft_by_context:
             return self.draft_step_seconds
         return self.draft_by_context[context]
+
+    @property
+    def machine(self) -> dict[str, Any]:
+        """The machine the timings describe (specplan.machine.machine_identity of `hardware`)."""
+        hardware = self.raw.get("hardware")
+        return machine_identity(hardware if isinstance(hardware, dict) else {})
+
+    def plan_inputs(self, path: str | os.PathLike) -> dict[str, Any]:
+        """What a plan records of the profile it was solved with."""
+        return {"file": str(path), "source": self.source, "machine": self.machine}
 
     @property
     def models(self) -> dict[str, Any]:

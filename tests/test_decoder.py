@@ -17,7 +17,7 @@ from decoder.sampling import SamplingParams
 from specplan.errors import UserError
 from specplan.models import load_model
 
-from conftest import ACCEPTANCE
+from conftest import ACCEPTANCE, PROFILE
 from toy import (
     assert_distributed_as_target,
     chi_square_p,
@@ -212,3 +212,29 @@ def test_bench_report_on_tiny_models(run_cli, write_yaml_file, tmp_path):
     hf_rate = summary["hf"]["decode_tokens_per_second"]
     assert ours["speedup_vs_hf"] == pytest.approx(ours["decode_tokens_per_second"] / hf_rate)
     assert "| ours |" in report_path.with_suffix(".md").read_text() and report_path.with_suffix(".png").stat().st_size
+
+
+def test_bench_says_when_the_plans_profile_is_from_another_machine(run_cli, write_yaml_file, tmp_path):
+    from specplan.machine import machine_difference, this_machine
+    from specplan.plan_schema import load_plan
+
+    here = this_machine("cpu")
+    assert machine_difference(dict(here), here) is None
+    elsewhere = {"device": "cpu", "cpu": "Imaginary CPU", "cpu_flags": ["avx2"], "threads": 64}
+    profile = write_yaml_file("prof.yaml", {**PROFILE, "hardware": {**elsewhere, "torch": "2.13.0"}})
+    acceptance = write_yaml_file("acc.yaml", {**ACCEPTANCE, "temperature": 0.0})
+    plan = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--profile", profile, "--max-size", 4,
+                              "--max-depth", 2, "-o", plan)
+    assert code == 0, stderr
+    assert load_plan(plan).inputs["profile"]["machine"] == elsewhere
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(json.dumps({"question_id": 0, "category": "c", "turns": ["count 1 2 3 4"]}))
+    report_path = tmp_path / "report.json"
+    code, stdout, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--draft",
+                                   "tiny-random-llama-draft", "--dataset", dataset, "--prompts", 1,
+                                   "--max-new-tokens", 4, "--baselines", "ours-ar", "-o", report_path)
+    assert code == 0, stderr
+    difference = json.loads(report_path.read_text())["prediction"]["profiled_elsewhere"]
+    assert "Imaginary CPU there" in difference and "threads 64 there" in difference
+    assert "another machine" in stdout and "another machine" in report_path.with_suffix(".md").read_text()
