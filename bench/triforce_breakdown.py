@@ -1,0 +1,125 @@
+"""Where a TriForce decoding step's time goes, against what the profile predicts for its forwards.
+
+Decodes the plan's haystack prompts (as `plan bench --context` builds them) with the plan's decoder and with
+one-token decoding, and times every piece: the top level's forwards (the target over its full cache), the
+middle level's (over the retrieval cache), the bottom drafter, retrieval-cache builds and inserts, and the
+rest of the engine (verification walk, masks, commits, Python). Each forward is also priced by the profile
+at its actual size and cache length, so the gap between the plan's prediction and a measured speedup splits
+into "forwards slower than profiled" and "time outside the forwards".
+
+    python bench/triforce_breakdown.py --plan plans/smollm2-135m.triforce-4096.cpu-2c.fp32.yaml \
+        --profile profiles/smollm2-135m.cpu-2c.fp32.yaml --prompts 2 --max-new-tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+from decoder.api import load_decoder
+from decoder.engine import SpeculativeEngine
+from decoder.sampling import SamplingParams
+from profiler.haystack import build_prompts
+from specplan.profile_schema import load_profile
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.profiled: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.on = False
+
+    def wrap(self, owner: object, method: str, name: str | Callable[..., str],
+             price: Callable[..., float] | None = None) -> None:
+        original = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            if not self.on:
+                return original(*args, **kwargs)
+            label = name(*args) if callable(name) else name
+            started = time.perf_counter()
+            result = original(*args, **kwargs)
+            self.seconds[label] += time.perf_counter() - started
+            self.calls[label] += 1
+            if price is not None:
+                self.profiled[label] += price(*args)
+            return result
+
+        setattr(owner, method, timed)
+
+
+def breakdown(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: int, profile) -> dict:
+    ledger = Ledger()
+    target = engine.target
+    drafter = engine.drafter
+    retrieval = getattr(drafter, "retrieval", None)
+
+    def forward_label(tokens, positions, cache, *rest) -> str:
+        return "middle forwards" if retrieval is not None and cache is retrieval.cache else "top forwards"
+
+    def forward_price(tokens, positions, cache, *rest) -> float:
+        return float(profile.latency(int(tokens.shape[0]), int(cache.length)))
+
+    ledger.wrap(target, "forward", forward_label, forward_price)
+    if retrieval is not None:
+        ledger.wrap(retrieval, "build", "retrieval builds")
+        ledger.wrap(retrieval, "insert", "retrieval inserts")
+        for method in ("propose", "update", "extend", "rollback"):
+            ledger.wrap(drafter.bottom, method, "bottom drafter")
+    reset = drafter.reset
+    armed = False
+
+    def start_ledger(*args) -> None:  # the engine resets its drafter between prefill and decoding
+        reset(*args)
+        ledger.on = armed
+
+    drafter.reset = start_ledger
+    decode_seconds = tokens = steps = 0
+    for ids in prompts:
+        armed = False
+        engine.generate(ids, 8, SamplingParams())  # warm: this prompt's first shapes
+        armed = True
+        result = engine.generate(ids, max_new_tokens, SamplingParams())
+        ledger.on = False
+        decode_seconds += result.decode_seconds
+        tokens += len(result.tokens)
+        steps += result.steps
+    return {"ledger": ledger, "decode_seconds": decode_seconds, "tokens": tokens, "steps": steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--dataset", default="../shared/data/haystack")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    decoder = load_decoder(args.plan)
+    profile = load_profile(args.profile)
+    context = decoder.plan.settings["context"]
+    prompts = [p.ids for p in build_prompts(args.dataset, decoder.tokenizer, context, args.prompts)]
+    runs = {"triforce": decoder.engine,
+            "one token": SpeculativeEngine(decoder.lean_target, None, decoder.engine.stop_ids)}
+    for name, engine in runs.items():
+        report = breakdown(engine, prompts, args.max_new_tokens, profile)
+        ledger, total = report["ledger"], report["decode_seconds"]
+        print(f"{name}: {report['tokens']} tokens in {report['steps']} steps, {total:.2f} s decoding "
+              f"({total / report['tokens'] * 1e3:.2f} ms/token)")
+        timed = 0.0
+        for label in sorted(ledger.seconds, key=lambda k: -ledger.seconds[k]):
+            seconds = ledger.seconds[label]
+            timed += seconds
+            profiled = ledger.profiled.get(label)
+            extra = f"  profile says {profiled:.2f} s ({seconds / profiled:.3f}x)" if profiled else ""
+            print(f"  {label:<18} {seconds:7.2f} s  {ledger.calls[label]:6d} calls  "
+                  f"{seconds / total:6.1%}{extra}")
+        print(f"  {'the rest':<18} {total - timed:7.2f} s  {'':6}        {(total - timed) / total:6.1%}  "
+              f"({(total - timed) / report['steps'] * 1e3:.2f} ms per step)")
+
+
+if __name__ == "__main__":
+    main()
