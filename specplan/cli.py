@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from specplan.errors import UserError
+from specplan.plan_schema import Plan
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -198,7 +199,7 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     _note_inexact_replay(plan)
 
 
-def _note_inexact_replay(plan) -> None:
+def _note_inexact_replay(plan: Plan) -> None:
     if plan.prediction.get("replay_exact") is False:
         click.echo("note: the outputs were decoded with other settings, and in this dtype the text depends on the "
                    f"forward's size: decode them with this plan (plan accept {plan.method} --decode-with) and solve "

@@ -42,7 +42,7 @@ def this_machine(device: str) -> dict:
 
 
 def machine_difference(recorded: dict, current: dict) -> str | None:
-    """None if both identities agree, else what differs, e.g. "cpu_flags: [avx2, fma] there, [...] here"."""
+    """None if both identities agree, else what differs, e.g. "cpu_flags [avx2, fma] there, [...] here"."""
     keys = [key for key in ("device", "gpu", "cpu", "cpu_flags", "threads") if recorded.get(key) != current.get(key)]
     if not keys:
         return None
