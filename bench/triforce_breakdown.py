@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from decoder.api import load_decoder
+from decoder.api import Decoder, load_decoder
 from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
 from profiler.haystack import build_prompts
@@ -90,18 +90,25 @@ def breakdown(engine: SpeculativeEngine, prompts: list[list[int]], max_new_token
     return {"ledger": ledger, "decode_seconds": decode_seconds, "tokens": tokens, "steps": steps}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def plan_with_prompts(doc: str, input_option: str, prompts: int) -> tuple[argparse.Namespace, Decoder, list]:
+    """The TriForce diagnostics' command line: --plan, one input file, and haystack prompts at the plan's
+    context (as `plan bench --context` builds them)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--plan", required=True)
-    parser.add_argument("--profile", required=True)
+    parser.add_argument(input_option, required=True)
     parser.add_argument("--dataset", default="../shared/data/haystack")
-    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=prompts)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
     decoder = load_decoder(args.plan)
+    return args, decoder, build_prompts(args.dataset, decoder.tokenizer, decoder.plan.settings["context"],
+                                        args.prompts)
+
+
+def main() -> None:
+    args, decoder, long_prompts = plan_with_prompts(__doc__, "--profile", 2)
     profile = load_profile(args.profile)
-    context = decoder.plan.settings["context"]
-    prompts = [p.ids for p in build_prompts(args.dataset, decoder.tokenizer, context, args.prompts)]
+    prompts = [p.ids for p in long_prompts]
     runs = {"triforce": decoder.engine,
             "one token": SpeculativeEngine(decoder.lean_target, None, decoder.engine.stop_ids)}
     for name, engine in runs.items():

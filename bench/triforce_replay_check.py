@@ -12,11 +12,9 @@ the replay's tokens/step prediction goes wrong.
 
 from __future__ import annotations
 
-import argparse
+from triforce_breakdown import plan_with_prompts  # bench/ is on the path of a script run from it
 
-from decoder.api import load_decoder
 from decoder.sampling import SamplingParams
-from profiler.haystack import build_prompts
 from specplan.acceptance_schema import load_triforce_acceptance
 
 
@@ -39,14 +37,7 @@ def replayed_steps(middle: list[int], bottom: list[int], gamma1: int, gamma2: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", required=True)
-    parser.add_argument("--acceptance", required=True)
-    parser.add_argument("--dataset", default="../shared/data/haystack")
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    args = parser.parse_args()
-    decoder = load_decoder(args.plan)
+    args, decoder, prompts = plan_with_prompts(__doc__, "--acceptance", 4)
     s = decoder.plan.settings
     if s["bottom"] == "none" or decoder.plan.sampling.get("temperature", 0.0) != 0.0:
         raise SystemExit("needs a greedy plan with a bottom drafter")
@@ -63,7 +54,6 @@ def main() -> None:
         update(tree, accepted, next_token)
 
     drafter.update = recording_update
-    prompts = build_prompts(args.dataset, decoder.tokenizer, s["context"], args.prompts)
     for prompt, trace in zip(prompts, entry["traces"]):
         chains.clear()
         result = decoder.engine.generate(prompt.ids, args.max_new_tokens, SamplingParams())
