@@ -158,13 +158,15 @@ class SequoiaDrafter(Drafter):
 class TrieDrafter(Drafter):
     """Lookahead: drafts retrieved from a token trie of the prompt and of the output so far. The trie lives
     across requests (outputs of earlier requests keep helping); a request's prompt branches leave with it.
-    `sequence[:length]` holds the committed tokens before the current root, which `propose` writes after them."""
+    `sequence[:length]` holds the committed tokens before the current root, which `propose` writes after them;
+    the windows of `sequence[:counted]` are in the trie: the text so far and the root."""
 
     def __init__(self, trie: Trie) -> None:
         self.trie = trie
         self.max_tree_size = trie.settings.decoding_length
         self.sequence = np.zeros(0, dtype=np.int64)
         self.length = 0
+        self.counted = 0
         self.live_request = False
 
     def reset(self, prompt, max_len):
@@ -174,23 +176,27 @@ class TrieDrafter(Drafter):
         self.sequence[:len(prompt)] = prompt
         self.length = len(prompt) - 1
         self.trie.insert(self.sequence, 0, len(prompt), from_prompt=True)
+        self.counted = len(prompt)
         self.live_request = True
 
     def propose(self, root, params, draw, generator):
         self.sequence[self.length] = root
+        if self.counted == self.length:  # a root the top level of a hierarchy chose: it enters the trie now
+            self.trie.insert(self.sequence, self.length, self.length + 1)
+            self.counted += 1
         tokens, parents = self.trie.retrieve(self.sequence, self.length + 1)
         return DraftTree(tokens.tolist(), parents.tolist())
 
     def update(self, tree, accepted, next_token):
-        root_at = self.length
         self._commit([tree.tokens[v] for v in accepted])
-        # Emitted tokens enter the trie at once, the next root included: this is what the offline replay
-        # of planner/lookahead.py does, so that replay stays exact.
+        # Emitted tokens enter the trie at once, the next root included: this is what the offline replays
+        # of planner/lookahead.py and `plan accept triforce` do, so that they stay exact.
         end = self.length
         if next_token is not None:
             self.sequence[end] = next_token
             end += 1
-        self.trie.insert(self.sequence, root_at + 1, end)
+        self.trie.insert(self.sequence, self.counted, end)
+        self.counted = end
 
     def extend(self, tokens):
         # Only a hierarchy calls this, re-committing chain tokens whose windows its rounds already counted.
@@ -204,5 +210,7 @@ class TrieDrafter(Drafter):
         self.length += len(tokens)
 
     def rollback(self, count):
-        # The trie keeps the counts of the withdrawn tokens: they only shape future drafts, never the output.
+        # The withdrawn tokens, and the rejected root after them, leave the trie: it holds the text alone.
         self.length -= count
+        self.trie.withdraw(self.sequence, self.length, self.counted)
+        self.counted = self.length

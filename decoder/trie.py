@@ -50,6 +50,18 @@ class TrieSettings:
         return self
 
 
+def accepted_run(draft_tokens: np.ndarray, draft_parents: np.ndarray, wanted: np.ndarray) -> int:
+    """Draft tokens a greedy verifier accepts when it picks `wanted` in turn: follow the children holding them."""
+    node, accepted = 0, 0
+    while accepted < len(wanted):
+        child = next((c for c in range(node + 1, len(draft_tokens))
+                      if draft_parents[c] == node and draft_tokens[c] == wanted[accepted]), None)
+        if child is None:
+            break
+        node, accepted = child, accepted + 1
+    return accepted
+
+
 @njit(cache=True)
 def _key(parent: int, token: int) -> int:
     return parent * 4294967296 + token
@@ -80,9 +92,10 @@ def _add_child(state, children, parent: int, token: int) -> int:
 
 
 @njit(cache=True)
-def _extend_windows(state, children, sequence, old_length, new_length, window, from_prompt):
-    """Count the windows of sequence[:new_length] that gained tokens since old_length (the arrays must have
-    room for (new_length - old_length + window) * window new nodes)."""
+def _count_windows(state, children, sequence, old_length, new_length, window, from_prompt, delta):
+    """Add `delta` to the counts of the windows of sequence[:new_length] that gained tokens since old_length
+    (the arrays must have room for (new_length - old_length + window) * window new nodes). A negative delta
+    withdraws an earlier insertion of the same tokens: it creates no nodes and stops at pruned ones."""
     counts = state[5] if from_prompt else state[4]
     for start in range(max(0, old_length - window + 1), new_length):
         node = 0
@@ -92,10 +105,12 @@ def _extend_windows(state, children, sequence, old_length, new_length, window, f
             token = sequence[position]
             nxt = _child(children, node, token)
             if nxt == _EMPTY:
+                if delta < 0:
+                    break
                 nxt = _add_child(state, children, node, token)
             node = nxt
             if position >= done:
-                counts[node] += 1.0
+                counts[node] = max(counts[node] + delta, 0.0)
 
 
 @njit(cache=True)
@@ -237,11 +252,17 @@ class Trie:
         needed = (new_length - max(0, old_length - window + 1)) * window
         if len(self.state[0]) - self.size < needed:
             self._rebuild(np.ones(self.size, dtype=bool), room=needed)
-        _extend_windows(self.state, self.children, sequence, old_length, new_length, window, from_prompt)
+        _count_windows(self.state, self.children, sequence, old_length, new_length, window, from_prompt, 1.0)
         if from_prompt:
             self.prompt_floor = self.size
         elif self.size > self.prompt_floor + self.settings.capacity:
             self.prune()
+
+    def withdraw(self, sequence: np.ndarray, old_length: int, new_length: int) -> None:
+        """Undo `insert(sequence, old_length, new_length)` of output tokens that turned out not to be the text
+        (a hierarchy's bottom follows its middle level's tokens before the top verifies them)."""
+        _count_windows(self.state, self.children, sequence, old_length, new_length, self.settings.window, False,
+                       -1.0)
 
     def retrieve(self, sequence: np.ndarray, length: int, decoding_length: int | None = None,
                  branch_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from decoder.trie import Trie, TrieSettings
+from decoder.trie import Trie, TrieSettings, accepted_run
 from specplan.acceptance_schema import load_lookahead_acceptance
 from specplan.errors import UserError
 from specplan.plan_schema import Plan
@@ -65,7 +65,7 @@ def replay(records: list, settings: TrieSettings) -> ReplayResult:
         trie.insert(sequence, 0, position, from_prompt=True)
         while position < end:
             draft_tokens, draft_parents = trie.retrieve(sequence, position)
-            accepted = _longest_match(draft_tokens, draft_parents, sequence, position, end)
+            accepted = accepted_run(draft_tokens, draft_parents, sequence[position:end])
             emitted = min(accepted + 1, end - position)
             sizes.append(len(draft_tokens))
             contexts.append(position - 1)
@@ -76,20 +76,6 @@ def replay(records: list, settings: TrieSettings) -> ReplayResult:
             steps += 1
     return ReplayResult(settings.decoding_length, settings.branch_length, tokens, steps, np.array(sizes),
                         np.array(contexts), np.array(emitted_per_step))
-
-
-def _longest_match(draft_tokens: np.ndarray, draft_parents: np.ndarray, sequence: np.ndarray, position: int,
-                   end: int) -> int:
-    """Draft tokens accepted by greedy verification: follow the children that hold the true next tokens."""
-    node, accepted = 0, 0
-    while position + accepted < end:
-        wanted = sequence[position + accepted]
-        child = next((c for c in range(node + 1, len(draft_tokens))
-                      if draft_parents[c] == node and draft_tokens[c] == wanted), None)
-        if child is None:
-            break
-        node, accepted = child, accepted + 1
-    return accepted
 
 
 def predicted_speedup(result: ReplayResult, profile: LatencyProfile) -> tuple[float, float]:

@@ -43,6 +43,35 @@ def test_incremental_insertion_counts_every_window_once():
     assert trie_counts(trie, prompt=False) == reference_counts(list(sequence), 6)
 
 
+def test_a_hierarchy_bottom_trie_holds_the_text_alone():
+    """As a hierarchy's bottom, the trie drafter follows its middle level's tokens before the top verifies
+    them: those the top rejects leave the trie, and the top's own tokens enter it, so that it ends as a trie
+    fed the text alone (what `plan accept triforce` measures its runs with)."""
+    from decoder.drafters import TrieDrafter
+    from decoder.sampling import SamplingParams
+    from decoder.tree import DETERMINISTIC
+
+    prompt, settings = [1, 2, 3, 4, 1, 2, 3, 5], TrieSettings(decoding_length=4, branch_length=3, window=5)
+
+    def middle_rounds(drafter: TrieDrafter, root: int, tokens: list[int]) -> None:
+        for token in tokens:
+            drafter.update(drafter.propose(root, SamplingParams(), DETERMINISTIC, None), [0], token)
+            root = token
+
+    bottom = TrieDrafter(Trie(settings))
+    bottom.reset(prompt, 64)
+    middle_rounds(bottom, 5, [4, 7, 8])  # the chain 5 4 7 8; the top keeps 4 and corrects 7 to 1
+    bottom.rollback(1)
+    middle_rounds(bottom, 1, [2, 9])  # the chain 1 2 9, all kept, and the top's bonus token 3
+    bottom.extend([9])
+    bottom.propose(3, SamplingParams(), DETERMINISTIC, None)
+    text = TrieDrafter(Trie(settings))
+    text.reset(prompt, 64)
+    middle_rounds(text, 5, [4, 1, 2, 9, 3])
+    counts = trie_counts(bottom.trie, prompt=False)
+    assert counts == trie_counts(text.trie, prompt=False) and not any(7 in path for path in counts)
+
+
 def test_retrieval_continues_the_matched_context():
     trie = Trie(TrieSettings(decoding_length=8, branch_length=4, window=8, max_prefix=3, capacity=10**6))
     prompt = np.array([5, 6, 7, 8, 9, 10, 5, 6, 7, 11, 12, 0, 0, 0], dtype=np.int64)
