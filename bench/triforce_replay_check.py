@@ -1,7 +1,7 @@
 """A greedy TriForce plan's steps, decoded, against the step path its acceptance traces replay.
 
 At T = 0 the traces are 0/1, so the planner's replay is one deterministic path: from position p, middle
-rounds of 1 + (the bottom's run of accepted drafts, at most gamma1) tokens until the chain holds gamma2,
+rounds of 1 + (the bottom's recorded run of accepted drafts for gamma1) tokens until the chain holds gamma2,
 then the top keeps the chain up to the middle level's first miss plus one token. This prints, per prompt,
 (chain, emitted) for every step of the decoder and of that path, and the first step where they part: where
 the replay's tokens/step prediction goes wrong.
@@ -18,14 +18,23 @@ from decoder.sampling import SamplingParams
 from specplan.acceptance_schema import load_triforce_acceptance
 
 
-def replayed_steps(middle: list[int], bottom: list[int], gamma1: int, gamma2: int) -> list[tuple[int, int]]:
+def first_proposal_runs(bottom: list[int], gamma1: int) -> list[int]:
+    """An older acceptance file's runs: the 0/1 first-proposal trace, up to gamma1 ones in a row."""
+    runs = []
+    for q in range(len(bottom)):
+        run = 0
+        while run < gamma1 and q + run < len(bottom) and bottom[q + run]:
+            run += 1
+        runs.append(run)
+    return runs
+
+
+def replayed_steps(middle: list[int], runs: list[int], gamma2: int) -> list[tuple[int, int]]:
     steps, p = [], 0
     while p < len(middle):
         chain, q = 0, p
         while chain < gamma2:
-            run = 0
-            while run < gamma1 and q + run < len(bottom) and bottom[q + run]:
-                run += 1
+            run = runs[q] if q < len(runs) else 0
             chain += run + 1
             q += run + 1
         kept = 0
@@ -58,8 +67,9 @@ def main() -> None:
         chains.clear()
         result = decoder.engine.generate(prompt.ids, args.max_new_tokens, SamplingParams())
         decoded = list(zip(chains, result.accepted_per_step))
-        replayed = replayed_steps([int(v) for v in trace["middle"]], [int(v) for v in trace["bottom"]],
-                                  s["gamma1"], s["gamma2"])
+        runs = trace["bottom_runs"][s["gamma1"] - 1].tolist() if "bottom_runs" in trace else \
+            first_proposal_runs([int(v) for v in trace["bottom"]], s["gamma1"])
+        replayed = replayed_steps([int(v) for v in trace["middle"]], runs, s["gamma2"])
         parted = next((i for i, (a, b) in enumerate(zip(decoded, replayed)) if a != b),
                       None if len(decoded) == len(replayed) else min(len(decoded), len(replayed)))
         print(f"{prompt.id}: {len(result.tokens)} tokens, decoder {len(decoded)} steps, replay {len(replayed)} "

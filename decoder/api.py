@@ -152,7 +152,7 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
 
 def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, draft_name: str | None,
                       draft_dtype: str, verify: str | None, log: Callable[[str], None], device: str) -> Decoder:
-    from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
+    from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter, bottom_trie_settings
 
     settings = plan.settings
     retrieval = RetrievalSettings(settings["budget"], settings["chunk"], settings["stride"],
@@ -168,10 +168,8 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, d
         lean_draft = lean_model(draft_model, device)
 
     def bottom() -> Drafter:
-        if settings["bottom"] == "trie":  # drafts of at most gamma1 tokens below the root, as the model assumes
-            gamma1 = settings["gamma1"]
-            return TrieDrafter(Trie(TrieSettings(decoding_length=gamma1 + 1, branch_length=gamma1,
-                                                 window=gamma1 + 4)))
+        if settings["bottom"] == "trie":
+            return TrieDrafter(Trie(bottom_trie_settings(settings["gamma1"])))
         if settings["bottom"] == "model":
             return StreamingDrafter(lean_draft, settings["gamma1"], settings["sinks"], settings["window"])
         return NoDrafter()

@@ -27,8 +27,14 @@ from decoder.drafters import Drafter, choose_children
 from decoder.model import KVCache, LeanModel, causal_mask
 from decoder.sampling import probabilities
 from decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
+from decoder.trie import TrieSettings
 from decoder.verify import choose_rule
 from specplan.errors import UserError
+
+
+def bottom_trie_settings(gamma1: int) -> TrieSettings:
+    """A trie bottom's drafts: at most gamma1 tokens below the root, as the planner's model assumes."""
+    return TrieSettings(decoding_length=gamma1 + 1, branch_length=gamma1, window=gamma1 + 4)
 
 
 def chain_tree(tokens: list[int], draw: str = DETERMINISTIC) -> DraftTree:

@@ -26,8 +26,10 @@ runs, and a needle answer ends after twenty tokens. When the acceptance file hol
 middle's and the bottom's acceptance at each position p of the target's own continuation, which ends at a
 stop token), the planner replays them instead, backwards over the positions of each continuation:
 
-    rounds(p), n(p): middle rounds from p, each yielding 1 + sum_{j=1..gamma1} prod_{i<j} b[q + i] tokens from
-                     its start q, until the chain holds n(p) >= gamma2 tokens;
+    rounds(p), n(p): middle rounds from p, each yielding 1 + r(q) tokens from its start q, until the chain
+                     holds n(p) >= gamma2 tokens; r(q) is the bottom's accepted run there: recorded per gamma1
+                     for a trie at T = 0 (the decoder's trie drafts and the middle's greedy walk), else
+                     sum_{j=1..gamma1} prod_{i<j} b[q + i];
     P_j(p)         = prod_{i<j} a[p + i] * (1 - a[p + j]) for j < n(p), prod_{i<n(p)} a[p + i] for j = n(p):
                      the probability that the top accepts exactly j of the chain (0/1 traces at T = 0);
     time(p)        = rounds(p) * (gamma1 * c_b + t(gamma1 + 1, B + s)) + t(n(p) + 1, L + p)
@@ -47,13 +49,13 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS, load_triforce_acceptance
+from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1, load_triforce_acceptance
 from specplan.errors import UserError
 from specplan.plan_schema import Plan
 from specplan.profile_schema import LatencyProfile, load_profile
 from specplan.provenance import provenance
 
-GAMMA1 = tuple(range(1, 9))
+GAMMA1 = TRIFORCE_GAMMA1
 GAMMA2 = tuple(range(1, 17))
 TRIE_SECONDS_PER_DRAFT = 2e-4  # one retrieval plus insertion (bench/trie.py measures it)
 
@@ -115,8 +117,9 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: 
         if length not in top_costs:
             top_costs[length] = _top_costs(profile, context, length)
         table = top_costs[length]
-        trace_seconds, trace_steps, mean_chain = _replay_trace(trace["middle"], trace["bottom"], gamma1, gamma2,
-                                                               round_cost, table)
+        runs = trace["bottom_runs"][gamma1 - 1] if "bottom_runs" in trace and gamma1 else NO_RUNS
+        trace_seconds, trace_steps, mean_chain = _replay_trace(trace["middle"], trace["bottom"], runs, gamma1,
+                                                               gamma2, round_cost, table)
         tokens += length
         steps += trace_steps
         seconds += trace_seconds
@@ -138,13 +141,18 @@ def _top_costs(profile: LatencyProfile, context: int, length: int) -> np.ndarray
     return table
 
 
+NO_RUNS = np.zeros(0, dtype=np.int64)
+
+
 @njit(cache=True)
-def _replay_trace(middle: np.ndarray, bottom: np.ndarray, gamma1: int, gamma2: int, round_cost: float,
-                  top_costs: np.ndarray) -> tuple[float, float, float]:
-    """Expected (seconds, steps) to emit one continuation, and its mean chain length (see the docstring)."""
+def _replay_trace(middle: np.ndarray, bottom: np.ndarray, runs: np.ndarray, gamma1: int, gamma2: int,
+                  round_cost: float, top_costs: np.ndarray) -> tuple[float, float, float]:
+    """Expected (seconds, steps) to emit one continuation, and its mean chain length (see the docstring).
+    `runs` is empty where the bottom's runs come from its per-position acceptances `bottom`."""
     length = len(middle)
     largest = top_costs.shape[0] - 1
     bottom_mean = bottom.mean()
+    run_mean = runs.mean() if len(runs) else 0.0
     seconds = np.zeros(length + 1)
     steps = np.zeros(length + 1)
     chain_sum = 0.0
@@ -155,10 +163,14 @@ def _replay_trace(middle: np.ndarray, bottom: np.ndarray, gamma1: int, gamma2: i
             rounds, collected, start = 0, 0.0, float(p)
             while collected < gamma2:
                 run, per_round = 1.0, 1.0
-                for j in range(gamma1):
-                    q = int(start) + j
-                    run *= bottom[q] if q < length else bottom_mean
-                    per_round += run
+                if len(runs):
+                    q = int(start)
+                    per_round += runs[q] if q < length else run_mean
+                else:
+                    for j in range(gamma1):
+                        q = int(start) + j
+                        run *= bottom[q] if q < length else bottom_mean
+                        per_round += run
                 collected += per_round
                 start += per_round
                 rounds += 1
@@ -230,8 +242,9 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
                   "middle_acceptance": best.middle_acceptance, "bottom_acceptance": best.bottom_acceptance,
                   "latency_source": profile.source}
     decoded_with = acceptance.extra.get("decoded_with")
-    if decoded_with and acceptance.extra.get("dtype") != "fp32":
-        # Outside fp32 the text depends on the forward's size: the replay is exact for the decoding settings only.
+    if decoded_with:
+        # The middle level was measured in the decoded plan's steps (and outside fp32 the text depends on the
+        # forward's size too): the replay is exact for the decoding settings only.
         prediction["replay_exact"] = all(decoded_with.get(key) == settings[key] for key in TRIFORCE_DECODED_SETTINGS)
     plan = Plan(
         method="triforce",

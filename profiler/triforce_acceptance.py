@@ -2,13 +2,20 @@
 
 For each long prompt, the target (full cache) generates its own continuation. Then, for every (budget,
 chunk, stride) on the grid, the middle level (the target over a retrieval cache built at the end of prefill
-from the last prompt token's query) is run over that continuation in segments of `segment` tokens, teacher
-forced, with the segment's tokens written over the lowest-ranked slots afterwards and rebuilds every `stride`
-tokens, as the decoder does. Per position, the middle level's acceptance is 1[argmax p_hat = argmax p] at
-T = 0 and sum_x min(p, p_hat) otherwise; the bottom drafter's acceptance against the middle level is measured
-the same way (the trie's first proposal, or the draft model over a StreamingLLM cache). The continuation
-ends at a stop token, as decoding does. Each entry keeps the means and, per prompt, both per-position traces,
-which `plan solve triforce` replays.
+from the last prompt token's query) is run over that continuation in segments of `segment` tokens (or in
+the steps of the plan it was decoded with), teacher forced, with the segment's tokens written over the
+lowest-ranked slots afterwards and rebuilds every `stride` tokens, as the decoder does. Per position, the
+middle level's acceptance is 1[argmax p_hat = argmax p] at T = 0 and sum_x min(p, p_hat) otherwise; the
+bottom drafter's acceptance against the middle level is measured the same way (the trie's first proposal, or
+the draft model over a StreamingLLM cache). The continuation ends at a stop token, as decoding does. Each
+entry keeps the means and, per prompt, both per-position traces, which `plan solve triforce` replays.
+
+A trie bottom at T = 0 also records, for every gamma1 the planner searches, its accepted run at each position:
+the decoder's own TrieDrafter with the plan's trie settings for that gamma1 (living across the prompts of a
+context, as in `plan bench`) proposes a tree there, and the middle level's greedy walk through it follows the
+middle's argmax rows, stopping after a token off the text (the rows beyond it were computed on the text). A
+first-proposal trace cannot stand in for it: the decoder's tree per gamma1 accepts runs of other lengths,
+and one step whose chain is a token shorter shifts every later step of a greedy replay.
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decoder.drafters import TrieDrafter
 from decoder.model import LeanModel, causal_mask
 from decoder.sampling import SamplingParams, probabilities, sample
-from decoder.trie import Trie, TrieSettings
-from decoder.triforce import RetrievalCache, RetrievalSettings
+from decoder.tree import DETERMINISTIC
+from decoder.trie import Trie, TrieSettings, accepted_run
+from decoder.triforce import RetrievalCache, RetrievalSettings, bottom_trie_settings
 from profiler.haystack import LongPrompt
-from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS
+from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1
 
 
 @dataclass(frozen=True)
@@ -47,15 +56,16 @@ def _agreement(upper: torch.Tensor, lower: torch.Tensor, params: SamplingParams)
 def _continuation(target: LeanModel, prompt: list[int], max_new_tokens: int, params: SamplingParams,
                   generator: torch.Generator, stop_ids: set[int], given: list[int] | None = None):
     """The target's own continuation with its full cache, up to and including a stop token, or the `given`
-    one (teacher forced): (full cache, the target's logits per new token, tokens, query)."""
+    one (teacher forced): (full cache, the target's logits per new token, tokens, the target's query per
+    root: row k for the token at position len(prompt) - 1 + k, as a decoder's rebuild would score with)."""
     steps = max_new_tokens if given is None else len(given)
     full = target.new_cache(len(prompt) + steps + 1)
     target.prefill(torch.tensor(prompt[:-1]), full, logits=False)
-    query = torch.zeros(target.shape.layers, target.shape.heads, target.shape.head_dim, dtype=target.dtype)
+    queries = torch.zeros(steps, target.shape.layers, target.shape.heads, target.shape.head_dim, dtype=target.dtype)
     root, rows, tokens = prompt[-1], [], []
     for step in range(steps):
         logits = target.forward(torch.tensor([root]), torch.tensor([full.length]), full, None,
-                                queries=query if step == 0 else None, query_row=0)[0]
+                                queries=queries[step], query_row=0)[0]
         full.commit(None, 1)
         rows.append(logits.float())
         if given is not None:
@@ -67,30 +77,34 @@ def _continuation(target: LeanModel, prompt: list[int], max_new_tokens: int, par
         tokens.append(root)
         if given is None and root in stop_ids:
             break
-    return full, torch.stack(rows), tokens, query
+    return full, torch.stack(rows), tokens, queries[:len(tokens)]
 
 
 @torch.inference_mode()
-def _middle_logits(target: LeanModel, full, prompt_length: int, sequence: list[int], query: torch.Tensor,
-                   settings: RetrievalSettings, segment: int) -> torch.Tensor:
-    """Teacher-forced middle-level logits for every continuation token (row i predicts continuation[i])."""
-    retrieval = RetrievalCache(target, settings, scratch=segment + 1)
+def _middle_logits(target: LeanModel, full, prompt_length: int, sequence: list[int], queries: torch.Tensor,
+                   settings: RetrievalSettings, segments: list[int]) -> torch.Tensor:
+    """Teacher-forced middle-level logits for every continuation token (row i predicts continuation[i]), in
+    `segments` (a decoder's steps: each is forwarded over the cache, then written into it). Rebuilds score
+    with the target's query of the segment's first token: a decoder's step root."""
+    retrieval = RetrievalCache(target, settings, scratch=max(segments) + 1)
     committed = full.length
     full.length = prompt_length - 1
-    retrieval.build(full, query)
-    latest = torch.zeros_like(query)
+    retrieval.build(full, queries[0])
     rows = []
     end = len(sequence) - 1  # the last continuation token predicts nothing we score
-    for start in range(prompt_length - 1, end, segment):
+    start = prompt_length - 1
+    for segment in segments:
+        if start >= end:
+            break
         piece = sequence[start:min(start + segment, end)]
         n = len(piece)
         cache = retrieval.cache
         mask = causal_mask(cache.length, n, target.dtype, target.device) if n > 1 else None
-        rows.append(target.forward(torch.tensor(piece), torch.arange(start, start + n), cache, mask,
-                                   queries=latest, query_row=n - 1).float())
+        rows.append(target.forward(torch.tensor(piece), torch.arange(start, start + n), cache, mask).float())
         full.length = start + n
         if not retrieval.insert(full, start, start + n):
-            retrieval.build(full, latest)
+            retrieval.build(full, queries[start - (prompt_length - 1)])
+        start += n
     full.length = committed
     return torch.cat(rows)
 
@@ -127,26 +141,61 @@ def _bottom_logits_or_tokens(bottom: BottomSpec, sequence: list[int], prompt_len
                          causal_mask(cache.length, n, model.dtype, model.device)).float()
 
 
+def _trie_drafts(drafters: dict[int, TrieDrafter], prompt: list[int], continuation: list[int]
+                ) -> dict[int, list[tuple[np.ndarray, np.ndarray]]]:
+    """Per gamma1, the (tokens, parents) tree its decoder-side trie drafter proposes at each continuation
+    position, fed the continuation one token at a time."""
+    drafts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for gamma1, drafter in drafters.items():
+        drafter.reset(prompt, len(prompt) + len(continuation) + 1)
+        trees, root = [], prompt[-1]
+        for token in continuation:
+            tree = drafter.propose(root, SamplingParams(), DETERMINISTIC, None)
+            trees.append((np.array(tree.tokens), np.array(tree.parents)))
+            drafter.update(tree, [0], token)
+            root = token
+        drafts[gamma1] = trees
+    return drafts
+
+
+def _trie_runs(drafts: list[tuple[np.ndarray, np.ndarray]], middle_choice: np.ndarray,
+               continuation: np.ndarray) -> str:
+    """The middle level's greedy walk through each position's tree, as one digit per position."""
+    length = len(middle_choice)
+    next_miss = np.full(length + 1, length)
+    for i in range(length - 1, -1, -1):
+        next_miss[i] = i if middle_choice[i] != continuation[i] else next_miss[i + 1]
+    runs = [min(accepted_run(tokens, parents, middle_choice[i:]), next_miss[i] - i + 1)
+            for i, (tokens, parents) in enumerate(drafts[:length])]
+    return "".join(str(run) for run in runs)
+
+
 def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tuple[int, int, int]],
                      bottom: BottomSpec, max_new_tokens: int, params: SamplingParams, stop_ids: set[int],
                      segment: int = 8, seed: int = 0, log: Callable[[str], None] = print,
-                     decode: Callable[[list[int]], list[int]] | None = None) -> list[dict]:
+                     decode: Callable[[list[int]], tuple[list[int], list[int]]] | None = None) -> list[dict]:
     """Acceptance entries per (context, budget, chunk, stride). With `decode` (greedy only), the continuation
-    is the one it returns for a prompt instead of the target's one-token greedy text."""
+    is the one it returns for a prompt instead of the target's one-token greedy text, and the middle level
+    runs in the steps it returns (tokens emitted per step) instead of segments of `segment` tokens."""
     generator = torch.Generator().manual_seed(seed)
-    samples: dict[tuple, dict[str, list[np.ndarray]]] = {}
+    samples: dict[tuple, dict[str, list]] = {}
+    trie_runs = bottom.kind == "trie" and params.greedy
+    drafters = {gamma1: TrieDrafter(Trie(bottom_trie_settings(gamma1))) for gamma1 in TRIFORCE_GAMMA1} \
+        if trie_runs else {}
     for prompt in prompts:
         started = time.perf_counter()
-        given = decode(prompt.ids) if decode is not None else None
-        full, target_rows, continuation, query = _continuation(target, prompt.ids, max_new_tokens, params, generator,
-                                                               stop_ids, given)
+        given, steps = decode(prompt.ids) if decode is not None else (None, None)
+        full, target_rows, continuation, queries = _continuation(target, prompt.ids, max_new_tokens, params,
+                                                                 generator, stop_ids, given)
         sequence = prompt.ids + continuation
+        segments = steps or [segment] * len(continuation)
         bottom_out = _bottom_logits_or_tokens(bottom, sequence, len(prompt.ids)) if bottom.kind != "none" else None
+        drafts = _trie_drafts(drafters, prompt.ids, continuation) if trie_runs else {}
         for budget, chunk, stride in grid:
             settings = RetrievalSettings(budget, chunk, stride).check(len(prompt.ids))
-            middle = _middle_logits(target, full, len(prompt.ids), sequence, query, settings, segment)
+            middle = _middle_logits(target, full, len(prompt.ids), sequence, queries, settings, segments)
             key = (prompt.context, budget, chunk, stride)
-            entry = samples.setdefault(key, {"middle": [], "bottom": []})
+            entry = samples.setdefault(key, {"middle": [], "bottom": [], "bottom_runs": []})
             if params.greedy:  # the top emits the continuation's tokens: row i of middle predicts continuation[i]
                 entry["middle"].append((middle.argmax(-1) == torch.tensor(continuation)).double().numpy())
             else:
@@ -155,6 +204,9 @@ def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tu
                 entry["bottom"].append(np.ones(len(middle)))
                 continue
             if bottom.kind == "trie":
+                if trie_runs:
+                    choice, text = middle.argmax(-1).numpy(), np.array(continuation)
+                    entry["bottom_runs"].append([_trie_runs(drafts[gamma1], choice, text) for gamma1 in drafters])
                 proposals = torch.tensor(bottom_out[:len(middle)])
                 if params.greedy:
                     agree = (middle.argmax(-1) == proposals).double().numpy()
@@ -173,6 +225,8 @@ def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tu
         bottom_values = np.concatenate(values["bottom"])
         traces = [{"middle": _trace(m, params), "bottom": _trace(b, params)}
                   for m, b in zip(values["middle"], values["bottom"])]
+        for trace, runs in zip(traces, values["bottom_runs"]):
+            trace["bottom_runs"] = runs
         entries.append({"context": context, "budget": budget, "chunk": chunk, "stride": stride,
                         "middle": float(middle.mean()), "bottom": float(bottom_values.mean()),
                         "middle_stderr": _stderr(middle), "bottom_stderr": _stderr(bottom_values),
@@ -195,7 +249,9 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
                             log: Callable[[str], None] = print, decode_with: str | None = None) -> dict:
     """With `decode_with` (a greedy TriForce plan), the continuations are that plan's decoded outputs: outside
     fp32 the text depends on the forward's size, and a replay over the target's one-token text predicts
-    another text than the plan emits. The prompts are decoded as `plan bench` does (in order, one decoder)."""
+    another text than the plan emits. The middle level then runs in the plan's own steps, so that its cache
+    holds what the decoder's held at each position. The prompts are decoded as `plan bench` does (in order,
+    one decoder)."""
     from decoder.api import check_same_vocabulary, load_decoder, stop_token_ids
     from profiler.haystack import build_prompts
     from specplan.acceptance_schema import TriForceAcceptance
@@ -227,8 +283,9 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
         bottom = BottomSpec("model", LeanModel(draft.model), sinks, window)
     lean = decoder.lean_target if decoder is not None else LeanModel(target.model)
 
-    def decode(ids: list[int]) -> list[int]:
-        return decoder.engine.generate(ids, max_new_tokens, SamplingParams()).tokens
+    def decode(ids: list[int]) -> tuple[list[int], list[int]]:
+        result = decoder.engine.generate(ids, max_new_tokens, SamplingParams())
+        return result.tokens, result.accepted_per_step
 
     started = time.perf_counter()
     entries = []

@@ -131,6 +131,7 @@ def load_lookahead_acceptance(path: str | os.PathLike) -> LookaheadAcceptance:
 
 TRIFORCE_ENTRY_FIELDS = ("context", "budget", "chunk", "stride")
 TRIFORCE_DECODED_SETTINGS = ("gamma1", "gamma2", "budget", "chunk", "stride")  # a plan's, in `decoded_with`
+TRIFORCE_GAMMA1 = tuple(range(1, 9))  # gamma1 values the planner searches; a trie's runs are recorded for each
 
 
 @dataclass
@@ -171,7 +172,8 @@ class TriForceAcceptance:
 
 
 def _traces(entry: Fields) -> list[dict[str, np.ndarray]]:
-    """Per prompt, the middle and bottom acceptances at each continuation position (optional)."""
+    """Per prompt, the middle and bottom acceptances at each continuation position (optional), and for a trie
+    bottom at T = 0 its accepted runs: one string per gamma1 in TRIFORCE_GAMMA1, one digit per position."""
     raw = entry.data.get("traces")
     if raw is None:
         return []
@@ -183,7 +185,16 @@ def _traces(entry: Fields) -> list[dict[str, np.ndarray]]:
         middle, bottom = (t.number_list(key, low=0.0, high=1.0) for key in ("middle", "bottom"))
         if not middle or len(middle) != len(bottom):
             raise t.fail("'middle' and 'bottom' must be non-empty and of equal length")
-        traces.append({"middle": np.array(middle), "bottom": np.array(bottom)})
+        trace = {"middle": np.array(middle), "bottom": np.array(bottom)}
+        runs = t.data.get("bottom_runs")
+        if runs is not None:
+            if not (isinstance(runs, list) and len(runs) == len(TRIFORCE_GAMMA1) and all(
+                    isinstance(r, str) and len(r) == len(middle) and all("0" <= c <= str(gamma1) for c in r)
+                    for gamma1, r in zip(TRIFORCE_GAMMA1, runs))):
+                raise t.fail(f"'bottom_runs' must hold {len(TRIFORCE_GAMMA1)} strings of one digit per position, "
+                             "none above its gamma1")
+            trace["bottom_runs"] = np.array([[int(c) for c in r] for r in runs], dtype=np.int64)
+        traces.append(trace)
     return traces
 
 

@@ -201,9 +201,8 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
 
 def _note_inexact_replay(plan: Plan) -> None:
     if plan.prediction.get("replay_exact") is False:
-        click.echo("note: the outputs were decoded with other settings, and in this dtype the text depends on the "
-                   f"forward's size: decode them with this plan (plan accept {plan.method} --decode-with) and solve "
-                   "again for an exact replay", err=True)
+        click.echo("note: the acceptance was measured decoding with other settings than these: decode with this "
+                   f"plan (plan accept {plan.method} --decode-with) and solve again for an exact replay", err=True)
 
 
 @accept.command("triforce")

@@ -210,9 +210,45 @@ def test_triforce_trace_replay_by_hand():
     assert c.step_seconds == pytest.approx(2 * 0.001 + 0.013 + 0.056)
 
 
+def test_triforce_replays_recorded_trie_runs_by_hand():
+    """gamma1 = 2, gamma2 = 3, the middle right everywhere, the trie's recorded runs 2 0 1 0 1 0 (its first
+    proposals, all wrong, would give one token per round): at 0 one round of 1 + 2 tokens, the top keeps the
+    chain and a bonus token; at 4 rounds of 1 + 1 and 1 + 4/6 (the mean run past the end), a chain of 4."""
+    from planner.triforce import evaluate_traces
+    from specplan.profile_schema import LatencyProfile
+
+    profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
+    runs = np.zeros((8, 6), dtype=np.int64)
+    runs[1] = [2, 0, 1, 0, 1, 0]
+    entry = {**TRIFORCE_ACCEPTANCE["entries"][0],
+             "traces": [{"middle": np.ones(6), "bottom": np.zeros(6), "bottom_runs": runs}]}
+    c = evaluate_traces(profile, 4096, entry, gamma1=2, gamma2=3, bottom_seconds=0.001, top_costs={})
+    round_cost = 2 * 0.001 + 0.013  # t(3, 264)
+    assert c.tokens_per_step == pytest.approx(3.0)
+    assert c.step_seconds == pytest.approx((round_cost + 0.056 + 2 * round_cost + 0.060) / 2)  # t(4), t(5) at 4096
+
+
+def test_trie_runs_follow_the_middle_and_stop_off_the_text():
+    """Trees: at 0 the chain 5 6 7; at 1 the branches 6 and 9 7; at 2 nothing. Where the middle picks the text
+    5 6 7, the walks take 5 6 7, then 6 (7 hangs under 9), then nothing. Where it picks 5 9 7 on the text
+    5 6 7, the walk at 1 takes 9, off the text, and stops there: the middle's rows past it were computed on
+    the text, not after 9."""
+    from profiler.triforce_acceptance import _trie_runs
+
+    trees = [(np.array([1, 5, 6, 7]), np.array([-1, 0, 1, 2])), (np.array([5, 6, 9, 7]), np.array([-1, 0, 0, 2])),
+             (np.array([6]), np.array([-1]))]
+    text = np.array([5, 6, 7])
+    assert _trie_runs(trees, text, text) == "310"
+    assert _trie_runs(trees, np.array([5, 9, 7]), text) == "110"
+
+
 def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
+    from decoder.api import load_decoder
+    from planner.triforce import evaluate_traces
+    from profiler.haystack import build_prompts
     from specplan.acceptance_schema import load_triforce_acceptance
     from specplan.plan_schema import load_plan
+    from specplan.profile_schema import load_profile
 
     out = tmp_path / "acc.yaml"
     code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
@@ -227,6 +263,9 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     assert all(1 <= len(t["middle"]) <= 12 for t in entry["traces"]) and entry["positions"] == len(middle)
     assert set(np.unique(middle)) <= {0.0, 1.0}
     assert entry["middle"] == pytest.approx(middle.mean()) and entry["bottom"] == pytest.approx(bottom.mean())
+    for trace in entry["traces"]:
+        runs = trace["bottom_runs"]
+        assert runs.shape == (8, len(trace["middle"])) and (runs <= np.arange(1, 9)[:, None]).all()
     profile = tmp_path / "prof.yaml"
     assert run_cli("profile", "--model", "tiny-random-llama", "--contexts", "72,300", "--sizes", "1,2,4,8,16,32",
                    "--repeats", "1", "-o", profile)[0] == 0
@@ -236,7 +275,8 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     plan = tmp_path / "plan.yaml"
     assert "replayed" in load_plan(plan).solver["algorithm"]
 
-    # Measured along the plan's own decoded text: in fp32 that text is the target's, so the traces are the same.
+    # Measured along the plan's own decoded text (in fp32 the target's: the first proposals along it are the
+    # same) and in its steps: the replay of the plan's own settings then takes the decoder's steps.
     decoded = tmp_path / "decoded.yaml"
     code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
                               "../shared/data/haystack", "--contexts", "300", "--samples", "2", "--budgets", "64",
@@ -245,13 +285,21 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     assert code == 0, stderr
     redecoded = load_triforce_acceptance(decoded)
     for again, first in zip(redecoded.entries[0]["traces"], entry["traces"], strict=True):
-        assert all(np.array_equal(again[level], first[level]) for level in ("middle", "bottom"))
+        assert np.array_equal(again["bottom"], first["bottom"])
     settings = load_plan(plan).settings
     assert redecoded.extra["decoded_with"] == {"plan": str(plan), **{key: settings[key] for key in (
         "gamma1", "gamma2", "budget", "chunk", "stride")}}
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", decoded, "--profile", profile, "-o",
                               tmp_path / "again.yaml")
-    assert code == 0 and "replay_exact" not in load_plan(tmp_path / "again.yaml").prediction  # fp32: always exact
+    again = load_plan(tmp_path / "again.yaml")
+    assert code == 0 and again.prediction["replay_exact"] == all(again.settings[key] == settings[key] for key in (
+        "gamma1", "gamma2", "budget", "chunk", "stride"))
+    candidate = evaluate_traces(load_profile(profile), 300, redecoded.entries[0], settings["gamma1"],
+                                settings["gamma2"], 2e-4, {})
+    decoder = load_decoder(str(plan), target="tiny-random-llama", dtype="fp32")
+    steps = sum(decoder.engine.generate(p.ids, 12, SamplingParams()).steps
+                for p in build_prompts("../shared/data/haystack", decoder.tokenizer, 300, 2))
+    assert candidate.tokens_per_step == pytest.approx(len(middle) / steps)
     for option, message in ((["--dtype", "bf16"], "not bf16"), (["--temperature", "0.7"], "greedy"),
                             (["--contexts", "64"], "not below the context")):
         code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
@@ -260,11 +308,17 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
         assert not (tmp_path / "x.yaml").exists()
 
 
-def test_unequal_traces_are_rejected(run_cli, write_yaml_file, tmp_path):
-    entry = {**TRIFORCE_ACCEPTANCE["entries"][0], "traces": [{"middle": [1, 0, 1], "bottom": [1, 1]}]}
+@pytest.mark.parametrize("trace, message", [
+    ({"middle": [1, 0, 1], "bottom": [1, 1]}, "equal length"),
+    ({"middle": [1, 0], "bottom": [1, 1], "bottom_runs": ["10"] * 7}, "must hold 8 strings"),
+    ({"middle": [1, 0], "bottom": [1, 1], "bottom_runs": ["20"] + ["10"] * 7}, "none above its gamma1"),
+    ({"middle": [1, 0], "bottom": [1, 1], "bottom_runs": ["1"] * 8}, "one digit per position"),
+])
+def test_bad_traces_are_rejected(trace, message, run_cli, write_yaml_file, tmp_path):
+    entry = {**TRIFORCE_ACCEPTANCE["entries"][0], "traces": [trace]}
     acceptance = write_yaml_file("acc.yaml", {**TRIFORCE_ACCEPTANCE, "entries": [entry]})
     profile = write_yaml_file("prof.yaml", FLAT_PROFILE)
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile, "-o",
                               tmp_path / "plan.yaml")
-    assert code == 2 and "equal length" in stderr and len(stderr.strip().splitlines()) == 1
+    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "plan.yaml").exists()
