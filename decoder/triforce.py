@@ -184,10 +184,13 @@ class RetrievalCache:
         index = (best[..., None] * s + torch.arange(s, device=best.device)).flatten(2)
         tail_index = torch.arange(chunks * s, length, device=best.device).expand(*index.shape[:2], tail)
         index = torch.cat([index, tail_index], 2)
-        gather = index[..., None].expand(-1, -1, -1, shape.head_dim)
         kept = index.shape[2]
-        self.cache.k[:, :, :kept] = torch.gather(full.k[:, :, :length], 2, gather)
-        self.cache.v[:, :, :kept] = torch.gather(full.v[:, :, :length], 2, gather)
+        # Row copies straight into each head's contiguous slots: at a 2048 budget over 7680 tokens, 12 ms
+        # against 100 ms for a torch.gather along the slot axis (which reads an index per element).
+        for source, target in ((full.k, self.cache.k), (full.v, self.cache.v)):
+            for layer in range(shape.layers):
+                for head in range(shape.kv_heads):
+                    torch.index_select(source[layer, head], 0, index[layer, head], out=target[layer, head, :kept])
         self.cache.length = kept
         self.next_slot = budget - 1
         self.inserted = 0
@@ -224,6 +227,7 @@ class HierarchicalDrafter(Drafter):
         self.queries = torch.zeros(target.shape.layers, target.shape.heads, target.shape.head_dim,
                                    dtype=target.dtype, device=target.device)
         self.full: KVCache | None = None
+        self.rebuild_due = False
         self.recent: deque[float] = deque(maxlen=8)
         self.stats = {"rounds": 0, "chains": 0, "chain_tokens": 0, "accepted": 0}
 
@@ -231,6 +235,7 @@ class HierarchicalDrafter(Drafter):
         self.retrieval.settings.check(len(prompt))
         self.bottom.reset(prompt, max_len)
         self.full = None
+        self.rebuild_due = False
         self.recent.clear()
 
     def bind(self, target_cache: KVCache) -> None:
@@ -244,6 +249,12 @@ class HierarchicalDrafter(Drafter):
             self.target.forward(torch.tensor([root]), torch.tensor([self.full.length]), self.full, None,
                                 logits_rows=slice(0, 0), queries=self.queries, query_row=0)
             self.retrieval.build(self.full, self.queries)
+        elif self.rebuild_due:
+            # Due since the last step's update, scored with that step root's query; built only now, so that
+            # a generation's last step pays for none.
+            self.retrieval.build(self.full, self.queries)
+            self.rebuild_due = False
+            self.recent.clear()
 
     @torch.inference_mode()
     def propose(self, root, params, draw, generator):
@@ -294,7 +305,5 @@ class HierarchicalDrafter(Drafter):
         end = self.full.length
         start = end - len(accepted)
         low = self.retrieval.settings.rebuild_below
-        if not self.retrieval.insert(self.full, start, end) or (
-                low > 0 and len(self.recent) == self.recent.maxlen and sum(self.recent) / len(self.recent) < low):
-            self.retrieval.build(self.full, self.queries)
-            self.recent.clear()
+        self.rebuild_due = not self.retrieval.insert(self.full, start, end) or (
+            low > 0 and len(self.recent) == self.recent.maxlen and sum(self.recent) / len(self.recent) < low)
