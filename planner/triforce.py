@@ -13,9 +13,11 @@ With acceptance rate a, a chain of g drafts yields on average E(a, g) = (1 - a^(
   (t(gamma1 + 1, B + s)) and yields E(a_b, gamma1) tokens; k = ceil(gamma2 / E(a_b, gamma1)) rounds collect a
   chain of n = k * E(a_b, gamma1) >= gamma2 tokens;
 - the top verifies the chain (t(n + 1, L)) and keeps E(a_m, n) tokens;
-- a retrieval-cache rebuild, at most one forward's worth of reading (t(1, L)), every R tokens.
+- a retrieval-cache rebuild, b(L, B) seconds (`plan profile` times it; a profile without builds prices it
+  at t(1, L)), every R' = min(R, B - s) tokens: the decoder rebuilds after R inserted tokens, or once the
+  tokens written over the lowest-ranked slots would reach the sink chunk.
 
-    time per token = [k * (gamma1 * c_b + t(gamma1 + 1, B + s)) + t(n + 1, L)] / E(a_m, n) + t(1, L) / R
+    time per token = [k * (gamma1 * c_b + t(gamma1 + 1, B + s)) + t(n + 1, L)] / E(a_m, n) + b(L, B) / R'
     predicted speedup = t(1, L) / time per token
 
 The two-level variant (no bottom) has gamma1 = 0: each middle round is one forward t(1, B + s) yielding one
@@ -35,8 +37,15 @@ stop token), the planner replays them instead, backwards over the positions of e
     time(p)        = rounds(p) * (gamma1 * c_b + t(gamma1 + 1, B + s)) + t(n(p) + 1, L + p)
                      + sum_j P_j(p) * time(p + j + 1),   time(p) = 0 past the continuation's end,
 
-and likewise the expected step count. Then time per token = sum of time(0) / sum of tokens + t(1, L) / R, and
-the autoregressive time is the sum of t(1, L + p) over the positions.
+and likewise the expected step count. Each continuation also pays its first build: the target's forward of the
+last prompt token over the full cache, whose query scores the chunks (t(1, L)), and b(L, B). Then
+
+    time per token = [sum of (time(0) + t(1, L) + b(L, B) + floor((N - 1) / R') b(L, B))] / sum of N,
+
+over the continuations, of N tokens each (a rebuild falls due after the tokens of a step are inserted and
+is built when the next step starts, so none follows the last token),
+
+and the autoregressive time is the sum of t(1, L + p) over the positions.
 """
 
 from __future__ import annotations
@@ -98,9 +107,20 @@ def evaluate(profile: LatencyProfile, context: int, entry: dict, gamma1: int, ga
     tokens = expected_tokens(entry["middle"], chain)
     step = rounds * round_cost + top
     t1 = float(profile.latency(1, context))
-    per_token = step / tokens + t1 / entry["stride"]
+    per_token = step / tokens + build_seconds(profile, context, entry["budget"]) / refill(entry)
     return TriForceCandidate(gamma1, gamma2, entry["budget"], entry["chunk"], entry["stride"], entry["middle"],
                              entry["bottom"], chain, tokens, step, per_token, t1 / per_token)
+
+
+def build_seconds(profile: LatencyProfile, context: int, budget: int) -> float:
+    """b(L, B): one retrieval-cache build, as profiled, else priced at one forward's reading, t(1, L)."""
+    measured = profile.retrieval_build(context, budget)
+    return measured if measured is not None else float(profile.latency(1, context))
+
+
+def refill(entry: dict) -> int:
+    """R': tokens inserted into the retrieval cache between two rebuilds."""
+    return min(entry["stride"], entry["budget"] - entry["chunk"])
 
 
 def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: int, gamma2: int,
@@ -126,7 +146,9 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: 
         ar_seconds += table[1].sum()
         chains += mean_chain * length
     t1 = float(profile.latency(1, context))
-    per_token = seconds / tokens + t1 / entry["stride"]
+    build = build_seconds(profile, context, entry["budget"])
+    rebuilds = sum((len(trace["middle"]) - 1) // refill(entry) for trace in entry["traces"])
+    per_token = (seconds + len(entry["traces"]) * (t1 + build) + rebuilds * build) / tokens
     return TriForceCandidate(gamma1, gamma2, entry["budget"], entry["chunk"], entry["stride"], entry["middle"],
                              entry["bottom"], chains / tokens, tokens / steps, seconds / steps, per_token,
                              (ar_seconds / tokens) / per_token)
@@ -240,7 +262,9 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     prediction = {"tokens_per_step": best.tokens_per_step, "speedup": best.speedup,
                   "seconds_per_token": best.seconds_per_token, "chain_tokens": best.chain_tokens,
                   "middle_acceptance": best.middle_acceptance, "bottom_acceptance": best.bottom_acceptance,
-                  "latency_source": profile.source}
+                  "latency_source": profile.source,
+                  "build_source": "measured" if profile.retrieval_build(context, best.budget) is not None
+                  else "t(1, L): the profile times no retrieval build"}
     decoded_with = acceptance.extra.get("decoded_with")
     if decoded_with:
         # The middle level was measured in the decoded plan's steps (and outside fp32 the text depends on the

@@ -3,7 +3,9 @@
 Measured on this machine with the decoder's own forward (static KV cache, tree-attention mask), or modeled
 by a roofline (profiler/roofline.py) for a GPU that is not here, or for this CPU from microbenchmarks.
 Each point: warm-up forwards, then timed repeats; the profile keeps the median and the 10th/90th
-percentiles. On a GPU, each shape is captured as a CUDA graph and timed with CUDA events.
+percentiles. On a GPU, each shape is captured as a CUDA graph and timed with CUDA events. A measured profile
+also times TriForce's retrieval-cache build (score every chunk of the context, copy the best ones) for each
+budget below each context, which `plan solve triforce` charges per rebuild.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from decoder.api import lean_model, stop_token_ids
 from decoder.model import KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
+from decoder.triforce import RetrievalCache, RetrievalSettings
 from profiler import hardware, roofline
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, write_yaml
@@ -29,6 +32,8 @@ from specplan.provenance import provenance
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_CONTEXTS = (128, 1024, 4096)
+RETRIEVAL_BUDGETS = (256, 512, 1024, 2048, 4096)
+RETRIEVAL_CHUNK = 16  # a build's cost barely depends on the chunk size: it reads every key either way
 
 
 @dataclass
@@ -40,6 +45,7 @@ class ProfileRequest:
     draft_vocab: int | None = None  # time the draft scoring only the ids below this (plus the stop tokens)
     contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS))
     sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
+    budgets: list[int] = field(default_factory=lambda: list(RETRIEVAL_BUDGETS))  # timed where below the context
     threads: int = max(1, (os.cpu_count() or 1))
     warmup: int = 2
     repeats: int = 9
@@ -136,10 +142,12 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     bar = tqdm(total=len(request.contexts) * len(lean) * len(request.sizes), desc="profile", unit="point",
                disable=None if progress else True, leave=False)
     curves: dict[str, dict[int, dict[int, dict]]] = {role: {} for role in lean}
+    builds: dict[int, dict[int, float]] = {}
     for L in request.contexts:
+        budgets = _budgets_below(request.budgets, L)
         if any(f"{role}|{L}" not in checkpoint.points for role in lean):
             bar.set_postfix_str(f"L={L}")
-            measured = _time_block(lean, L, request.sizes, request.warmup, request.repeats)
+            measured = _time_block(lean, L, request.sizes, request.warmup, request.repeats, budgets)
             for role, samples_by_n in measured.items():
                 checkpoint.points[f"{role}|{L}"] = {str(n): samples for n, samples in samples_by_n.items()}
             checkpoint.save()
@@ -150,23 +158,37 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
                                                      "p10": float(np.percentile(samples, 10)),
                                                      "p90": float(np.percentile(samples, 90))}
             bar.update(len(request.sizes))
+        if budgets:
+            builds[L] = {b: float(np.median(checkpoint.points[f"{BUILD}|{L}"][str(b)])) for b in budgets}
     bar.close()
     document = _document(request, "measured", machine, models, curves)
+    for L, by_budget in builds.items():
+        document["target"]["contexts"][L]["retrieval_build_seconds"] = by_budget
     document["settings"] = {"engine": "specplan lean decoder", "threads": request.threads, "warmup": request.warmup,
                             "timed_after_same_size": device.type == "cpu",
                             "repeats": request.repeats, "cuda_graphs": device.type == "cuda",
-                            "timer": "cuda events" if device.type == "cuda" else "time.perf_counter"}
+                            "timer": "cuda events" if device.type == "cuda" else "time.perf_counter",
+                            "retrieval_chunk": RETRIEVAL_CHUNK}
     document["measurement_seconds"] = round(time.perf_counter() - started, 1)
     checkpoint.remove()
     return document
 
 
-@torch.inference_mode()
-def _time_block(models: dict[str, LeanModel], context: int, sizes: list[int], warmup: int, repeats: int
-                ) -> dict[str, dict[int, list[float]]]:
-    """Seconds per forward of n new tokens over `context` cached tokens, for every model and every n in `sizes`.
+BUILD = "retrieval_build"  # the pseudo-role under which a block's build timings are kept
 
-    All (model, n) points are timed round-robin (one forward of each per pass), so a slow spell of the machine
+
+def _budgets_below(budgets: list[int], context: int) -> list[int]:
+    """The retrieval budgets a build over `context` tokens can keep (the decoder's rule: below the context)."""
+    return [b for b in budgets if RETRIEVAL_CHUNK * 2 <= b < context and b % RETRIEVAL_CHUNK == 0]
+
+
+@torch.inference_mode()
+def _time_block(models: dict[str, LeanModel], context: int, sizes: list[int], warmup: int, repeats: int,
+                budgets: list[int] = ()) -> dict[str, dict[int, list[float]]]:
+    """Seconds per forward of n new tokens over `context` cached tokens, for every model and every n in `sizes`,
+    and (under BUILD) per retrieval-cache build of the target for every budget in `budgets`.
+
+    All points are timed round-robin (one call of each per pass), so a slow spell of the machine
     spreads over all of them instead of bending one point of a curve or the target against the draft, whose
     ratio is what a plan rests on. On the CPU each timed forward comes right after an untimed one of the same
     size, as in decoding, where one step's size is close to the last one's: timed right after a 512-token
@@ -186,13 +208,38 @@ def _time_block(models: dict[str, LeanModel], context: int, sizes: list[int], wa
             else:
                 mask = causal_mask(context, n, model.dtype, model.device) if n > 1 else None
                 calls[role, n] = _timed_call(model, cache, tokens, positions, mask)
-    samples: dict[str, dict[int, list[float]]] = {role: {n: [] for n in sizes} for role in models}
+        if role == "target":
+            for budget in budgets:
+                calls[BUILD, budget] = _build_call(model, cache, budget)
+    samples: dict[str, dict[int, list[float]]] = {}
+    for (role, n) in calls:
+        samples.setdefault(role, {})[n] = []
     for rep in range(warmup + repeats):
         for (role, n), call in calls.items():
             seconds = call()
             if rep >= warmup:
                 samples[role][n].append(seconds)
     return samples
+
+
+def _build_call(model: LeanModel, cache: KVCache, budget: int) -> Callable[[], float]:
+    retrieval = RetrievalCache(model, RetrievalSettings(budget, RETRIEVAL_CHUNK), scratch=0)
+    queries = torch.randn(model.shape.layers, model.shape.heads, model.shape.head_dim, device=model.device
+                          ).to(model.dtype)
+
+    def call() -> float:
+        _synchronize(model.device)
+        start = time.perf_counter()
+        retrieval.build(cache, queries)
+        _synchronize(model.device)
+        return time.perf_counter() - start
+
+    return call
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _timed_call(model: LeanModel, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,

@@ -81,6 +81,8 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--draft-vocab", type=click.IntRange(min=1), help=DRAFT_VOCAB_HELP)
 @click.option("--contexts", help="context lengths L, comma-separated [128,1024,4096]")
 @click.option("--sizes", help="new-token counts n, comma-separated [1,2,4,...,512]")
+@click.option("--budgets", help="TriForce retrieval budgets to time a cache build at, where below the context "
+                                "[256,512,1024,2048,4096]")
 @click.option("--gpu", help="a catalogue GPU (a100-80g, h100, ...) to model, or `cpu` to model this CPU")
 @click.option("--threads", type=int, help="torch threads (default: all cores)")
 @click.option("--repeats", type=int, help="timed repeats per point [7, quick 3]")
@@ -88,7 +90,7 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--resume", is_flag=True, help="reuse the points an interrupted run already measured")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
-            contexts: str | None, sizes: str | None, gpu: str | None,
+            contexts: str | None, sizes: str | None, budgets: str | None, gpu: str | None,
             threads: int | None, repeats: int | None, quick: bool, resume: bool, output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
     from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
@@ -100,6 +102,7 @@ def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None,
         request.sizes, request.repeats, request.warmup = list(QUICK_SIZES), 3, 1
     request.contexts = _int_list(contexts) or request.contexts
     request.sizes = _int_list(sizes) or request.sizes
+    request.budgets = _int_list(budgets) if budgets is not None else request.budgets
     request.threads = threads or request.threads
     request.repeats = repeats or request.repeats
     if request.repeats < 1 or request.threads < 1:

@@ -8,7 +8,8 @@ The minimal form, which stays loadable:
 
 The profiler adds `target.contexts: {L: {t_seconds: {...}, spread_seconds: {...}}}`, `draft.contexts`,
 `source` (measured or modeled), `dtype`, `hardware`, `models` and, when the draft was timed scoring only the
-token ids below some size (plus the stop tokens), `draft_vocab`.
+token ids below some size (plus the stop tokens), `draft_vocab`. A measured profile also gives, per context,
+`retrieval_build_seconds: {B: seconds}`: one TriForce retrieval-cache build keeping B of the L tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class LatencyProfile:
     draft_by_context: dict[int, float] = field(default_factory=dict)
     source: str = "measured"
     draft_vocab: int | None = None  # the draft's step was timed scoring only the ids below this (+ stop tokens)
+    builds_by_context: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {budget: seconds}}
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -70,11 +72,14 @@ class LatencyProfile:
         if t_seconds[1] <= 0:
             raise target.fail("t(1) must be > 0")
         by_context: dict[int, dict[int, float]] = {}
+        builds: dict[int, dict[int, float]] = {}
         contexts = target.sub("contexts", required=False)
         if contexts is not None:
             for key in contexts.data:
                 entry = Fields(contexts.data[key], f"{contexts.where}: {key}")
                 by_context[int(key)] = entry.int_keyed_numbers("t_seconds", low=0.0)
+                if entry.has("retrieval_build_seconds"):
+                    builds[int(key)] = entry.int_keyed_numbers("retrieval_build_seconds", low=0.0)
         draft = f.sub("draft", required=False)
         draft_step = draft.number("step_seconds", required=False, low=0.0) if draft else None
         draft_by_context: dict[int, float] = {}
@@ -94,6 +99,7 @@ class LatencyProfile:
             draft_by_context=draft_by_context,
             source=source,
             draft_vocab=f.integer("draft_vocab", required=False, low=1),
+            builds_by_context={L: points for L, points in builds.items() if points},
             raw=data,
         )
 
@@ -121,6 +127,17 @@ class LatencyProfile:
     def _curves(self) -> dict[int, LatencyCurve]:
         by_context = self.target_by_context or {self.target_context or 0: self.target_t_seconds}
         return {L: LatencyCurve(points) for L, points in by_context.items()}
+
+    def retrieval_build(self, context: float, budget: int) -> float | None:
+        """Seconds per retrieval-cache build keeping `budget` of `context` tokens: linear in the budget at each
+        profiled context that has builds, then in the context (both clamped); None if none was timed."""
+        if not self.builds_by_context:
+            return None
+        contexts = sorted(self.builds_by_context)
+        at_context = [float(np.interp(budget, sorted(self.builds_by_context[L]),
+                                      [self.builds_by_context[L][b] for b in sorted(self.builds_by_context[L])]))
+                      for L in contexts]
+        return float(np.interp(context, contexts, at_context))
 
     def draft_step(self, context: int | None = None) -> float | None:
         if context is None or context == self.target_context or context not in self.draft_by_context:

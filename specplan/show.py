@@ -76,6 +76,11 @@ def describe_profile(document: dict[str, Any]) -> str:
             row = "".join(f"{entry['t_seconds'][n] * 1e3:>12.2f}" if n in entry["t_seconds"] else f"{'':>12}"
                           for entry in contexts.values())
             lines.append(f"  {n:>6}{row}")
+        builds = {L: entry["retrieval_build_seconds"] for L, entry in contexts.items()
+                  if entry.get("retrieval_build_seconds")}
+        for L, by_budget in builds.items():
+            lines.append(f"  retrieval build at L={L}: " + ", ".join(
+                f"B={budget} {seconds * 1e3:.2f} ms" for budget, seconds in by_budget.items()))
     if "measurement_seconds" in document:
         lines.append(f"measured in {document['measurement_seconds']} s")
     return "\n".join(lines)

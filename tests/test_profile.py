@@ -16,9 +16,11 @@ QUICK = ["--contexts", "16,64", "--sizes", "1,2,4,8", "--repeats", "2"]
 def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
     out = tmp_path / "profiles" / "tiny.yaml"
     code, stdout, stderr = run_cli("profile", "--model", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
-                                   *QUICK, "-o", out)
+                                   *QUICK, "--budgets", "32", "-o", out)
     assert code == 0, stderr
     profile = load_profile(out)
+    assert set(profile.builds_by_context) == {64}  # a budget of 32 fits below 64 tokens only
+    assert 0 < profile.retrieval_build(64, 32) == profile.builds_by_context[64][32]
     assert profile.source == "measured"
     assert set(profile.target_by_context) == {16, 64}
     assert set(profile.target_t_seconds) == {1, 2, 4, 8}

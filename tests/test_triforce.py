@@ -45,6 +45,9 @@ def test_retrieval_cache_keeps_sink_tail_and_best_chunks(tiny_pair):
             best = [0] + [c for c in torch.argsort(scores[1:], descending=True)[:7].add(1).tolist()]
             expected = torch.cat([keys[c] for c in best] + [full.k[layer, head, 200:203]])
             torch.testing.assert_close(cache.k[layer, head, :cache.length], expected)
+            values = full.v[layer, head, :200].view(25, 8, -1)
+            torch.testing.assert_close(cache.v[layer, head, :cache.length],
+                                       torch.cat([values[c] for c in best] + [full.v[layer, head, 200:203]]))
     # Inserting overwrites the lowest-ranked slots, from the last one down.
     assert retrieval.insert(full, 195, 198)
     torch.testing.assert_close(cache.k[:, :, 61:64].flip(2), full.k[:, :, 195:198])
@@ -65,9 +68,19 @@ def test_hierarchy_greedy_equals_transformers_greedy(bottom, tiny_pair):
     for seed, (gamma1, gamma2, budget, chunk, stride) in enumerate([(2, 4, 384, 8, 16), (1, 3, 256, 16, 32)]):
         prompt = long_prompt(400, seed)
         drafter = HierarchicalDrafter(target, make(), gamma1, gamma2, RetrievalSettings(budget, chunk, stride))
+        due_after_step = []
+        update = drafter.update
+
+        def recording_update(*args, update=update, drafter=drafter, due_after_step=due_after_step):
+            update(*args)
+            due_after_step.append(drafter.rebuild_due)
+
+        drafter.update = recording_update
         result = SpeculativeEngine(target, drafter).generate(prompt, 60, SamplingParams())
         assert result.tokens == hf_greedy(loaded, prompt, 60)
         assert drafter.retrieval.builds >= 2  # rebuilt along the way
+        # Each rebuild is built when the next step starts: none after the last step.
+        assert drafter.retrieval.builds == 1 + sum(due_after_step[:-1])
         assert result.tokens_per_step > 1.0
 
 
@@ -190,7 +203,8 @@ def test_solve_and_show_triforce(run_cli, write_yaml_file, tmp_path):
 def test_triforce_trace_replay_by_hand():
     """Two-level, gamma2 = 2, middle trace 1 1 0 1: the top accepts the chain at 0 (tokens 0-2) and again
     from 3 to the end: 2 steps of 2 x t(1, 264) + t(3, 4096) each (the profile is linear: t(n) = 40 + 4n ms
-    at 4096, 10 + n ms at 264)."""
+    at 4096, 10 + n ms at 264). The continuation also pays its first build: the root's forward, t(1, 4096),
+    and the build itself, priced at t(1, 4096) by a profile without builds, at 5 ms by one with them."""
     from planner.triforce import evaluate_traces
     from specplan.profile_schema import LatencyProfile
 
@@ -201,7 +215,18 @@ def test_triforce_trace_replay_by_hand():
     step = 2 * 0.011 + 0.052
     assert c.tokens_per_step == pytest.approx(2.0)
     assert c.step_seconds == pytest.approx(step)
-    assert c.speedup == pytest.approx(0.044 / (2 * step / 4 + 0.044 / 64))
+    assert c.speedup == pytest.approx(0.044 / ((2 * step + 0.044 + 0.044) / 4))
+    builds = {**FLAT_PROFILE["target"]["contexts"][4096], "retrieval_build_seconds": {128: 0.003, 384: 0.007}}
+    timed = LatencyProfile.from_dict(
+        {**FLAT_PROFILE, "target": {**FLAT_PROFILE["target"],
+                                    "contexts": {**FLAT_PROFILE["target"]["contexts"], 4096: builds}}}, "profile")
+    assert timed.retrieval_build(4096, 256) == pytest.approx(0.005)
+    c = evaluate_traces(timed, 4096, entry, gamma1=1, gamma2=2, bottom_seconds=None, top_costs={})
+    assert c.speedup == pytest.approx(0.044 / ((2 * step + 0.044 + 0.005) / 4))
+    # With a stride of 2 a rebuild falls due after 2 of the 4 tokens inserted; the one due after the last
+    # step is never built.
+    c = evaluate_traces(timed, 4096, {**entry, "stride": 2}, gamma1=1, gamma2=2, bottom_seconds=None, top_costs={})
+    assert c.speedup == pytest.approx(0.044 / ((2 * step + 0.044 + 2 * 0.005) / 4))
     # A trie bottom, gamma1 = 2, gamma2 = 3, one position: one round of 3 tokens (the bottom's trace beyond the
     # end counts at its mean), then the top verifies the root and 3 tokens.
     one = {**entry, "traces": [{"middle": np.array([1.0]), "bottom": np.array([1.0])}]}
