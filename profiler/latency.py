@@ -102,29 +102,36 @@ def _check_contexts(name: str, shape: ModelShape, request: ProfileRequest) -> No
 # --- measured ---------------------------------------------------------------------------------------------
 
 class _Checkpoint:
-    """Points measured so far, kept next to the output so that --resume can skip them."""
+    """Samples of the timed passes completed so far, kept next to the output so that --resume goes on from them."""
 
     def __init__(self, output: Path, key: dict, resume: bool) -> None:
         self.path = output.parent / f".{output.name}.partial.json"
         self.key = key
-        self.points: dict[str, dict] = {}
+        self.samples: dict[str, list[float]] = {}
         if resume and self.path.is_file():
             try:
                 saved = json.loads(self.path.read_text())
             except json.JSONDecodeError:
                 saved = {}
             if saved.get("key") == key:
-                self.points = saved.get("points", {})
+                self.samples = saved.get("samples", {})
 
     def save(self) -> None:
         with atomic_output(self.path) as handle:
-            json.dump({"key": self.key, "points": self.points}, handle)
+            json.dump({"key": self.key, "samples": self.samples}, handle)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
 
 
+BUILD = "retrieval_build"  # the pseudo-role of retrieval-cache build timings (keyed by budget, not n)
+
+
 def _measure(request: ProfileRequest, device: torch.device, output: Path, resume: bool, log, progress: bool) -> dict:
+    """Every point (model, context, n, and the target's builds per budget) is timed once per pass, round-robin,
+    so that a slow spell of the machine spreads over all of them: a plan rests on ratios between points, the
+    middle level of TriForce at one context against the target at another, or the draft against the target.
+    Timed block by block instead, one context's points came out 1.5x slower than another's on this VM."""
     from tqdm import tqdm
 
     started = time.perf_counter()
@@ -133,39 +140,45 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     key = {"request": asdict(request), "machine": {k: machine[k] for k in ("cpu", "device", "torch", "threads")},
            "models": {role: m.fingerprint for role, m in models.items()}}
     checkpoint = _Checkpoint(output, key, resume)
-    if checkpoint.points:
-        log(f"resuming: {len(checkpoint.points)} points already measured")
     lean = {role: lean_model(m, device.type, request.draft_vocab if role == "draft" else None)
             for role, m in models.items()}
     for role, model in lean.items():
         _check_contexts(models[role].name, model.shape, request)
-    bar = tqdm(total=len(request.contexts) * len(lean) * len(request.sizes), desc="profile", unit="point",
+    calls: dict[str, Callable[[], float]] = {}
+    for L in request.contexts:
+        calls.update(_calls_at(lean, L, request.sizes, _budgets_below(request.budgets, L)))
+    resumed = {name: checkpoint.samples.get(name, []) for name in calls}
+    done = min(len(timed) for timed in resumed.values())
+    samples = {name: timed[:done] for name, timed in resumed.items()}
+    if done:
+        log(f"resuming: {done} of {request.repeats} timed passes already measured")
+    bar = tqdm(total=request.warmup + request.repeats, initial=0, desc="profile", unit="pass",
                disable=None if progress else True, leave=False)
+    for rep in range(request.warmup + max(request.repeats - done, 0)):
+        timed = _time_pass(calls)
+        if rep >= request.warmup:
+            for name, seconds in timed.items():
+                samples[name].append(seconds)
+            checkpoint.samples = samples
+            checkpoint.save()
+        bar.update(1)
+    bar.close()
     curves: dict[str, dict[int, dict[int, dict]]] = {role: {} for role in lean}
     builds: dict[int, dict[int, float]] = {}
-    for L in request.contexts:
-        budgets = _budgets_below(request.budgets, L)
-        if any(f"{role}|{L}" not in checkpoint.points for role in lean):
-            bar.set_postfix_str(f"L={L}")
-            measured = _time_block(lean, L, request.sizes, request.warmup, request.repeats, budgets)
-            for role, samples_by_n in measured.items():
-                checkpoint.points[f"{role}|{L}"] = {str(n): samples for n, samples in samples_by_n.items()}
-            checkpoint.save()
-        for role in lean:
-            for n in request.sizes:
-                samples = np.array(checkpoint.points[f"{role}|{L}"][str(n)])
-                curves[role].setdefault(L, {})[n] = {"median": float(np.median(samples)),
-                                                     "p10": float(np.percentile(samples, 10)),
-                                                     "p90": float(np.percentile(samples, 90))}
-            bar.update(len(request.sizes))
-        if budgets:
-            builds[L] = {b: float(np.median(checkpoint.points[f"{BUILD}|{L}"][str(b)])) for b in budgets}
-    bar.close()
+    for name, timed in samples.items():
+        role, L, n = name.split("|")
+        points = np.array(timed)
+        if role == BUILD:
+            builds.setdefault(int(L), {})[int(n)] = float(np.median(points))
+        else:
+            curves[role].setdefault(int(L), {})[int(n)] = {"median": float(np.median(points)),
+                                                           "p10": float(np.percentile(points, 10)),
+                                                           "p90": float(np.percentile(points, 90))}
     document = _document(request, "measured", machine, models, curves)
     for L, by_budget in builds.items():
         document["target"]["contexts"][L]["retrieval_build_seconds"] = by_budget
     document["settings"] = {"engine": "specplan lean decoder", "threads": request.threads, "warmup": request.warmup,
-                            "timed_after_same_size": device.type == "cpu",
+                            "timed_after_same_size": device.type == "cpu", "round_robin": "all points per pass",
                             "repeats": request.repeats, "cuda_graphs": device.type == "cuda",
                             "timer": "cuda events" if device.type == "cuda" else "time.perf_counter",
                             "retrieval_chunk": RETRIEVAL_CHUNK}
@@ -174,27 +187,29 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     return document
 
 
-BUILD = "retrieval_build"  # the pseudo-role under which a block's build timings are kept
-
-
 def _budgets_below(budgets: list[int], context: int) -> list[int]:
     """The retrieval budgets a build over `context` tokens can keep (the decoder's rule: below the context)."""
     return [b for b in budgets if RETRIEVAL_CHUNK * 2 <= b < context and b % RETRIEVAL_CHUNK == 0]
 
 
 @torch.inference_mode()
-def _time_block(models: dict[str, LeanModel], context: int, sizes: list[int], warmup: int, repeats: int,
-                budgets: list[int] = ()) -> dict[str, dict[int, list[float]]]:
-    """Seconds per forward of n new tokens over `context` cached tokens, for every model and every n in `sizes`,
-    and (under BUILD) per retrieval-cache build of the target for every budget in `budgets`.
+def _time_pass(calls: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """One timed call of every point."""
+    return {name: call() for name, call in calls.items()}
 
-    All points are timed round-robin (one call of each per pass), so a slow spell of the machine
-    spreads over all of them instead of bending one point of a curve or the target against the draft, whose
-    ratio is what a plan rests on. On the CPU each timed forward comes right after an untimed one of the same
-    size, as in decoding, where one step's size is close to the last one's: timed right after a 512-token
-    forward, a one-token forward of smollm2-135m in bf16 costs about 6% more. Cache contents are random:
-    the cost does not depend on them."""
+
+@torch.inference_mode()
+def _calls_at(models: dict[str, LeanModel], context: int, sizes: list[int], budgets: list[int]
+              ) -> dict[str, Callable[[], float]]:
+    """A timed call ("role|context|n") per forward of n new tokens over `context` cached tokens, for every model
+    and n in `sizes`, and ("retrieval_build|context|budget") per retrieval-cache build of the target for every
+    budget in `budgets`.
+
+    On the CPU each timed forward comes right after an untimed one of the same size, as in decoding, where one
+    step's size is close to the last one's: timed right after a 512-token forward, a one-token forward of
+    smollm2-135m in bf16 costs about 6% more. Cache contents are random: the cost does not depend on them."""
     calls = {}
+    pool = torch.cuda.graph_pool_handle() if any(m.device.type == "cuda" for m in models.values()) else None
     for role, model in models.items():
         cache = model.new_cache(context + max(sizes))
         cache.k.normal_(0, 0.1)
@@ -204,22 +219,14 @@ def _time_block(models: dict[str, LeanModel], context: int, sizes: list[int], wa
             tokens = torch.randint(0, model.shape.vocab, (n,), device=model.device)
             positions = torch.arange(context, context + n, device=model.device)
             if model.device.type == "cuda":
-                calls[role, n] = _cuda_graph_call(model, cache, tokens, positions)
+                calls[f"{role}|{context}|{n}"] = _cuda_graph_call(model, cache, tokens, positions, pool)
             else:
                 mask = causal_mask(context, n, model.dtype, model.device) if n > 1 else None
-                calls[role, n] = _timed_call(model, cache, tokens, positions, mask)
+                calls[f"{role}|{context}|{n}"] = _timed_call(model, cache, tokens, positions, mask)
         if role == "target":
             for budget in budgets:
-                calls[BUILD, budget] = _build_call(model, cache, budget)
-    samples: dict[str, dict[int, list[float]]] = {}
-    for (role, n) in calls:
-        samples.setdefault(role, {})[n] = []
-    for rep in range(warmup + repeats):
-        for (role, n), call in calls.items():
-            seconds = call()
-            if rep >= warmup:
-                samples[role][n].append(seconds)
-    return samples
+                calls[f"{BUILD}|{context}|{budget}"] = _build_call(model, cache, budget)
+    return calls
 
 
 def _build_call(model: LeanModel, cache: KVCache, budget: int) -> Callable[[], float]:
@@ -253,10 +260,11 @@ def _timed_call(model: LeanModel, cache: KVCache, tokens: torch.Tensor, position
     return call
 
 
-def _cuda_graph_call(model: LeanModel, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor
-                     ) -> Callable[[], float]:
-    """Capture one forward of this shape as a CUDA graph (static layout); each call replays it, timed with
-    CUDA events."""
+def _cuda_graph_call(model: LeanModel, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+                     pool: tuple) -> Callable[[], float]:
+    """Capture one forward of this shape as a CUDA graph (static layout) in the memory `pool` it shares with
+    the other graphs of its context (replayed one at a time, their outputs never read); each call replays it,
+    timed with CUDA events."""
     n = tokens.shape[0]
     mask = torch.full((n, cache.max_len), float("-inf"), dtype=model.dtype, device=model.device)
     mask[:, :cache.length + n] = causal_mask(cache.length, n, model.dtype, model.device)
@@ -268,7 +276,7 @@ def _cuda_graph_call(model: LeanModel, cache: KVCache, tokens: torch.Tensor, pos
             model.forward(tokens, positions, cache, mask, slots=slots)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         model.forward(tokens, positions, cache, mask, slots=slots)
 
     def call() -> float:

@@ -36,31 +36,29 @@ def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
 
 
 def test_interrupted_profile_leaves_no_output_and_resumes(run_cli, tmp_path, monkeypatch):
+    """Two warm-up passes and two timed ones (QUICK); interrupted in the second timed pass, the resumed run
+    times only that one again, after its warm-up."""
     out = tmp_path / "tiny.yaml"
-    real = latency._time_block
-    calls = {"n": 0}
+    real = latency._time_pass
+    passes = {"n": 0}
 
-    def interrupt_in_the_second_block(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
+    def interrupt_in_the_second_timed_pass(calls):
+        passes["n"] += 1
+        if passes["n"] == 4:
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        return real(calls)
 
-    monkeypatch.setattr(latency, "_time_block", interrupt_in_the_second_block)
+    monkeypatch.setattr(latency, "_time_pass", interrupt_in_the_second_timed_pass)
     code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "-o", out)
     assert code == 130 and not out.exists()
 
-    measured = []
-
-    def record(model, context, *args, **kwargs):
-        measured.append(context)
-        return real(model, context, *args, **kwargs)
-
-    monkeypatch.setattr(latency, "_time_block", record)
+    passes["n"] = 0
+    monkeypatch.setattr(latency, "_time_pass", lambda calls: passes.update(n=passes["n"] + 1) or real(calls))
     code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "--resume", "-o", out)
     assert code == 0, stderr
-    assert measured == [64]  # the context-16 block finished before the interrupt and was reused
+    assert passes["n"] == 3
     assert len(load_profile(out).target_t_seconds) == 4
+    assert not list(tmp_path.glob(".*partial*"))
 
 
 def test_draft_vocabulary_is_timed_and_recorded(run_cli, tmp_path):
