@@ -43,9 +43,8 @@ last prompt token over the full cache, whose query scores the chunks (t(1, L)), 
     time per token = [sum of (time(0) + t(1, L) + b(L, B) + floor((N - 1) / R') b(L, B))] / sum of N,
 
 over the continuations, of N tokens each (a rebuild falls due after the tokens of a step are inserted and
-is built when the next step starts, so none follows the last token),
-
-and the autoregressive time is the sum of t(1, L + p) over the positions.
+is built when the next step starts, so none follows the last token). The autoregressive time is the sum of
+t(1, L + p) over the positions.
 """
 
 from __future__ import annotations

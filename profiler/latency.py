@@ -131,7 +131,8 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     """Every point (model, context, n, and the target's builds per budget) is timed once per pass, round-robin,
     so that a slow spell of the machine spreads over all of them: a plan rests on ratios between points, the
     middle level of TriForce at one context against the target at another, or the draft against the target.
-    Timed block by block instead, one context's points came out 1.5x slower than another's on this VM."""
+    Timed one context after another instead, a profile on a noisy VM gave t(1) at 7680 tokens below t(1) at
+    4096: the machine had slowed down while the shorter contexts were timed."""
     from tqdm import tqdm
 
     started = time.perf_counter()
@@ -152,9 +153,9 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     samples = {name: timed[:done] for name, timed in resumed.items()}
     if done:
         log(f"resuming: {done} of {request.repeats} timed passes already measured")
-    bar = tqdm(total=request.warmup + request.repeats, initial=0, desc="profile", unit="pass",
-               disable=None if progress else True, leave=False)
-    for rep in range(request.warmup + max(request.repeats - done, 0)):
+    passes = request.warmup + max(request.repeats - done, 0)
+    bar = tqdm(total=passes, desc="profile", unit="pass", disable=None if progress else True, leave=False)
+    for rep in range(passes):
         timed = _time_pass(calls)
         if rep >= request.warmup:
             for name, seconds in timed.items():
