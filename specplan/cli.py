@@ -87,7 +87,7 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--threads", type=int, help="torch threads (default: all cores)")
 @click.option("--repeats", type=int, help="timed repeats per point [7, quick 3]")
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
-@click.option("--resume", is_flag=True, help="reuse the points an interrupted run already measured")
+@click.option("--resume", is_flag=True, help="go on from the timing passes an interrupted run completed")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
             contexts: str | None, sizes: str | None, budgets: str | None, gpu: str | None,
