@@ -189,8 +189,15 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
 
 
 def _budgets_below(budgets: list[int], context: int) -> list[int]:
-    """The retrieval budgets a build over `context` tokens can keep (the decoder's rule: below the context)."""
-    return [b for b in budgets if RETRIEVAL_CHUNK * 2 <= b < context and b % RETRIEVAL_CHUNK == 0]
+    """The retrieval budgets a decoder could use over `context` tokens with chunks of RETRIEVAL_CHUNK."""
+    def allowed(budget: int) -> bool:
+        try:
+            RetrievalSettings(budget, RETRIEVAL_CHUNK).check(context)
+        except UserError:
+            return False
+        return True
+
+    return [budget for budget in budgets if allowed(budget)]
 
 
 @torch.inference_mode()

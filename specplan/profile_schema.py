@@ -134,9 +134,10 @@ class LatencyProfile:
         if not self.builds_by_context:
             return None
         contexts = sorted(self.builds_by_context)
-        at_context = [float(np.interp(budget, sorted(self.builds_by_context[L]),
-                                      [self.builds_by_context[L][b] for b in sorted(self.builds_by_context[L])]))
-                      for L in contexts]
+        at_context = []
+        for L in contexts:
+            budgets = sorted(self.builds_by_context[L])
+            at_context.append(float(np.interp(budget, budgets, [self.builds_by_context[L][b] for b in budgets])))
         return float(np.interp(context, contexts, at_context))
 
     def draft_step(self, context: int | None = None) -> float | None:
