@@ -154,11 +154,13 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
         from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
 
         s = decoder.plan.settings
-        retrieval = RetrievalSettings(s["budget"], s["chunk"], s["stride"], s["rebuild_below"])
+        # The two-level variant at its own best settings where the planner recorded them, else at the plan's.
+        two = {**s, **decoder.plan.prediction.get("best_two_level", {})}
+        retrieval = RetrievalSettings(two["budget"], two["chunk"], two["stride"], s["rebuild_below"])
         streaming_model = decoder.engine.drafter.bottom.model if s["bottom"] == "model" else decoder.lean_target
         triforce = {
             "two-level": engine_method(SpeculativeEngine(decoder.lean_target, HierarchicalDrafter(
-                decoder.lean_target, NoDrafter(), 1, s["gamma2"], retrieval), stops_set)),
+                decoder.lean_target, NoDrafter(), 1, two["gamma2"], retrieval), stops_set)),
             "streaming": engine_method(SpeculativeEngine(decoder.lean_target, StreamingDrafter(
                 streaming_model, s["gamma2"], s["sinks"], s["window"]), stops_set)),
         }
@@ -247,6 +249,12 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
             if prediction["plan_speedup"]:
                 prediction["measured_over_predicted"] = (prediction["measured_speedup_vs_ours_ar"]
                                                          / prediction["plan_speedup"])
+        two_level = plan.prediction.get("best_two_level")
+        if two_level and "two-level" in summary and "ours-ar" in summary:
+            prediction["two_level"] = {"predicted_speedup": two_level["speedup"],
+                                       "predicted_tokens_per_step": two_level["tokens_per_step"],
+                                       "measured_speedup_vs_ours_ar": summary["two-level"]["speedup_vs_ours-ar"],
+                                       "measured_tokens_per_step": summary["two-level"].get("tokens_per_step")}
     return {
         "kind": "bench/report",
         "machine": {**cpu_info(), "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -318,6 +326,12 @@ def markdown_table(report: dict) -> str:
                      + (f"{measured:.2f}x at " if measured is not None else "")
                      + f"{prediction['measured_tokens_per_step']:.2f} tokens/step"
                      + (" (vs ours-ar)" if measured is not None else " (ours-ar not run: no measured speedup)"))
+        two_level = prediction.get("two_level")
+        if two_level:
+            lines.append(f"two-level at its best settings: predicted {two_level['predicted_speedup']:.2f}x at "
+                         f"{two_level['predicted_tokens_per_step']:.2f} tokens/step; measured "
+                         f"{two_level['measured_speedup_vs_ours_ar']:.2f}x at "
+                         f"{two_level['measured_tokens_per_step']:.2f} tokens/step (vs ours-ar)")
         if prediction.get("profiled_elsewhere"):
             lines.append(f"note: the plan's profile was measured on another machine "
                          f"({prediction['profiled_elsewhere']}): the prediction is for that one")

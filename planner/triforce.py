@@ -21,7 +21,8 @@ With acceptance rate a, a chain of g drafts yields on average E(a, g) = (1 - a^(
     predicted speedup = t(1, L) / time per token
 
 The two-level variant (no bottom) has gamma1 = 0: each middle round is one forward t(1, B + s) yielding one
-token.
+token. It is searched beside every bottom setting, and wins where the bottom's acceptance does not pay for the
+middle's wider forwards: the plan then has no bottom (and records the best two-level setting either way).
 
 That closed form treats acceptances as independent per token, which real text is not: acceptance comes in
 runs, and a needle answer ends after twenty tokens. When the acceptance file holds per-prompt traces (the
@@ -229,8 +230,10 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     if measured and measured != acceptance.target:
         raise UserError(f"the acceptance is for {acceptance.target!r} but the profile for {measured!r}")
     bottom = "none" if two_level else ("trie" if acceptance.bottom == "trie" else "model")
+    cache = acceptance.extra.get("bottom_cache") or {}
+    sinks, window = int(cache.get("sinks", 4)), int(cache.get("window", 1024))
     if bottom == "model" and bottom_seconds is None:
-        bottom_seconds = profile.draft_step()
+        bottom_seconds = profile.draft_step(sinks + window)  # the draft runs over its StreamingLLM cache
         if bottom_seconds is None:
             raise UserError("a model bottom needs its step cost: profile the draft (plan profile --draft)")
     if bottom == "trie" and bottom_seconds is None:
@@ -239,20 +242,24 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     candidates = []
     top_costs: dict[int, np.ndarray] = {}
     replayed = all(entry["traces"] for entry in entries)
+    # The two-level variant (gamma1 = 0) is always a candidate: where the bottom's acceptance does not pay for
+    # the middle's extra tokens, the plan says so by dropping the bottom.
+    searched = [(0, None)] + ([] if bottom == "none" else [(gamma1, bottom_seconds) for gamma1 in GAMMA1])
     for entry in entries:
-        for gamma1 in (GAMMA1 if bottom != "none" else (1,)):
+        for gamma1, drafted in searched:
             for gamma2 in GAMMA2:
                 if gamma2 < gamma1:
                     continue
-                drafted = None if bottom == "none" else bottom_seconds
                 candidates.append(evaluate_traces(profile, context, entry, gamma1, gamma2, drafted, top_costs)
                                   if replayed else evaluate(profile, context, entry, gamma1, gamma2, drafted))
     candidates.sort(key=lambda c: (-c.speedup, c.gamma2, c.gamma1, c.budget))
     best = candidates[0]
-    cache = acceptance.extra.get("bottom_cache") or {}
+    best_two_level = next(c for c in candidates if c.gamma1 == 0)
+    if best.gamma1 == 0:
+        bottom = "none"
     settings = {"gamma1": max(best.gamma1, 1), "gamma2": best.gamma2, "budget": best.budget, "chunk": best.chunk,
                 "stride": best.stride, "context": context, "rebuild_below": rebuild_below, "bottom": bottom,
-                "sinks": int(cache.get("sinks", 4)), "window": int(cache.get("window", 1024))}
+                "sinks": sinks, "window": window}
     models = {"target": acceptance.target}
     if bottom == "model":
         models["draft"] = acceptance.bottom
@@ -263,7 +270,12 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
                   "middle_acceptance": best.middle_acceptance, "bottom_acceptance": best.bottom_acceptance,
                   "latency_source": profile.source,
                   "build_source": "measured" if profile.retrieval_build(context, best.budget) is not None
-                  else "t(1, L): the profile times no retrieval build"}
+                  else "t(1, L): the profile times no retrieval build",
+                  # `plan bench` runs its two-level baseline with these settings, the variant at its own best
+                  "best_two_level": {"gamma2": best_two_level.gamma2, "budget": best_two_level.budget,
+                                     "chunk": best_two_level.chunk, "stride": best_two_level.stride,
+                                     "speedup": best_two_level.speedup,
+                                     "tokens_per_step": best_two_level.tokens_per_step}}
     decoded_with = acceptance.extra.get("decoded_with")
     if decoded_with:
         # The middle level was measured in the decoded plan's steps (and outside fp32 the text depends on the

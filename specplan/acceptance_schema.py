@@ -130,7 +130,7 @@ def load_lookahead_acceptance(path: str | os.PathLike) -> LookaheadAcceptance:
 
 
 TRIFORCE_ENTRY_FIELDS = ("context", "budget", "chunk", "stride")
-TRIFORCE_DECODED_SETTINGS = ("gamma1", "gamma2", "budget", "chunk", "stride")  # a plan's, in `decoded_with`
+TRIFORCE_DECODED_SETTINGS = ("bottom", "gamma1", "gamma2", "budget", "chunk", "stride")  # in `decoded_with`
 TRIFORCE_GAMMA1 = tuple(range(1, 9))  # gamma1 values the planner searches; a trie's runs are recorded for each
 
 

@@ -140,10 +140,13 @@ class LatencyProfile:
             at_context.append(float(np.interp(budget, budgets, [self.builds_by_context[L][b] for b in budgets])))
         return float(np.interp(context, contexts, at_context))
 
-    def draft_step(self, context: int | None = None) -> float | None:
-        if context is None or context == self.target_context or context not in self.draft_by_context:
+    def draft_step(self, context: float | None = None) -> float | None:
+        """The draft's one-token step over `context` cached tokens: linear between its profiled contexts
+        (clamped); the base context's step where none is given or the draft was timed at one context only."""
+        if context is None or not self.draft_by_context:
             return self.draft_step_seconds
-        return self.draft_by_context[context]
+        contexts = sorted(self.draft_by_context)
+        return float(np.interp(context, contexts, [self.draft_by_context[L] for L in contexts]))
 
     @property
     def machine(self) -> dict[str, Any]:

@@ -195,9 +195,35 @@ def test_solve_and_show_triforce(run_cli, write_yaml_file, tmp_path):
     plan = load_plan(out)
     assert plan.settings["budget"] == 1024  # the better middle acceptance wins here
     assert plan.settings["bottom"] == "trie" and plan.settings["gamma2"] >= plan.settings["gamma1"]
+    assert 0 < plan.prediction["best_two_level"]["speedup"] < plan.prediction["speedup"]
+    useless_bottom = dict(TRIFORCE_ACCEPTANCE, entries=[dict(e, bottom=0.0) for e in TRIFORCE_ACCEPTANCE["entries"]])
+    code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("useless.yaml", useless_bottom),
+                              "--profile", profile, "-o", tmp_path / "dropped.yaml")
+    dropped = load_plan(tmp_path / "dropped.yaml")  # drafts never accepted only cost: the plan drops the bottom
+    assert code == 0 and dropped.settings["bottom"] == "none", stderr
+    assert dropped.prediction["speedup"] == dropped.prediction["best_two_level"]["speedup"]
     code, stdout, _ = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile, "--two-level",
                               "-o", tmp_path / "two.yaml")
     assert code == 0 and load_plan(tmp_path / "two.yaml").settings["bottom"] == "none"
+
+
+def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_file, tmp_path):
+    """The draft drafts over sinks + window cached tokens: its step is read there, linear between the draft's
+    profiled contexts (4 + 1020 = 1024 tokens: halfway from 264 to 1784)."""
+    acceptance = dict(TRIFORCE_ACCEPTANCE, models={"target": "tiny-random-llama", "bottom": "tiny-random-llama-draft"},
+                      bottom_cache={"sinks": 4, "window": 1020})
+    profile = dict(FLAT_PROFILE, draft={"step_seconds": 0.002, "context": 264, "t_seconds": {1: 0.002},
+                                        "contexts": {264: {"step_seconds": 0.002, "t_seconds": {1: 0.002}},
+                                                     1784: {"step_seconds": 0.004, "t_seconds": {1: 0.004}}}})
+    out = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("acc.yaml", acceptance),
+                              "--profile", write_yaml_file("prof.yaml", profile), "-o", out)
+    assert code == 0, stderr
+    from specplan.plan_schema import load_plan
+
+    plan = load_plan(out)
+    assert plan.settings["bottom"] == "model" and plan.settings["window"] == 1020
+    assert plan.inputs["bottom_seconds_per_draft"] == pytest.approx(0.003)
 
 
 def test_triforce_trace_replay_by_hand():
@@ -313,12 +339,12 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
         assert np.array_equal(again["bottom"], first["bottom"])
     settings = load_plan(plan).settings
     assert redecoded.extra["decoded_with"] == {"plan": str(plan), **{key: settings[key] for key in (
-        "gamma1", "gamma2", "budget", "chunk", "stride")}}
+        "bottom", "gamma1", "gamma2", "budget", "chunk", "stride")}}
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", decoded, "--profile", profile, "-o",
                               tmp_path / "again.yaml")
     again = load_plan(tmp_path / "again.yaml")
     assert code == 0 and again.prediction["replay_exact"] == all(again.settings[key] == settings[key] for key in (
-        "gamma1", "gamma2", "budget", "chunk", "stride"))
+        "bottom", "gamma1", "gamma2", "budget", "chunk", "stride"))
     candidate = evaluate_traces(load_profile(profile), 300, redecoded.entries[0], settings["gamma1"],
                                 settings["gamma2"], 2e-4, {})
     decoder = load_decoder(str(plan), target="tiny-random-llama", dtype="fp32")
