@@ -24,6 +24,11 @@ The two-level variant (no bottom) has gamma1 = 0: each middle round is one forwa
 token. It is searched beside every bottom setting, and wins where the bottom's acceptance does not pay for the
 middle's wider forwards: the plan then has no bottom (and records the best two-level setting either way).
 
+When the acceptance was measured decoding with a plan (`plan accept triforce --decode-with`), the replay is
+exact for that plan's settings only: the middle level ran in that plan's steps. Another setting, replayed
+approximately, replaces it only when predicted more than REPLAY_SWITCH_MARGIN (2%) faster, so that rounds of
+decoding and solving settle instead of alternating between near-ties.
+
 That closed form treats acceptances as independent per token, which real text is not: acceptance comes in
 runs, and a needle answer ends after twenty tokens. When the acceptance file holds per-prompt traces (the
 middle's and the bottom's acceptance at each position p of the target's own continuation, which ends at a
@@ -67,6 +72,7 @@ from specplan.provenance import provenance
 GAMMA1 = TRIFORCE_GAMMA1
 GAMMA2 = tuple(range(1, 17))
 TRIE_SECONDS_PER_DRAFT = 2e-4  # one retrieval plus insertion (bench/trie.py measures it)
+REPLAY_SWITCH_MARGIN = 0.02
 
 
 def expected_tokens(acceptance: float, drafts: float) -> float:
@@ -211,6 +217,14 @@ def _replay_trace(middle: np.ndarray, bottom: np.ndarray, runs: np.ndarray, gamm
     return seconds[0], steps[0], chain_sum / length
 
 
+def _decoded_settings(candidate: TriForceCandidate, bottom: str) -> dict[str, int | str]:
+    """The plan settings a candidate decodes with: those an acceptance file's `decoded_with` records."""
+    values = {"bottom": "none" if candidate.gamma1 == 0 else bottom, "gamma1": max(candidate.gamma1, 1),
+              "gamma2": candidate.gamma2, "budget": candidate.budget, "chunk": candidate.chunk,
+              "stride": candidate.stride}
+    return {key: values[key] for key in TRIFORCE_DECODED_SETTINGS}
+
+
 def _max_n(profile: LatencyProfile) -> int:
     curves = profile.target_by_context or {0: profile.target_t_seconds}
     return min(max(points) for points in curves.values())
@@ -253,13 +267,16 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
                 candidates.append(evaluate_traces(profile, context, entry, gamma1, gamma2, drafted, top_costs)
                                   if replayed else evaluate(profile, context, entry, gamma1, gamma2, drafted))
     candidates.sort(key=lambda c: (-c.speedup, c.gamma2, c.gamma1, c.budget))
+    decoded_with = acceptance.extra.get("decoded_with")
+    exact = next((c for c in candidates if decoded_with and all(
+        decoded_with.get(key) == value for key, value in _decoded_settings(c, bottom).items())), None)
     best = candidates[0]
+    if exact is not None and best.speedup < exact.speedup * (1.0 + REPLAY_SWITCH_MARGIN):
+        best = exact
     best_two_level = next(c for c in candidates if c.gamma1 == 0)
-    if best.gamma1 == 0:
-        bottom = "none"
-    settings = {"gamma1": max(best.gamma1, 1), "gamma2": best.gamma2, "budget": best.budget, "chunk": best.chunk,
-                "stride": best.stride, "context": context, "rebuild_below": rebuild_below, "bottom": bottom,
+    settings = {**_decoded_settings(best, bottom), "context": context, "rebuild_below": rebuild_below,
                 "sinks": sinks, "window": window}
+    bottom = settings["bottom"]
     models = {"target": acceptance.target}
     if bottom == "model":
         models["draft"] = acceptance.bottom
@@ -276,11 +293,8 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
                                      "chunk": best_two_level.chunk, "stride": best_two_level.stride,
                                      "speedup": best_two_level.speedup,
                                      "tokens_per_step": best_two_level.tokens_per_step}}
-    decoded_with = acceptance.extra.get("decoded_with")
     if decoded_with:
-        # The middle level was measured in the decoded plan's steps (and outside fp32 the text depends on the
-        # forward's size too): the replay is exact for the decoding settings only.
-        prediction["replay_exact"] = all(decoded_with.get(key) == settings[key] for key in TRIFORCE_DECODED_SETTINGS)
+        prediction["replay_exact"] = best is exact
     plan = Plan(
         method="triforce",
         models=models,

@@ -202,9 +202,35 @@ def test_solve_and_show_triforce(run_cli, write_yaml_file, tmp_path):
     dropped = load_plan(tmp_path / "dropped.yaml")  # drafts never accepted only cost: the plan drops the bottom
     assert code == 0 and dropped.settings["bottom"] == "none", stderr
     assert dropped.prediction["speedup"] == dropped.prediction["best_two_level"]["speedup"]
+    hopeless = dict(TRIFORCE_ACCEPTANCE, entries=[dict(e, middle=0.0) for e in TRIFORCE_ACCEPTANCE["entries"]])
+    code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("hopeless.yaml", hopeless),
+                              "--profile", profile, "-o", tmp_path / "hopeless-plan.yaml")
+    assert code == 0 and "no setting is predicted faster than one-token decoding at context 4096" in stderr
+    assert load_plan(tmp_path / "hopeless-plan.yaml").prediction["speedup"] < 1
     code, stdout, _ = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile, "--two-level",
                               "-o", tmp_path / "two.yaml")
     assert code == 0 and load_plan(tmp_path / "two.yaml").settings["bottom"] == "none"
+
+
+def test_decoded_settings_are_kept_unless_another_is_clearly_faster(write_yaml_file):
+    """The decoded plan's replay is exact, the others' approximate: a near-tie (within 2%) keeps the decoded
+    settings, so that decoding and solving again settles; a clearly faster setting replaces them."""
+    from planner.triforce import REPLAY_SWITCH_MARGIN, solve_triforce
+
+    profile = write_yaml_file("prof.yaml", FLAT_PROFILE)
+    _, ranked = solve_triforce(write_yaml_file("acc.yaml", TRIFORCE_ACCEPTANCE), profile)
+    best = ranked[0]
+    near = next(c for c in ranked if c.gamma1 > 0 and best.speedup / (1 + REPLAY_SWITCH_MARGIN) < c.speedup
+                < best.speedup)
+    slow = next(c for c in ranked if c.gamma1 > 0 and c.speedup < best.speedup / (1 + REPLAY_SWITCH_MARGIN))
+    for decoded, kept in ((near, near), (slow, best)):
+        settings = {"bottom": "trie", "gamma1": decoded.gamma1, "gamma2": decoded.gamma2, "budget": decoded.budget,
+                    "chunk": decoded.chunk, "stride": decoded.stride}
+        acceptance = dict(TRIFORCE_ACCEPTANCE, decoded_with={"plan": "p.yaml", **settings})
+        plan, _ = solve_triforce(write_yaml_file("decoded.yaml", acceptance), profile)
+        assert (plan.settings["gamma1"], plan.settings["gamma2"], plan.settings["budget"]) == (
+            max(kept.gamma1, 1), kept.gamma2, kept.budget)
+        assert plan.prediction["replay_exact"] == (kept is decoded)
 
 
 def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_file, tmp_path):
