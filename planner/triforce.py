@@ -256,8 +256,6 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     candidates = []
     top_costs: dict[int, np.ndarray] = {}
     replayed = all(entry["traces"] for entry in entries)
-    # The two-level variant (gamma1 = 0) is always a candidate: where the bottom's acceptance does not pay for
-    # the middle's extra tokens, the plan says so by dropping the bottom.
     searched = [(0, None)] + ([] if bottom == "none" else [(gamma1, bottom_seconds) for gamma1 in GAMMA1])
     for entry in entries:
         for gamma1, drafted in searched:

@@ -133,20 +133,15 @@ class LatencyProfile:
         profiled context that has builds, then in the context (both clamped); None if none was timed."""
         if not self.builds_by_context:
             return None
-        contexts = sorted(self.builds_by_context)
-        at_context = []
-        for L in contexts:
-            budgets = sorted(self.builds_by_context[L])
-            at_context.append(float(np.interp(budget, budgets, [self.builds_by_context[L][b] for b in budgets])))
-        return float(np.interp(context, contexts, at_context))
+        at_context = {L: _linear(points, budget) for L, points in self.builds_by_context.items()}
+        return _linear(at_context, context)
 
     def draft_step(self, context: float | None = None) -> float | None:
         """The draft's one-token step over `context` cached tokens: linear between its profiled contexts
-        (clamped); the base context's step where none is given or the draft was timed at one context only."""
+        (clamped); the base context's step where no context is given or the profile lists none."""
         if context is None or not self.draft_by_context:
             return self.draft_step_seconds
-        contexts = sorted(self.draft_by_context)
-        return float(np.interp(context, contexts, [self.draft_by_context[L] for L in contexts]))
+        return _linear(self.draft_by_context, context)
 
     @property
     def machine(self) -> dict[str, Any]:
@@ -162,6 +157,12 @@ class LatencyProfile:
     def models(self) -> dict[str, Any]:
         models = self.raw.get("models")
         return models if isinstance(models, dict) else {}
+
+
+def _linear(points: dict[int, float], x: float) -> float:
+    """The value at x, linear between the points' keys and clamped outside them."""
+    keys = sorted(points)
+    return float(np.interp(x, keys, [points[k] for k in keys]))
 
 
 def load_profile(path: str | os.PathLike) -> LatencyProfile:
