@@ -34,11 +34,13 @@ from specplan.errors import UserError
 from specplan.fileio import atomic_output, write_json
 from specplan.machine import cpu_info, machine_difference, this_machine
 from specplan.plan_schema import Plan
-from specplan.profile_schema import load_profile
+from specplan.profile_schema import LatencyProfile, load_profile
+from specplan.provenance import check_unchanged
 
 BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming")
 TRIFORCE_BASELINES = ("two-level", "streaming")
 NEAR_TIE = 1e-4
+REPRICE_PASSES = 2  # timed passes over the plan's priced points between two prompts
 
 
 @dataclass
@@ -52,6 +54,7 @@ class BenchRequest:
     chat: bool = True
     prompt_lookup_tokens: int = 10
     context: int | None = None  # build long prompts of this many tokens from a folder of essays
+    reprice: bool = False  # re-time the forwards a TriForce plan's prediction priced, between the prompts
 
 
 def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callable[[str], None] = print) -> dict:
@@ -79,11 +82,16 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
         decoder.engine.check_fits(len(ids), request.max_new_tokens)
     methods = _methods(decoder, request)
     names = list(methods)
+    repricing = _Repricing(decoder) if request.reprice else None
     log(f"warming up {', '.join(names)}")
     warm_up = encoded[0] if request.context is not None else encoded[0][:64]  # long-context methods need it all
     for run in methods.values():
         run(warm_up, 8, 0)
     decoder.restart()
+    if repricing is not None:
+        log(f"re-timing the plan's {len(repricing.timer.calls)} priced forwards and builds before each prompt "
+            "and after the last")
+        repricing.timer.run(REPRICE_PASSES, warmup=1)
     rows = []
     for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
         row: dict[str, Any] = {"id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids), "methods": {}}
@@ -105,7 +113,11 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
         rows.append(row)
         log(f"[{index + 1}/{len(prompts)}] " + "  ".join(
             f"{name} {row['methods'][name]['decode_tokens_per_second']:.2f} tok/s" for name in names))
+        if repricing is not None:
+            repricing.timer.run(REPRICE_PASSES)
     report = _report(decoder, request, rows, names)
+    if repricing is not None:
+        report["prediction"]["repriced"] = repricing.report(report["summary"])
     elsewhere = _profiled_elsewhere(decoder.plan, str(decoder.lean_target.device)) if decoder.plan else None
     if elsewhere:
         report["prediction"]["profiled_elsewhere"] = elsewhere
@@ -271,6 +283,61 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
     }
 
 
+class _Repricing:
+    """`--reprice`: the forwards and builds a TriForce plan's prediction priced, at the profile's own points,
+    re-timed between the prompts of the run. On a VM whose speed drifts, the prediction re-priced with them
+    separates a model error from a machine that runs slower or faster than when it was profiled."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        from planner.triforce import priced_points
+        from profiler.latency import PointTimer
+
+        plan = decoder.plan
+        if plan is None or plan.method != "triforce":
+            raise UserError("--reprice needs a TriForce plan")
+        profile_file = plan.inputs.get("profile", {}).get("file")
+        if not profile_file:
+            raise UserError("--reprice needs a plan solved with a latency profile")
+        check_unchanged(plan.provenance, profile_file, "the plan's profile")
+        self.plan = plan
+        self.profile = load_profile(profile_file)
+        points = priced_points(plan, self.profile)
+        draft = decoder.engine.drafter.bottom.model if points.draft else None
+        self.timer = PointTimer(decoder.lean_target, draft, points.target, points.builds, points.draft)
+
+    def report(self, summary: dict) -> dict:
+        from planner.triforce import reprice
+
+        fresh = self.profile.with_points(*self.timer.medians())
+        profiled, profiled_two = reprice(self.plan, self.profile)
+        repriced, repriced_two = reprice(self.plan, fresh)
+        s = self.plan.settings
+        L, middle = s["context"], s["budget"] + s["chunk"]
+        top = min(round(profiled.chain_tokens) + 1, max(fresh.target_curve(L).points))
+
+        def ratio(price: Callable[[LatencyProfile], float | None]) -> float | None:
+            new, old = price(fresh), price(self.profile)
+            return None if new is None or old is None else float(new) / float(old)
+
+        ratios = {"one_token_at_context": ratio(lambda p: p.latency(1, L)),
+                  f"top_verify_{top}_at_context": ratio(lambda p: p.latency(top, L)),
+                  "middle_step": ratio(lambda p: p.latency(profiled.gamma1 + 1, middle)),
+                  "retrieval_build": ratio(lambda p: p.retrieval_build(L, s["budget"]))}
+        if s["bottom"] == "model":
+            ratios["draft_step"] = ratio(lambda p: p.draft_step(s["sinks"] + s["window"]))
+        out = {"speedup": repriced.speedup, "tokens_per_step": repriced.tokens_per_step,
+               "profiled_speedup": profiled.speedup, "two_level_speedup": repriced_two.speedup,
+               "two_level_profiled_speedup": profiled_two.speedup,
+               "price_ratios": {key: value for key, value in ratios.items() if value is not None},
+               "passes": len(next(iter(self.timer.samples.values()))), "points": len(self.timer.calls)}
+        if "ours-ar" in summary:
+            out["measured_over_repriced"] = summary["ours"]["speedup_vs_ours-ar"] / repriced.speedup
+            if "two-level" in summary:
+                out["two_level_measured_over_repriced"] = (summary["two-level"]["speedup_vs_ours-ar"]
+                                                           / repriced_two.speedup)
+        return out
+
+
 def _profiled_elsewhere(plan: Plan, device: str) -> str | None:
     """How the machine of the plan's profile differs from this one, if it does."""
     profile = plan.inputs.get("profile")
@@ -332,6 +399,17 @@ def markdown_table(report: dict) -> str:
                          f"{two_level['predicted_tokens_per_step']:.2f} tokens/step; measured "
                          f"{two_level['measured_speedup_vs_ours_ar']:.2f}x at "
                          f"{two_level['measured_tokens_per_step']:.2f} tokens/step (vs ours-ar)")
+        repriced = prediction.get("repriced")
+        if repriced:
+            measured_over = repriced.get("measured_over_repriced")
+            lines.append(f"re-priced with its {repriced['points']} priced forwards and builds re-timed beside the "
+                         f"run ({repriced['passes']} passes): predicted {repriced['speedup']:.2f}x"
+                         + (f", measured/predicted {measured_over:.2f}" if measured_over is not None else "")
+                         + f"; two-level {repriced['two_level_speedup']:.2f}x"
+                         + (f", measured/predicted {repriced['two_level_measured_over_repriced']:.2f}"
+                            if "two_level_measured_over_repriced" in repriced else ""))
+            lines.append("times now against the profile's: " + ", ".join(
+                f"{key.replace('_', ' ')} {value:.2f}x" for key, value in repriced["price_ratios"].items()))
         if prediction.get("profiled_elsewhere"):
             lines.append(f"note: the plan's profile was measured on another machine "
                          f"({prediction['profiled_elsewhere']}): the prediction is for that one")

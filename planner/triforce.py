@@ -66,8 +66,8 @@ from numba import njit
 from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1, load_triforce_acceptance
 from specplan.errors import UserError
 from specplan.plan_schema import Plan
-from specplan.profile_schema import LatencyProfile, load_profile
-from specplan.provenance import provenance
+from specplan.profile_schema import LatencyProfile, covering, load_profile
+from specplan.provenance import check_unchanged, provenance
 
 GAMMA1 = TRIFORCE_GAMMA1
 GAMMA2 = tuple(range(1, 17))
@@ -225,6 +225,16 @@ def _decoded_settings(candidate: TriForceCandidate, bottom: str) -> dict[str, in
     return {key: values[key] for key in TRIFORCE_DECODED_SETTINGS}
 
 
+def _bottom_seconds(bottom: str, profile: LatencyProfile, streaming_cache: int) -> float:
+    """c_b: the trie's retrieval, or the draft model's one-token step over its StreamingLLM cache."""
+    if bottom == "trie":
+        return TRIE_SECONDS_PER_DRAFT
+    seconds = profile.draft_step(streaming_cache)
+    if seconds is None:
+        raise UserError("a model bottom needs its step cost: profile the draft (plan profile --draft)")
+    return seconds
+
+
 def _max_n(profile: LatencyProfile) -> int:
     curves = profile.target_by_context or {0: profile.target_t_seconds}
     return min(max(points) for points in curves.values())
@@ -246,12 +256,8 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     bottom = "none" if two_level else ("trie" if acceptance.bottom == "trie" else "model")
     cache = acceptance.extra.get("bottom_cache") or {}
     sinks, window = int(cache.get("sinks", 4)), int(cache.get("window", 1024))
-    if bottom == "model" and bottom_seconds is None:
-        bottom_seconds = profile.draft_step(sinks + window)  # the draft runs over its StreamingLLM cache
-        if bottom_seconds is None:
-            raise UserError("a model bottom needs its step cost: profile the draft (plan profile --draft)")
-    if bottom == "trie" and bottom_seconds is None:
-        bottom_seconds = TRIE_SECONDS_PER_DRAFT
+    if bottom_seconds is None and bottom != "none":
+        bottom_seconds = _bottom_seconds(bottom, profile, sinks + window)
     started = time.perf_counter()
     candidates = []
     top_costs: dict[int, np.ndarray] = {}
@@ -308,3 +314,76 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
         settings=settings,
     )
     return plan, candidates
+
+
+# --- re-pricing a plan --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PricedPoints:
+    """The profile points a plan's prediction (and its best two-level setting's) reads: target sizes per
+    context, build budgets per context, draft contexts. Re-timing exactly these re-prices the prediction as
+    the solver priced it, interpolation included."""
+
+    target: dict[int, list[int]]
+    builds: dict[int, list[int]]
+    draft: list[int]
+
+
+def _plan_settings(plan: Plan) -> list[tuple[dict, int, int, float | None]]:
+    """(acceptance entry, gamma1, gamma2, bottom seconds) for the plan's setting, then its best two-level one."""
+    path = plan.inputs["acceptance"]["file"]
+    check_unchanged(plan.provenance, path, "the plan's acceptance file")
+    acceptance = load_triforce_acceptance(path)
+    s = plan.settings
+
+    def entry(budget: int, chunk: int, stride: int) -> dict:
+        found = next((e for e in acceptance.entries if (e["context"], e["budget"], e["chunk"], e["stride"])
+                      == (s["context"], budget, chunk, stride)), None)
+        if found is None:
+            raise UserError(f"{path} has no entry for context {s['context']}, "
+                            f"budget {budget}, chunk {chunk}, stride {stride}: not the plan's acceptance file")
+        return found
+
+    two = plan.prediction.get("best_two_level") or s
+    plan_bottom = None if s["bottom"] == "none" else plan.inputs.get("bottom_seconds_per_draft")
+    settings = [(entry(s["budget"], s["chunk"], s["stride"]), 0 if plan_bottom is None else s["gamma1"],
+                 s["gamma2"], plan_bottom)]
+    return settings + [(entry(two["budget"], two["chunk"], two["stride"]), 0, two["gamma2"], None)]
+
+
+def priced_points(plan: Plan, profile: LatencyProfile) -> PricedPoints:
+    context = plan.settings["context"]
+    contexts = sorted(profile.target_by_context)
+    if not contexts:
+        raise UserError("re-pricing needs a profile timed at several contexts (plan profile --contexts ...)")
+    target: dict[int, int] = {}  # context -> the largest size read there
+    builds: dict[int, set[int]] = {}
+    for entry, gamma1, gamma2, _ in _plan_settings(plan):
+        longest = max((len(trace["middle"]) for trace in entry["traces"]), default=1)
+        middle = entry["budget"] + entry["chunk"]
+        for L in covering(contexts, middle, middle):
+            target[L] = max(target.get(L, 1), gamma1 + 1)
+        for L in covering(contexts, context, context + longest - 1):
+            target[L] = max(target.get(L, 1), min(gamma2 + gamma1 + 2, _max_n(profile)))  # the longest chain + 1
+        for L in covering(profile.builds_by_context, context, context) if profile.builds_by_context else []:
+            builds.setdefault(L, set()).update(covering(profile.builds_by_context[L], entry["budget"],
+                                                        entry["budget"]))
+    draft = []
+    if plan.settings["bottom"] == "model" and profile.draft_by_context:
+        streaming_cache = plan.settings["sinks"] + plan.settings["window"]
+        draft = covering(profile.draft_by_context, streaming_cache, streaming_cache)
+    return PricedPoints({L: profile.target_curve(L).support(largest) for L, largest in sorted(target.items())},
+                        {L: sorted(budgets) for L, budgets in sorted(builds.items())}, draft)
+
+
+def reprice(plan: Plan, profile: LatencyProfile) -> tuple[TriForceCandidate, TriForceCandidate]:
+    """The plan's setting and its best two-level setting, priced with `profile` exactly as the solver priced
+    them (the trace replay, or the closed form where the acceptance has no traces)."""
+    priced = []
+    for entry, gamma1, gamma2, bottom_seconds in _plan_settings(plan):
+        if gamma1 and plan.settings["bottom"] == "model":
+            bottom_seconds = _bottom_seconds("model", profile, plan.settings["sinks"] + plan.settings["window"])
+        priced.append(evaluate_traces(profile, plan.settings["context"], entry, gamma1, gamma2, bottom_seconds, {})
+                      if entry["traces"] else
+                      evaluate(profile, plan.settings["context"], entry, gamma1, gamma2, bottom_seconds))
+    return priced[0], priced[1]

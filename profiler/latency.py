@@ -164,17 +164,7 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
             checkpoint.save()
         bar.update(1)
     bar.close()
-    curves: dict[str, dict[int, dict[int, dict]]] = {role: {} for role in lean}
-    builds: dict[int, dict[int, float]] = {}
-    for name, timed in samples.items():
-        role, L, n = name.split("|")
-        points = np.array(timed)
-        if role == BUILD:
-            builds.setdefault(int(L), {})[int(n)] = float(np.median(points))
-        else:
-            curves[role].setdefault(int(L), {})[int(n)] = {"median": float(np.median(points)),
-                                                           "p10": float(np.percentile(points, 10)),
-                                                           "p90": float(np.percentile(points, 90))}
+    curves, builds = _summaries(samples)
     document = _document(request, "measured", machine, models, curves)
     for L, by_budget in builds.items():
         document["target"]["contexts"][L]["retrieval_build_seconds"] = by_budget
@@ -186,6 +176,56 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     document["measurement_seconds"] = round(time.perf_counter() - started, 1)
     checkpoint.remove()
     return document
+
+
+def _summaries(samples: dict[str, list[float]]) -> tuple[dict[str, dict[int, dict[int, dict]]],
+                                                        dict[int, dict[int, float]]]:
+    """Timed samples by call name to curves {role: {L: {n: {median, p10, p90}}}} and builds {L: {B: median}}."""
+    curves: dict[str, dict[int, dict[int, dict]]] = {}
+    builds: dict[int, dict[int, float]] = {}
+    for name, timed in samples.items():
+        role, L, n = name.split("|")
+        points = np.array(timed)
+        if role == BUILD:
+            builds.setdefault(int(L), {})[int(n)] = float(np.median(points))
+        else:
+            curves.setdefault(role, {}).setdefault(int(L), {})[int(n)] = {
+                "median": float(np.median(points)), "p10": float(np.percentile(points, 10)),
+                "p90": float(np.percentile(points, 90))}
+    return curves, builds
+
+
+class PointTimer:
+    """Chosen points of a profile, timed with the profiler's own calls, every point once per pass: what
+    `plan bench --reprice` runs between the prompts to re-time the forwards a plan's prediction priced."""
+
+    def __init__(self, target: LeanModel, draft: LeanModel | None, sizes: dict[int, list[int]],
+                 builds: dict[int, list[int]], draft_contexts: list[int]) -> None:
+        self.calls: dict[str, Callable[[], float]] = {}
+        for L in sorted(set(sizes) | set(builds)):
+            calls = _calls_at({"target": target}, L, sizes.get(L, [1]), builds.get(L, []))
+            self.calls.update({name: call for name, call in calls.items()
+                               if name.startswith(BUILD) or L in sizes})
+        for L in draft_contexts:
+            if draft is None:
+                raise ValueError("draft contexts to time but no draft model")
+            self.calls.update(_calls_at({"draft": draft}, L, [1], []))
+        self.samples: dict[str, list[float]] = {name: [] for name in self.calls}
+
+    def run(self, passes: int, warmup: int = 0) -> None:
+        for rep in range(warmup + passes):
+            timed = _time_pass(self.calls)
+            if rep >= warmup:
+                for name, seconds in timed.items():
+                    self.samples[name].append(seconds)
+
+    def medians(self) -> tuple[dict[int, dict[int, float]], dict[int, dict[int, float]], dict[int, float]]:
+        """(target {L: {n: s}}, builds {L: {B: s}}, draft {L: one-token step s}): medians of the passes run."""
+        curves, builds = _summaries(self.samples)
+        medians = {role: {L: {n: p["median"] for n, p in points.items()} for L, points in by_context.items()}
+                   for role, by_context in curves.items()}
+        return (medians.get("target", {}), builds,
+                {L: points[1] for L, points in medians.get("draft", {}).items()})
 
 
 def _budgets_below(budgets: list[int], context: int) -> list[int]:

@@ -359,12 +359,15 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--chat/--no-chat", default=True, show_default=True)
 @click.option("--context", type=int, help="long prompts of this many tokens built from --dataset (a folder of essays)")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="default: cuda when available")
+@click.option("--reprice", is_flag=True,
+              help="TriForce plans: re-time the forwards and builds the prediction priced, between the prompts, "
+                   "and report the prediction re-priced with them")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, baselines: str, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
-          output: Path) -> None:
+          reprice: bool, output: Path) -> None:
     """Our decoder against Hugging Face baselines on the same prompts, in one run."""
     from decoder.api import load_decoder
     from decoder.bench import BenchRequest, markdown_table, run_bench
@@ -375,7 +378,7 @@ def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, base
     params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
                             top_p=defaults.top_p if top_p is None else top_p)
     request = BenchRequest(dataset, prompts, max_new_tokens, [b for b in baselines.split(",") if b], params, seed,
-                           chat, context=context)
+                           chat, context=context, reprice=reprice)
     report = run_bench(decoder, request, output, log=_progress)
     click.echo(markdown_table(report))
     click.echo(f"wrote {output} (+ .md, .png)")

@@ -14,8 +14,10 @@ token ids below some size (plus the stop tokens), `draft_vocab`. A measured prof
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,13 @@ class LatencyCurve:
         self._interp = PchipInterpolator(sizes, times) if len(sizes) > 1 else None
         self.max_n = int(sizes[-1])
         self.min_n = int(sizes[0])
+
+    def support(self, largest: int) -> list[int]:
+        """The sizes whose times determine t(n) for every n <= largest: PCHIP's slope at a point reads its two
+        neighbours, so the curve up to `largest` reads two profiled sizes beyond it."""
+        sizes = list(self.points)
+        above = [n for n in sizes if n > largest][:2]
+        return [n for n in sizes if n <= largest] + above
 
     def __call__(self, n: int | np.ndarray) -> np.ndarray:
         n_arr = np.asarray(n, dtype=np.float64)
@@ -143,6 +152,21 @@ class LatencyProfile:
             return self.draft_step_seconds
         return _linear(self.draft_by_context, context)
 
+    def with_points(self, target: dict[int, dict[int, float]], builds: dict[int, dict[int, float]],
+                    draft: dict[int, float]) -> LatencyProfile:
+        """A copy with these points (target t(n) per context, builds per context and budget, draft steps per
+        context) replaced by the given times: the same prices re-timed."""
+        def merged(points: dict, new: dict) -> dict:
+            return {key: {**value, **new.get(key, {})} for key, value in points.items()}
+
+        base = self.target_t_seconds
+        if self.target_context in target:
+            base = {**base, **target[self.target_context]}
+        return dataclasses.replace(self, target_t_seconds=base,
+                                   target_by_context=merged(self.target_by_context, target),
+                                   builds_by_context=merged(self.builds_by_context, builds),
+                                   draft_by_context={**self.draft_by_context, **draft})
+
     @property
     def machine(self) -> dict[str, Any]:
         """The machine the timings describe (specplan.machine.machine_identity of `hardware`)."""
@@ -157,6 +181,14 @@ class LatencyProfile:
     def models(self) -> dict[str, Any]:
         models = self.raw.get("models")
         return models if isinstance(models, dict) else {}
+
+
+def covering(keys: Iterable[int], low: float, high: float) -> list[int]:
+    """The keys whose values a clamped linear interpolation reads anywhere in [low, high]."""
+    ordered = sorted(keys)
+    first = max([k for k in ordered if k <= low], default=ordered[0])
+    last = min([k for k in ordered if k >= high], default=ordered[-1])
+    return [k for k in ordered if first <= k <= last]
 
 
 def _linear(points: dict[int, float], x: float) -> float:

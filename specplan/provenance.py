@@ -8,6 +8,7 @@ import platform
 from collections.abc import Iterable
 
 from specplan import __version__
+from specplan.errors import UserError
 from specplan.fileio import sha256_file
 
 
@@ -18,3 +19,12 @@ def provenance(inputs: Iterable[str | os.PathLike] = ()) -> dict:
         "host": platform.node(),
         "inputs": {str(path): {"sha256": sha256_file(path)} for path in inputs},
     }
+
+
+def check_unchanged(document: dict, path: str | os.PathLike, what: str) -> None:
+    """Raise a UserError when `path` is not the file a document's provenance hashed (where it hashed it)."""
+    recorded = (document.get("inputs") or {}).get(str(path), {}).get("sha256")
+    if not os.path.isfile(path):
+        raise UserError(f"{what} {path} is not there")
+    if recorded is not None and recorded != sha256_file(path):
+        raise UserError(f"{what} {path} changed after the plan was solved: solve the plan again")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import yaml
 
@@ -134,3 +135,21 @@ def test_profile_bad_input(args, message, run_cli, tmp_path):
     code, _, stderr = run_cli("profile", *args, *extra, "-o", out)
     assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_support_and_covering_are_the_points_an_interpolation_reads():
+    from specplan.profile_schema import LatencyCurve, covering
+
+    points = {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 3.5, 32: 7.0, 64: 15.0}
+    support = LatencyCurve(points).support(5)
+    assert support == [1, 2, 4, 8, 16]
+    sizes = np.arange(1, 6)
+    before = LatencyCurve(points)(sizes)
+    assert np.array_equal(LatencyCurve({**points, 32: 9.0, 64: 30.0})(sizes), before)
+    assert not np.allclose(LatencyCurve({**points, 16: 5.0})(sizes), before)  # the slope at 8 reads 16
+    assert LatencyCurve(points).support(64) == list(points)
+    contexts = [256, 1024, 4096]
+    assert covering(contexts, 2000, 2000) == [1024, 4096]
+    assert covering(contexts, 1024, 1024) == [1024]
+    assert covering(contexts, 4096, 4351) == [4096]  # clamped above the last context
+    assert covering(contexts, 100, 300) == [256, 1024]

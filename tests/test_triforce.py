@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -351,6 +353,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     assert code == 0, stderr
     plan = tmp_path / "plan.yaml"
     assert "replayed" in load_plan(plan).solver["algorithm"]
+    assert_repricing_reads_exactly_the_priced_points(load_plan(plan), load_profile(profile))
 
     # Measured along the plan's own decoded text (in fp32 the target's: the first proposals along it are the
     # same) and in its steps: the replay of the plan's own settings then takes the decoder's steps.
@@ -377,12 +380,54 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     steps = sum(decoder.engine.generate(p.ids, 12, SamplingParams()).steps
                 for p in build_prompts("../shared/data/haystack", decoder.tokenizer, 300, 2))
     assert candidate.tokens_per_step == pytest.approx(len(middle) / steps)
+    report_path = tmp_path / "report.json"
+    code, stdout, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--dataset",
+                                   "../shared/data/haystack", "--context", "300", "--prompts", "1",
+                                   "--max-new-tokens", "12", "--baselines", "hf,ours-ar,two-level,streaming",
+                                   "--reprice", "-o", report_path)
+    assert code == 0, stderr
+    report = json.loads(report_path.read_text())
+    for name in ("ours", "ours-ar", "two-level", "streaming"):
+        assert report["summary"][name]["identical_to_hf"] == 1
+    repriced = report["prediction"]["repriced"]
+    assert repriced["passes"] == 4
+    assert repriced["profiled_speedup"] == pytest.approx(load_plan(plan).prediction["speedup"])
+    assert repriced["measured_over_repriced"] == pytest.approx(
+        report["summary"]["ours"]["speedup_vs_ours-ar"] / repriced["speedup"])
+    assert repriced["price_ratios"]["one_token_at_context"] > 0 and "re-priced with its" in stdout
     for option, message in ((["--dtype", "bf16"], "not bf16"), (["--temperature", "0.7"], "greedy"),
                             (["--contexts", "64"], "not below the context")):
         code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
                                   "../shared/data/haystack", "--decode-with", plan, *option, "-o", tmp_path / "x.yaml")
         assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
         assert not (tmp_path / "x.yaml").exists()
+    with open(out, "a") as handle:
+        handle.write("# edited\n")
+    code, _, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--dataset",
+                              "../shared/data/haystack", "--context", "300", "--prompts", "1", "--baselines",
+                              "ours-ar", "--reprice", "-o", tmp_path / "again.json")
+    assert code == 2 and "changed after the plan was solved" in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def assert_repricing_reads_exactly_the_priced_points(plan, profile) -> None:
+    """Re-priced with its own profile, a plan predicts what the solver did; with only the priced points slowed
+    down 3x, what it predicts from a profile slowed down 3x everywhere (the trie's constant cost aside)."""
+    from planner.triforce import priced_points, reprice
+
+    own, own_two = reprice(plan, profile)
+    assert own.speedup == pytest.approx(plan.prediction["speedup"])
+    assert own_two.speedup == pytest.approx(plan.prediction["best_two_level"]["speedup"])
+    points = priced_points(plan, profile)
+    assert plan.settings["context"] in points.target and 1 in points.target[plan.settings["context"]]
+    slow = {L: {n: 3 * profile.latency(n, L).item() for n in sizes} for L, sizes in points.target.items()}
+    slow_builds = {L: {b: 3 * profile.builds_by_context[L][b] for b in budgets} for L, budgets in points.builds.items()}
+    everywhere = profile.with_points(
+        {L: {n: 3 * t for n, t in curve.items()} for L, curve in profile.target_by_context.items()},
+        {L: {b: 3 * t for b, t in builds.items()} for L, builds in profile.builds_by_context.items()}, {})
+    for priced, slowed, unslowed in zip(reprice(plan, profile.with_points(slow, slow_builds, {})),
+                                        reprice(plan, everywhere), (own, own_two)):
+        assert priced.seconds_per_token == pytest.approx(slowed.seconds_per_token)
+        assert priced.seconds_per_token > unslowed.seconds_per_token * 1.5
 
 
 @pytest.mark.parametrize("trace, message", [
