@@ -335,6 +335,8 @@ def _cuda_graph_call(model: LeanModel, cache: KVCache, tokens: torch.Tensor, pos
         end.synchronize()
         return begin.elapsed_time(end) / 1e3
 
+    # The graph reads and writes this memory by address: freed, the allocator would hand it to other tensors.
+    call.graph_memory = (cache, tokens, positions, mask, slots)  # type: ignore[attr-defined]
     return call
 
 
