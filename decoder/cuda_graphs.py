@@ -1,10 +1,12 @@
-"""CUDA graphs for the decoder's forwards on a GPU: one graph per static shape (number of new tokens).
+"""CUDA graphs for the decoder's forwards on a GPU: one graph per static shape (number of new tokens, rounded
+up to one of GRAPH_SIZES).
 
 A graph replays fixed kernels on fixed memory, so every input lives in a static buffer: tokens, positions,
 the cache slots the new keys go to (written with index_copy_), and an additive mask over all `max_len` cache
 slots (the static layout of decoder/model.py). A Sequoia plan has few shapes (the verify size and each tree
-level's width), so they are captured once per cache and replayed every step. Greedy and sampled decoding use
-the same graphs: only the logits come out of them.
+level's width); Lookahead's trees and TriForce's middle level vary in size, and padded they share a few. The
+graphs are captured once per cache (LeanModel.cache_for keeps a cache across generations) and replayed every
+step. Greedy and sampled decoding use the same graphs: only the logits come out of them.
 """
 
 from __future__ import annotations
@@ -13,44 +15,59 @@ import torch
 
 from decoder.model import KVCache, LeanModel
 
+GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def graph_size(n: int, room: int) -> int:
+    """The token count of the graph that scores n tokens: n rounded up to GRAPH_SIZES, so that trees of varying
+    sizes (Lookahead's, TriForce's middle level) replay a few graphs instead of capturing one per size; n
+    itself where the cache has fewer than that many free slots (`room`)."""
+    size = next((s for s in GRAPH_SIZES if s >= n), n)
+    return size if size <= room else n
+
 
 class GraphedForward:
-    """Drop-in for LeanModel.forward (dynamic layout) that replays a CUDA graph per (cache, n)."""
+    """Drop-in for LeanModel.forward (dynamic layout) that replays a CUDA graph per (cache, graph_size(n)).
+
+    The graphs are kept on the cache (KVCache.graphs), whose memory they read and write: a graph must not
+    outlive it, nor be looked up by an id() that a later cache can reuse."""
 
     def __init__(self, model: LeanModel, warmup: int = 2) -> None:
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
         self.warmup = warmup
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                  logits_rows: torch.Tensor | slice | None = None, **unused) -> torch.Tensor:
         n = tokens.shape[0]
-        graph, buffers = self._graph(cache, n)
+        size = graph_size(n, cache.max_len - cache.length)
+        graph, buffers = self._graph(cache, size)
         device = self.model.device
-        buffers["tokens"].copy_(tokens.to(device, non_blocking=True))
-        buffers["positions"].copy_(positions.to(device, non_blocking=True))
-        buffers["slots"].copy_(torch.arange(cache.length, cache.length + n, device=device))
+        buffers["tokens"][:n].copy_(tokens.to(device, non_blocking=True))
+        buffers["positions"][:n].copy_(positions.to(device, non_blocking=True))
+        buffers["slots"].copy_(torch.arange(cache.length, cache.length + size, device=device))
         full_mask = buffers["mask"]
         full_mask.fill_(float("-inf"))
         if mask is None:
-            full_mask[:, :cache.length + n] = 0
+            full_mask[:n, :cache.length + n] = 0
         else:
-            full_mask[:, :mask.shape[1]].copy_(mask.to(device, non_blocking=True))
+            full_mask[:n, :mask.shape[1]].copy_(mask.to(device, non_blocking=True))
+        # Padding rows (earlier tokens and positions, keys written past the n new ones, where nothing lives) see
+        # every slot, so that no row is all -inf; their logits are never read.
+        full_mask[n:, :cache.length + size] = 0
         graph.replay()
-        logits = buffers["logits"]
+        logits = buffers["logits"][:n]
         return logits if logits_rows is None else logits[logits_rows]
 
     def _graph(self, cache: KVCache, n: int):
-        key = (id(cache), n)
-        if key not in self.graphs:
+        if n not in cache.graphs:
             device, dtype = self.model.device, self.model.dtype
-            # Warm-up and capture write their keys into the cache's last n slots, which hold nothing yet.
+            # Warm-up and capture write their keys where this call's keys go next.
             buffers = {
                 "tokens": torch.zeros(n, dtype=torch.long, device=device),
                 "positions": torch.zeros(n, dtype=torch.long, device=device),
-                "slots": torch.arange(cache.max_len - n, cache.max_len, device=device),
+                "slots": torch.arange(cache.length, cache.length + n, device=device),
                 "mask": torch.zeros(n, cache.max_len, dtype=dtype, device=device),
             }
             stream = torch.cuda.Stream()
@@ -64,5 +81,5 @@ class GraphedForward:
             with torch.cuda.graph(graph):
                 buffers["logits"] = self.model.forward(buffers["tokens"], buffers["positions"], cache,
                                                        buffers["mask"], slots=buffers["slots"])
-            self.graphs[key] = (graph, buffers)
-        return self.graphs[key]
+            cache.graphs[n] = (graph, buffers)
+        return cache.graphs[n]

@@ -106,11 +106,11 @@ class SequoiaDrafter(Drafter):
                 self.levels.append([])
             self.levels[self.depths[v]].append(v)
         self.allowed = ancestor_matrix([self.slot.get(self.parents[v], -1) for v in self.expanded])
-        self.cache = None
+        self.cache: KVCache | None = None
         self.pending: list[int] = []
 
     def reset(self, prompt: list[int], max_len: int) -> None:
-        self.cache = self.model.new_cache(max_len)
+        self.cache = self.model.cache_for(max_len, self.cache)
         self.model.prefill(torch.tensor(prompt[:-1], dtype=torch.long), self.cache, logits=False)
         self.pending = []
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoder.drafters import Drafter, NoDrafter
-from decoder.model import LeanModel
+from decoder.model import KVCache, LeanModel
 from decoder.sampling import SamplingParams
 from decoder.tree import ancestor_matrix, tree_attention_mask
 from decoder.verify import VerificationRule, choose_rule
@@ -44,6 +44,7 @@ class SpeculativeEngine:
         self.stop_ids = set(stop_ids or ())
         self.rule_name = rule
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self.cache: KVCache | None = None
 
     def rule_for(self, params: SamplingParams) -> VerificationRule:
         return choose_rule(self.rule_name, params, self.drafter.draws)
@@ -70,7 +71,8 @@ class SpeculativeEngine:
         generator = torch.Generator(device=self.target.device).manual_seed(seed if seed is not None else 0)
         target = self.target
         start = time.perf_counter()
-        cache = target.new_cache(max_len)
+        cache = self.cache = target.cache_for(max_len, self.cache)
+        max_len = cache.max_len
         target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), cache, logits=False)
         self.drafter.reset(prompt, max_len)
         self.drafter.bind(cache)

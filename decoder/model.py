@@ -26,6 +26,7 @@ from specplan.errors import UserError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 KEY_BUCKET = 64  # bf16 CPU attention runs over a key length rounded up to this (see LeanModel._key_span)
+GRAPH_CACHE_SLOTS = 512  # with CUDA graphs, cache sizes are rounded up to this (see LeanModel.cache_for)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class KVCache:
         self.v = torch.zeros(size, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
+        # CUDA graphs captured over this cache's memory, by number of new tokens (decoder/cuda_graphs.py); they
+        # live and die with it.
+        self.graphs: dict[int, tuple] = {}
 
     def commit(self, kept: torch.Tensor | None, count: int) -> None:
         """Keep `count` of the slots written after the prefix: `kept` lists them (slot offsets from `length`,
@@ -155,6 +159,18 @@ class LeanModel:
             raise UserError(f"a cache of {max_len} tokens exceeds the model's maximum context {self.shape.max_context}")
         return KVCache(self.shape, max_len, self.dtype, self.device)
 
+    def cache_for(self, max_len: int, previous: KVCache | None, exact: bool = False) -> KVCache:
+        """An empty cache of `max_len` slots: `previous`, emptied, when it has that size, else a new one.
+
+        With CUDA graphs, `max_len` is rounded up to GRAPH_CACHE_SLOTS (unless `exact`), so that generations of
+        similar lengths keep one cache and replay the graphs captured over it instead of capturing new ones."""
+        if self.graphed is not None and not exact:
+            max_len = min(-(-max_len // GRAPH_CACHE_SLOTS) * GRAPH_CACHE_SLOTS, self.shape.max_context)
+        if previous is not None and previous.max_len == max_len:
+            previous.length = 0
+            return previous
+        return self.new_cache(max_len)
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps)
@@ -166,14 +182,16 @@ class LeanModel:
 
         Few query rows (decode steps, token trees) are computed with two grouped matmuls: on CPU, SDPA runs
         one bf16 query row over 4096 keys about 10x slower than that, and its fp32 path gains nothing until
-        about 16 rows. Longer blocks (prefill) go to SDPA."""
+        about 16 rows. On an H100 (bench/gpu_attention.py), with a mask and grouped KV heads, the matmuls score
+        2 to 64 rows 1.15-1.25x faster than SDPA at 4096 to 7680 keys in fp32 (1.0-1.07x below), and in bf16
+        1.15-1.4x faster at 7680 keys but 5-10% slower at 1024. Longer blocks (prefill) go to SDPA."""
         n = q.shape[1]
-        if self._grouped_attention(n):
+        if self._grouped_attention(n, keys.shape[1]):
             heads, d = q.shape[0], q.shape[2]
             kv_heads, length = keys.shape[0], keys.shape[1]
             group = heads // kv_heads
             q = q.reshape(kv_heads, group * n, d)
-            if self.dtype == torch.bfloat16 and length >= 1024:
+            if self.dtype == torch.bfloat16 and length >= 1024 and self.device.type == "cpu":
                 # bf16 bmm against transposed keys slows down with the context (0.53 ms at 7680 keys on this
                 # CPU); one F.linear per KV head stays at 0.1 ms. Below 1024 keys bmm is as fast or faster.
                 scores = torch.stack([F.linear(q[h], keys[h]) for h in range(kv_heads)])
@@ -187,7 +205,9 @@ class LeanModel:
         return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask,
                                               enable_gqa=self.shape.kv_heads != self.shape.heads)[0]
 
-    def _grouped_attention(self, n: int) -> bool:
+    def _grouped_attention(self, n: int, keys: int) -> bool:
+        if self.device.type == "cuda":
+            return 2 <= n <= 64 and (self.dtype == torch.float32 or keys >= 4096)
         return self.device.type == "cpu" and n <= (32 if self.dtype == torch.bfloat16 else 8)
 
     def _key_span(self, cache: KVCache, n: int, end: int, static: bool) -> int:
@@ -195,7 +215,7 @@ class LeanModel:
         multiple of KEY_BUCKET (the extra slots are masked). A CPU bf16 matmul JIT-compiles a kernel for each
         new shape, about 0.5 ms; a key length that grows by a token per step would pay that on every step
         (2 ms a step for smollm2-135m), a bucketed one once per KEY_BUCKET tokens."""
-        if static or self.dtype != torch.bfloat16 or not self._grouped_attention(n):
+        if static or self.dtype != torch.bfloat16 or not self._grouped_attention(n, end):
             return end
         return min(-(-end // KEY_BUCKET) * KEY_BUCKET, cache.max_len)
 

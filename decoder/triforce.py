@@ -56,7 +56,8 @@ class StreamingDrafter(Drafter):
         self.positions = 0  # committed tokens so far (the true position of the next one)
 
     def reset(self, prompt, max_len):
-        self.cache = self.model.new_cache(min(self.sinks + self.window + 4 * self.max_tree_size + 8, max_len))
+        size = min(self.sinks + self.window + 4 * self.max_tree_size + 8, max_len)
+        self.cache = self.model.cache_for(size, self.cache, exact=True)  # the window is what its size leaves
         self.pending = list(prompt[:-1])
         self.positions = len(prompt) - 1
         self._flush_pending_into_window()
@@ -227,6 +228,7 @@ class HierarchicalDrafter(Drafter):
         self.queries = torch.zeros(target.shape.layers, target.shape.heads, target.shape.head_dim,
                                    dtype=target.dtype, device=target.device)
         self.full: KVCache | None = None
+        self.built = False  # the retrieval cache holds a selection of the bound full cache
         self.rebuild_due = False
         self.recent: deque[float] = deque(maxlen=8)
         self.stats = {"rounds": 0, "chains": 0, "chain_tokens": 0, "accepted": 0}
@@ -240,15 +242,16 @@ class HierarchicalDrafter(Drafter):
 
     def bind(self, target_cache: KVCache) -> None:
         self.full = target_cache
-        self.retrieval.cache = None
+        self.built = False
 
     @torch.inference_mode()
     def _ensure_retrieval(self, root: int) -> None:
-        if self.retrieval.cache is None:
+        if not self.built:
             # Built at the end of prefill from the query of the prompt's last token (scored, not committed).
             self.target.forward(torch.tensor([root]), torch.tensor([self.full.length]), self.full, None,
                                 logits_rows=slice(0, 0), queries=self.queries, query_row=0)
             self.retrieval.build(self.full, self.queries)
+            self.built = True
         elif self.rebuild_due:
             # Due since the last step's update, scored with that step root's query; built only now, so that
             # a generation's last step pays for none.

@@ -15,16 +15,14 @@ from decoder.trie import Trie, TrieSettings
 from decoder.triforce import HierarchicalDrafter, RetrievalCache, RetrievalSettings, StreamingDrafter
 from specplan.errors import UserError
 
-from toy import VOCAB, assert_distributed_as_target, first_two_distribution, hf_greedy, sample_first_two
-
-
-def long_prompt(length: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    motif = torch.randint(0, 256, (12,), generator=gen).tolist()
-    body = torch.randint(0, 256, (length,), generator=gen).tolist()
-    for start in range(0, length - 12, 97):
-        body[start:start + 12] = motif  # repeated passages, as in real documents
-    return body
+from toy import (
+    VOCAB,
+    assert_distributed_as_target,
+    first_two_distribution,
+    hf_greedy,
+    long_prompt,
+    sample_first_two,
+)
 
 
 @torch.inference_mode()

@@ -19,6 +19,15 @@ def hf_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def long_prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    motif = torch.randint(0, 256, (12,), generator=gen).tolist()
+    body = torch.randint(0, 256, (length,), generator=gen).tolist()
+    for start in range(0, length - 12, 97):
+        body[start:start + 12] = motif  # repeated passages, as in real documents
+    return body
+
+
 VOCAB = 6
 
 

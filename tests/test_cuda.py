@@ -1,0 +1,175 @@
+"""The GPU path: forwards replayed as CUDA graphs, lossless decoding with them (greedy and sampled), a measured
+GPU profile and a GPU bench. Skipped where no CUDA device is present (as in CI); on a GPU machine:
+`pytest tests/test_cuda.py`."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from decoder.api import lean_model
+from decoder.cuda_graphs import GRAPH_SIZES, graph_size
+from decoder.drafters import SequoiaDrafter, TrieDrafter
+from decoder.engine import SpeculativeEngine
+from decoder.model import GRAPH_CACHE_SLOTS, LeanModel, causal_mask
+from decoder.sampling import SamplingParams
+from decoder.trie import Trie, TrieSettings
+from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
+from specplan.models import load_model
+
+from conftest import ACCEPTANCE
+from toy import (
+    VOCAB,
+    assert_distributed_as_target,
+    first_two_distribution,
+    hf_greedy,
+    long_prompt,
+    sample_first_two,
+    toy_model,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def gpu_pair():
+    """The tiny pair on the GPU with CUDA graphs; the transformers models stay on the CPU as the reference."""
+    target, draft = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
+    return target, lean_model(target, "cuda"), lean_model(draft, "cuda")
+
+
+@torch.inference_mode()
+def test_graph_replays_match_eager_forwards_on_fresh_caches(gpu_pair):
+    loaded, graphed, _ = gpu_pair
+    assert graphed.graphed is not None
+    eager = LeanModel(loaded.model, "cuda")
+    prompt = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(0))
+    for round_ in range(3):  # a new cache each round: its graphs are its own, never an earlier cache's
+        caches = [model.new_cache(128) for model in (graphed, eager)]
+        for model, cache in zip((graphed, eager), caches):
+            model.prefill(prompt, cache, logits=False)
+        for n in (1, 4, 9, 4):
+            tokens = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(round_ * 10 + n))
+            positions = torch.arange(caches[0].length, caches[0].length + n)
+            mask = causal_mask(caches[0].length, n, graphed.dtype, "cuda") if n > 1 else None
+            replayed, expected = (model.forward(tokens, positions, cache, mask)
+                                  for model, cache in zip((graphed, eager), caches))
+            torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
+            for cache in caches:
+                cache.commit(None, n)
+        assert sorted(caches[0].graphs) == [1, 4, 16] and not caches[1].graphs  # 9 tokens padded to 16
+        del caches
+        gc.collect()
+
+
+@pytest.mark.parametrize("parents", [[-1], [-1, 0, 1, 2], [-1, 0, 0, 1, 1, 2, 3, 4, 5]], ids=lambda p: f"n{len(p)}")
+def test_greedy_output_equals_transformers_greedy_on_the_gpu(parents, gpu_pair):
+    loaded, target, draft = gpu_pair
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, parents) if len(parents) > 1 else None)
+    caches = []
+    for seed in range(3):
+        prompt = torch.randint(0, 256, (int(8 + 5 * seed),), generator=torch.Generator().manual_seed(seed)).tolist()
+        result = engine.generate(prompt, 40, SamplingParams())
+        assert result.tokens == hf_greedy(loaded, prompt, 40)
+        assert result.steps <= 40
+        caches.append(engine.cache)
+    # Generations of similar lengths keep one cache, so its graphs are captured once.
+    assert caches[0] is caches[1] is caches[2] and caches[0].max_len == GRAPH_CACHE_SLOTS
+    # the target forwards the whole static tree each step
+    assert list(caches[0].graphs) == [graph_size(len(parents), GRAPH_CACHE_SLOTS)]
+
+
+@pytest.mark.parametrize("decoding_length, branch_length", [(6, 3), (16, 4)])
+def test_trie_greedy_output_equals_transformers_greedy_on_the_gpu(decoding_length, branch_length, gpu_pair):
+    """Lookahead's trees change size every step: padded to a few graph sizes, the output stays exact."""
+    loaded, target, _ = gpu_pair
+    engine = SpeculativeEngine(target, TrieDrafter(Trie(TrieSettings(decoding_length, branch_length))))
+    for seed in range(3):
+        prompt = long_prompt(120, seed)
+        result = engine.generate(prompt, 60, SamplingParams())
+        assert result.tokens == hf_greedy(loaded, prompt, 60)
+        assert result.tokens_per_step > 1.0
+    assert set(engine.cache.graphs) <= set(GRAPH_SIZES)
+
+
+@pytest.mark.parametrize("bottom", ["trie", "streaming-draft"])
+def test_hierarchy_greedy_equals_transformers_greedy_on_the_gpu(bottom, gpu_pair):
+    loaded, target, draft = gpu_pair
+    make = {"trie": lambda: TrieDrafter(Trie(TrieSettings(decoding_length=4, branch_length=3, window=6))),
+            "streaming-draft": lambda: StreamingDrafter(draft, gamma=2, sinks=4, window=64)}[bottom]
+    drafter = HierarchicalDrafter(target, make(), 2, 4, RetrievalSettings(384, 8, 16))
+    engine = SpeculativeEngine(target, drafter)
+    for seed in range(2):
+        prompt = long_prompt(400, seed)
+        result = engine.generate(prompt, 60, SamplingParams())
+        assert result.tokens == hf_greedy(loaded, prompt, 60)
+        assert result.tokens_per_step > 1.0
+    assert drafter.retrieval.builds >= 4  # built for each prompt and rebuilt along the way
+
+
+@pytest.fixture(scope="module")
+def gpu_toy_pair():
+    target_hf, _ = toy_model(10)
+    draft_hf, _ = toy_model(10, noise=0.6)
+    target, draft = LeanModel(target_hf, "cuda"), LeanModel(draft_hf, "cuda")
+    target.enable_cuda_graphs()
+    draft.enable_cuda_graphs()
+    return target_hf, target, draft
+
+
+@pytest.mark.parametrize("hierarchy", [False, True], ids=["sequoia", "triforce"])
+def test_sampling_on_the_gpu_is_distributed_as_the_target(hierarchy, gpu_toy_pair):
+    target_hf, target, draft = gpu_toy_pair
+    params = SamplingParams(temperature=1.0)
+    prompt = [int(x) for x in np.random.default_rng(32).integers(0, VOCAB, 40)]
+    if hierarchy:
+        drafter = HierarchicalDrafter(target, StreamingDrafter(draft, gamma=2, sinks=2, window=8), 2, 4,
+                                      RetrievalSettings(budget=16, chunk=4, stride=8))
+    else:
+        drafter = SequoiaDrafter(draft, [-1, 0, 0, 1, 2])
+    engine = SpeculativeEngine(target, drafter)  # one engine, so its caches and graphs serve every seed
+    counts, accepted = sample_first_two(lambda: engine, prompt, params, 4000)
+    assert accepted > 0.2
+    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+
+
+def test_measured_gpu_profile(run_cli, tmp_path):
+    from profiler.latency import _local_gpu_name
+    from specplan.profile_schema import load_profile
+
+    gpu = _local_gpu_name()
+    if gpu is None:
+        pytest.skip(f"{torch.cuda.get_device_name(0)} is not in the roofline catalogue")
+    out = tmp_path / "gpu.yaml"
+    code, _, stderr = run_cli("profile", "--model", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
+                              "--gpu", gpu, "--contexts", "16,256", "--sizes", "1,2,4,8", "--repeats", "3",
+                              "--budgets", "64", "-o", out)
+    assert code == 0, stderr
+    profile = load_profile(out)
+    assert profile.source == "measured"
+    assert all(0 < t < 0.1 for t in profile.target_t_seconds.values())
+    assert profile.draft_step_seconds > 0 and profile.retrieval_build(256, 64) > 0
+
+
+def test_bench_on_the_gpu(run_cli, write_yaml_file, tmp_path):
+    acceptance = write_yaml_file("acc.yaml", {**ACCEPTANCE, "temperature": 0.0})
+    plan = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--max-size", 8, "--max-depth", 3,
+                              "-o", plan)
+    assert code == 0, stderr
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"count {i} 1 2 3 4"]})
+                                 for i in range(2)))
+    report_path = tmp_path / "report.json"
+    code, _, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--draft",
+                              "tiny-random-llama-draft", "--dataset", dataset, "--prompts", 2, "--max-new-tokens", 24,
+                              "--baselines", "hf,ours-ar", "--device", "cuda", "-o", report_path)
+    assert code == 0, stderr
+    summary = json.loads(report_path.read_text())["summary"]
+    for name in ("ours", "ours-ar"):
+        assert summary[name]["identical_to_hf"] == summary[name]["compared"] == 2
+        assert summary[name]["decode_tokens_per_second"] > 0
