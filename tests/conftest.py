@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,31 @@ PROFILE = {
     "target": {"t_seconds": {1: 0.035, 16: 0.070, 64: 0.125, 128: 0.186}},
     "draft": {"step_seconds": 0.004},
 }
+
+
+@pytest.fixture
+def bench_tiny_sequoia(run_cli, write_yaml_file, tmp_path):
+    """`plan bench` of a small solved Sequoia plan on the tiny pair over two short prompts; returns the
+    report's path."""
+
+    def bench(max_new_tokens: int, baselines: str, *extra: str) -> Path:
+        acceptance = write_yaml_file("acc.yaml", {**ACCEPTANCE, "temperature": 0.0})
+        plan = tmp_path / "plan.yaml"
+        code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--max-size", 8,
+                                  "--max-depth", 3, "-o", plan)
+        assert code == 0, stderr
+        dataset = tmp_path / "prompts.jsonl"
+        dataset.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"count {i} 1 2 3 4"]})
+                                     for i in range(2)))
+        report_path = tmp_path / "report.json"
+        code, _, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--draft",
+                                  "tiny-random-llama-draft", "--dataset", dataset, "--prompts", 2,
+                                  "--max-new-tokens", max_new_tokens, "--baselines", baselines, *extra,
+                                  "-o", report_path)
+        assert code == 0, stderr
+        return report_path
+
+    return bench
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,6 @@ from decoder.trie import Trie, TrieSettings
 from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
 from specplan.models import load_model
 
-from conftest import ACCEPTANCE
 from toy import (
     VOCAB,
     assert_distributed_as_target,
@@ -155,20 +154,8 @@ def test_measured_gpu_profile(run_cli, tmp_path):
     assert profile.draft_step_seconds > 0 and profile.retrieval_build(256, 64) > 0
 
 
-def test_bench_on_the_gpu(run_cli, write_yaml_file, tmp_path):
-    acceptance = write_yaml_file("acc.yaml", {**ACCEPTANCE, "temperature": 0.0})
-    plan = tmp_path / "plan.yaml"
-    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--max-size", 8, "--max-depth", 3,
-                              "-o", plan)
-    assert code == 0, stderr
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"count {i} 1 2 3 4"]})
-                                 for i in range(2)))
-    report_path = tmp_path / "report.json"
-    code, _, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--draft",
-                              "tiny-random-llama-draft", "--dataset", dataset, "--prompts", 2, "--max-new-tokens", 24,
-                              "--baselines", "hf,ours-ar", "--device", "cuda", "-o", report_path)
-    assert code == 0, stderr
+def test_bench_on_the_gpu(bench_tiny_sequoia):
+    report_path = bench_tiny_sequoia(24, "hf,ours-ar", "--device", "cuda")
     summary = json.loads(report_path.read_text())["summary"]
     for name in ("ours", "ours-ar"):
         assert summary[name]["identical_to_hf"] == summary[name]["compared"] == 2

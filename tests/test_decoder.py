@@ -184,20 +184,8 @@ def test_trie_sampling_is_distributed_as_the_target(temperature, top_p, top_k, t
     assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
 
 
-def test_bench_report_on_tiny_models(run_cli, write_yaml_file, tmp_path):
-    acceptance = write_yaml_file("acc.yaml", {**ACCEPTANCE, "temperature": 0.0})
-    plan = tmp_path / "plan.yaml"
-    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--max-size", 8, "--max-depth", 3,
-                              "-o", plan)
-    assert code == 0, stderr
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"count {i} 1 2 3 4"]})
-                                 for i in range(2)))
-    report_path = tmp_path / "report.json"
-    code, _, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--draft",
-                              "tiny-random-llama-draft", "--dataset", dataset, "--prompts", 2, "--max-new-tokens", 12,
-                              "--baselines", "hf,hf-assisted,ours-ar", "-o", report_path)
-    assert code == 0, stderr
+def test_bench_report_on_tiny_models(bench_tiny_sequoia):
+    report_path = bench_tiny_sequoia(12, "hf,hf-assisted,ours-ar")
     report = json.loads(report_path.read_text())
     summary = report["summary"]
     assert set(summary) == {"ours", "hf", "hf-assisted", "ours-ar"}
