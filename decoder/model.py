@@ -107,9 +107,15 @@ class LeanModel:
         # weights costs 1.4x (bf16) to 3x (fp32) less than F.linear on this project's CPU (bench/matmul.py),
         # and bf16 results are bit-identical to F.linear's. oneDNN packs bf16 only on CPUs with AVX-512 (or
         # AVX-NE-CONVERT); elsewhere bf16 weights stay as they are.
+        native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         self.packed = self.device.type == "cpu" and torch.backends.mkldnn.is_available() and (
-            self.dtype == torch.float32
-            or (self.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+            self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and native_bf16))
+        # A CPU without bf16 instructions (AVX2 only) emulates bf16 matmuls row by row: attention over 7680 bf16
+        # keys costs 10 ms a layer there, against 1.1 ms in fp32. Such a CPU keeps a bf16 model's keys and
+        # values in fp32 (they are bf16 values, so nothing is lost) and runs attention in fp32, as a bf16 matmul
+        # with fp32 accumulation would, before rounding the output back to bf16.
+        emulated_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native_bf16
+        self.cache_dtype = torch.float32 if emulated_bf16 else self.dtype
         self.layers = []
         for i in range(self.shape.layers):
             prefix = f"model.layers.{i}."
@@ -157,7 +163,7 @@ class LeanModel:
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.shape.max_context:
             raise UserError(f"a cache of {max_len} tokens exceeds the model's maximum context {self.shape.max_context}")
-        return KVCache(self.shape, max_len, self.dtype, self.device)
+        return KVCache(self.shape, max_len, self.cache_dtype, self.device)
 
     def cache_for(self, max_len: int, previous: KVCache | None, exact: bool = False) -> KVCache:
         """An empty cache of `max_len` slots: `previous`, emptied, when it has that size, else a new one.
@@ -178,7 +184,8 @@ class LeanModel:
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                    attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + mask) v for q [heads, n, d] over keys/values [kv_heads, L, d].
+        """softmax(q k^T / sqrt(d) + mask) v for q [heads, n, d] over keys/values [kv_heads, L, d], computed in the
+        cache's dtype and returned in the model's.
 
         Few query rows (decode steps, token trees) are computed with two grouped matmuls: on CPU, SDPA runs
         one bf16 query row over 4096 keys about 10x slower than that, and its fp32 path gains nothing until
@@ -186,12 +193,13 @@ class LeanModel:
         2 to 64 rows 1.15-1.25x faster than SDPA at 4096 to 7680 keys in fp32 (1.0-1.07x below), and in bf16
         1.15-1.4x faster at 7680 keys but 5-10% slower at 1024. Longer blocks (prefill) go to SDPA."""
         n = q.shape[1]
+        q = q.to(keys.dtype)
         if self._grouped_attention(n, keys.shape[1]):
             heads, d = q.shape[0], q.shape[2]
             kv_heads, length = keys.shape[0], keys.shape[1]
             group = heads // kv_heads
             q = q.reshape(kv_heads, group * n, d)
-            if self.dtype == torch.bfloat16 and length >= 1024 and self.device.type == "cpu":
+            if keys.dtype == torch.bfloat16 and length >= 1024 and self.device.type == "cpu":
                 # bf16 bmm against transposed keys slows down with the context (0.53 ms at 7680 keys on this
                 # CPU); one F.linear per KV head stays at 0.1 ms. Below 1024 keys bmm is as fast or faster.
                 scores = torch.stack([F.linear(q[h], keys[h]) for h in range(kv_heads)])
@@ -201,21 +209,21 @@ class LeanModel:
             if mask is not None:
                 scores = (scores.view(kv_heads, group, n, length) + mask.float()).view(kv_heads, group * n, length)
             weights = scores.softmax(-1).to(values.dtype)
-            return (weights @ values).view(heads, n, d)
+            return (weights @ values).view(heads, n, d).to(self.dtype)
         return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask,
-                                              enable_gqa=self.shape.kv_heads != self.shape.heads)[0]
+                                              enable_gqa=self.shape.kv_heads != self.shape.heads)[0].to(self.dtype)
 
     def _grouped_attention(self, n: int, keys: int) -> bool:
         if self.device.type == "cuda":
             return 2 <= n <= 64 and (self.dtype == torch.float32 or keys >= 4096)
-        return self.device.type == "cpu" and n <= (32 if self.dtype == torch.bfloat16 else 8)
+        return self.device.type == "cpu" and n <= (32 if self.cache_dtype == torch.bfloat16 else 8)
 
     def _key_span(self, cache: KVCache, n: int, end: int, static: bool) -> int:
         """How many cache slots the new tokens attend over: `end`, or in bf16 on the CPU `end` rounded up to a
         multiple of KEY_BUCKET (the extra slots are masked). A CPU bf16 matmul JIT-compiles a kernel for each
         new shape, about 0.5 ms; a key length that grows by a token per step would pay that on every step
         (2 ms a step for smollm2-135m), a bucketed one once per KEY_BUCKET tokens."""
-        if static or self.dtype != torch.bfloat16 or not self._grouped_attention(n, end):
+        if static or self.cache_dtype != torch.bfloat16 or not self._grouped_attention(n, end):
             return end
         return min(-(-end // KEY_BUCKET) * KEY_BUCKET, cache.max_len)
 
@@ -259,7 +267,7 @@ class LeanModel:
             padded = torch.full((n, span), float("-inf"), dtype=self.dtype, device=self.device)
             padded[:, :end] = 0 if mask is None else mask
             mask = padded
-        attn_mask = None if mask is None else mask[None, None]
+        attn_mask = None if mask is None else mask[None, None].to(self.cache_dtype)
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["ln1"])
             qkv = self._linear(h, layer["wqkv"], layer["bqkv"])

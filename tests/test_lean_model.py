@@ -120,6 +120,7 @@ def test_bf16_key_buckets_give_the_exact_span_logits(name, monkeypatch):
     """bf16 attention over a key length rounded up to KEY_BUCKET (extra slots masked) is bit-identical to
     attention over exactly the filled slots, for single steps (no mask) and for a masked block."""
     lean = LeanModel(load_model(name, "bf16").model)
+    lean.cache_dtype = torch.bfloat16  # what a CPU with bf16 instructions keeps; an AVX2-only one keeps fp32
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(4))
 
     def steps() -> torch.Tensor:
@@ -137,3 +138,27 @@ def test_bf16_key_buckets_give_the_exact_span_logits(name, monkeypatch):
     monkeypatch.setattr(model_module, "KEY_BUCKET", 16)
     assert lean._key_span(lean.new_cache(80), 1, 41, static=False) == 48
     assert torch.equal(steps(), exact)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@torch.inference_mode()
+def test_bf16_model_matches_transformers_with_either_cache_dtype(cache_dtype):
+    """A bf16 model keeps its keys and values in bf16, or (on a CPU without bf16 instructions) in fp32 with
+    attention in fp32: either way its logits are transformers' bf16 logits up to bf16 rounding, for prefill,
+    single steps and a masked block, and both agree on the greedy tokens."""
+    loaded = load_model("tiny-random-llama", "bf16")
+    lean = LeanModel(loaded.model)
+    lean.cache_dtype = cache_dtype
+    ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(5))
+    ref = reference_logits(loaded, ids).float()
+    cache = lean.new_cache(64)
+    assert cache.k.dtype == cache_dtype
+    rows = [lean.prefill(ids[:30], cache, chunk=16)]
+    for t in range(30, 40):
+        rows.append(lean.forward(ids[t:t + 1], torch.tensor([cache.length]), cache, None)[0])
+        cache.commit(None, 1)
+    rows += list(lean.forward(ids[40:], torch.arange(40, 48), cache, causal_mask(40, 8, lean.dtype, "cpu")))
+    logits = torch.stack(rows).float()
+    assert logits.dtype == torch.float32 and torch.stack(rows).dtype == torch.bfloat16
+    torch.testing.assert_close(logits, ref[29:], atol=0.125, rtol=0.02)  # a few bf16 steps (1/32 at 4-8)
+    assert (logits.argmax(-1) == ref[29:].argmax(-1)).float().mean() >= 0.9
