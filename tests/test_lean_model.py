@@ -140,15 +140,17 @@ def test_bf16_key_buckets_give_the_exact_span_logits(name, monkeypatch):
     assert torch.equal(steps(), exact)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("emulated", [False, True])
 @torch.inference_mode()
-def test_bf16_model_matches_transformers_with_either_cache_dtype(cache_dtype):
-    """A bf16 model keeps its keys and values in bf16, or (on a CPU without bf16 instructions) in fp32 with
-    attention in fp32: either way its logits are transformers' bf16 logits up to bf16 rounding, for prefill,
-    single steps and a masked block, and both agree on the greedy tokens."""
+def test_bf16_model_matches_transformers_as_a_cpu_with_or_without_bf16_instructions(emulated):
+    """With bf16 instructions a bf16 model keeps its keys and values in bf16; without them (emulated bf16) in
+    fp32, with attention and matmuls of 16 rows or more in fp32. Either way its logits are transformers' bf16
+    logits up to bf16 rounding, for a prefill in 16-row chunks, single steps and a masked block."""
     loaded = load_model("tiny-random-llama", "bf16")
     lean = LeanModel(loaded.model)
-    lean.cache_dtype = cache_dtype
+    lean.emulated_bf16 = emulated
+    lean.cache_dtype = torch.float32 if emulated else torch.bfloat16
+    cache_dtype = lean.cache_dtype
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(5))
     ref = reference_logits(loaded, ids).float()
     cache = lean.new_cache(64)
