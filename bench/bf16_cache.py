@@ -1,8 +1,9 @@
 """One forward of the lean model at a few contexts and row counts: fp32, bf16 with a bf16 KV cache (bf16
 attention) and bf16 with an fp32 KV cache (fp32 attention, the default on CPUs without bf16 instructions),
-interleaved per repeat; the median per point.
+interleaved per repeat; the median per point. Then a bf16 prefill with matmuls of UPCAST_ROWS rows or more in
+fp32 (the default on such CPUs) against one with every matmul in bf16.
 
-    .venv/bin/python bench/bf16_cache.py --model smollm2-135m --contexts 256,4096,7680 --rows 1,4,8
+    .venv/bin/python bench/bf16_cache.py --model smollm2-135m --contexts 256,4096,7680 --rows 1,4,8,16,64
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 
 import torch
 
+import decoder.model as model_module
 from decoder.model import LeanModel, causal_mask
 from specplan.machine import cpu_info
 from specplan.models import load_model
@@ -25,6 +27,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="256,4096,7680")
     parser.add_argument("--rows", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--prefill", type=int, default=2048, help="prompt tokens to prefill (0: skip)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     sizes = [int(r) for r in args.rows.split(",")]
@@ -59,6 +62,14 @@ def main() -> None:
             medians = [statistics.median(s[1:]) * 1e3 for s in seconds.values()]
             print(f"| {context} | {rows} | " + " | ".join(f"{m:.1f}" for m in medians) + " |")
     bf16.cache_dtype = default_cache
+    if args.prefill and bf16.emulated_bf16:
+        ids = torch.randint(0, bf16.shape.vocab, (args.prefill,), generator=torch.Generator().manual_seed(2))
+        for label, rows in (("matmuls of 16+ rows in fp32", model_module.UPCAST_ROWS), ("every matmul in bf16", None)):
+            bf16.upcast_rows = rows or args.prefill + 1
+            start = time.perf_counter()
+            bf16.prefill(ids, bf16.new_cache(args.prefill), logits=False)
+            print(f"bf16 prefill of {args.prefill} tokens, {label}: {time.perf_counter() - start:.1f} s")
+        bf16.upcast_rows = model_module.UPCAST_ROWS
 
 
 if __name__ == "__main__":

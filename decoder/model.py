@@ -117,6 +117,7 @@ class LeanModel:
         # with fp32 accumulation would, before rounding the output back to bf16.
         self.emulated_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native_bf16
         self.cache_dtype = torch.float32 if self.emulated_bf16 else self.dtype
+        self.upcast_rows = UPCAST_ROWS
         self.layers = []
         for i in range(self.shape.layers):
             prefix = f"model.layers.{i}."
@@ -232,10 +233,10 @@ class LeanModel:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                upcast_rows: int = UPCAST_ROWS) -> torch.Tensor:
+                upcast_rows_factor: int = 1) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        if self.emulated_bf16 and x.shape[0] >= upcast_rows:
+        if self.emulated_bf16 and x.shape[0] >= self.upcast_rows * upcast_rows_factor:
             # An emulated bf16 matmul costs about one pass over the weight per row; from 16 rows on, converting
             # the weight to fp32 and multiplying in fp32 is cheaper (7x at 512 rows, a prefill chunk). The
             # output is rounded to bf16, as a bf16 matmul's fp32 accumulator is.
@@ -300,7 +301,7 @@ class LeanModel:
         if logits_rows is not None:
             x = x[logits_rows]
         # the output matrix is large enough that converting it costs more than 16 emulated rows (60 ms for 49152 x 576)
-        logits = self._linear(self._rms_norm(x, self.final_norm), self.output_weight, upcast_rows=4 * UPCAST_ROWS)
+        logits = self._linear(self._rms_norm(x, self.final_norm), self.output_weight, upcast_rows_factor=4)
         if self.output_ids is None:
             return logits
         return logits.new_full((logits.shape[0], shape.vocab), float("-inf")).index_copy_(1, self.output_ids, logits)
