@@ -221,8 +221,8 @@ class LeanModel:
         return self.device.type == "cpu" and n <= (32 if self.cache_dtype == torch.bfloat16 else 8)
 
     def _key_span(self, cache: KVCache, n: int, end: int, static: bool) -> int:
-        """How many cache slots the new tokens attend over: `end`, or in bf16 on the CPU `end` rounded up to a
-        multiple of KEY_BUCKET (the extra slots are masked). A CPU bf16 matmul JIT-compiles a kernel for each
+        """How many cache slots the new tokens attend over: `end`, or with a bf16 cache on the CPU `end` rounded
+        up to a multiple of KEY_BUCKET (the extra slots are masked). A CPU bf16 matmul JIT-compiles a kernel for each
         new shape, about 0.5 ms; a key length that grows by a token per step would pay that on every step
         (2 ms a step for smollm2-135m), a bucketed one once per KEY_BUCKET tokens."""
         if static or self.cache_dtype != torch.bfloat16 or not self._grouped_attention(n, end):
