@@ -48,8 +48,8 @@ def replayed_steps(middle: list[int], runs: list[int], gamma2: int) -> list[tupl
 def main() -> None:
     args, decoder, prompts = plan_with_prompts(__doc__, "--acceptance", 4)
     s = decoder.plan.settings
-    if s["bottom"] == "none" or decoder.plan.sampling.get("temperature", 0.0) != 0.0:
-        raise SystemExit("needs a greedy plan with a bottom drafter")
+    if s["bottom"] == "none" or not s["speculate"] or decoder.plan.sampling.get("temperature", 0.0) != 0.0:
+        raise SystemExit("needs a greedy, speculating plan with a bottom drafter")
     entry = next(e for e in load_triforce_acceptance(args.acceptance).entries
                  if (e["context"], e["budget"], e["chunk"], e["stride"]) == (s["context"], s["budget"], s["chunk"],
                                                                                s["stride"]))

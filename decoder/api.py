@@ -60,9 +60,11 @@ def stop_token_ids(loaded: LoadedModel) -> set[int]:
 
 class Decoder:
     def __init__(self, target: LoadedModel, make_drafter: Callable[[], Drafter | None], plan: Plan | None,
-                 verify: str | None, draft: LoadedModel | None = None, lean_target: LeanModel | None = None) -> None:
+                 verify: str | None, draft: LoadedModel | None = None, lean_target: LeanModel | None = None,
+                 lean_draft: LeanModel | None = None) -> None:
         self.target = target
         self.draft = draft
+        self.lean_draft = lean_draft
         self.plan = plan
         self.make_drafter = make_drafter
         self.lean_target = lean_target or LeanModel(target.model)
@@ -146,7 +148,7 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
         check_same_vocabulary(target_model, draft_model)
         lean_draft = lean_model(draft_model, device, plan.models.get("draft_vocab"))
         return Decoder(target_model, lambda: SequoiaDrafter(lean_draft, list(plan.tree.parents)), plan, verify,
-                       draft_model, lean_target)
+                       draft_model, lean_target, lean_draft)
     raise UserError(f"{plan_path}: plans of kind {plan.kind} cannot be run yet")
 
 
@@ -157,8 +159,8 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, d
     settings = plan.settings
     retrieval = RetrievalSettings(settings["budget"], settings["chunk"], settings["stride"],
                                   settings["rebuild_below"]).check()
-    draft_model = None
-    if settings["bottom"] == "model":
+    draft_model = lean_draft = None
+    if settings["bottom"] == "model":  # loaded even where the plan does not speculate: bench baselines use it
         draft_name = draft_name or plan.models.get("draft")
         if not draft_name:
             raise UserError("the plan's bottom level is a draft model but names none; give --draft")
@@ -174,8 +176,12 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, d
             return StreamingDrafter(lean_draft, settings["gamma1"], settings["sinks"], settings["window"])
         return NoDrafter()
 
-    return Decoder(target, lambda: HierarchicalDrafter(lean_target, bottom(), settings["gamma1"], settings["gamma2"],
-                                                       retrieval), plan, verify, draft_model, lean_target)
+    def hierarchy() -> Drafter | None:
+        if not settings["speculate"]:
+            return None
+        return HierarchicalDrafter(lean_target, bottom(), settings["gamma1"], settings["gamma2"], retrieval)
+
+    return Decoder(target, hierarchy, plan, verify, draft_model, lean_target, lean_draft)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

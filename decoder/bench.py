@@ -169,7 +169,7 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
         # The two-level variant at its own best settings where the planner recorded them, else at the plan's.
         two = {**s, **decoder.plan.prediction.get("best_two_level", {})}
         retrieval = RetrievalSettings(two["budget"], two["chunk"], two["stride"], s["rebuild_below"])
-        streaming_model = decoder.engine.drafter.bottom.model if s["bottom"] == "model" else decoder.lean_target
+        streaming_model = decoder.lean_draft if s["bottom"] == "model" else decoder.lean_target
         triforce = {
             "two-level": engine_method(SpeculativeEngine(decoder.lean_target, HierarchicalDrafter(
                 decoder.lean_target, NoDrafter(), 1, two["gamma2"], retrieval), stops_set)),
@@ -302,7 +302,7 @@ class _Repricing:
         self.plan = plan
         self.profile = load_profile(profile_file)
         points = priced_points(plan, self.profile)
-        draft = decoder.engine.drafter.bottom.model if points.draft else None
+        draft = decoder.lean_draft if points.draft else None
         self.timer = PointTimer(decoder.lean_target, draft, points.target, points.builds, points.draft)
 
     def report(self, summary: dict) -> dict:
@@ -330,8 +330,12 @@ class _Repricing:
                "two_level_profiled_speedup": profiled_two.speedup,
                "price_ratios": {key: value for key, value in ratios.items() if value is not None},
                "passes": len(next(iter(self.timer.samples.values()))), "points": len(self.timer.calls)}
+        if not s["speculate"]:  # the plan decodes one token per step; what was re-priced is its best setting
+            out.update({"speedup": 1.0, "tokens_per_step": 1.0, "profiled_speedup": 1.0,
+                        "best_speculative_speedup": repriced.speedup,
+                        "best_speculative_profiled_speedup": profiled.speedup})
         if "ours-ar" in summary:
-            out["measured_over_repriced"] = summary["ours"]["speedup_vs_ours-ar"] / repriced.speedup
+            out["measured_over_repriced"] = summary["ours"]["speedup_vs_ours-ar"] / out["speedup"]
             if "two-level" in summary:
                 out["two_level_measured_over_repriced"] = (summary["two-level"]["speedup_vs_ours-ar"]
                                                            / repriced_two.speedup)
@@ -393,6 +397,10 @@ def markdown_table(report: dict) -> str:
                      + (f"{measured:.2f}x at " if measured is not None else "")
                      + f"{prediction['measured_tokens_per_step']:.2f} tokens/step"
                      + (" (vs ours-ar)" if measured is not None else " (ours-ar not run: no measured speedup)"))
+        speculative = (report.get("plan") or {}).get("prediction", {}).get("best_speculative")
+        if speculative:
+            lines.append(f"the plan decodes one token per step: its best speculative setting was predicted "
+                         f"{speculative['speedup']:.2f}x at {speculative['tokens_per_step']:.2f} tokens/step")
         two_level = prediction.get("two_level")
         if two_level:
             lines.append(f"two-level at its best settings: predicted {two_level['predicted_speedup']:.2f}x at "
@@ -404,6 +412,8 @@ def markdown_table(report: dict) -> str:
             measured_over = repriced.get("measured_over_repriced")
             lines.append(f"re-priced with its {repriced['points']} priced forwards and builds re-timed beside the "
                          f"run ({repriced['passes']} passes): predicted {repriced['speedup']:.2f}x"
+                         + (f" (one token per step; the best speculative setting {best:.2f}x)"
+                            if (best := repriced.get("best_speculative_speedup")) is not None else "")
                          + (f", measured/predicted {measured_over:.2f}" if measured_over is not None else "")
                          + f"; two-level {repriced['two_level_speedup']:.2f}x"
                          + (f", measured/predicted {repriced['two_level_measured_over_repriced']:.2f}"

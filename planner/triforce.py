@@ -24,6 +24,11 @@ The two-level variant (no bottom) has gamma1 = 0: each middle round is one forwa
 token. It is searched beside every bottom setting, and wins where the bottom's acceptance does not pay for the
 middle's wider forwards: the plan then has no bottom (and records the best two-level setting either way).
 
+Plain one-token decoding is the baseline every setting is priced against (speedup 1). Unless the best setting
+is predicted faster than `min_speedup` times it, the plan decodes one token per step (`speculate: false`) and
+records the best setting, which `plan bench` still runs its TriForce baselines with: on a machine whose
+multi-token forwards cost nearly k times a one-token forward, no setting pays at a moderate context.
+
 When the acceptance was measured decoding with a plan (`plan accept triforce --decode-with`), the replay is
 exact for that plan's settings only: the middle level ran in that plan's steps. Another setting, replayed
 approximately, replaces it only when predicted more than REPLAY_SWITCH_MARGIN (2%) faster, so that rounds of
@@ -242,7 +247,9 @@ def _max_n(profile: LatencyProfile) -> int:
 
 def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, context: int | None = None,
                    bottom_seconds: float | None = None, two_level: bool = False,
-                   rebuild_below: float = 0.0) -> tuple[Plan, list[TriForceCandidate]]:
+                   rebuild_below: float = 0.0, min_speedup: float = 1.0) -> tuple[Plan, list[TriForceCandidate]]:
+    if not math.isfinite(min_speedup) or min_speedup <= 0:
+        raise UserError(f"--min-speedup must be a positive number, got {min_speedup}")
     acceptance = load_triforce_acceptance(acceptance_path)
     profile = load_profile(profile_path)
     contexts = sorted({e["context"] for e in acceptance.entries})
@@ -278,26 +285,30 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     if exact is not None and best.speedup < exact.speedup * (1.0 + REPLAY_SWITCH_MARGIN):
         best = exact
     best_two_level = next(c for c in candidates if c.gamma1 == 0)
+    speculate = best.speedup > min_speedup
     settings = {**_decoded_settings(best, bottom), "context": context, "rebuild_below": rebuild_below,
-                "sinks": sinks, "window": window}
+                "sinks": sinks, "window": window, "speculate": speculate}
     bottom = settings["bottom"]
     models = {"target": acceptance.target}
     if bottom == "model":
         models["draft"] = acceptance.bottom
     if profile.raw.get("dtype"):
         models["dtype"] = profile.raw["dtype"]
-    prediction = {"tokens_per_step": best.tokens_per_step, "speedup": best.speedup,
-                  "seconds_per_token": best.seconds_per_token, "chain_tokens": best.chain_tokens,
-                  "middle_acceptance": best.middle_acceptance, "bottom_acceptance": best.bottom_acceptance,
-                  "latency_source": profile.source,
-                  "build_source": "measured" if profile.retrieval_build(context, best.budget) is not None
-                  else "t(1, L): the profile times no retrieval build",
-                  # `plan bench` runs its two-level baseline with these settings, the variant at its own best
-                  "best_two_level": {"gamma2": best_two_level.gamma2, "budget": best_two_level.budget,
-                                     "chunk": best_two_level.chunk, "stride": best_two_level.stride,
-                                     "speedup": best_two_level.speedup,
-                                     "tokens_per_step": best_two_level.tokens_per_step}}
-    if decoded_with:
+    speculative = {"tokens_per_step": best.tokens_per_step, "speedup": best.speedup,
+                   "seconds_per_token": best.seconds_per_token, "chain_tokens": best.chain_tokens,
+                   "middle_acceptance": best.middle_acceptance, "bottom_acceptance": best.bottom_acceptance}
+    prediction = speculative if speculate else {
+        "tokens_per_step": 1.0, "speedup": 1.0, "seconds_per_token": best.seconds_per_token * best.speedup,
+        "best_speculative": speculative}
+    prediction.update({
+        "latency_source": profile.source,
+        "build_source": "measured" if profile.retrieval_build(context, best.budget) is not None
+        else "t(1, L): the profile times no retrieval build",
+        # `plan bench` runs its two-level baseline with these settings, the variant at its own best
+        "best_two_level": {"gamma2": best_two_level.gamma2, "budget": best_two_level.budget,
+                           "chunk": best_two_level.chunk, "stride": best_two_level.stride,
+                           "speedup": best_two_level.speedup, "tokens_per_step": best_two_level.tokens_per_step}})
+    if decoded_with and speculate:
         prediction["replay_exact"] = best is exact
     plan = Plan(
         method="triforce",
@@ -305,7 +316,7 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
         prediction=prediction,
         inputs={"acceptance": {"file": str(acceptance_path)}, "profile": profile.plan_inputs(profile_path),
                 "context": context, "bottom_seconds_per_draft": bottom_seconds},
-        solver={"seconds": time.perf_counter() - started,
+        solver={"seconds": time.perf_counter() - started, "min_speedup": min_speedup,
                 "algorithm": "expected time per token, " + ("replayed over the acceptance traces" if replayed
                                                             else "closed form") + " (planner/triforce.py)",
                 "top": [asdict(c) for c in candidates[:10]]},

@@ -319,6 +319,8 @@ def _check_triforce_plan(plan_path: str, target_name: str, dtype: str, params: S
     if not params.greedy or float(plan.sampling.get("temperature", 0.0)) != 0.0:
         raise UserError("--decode-with replays greedy decoding: use a T = 0 plan and --temperature 0")
     settings = plan.settings
+    if not settings["speculate"]:
+        raise UserError(f"{plan_path} decodes one token per step (speculate: false): measure without --decode-with")
     for context in contexts:
         RetrievalSettings(settings["budget"], settings["chunk"], settings["stride"]).check(context)
     return {key: settings[key] for key in TRIFORCE_DECODED_SETTINGS}

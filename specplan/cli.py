@@ -254,16 +254,18 @@ def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str,
 @click.option("--two-level", is_flag=True, help="no bottom drafter: retrieval-cache self-speculation only")
 @click.option("--rebuild-below", type=float, default=0.0, show_default=True,
               help="also rebuild when the rolling acceptance falls below this")
+@click.option("--min-speedup", type=float, default=1.0, show_default=True,
+              help="speculate only if predicted faster than this times one-token decoding")
 @click.option("--top", type=int, default=10, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int | None, two_level: bool,
-                       rebuild_below: float, top: int, output: Path) -> None:
+                       rebuild_below: float, min_speedup: float, top: int, output: Path) -> None:
     """TriForce: gamma1, gamma2, budget, chunk and rebuild stride by an expected-time-per-token model."""
     from planner.triforce import solve_triforce
     from specplan.plan_schema import save_plan
 
     plan, ranked = solve_triforce(acceptance_path, profile_path, context, two_level=two_level,
-                                  rebuild_below=rebuild_below)
+                                  rebuild_below=rebuild_below, min_speedup=min_speedup)
     click.echo(f"{'g1':>3} {'g2':>3} {'B':>5} {'s':>3} {'R':>4} {'a_mid':>6} {'a_bot':>6} {'tok/step':>8} "
                f"{'ms/tok':>7} {'speedup':>7}")
     for c in ranked[:top]:
@@ -273,9 +275,10 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
     save_plan(plan, output)
     click.echo(f"wrote {output}")
     _note_inexact_replay(plan)
-    if plan.prediction["speedup"] < 1.0:
-        click.echo(f"note: no setting is predicted faster than one-token decoding at context {plan.settings['context']}"
-                   f" (best {plan.prediction['speedup']:.2f}x)", err=True)
+    if not plan.settings["speculate"]:
+        best = plan.prediction["best_speculative"]["speedup"]
+        click.echo(f"note: no setting is predicted faster than {min_speedup:g}x one-token decoding at context "
+                   f"{plan.settings['context']} (best {best:.2f}x): the plan decodes one token per step", err=True)
 
 
 @cli.command()

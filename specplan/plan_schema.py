@@ -11,7 +11,9 @@ given), how it was solved (`solver`) and where it came from (`provenance`). Meth
   (the trie settings, decoder/trie.py) and `tokenizer: {vocab_size, sha256}` (a trie plan holds token ids).
 - plan/triforce: `triforce: {gamma1, gamma2, budget, chunk, stride, context, rebuild_below, bottom, sinks,
   window}`: bottom is `trie` (a Lookahead trie with default settings) or `model` (models.draft with a
-  StreamingLLM cache of `sinks` + `window` tokens), or `none` (the two-level variant).
+  StreamingLLM cache of `sinks` + `window` tokens), or `none` (the two-level variant). `speculate: false`
+  (written when no setting is predicted fast enough) decodes one token per step; the other settings are then
+  the best speculative setting's, which `plan bench` runs its TriForce baselines with.
 """
 
 from __future__ import annotations
@@ -221,6 +223,7 @@ class Plan:
                 raise settings.fail("'bottom' must be trie, model or none")
             plan.settings["sinks"] = settings.integer("sinks", low=0)
             plan.settings["window"] = settings.integer("window", low=1)
+            plan.settings["speculate"] = settings.boolean("speculate", default=True)
             if plan.settings["gamma2"] < plan.settings["gamma1"]:
                 raise settings.fail("gamma2 must be >= gamma1")
             if plan.settings["budget"] % plan.settings["chunk"]:

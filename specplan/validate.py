@@ -68,6 +68,14 @@ class Fields:
             raise self.fail(f"'{key}' must be a string, got {value!r}")
         return value
 
+    def boolean(self, key: str, *, default: bool) -> bool:
+        if not self.has(key):
+            return default
+        value = self.data[key]
+        if not isinstance(value, bool):
+            raise self.fail(f"'{key}' must be true or false, got {value!r}")
+        return value
+
     def number_list(self, key: str, *, required: bool = True, low: float | None = None,
                     high: float | None = None) -> list[float] | None:
         if not self.has(key):

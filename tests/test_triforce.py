@@ -205,8 +205,20 @@ def test_solve_and_show_triforce(run_cli, write_yaml_file, tmp_path):
     hopeless = dict(TRIFORCE_ACCEPTANCE, entries=[dict(e, middle=0.0) for e in TRIFORCE_ACCEPTANCE["entries"]])
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("hopeless.yaml", hopeless),
                               "--profile", profile, "-o", tmp_path / "hopeless-plan.yaml")
-    assert code == 0 and "no setting is predicted faster than one-token decoding at context 4096" in stderr
-    assert load_plan(tmp_path / "hopeless-plan.yaml").prediction["speedup"] < 1
+    assert code == 0 and "no setting is predicted faster than 1x one-token decoding at context 4096" in stderr
+    hopeless_plan = load_plan(tmp_path / "hopeless-plan.yaml")  # decodes one token per step instead
+    assert not hopeless_plan.settings["speculate"] and hopeless_plan.prediction["speedup"] == 1.0
+    assert hopeless_plan.prediction["best_speculative"]["speedup"] < 1
+    assert hopeless_plan.prediction["seconds_per_token"] == pytest.approx(0.044)  # t(1, 4096)
+    plan = load_plan(out)
+    for margin, speculates in ((plan.prediction["speedup"] * 0.99, True), (plan.prediction["speedup"] * 1.01, False)):
+        code, _, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile,
+                                  "--min-speedup", str(margin), "-o", tmp_path / "margin.yaml")
+        assert code == 0 and load_plan(tmp_path / "margin.yaml").settings["speculate"] == speculates, stderr
+    for bad in ("nan", "0"):
+        code, _, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile,
+                                  "--min-speedup", bad, "-o", tmp_path / "bad.yaml")
+        assert code == 2 and "--min-speedup" in stderr and not (tmp_path / "bad.yaml").exists()
     code, stdout, _ = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile, "--two-level",
                               "-o", tmp_path / "two.yaml")
     assert code == 0 and load_plan(tmp_path / "two.yaml").settings["bottom"] == "none"
@@ -321,6 +333,7 @@ def test_trie_runs_follow_the_middle_and_stop_off_the_text():
 
 def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     from decoder.api import load_decoder
+    from decoder.drafters import NoDrafter
     from planner.triforce import evaluate_traces
     from profiler.haystack import build_prompts
     from specplan.acceptance_schema import load_triforce_acceptance
@@ -346,8 +359,9 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     profile = tmp_path / "prof.yaml"
     assert run_cli("profile", "--model", "tiny-random-llama", "--contexts", "72,300", "--sizes", "1,2,4,8,16,32",
                    "--repeats", "1", "-o", profile)[0] == 0
-    code, _, stderr = run_cli("solve", "triforce", "--acceptance", out, "--profile", profile, "-o",
-                              tmp_path / "plan.yaml")
+    # A tiny model's timings put the plan near one-token decoding: speculate whatever they say.
+    code, _, stderr = run_cli("solve", "triforce", "--acceptance", out, "--profile", profile, "--min-speedup",
+                              "0.01", "-o", tmp_path / "plan.yaml")
     assert code == 0, stderr
     plan = tmp_path / "plan.yaml"
     assert "replayed" in load_plan(plan).solver["algorithm"]
@@ -367,8 +381,8 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     settings = load_plan(plan).settings
     assert redecoded.extra["decoded_with"] == {"plan": str(plan), **{key: settings[key] for key in (
         "bottom", "gamma1", "gamma2", "budget", "chunk", "stride")}}
-    code, _, stderr = run_cli("solve", "triforce", "--acceptance", decoded, "--profile", profile, "-o",
-                              tmp_path / "again.yaml")
+    code, _, stderr = run_cli("solve", "triforce", "--acceptance", decoded, "--profile", profile, "--min-speedup",
+                              "0.01", "-o", tmp_path / "again.yaml")
     again = load_plan(tmp_path / "again.yaml")
     assert code == 0 and again.prediction["replay_exact"] == all(again.settings[key] == settings[key] for key in (
         "bottom", "gamma1", "gamma2", "budget", "chunk", "stride"))
@@ -393,12 +407,38 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     assert repriced["measured_over_repriced"] == pytest.approx(
         report["summary"]["ours"]["speedup_vs_ours-ar"] / repriced["speedup"])
     assert repriced["price_ratios"]["one_token_at_context"] > 0 and "re-priced with its" in stdout
+
+    # Where no setting is predicted fast enough, the plan decodes one token per step; the bench still runs its
+    # TriForce baselines at the best setting, and re-prices that setting.
+    one_token = tmp_path / "one-token.yaml"
+    code, _, stderr = run_cli("solve", "triforce", "--acceptance", out, "--profile", profile, "--min-speedup", "1000",
+                              "-o", one_token)
+    assert code == 0 and "the plan decodes one token per step" in stderr
+    assert isinstance(load_decoder(str(one_token), target="tiny-random-llama", dtype="fp32").engine.drafter,
+                      NoDrafter)
+    code, stdout, stderr = run_cli("bench", "--plan", one_token, "--target", "tiny-random-llama", "--dataset",
+                                   "../shared/data/haystack", "--context", "300", "--prompts", "1",
+                                   "--max-new-tokens", "12", "--baselines", "hf,ours-ar,two-level,streaming",
+                                   "--reprice", "-o", tmp_path / "one-token.json")
+    assert code == 0, stderr
+    one_token_report = json.loads((tmp_path / "one-token.json").read_text())
+    assert one_token_report["summary"]["ours"]["tokens_per_step"] == 1.0
+    assert one_token_report["summary"]["two-level"]["tokens_per_step"] > 1.0
+    assert all(one_token_report["summary"][name]["identical_to_hf"] == 1 for name in ("ours", "two-level"))
+    one_token_repriced = one_token_report["prediction"]["repriced"]
+    assert one_token_repriced["speedup"] == 1.0 and one_token_repriced["best_speculative_profiled_speedup"] == \
+        pytest.approx(load_plan(one_token).prediction["best_speculative"]["speedup"])
+    assert "the plan decodes one token per step" in stdout
     for option, message in ((["--dtype", "bf16"], "not bf16"), (["--temperature", "0.7"], "greedy"),
                             (["--contexts", "64"], "not below the context")):
         code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
                                   "../shared/data/haystack", "--decode-with", plan, *option, "-o", tmp_path / "x.yaml")
         assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
         assert not (tmp_path / "x.yaml").exists()
+    code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
+                              "../shared/data/haystack", "--contexts", "300", "--decode-with", one_token,
+                              "-o", tmp_path / "x.yaml")
+    assert code == 2 and "speculate: false" in stderr and len(stderr.strip().splitlines()) == 1, stderr
     with open(out, "a") as handle:
         handle.write("# edited\n")
     code, _, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--dataset",
