@@ -14,6 +14,7 @@ import json
 
 import torch
 
+from decoder.bench import first_difference
 from decoder.model import LeanModel
 from profiler.haystack import build_prompts
 from specplan.models import load_model
@@ -40,8 +41,7 @@ def main() -> None:
             if tokens == reference:
                 print(f"{row['id']}: {name} identical to {args.reference} ({len(tokens)} tokens)")
                 continue
-            first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b),
-                         min(len(tokens), len(reference)))
+            first = first_difference(tokens, reference)
             ids = torch.tensor(prompt.ids + reference[:first])
             logits = lean.prefill(ids, lean.new_cache(len(ids))).float()
             top = torch.topk(logits, 2)

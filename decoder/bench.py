@@ -213,11 +213,17 @@ class _FirstTokensClock:
         return new_tokens - self.first_tokens, self.end_time - self.first_time
 
 
+def first_difference(tokens: list[int], reference: list[int]) -> int:
+    """The index of the first token where two different outputs part (the shorter's length if one extends the
+    other)."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
 @torch.inference_mode()
 def _compare(decoder: Decoder, prompt: list[int], reference: list[int], tokens: list[int]) -> dict:
     if tokens == reference:
         return {"identical_to_hf": True}
-    first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    first = first_difference(tokens, reference)
     gap = None
     if first < min(len(tokens), len(reference)):
         ids = torch.tensor([prompt + reference[:first]], device=decoder.lean_target.device)
