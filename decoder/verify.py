@@ -52,6 +52,14 @@ def _child_with_token(tree: DraftTree, node: int, token: int) -> int | None:
     return None
 
 
+def greedy_path(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
+    """The greedy walk given the target's argmax at every node."""
+    path = [0]
+    while (child := _child_with_token(tree, path[-1], argmax[path[-1]])) is not None:
+        path.append(child)
+    return path, argmax[path[-1]]
+
+
 def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator, device=generator.device if generator is not None else None))
 
@@ -63,6 +71,12 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 class GreedyMatch(VerificationRule):
     name = "greedy"
     draw = DETERMINISTIC
+
+    def walk(self, tree, target_logits, params, generator):
+        if target_logits.device.type == "cpu":  # the accepted nodes' rows only: fewer rows to read
+            return super().walk(tree, target_logits, params, generator)
+        # On a GPU each row's argmax read on its own is a device synchronization: read them all in one.
+        return greedy_path(tree, target_logits.argmax(dim=-1).tolist())
 
     def step(self, tree, node, logits, params, generator):
         token = int(logits.argmax())

@@ -144,6 +144,39 @@ def test_rules_must_match_the_drafts(tiny_pair):
     assert list(itertools.islice(engine.generate([1, 2, 3], 4, SamplingParams(1.0), seed=1).tokens, 4))
 
 
+
+def test_greedy_walk_from_all_argmaxes_equals_the_walk_node_by_node():
+    """The GPU's greedy walk (every row's argmax read at once) takes the CPU's path, with ties in the logits."""
+    from decoder.tree import DraftTree
+    from decoder.verify import GreedyMatch, greedy_path
+
+    generator = torch.Generator().manual_seed(0)
+    paths = set()
+    for _ in range(200):
+        size = int(torch.randint(2, 12, (), generator=generator))
+        parents = [-1] + [int(torch.randint(0, v, (), generator=generator)) for v in range(1, size)]
+        tree = DraftTree(torch.randint(0, 4, (size,), generator=generator).tolist(), parents)
+        logits = torch.randint(0, 3, (size, 4), generator=generator).float()  # small integers: ties are common
+        walked = GreedyMatch().walk(tree, logits, SamplingParams(), None)
+        assert greedy_path(tree, logits.argmax(dim=-1).tolist()) == walked
+        paths.add(len(walked[0]))
+    assert len(paths) >= 3  # paths of several lengths were walked
+
+
+def test_ancestor_matrix_holds_each_node_and_its_ancestors():
+    from decoder.tree import ancestor_matrix
+
+    generator = torch.Generator().manual_seed(1)
+    for size in (1, 2, 5, 17, 64):
+        parents = [-1] + [int(torch.randint(0, v, (), generator=generator)) for v in range(1, size)]
+        expected = torch.zeros(size, size, dtype=torch.bool)
+        for v in range(size):
+            u = v
+            while u >= 0:
+                expected[v, u] = True
+                u = parents[u]
+        assert torch.equal(ancestor_matrix(parents), expected)
+
 # --- the trie drafter (Lookahead) ----------------------------------------------------------------------------
 
 def trie_engine(target: LeanModel, **settings) -> SpeculativeEngine:
