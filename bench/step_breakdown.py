@@ -1,14 +1,19 @@
-"""Where a TriForce decoding step's time goes, against what the profile predicts for its forwards.
+"""Where a decoding step's time goes, against what the profile predicts for its forwards.
 
-Decodes the plan's haystack prompts (as `plan bench --context` builds them) with the plan's decoder and with
-one-token decoding, and times every piece: the top level's forwards (the target over its full cache), the
-middle level's (over the retrieval cache), the bottom drafter, retrieval-cache builds and inserts, and the
-rest of the engine (verification walk, masks, commits, Python). Each forward is also priced by the profile
-at its actual size and cache length, so the gap between the plan's prediction and a measured speedup splits
-into "forwards slower than profiled" and "time outside the forwards".
+Decodes a plan's prompts with the plan's decoder and with one-token decoding, and times every piece: the
+target's forwards (for TriForce split into the top level, over the full cache, and the middle level, over the
+retrieval cache), the drafter's host work (a Lookahead trie's retrieval and insertion; TriForce's bottom
+drafter, retrieval-cache builds and inserts), and the rest of the engine (verification walk, masks, commits,
+Python). Each forward is also priced by the profile at its actual size and cache length, so the gap between a
+plan's prediction and a measured speedup splits into "forwards slower than profiled" and "time outside the
+forwards". TriForce plans decode haystack prompts at the plan's context (as `plan bench --context` builds
+them); other plans decode prompts of --dataset (as `plan bench` picks them).
 
-    python bench/triforce_breakdown.py --plan plans/smollm2-135m.triforce-4096.cpu-2c.fp32.yaml \
+    python bench/step_breakdown.py --plan plans/smollm2-135m.triforce-4096.cpu-2c.fp32.yaml \
         --profile profiles/smollm2-135m.cpu-2c.fp32.yaml --prompts 2 --max-new-tokens 256
+    python bench/step_breakdown.py --plan plans/smollm2-135m.lookahead.cpu-2c.fp32.yaml \
+        --profile profiles/smollm2-135m.cpu-2c-avx2.fp32.yaml \
+        --dataset ../shared/data/specbench:summarization,rag,coding --prompts 6 --max-new-tokens 256
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from decoder.api import Decoder, load_decoder
+from decoder.drafters import TrieDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
-from profiler.haystack import build_prompts
+from profiler.datasets import encode_prompt, read_dataset, spread_sample
+from profiler.haystack import LongPrompt, build_prompts
 from specplan.profile_schema import load_profile
 
 
@@ -69,6 +76,9 @@ def breakdown(engine: SpeculativeEngine, prompts: list[list[int]], max_new_token
         ledger.wrap(retrieval, "insert", "retrieval inserts")
         for method in ("propose", "update", "extend", "rollback"):
             ledger.wrap(drafter.bottom, method, "bottom drafter")
+    elif isinstance(drafter, TrieDrafter):
+        for method in ("propose", "update"):
+            ledger.wrap(drafter, method, "trie")
     reset = drafter.reset
     armed = False
 
@@ -91,8 +101,8 @@ def breakdown(engine: SpeculativeEngine, prompts: list[list[int]], max_new_token
 
 
 def plan_with_prompts(doc: str, input_option: str, prompts: int) -> tuple[argparse.Namespace, Decoder, list]:
-    """The TriForce diagnostics' command line: --plan, one input file, and haystack prompts at the plan's
-    context (as `plan bench --context` builds them)."""
+    """The diagnostics' command line: --plan, one input file, and the plan's prompts: haystack prompts at a
+    TriForce plan's context (as `plan bench --context` builds them), else prompts of --dataset."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--plan", required=True)
     parser.add_argument(input_option, required=True)
@@ -101,14 +111,18 @@ def plan_with_prompts(doc: str, input_option: str, prompts: int) -> tuple[argpar
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
     decoder = load_decoder(args.plan)
+    if decoder.plan.method != "triforce":
+        picked = spread_sample(read_dataset(args.dataset), args.prompts)
+        encoded = [(p, encode_prompt(decoder.tokenizer, p.text, chat=True)) for p in picked]
+        return args, decoder, [LongPrompt(p.id, p.category, ids, None, len(ids)) for p, ids in encoded]
     return args, decoder, build_prompts(args.dataset, decoder.tokenizer, decoder.plan.settings["context"],
                                         args.prompts)
 
 
 def main() -> None:
-    args, decoder, long_prompts = plan_with_prompts(__doc__, "--profile", 2)
+    args, decoder, picked = plan_with_prompts(__doc__, "--profile", 2)
     profile = load_profile(args.profile)
-    prompts = [p.ids for p in long_prompts]
+    prompts = [p.ids for p in picked]
     runs = {"triforce": decoder.engine,
             "one token": SpeculativeEngine(decoder.lean_target, None, decoder.engine.stop_ids)}
     for name, engine in runs.items():

@@ -12,7 +12,7 @@ the replay's tokens/step prediction goes wrong.
 
 from __future__ import annotations
 
-from triforce_breakdown import plan_with_prompts  # bench/ is on the path of a script run from it
+from step_breakdown import plan_with_prompts  # bench/ is on the path of a script run from it
 
 from decoder.sampling import SamplingParams
 from specplan.acceptance_schema import load_triforce_acceptance
