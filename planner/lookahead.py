@@ -3,9 +3,16 @@
 For greedy decoding the replay is exact: given the target's own greedy outputs, in the dataset's order, it
 runs the trie as the decoder would (prompt branches, retrieval, longest matching branch plus the bonus token,
 insertion of the emitted tokens, elimination at the end of each request) and counts target steps. Each step's
-cost is t(n, L) from the latency profile for the draft's actual size n at the current context L, so
+cost is t(n, L) from the latency profile for the draft's actual size n at the current context L, plus the
+host's work around it: o(n), the decoding engine's overhead per step (profiled with t; zero for a profile
+without it), and h, the trie's retrieval and insertion, timed in this replay (the decoder's own trie calls,
+on the machine that solves). So
 
-    predicted speedup = sum over emitted tokens of t(1, L) / sum over steps of t(n_step, L_step).
+    predicted speedup = sum over emitted tokens of (t(1, L) + o(1))
+                        / sum over steps of (t(n_step, L_step) + o(n_step) + h_step).
+
+On a CPU the host's share is a few percent of a forward; on a GPU, where smollm2-135m's forward takes 3 ms,
+it was close to a forward's cost.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class ReplayResult:
     step_sizes: np.ndarray  # draft size (root included) per step
     step_contexts: np.ndarray  # tokens in the cache before each step
     step_tokens: np.ndarray  # tokens emitted by each step
+    trie_seconds: float  # the replay's time in the trie's retrieval and insertion calls
 
     @property
     def tokens_per_step(self) -> float:
@@ -56,6 +64,7 @@ def replay(records: list, settings: TrieSettings) -> ReplayResult:
     sizes: list[int] = []
     contexts: list[int] = []
     emitted_per_step: list[int] = []
+    trie_seconds = 0.0
     for index, record in enumerate(records):
         if index:
             trie.end_request()
@@ -64,25 +73,32 @@ def replay(records: list, settings: TrieSettings) -> ReplayResult:
         end = len(sequence)
         trie.insert(sequence, 0, position, from_prompt=True)
         while position < end:
+            started = time.perf_counter()
             draft_tokens, draft_parents = trie.retrieve(sequence, position)
+            trie_seconds += time.perf_counter() - started
             accepted = accepted_run(draft_tokens, draft_parents, sequence[position:end])
             emitted = min(accepted + 1, end - position)
             sizes.append(len(draft_tokens))
             contexts.append(position - 1)
             emitted_per_step.append(emitted)
+            started = time.perf_counter()
             trie.insert(sequence, position, position + emitted)
+            trie_seconds += time.perf_counter() - started
             position += emitted
             tokens += emitted
             steps += 1
     return ReplayResult(settings.decoding_length, settings.branch_length, tokens, steps, np.array(sizes),
-                        np.array(contexts), np.array(emitted_per_step))
+                        np.array(contexts), np.array(emitted_per_step), trie_seconds)
 
 
 def predicted_speedup(result: ReplayResult, profile: LatencyProfile) -> tuple[float, float]:
-    """(speedup over autoregressive decoding, seconds per step on average) from the profile."""
-    step_seconds = sum(float(profile.latency(n, L)) for n, L in zip(result.step_sizes, result.step_contexts))
-    # Autoregressive decoding spends t(1, L) per token; a step's tokens sit at about the step's context.
+    """(speedup over autoregressive decoding, seconds per step on average) from the profile and the replay's
+    trie time."""
+    forwards = sum(float(profile.latency(n, L)) for n, L in zip(result.step_sizes, result.step_contexts))
+    step_seconds = forwards + float(profile.engine_overhead(result.step_sizes).sum()) + result.trie_seconds
+    # Autoregressive decoding spends t(1, L) + o(1) per token; a step's tokens sit at about the step's context.
     ar_seconds = sum(float(profile.latency(1, L)) * k for L, k in zip(result.step_contexts, result.step_tokens))
+    ar_seconds += float(profile.engine_overhead(1)) * result.tokens
     return ar_seconds / step_seconds, step_seconds / result.steps
 
 
@@ -110,6 +126,7 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
     if not grid:
         raise UserError("no (L_d, L_b) pair to search: L_d must be >= 2 and within the profile's sizes")
     start = time.perf_counter()
+    replay(acceptance.records[:1], settings_for(*grid[0]))  # loads the trie's compiled calls before they are timed
     candidates, replays = [], {}
     for d, b in grid:
         result = replay(acceptance.records, settings_for(d, b))
@@ -127,7 +144,10 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
     prediction = {"tokens_per_step": best.tokens_per_step, "replayed_tokens": replays[(best.decoding_length,
                                                                                          best.branch_length)].tokens}
     if profile is not None:
-        prediction.update(speedup=best.speedup, step_seconds=best.step_seconds, latency_source=profile.source)
+        best_replay = replays[(best.decoding_length, best.branch_length)]
+        prediction.update(speedup=best.speedup, step_seconds=best.step_seconds, latency_source=profile.source,
+                          engine_overhead_seconds=float(profile.engine_overhead(best_replay.step_sizes).mean()),
+                          trie_seconds=best_replay.trie_seconds / best_replay.steps)
     decoded_with = acceptance.extra.get("decoded_with")
     if decoded_with and acceptance.extra.get("dtype") != "fp32":
         # Outside fp32 the text depends on the forward's size: the replay is exact for the decoding settings only.

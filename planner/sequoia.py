@@ -3,9 +3,11 @@
 For a tree of n nodes (root included) and depth d, one decoding step costs d draft forwards and one
 target forward over B * n new tokens (B = batch), and yields G(n, d) tokens per sequence on average:
 
-    speedup(n, d) = G(n, d) * t(B) / (t(B * n) + d * c_draft)
+    speedup(n, d) = G(n, d) * (t(B) + o(B)) / (t(B * n) + o(B * n) + d * c_draft)
 
-t(B) is one autoregressive step of the same batch, so B = 1 gives the paper's G * t(1) / (t(n) + d c).
+t(B) is one autoregressive step of the same batch, so B = 1 gives the paper's G * t(1) / (t(n) + d c), with
+o(n), the decoding engine's time per step outside the target's forward (mask, verification walk, commit),
+added where the profile measured it.
 Without a profile the optimizer maximises G alone over n <= N, d <= D.
 """
 
@@ -59,9 +61,9 @@ def rank_candidates(tables: SequoiaTables, profile: LatencyProfile | None = None
     if max_n < 1:
         raise UserError(f"the profile covers t(n) up to n = {curve.max_n}, less than the batch {batch}")
     feasible[max_n + 1:, :] = False
-    t_batch = float(curve(batch))
+    t_batch = float(curve(batch) + profile.engine_overhead(batch))
     t_target = np.zeros(G.shape[0])
-    t_target[1:max_n + 1] = curve(sizes[1:max_n + 1] * batch)
+    t_target[1:max_n + 1] = curve(sizes[1:max_n + 1] * batch) + profile.engine_overhead(sizes[1:max_n + 1] * batch)
     out = []
     for n, d in zip(*np.nonzero(feasible)):
         step = t_target[n] + d * c_draft
@@ -106,6 +108,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
             **profile.plan_inputs(profile_path), "context": context if context is not None else profile.target_context,
             "target_t_seconds": {int(n): float(t) for n, t in curve.points.items()},
             "draft_step_seconds": profile.draft_step(context),
+            **({"engine_overhead_seconds": dict(profile.overhead_seconds)} if profile.overhead_seconds else {}),
         }
     sampling = {k: v for k, v in (("temperature", acceptance.temperature), ("top_p", acceptance.top_p))
                 if v is not None}

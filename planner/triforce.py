@@ -5,6 +5,8 @@ cache of budget B, chunk s, stride R) against the full target; a_b, the bottom d
 level (both from `plan accept triforce`); t(n, L), the target's forward time (from `plan profile`, whose
 contexts also cover the budgets: the middle level is the target at context about B + s); c_b, the bottom's
 cost per drafted token (a draft model's t_d(1) over its StreamingLLM window, or the trie's retrieval time).
+Where the profile measured it, every forward below also carries o(n), the decoding engine's time per step
+outside the forward (mask, verification walk, commit): t(n, L) stands for t(n, L) + o(n) throughout.
 
 With acceptance rate a, a chain of g drafts yields on average E(a, g) = (1 - a^(g+1)) / (1 - a) tokens
 (the accepted prefix plus the corrected or bonus token). One top-level step:
@@ -105,22 +107,34 @@ class TriForceCandidate:
 def evaluate(profile: LatencyProfile, context: int, entry: dict, gamma1: int, gamma2: int,
              bottom_seconds: float | None) -> TriForceCandidate:
     """The model above for one setting; bottom_seconds None means no bottom (the two-level variant)."""
-    middle_context = entry["budget"] + entry["chunk"]
     if bottom_seconds is None:
-        per_round, round_cost = 1.0, float(profile.latency(1, middle_context))
-        gamma1 = 0
+        per_round, gamma1 = 1.0, 0
     else:
         per_round = expected_tokens(entry["bottom"], gamma1)
-        round_cost = gamma1 * bottom_seconds + float(profile.latency(gamma1 + 1, middle_context))
+    round_cost = _round_cost(profile, entry, gamma1, bottom_seconds)
     rounds = math.ceil(gamma2 / per_round)
     chain = rounds * per_round
-    top = float(profile.latency(min(chain + 1, _max_n(profile)), context))
+    top = _forward_seconds(profile, min(chain + 1, _max_n(profile)), context)
     tokens = expected_tokens(entry["middle"], chain)
     step = rounds * round_cost + top
-    t1 = float(profile.latency(1, context))
+    t1 = _forward_seconds(profile, 1, context)
     per_token = step / tokens + build_seconds(profile, context, entry["budget"]) / refill(entry)
     return TriForceCandidate(gamma1, gamma2, entry["budget"], entry["chunk"], entry["stride"], entry["middle"],
                              entry["bottom"], chain, tokens, step, per_token, t1 / per_token)
+
+
+def _forward_seconds(profile: LatencyProfile, n: float, context: float) -> float:
+    """t(n, L) + o(n): a forward and the engine's work around it."""
+    return float(profile.latency(n, context) + profile.engine_overhead(n))
+
+
+def _round_cost(profile: LatencyProfile, entry: dict, gamma1: int, bottom_seconds: float | None) -> float:
+    """One middle round: gamma1 bottom drafts and the middle level's forward over its retrieval cache (one
+    token, without a bottom)."""
+    middle_context = entry["budget"] + entry["chunk"]
+    if bottom_seconds is None:
+        return _forward_seconds(profile, 1, middle_context)
+    return gamma1 * bottom_seconds + _forward_seconds(profile, gamma1 + 1, middle_context)
 
 
 def build_seconds(profile: LatencyProfile, context: int, budget: int) -> float:
@@ -137,11 +151,9 @@ def refill(entry: dict) -> int:
 def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: int, gamma2: int,
                     bottom_seconds: float | None, top_costs: dict[int, np.ndarray]) -> TriForceCandidate:
     """The replay above for one setting; `top_costs[T]` is the t(n, L + p) table of `_top_costs`."""
-    middle_context = entry["budget"] + entry["chunk"]
     if bottom_seconds is None:
-        gamma1, round_cost = 0, float(profile.latency(1, middle_context))
-    else:
-        round_cost = gamma1 * bottom_seconds + float(profile.latency(gamma1 + 1, middle_context))
+        gamma1 = 0
+    round_cost = _round_cost(profile, entry, gamma1, bottom_seconds)
     tokens = steps = seconds = ar_seconds = chains = 0.0
     for trace in entry["traces"]:
         length = len(trace["middle"])
@@ -156,7 +168,7 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: 
         seconds += trace_seconds
         ar_seconds += table[1].sum()
         chains += mean_chain * length
-    t1 = float(profile.latency(1, context))
+    t1 = _forward_seconds(profile, 1, context)
     build = build_seconds(profile, context, entry["budget"])
     rebuilds = sum((len(trace["middle"]) - 1) // refill(entry) for trace in entry["traces"])
     per_token = (seconds + len(entry["traces"]) * (t1 + build) + rebuilds * build) / tokens
@@ -166,11 +178,12 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: 
 
 
 def _top_costs(profile: LatencyProfile, context: int, length: int) -> np.ndarray:
-    """table[n, p] = t(n, context + p) for n = 0..max profiled size (row 0 unused), p < length."""
+    """table[n, p] = t(n, context + p) + o(n) for n = 0..max profiled size (row 0 unused), p < length."""
     sizes = np.arange(1, _max_n(profile) + 1)
     table = np.zeros((len(sizes) + 1, length))
     for p in range(length):
         table[1:, p] = profile.latency(sizes, context + p)
+    table[1:] += profile.engine_overhead(sizes)[:, None]
     return table
 
 

@@ -5,7 +5,9 @@ by a roofline (profiler/roofline.py) for a GPU that is not here, or for this CPU
 Each point: warm-up forwards, then timed repeats; the profile keeps the median and the 10th/90th
 percentiles. On a GPU, each shape is captured as a CUDA graph and timed with CUDA events. A measured profile
 also times TriForce's retrieval-cache build (score every chunk of the context, copy the best ones) for each
-budget below each context, which `plan solve triforce` charges per rebuild.
+budget below each context, which `plan solve triforce` charges per rebuild, and the decoding engine's time
+per step outside the target's forward (drafts in, tree mask, verification walk, cache commit, Python) for each
+tree size, which the planners charge beside every forward: on a GPU it can match a forward's cost.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ import numpy as np
 import torch
 
 from decoder.api import lean_model, stop_token_ids
+from decoder.drafters import Drafter
+from decoder.engine import SpeculativeEngine
 from decoder.model import KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
+from decoder.sampling import SamplingParams
+from decoder.tree import DraftTree
 from decoder.triforce import RetrievalCache, RetrievalSettings
 from profiler import hardware, roofline
 from specplan.errors import UserError
@@ -34,6 +40,7 @@ QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_CONTEXTS = (128, 1024, 4096)
 RETRIEVAL_BUDGETS = (256, 512, 1024, 2048, 4096)
 RETRIEVAL_CHUNK = 16  # a build's cost barely depends on the chunk size: it reads every key either way
+OVERHEAD_STEPS = 8  # decoding steps per timed round for the engine's overhead (3 rounds per tree size)
 
 
 @dataclass
@@ -168,6 +175,11 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     document = _document(request, "measured", machine, models, curves)
     for L, by_budget in builds.items():
         document["target"]["contexts"][L]["retrieval_build_seconds"] = by_budget
+    room = lean["target"].shape.max_context - OVERHEAD_STEPS - max(request.sizes)  # prompt + new tokens + tree
+    overhead_context = max(1, min(min(request.contexts), room))
+    log(f"timing the decoding engine's overhead per step at context {overhead_context}")
+    document["target"]["engine_overhead_seconds"] = engine_overhead(lean["target"], overhead_context, request.sizes)
+    document["target"]["engine_overhead_context"] = overhead_context
     document["settings"] = {"engine": "specplan lean decoder", "threads": request.threads, "warmup": request.warmup,
                             "timed_after_same_size": device.type == "cpu", "round_robin": "all points per pass",
                             "repeats": request.repeats, "cuda_graphs": device.type == "cuda",
@@ -226,6 +238,92 @@ class PointTimer:
                    for role, by_context in curves.items()}
         return (medians.get("target", {}), builds,
                 {L: points[1] for L, points in medians.get("draft", {}).items()})
+
+
+class _ForwardTimer:
+    """The time spent in a model's forward while installed: wall clock on the CPU (where a forward returns when
+    it is done), CUDA events on a GPU (read at the end)."""
+
+    def __init__(self, model: LeanModel) -> None:
+        self.model = model
+        self.cpu_seconds = 0.0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def clear(self) -> None:
+        self.cpu_seconds = 0.0
+        self.events = []
+
+    def __enter__(self) -> _ForwardTimer:
+        self.replaced = self.model.__dict__.get("forward")  # an instance's own forward, put back on exit
+        forward = self.model.forward
+        cuda = self.model.device.type == "cuda"
+
+        def timed(*args, **kwargs):
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                out = forward(*args, **kwargs)
+                end.record()
+                self.events.append((begin, end))
+                return out
+            start = time.perf_counter()
+            out = forward(*args, **kwargs)
+            self.cpu_seconds += time.perf_counter() - start
+            return out
+
+        self.model.forward = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.replaced is None:
+            del self.model.forward
+        else:
+            self.model.forward = self.replaced  # type: ignore[method-assign]
+
+    def seconds(self) -> float:
+        _synchronize(self.model.device)
+        return self.cpu_seconds + sum(begin.elapsed_time(end) for begin, end in self.events) / 1e3
+
+
+class _ChainDrafter(Drafter):
+    """Proposes the root and fixed random tokens after it, a chain the target rejects as a rule; clears the
+    forward timer when decoding starts (after the prefill)."""
+
+    def __init__(self, tokens: list[int], timer: _ForwardTimer) -> None:
+        self.tokens = tokens
+        self.timer = timer
+        self.max_tree_size = len(tokens) + 1
+
+    def reset(self, prompt: list[int], max_len: int) -> None:
+        self.timer.clear()
+
+    def propose(self, root, params, draw, generator):
+        return DraftTree([root] + self.tokens, list(range(-1, len(self.tokens))))
+
+
+@torch.inference_mode()
+def engine_overhead(model: LeanModel, context: int, sizes: list[int], steps: int = OVERHEAD_STEPS,
+                    rounds: int = 3, seed: int = 0) -> dict[int, float]:
+    """{n: seconds}: a greedy decoding step's time outside the target's forward, for a draft of n tokens (root
+    included) after a prompt of `context` random tokens, by the decoder's own engine: the steps' wall time
+    minus their forwards'. The median of `rounds` generations of `steps` steps each, after a warm-up
+    generation on the same engine (masks, CUDA graphs)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.shape.vocab
+    prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
+    overhead = {}
+    for n in sizes:
+        timer = _ForwardTimer(model)
+        engine = SpeculativeEngine(model, _ChainDrafter(torch.randint(0, vocab, (n - 1,), generator=generator)
+                                                        .tolist(), timer))
+        engine.generate(prompt, 2, SamplingParams())
+        per_step = []
+        with timer:
+            for _ in range(rounds):
+                result = engine.generate(prompt, steps, SamplingParams())
+                per_step.append((result.decode_seconds - timer.seconds()) / result.steps)
+        overhead[n] = max(0.0, float(np.median(per_step)))
+    return overhead
 
 
 def _budgets_below(budgets: list[int], context: int) -> list[int]:

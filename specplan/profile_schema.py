@@ -9,7 +9,9 @@ The minimal form, which stays loadable:
 The profiler adds `target.contexts: {L: {t_seconds: {...}, spread_seconds: {...}}}`, `draft.contexts`,
 `source` (measured or modeled), `dtype`, `hardware`, `models` and, when the draft was timed scoring only the
 token ids below some size (plus the stop tokens), `draft_vocab`. A measured profile also gives, per context,
-`retrieval_build_seconds: {B: seconds}`: one TriForce retrieval-cache build keeping B of the L tokens.
+`retrieval_build_seconds: {B: seconds}`: one TriForce retrieval-cache build keeping B of the L tokens, and
+`target.engine_overhead_seconds: {n: seconds}`: the decoding engine's time per step outside the target's
+forward for a draft tree of n nodes (at the context `target.engine_overhead_context`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class LatencyProfile:
     source: str = "measured"
     draft_vocab: int | None = None  # the draft's step was timed scoring only the ids below this (+ stop tokens)
     builds_by_context: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {budget: seconds}}
+    overhead_seconds: dict[int, float] = field(default_factory=dict)  # {n: engine seconds per step outside t(n)}
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -109,6 +112,8 @@ class LatencyProfile:
             source=source,
             draft_vocab=f.integer("draft_vocab", required=False, low=1),
             builds_by_context={L: points for L, points in builds.items() if points},
+            overhead_seconds=target.int_keyed_numbers("engine_overhead_seconds", low=0.0)
+            if target.has("engine_overhead_seconds") else {},
             raw=data,
         )
 
@@ -144,6 +149,14 @@ class LatencyProfile:
             return None
         at_context = {L: _linear(points, budget) for L, points in self.builds_by_context.items()}
         return _linear(at_context, context)
+
+    def engine_overhead(self, n: int | np.ndarray) -> np.ndarray:
+        """The engine's seconds per step outside the target's forward for a tree of n nodes: linear between the
+        profiled sizes (clamped); 0 for a profile that has none (modeled, or older)."""
+        if not self.overhead_seconds:
+            return np.zeros_like(np.asarray(n, dtype=np.float64))
+        sizes = sorted(self.overhead_seconds)
+        return np.interp(np.asarray(n, dtype=np.float64), sizes, [self.overhead_seconds[k] for k in sizes])
 
     def draft_step(self, context: float | None = None) -> float | None:
         """The draft's one-token step over `context` cached tokens: linear between its profiled contexts

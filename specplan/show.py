@@ -81,6 +81,9 @@ def describe_profile(document: dict[str, Any]) -> str:
         for L, by_budget in builds.items():
             lines.append(f"  retrieval build at L={L}: " + ", ".join(
                 f"B={budget} {seconds * 1e3:.2f} ms" for budget, seconds in by_budget.items()))
+        if section.get("engine_overhead_seconds"):
+            lines.append(f"  engine overhead per step at L={section.get('engine_overhead_context', '?')}: " + ", ".join(
+                f"n={n} {seconds * 1e3:.2f} ms" for n, seconds in section["engine_overhead_seconds"].items()))
     if "measurement_seconds" in document:
         lines.append(f"measured in {document['measurement_seconds']} s")
     return "\n".join(lines)

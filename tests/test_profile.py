@@ -32,8 +32,29 @@ def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
     assert raw["model_fingerprints"]["target"]["layers"] == 2
     assert raw["target"]["contexts"][64]["spread_seconds"][1][0] <= raw["target"]["contexts"][64]["t_seconds"][1]
     assert not list(out.parent.glob(".*partial*"))
+    assert set(profile.overhead_seconds) == {1, 2, 4, 8} and raw["target"]["engine_overhead_context"] == 16
+    assert all(0 < seconds < 0.1 for seconds in profile.overhead_seconds.values())
     code, stdout, _ = run_cli("show", out, "--plot", tmp_path / "p.png")
     assert code == 0 and "L=64" in stdout
+
+
+def test_engine_overhead_is_the_time_outside_the_forwards(monkeypatch):
+    """A forward made 20 ms slower leaves the overhead alone; a verification walk made 5 ms slower adds 5 ms."""
+    import time
+
+    from decoder.verify import GreedyMatch
+
+    from toy import toy_model
+
+    _, model = toy_model(0)
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: (time.sleep(0.02), forward(*a, **k))[1])
+    base = latency.engine_overhead(model, 8, [1, 4], steps=4)
+    assert all(seconds < 0.01 for seconds in base.values()), base
+    walk = GreedyMatch.walk
+    monkeypatch.setattr(GreedyMatch, "walk", lambda *a: (time.sleep(0.005), walk(*a))[1])
+    slow = latency.engine_overhead(model, 8, [1, 4], steps=4)
+    assert all(0.005 <= slow[n] < base[n] + 0.01 for n in (1, 4)), (base, slow)
 
 
 def test_interrupted_profile_leaves_no_output_and_resumes(run_cli, tmp_path, monkeypatch):
