@@ -65,7 +65,9 @@ def breakdown(engine: SpeculativeEngine, prompts: list[list[int]], max_new_token
     retrieval = getattr(drafter, "retrieval", None)
 
     def forward_label(tokens, positions, cache, *rest) -> str:
-        return "middle forwards" if retrieval is not None and cache is retrieval.cache else "top forwards"
+        if retrieval is None:
+            return "target forwards"
+        return "middle forwards" if cache is retrieval.cache else "top forwards"
 
     def forward_price(tokens, positions, cache, *rest) -> float:
         return float(profile.latency(int(tokens.shape[0]), int(cache.length)))
@@ -123,7 +125,7 @@ def main() -> None:
     args, decoder, picked = plan_with_prompts(__doc__, "--profile", 2)
     profile = load_profile(args.profile)
     prompts = [p.ids for p in picked]
-    runs = {"triforce": decoder.engine,
+    runs = {decoder.plan.method: decoder.engine,
             "one token": SpeculativeEngine(decoder.lean_target, None, decoder.engine.stop_ids)}
     for name, engine in runs.items():
         report = breakdown(engine, prompts, args.max_new_tokens, profile)
