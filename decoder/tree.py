@@ -48,10 +48,9 @@ def _ancestors(parents: np.ndarray) -> np.ndarray:
     allowed = np.zeros((n, n), dtype=np.bool_)
     for v in range(n):
         allowed[v, v] = True
-        if v:
-            for u in range(v):
-                if allowed[parents[v], u]:
-                    allowed[v, u] = True
+        for u in range(v):  # none for the root
+            if allowed[parents[v], u]:
+                allowed[v, u] = True
     return allowed
 
 
