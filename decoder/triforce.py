@@ -230,6 +230,7 @@ class HierarchicalDrafter(Drafter):
         self.full: KVCache | None = None
         self.built = False  # the retrieval cache holds a selection of the bound full cache
         self.rebuild_due = False
+        self.told = 0  # chain tokens the bottom holds as committed beyond the root, set by propose
         self.recent: deque[float] = deque(maxlen=8)
         self.stats = {"rounds": 0, "chains": 0, "chain_tokens": 0, "accepted": 0}
 
@@ -290,7 +291,7 @@ class HierarchicalDrafter(Drafter):
         middle.length = base
         tree = chain_tree(tokens, DETERMINISTIC if greedy else WITHOUT_REPLACEMENT)
         tree.draft_probs = probs
-        self.told = len(tokens) - 2  # chain tokens the bottom holds as committed beyond the root
+        self.told = len(tokens) - 2
         return tree
 
     def update(self, tree, accepted, next_token):
