@@ -234,7 +234,8 @@ def _compare(decoder: Decoder, prompt: list[int], reference: list[int], tokens: 
             "near_tie": gap is not None and gap < NEAR_TIE}
 
 
-def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: list[str]) -> dict:
+def summarize(rows: list[dict], names: list[str]) -> dict:
+    """Per method over the rows (prompts): rates, tokens/step, HF identity and the ratios to the baselines."""
     summary = {}
     for name in names:
         entries = [row["methods"][name] for row in rows]
@@ -256,6 +257,11 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
                 summary[name][f"speedup_vs_{base}"] = _ratio(summary[name], summary[base], "decode_tokens_per_second")
                 summary[name][f"end_to_end_speedup_vs_{base}"] = _ratio(summary[name], summary[base],
                                                                         "tokens_per_second")
+    return summary
+
+
+def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: list[str]) -> dict:
+    summary = summarize(rows, names)
     plan = decoder.plan
     prediction = {}
     if plan is not None:

@@ -47,10 +47,9 @@ def _ancestors(parents: np.ndarray) -> np.ndarray:
     n = len(parents)
     allowed = np.zeros((n, n), dtype=np.bool_)
     for v in range(n):
+        if v:
+            allowed[v] = allowed[parents[v]]  # a parent precedes its children
         allowed[v, v] = True
-        for u in range(v):  # none for the root
-            if allowed[parents[v], u]:
-                allowed[v, u] = True
     return allowed
 
 
