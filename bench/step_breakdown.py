@@ -3,11 +3,11 @@
 Decodes a plan's prompts with the plan's decoder and with one-token decoding, and times every piece: the
 target's forwards (for TriForce split into the top level, over the full cache, and the middle level, over the
 retrieval cache), the drafter's host work (a Lookahead trie's retrieval and insertion; TriForce's bottom
-drafter, retrieval-cache builds and inserts), and the rest of the engine (verification walk, masks, commits,
-Python). Each forward is also priced by the profile at its actual size and cache length, so the gap between a
-plan's prediction and a measured speedup splits into "forwards slower than profiled" and "time outside the
-forwards". TriForce plans decode haystack prompts at the plan's context (as `plan bench --context` builds
-them); other plans decode prompts of --dataset (as `plan bench` picks them).
+drafter, retrieval-cache builds and inserts; a StreamingLLM draft's forwards), and the rest of the engine
+(verification walk, masks, commits, Python). Each forward is also priced by the profile at its actual size
+and cache length, so the gap between a plan's prediction and a measured speedup splits into "forwards slower
+than profiled" and "time outside the forwards". TriForce plans decode haystack prompts at the plan's context
+(as `plan bench --context` builds them); other plans decode prompts of --dataset (as `plan bench` picks them).
 
     python bench/step_breakdown.py --plan plans/smollm2-135m.triforce-4096.cpu-2c.fp32.yaml \
         --profile profiles/smollm2-135m.cpu-2c.fp32.yaml --prompts 2 --max-new-tokens 256
@@ -27,6 +27,7 @@ from decoder.api import Decoder, load_decoder
 from decoder.drafters import TrieDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
+from decoder.triforce import StreamingDrafter
 from profiler.datasets import encode_prompt, read_dataset, spread_sample
 from profiler.haystack import LongPrompt, build_prompts
 from specplan.profile_schema import load_profile
@@ -65,6 +66,8 @@ def breakdown(engine: SpeculativeEngine, prompts: list[list[int]], max_new_token
     retrieval = getattr(drafter, "retrieval", None)
 
     def forward_label(tokens, positions, cache, *rest) -> str:
+        if isinstance(drafter, StreamingDrafter) and cache is drafter.cache:
+            return "streaming drafts"  # the target itself over its StreamingLLM cache
         if retrieval is None:
             return "target forwards"
         return "middle forwards" if cache is retrieval.cache else "top forwards"
@@ -73,6 +76,9 @@ def breakdown(engine: SpeculativeEngine, prompts: list[list[int]], max_new_token
         return float(profile.latency(int(tokens.shape[0]), int(cache.length)))
 
     ledger.wrap(target, "forward", forward_label, forward_price)
+    if isinstance(drafter, StreamingDrafter) and drafter.model is not target:
+        ledger.wrap(drafter.model, "forward", "streaming drafts",
+                    lambda tokens, positions, cache, *rest: profile.draft_step(int(cache.length)))
     if retrieval is not None:
         ledger.wrap(retrieval, "build", "retrieval builds")
         ledger.wrap(retrieval, "insert", "retrieval inserts")

@@ -160,8 +160,9 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, d
     retrieval = RetrievalSettings(settings["budget"], settings["chunk"], settings["stride"],
                                   settings["rebuild_below"]).check()
     draft_model = lean_draft = None
-    if settings["bottom"] == "model":  # loaded even where the plan does not speculate: bench baselines use it
-        draft_name = draft_name or plan.models.get("draft")
+    draft_name = draft_name or plan.models.get("draft")
+    # loaded even where the plan does not speculate: bench baselines use it
+    if settings["bottom"] == "model" or (settings["bottom"] == "streaming" and plan.models.get("draft")):
         if not draft_name:
             raise UserError("the plan's bottom level is a draft model but names none; give --draft")
         log(f"loading {draft_name} ({draft_dtype})")
@@ -179,6 +180,9 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, d
     def hierarchy() -> Drafter | None:
         if not settings["speculate"]:
             return None
+        if settings["bottom"] == "streaming":  # no middle level: the StreamingLLM draft drafts for the top
+            return StreamingDrafter(lean_draft or lean_target, settings["gamma2"], settings["sinks"],
+                                    settings["window"])
         return HierarchicalDrafter(lean_target, bottom(), settings["gamma1"], settings["gamma2"], retrieval)
 
     return Decoder(target, hierarchy, plan, verify, draft_model, lean_target, lean_draft)

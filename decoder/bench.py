@@ -169,12 +169,14 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
         # The two-level variant at its own best settings where the planner recorded them, else at the plan's.
         two = {**s, **decoder.plan.prediction.get("best_two_level", {})}
         retrieval = RetrievalSettings(two["budget"], two["chunk"], two["stride"], s["rebuild_below"])
-        streaming_model = decoder.lean_draft if s["bottom"] == "model" else decoder.lean_target
+        # The streaming draft likewise at its best gamma, where the acceptance file measured it.
+        streaming_gamma = decoder.plan.prediction.get("best_streaming", {}).get("gamma2", s["gamma2"])
+        streaming_model = decoder.lean_draft or decoder.lean_target
         triforce = {
             "two-level": engine_method(SpeculativeEngine(decoder.lean_target, HierarchicalDrafter(
                 decoder.lean_target, NoDrafter(), 1, two["gamma2"], retrieval), stops_set)),
             "streaming": engine_method(SpeculativeEngine(decoder.lean_target, StreamingDrafter(
-                streaming_model, s["gamma2"], s["sinks"], s["window"]), stops_set)),
+                streaming_model, streaming_gamma, s["sinks"], s["window"]), stops_set)),
         }
 
     available = {
@@ -273,12 +275,13 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
             if prediction["plan_speedup"]:
                 prediction["measured_over_predicted"] = (prediction["measured_speedup_vs_ours_ar"]
                                                          / prediction["plan_speedup"])
-        two_level = plan.prediction.get("best_two_level")
-        if two_level and "two-level" in summary and "ours-ar" in summary:
-            prediction["two_level"] = {"predicted_speedup": two_level["speedup"],
-                                       "predicted_tokens_per_step": two_level["tokens_per_step"],
-                                       "measured_speedup_vs_ours_ar": summary["two-level"]["speedup_vs_ours-ar"],
-                                       "measured_tokens_per_step": summary["two-level"].get("tokens_per_step")}
+        for method, key in (("two-level", "best_two_level"), ("streaming", "best_streaming")):
+            best = plan.prediction.get(key)
+            if best and method in summary and "ours-ar" in summary:
+                prediction[method.replace("-", "_")] = {
+                    "predicted_speedup": best["speedup"], "predicted_tokens_per_step": best["tokens_per_step"],
+                    "measured_speedup_vs_ours_ar": summary[method]["speedup_vs_ours-ar"],
+                    "measured_tokens_per_step": summary[method].get("tokens_per_step")}
     return {
         "kind": "bench/report",
         "machine": {**cpu_info(), "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -315,6 +318,7 @@ class _Repricing:
         self.profile = load_profile(profile_file)
         points = priced_points(plan, self.profile)
         draft = decoder.lean_draft if points.draft else None
+        self.draft_priced = bool(points.draft)
         self.timer = PointTimer(decoder.lean_target, draft, points.target, points.builds, points.draft)
 
     def report(self, summary: dict) -> dict:
@@ -335,7 +339,7 @@ class _Repricing:
                   f"top_verify_{top}_at_context": ratio(lambda p: p.latency(top, L)),
                   "middle_step": ratio(lambda p: p.latency(profiled.gamma1 + 1, middle)),
                   "retrieval_build": ratio(lambda p: p.retrieval_build(L, s["budget"]))}
-        if s["bottom"] == "model":
+        if self.draft_priced:
             ratios["draft_step"] = ratio(lambda p: p.draft_step(s["sinks"] + s["window"]))
         out = {"speedup": repriced.speedup, "tokens_per_step": repriced.tokens_per_step,
                "profiled_speedup": profiled.speedup, "two_level_speedup": repriced_two.speedup,
@@ -413,12 +417,13 @@ def markdown_table(report: dict) -> str:
         if speculative:
             lines.append(f"the plan decodes one token per step: its best speculative setting was predicted "
                          f"{speculative['speedup']:.2f}x at {speculative['tokens_per_step']:.2f} tokens/step")
-        two_level = prediction.get("two_level")
-        if two_level:
-            lines.append(f"two-level at its best settings: predicted {two_level['predicted_speedup']:.2f}x at "
-                         f"{two_level['predicted_tokens_per_step']:.2f} tokens/step; measured "
-                         f"{two_level['measured_speedup_vs_ours_ar']:.2f}x at "
-                         f"{two_level['measured_tokens_per_step']:.2f} tokens/step (vs ours-ar)")
+        for method in ("two-level", "streaming"):
+            best = prediction.get(method.replace("-", "_"))
+            if best:
+                lines.append(f"{method} at its best settings: predicted {best['predicted_speedup']:.2f}x at "
+                             f"{best['predicted_tokens_per_step']:.2f} tokens/step; measured "
+                             f"{best['measured_speedup_vs_ours_ar']:.2f}x at "
+                             f"{best['measured_tokens_per_step']:.2f} tokens/step (vs ours-ar)")
         repriced = prediction.get("repriced")
         if repriced:
             measured_over = repriced.get("measured_over_repriced")

@@ -26,6 +26,15 @@ The two-level variant (no bottom) has gamma1 = 0: each middle round is one forwa
 token. It is searched beside every bottom setting, and wins where the bottom's acceptance does not pay for the
 middle's wider forwards: the plan then has no bottom (and records the best two-level setting either way).
 
+The StreamingLLM-only draft (no middle: the draft model, or the target itself where the bottom is a trie, over
+a cache of sinks + window tokens, drafts a chain of gamma2 tokens straight for the top) is searched too where
+the acceptance file measured it (its `streaming` record, acceptance a_s against the full target): gamma2
+drafts at c_s each, c_s = t_d(1, sinks + window) (or t(1, sinks + window) for the target), then the top's
+t(gamma2 + 1, L), yielding E(a_s, gamma2); no retrieval cache, so no builds. It wins where the target's
+weights, not its KV cache, dominate a step (a 1.5B target at 4K on a CPU): the plan then has `bottom:
+streaming`, and records the best streaming setting either way. Its window is prefilled with the prompt, so
+its cost, like the prefill's, is outside the decoding time priced here.
+
 Plain one-token decoding is the baseline every setting is priced against (speedup 1). Unless the best setting
 is predicted faster than `min_speedup` times it, the plan decodes one token per step (`speculate: false`) and
 records the best setting, which `plan bench` still runs its TriForce baselines with: on a machine whose
@@ -50,7 +59,8 @@ stop token), the planner replays them instead, backwards over the positions of e
     time(p)        = rounds(p) * (gamma1 * c_b + t(gamma1 + 1, B + s)) + t(n(p) + 1, L + p)
                      + sum_j P_j(p) * time(p + j + 1),   time(p) = 0 past the continuation's end,
 
-and likewise the expected step count. Each continuation also pays its first build: the target's forward of the
+and likewise the expected step count (the streaming draft: the same replay with gamma1 = 0 over its own
+trace, each round one draft at c_s). Each continuation also pays its first build: the target's forward of the
 last prompt token over the full cache, whose query scores the chunks (t(1, L)), and b(L, B). Then
 
     time per token = [sum of (time(0) + t(1, L) + b(L, B) + floor((N - 1) / R') b(L, B))] / sum of N,
@@ -102,6 +112,7 @@ class TriForceCandidate:
     step_seconds: float
     seconds_per_token: float
     speedup: float
+    streaming: bool = False  # the StreamingLLM-only draft (budget, chunk, stride: the best two-level setting's)
 
 
 def evaluate(profile: LatencyProfile, context: int, entry: dict, gamma1: int, gamma2: int,
@@ -177,6 +188,35 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: 
                              (ar_seconds / tokens) / per_token)
 
 
+def evaluate_streaming(profile: LatencyProfile, context: int, record: dict, gamma: int, seconds_per_draft: float,
+                       top_costs: dict[int, np.ndarray], retrieval: TriForceCandidate) -> TriForceCandidate:
+    """The StreamingLLM-only draft's replay (see the docstring); `retrieval` lends its budget, chunk and stride
+    to the plan's settings, which a `bottom: streaming` plan keeps for its two-level baseline."""
+    tokens = steps = seconds = ar_seconds = 0.0
+    for trace in record["traces"]:
+        length = len(trace)
+        if length not in top_costs:
+            top_costs[length] = _top_costs(profile, context, length)
+        table = top_costs[length]
+        trace_seconds, trace_steps, _ = _replay_trace(trace, np.ones(length), NO_RUNS, 0, gamma, seconds_per_draft,
+                                                      table)
+        tokens += length
+        steps += trace_steps
+        seconds += trace_seconds
+        ar_seconds += table[1].sum()
+    per_token = seconds / tokens
+    return TriForceCandidate(0, gamma, retrieval.budget, retrieval.chunk, retrieval.stride, record["acceptance"],
+                             record["acceptance"], float(gamma), tokens / steps, seconds / steps, per_token,
+                             (ar_seconds / tokens) / per_token, streaming=True)
+
+
+def streaming_seconds(profile: LatencyProfile, record: dict, streaming_cache: int) -> float:
+    """c_s: the streaming drafter's one-token step over its cache of sinks + window tokens."""
+    if record["drafter"] == "draft":
+        return _bottom_seconds("model", profile, streaming_cache)
+    return float(profile.latency(1, streaming_cache))
+
+
 def _top_costs(profile: LatencyProfile, context: int, length: int) -> np.ndarray:
     """table[n, p] = t(n, context + p) + o(n) for n = 0..max profiled size (row 0 unused), p < length."""
     sizes = np.arange(1, _max_n(profile) + 1)
@@ -237,7 +277,8 @@ def _replay_trace(middle: np.ndarray, bottom: np.ndarray, runs: np.ndarray, gamm
 
 def _decoded_settings(candidate: TriForceCandidate, bottom: str) -> dict[str, int | str]:
     """The plan settings a candidate decodes with: those an acceptance file's `decoded_with` records."""
-    values = {"bottom": "none" if candidate.gamma1 == 0 else bottom, "gamma1": max(candidate.gamma1, 1),
+    values = {"bottom": "streaming" if candidate.streaming else "none" if candidate.gamma1 == 0 else bottom,
+              "gamma1": max(candidate.gamma1, 1),
               "gamma2": candidate.gamma2, "budget": candidate.budget, "chunk": candidate.chunk,
               "stride": candidate.stride}
     return {key: values[key] for key in TRIFORCE_DECODED_SETTINGS}
@@ -291,19 +332,26 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
                 candidates.append(evaluate_traces(profile, context, entry, gamma1, gamma2, drafted, top_costs)
                                   if replayed else evaluate(profile, context, entry, gamma1, gamma2, drafted))
     candidates.sort(key=lambda c: (-c.speedup, c.gamma2, c.gamma1, c.budget))
+    best_two_level = next(c for c in candidates if c.gamma1 == 0)
+    record = None if two_level else acceptance.streaming_at(context)
+    streaming_draft = None
+    if record is not None:
+        streaming_draft = streaming_seconds(profile, record, sinks + window)
+        candidates += [evaluate_streaming(profile, context, record, gamma, streaming_draft, top_costs, best_two_level)
+                       for gamma in GAMMA2]
+        candidates.sort(key=lambda c: (-c.speedup, c.gamma2, c.gamma1, c.budget))
     decoded_with = acceptance.extra.get("decoded_with")
     exact = next((c for c in candidates if decoded_with and all(
         decoded_with.get(key) == value for key, value in _decoded_settings(c, bottom).items())), None)
     best = candidates[0]
     if exact is not None and best.speedup < exact.speedup * (1.0 + REPLAY_SWITCH_MARGIN):
         best = exact
-    best_two_level = next(c for c in candidates if c.gamma1 == 0)
     speculate = best.speedup > min_speedup
     settings = {**_decoded_settings(best, bottom), "context": context, "rebuild_below": rebuild_below,
                 "sinks": sinks, "window": window, "speculate": speculate}
     bottom = settings["bottom"]
     models = {"target": acceptance.target}
-    if bottom == "model":
+    if bottom == "model" or (bottom == "streaming" and record["drafter"] == "draft"):
         models["draft"] = acceptance.bottom
     if profile.raw.get("dtype"):
         models["dtype"] = profile.raw["dtype"]
@@ -321,6 +369,11 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
         "best_two_level": {"gamma2": best_two_level.gamma2, "budget": best_two_level.budget,
                            "chunk": best_two_level.chunk, "stride": best_two_level.stride,
                            "speedup": best_two_level.speedup, "tokens_per_step": best_two_level.tokens_per_step}})
+    if record is not None:  # `plan bench` runs its streaming baseline with this gamma
+        best_streaming = next(c for c in candidates if c.streaming)
+        prediction["best_streaming"] = {"drafter": record["drafter"], "gamma2": best_streaming.gamma2,
+                                        "speedup": best_streaming.speedup,
+                                        "tokens_per_step": best_streaming.tokens_per_step}
     if decoded_with and speculate:
         prediction["replay_exact"] = best is exact
     plan = Plan(
@@ -328,7 +381,8 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
         models=models,
         prediction=prediction,
         inputs={"acceptance": {"file": str(acceptance_path)}, "profile": profile.plan_inputs(profile_path),
-                "context": context, "bottom_seconds_per_draft": bottom_seconds},
+                "context": context, "bottom_seconds_per_draft": bottom_seconds,
+                **({"streaming_seconds_per_draft": streaming_draft} if record is not None else {})},
         solver={"seconds": time.perf_counter() - started, "min_speedup": min_speedup,
                 "algorithm": "expected time per token, " + ("replayed over the acceptance traces" if replayed
                                                             else "closed form") + " (planner/triforce.py)",
@@ -369,10 +423,16 @@ def _plan_settings(plan: Plan) -> list[tuple[dict, int, int, float | None]]:
         return found
 
     two = plan.prediction.get("best_two_level") or s
+    two_level = (entry(two["budget"], two["chunk"], two["stride"]), 0, two["gamma2"], None)
+    if s["bottom"] == "streaming":
+        record = acceptance.streaming_at(s["context"])
+        if record is None:
+            raise UserError(f"{path} has no streaming draft measured at context {s['context']}: "
+                            "not the plan's acceptance file")
+        return [(record, 0, s["gamma2"], None), two_level]
     plan_bottom = None if s["bottom"] == "none" else plan.inputs.get("bottom_seconds_per_draft")
-    settings = [(entry(s["budget"], s["chunk"], s["stride"]), 0 if plan_bottom is None else s["gamma1"],
-                 s["gamma2"], plan_bottom)]
-    return settings + [(entry(two["budget"], two["chunk"], two["stride"]), 0, two["gamma2"], None)]
+    return [(entry(s["budget"], s["chunk"], s["stride"]), 0 if plan_bottom is None else s["gamma1"],
+             s["gamma2"], plan_bottom), two_level]
 
 
 def priced_points(plan: Plan, profile: LatencyProfile) -> PricedPoints:
@@ -382,19 +442,27 @@ def priced_points(plan: Plan, profile: LatencyProfile) -> PricedPoints:
         raise UserError("re-pricing needs a profile timed at several contexts (plan profile --contexts ...)")
     target: dict[int, int] = {}  # context -> the largest size read there
     builds: dict[int, set[int]] = {}
+    streaming_cache = plan.settings["sinks"] + plan.settings["window"]
+    draft_priced = plan.settings["bottom"] == "model"
     for entry, gamma1, gamma2, _ in _plan_settings(plan):
-        longest = max((len(trace["middle"]) for trace in entry["traces"]), default=1)
-        middle = entry["budget"] + entry["chunk"]
-        for L in covering(contexts, middle, middle):
-            target[L] = max(target.get(L, 1), gamma1 + 1)
+        if "drafter" in entry:  # the streaming draft's record: the top's chains, the drafter's step
+            longest = max(len(trace) for trace in entry["traces"])
+            draft_priced = entry["drafter"] == "draft"
+            if not draft_priced:
+                for L in covering(contexts, streaming_cache, streaming_cache):
+                    target[L] = max(target.get(L, 1), 1)
+        else:
+            longest = max((len(trace["middle"]) for trace in entry["traces"]), default=1)
+            middle = entry["budget"] + entry["chunk"]
+            for L in covering(contexts, middle, middle):
+                target[L] = max(target.get(L, 1), gamma1 + 1)
+            for L in covering(profile.builds_by_context, context, context) if profile.builds_by_context else []:
+                builds.setdefault(L, set()).update(covering(profile.builds_by_context[L], entry["budget"],
+                                                            entry["budget"]))
         for L in covering(contexts, context, context + longest - 1):
             target[L] = max(target.get(L, 1), min(gamma2 + gamma1 + 2, _max_n(profile)))  # the longest chain + 1
-        for L in covering(profile.builds_by_context, context, context) if profile.builds_by_context else []:
-            builds.setdefault(L, set()).update(covering(profile.builds_by_context[L], entry["budget"],
-                                                        entry["budget"]))
     draft = []
-    if plan.settings["bottom"] == "model" and profile.draft_by_context:
-        streaming_cache = plan.settings["sinks"] + plan.settings["window"]
+    if draft_priced and profile.draft_by_context:
         draft = covering(profile.draft_by_context, streaming_cache, streaming_cache)
     return PricedPoints({L: profile.target_curve(L).support(largest) for L, largest in sorted(target.items())},
                         {L: sorted(budgets) for L, budgets in sorted(builds.items())}, draft)
@@ -403,11 +471,15 @@ def priced_points(plan: Plan, profile: LatencyProfile) -> PricedPoints:
 def reprice(plan: Plan, profile: LatencyProfile) -> tuple[TriForceCandidate, TriForceCandidate]:
     """The plan's setting and its best two-level setting, priced with `profile` exactly as the solver priced
     them (the trace replay, or the closed form where the acceptance has no traces)."""
-    priced = []
-    for entry, gamma1, gamma2, bottom_seconds in _plan_settings(plan):
-        if gamma1 and plan.settings["bottom"] == "model":
-            bottom_seconds = _bottom_seconds("model", profile, plan.settings["sinks"] + plan.settings["window"])
-        priced.append(evaluate_traces(profile, plan.settings["context"], entry, gamma1, gamma2, bottom_seconds, {})
-                      if entry["traces"] else
-                      evaluate(profile, plan.settings["context"], entry, gamma1, gamma2, bottom_seconds))
-    return priced[0], priced[1]
+    (entry, gamma1, gamma2, bottom_seconds), two_level = _plan_settings(plan)
+    context, streaming_cache = plan.settings["context"], plan.settings["sinks"] + plan.settings["window"]
+    priced_two = evaluate_traces(profile, context, *two_level, {}) if two_level[0]["traces"] else \
+        evaluate(profile, context, *two_level)
+    if "drafter" in entry:
+        return evaluate_streaming(profile, context, entry, gamma2, streaming_seconds(profile, entry, streaming_cache),
+                                  {}, priced_two), priced_two
+    if gamma1 and plan.settings["bottom"] == "model":
+        bottom_seconds = _bottom_seconds("model", profile, streaming_cache)
+    priced = evaluate_traces(profile, context, entry, gamma1, gamma2, bottom_seconds, {}) if entry["traces"] else \
+        evaluate(profile, context, entry, gamma1, gamma2, bottom_seconds)
+    return priced, priced_two

@@ -10,6 +10,10 @@ bottom drafter's acceptance against the middle level is measured the same way (t
 the draft model over a StreamingLLM cache). The continuation ends at a stop token, as decoding does. Each
 entry keeps the means and, per prompt, both per-position traces, which `plan solve triforce` replays.
 
+Per context, the StreamingLLM-only draft (no middle level: the draft model, or the target itself where the
+bottom is a trie, over a cache of sinks + recent window, drafting straight for the full target) is measured
+against the full target the same way, one trace per prompt: the planner weighs it against the hierarchy.
+
 A trie bottom at T = 0 also records, for every gamma1 the planner searches, its accepted run at each position:
 the decoder's own TrieDrafter with the plan's trie settings for that gamma1 (living across the prompts of a
 context, as in `plan bench`) proposes a tree there, and the middle level's greedy walk through it follows the
@@ -173,12 +177,16 @@ def _trie_runs(drafts: list[tuple[np.ndarray, np.ndarray]], middle_choice: np.nd
 def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tuple[int, int, int]],
                      bottom: BottomSpec, max_new_tokens: int, params: SamplingParams, stop_ids: set[int],
                      segment: int = 8, seed: int = 0, log: Callable[[str], None] = print,
-                     decode: Callable[[list[int]], tuple[list[int], list[int]]] | None = None) -> list[dict]:
-    """Acceptance entries per (context, budget, chunk, stride). With `decode` (greedy only), the continuation
-    is the one it returns for a prompt instead of the target's one-token greedy text, and the middle level
-    runs in the steps it returns (tokens emitted per step) instead of segments of `segment` tokens."""
+                     decode: Callable[[list[int]], tuple[list[int], list[int]]] | None = None
+                     ) -> tuple[list[dict], list[dict]]:
+    """Acceptance entries per (context, budget, chunk, stride), and per context the StreamingLLM-only draft's
+    record. With `decode` (greedy only), the continuation is the one it returns for a prompt instead of the
+    target's one-token greedy text, and the middle level runs in the steps it returns (tokens emitted per step)
+    instead of segments of `segment` tokens."""
     generator = torch.Generator().manual_seed(seed)
     samples: dict[tuple, dict[str, list]] = {}
+    streaming: dict[int, list[np.ndarray]] = {}
+    streaming_spec = bottom if bottom.kind == "model" else BottomSpec("model", target, bottom.sinks, bottom.window)
     trie_runs = bottom.kind == "trie" and params.greedy
     drafters = {gamma1: TrieDrafter(Trie(bottom_trie_settings(gamma1))) for gamma1 in TRIFORCE_GAMMA1} \
         if trie_runs else {}
@@ -191,15 +199,16 @@ def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tu
         segments = steps or [segment] * len(continuation)
         bottom_out = _bottom_logits_or_tokens(bottom, sequence, len(prompt.ids)) if bottom.kind != "none" else None
         drafts = _trie_drafts(drafters, prompt.ids, continuation) if trie_runs else {}
+        streaming_rows = bottom_out if bottom.kind == "model" else _bottom_logits_or_tokens(
+            streaming_spec, sequence, len(prompt.ids))
+        streaming.setdefault(prompt.context, []).append(
+            _agreement_with_top(target_rows, streaming_rows, continuation, params))
         for budget, chunk, stride in grid:
             settings = RetrievalSettings(budget, chunk, stride).check(len(prompt.ids))
             middle = _middle_logits(target, full, len(prompt.ids), sequence, queries, settings, segments)
             key = (prompt.context, budget, chunk, stride)
             entry = samples.setdefault(key, {"middle": [], "bottom": [], "bottom_runs": []})
-            if params.greedy:  # the top emits the continuation's tokens: row i of middle predicts continuation[i]
-                entry["middle"].append((middle.argmax(-1) == torch.tensor(continuation)).double().numpy())
-            else:
-                entry["middle"].append(_agreement(target_rows, middle, params))
+            entry["middle"].append(_agreement_with_top(target_rows, middle, continuation, params))
             if bottom_out is None:
                 entry["bottom"].append(np.ones(len(middle)))
                 continue
@@ -231,7 +240,20 @@ def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tu
                         "middle": float(middle.mean()), "bottom": float(bottom_values.mean()),
                         "middle_stderr": _stderr(middle), "bottom_stderr": _stderr(bottom_values),
                         "positions": int(len(middle)), "traces": traces})
-    return entries
+    drafter = "target" if bottom.kind != "model" else "draft"
+    records = [{"context": context, "drafter": drafter, "acceptance": float(np.concatenate(values).mean()),
+                "stderr": _stderr(np.concatenate(values)), "positions": int(sum(len(v) for v in values)),
+                "traces": [_trace(v, params) for v in values]} for context, values in streaming.items()]
+    return entries, records
+
+
+def _agreement_with_top(target_rows: torch.Tensor, lower: torch.Tensor, continuation: list[int],
+                        params: SamplingParams) -> np.ndarray:
+    """A drafting level's acceptance by the full target at each continuation position (row i of `lower`
+    predicts continuation[i]): at T = 0 the top emits the continuation's tokens."""
+    if params.greedy:
+        return (lower.argmax(-1) == torch.tensor(continuation)).double().numpy()
+    return _agreement(target_rows, lower, params)
 
 
 def _stderr(values: np.ndarray) -> float:
@@ -262,6 +284,8 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
 
     if bottom_kind == "model" and not draft_name:
         raise UserError("a model bottom needs --draft")
+    if sinks < 0 or window < 1:
+        raise UserError(f"a StreamingLLM cache needs --sinks >= 0 and --window >= 1 (got {sinks} and {window})")
     decoder = None
     if decode_with is not None:
         plan_settings = _check_triforce_plan(decode_with, target_name, dtype, params, contexts)
@@ -288,18 +312,20 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
         return result.tokens, result.accepted_per_step
 
     started = time.perf_counter()
-    entries = []
+    entries, streaming = [], []
     for context in contexts:
         prompts = build_prompts(dataset, target.tokenizer, context, samples)
         if decoder is not None:
             decoder.restart()  # as `plan bench` does before its prompts
-        entries += measure_triforce(lean, prompts, grid, bottom, max_new_tokens, params, stop_token_ids(target),
+        measured = measure_triforce(lean, prompts, grid, bottom, max_new_tokens, params, stop_token_ids(target),
                                     log=log, decode=decode if decoder is not None else None)
+        entries += measured[0]
+        streaming += measured[1]
     acceptance = TriForceAcceptance(
         target=target_name, bottom=draft_name if bottom_kind == "model" else bottom_kind, entries=entries,
-        temperature=params.temperature,
+        temperature=params.temperature, streaming=streaming,
         extra={"dtype": dtype, "top_p": params.top_p, "max_new_tokens": max_new_tokens,
-               "bottom_cache": {"sinks": sinks, "window": window} if bottom_kind == "model" else None,
+               "bottom_cache": {"sinks": sinks, "window": window},
                "decoded_with": None if decoder is None else {"plan": decode_with, **plan_settings},
                "dataset": {"path": dataset, "contexts": contexts, "prompts_per_context": samples},
                "seconds": round(time.perf_counter() - started, 1), "provenance": provenance()})

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from specplan.fileio import read_yaml
-from specplan.validate import Fields
+from specplan.validate import Fields, check_number
 
 POSITIONAL_SUM_TOLERANCE = 1e-6
 
@@ -137,12 +137,15 @@ TRIFORCE_GAMMA1 = tuple(range(1, 9))  # gamma1 values the planner searches; a tr
 @dataclass
 class TriForceAcceptance:
     """Per (context, budget, chunk, stride): the middle level's (target over a retrieval cache) acceptance
-    against the full target, and the bottom drafter's against the middle level."""
+    against the full target, and the bottom drafter's against the middle level. Per context (`streaming`,
+    optional): the StreamingLLM-only draft's acceptance against the full target, `drafter` `draft` (the
+    bottom model) or `target` (the target itself over the StreamingLLM cache), one trace per prompt."""
 
     target: str
     bottom: str  # "trie" or the bottom model's name
     entries: list[dict[str, Any]]
     temperature: float = 0.0
+    streaming: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -162,13 +165,42 @@ class TriForceAcceptance:
             entry["traces"] = _traces(e)
             entry.update({k: v for k, v in item.items() if k not in entry})
             entries.append(entry)
-        return cls(target=models.string("target"), bottom=models.string("bottom"), entries=entries,
+        bottom = models.string("bottom")
+        return cls(target=models.string("target"), bottom=bottom, entries=entries,
                    temperature=f.number("temperature", required=False, low=0.0, default=0.0),
-                   extra={k: v for k, v in data.items() if k not in {"kind", "models", "entries", "temperature"}})
+                   streaming=_streaming_records(f, bottom),
+                   extra={k: v for k, v in data.items()
+                          if k not in {"kind", "models", "entries", "temperature", "streaming"}})
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "acceptance/triforce", "models": {"target": self.target, "bottom": self.bottom},
-                "temperature": self.temperature, **self.extra, "entries": self.entries}
+                "temperature": self.temperature, **self.extra, "streaming": self.streaming, "entries": self.entries}
+
+    def streaming_at(self, context: int) -> dict[str, Any] | None:
+        return next((r for r in self.streaming if r["context"] == context), None)
+
+
+def _streaming_records(f: Fields, bottom: str) -> list[dict[str, Any]]:
+    raw = f.data.get("streaming") or []
+    if not isinstance(raw, list):
+        raise f.fail("'streaming' must be a list")
+    records = []
+    for i, item in enumerate(raw):
+        r = Fields(item, f"{f.where}: streaming[{i}]")
+        record = {"context": r.integer("context", low=1), "drafter": r.string("drafter"),
+                  "acceptance": r.number("acceptance", low=0.0, high=1.0)}
+        if record["drafter"] not in ("draft", "target"):
+            raise r.fail("'drafter' must be draft or target")
+        if record["drafter"] == "draft" and bottom == "trie":
+            raise r.fail("a streaming draft model needs a model bottom")
+        traces = r.data.get("traces")
+        if not (isinstance(traces, list) and traces and all(isinstance(t, list) and t for t in traces)):
+            raise r.fail("'traces' must be a non-empty list of non-empty per-prompt lists")
+        record["traces"] = [np.array([check_number(v, f"{r.where}: traces[{j}][{k}]", 0.0, 1.0)
+                                      for k, v in enumerate(trace)]) for j, trace in enumerate(traces)]
+        record.update({k: v for k, v in item.items() if k not in record})
+        records.append(record)
+    return records
 
 
 def _traces(entry: Fields) -> list[dict[str, np.ndarray]]:

@@ -221,8 +221,9 @@ def _note_inexact_replay(plan: Plan) -> None:
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
-@click.option("--sinks", type=int, default=4, show_default=True)
-@click.option("--window", type=int, default=1024, show_default=True)
+@click.option("--sinks", type=int, default=4, show_default=True,
+              help="StreamingLLM cache of the bottom model and of the streaming-only draft: sink tokens")
+@click.option("--window", type=int, default=1024, show_default=True, help="... and recent tokens")
 @click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
               help="a greedy TriForce plan: measure along the text it decodes (outside fp32 it differs from the "
                    "target's one-token text)")
@@ -266,12 +267,16 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
 
     plan, ranked = solve_triforce(acceptance_path, profile_path, context, two_level=two_level,
                                   rebuild_below=rebuild_below, min_speedup=min_speedup)
-    click.echo(f"{'g1':>3} {'g2':>3} {'B':>5} {'s':>3} {'R':>4} {'a_mid':>6} {'a_bot':>6} {'tok/step':>8} "
-               f"{'ms/tok':>7} {'speedup':>7}")
+    click.echo(f"{'drafter':<9} {'g1':>3} {'g2':>3} {'B':>5} {'s':>3} {'R':>4} {'a_mid':>6} {'a_bot':>6} "
+               f"{'tok/step':>8} {'ms/tok':>7} {'speedup':>7}")
     for c in ranked[:top]:
-        click.echo(f"{c.gamma1:>3} {c.gamma2:>3} {c.budget:>5} {c.chunk:>3} {c.stride:>4} {c.middle_acceptance:>6.3f} "
-                   f"{c.bottom_acceptance:>6.3f} {c.tokens_per_step:>8.2f} {c.seconds_per_token * 1e3:>7.2f} "
-                   f"{c.speedup:>7.3f}")
+        if c.streaming:  # no middle level: a_mid is the streaming draft's acceptance by the target
+            levels = (f"{'streaming':<9} {'-':>3} {c.gamma2:>3} {'-':>5} {'-':>3} {'-':>4} "
+                      f"{c.middle_acceptance:>6.3f} {'-':>6}")
+        else:
+            levels = (f"{'two-level' if c.gamma1 == 0 else 'hierarchy':<9} {c.gamma1:>3} {c.gamma2:>3} {c.budget:>5} "
+                      f"{c.chunk:>3} {c.stride:>4} {c.middle_acceptance:>6.3f} {c.bottom_acceptance:>6.3f}")
+        click.echo(f"{levels} {c.tokens_per_step:>8.2f} {c.seconds_per_token * 1e3:>7.2f} {c.speedup:>7.3f}")
     save_plan(plan, output)
     click.echo(f"wrote {output}")
     _note_inexact_replay(plan)

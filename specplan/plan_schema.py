@@ -11,7 +11,9 @@ given), how it was solved (`solver`) and where it came from (`provenance`). Meth
   (the trie settings, decoder/trie.py) and `tokenizer: {vocab_size, sha256}` (a trie plan holds token ids).
 - plan/triforce: `triforce: {gamma1, gamma2, budget, chunk, stride, context, rebuild_below, bottom, sinks,
   window}`: bottom is `trie` (a Lookahead trie with default settings) or `model` (models.draft with a
-  StreamingLLM cache of `sinks` + `window` tokens), or `none` (the two-level variant). `speculate: false`
+  StreamingLLM cache of `sinks` + `window` tokens), `none` (the two-level variant), or `streaming` (no middle
+  level: models.draft, else the target itself, over a StreamingLLM cache drafts `gamma2` tokens straight for the
+  target over its full cache; budget, chunk and stride are then the best two-level setting's). `speculate: false`
   (written when no setting is predicted fast enough) decodes one token per step; the other settings are then
   the best speculative setting's, which `plan bench` runs its TriForce baselines with.
 """
@@ -33,6 +35,7 @@ from specplan.validate import Fields, check_number
 PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce")
 LOOKAHEAD_SETTINGS = ("decoding_length", "branch_length", "window", "max_prefix", "capacity")
 TRIFORCE_SETTINGS = ("gamma1", "gamma2", "budget", "chunk", "stride", "context")
+TRIFORCE_BOTTOMS = ("trie", "model", "none", "streaming")
 
 
 @dataclass(frozen=True)
@@ -219,8 +222,8 @@ class Plan:
             plan.settings = {key: settings.integer(key, low=1) for key in TRIFORCE_SETTINGS}
             plan.settings["rebuild_below"] = settings.number("rebuild_below", low=0.0, high=1.0)
             plan.settings["bottom"] = settings.string("bottom")
-            if plan.settings["bottom"] not in ("trie", "model", "none"):
-                raise settings.fail("'bottom' must be trie, model or none")
+            if plan.settings["bottom"] not in TRIFORCE_BOTTOMS:
+                raise settings.fail(f"'bottom' must be {', '.join(TRIFORCE_BOTTOMS[:-1])} or {TRIFORCE_BOTTOMS[-1]}")
             plan.settings["sinks"] = settings.integer("sinks", low=0)
             plan.settings["window"] = settings.integer("window", low=1)
             plan.settings["speculate"] = settings.boolean("speculate", default=True)

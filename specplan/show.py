@@ -41,6 +41,10 @@ def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
         for e in acceptance.entries:
             lines.append(f"  {e['context']:>6} {e['budget']:>5} {e['chunk']:>3} {e['stride']:>4} {e['middle']:>7.3f} "
                          f"{e['bottom']:>7.3f} {e.get('positions', 0):>9}")
+        for r in acceptance.streaming:
+            drafter = acceptance.bottom if r["drafter"] == "draft" else acceptance.target
+            lines.append(f"  streaming draft ({drafter} over a StreamingLLM cache) at {r['context']}: "
+                         f"{r['acceptance']:.3f} against the full target over {sum(map(len, r['traces']))} positions")
         return "\n".join(lines)
     if kind == "acceptance/sequoia":
         acceptance = SequoiaAcceptance.from_dict(data, str(path))

@@ -96,3 +96,18 @@ def test_triforce_context_over_the_model_maximum(run_cli, tmp_path):
                                    "../shared/data/haystack", "--contexts", "8192", "--budgets", "256",
                                    "--chunks", "8", "--strides", "64", "-o", out), "exceeds")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("cache, message", [(["--window", "0"], "--window >= 1"), (["--sinks", "-1"], "--sinks >= 0")])
+def test_triforce_streaming_cache_bad_sizes(cache, message, run_cli, tmp_path):
+    out = tmp_path / "acc.yaml"
+    assert_one_line_exit_2(run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
+                                   "../shared/data/haystack", "--contexts", "300", "--budgets", "64",
+                                   "--chunks", "8", "--strides", "16", *cache, "-o", out), message)
+    assert not out.exists()
+
+
+def test_triforce_plan_bad_bottom(run_cli, write_yaml_file):
+    plan = write_yaml_file("plan.yaml", {**TRIFORCE_PLAN, "triforce": {**TRIFORCE_PLAN["triforce"], "bottom": "x"}})
+    assert_one_line_exit_2(run_cli("generate", "--plan", plan, "--prompt", "a short prompt"),
+                           "'bottom' must be trie, model, none or streaming")

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from decoder.drafters import NoDrafter, TrieDrafter
 from decoder.engine import SpeculativeEngine
@@ -299,6 +300,83 @@ def test_triforce_trace_replay_by_hand():
     assert c.step_seconds == pytest.approx(2 * 0.001 + 0.013 + 0.056)
 
 
+def test_streaming_draft_replay_by_hand():
+    """The StreamingLLM-only draft, gamma2 = 2, trace 1 0 1 (three positions): the top accepts one draft and
+    corrects the next (tokens 0-1), then accepts the rest: 2 steps of 2 x c_s + t(3, 4096 + p). The target
+    itself drafts here: c_s = t(1, 4 + 1024), read between the profile's contexts. No retrieval cache: no
+    first forward of the root and no build."""
+    from planner.triforce import evaluate_streaming, evaluate_traces, streaming_seconds
+    from specplan.profile_schema import LatencyProfile
+
+    profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
+    record = {"context": 4096, "drafter": "target", "acceptance": 2 / 3, "traces": [np.array([1.0, 0.0, 1.0])]}
+    c_s = streaming_seconds(profile, record, 1028)
+    assert c_s == pytest.approx(float(profile.latency(1, 1028))) and 0.011 < c_s < 0.044
+    entry = {**TRIFORCE_ACCEPTANCE["entries"][0], "traces": [{"middle": np.ones(3), "bottom": np.ones(3)}]}
+    two_level = evaluate_traces(profile, 4096, entry, gamma1=1, gamma2=2, bottom_seconds=None, top_costs={})
+    c = evaluate_streaming(profile, 4096, record, 2, c_s, {}, two_level)
+    assert c.streaming and (c.budget, c.chunk, c.stride) == (256, 8, 64)
+    assert c.tokens_per_step == pytest.approx(1.5)
+    assert c.seconds_per_token == pytest.approx((2 * (2 * c_s + 0.052)) / 3)
+    assert c.speedup == pytest.approx(0.044 / c.seconds_per_token)
+
+
+def test_planner_chooses_the_streaming_draft_where_it_pays(run_cli, write_yaml_file, tmp_path):
+    """A draft the top always accepts and no retrieval setting to match it: the plan drafts with the
+    StreamingLLM cache alone (`bottom: streaming`), and decodes losslessly; a useless one is only recorded;
+    --two-level ignores it."""
+    from decoder.api import load_decoder
+    from specplan.plan_schema import load_plan
+
+    profile = write_yaml_file("prof.yaml", FLAT_PROFILE)
+    perfect = {"context": 4096, "drafter": "target", "acceptance": 1.0, "traces": [[1] * 40, [1] * 30]}
+    traced = [dict(e, traces=[{"middle": [1, 0] * 20, "bottom": [1] * 40}, {"middle": [0, 1] * 15,
+                                                                           "bottom": [1] * 30}])
+              for e in TRIFORCE_ACCEPTANCE["entries"]]
+    outcomes = {}
+    for name, record, extra in (("perfect", perfect, []), ("useless", dict(perfect, acceptance=0.0, traces=[
+            [0] * 40, [0] * 30]), []), ("two-level", perfect, ["--two-level"])):
+        acceptance = write_yaml_file(f"{name}.yaml", dict(TRIFORCE_ACCEPTANCE, entries=traced, streaming=[record]))
+        out = tmp_path / f"{name}-plan.yaml"
+        code, _, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile,
+                                  "--min-speedup", "0.01", "-o", out, *extra)
+        assert code == 0, stderr
+        outcomes[name] = load_plan(out)
+    plan = outcomes["perfect"]
+    assert plan.settings["bottom"] == "streaming" and "draft" not in plan.models
+    assert plan.prediction["speedup"] == plan.prediction["best_streaming"]["speedup"] > 1
+    assert plan.prediction["best_streaming"]["gamma2"] == plan.settings["gamma2"]
+    two = plan.prediction["best_two_level"]
+    assert (plan.settings["budget"], plan.settings["chunk"], plan.settings["stride"]) == (
+        two["budget"], two["chunk"], two["stride"])
+    assert plan.inputs["streaming_seconds_per_draft"] > 0
+    decoder = load_decoder(str(tmp_path / "perfect-plan.yaml"), target="tiny-random-llama", dtype="fp32")
+    drafter = decoder.engine.drafter
+    assert isinstance(drafter, StreamingDrafter) and drafter.gamma == plan.settings["gamma2"]
+    assert drafter.model is decoder.lean_target and drafter.window == 1024
+    prompt = long_prompt(300, 5)
+    assert decoder.engine.generate(prompt, 40, SamplingParams()).tokens == hf_greedy(decoder.target, prompt, 40)
+    assert outcomes["useless"].settings["bottom"] != "streaming"
+    assert outcomes["useless"].prediction["best_streaming"]["speedup"] < outcomes["useless"].prediction["speedup"]
+    assert outcomes["two-level"].settings["bottom"] == "none" and "best_streaming" not in outcomes[
+        "two-level"].prediction
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"context": 4096, "drafter": "draft", "acceptance": 0.5, "traces": [[1, 0]]}, "needs a model bottom"),
+    ({"context": 4096, "drafter": "other", "acceptance": 0.5, "traces": [[1, 0]]}, "draft or target"),
+    ({"context": 4096, "drafter": "target", "acceptance": 0.5, "traces": [[]]}, "non-empty per-prompt lists"),
+    ({"context": 4096, "drafter": "target", "acceptance": 0.5, "traces": [[1, 2]]}, "traces[0][1]"),
+    ({"context": 4096, "drafter": "target", "acceptance": float("nan"), "traces": [[1]]}, "acceptance"),
+])
+def test_bad_streaming_records_are_rejected(record, message, run_cli, write_yaml_file, tmp_path):
+    acceptance = write_yaml_file("acc.yaml", {**TRIFORCE_ACCEPTANCE, "streaming": [record]})
+    code, _, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile",
+                              write_yaml_file("prof.yaml", FLAT_PROFILE), "-o", tmp_path / "plan.yaml")
+    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not (tmp_path / "plan.yaml").exists()
+
+
 def test_triforce_replays_recorded_trie_runs_by_hand():
     """gamma1 = 2, gamma2 = 3, the middle right everywhere, the trie's recorded runs 2 0 1 0 1 0 (its first
     proposals, all wrong, would give one token per round): at 0 one round of 1 + 2 tokens, the top keeps the
@@ -356,10 +434,19 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     for trace in entry["traces"]:
         runs = trace["bottom_runs"]
         assert runs.shape == (8, len(trace["middle"])) and (runs <= np.arange(1, 9)[:, None]).all()
+    (streaming,) = acceptance.streaming  # the target itself over a StreamingLLM cache, against the full target
+    assert streaming["context"] == 300 and streaming["drafter"] == "target"
+    assert [len(t) for t in streaming["traces"]] == [len(t["middle"]) for t in entry["traces"]]
+    assert streaming["acceptance"] == pytest.approx(np.concatenate(streaming["traces"]).mean())
     profile = tmp_path / "prof.yaml"
     assert run_cli("profile", "--model", "tiny-random-llama", "--contexts", "72,300", "--sizes", "1,2,4,8,16,32",
                    "--repeats", "1", "-o", profile)[0] == 0
-    # A tiny model's timings put the plan near one-token decoding: speculate whatever they say.
+    # A tiny model's timings put the plan near one-token decoding: speculate whatever they say. Its window
+    # holds the whole context, so the streaming draft is the target and might win: a hierarchy plan is what
+    # this test follows, so it solves without the streaming record.
+    document = yaml.safe_load(out.read_text())
+    del document["streaming"]
+    out.write_text(yaml.safe_dump(document))
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", out, "--profile", profile, "--min-speedup",
                               "0.01", "-o", tmp_path / "plan.yaml")
     assert code == 0, stderr
