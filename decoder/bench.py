@@ -8,7 +8,8 @@ over the wall time of the whole call, prefill included) and decode tokens/s (tok
 time after it: for transformers, timed by a streamer from the first emitted tokens on; for our engine, whose
 prefill stops before the last prompt token, every new token over the decode time). Speedups compare decode
 rates, since at long contexts the prefill, the same work for every method, would hide them; the end-to-end
-ratio against `hf` is reported too. Greedy runs are checked token by token against `hf`;
+ratio against `hf` is reported too. A StreamingLLM draft model's own prefill of its window falls in our engine's
+prefill, so only the end-to-end rates carry it. Greedy runs are checked token by token against `hf`;
 at the first differing token the report gives the target's top-2 logit gap (a near-tie below 1e-4 is
 rounding, not a bug: multi-token and one-token forwards round differently).
 """

@@ -32,8 +32,10 @@ the acceptance file measured it (its `streaming` record, acceptance a_s against 
 drafts at c_s each, c_s = t_d(1, sinks + window) (or t(1, sinks + window) for the target), then the top's
 t(gamma2 + 1, L), yielding E(a_s, gamma2); no retrieval cache, so no builds. It wins where the target's
 weights, not its KV cache, dominate a step (a 1.5B target at 4K on a CPU): the plan then has `bottom:
-streaming`, and records the best streaming setting either way. Its window is prefilled with the prompt, so
-its cost, like the prefill's, is outside the decoding time priced here.
+streaming`, and records the best streaming setting either way. Not priced: the draft prefills its window
+when the engine resets it, inside the engine's prefill (a model bottom's likewise). For the 0.5b at 1028
+tokens on a 2-core CPU that is 8-12 s per prompt, which decoding wins back only after about 260 tokens
+(BENCHMARKS.md): the prediction is of the decoding rate, not of the end-to-end one.
 
 Plain one-token decoding is the baseline every setting is priced against (speedup 1). Unless the best setting
 is predicted faster than `min_speedup` times it, the plan decodes one token per step (`speculate: false`) and

@@ -327,6 +327,7 @@ def test_planner_chooses_the_streaming_draft_where_it_pays(run_cli, write_yaml_f
     --two-level ignores it."""
     from decoder.api import load_decoder
     from specplan.plan_schema import load_plan
+    from specplan.profile_schema import load_profile
 
     profile = write_yaml_file("prof.yaml", FLAT_PROFILE)
     perfect = {"context": 4096, "drafter": "target", "acceptance": 1.0, "traces": [[1] * 40, [1] * 30]}
@@ -350,6 +351,7 @@ def test_planner_chooses_the_streaming_draft_where_it_pays(run_cli, write_yaml_f
     assert (plan.settings["budget"], plan.settings["chunk"], plan.settings["stride"]) == (
         two["budget"], two["chunk"], two["stride"])
     assert plan.inputs["streaming_seconds_per_draft"] > 0
+    assert_repricing_reads_exactly_the_priced_points(plan, load_profile(profile))
     decoder = load_decoder(str(tmp_path / "perfect-plan.yaml"), target="tiny-random-llama", dtype="fp32")
     drafter = decoder.engine.drafter
     assert isinstance(drafter, StreamingDrafter) and drafter.gamma == plan.settings["gamma2"]
