@@ -8,8 +8,9 @@ over the wall time of the whole call, prefill included) and decode tokens/s (tok
 time after it: for transformers, timed by a streamer from the first emitted tokens on; for our engine, whose
 prefill stops before the last prompt token, every new token over the decode time). Speedups compare decode
 rates, since at long contexts the prefill, the same work for every method, would hide them; the end-to-end
-ratio against `hf` is reported too. A StreamingLLM draft model's own prefill of its window falls in our engine's
-prefill, so only the end-to-end rates carry it. Greedy runs are checked token by token against `hf`;
+ratio against `hf` is reported too. A drafter's own prefill (a draft model's prompt, a StreamingLLM window)
+counts as our engine's decoding time, since one-token decoding does not pay it. Greedy runs are checked token
+by token against `hf`;
 at the first differing token the report gives the target's top-2 logit gap (a near-tie below 1e-4 is
 rounding, not a bug: multi-token and one-token forwards round differently).
 """
@@ -302,7 +303,8 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
 class _Repricing:
     """`--reprice`: the forwards and builds a TriForce plan's prediction priced, at the profile's own points,
     re-timed between the prompts of the run. On a VM whose speed drifts, the prediction re-priced with them
-    separates a model error from a machine that runs slower or faster than when it was profiled."""
+    separates a model error from a machine that runs slower or faster than when it was profiled. A streaming
+    drafter's window prefill, paid once per prompt, keeps the profile's price."""
 
     def __init__(self, decoder: Decoder) -> None:
         from planner.triforce import priced_points

@@ -32,10 +32,14 @@ the acceptance file measured it (its `streaming` record, acceptance a_s against 
 drafts at c_s each, c_s = t_d(1, sinks + window) (or t(1, sinks + window) for the target), then the top's
 t(gamma2 + 1, L), yielding E(a_s, gamma2); no retrieval cache, so no builds. It wins where the target's
 weights, not its KV cache, dominate a step (a 1.5B target at 4K on a CPU): the plan then has `bottom:
-streaming`, and records the best streaming setting either way. Not priced: the draft prefills its window
-when the engine resets it, inside the engine's prefill (a model bottom's likewise). For the 0.5b at 1028
-tokens on a 2-core CPU that is 8-12 s per prompt, which decoding wins back only after about 260 tokens
-(BENCHMARKS.md): the prediction is of the decoding rate, not of the end-to-end one.
+streaming`, and records the best streaming setting either way.
+
+A streaming drafter (this one, or a model bottom under the middle level) prefills its window of sinks +
+window tokens once per prompt, when the engine resets it at the start of decoding: w seconds, from the
+profile's `window_prefill` (`plan profile --window-prefill SINKS,WINDOW`), charged once per continuation in
+the replay below. For the 0.5b over 1028 tokens on a 2-core CPU that is seconds per prompt, which decoding
+wins back only after hundreds of tokens. A profile without it leaves w unpriced (0): the plan records
+`window_prefill_seconds: null`.
 
 Plain one-token decoding is the baseline every setting is priced against (speedup 1). Unless the best setting
 is predicted faster than `min_speedup` times it, the plan decodes one token per step (`speculate: false`) and
@@ -63,13 +67,14 @@ stop token), the planner replays them instead, backwards over the positions of e
 
 and likewise the expected step count (the streaming draft: the same replay with gamma1 = 0 over its own
 trace, each round one draft at c_s). Each continuation also pays its first build: the target's forward of the
-last prompt token over the full cache, whose query scores the chunks (t(1, L)), and b(L, B). Then
+last prompt token over the full cache, whose query scores the chunks (t(1, L)), and b(L, B); and a streaming
+or model drafter's window prefill w. Then
 
-    time per token = [sum of (time(0) + t(1, L) + b(L, B) + floor((N - 1) / R') b(L, B))] / sum of N,
+    time per token = [sum of (time(0) + t(1, L) + b(L, B) + w + floor((N - 1) / R') b(L, B))] / sum of N,
 
 over the continuations, of N tokens each (a rebuild falls due after the tokens of a step are inserted and
-is built when the next step starts, so none follows the last token). The autoregressive time is the sum of
-t(1, L + p) over the positions.
+is built when the next step starts, so none follows the last token; the streaming draft has neither builds
+nor t(1, L)). The autoregressive time is the sum of t(1, L + p) over the positions.
 """
 
 from __future__ import annotations
@@ -162,10 +167,12 @@ def refill(entry: dict) -> int:
 
 
 def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: int, gamma2: int,
-                    bottom_seconds: float | None, top_costs: dict[int, np.ndarray]) -> TriForceCandidate:
-    """The replay above for one setting; `top_costs[T]` is the t(n, L + p) table of `_top_costs`."""
+                    bottom_seconds: float | None, top_costs: dict[int, np.ndarray],
+                    window_prefill: float = 0.0) -> TriForceCandidate:
+    """The replay above for one setting; `top_costs[T]` is the t(n, L + p) table of `_top_costs`;
+    `window_prefill` is w, a model bottom's per prompt."""
     if bottom_seconds is None:
-        gamma1 = 0
+        gamma1, window_prefill = 0, 0.0
     round_cost = _round_cost(profile, entry, gamma1, bottom_seconds)
     tokens = steps = seconds = ar_seconds = chains = 0.0
     for trace in entry["traces"]:
@@ -184,16 +191,18 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: 
     t1 = _forward_seconds(profile, 1, context)
     build = build_seconds(profile, context, entry["budget"])
     rebuilds = sum((len(trace["middle"]) - 1) // refill(entry) for trace in entry["traces"])
-    per_token = (seconds + len(entry["traces"]) * (t1 + build) + rebuilds * build) / tokens
+    per_token = (seconds + len(entry["traces"]) * (t1 + build + window_prefill) + rebuilds * build) / tokens
     return TriForceCandidate(gamma1, gamma2, entry["budget"], entry["chunk"], entry["stride"], entry["middle"],
                              entry["bottom"], chains / tokens, tokens / steps, seconds / steps, per_token,
                              (ar_seconds / tokens) / per_token)
 
 
 def evaluate_streaming(profile: LatencyProfile, context: int, record: dict, gamma: int, seconds_per_draft: float,
-                       top_costs: dict[int, np.ndarray], retrieval: TriForceCandidate) -> TriForceCandidate:
-    """The StreamingLLM-only draft's replay (see the docstring); `retrieval` lends its budget, chunk and stride
-    to the plan's settings, which a `bottom: streaming` plan keeps for its two-level baseline."""
+                       top_costs: dict[int, np.ndarray], retrieval: TriForceCandidate,
+                       window_prefill: float = 0.0) -> TriForceCandidate:
+    """The StreamingLLM-only draft's replay (see the docstring), w = `window_prefill` per prompt; `retrieval`
+    lends its budget, chunk and stride to the plan's settings, which a `bottom: streaming` plan keeps for its
+    two-level baseline."""
     tokens = steps = seconds = ar_seconds = 0.0
     for trace in record["traces"]:
         length = len(trace)
@@ -206,7 +215,7 @@ def evaluate_streaming(profile: LatencyProfile, context: int, record: dict, gamm
         steps += trace_steps
         seconds += trace_seconds
         ar_seconds += table[1].sum()
-    per_token = seconds / tokens
+    per_token = (seconds + len(record["traces"]) * window_prefill) / tokens
     return TriForceCandidate(0, gamma, retrieval.budget, retrieval.chunk, retrieval.stride, record["acceptance"],
                              record["acceptance"], float(gamma), tokens / steps, seconds / steps, per_token,
                              (ar_seconds / tokens) / per_token, streaming=True)
@@ -217,6 +226,11 @@ def streaming_seconds(profile: LatencyProfile, record: dict, streaming_cache: in
     if record["drafter"] == "draft":
         return _bottom_seconds("model", profile, streaming_cache)
     return float(profile.latency(1, streaming_cache))
+
+
+def window_prefill_seconds(profile: LatencyProfile, role: str, sinks: int, window: int) -> float:
+    """w: the `role` model's prefill of its StreamingLLM window, as profiled; 0 (unpriced) if not profiled."""
+    return profile.window_prefill(role, sinks, window) or 0.0
 
 
 def _top_costs(profile: LatencyProfile, context: int, length: int) -> np.ndarray:
@@ -325,21 +339,25 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     candidates = []
     top_costs: dict[int, np.ndarray] = {}
     replayed = all(entry["traces"] for entry in entries)
+    bottom_prefill = window_prefill_seconds(profile, "draft", sinks, window) if bottom == "model" else 0.0
     searched = [(0, None)] + ([] if bottom == "none" else [(gamma1, bottom_seconds) for gamma1 in GAMMA1])
     for entry in entries:
         for gamma1, drafted in searched:
             for gamma2 in GAMMA2:
                 if gamma2 < gamma1:
                     continue
-                candidates.append(evaluate_traces(profile, context, entry, gamma1, gamma2, drafted, top_costs)
+                candidates.append(evaluate_traces(profile, context, entry, gamma1, gamma2, drafted, top_costs,
+                                                  bottom_prefill)
                                   if replayed else evaluate(profile, context, entry, gamma1, gamma2, drafted))
     candidates.sort(key=lambda c: (-c.speedup, c.gamma2, c.gamma1, c.budget))
     best_two_level = next(c for c in candidates if c.gamma1 == 0)
     record = None if two_level else acceptance.streaming_at(context)
-    streaming_draft = None
+    streaming_draft = streaming_prefill = None
     if record is not None:
         streaming_draft = streaming_seconds(profile, record, sinks + window)
-        candidates += [evaluate_streaming(profile, context, record, gamma, streaming_draft, top_costs, best_two_level)
+        streaming_prefill = window_prefill_seconds(profile, record["drafter"], sinks, window)
+        candidates += [evaluate_streaming(profile, context, record, gamma, streaming_draft, top_costs, best_two_level,
+                                          streaming_prefill)
                        for gamma in GAMMA2]
         candidates.sort(key=lambda c: (-c.speedup, c.gamma2, c.gamma1, c.budget))
     decoded_with = acceptance.extra.get("decoded_with")
@@ -352,6 +370,8 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     settings = {**_decoded_settings(best, bottom), "context": context, "rebuild_below": rebuild_below,
                 "sinks": sinks, "window": window, "speculate": speculate}
     bottom = settings["bottom"]
+    # whose window prefill the plan's decoding pays (None in the plan: not profiled, so unpriced)
+    streaming_role = record["drafter"] if bottom == "streaming" else "draft" if bottom == "model" else None
     models = {"target": acceptance.target}
     if bottom == "model" or (bottom == "streaming" and record["drafter"] == "draft"):
         models["draft"] = acceptance.bottom
@@ -384,7 +404,9 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
         prediction=prediction,
         inputs={"acceptance": {"file": str(acceptance_path)}, "profile": profile.plan_inputs(profile_path),
                 "context": context, "bottom_seconds_per_draft": bottom_seconds,
-                **({"streaming_seconds_per_draft": streaming_draft} if record is not None else {})},
+                **({"streaming_seconds_per_draft": streaming_draft} if record is not None else {}),
+                **({"window_prefill_seconds": profile.window_prefill(streaming_role, sinks, window)}
+                   if streaming_role else {})},
         solver={"seconds": time.perf_counter() - started, "min_speedup": min_speedup,
                 "algorithm": "expected time per token, " + ("replayed over the acceptance traces" if replayed
                                                             else "closed form") + " (planner/triforce.py)",
@@ -474,14 +496,17 @@ def reprice(plan: Plan, profile: LatencyProfile) -> tuple[TriForceCandidate, Tri
     """The plan's setting and its best two-level setting, priced with `profile` exactly as the solver priced
     them (the trace replay, or the closed form where the acceptance has no traces)."""
     (entry, gamma1, gamma2, bottom_seconds), two_level = _plan_settings(plan)
-    context, streaming_cache = plan.settings["context"], plan.settings["sinks"] + plan.settings["window"]
+    context, sinks, window = plan.settings["context"], plan.settings["sinks"], plan.settings["window"]
     priced_two = evaluate_traces(profile, context, *two_level, {}) if two_level[0]["traces"] else \
         evaluate(profile, context, *two_level)
     if "drafter" in entry:
-        return evaluate_streaming(profile, context, entry, gamma2, streaming_seconds(profile, entry, streaming_cache),
-                                  {}, priced_two), priced_two
+        return evaluate_streaming(profile, context, entry, gamma2, streaming_seconds(profile, entry, sinks + window),
+                                  {}, priced_two, window_prefill_seconds(profile, entry["drafter"], sinks, window)
+                                  ), priced_two
+    prefill = 0.0
     if gamma1 and plan.settings["bottom"] == "model":
-        bottom_seconds = _bottom_seconds("model", profile, streaming_cache)
-    priced = evaluate_traces(profile, context, entry, gamma1, gamma2, bottom_seconds, {}) if entry["traces"] else \
-        evaluate(profile, context, entry, gamma1, gamma2, bottom_seconds)
+        bottom_seconds = _bottom_seconds("model", profile, sinks + window)
+        prefill = window_prefill_seconds(profile, "draft", sinks, window)
+    priced = evaluate_traces(profile, context, entry, gamma1, gamma2, bottom_seconds, {}, prefill) \
+        if entry["traces"] else evaluate(profile, context, entry, gamma1, gamma2, bottom_seconds)
     return priced, priced_two

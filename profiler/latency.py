@@ -7,7 +7,10 @@ percentiles. On a GPU, each shape is captured as a CUDA graph and timed with CUD
 also times TriForce's retrieval-cache build (score every chunk of the context, copy the best ones) for each
 budget below each context, which `plan solve triforce` charges per rebuild, and the decoding engine's time
 per step outside the target's forward (drafts in, tree mask, verification walk, cache commit, Python) for each
-tree size, which the planners charge beside every forward: on a GPU it can match a forward's cost.
+tree size, which the planners charge beside every forward: on a GPU it can match a forward's cost. With
+`window_prefill` (sinks, window) it also times a StreamingLLM drafter's prefill of its window (the draft's, or
+the target's where no draft is profiled), which `plan solve triforce` charges once per prompt to a streaming
+or model bottom.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from decoder.engine import SpeculativeEngine
 from decoder.model import KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
 from decoder.sampling import SamplingParams
 from decoder.tree import DraftTree
-from decoder.triforce import RetrievalCache, RetrievalSettings
+from decoder.triforce import RetrievalCache, RetrievalSettings, StreamingDrafter
 from profiler import hardware, roofline
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, write_yaml
@@ -53,6 +56,7 @@ class ProfileRequest:
     contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS))
     sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
     budgets: list[int] = field(default_factory=lambda: list(RETRIEVAL_BUDGETS))  # timed where below the context
+    window_prefill: tuple[int, int] | None = None  # (sinks, window) of a StreamingLLM drafter to time the prefill of
     threads: int = max(1, (os.cpu_count() or 1))
     warmup: int = 2
     repeats: int = 9
@@ -113,14 +117,14 @@ class _Checkpoint:
 
     def __init__(self, output: Path, key: dict, resume: bool) -> None:
         self.path = output.parent / f".{output.name}.partial.json"
-        self.key = key
+        self.key = json.loads(json.dumps(key))  # as saved: tuples become lists
         self.samples: dict[str, list[float]] = {}
         if resume and self.path.is_file():
             try:
                 saved = json.loads(self.path.read_text())
             except json.JSONDecodeError:
                 saved = {}
-            if saved.get("key") == key:
+            if saved.get("key") == self.key:
                 self.samples = saved.get("samples", {})
 
     def save(self) -> None:
@@ -132,6 +136,7 @@ class _Checkpoint:
 
 
 BUILD = "retrieval_build"  # the pseudo-role of retrieval-cache build timings (keyed by budget, not n)
+WINDOW_PREFILL = "window_prefill"  # the call timing a StreamingLLM drafter's prefill of its window
 
 
 def _measure(request: ProfileRequest, device: torch.device, output: Path, resume: bool, log, progress: bool) -> dict:
@@ -155,6 +160,9 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     calls: dict[str, Callable[[], float]] = {}
     for L in request.contexts:
         calls.update(_calls_at(lean, L, request.sizes, _budgets_below(request.budgets, L)))
+    streaming_role = "draft" if "draft" in lean else "target"
+    if request.window_prefill:
+        calls[WINDOW_PREFILL] = _window_prefill_call(lean[streaming_role], *request.window_prefill)
     resumed = {name: checkpoint.samples.get(name, []) for name in calls}
     done = min(len(timed) for timed in resumed.values())
     samples = {name: timed[:done] for name, timed in resumed.items()}
@@ -171,8 +179,14 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
             checkpoint.save()
         bar.update(1)
     bar.close()
+    window_prefill = samples.pop(WINDOW_PREFILL, None)
     curves, builds = _summaries(samples)
     document = _document(request, "measured", machine, models, curves)
+    if window_prefill:
+        sinks, window = request.window_prefill
+        document[streaming_role]["window_prefill"] = {
+            "sinks": sinks, "window": window, "seconds": float(np.median(window_prefill)),
+            "spread_seconds": [float(np.percentile(window_prefill, 10)), float(np.percentile(window_prefill, 90))]}
     for L, by_budget in builds.items():
         document["target"]["contexts"][L]["retrieval_build_seconds"] = by_budget
     room = lean["target"].shape.max_context - OVERHEAD_STEPS - max(request.sizes)  # prompt + new tokens + tree
@@ -380,11 +394,28 @@ def _build_call(model: LeanModel, cache: KVCache, budget: int) -> Callable[[], f
     queries = torch.randn(model.shape.layers, model.shape.heads, model.shape.head_dim, device=model.device
                           ).to(model.dtype)
 
+    return _wall_clock(model.device, lambda: retrieval.build(cache, queries))
+
+
+def _window_prefill_call(model: LeanModel, sinks: int, window: int) -> Callable[[], float]:
+    """A StreamingLLM drafter's reset on a prompt longer than its window: the forwards of its sinks and of the
+    most recent `window` tokens, as a streaming or model bottom pays once per prompt."""
+    drafter = StreamingDrafter(model, gamma=1, sinks=sinks, window=window)
+    room = model.shape.max_context - drafter.max_tree_size
+    if sinks + window + 1 > room:
+        raise UserError(f"--window-prefill {sinks},{window}: the window does not fit the model's context "
+                        f"of {model.shape.max_context}")
+    prompt = torch.randint(0, model.shape.vocab, (sinks + window + 1,)).tolist()
+    return _wall_clock(model.device, lambda: drafter.reset(prompt, room))
+
+
+def _wall_clock(device: torch.device, work: Callable[[], object]) -> Callable[[], float]:
+    """A call that runs `work` and returns its seconds, the device synchronized on both sides."""
     def call() -> float:
-        _synchronize(model.device)
+        _synchronize(device)
         start = time.perf_counter()
-        retrieval.build(cache, queries)
-        _synchronize(model.device)
+        work()
+        _synchronize(device)
         return time.perf_counter() - start
 
     return call

@@ -83,6 +83,8 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--sizes", help="new-token counts n, comma-separated [1,2,4,...,512]")
 @click.option("--budgets", help="TriForce retrieval budgets to time a cache build at, where below the context "
                                 "[256,512,1024,2048,4096]")
+@click.option("--window-prefill", help="SINKS,WINDOW: also time a StreamingLLM drafter's prefill of its window "
+              "(the draft's, else the target's), which `plan solve triforce` charges once per prompt [off]")
 @click.option("--gpu", help="a catalogue GPU (a100-80g, h100, ...) to model, or `cpu` to model this CPU")
 @click.option("--threads", type=int, help="torch threads (default: all cores)")
 @click.option("--repeats", type=int, help="timed repeats per point [7, quick 3]")
@@ -90,8 +92,9 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--resume", is_flag=True, help="go on from the timing passes an interrupted run completed")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
-            contexts: str | None, sizes: str | None, budgets: str | None, gpu: str | None,
-            threads: int | None, repeats: int | None, quick: bool, resume: bool, output: Path) -> None:
+            contexts: str | None, sizes: str | None, budgets: str | None, window_prefill: str | None,
+            gpu: str | None, threads: int | None, repeats: int | None, quick: bool, resume: bool,
+            output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
     from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
     from specplan.show import describe_profile
@@ -105,6 +108,11 @@ def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None,
     request.budgets = _int_list(budgets) if budgets is not None else request.budgets
     request.threads = threads or request.threads
     request.repeats = repeats or request.repeats
+    if window_prefill is not None:
+        sinks_window = _int_list(window_prefill)
+        if len(sinks_window) != 2 or sinks_window[0] < 0 or sinks_window[1] < 1:
+            raise UserError(f"--window-prefill takes SINKS,WINDOW (sinks >= 0, window >= 1), got {window_prefill!r}")
+        request.window_prefill = (sinks_window[0], sinks_window[1])
     if request.repeats < 1 or request.threads < 1:
         raise UserError("--repeats and --threads must be >= 1")
     document = run_profile(request, output, resume, log=_progress)

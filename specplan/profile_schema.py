@@ -11,7 +11,9 @@ The profiler adds `target.contexts: {L: {t_seconds: {...}, spread_seconds: {...}
 token ids below some size (plus the stop tokens), `draft_vocab`. A measured profile also gives, per context,
 `retrieval_build_seconds: {B: seconds}`: one TriForce retrieval-cache build keeping B of the L tokens, and
 `target.engine_overhead_seconds: {n: seconds}`: the decoding engine's time per step outside the target's
-forward for a draft tree of n nodes (at the context `target.engine_overhead_context`).
+forward for a draft tree of n nodes (at the context `target.engine_overhead_context`). Profiled with
+`--window-prefill`, the draft's section (the target's where there is no draft) gives `window_prefill: {sinks,
+window, seconds}`: a StreamingLLM drafter's prefill of its window, paid once per prompt.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class LatencyProfile:
     draft_vocab: int | None = None  # the draft's step was timed scoring only the ids below this (+ stop tokens)
     builds_by_context: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {budget: seconds}}
     overhead_seconds: dict[int, float] = field(default_factory=dict)  # {n: engine seconds per step outside t(n)}
+    window_prefills: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # {role: (sinks, window, s)}
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -100,6 +103,12 @@ class LatencyProfile:
             for key in dctx.data:
                 entry = Fields(dctx.data[key], f"{dctx.where}: {key}")
                 draft_by_context[int(key)] = entry.number("step_seconds", low=0.0)
+        window_prefills = {}
+        for role, section in (("target", target), ("draft", draft)):
+            if section is not None and section.has("window_prefill"):
+                prefill = section.sub("window_prefill")
+                window_prefills[role] = (prefill.integer("sinks", low=0), prefill.integer("window", low=1),
+                                         prefill.number("seconds", low=0.0))
         source = f.string("source", required=False, default="measured")
         if source not in ("measured", "modeled"):
             raise f.fail(f"'source' must be measured or modeled, got {source!r}")
@@ -114,6 +123,7 @@ class LatencyProfile:
             builds_by_context={L: points for L, points in builds.items() if points},
             overhead_seconds=target.int_keyed_numbers("engine_overhead_seconds", low=0.0)
             if target.has("engine_overhead_seconds") else {},
+            window_prefills=window_prefills,
             raw=data,
         )
 
@@ -164,6 +174,12 @@ class LatencyProfile:
         if context is None or not self.draft_by_context:
             return self.draft_step_seconds
         return _linear(self.draft_by_context, context)
+
+    def window_prefill(self, role: str, sinks: int, window: int) -> float | None:
+        """Seconds for the `role` model (target or draft), as a StreamingLLM drafter, to prefill a window of
+        `sinks` + `window` tokens; None unless profiled with those sizes."""
+        profiled = self.window_prefills.get(role)
+        return profiled[2] if profiled is not None and profiled[:2] == (sinks, window) else None
 
     def with_points(self, target: dict[int, dict[int, float]], builds: dict[int, dict[int, float]],
                     draft: dict[int, float]) -> LatencyProfile:

@@ -88,6 +88,10 @@ def describe_profile(document: dict[str, Any]) -> str:
         if section.get("engine_overhead_seconds"):
             lines.append(f"  engine overhead per step at L={section.get('engine_overhead_context', '?')}: " + ", ".join(
                 f"n={n} {seconds * 1e3:.2f} ms" for n, seconds in section["engine_overhead_seconds"].items()))
+        prefill = section.get("window_prefill")
+        if prefill:
+            lines.append(f"  StreamingLLM window prefill ({prefill['sinks']} sinks + {prefill['window']} recent "
+                         f"tokens): {prefill['seconds']:.3f} s")
     if "measurement_seconds" in document:
         lines.append(f"measured in {document['measurement_seconds']} s")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from decoder.drafters import SequoiaDrafter
+from decoder.drafters import NoDrafter, SequoiaDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
@@ -83,6 +83,20 @@ def test_speculation_accepts_tokens(tiny_pair):
     engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3, 5]))
     result = engine.generate(list(range(40, 60)), 60, SamplingParams())
     assert result.tokens_per_step > 1.5
+
+
+def test_a_drafters_own_prefill_counts_as_decoding_time(tiny_pair):
+    """One-token decoding does not pay a drafter's prefill (a draft model's prompt, a StreamingLLM window):
+    the engine times the drafter's reset with the decoding, not with the target's prefill."""
+    import time
+
+    class SlowResetDrafter(NoDrafter):
+        def reset(self, prompt, max_len):
+            time.sleep(0.2)
+
+    _, target, _ = tiny_pair
+    result = SpeculativeEngine(target, SlowResetDrafter()).generate(list(range(40, 60)), 4, SamplingParams())
+    assert result.decode_seconds >= 0.2 > result.prefill_seconds
 
 
 def test_stop_token_ends_generation(tiny_pair):

@@ -17,9 +17,12 @@ QUICK = ["--contexts", "16,64", "--sizes", "1,2,4,8", "--repeats", "2"]
 def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
     out = tmp_path / "profiles" / "tiny.yaml"
     code, stdout, stderr = run_cli("profile", "--model", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
-                                   *QUICK, "--budgets", "32", "-o", out)
+                                   *QUICK, "--budgets", "32", "--window-prefill", "4,20", "-o", out)
     assert code == 0, stderr
     profile = load_profile(out)
+    # the drafter's window prefill: the draft's, where a draft is profiled, for exactly these sizes
+    assert 0 < profile.window_prefill("draft", 4, 20) < 1 and set(profile.window_prefills) == {"draft"}
+    assert profile.window_prefill("draft", 4, 24) is None
     assert set(profile.builds_by_context) == {64}  # a budget of 32 fits below 64 tokens only
     assert 0 < profile.retrieval_build(64, 32) == profile.builds_by_context[64][32]
     assert profile.source == "measured"
@@ -35,7 +38,7 @@ def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
     assert set(profile.overhead_seconds) == {1, 2, 4, 8} and raw["target"]["engine_overhead_context"] == 16
     assert all(0 < seconds < 0.1 for seconds in profile.overhead_seconds.values())
     code, stdout, _ = run_cli("show", out, "--plot", tmp_path / "p.png")
-    assert code == 0 and "L=64" in stdout
+    assert code == 0 and "L=64" in stdout and "window prefill (4 sinks + 20 recent tokens)" in stdout
 
 
 def test_engine_overhead_is_the_time_outside_the_forwards(monkeypatch):
@@ -71,15 +74,18 @@ def test_interrupted_profile_leaves_no_output_and_resumes(run_cli, tmp_path, mon
         return real(calls)
 
     monkeypatch.setattr(latency, "_time_pass", interrupt_in_the_second_timed_pass)
-    code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "-o", out)
+    # the window prefill's sizes are part of what a resume must match
+    code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "--window-prefill", "2,8", "-o", out)
     assert code == 130 and not out.exists()
 
     passes["n"] = 0
     monkeypatch.setattr(latency, "_time_pass", lambda calls: passes.update(n=passes["n"] + 1) or real(calls))
-    code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "--resume", "-o", out)
+    code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "--window-prefill", "2,8",
+                              "--resume", "-o", out)
     assert code == 0, stderr
     assert passes["n"] == 3
     assert len(load_profile(out).target_t_seconds) == 4
+    assert load_profile(out).window_prefill("target", 2, 8) > 0  # no draft: the target drafts for itself
     assert not list(tmp_path.glob(".*partial*"))
 
 
@@ -148,6 +154,8 @@ def test_model_too_big_for_the_gpu():
     (["--model", "tiny-random-llama", "--gpu", "v100", "--dtype", "bf16"], "no bf16"),
     (["--model", "tiny-random-llama", "--sizes", "2,4"], "include 1"),
     (["--model", "tiny-random-llama", "--contexts", "1,x"], "integers"),
+    (["--model", "tiny-random-llama", "--window-prefill", "1024"], "SINKS,WINDOW"),
+    (["--model", "tiny-random-llama", "--window-prefill", "4,100000"], "does not fit"),
 ])
 def test_profile_bad_input(args, message, run_cli, tmp_path):
     out = tmp_path / "p.yaml"

@@ -263,6 +263,22 @@ def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_fil
     plan = load_plan(out)
     assert plan.settings["bottom"] == "model" and plan.settings["window"] == 1020
     assert plan.inputs["bottom_seconds_per_draft"] == pytest.approx(0.003)
+    assert plan.inputs["window_prefill_seconds"] is None  # not profiled: unpriced, and the plan says so
+    # Profiled for this window, the draft's prefill (50 ms) is charged once per prompt of the replay (two of 40
+    # tokens: 1.25 ms a token); profiled for another window, it is not read.
+    traced = dict(acceptance, entries=[dict(e, traces=[{"middle": [1] * 40, "bottom": [1] * 40}] * 2)
+                                       for e in acceptance["entries"]])
+    per_token = {}
+    for window, charged in ((1020, 0.05), (1024, None)):
+        prefilled = dict(profile, draft=dict(profile["draft"], window_prefill={"sinks": 4, "window": window,
+                                                                               "seconds": 0.05}))
+        code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("traced.yaml", traced),
+                                  "--profile", write_yaml_file("prof.yaml", prefilled), "-o", out)
+        assert code == 0, stderr
+        plan = load_plan(out)
+        assert plan.settings["bottom"] == "model" and plan.inputs["window_prefill_seconds"] == charged
+        per_token[charged] = plan.prediction["seconds_per_token"]
+    assert per_token[0.05] == pytest.approx(per_token[None] + 0.05 / 40)
 
 
 def test_triforce_trace_replay_by_hand():
@@ -298,6 +314,15 @@ def test_triforce_trace_replay_by_hand():
     c = evaluate_traces(profile, 4096, one, gamma1=2, gamma2=3, bottom_seconds=0.001, top_costs={})
     assert c.chain_tokens == 3 and c.tokens_per_step == 1.0
     assert c.step_seconds == pytest.approx(2 * 0.001 + 0.013 + 0.056)
+    # A model bottom's window prefill, 0.3 s, is paid once per continuation (4 tokens here); the two-level
+    # variant has no bottom to pay it.
+    model = evaluate_traces(profile, 4096, entry, gamma1=1, gamma2=2, bottom_seconds=0.001, top_costs={})
+    prefilled = evaluate_traces(profile, 4096, entry, gamma1=1, gamma2=2, bottom_seconds=0.001, top_costs={},
+                                window_prefill=0.3)
+    assert prefilled.seconds_per_token == pytest.approx(model.seconds_per_token + 0.3 / 4)
+    two_level = evaluate_traces(profile, 4096, entry, gamma1=1, gamma2=2, bottom_seconds=None, top_costs={},
+                                window_prefill=0.3)
+    assert two_level.seconds_per_token == pytest.approx((2 * step + 0.044 + 0.044) / 4)
 
 
 def test_streaming_draft_replay_by_hand():
@@ -319,6 +344,8 @@ def test_streaming_draft_replay_by_hand():
     assert c.tokens_per_step == pytest.approx(1.5)
     assert c.seconds_per_token == pytest.approx((2 * (2 * c_s + 0.052)) / 3)
     assert c.speedup == pytest.approx(0.044 / c.seconds_per_token)
+    prefilled = evaluate_streaming(profile, 4096, record, 2, c_s, {}, two_level, window_prefill=0.3)
+    assert prefilled.seconds_per_token == pytest.approx((2 * (2 * c_s + 0.052) + 0.3) / 3)
 
 
 def test_planner_chooses_the_streaming_draft_where_it_pays(run_cli, write_yaml_file, tmp_path):
