@@ -352,7 +352,7 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     candidates.sort(key=lambda c: (-c.speedup, c.gamma2, c.gamma1, c.budget))
     best_two_level = next(c for c in candidates if c.gamma1 == 0)
     record = None if two_level else acceptance.streaming_at(context)
-    streaming_draft = streaming_prefill = None
+    streaming_draft = None
     if record is not None:
         streaming_draft = streaming_seconds(profile, record, sinks + window)
         streaming_prefill = window_prefill_seconds(profile, record["drafter"], sinks, window)
