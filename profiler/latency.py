@@ -184,9 +184,9 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     document = _document(request, "measured", machine, models, curves)
     if window_prefill:
         sinks, window = request.window_prefill
-        document[streaming_role]["window_prefill"] = {
-            "sinks": sinks, "window": window, "seconds": float(np.median(window_prefill)),
-            "spread_seconds": [float(np.percentile(window_prefill, 10)), float(np.percentile(window_prefill, 90))]}
+        spread = _spread(window_prefill)
+        document[streaming_role]["window_prefill"] = {"sinks": sinks, "window": window, "seconds": spread["median"],
+                                                      "spread_seconds": [spread["p10"], spread["p90"]]}
     for L, by_budget in builds.items():
         document["target"]["contexts"][L]["retrieval_build_seconds"] = by_budget
     room = lean["target"].shape.max_context - OVERHEAD_STEPS - max(request.sizes)  # prompt + new tokens + tree
@@ -211,14 +211,18 @@ def _summaries(samples: dict[str, list[float]]) -> tuple[dict[str, dict[int, dic
     builds: dict[int, dict[int, float]] = {}
     for name, timed in samples.items():
         role, L, n = name.split("|")
-        points = np.array(timed)
         if role == BUILD:
-            builds.setdefault(int(L), {})[int(n)] = float(np.median(points))
+            builds.setdefault(int(L), {})[int(n)] = float(np.median(timed))
         else:
-            curves.setdefault(role, {}).setdefault(int(L), {})[int(n)] = {
-                "median": float(np.median(points)), "p10": float(np.percentile(points, 10)),
-                "p90": float(np.percentile(points, 90))}
+            curves.setdefault(role, {}).setdefault(int(L), {})[int(n)] = _spread(timed)
     return curves, builds
+
+
+def _spread(timed: list[float]) -> dict[str, float]:
+    """The median and the 10th and 90th percentiles of a point's timed samples."""
+    points = np.array(timed)
+    return {"median": float(np.median(points)), "p10": float(np.percentile(points, 10)),
+            "p90": float(np.percentile(points, 90))}
 
 
 class PointTimer:
