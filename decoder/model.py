@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,15 @@ from specplan.errors import UserError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 KEY_BUCKET = 64  # bf16 CPU attention runs over a key length rounded up to this (see LeanModel._key_span)
-UPCAST_ROWS = 16  # on a CPU that emulates bf16, matmuls of this many rows or more run in fp32 (LeanModel._linear)
+UPCAST_ROWS = 3  # on a CPU that emulates bf16, matmuls of this many rows or more run in fp32 (LeanModel._linear)
 GRAPH_CACHE_SLOTS = 512  # with CUDA graphs, cache sizes are rounded up to this (see LeanModel.cache_for)
+
+
+class MatmulWeight(NamedTuple):
+    """A matmul weight in the form each row count runs fastest: `narrow` (the model's dtype, packed where oneDNN
+    packs it), and on a CPU that emulates bf16 `wide`, an fp32 copy packed for matmuls of UPCAST_ROWS or more rows."""
+    narrow: torch.Tensor
+    wide: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,9 @@ class KVCache:
 
 
 class LeanModel:
-    def __init__(self, hf_model: Any, device: torch.device | str = "cpu") -> None:
+    def __init__(self, hf_model: Any, device: torch.device | str = "cpu", emulated_bf16: bool | None = None) -> None:
+        """`emulated_bf16` forces (True) or rules out (False) the path of a CPU without bf16 instructions; None
+        detects it."""
         self.shape = ModelShape.from_config(hf_model.config)
         self.device = torch.device(device)
         params = dict(hf_model.named_parameters())
@@ -109,13 +118,20 @@ class LeanModel:
         # and bf16 results are bit-identical to F.linear's. oneDNN packs bf16 only on CPUs with AVX-512 (or
         # AVX-NE-CONVERT); elsewhere bf16 weights stay as they are.
         native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        self.packed = self.device.type == "cpu" and torch.backends.mkldnn.is_available() and (
-            self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and native_bf16))
+        if emulated_bf16 is None:
+            emulated_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native_bf16
+        self.emulated_bf16 = emulated_bf16
+        self.can_pack = self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self.packed = self.can_pack and (
+            self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and native_bf16 and not emulated_bf16))
         # A CPU without bf16 instructions (AVX2 only) emulates bf16 matmuls row by row: attention over 7680 bf16
         # keys costs 10 ms a layer there, against 1.1 ms in fp32. Such a CPU keeps a bf16 model's keys and
         # values in fp32 (they are bf16 values, so nothing is lost) and runs attention in fp32, as a bf16 matmul
-        # with fp32 accumulation would, before rounding the output back to bf16.
-        self.emulated_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native_bf16
+        # with fp32 accumulation would, before rounding the output back to bf16. Its weight matmuls cost a pass
+        # over the weights per row as well, so it also keeps a packed fp32 copy of them and runs matmuls of
+        # UPCAST_ROWS rows or more over that copy: one pass over smollm2-135m's weights costs 43 ms in bf16
+        # against 36 ms over the copy at 3 rows, 110 against 46 at 8 (bench/matmul.py). One or two rows stay in
+        # bf16, whose pass reads half the bytes (29 against 37 ms at 2 rows).
         self.cache_dtype = torch.float32 if self.emulated_bf16 else self.dtype
         self.upcast_rows = UPCAST_ROWS
         self.layers = []
@@ -229,19 +245,25 @@ class LeanModel:
             return end
         return min(-(-end // KEY_BUCKET) * KEY_BUCKET, cache.max_len)
 
-    def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+    def _matmul_weight(self, weight: torch.Tensor) -> MatmulWeight:
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        narrow = pack(weight, None) if self.packed else weight
+        if not self.emulated_bf16:
+            return MatmulWeight(narrow)
+        return MatmulWeight(narrow, pack(weight.float(), None) if self.can_pack else weight.float())
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                upcast_rows_factor: int = 1) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: MatmulWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.wide is not None and x.shape[0] >= self.upcast_rows:
+            # The output is rounded to bf16, as a bf16 matmul's fp32 accumulator is.
+            wide_bias = None if bias is None else bias.float()
+            if self.can_pack:
+                out = torch.ops.mkldnn._linear_pointwise(x.float(), weight.wide, wide_bias, "none", [], "")
+            else:
+                out = F.linear(x.float(), weight.wide, wide_bias)
+            return out.to(self.dtype)
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        if self.emulated_bf16 and x.shape[0] >= self.upcast_rows * upcast_rows_factor:
-            # An emulated bf16 matmul costs about one pass over the weight per row; from 16 rows on, converting
-            # the weight to fp32 and multiplying in fp32 is cheaper (7x at 512 rows, a prefill chunk). The
-            # output is rounded to bf16, as a bf16 matmul's fp32 accumulator is.
-            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(self.dtype)
-        return F.linear(x, weight, bias)
+            return torch.ops.mkldnn._linear_pointwise(x, weight.narrow, bias, "none", [], "")
+        return F.linear(x, weight.narrow, bias)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -300,8 +322,7 @@ class LeanModel:
             x = x + self._linear(F.silu(gate) * up, layer["w_down"])
         if logits_rows is not None:
             x = x[logits_rows]
-        # the output matrix is large enough that converting it costs more than 16 emulated rows (60 ms for 49152 x 576)
-        logits = self._linear(self._rms_norm(x, self.final_norm), self.output_weight, upcast_rows_factor=4)
+        logits = self._linear(self._rms_norm(x, self.final_norm), self.output_weight)
         if self.output_ids is None:
             return logits
         return logits.new_full((logits.shape[0], shape.vocab), float("-inf")).index_copy_(1, self.output_ids, logits)

@@ -144,13 +144,13 @@ def test_bf16_key_buckets_give_the_exact_span_logits(name, monkeypatch):
 @torch.inference_mode()
 def test_bf16_model_matches_transformers_as_a_cpu_with_or_without_bf16_instructions(emulated):
     """With bf16 instructions a bf16 model keeps its keys and values in bf16; without them (emulated bf16) in
-    fp32, with attention and matmuls of 16 rows or more in fp32. Either way its logits are transformers' bf16
-    logits up to bf16 rounding, for a prefill in 16-row chunks, single steps and a masked block."""
+    fp32, with attention and matmuls of three rows or more in fp32 (over an fp32 copy of the weights). Either way
+    its logits are transformers' bf16 logits up to bf16 rounding, for a prefill in 16-row chunks, single steps
+    and a masked block."""
     loaded = load_model("tiny-random-llama", "bf16")
-    lean = LeanModel(loaded.model)
-    lean.emulated_bf16 = emulated
-    lean.cache_dtype = torch.float32 if emulated else torch.bfloat16
-    cache_dtype = lean.cache_dtype
+    lean = LeanModel(loaded.model, emulated_bf16=emulated)
+    cache_dtype = torch.float32 if emulated else torch.bfloat16
+    assert (lean.layers[0]["wqkv"].wide is not None) == emulated
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(5))
     ref = reference_logits(loaded, ids).float()
     cache = lean.new_cache(64)
