@@ -65,7 +65,8 @@ def main() -> None:
     bf16.cache_dtype = default_cache
     if args.prefill and bf16.emulated_bf16:
         ids = torch.randint(0, bf16.shape.vocab, (args.prefill,), generator=torch.Generator().manual_seed(2))
-        for label, rows in ((f"matmuls of {model_module.UPCAST_ROWS}+ rows in fp32", model_module.UPCAST_ROWS), ("every matmul in bf16", None)):
+        upcast = model_module.UPCAST_ROWS
+        for label, rows in ((f"matmuls of {upcast}+ rows in fp32", upcast), ("every matmul in bf16", None)):
             bf16.upcast_rows = rows or args.prefill + 1
             start = time.perf_counter()
             bf16.prefill(ids, bf16.new_cache(args.prefill), logits=False)
