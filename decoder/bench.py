@@ -302,9 +302,9 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
 
 class _Repricing:
     """`--reprice`: the forwards and builds a TriForce plan's prediction priced, at the profile's own points,
-    re-timed between the prompts of the run. On a VM whose speed drifts, the prediction re-priced with them
-    separates a model error from a machine that runs slower or faster than when it was profiled. A streaming
-    drafter's window prefill, paid once per prompt, keeps the profile's price."""
+    re-timed between the prompts of the run (a streaming drafter's window prefill, which the prediction charges
+    once per prompt, included). On a VM whose speed drifts, the prediction re-priced with them separates a
+    model error from a machine that runs slower or faster than when it was profiled."""
 
     def __init__(self, decoder: Decoder) -> None:
         from planner.triforce import priced_points
@@ -320,9 +320,12 @@ class _Repricing:
         self.plan = plan
         self.profile = load_profile(profile_file)
         points = priced_points(plan, self.profile)
-        draft = decoder.lean_draft if points.draft else None
+        draft = decoder.lean_draft if points.draft or points.window_prefill == "draft" else None
         self.draft_priced = bool(points.draft)
-        self.timer = PointTimer(decoder.lean_target, draft, points.target, points.builds, points.draft)
+        window_prefill = (points.window_prefill, plan.settings["sinks"], plan.settings["window"]) \
+            if points.window_prefill else None
+        self.timer = PointTimer(decoder.lean_target, draft, points.target, points.builds, points.draft,
+                                window_prefill)
 
     def report(self, summary: dict) -> dict:
         from planner.triforce import reprice
@@ -344,6 +347,9 @@ class _Repricing:
                   "retrieval_build": ratio(lambda p: p.retrieval_build(L, s["budget"]))}
         if self.draft_priced:
             ratios["draft_step"] = ratio(lambda p: p.draft_step(s["sinks"] + s["window"]))
+        if self.timer.window_prefill_role:
+            ratios["window_prefill"] = ratio(lambda p: p.window_prefill(self.timer.window_prefill_role, s["sinks"],
+                                                                        s["window"]))
         out = {"speedup": repriced.speedup, "tokens_per_step": repriced.tokens_per_step,
                "profiled_speedup": profiled.speedup, "two_level_speedup": repriced_two.speedup,
                "two_level_profiled_speedup": profiled_two.speedup,

@@ -429,6 +429,7 @@ class PricedPoints:
     target: dict[int, list[int]]
     builds: dict[int, list[int]]
     draft: list[int]
+    window_prefill: str | None = None  # the role (draft or target) whose profiled window prefill is priced
 
 
 def _plan_settings(plan: Plan) -> list[tuple[dict, int, int, float | None]]:
@@ -488,8 +489,20 @@ def priced_points(plan: Plan, profile: LatencyProfile) -> PricedPoints:
     draft = []
     if draft_priced and profile.draft_by_context:
         draft = covering(profile.draft_by_context, streaming_cache, streaming_cache)
+    prefill_role = _window_prefill_role(plan)
+    if prefill_role and profile.window_prefill(prefill_role, plan.settings["sinks"], plan.settings["window"]) is None:
+        prefill_role = None
     return PricedPoints({L: profile.target_curve(L).support(largest) for L, largest in sorted(target.items())},
-                        {L: sorted(budgets) for L, budgets in sorted(builds.items())}, draft)
+                        {L: sorted(budgets) for L, budgets in sorted(builds.items())}, draft, prefill_role)
+
+
+def _window_prefill_role(plan: Plan) -> str | None:
+    """The model whose StreamingLLM window prefill the plan's prediction charges: a streaming draft's drafter,
+    or the draft under a model bottom; None for a trie bottom or the two-level variant."""
+    (entry, gamma1, _, _), _ = _plan_settings(plan)
+    if "drafter" in entry:
+        return entry["drafter"]
+    return "draft" if gamma1 and plan.settings["bottom"] == "model" else None
 
 
 def reprice(plan: Plan, profile: LatencyProfile) -> tuple[TriForceCandidate, TriForceCandidate]:
@@ -499,14 +512,13 @@ def reprice(plan: Plan, profile: LatencyProfile) -> tuple[TriForceCandidate, Tri
     context, sinks, window = plan.settings["context"], plan.settings["sinks"], plan.settings["window"]
     priced_two = evaluate_traces(profile, context, *two_level, {}) if two_level[0]["traces"] else \
         evaluate(profile, context, *two_level)
+    role = _window_prefill_role(plan)
+    prefill = window_prefill_seconds(profile, role, sinks, window) if role else 0.0
     if "drafter" in entry:
         return evaluate_streaming(profile, context, entry, gamma2, streaming_seconds(profile, entry, sinks + window),
-                                  {}, priced_two, window_prefill_seconds(profile, entry["drafter"], sinks, window)
-                                  ), priced_two
-    prefill = 0.0
-    if gamma1 and plan.settings["bottom"] == "model":
+                                  {}, priced_two, prefill), priced_two
+    if role:
         bottom_seconds = _bottom_seconds("model", profile, sinks + window)
-        prefill = window_prefill_seconds(profile, "draft", sinks, window)
     priced = evaluate_traces(profile, context, entry, gamma1, gamma2, bottom_seconds, {}, prefill) \
         if entry["traces"] else evaluate(profile, context, entry, gamma1, gamma2, bottom_seconds)
     return priced, priced_two

@@ -230,7 +230,9 @@ class PointTimer:
     `plan bench --reprice` runs between the prompts to re-time the forwards a plan's prediction priced."""
 
     def __init__(self, target: LeanModel, draft: LeanModel | None, sizes: dict[int, list[int]],
-                 builds: dict[int, list[int]], draft_contexts: list[int]) -> None:
+                 builds: dict[int, list[int]], draft_contexts: list[int],
+                 window_prefill: tuple[str, int, int] | None = None) -> None:
+        """`window_prefill`: (role, sinks, window) of a StreamingLLM drafter whose window prefill to time too."""
         self.calls: dict[str, Callable[[], float]] = {}
         for L in sorted(set(sizes) | set(builds)):
             calls = _calls_at({"target": target}, L, sizes.get(L, [1]), builds.get(L, []))
@@ -240,6 +242,13 @@ class PointTimer:
             if draft is None:
                 raise ValueError("draft contexts to time but no draft model")
             self.calls.update(_calls_at({"draft": draft}, L, [1], []))
+        self.window_prefill_role = window_prefill[0] if window_prefill else None
+        if window_prefill:
+            role, sinks, window = window_prefill
+            model = draft if role == "draft" else target
+            if model is None:
+                raise ValueError("a draft window prefill to time but no draft model")
+            self.calls[WINDOW_PREFILL] = _window_prefill_call(model, sinks, window)
         self.samples: dict[str, list[float]] = {name: [] for name in self.calls}
 
     def run(self, passes: int, warmup: int = 0) -> None:
@@ -249,13 +258,18 @@ class PointTimer:
                 for name, seconds in timed.items():
                     self.samples[name].append(seconds)
 
-    def medians(self) -> tuple[dict[int, dict[int, float]], dict[int, dict[int, float]], dict[int, float]]:
-        """(target {L: {n: s}}, builds {L: {B: s}}, draft {L: one-token step s}): medians of the passes run."""
-        curves, builds = _summaries(self.samples)
+    def medians(self) -> tuple[dict[int, dict[int, float]], dict[int, dict[int, float]], dict[int, float],
+                               dict[str, float]]:
+        """(target {L: {n: s}}, builds {L: {B: s}}, draft {L: one-token step s}, window prefill {role: s}):
+        medians of the passes run, in the order LatencyProfile.with_points takes them."""
+        samples = dict(self.samples)
+        window_prefill = samples.pop(WINDOW_PREFILL, None)
+        curves, builds = _summaries(samples)
         medians = {role: {L: {n: p["median"] for n, p in points.items()} for L, points in by_context.items()}
                    for role, by_context in curves.items()}
+        prefill = {self.window_prefill_role: _spread(window_prefill)["median"]} if window_prefill else {}
         return (medians.get("target", {}), builds,
-                {L: points[1] for L, points in medians.get("draft", {}).items()})
+                {L: points[1] for L, points in medians.get("draft", {}).items()}, prefill)
 
 
 class _ForwardTimer:

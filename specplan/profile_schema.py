@@ -182,9 +182,9 @@ class LatencyProfile:
         return profiled[2] if profiled is not None and profiled[:2] == (sinks, window) else None
 
     def with_points(self, target: dict[int, dict[int, float]], builds: dict[int, dict[int, float]],
-                    draft: dict[int, float]) -> LatencyProfile:
+                    draft: dict[int, float], window_prefill: dict[str, float] | None = None) -> LatencyProfile:
         """A copy with these points (target t(n) per context, builds per context and budget, draft steps per
-        context) replaced by the given times: the same prices re-timed."""
+        context, window prefills per role) replaced by the given times: the same prices re-timed."""
         def merged(points: dict, new: dict) -> dict:
             return {key: {**value, **new.get(key, {})} for key, value in points.items()}
 
@@ -194,7 +194,10 @@ class LatencyProfile:
         return dataclasses.replace(self, target_t_seconds=base,
                                    target_by_context=merged(self.target_by_context, target),
                                    builds_by_context=merged(self.builds_by_context, builds),
-                                   draft_by_context={**self.draft_by_context, **draft})
+                                   draft_by_context={**self.draft_by_context, **draft},
+                                   window_prefills={**self.window_prefills, **{
+                                       role: (*self.window_prefills[role][:2], seconds)
+                                       for role, seconds in (window_prefill or {}).items()}})
 
     @property
     def machine(self) -> dict[str, Any]:

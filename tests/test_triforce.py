@@ -11,10 +11,12 @@ import yaml
 
 from decoder.drafters import NoDrafter, TrieDrafter
 from decoder.engine import SpeculativeEngine
+from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
 from decoder.trie import Trie, TrieSettings
 from decoder.triforce import HierarchicalDrafter, RetrievalCache, RetrievalSettings, StreamingDrafter
 from specplan.errors import UserError
+from specplan.models import load_model
 
 from toy import (
     VOCAB,
@@ -279,6 +281,33 @@ def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_fil
         assert plan.settings["bottom"] == "model" and plan.inputs["window_prefill_seconds"] == charged
         per_token[charged] = plan.prediction["seconds_per_token"]
     assert per_token[0.05] == pytest.approx(per_token[None] + 0.05 / 40)
+    # `plan bench --reprice` re-times the draft's window prefill the plan charges, and re-prices with it
+    from planner.triforce import priced_points, reprice
+    from specplan.profile_schema import load_profile
+
+    prefilled = write_yaml_file("prof.yaml", dict(profile, draft=dict(
+        profile["draft"], window_prefill={"sinks": 4, "window": 1020, "seconds": 0.05})))
+    run_cli("solve", "triforce", "--acceptance", write_yaml_file("traced.yaml", traced), "--profile", prefilled,
+            "-o", out)
+    plan, solved = load_plan(out), load_profile(prefilled)
+    assert priced_points(plan, solved).window_prefill == "draft"
+    own, _ = reprice(plan, solved)
+    slower, _ = reprice(plan, solved.with_points({}, {}, {}, {"draft": 0.09}))
+    assert own.seconds_per_token == pytest.approx(per_token[0.05])
+    assert slower.seconds_per_token == pytest.approx(own.seconds_per_token + 0.04 / 40)
+
+
+def test_point_timer_times_a_window_prefill():
+    from profiler.latency import PointTimer
+
+    lean = LeanModel(load_model("tiny-random-llama", "fp32").model)
+    timer = PointTimer(lean, None, {64: [1, 2]}, {}, [], ("target", 2, 8))
+    timer.run(2)
+    target, builds, draft, window_prefill = timer.medians()
+    assert set(target[64]) == {1, 2} and builds == {} and draft == {}
+    assert set(window_prefill) == {"target"} and window_prefill["target"] > 0
+    with pytest.raises(ValueError, match="no draft model"):
+        PointTimer(lean, None, {}, {}, [], ("draft", 2, 8))
 
 
 def test_triforce_trace_replay_by_hand():
