@@ -30,6 +30,13 @@ UPCAST_ROWS = 3  # on a CPU that emulates bf16, matmuls of this many rows or mor
 GRAPH_CACHE_SLOTS = 512  # with CUDA graphs, cache sizes are rounded up to this (see LeanModel.cache_for)
 
 
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
+    """x @ weight.T + bias, with `weight` in oneDNN's blocked layout where `packed`."""
+    if packed:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class MatmulWeight(NamedTuple):
     """A matmul weight in the form each row count runs fastest: `narrow` (the model's dtype, packed where oneDNN
     packs it), and on a CPU that emulates bf16 `wide`, an fp32 copy packed for matmuls of UPCAST_ROWS or more rows."""
@@ -256,14 +263,8 @@ class LeanModel:
         if weight.wide is not None and x.shape[0] >= self.upcast_rows:
             # The output is rounded to bf16, as a bf16 matmul's fp32 accumulator is.
             wide_bias = None if bias is None else bias.float()
-            if self.can_pack:
-                out = torch.ops.mkldnn._linear_pointwise(x.float(), weight.wide, wide_bias, "none", [], "")
-            else:
-                out = F.linear(x.float(), weight.wide, wide_bias)
-            return out.to(self.dtype)
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, weight.narrow, bias, "none", [], "")
-        return F.linear(x, weight.narrow, bias)
+            return _matmul(x.float(), weight.wide, wide_bias, self.can_pack).to(self.dtype)
+        return _matmul(x, weight.narrow, bias, self.packed)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2

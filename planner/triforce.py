@@ -469,7 +469,8 @@ def priced_points(plan: Plan, profile: LatencyProfile) -> PricedPoints:
     builds: dict[int, set[int]] = {}
     streaming_cache = plan.settings["sinks"] + plan.settings["window"]
     draft_priced = plan.settings["bottom"] == "model"
-    for entry, gamma1, gamma2, _ in _plan_settings(plan):
+    settings = _plan_settings(plan)
+    for entry, gamma1, gamma2, _ in settings:
         if "drafter" in entry:  # the streaming draft's record: the top's chains, the drafter's step
             longest = max(len(trace) for trace in entry["traces"])
             draft_priced = entry["drafter"] == "draft"
@@ -489,20 +490,19 @@ def priced_points(plan: Plan, profile: LatencyProfile) -> PricedPoints:
     draft = []
     if draft_priced and profile.draft_by_context:
         draft = covering(profile.draft_by_context, streaming_cache, streaming_cache)
-    prefill_role = _window_prefill_role(plan)
+    prefill_role = _window_prefill_role(settings[0][0], settings[0][1], plan.settings["bottom"])
     if prefill_role and profile.window_prefill(prefill_role, plan.settings["sinks"], plan.settings["window"]) is None:
         prefill_role = None
     return PricedPoints({L: profile.target_curve(L).support(largest) for L, largest in sorted(target.items())},
                         {L: sorted(budgets) for L, budgets in sorted(builds.items())}, draft, prefill_role)
 
 
-def _window_prefill_role(plan: Plan) -> str | None:
-    """The model whose StreamingLLM window prefill the plan's prediction charges: a streaming draft's drafter,
-    or the draft under a model bottom; None for a trie bottom or the two-level variant."""
-    (entry, gamma1, _, _), _ = _plan_settings(plan)
+def _window_prefill_role(entry: dict, gamma1: int, bottom: str) -> str | None:
+    """The model whose StreamingLLM window prefill a plan's setting (`_plan_settings`) charges: a streaming
+    draft's drafter, or the draft under a model bottom; None for a trie bottom or the two-level variant."""
     if "drafter" in entry:
         return entry["drafter"]
-    return "draft" if gamma1 and plan.settings["bottom"] == "model" else None
+    return "draft" if gamma1 and bottom == "model" else None
 
 
 def reprice(plan: Plan, profile: LatencyProfile) -> tuple[TriForceCandidate, TriForceCandidate]:
@@ -512,7 +512,7 @@ def reprice(plan: Plan, profile: LatencyProfile) -> tuple[TriForceCandidate, Tri
     context, sinks, window = plan.settings["context"], plan.settings["sinks"], plan.settings["window"]
     priced_two = evaluate_traces(profile, context, *two_level, {}) if two_level[0]["traces"] else \
         evaluate(profile, context, *two_level)
-    role = _window_prefill_role(plan)
+    role = _window_prefill_role(entry, gamma1, plan.settings["bottom"])
     prefill = window_prefill_seconds(profile, role, sinks, window) if role else 0.0
     if "drafter" in entry:
         return evaluate_streaming(profile, context, entry, gamma2, streaming_seconds(profile, entry, sinks + window),

@@ -267,7 +267,7 @@ class PointTimer:
         curves, builds = _summaries(samples)
         medians = {role: {L: {n: p["median"] for n, p in points.items()} for L, points in by_context.items()}
                    for role, by_context in curves.items()}
-        prefill = {self.window_prefill_role: _spread(window_prefill)["median"]} if window_prefill else {}
+        prefill = {self.window_prefill_role: float(np.median(window_prefill))} if window_prefill else {}
         return (medians.get("target", {}), builds,
                 {L: points[1] for L, points in medians.get("draft", {}).items()}, prefill)
 
