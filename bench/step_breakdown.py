@@ -6,7 +6,8 @@ retrieval cache), the drafter's host work (a Lookahead trie's retrieval and inse
 drafter, retrieval-cache builds and inserts; a StreamingLLM draft's forwards), and the rest of the engine
 (verification walk, masks, commits, Python). Each forward is also priced by the profile at its actual size
 and cache length, so the gap between a plan's prediction and a measured speedup splits into "forwards slower
-than profiled" and "time outside the forwards". TriForce plans decode haystack prompts at the plan's context
+than profiled" and "time outside the forwards". The two take turns prompt by prompt, so that a drift of
+the machine weighs on both alike. TriForce plans decode haystack prompts at the plan's context
 (as `plan bench --context` builds them); other plans decode prompts of --dataset (as `plan bench` picks them).
 
     python bench/step_breakdown.py --plan plans/smollm2-135m.triforce-4096.cpu-2c.fp32.yaml \
@@ -59,53 +60,60 @@ class Ledger:
         setattr(owner, method, timed)
 
 
-def breakdown(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: int, profile) -> dict:
-    ledger = Ledger()
-    target = engine.target
-    drafter = engine.drafter
-    retrieval = getattr(drafter, "retrieval", None)
+class InstrumentedRun:
+    """An engine whose decoding steps are timed piece by piece into a Ledger, from the drafter's reset (between
+    prefill and decoding) to the end of each generation. Several runs may share a target model: each wraps its
+    forward, and only the run that is decoding has its ledger on."""
 
-    def forward_label(tokens, positions, cache, *rest) -> str:
-        if isinstance(drafter, StreamingDrafter) and cache is drafter.cache:
-            return "streaming drafts"  # the target itself over its StreamingLLM cache
-        if retrieval is None:
-            return "target forwards"
-        return "middle forwards" if cache is retrieval.cache else "top forwards"
+    def __init__(self, engine: SpeculativeEngine, profile) -> None:
+        self.engine = engine
+        self.ledger = Ledger()
+        self.decode_seconds = 0.0
+        self.tokens = self.steps = 0
+        self.armed = False
+        target, drafter = engine.target, engine.drafter
+        retrieval = getattr(drafter, "retrieval", None)
 
-    def forward_price(tokens, positions, cache, *rest) -> float:
-        return float(profile.latency(int(tokens.shape[0]), int(cache.length)))
+        def forward_label(tokens, positions, cache, *rest) -> str:
+            if isinstance(drafter, StreamingDrafter) and cache is drafter.cache:
+                return "streaming drafts"  # the target itself over its StreamingLLM cache
+            if retrieval is None:
+                return "target forwards"
+            return "middle forwards" if cache is retrieval.cache else "top forwards"
 
-    ledger.wrap(target, "forward", forward_label, forward_price)
-    if isinstance(drafter, StreamingDrafter) and drafter.model is not target:
-        ledger.wrap(drafter.model, "forward", "streaming drafts",
-                    lambda tokens, positions, cache, *rest: profile.draft_step(int(cache.length)))
-    if retrieval is not None:
-        ledger.wrap(retrieval, "build", "retrieval builds")
-        ledger.wrap(retrieval, "insert", "retrieval inserts")
-        for method in ("propose", "update", "extend", "rollback"):
-            ledger.wrap(drafter.bottom, method, "bottom drafter")
-    elif isinstance(drafter, TrieDrafter):
-        for method in ("propose", "update"):
-            ledger.wrap(drafter, method, "trie")
-    reset = drafter.reset
-    armed = False
+        def forward_price(tokens, positions, cache, *rest) -> float:
+            return float(profile.latency(int(tokens.shape[0]), int(cache.length)))
 
-    def start_ledger(*args) -> None:  # the engine resets its drafter between prefill and decoding
-        reset(*args)
-        ledger.on = armed
+        ledger = self.ledger
+        ledger.wrap(target, "forward", forward_label, forward_price)
+        if isinstance(drafter, StreamingDrafter) and drafter.model is not target:
+            ledger.wrap(drafter.model, "forward", "streaming drafts",
+                        lambda tokens, positions, cache, *rest: profile.draft_step(int(cache.length)))
+        if retrieval is not None:
+            ledger.wrap(retrieval, "build", "retrieval builds")
+            ledger.wrap(retrieval, "insert", "retrieval inserts")
+            for method in ("propose", "update", "extend", "rollback"):
+                ledger.wrap(drafter.bottom, method, "bottom drafter")
+        elif isinstance(drafter, TrieDrafter):
+            for method in ("propose", "update"):
+                ledger.wrap(drafter, method, "trie")
+        reset = drafter.reset
 
-    drafter.reset = start_ledger
-    decode_seconds = tokens = steps = 0
-    for ids in prompts:
-        armed = False
-        engine.generate(ids, 8, SamplingParams())  # warm: this prompt's first shapes
-        armed = True
-        result = engine.generate(ids, max_new_tokens, SamplingParams())
-        ledger.on = False
-        decode_seconds += result.decode_seconds
-        tokens += len(result.tokens)
-        steps += result.steps
-    return {"ledger": ledger, "decode_seconds": decode_seconds, "tokens": tokens, "steps": steps}
+        def start_ledger(*args) -> None:  # the engine resets its drafter between prefill and decoding
+            reset(*args)
+            ledger.on = self.armed
+
+        drafter.reset = start_ledger
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> None:
+        self.armed = False
+        self.engine.generate(ids, 8, SamplingParams())  # warm: this prompt's first shapes
+        self.armed = True
+        result = self.engine.generate(ids, max_new_tokens, SamplingParams())
+        self.ledger.on = False
+        self.decode_seconds += result.decode_seconds
+        self.tokens += len(result.tokens)
+        self.steps += result.steps
 
 
 def plan_with_prompts(doc: str, input_option: str, prompts: int) -> tuple[argparse.Namespace, Decoder, list]:
@@ -130,14 +138,16 @@ def plan_with_prompts(doc: str, input_option: str, prompts: int) -> tuple[argpar
 def main() -> None:
     args, decoder, picked = plan_with_prompts(__doc__, "--profile", 2)
     profile = load_profile(args.profile)
-    prompts = [p.ids for p in picked]
-    runs = {decoder.plan.method: decoder.engine,
-            "one token": SpeculativeEngine(decoder.lean_target, None, decoder.engine.stop_ids)}
-    for name, engine in runs.items():
-        report = breakdown(engine, prompts, args.max_new_tokens, profile)
-        ledger, total = report["ledger"], report["decode_seconds"]
-        print(f"{name}: {report['tokens']} tokens in {report['steps']} steps, {total:.2f} s decoding "
-              f"({total / report['tokens'] * 1e3:.2f} ms/token)")
+    runs = {decoder.plan.method: InstrumentedRun(decoder.engine, profile),
+            "one token": InstrumentedRun(SpeculativeEngine(decoder.lean_target, None, decoder.engine.stop_ids),
+                                         profile)}
+    for prompt in picked:  # prompt by prompt, both methods: a drift of the machine falls on both alike
+        for run in runs.values():
+            run.generate(prompt.ids, args.max_new_tokens)
+    for name, run in runs.items():
+        ledger, total = run.ledger, run.decode_seconds
+        print(f"{name}: {run.tokens} tokens in {run.steps} steps, {total:.2f} s decoding "
+              f"({total / run.tokens * 1e3:.2f} ms/token)")
         timed = 0.0
         for label in sorted(ledger.seconds, key=lambda k: -ledger.seconds[k]):
             seconds = ledger.seconds[label]
@@ -147,7 +157,7 @@ def main() -> None:
             print(f"  {label:<18} {seconds:7.2f} s  {ledger.calls[label]:6d} calls  "
                   f"{seconds / total:6.1%}{extra}")
         print(f"  {'the rest':<18} {total - timed:7.2f} s  {'':6}        {(total - timed) / total:6.1%}  "
-              f"({(total - timed) / report['steps'] * 1e3:.2f} ms per step)")
+              f"({(total - timed) / run.steps * 1e3:.2f} ms per step)")
 
 
 if __name__ == "__main__":
