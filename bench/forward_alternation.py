@@ -1,0 +1,96 @@
+"""Does a TriForce step's forward cost what the profile says when the levels alternate?
+
+`plan profile` times each forward right after an untimed one of the same shape over the same cache. A
+TriForce step runs the middle level's forwards (gamma1 + 1 rows over the retrieval cache of `budget` slots;
+one row for the two-level variant) several times, then the top level's (gamma2 + 1 rows over the full
+cache). This times both shapes repeated, as the profile does, and in that alternation, as decoding runs
+them, beside one-token forwards over the full cache, with the profile's price of each; medians over the
+rounds. Cache contents are random, as in the profile: the cost does not depend on them.
+
+    python bench/forward_alternation.py --plan plans/smollm2-135m.triforce-7680.cpu-2c.bf16.yaml \
+        --profile profiles/smollm2-135m.cpu-2c.bf16-7680.yaml --rounds 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+from decoder.api import load_decoder
+from decoder.model import KVCache, LeanModel, causal_mask
+from specplan.profile_schema import load_profile
+
+Pattern = list[tuple[str | None, KVCache, int]]  # (label of a timed forward or None, cache, rows)
+
+
+def random_cache(model: LeanModel, length: int, room: int) -> KVCache:
+    cache = model.new_cache(length + room)
+    cache.k.normal_(0, 0.1)
+    cache.v.normal_(0, 0.1)
+    cache.length = length
+    return cache
+
+
+@torch.inference_mode()
+def forward_seconds(model: LeanModel, cache: KVCache, rows: int) -> float:
+    tokens = torch.randint(0, model.shape.vocab, (rows,))
+    positions = torch.arange(cache.length, cache.length + rows)
+    mask = causal_mask(cache.length, rows, model.dtype, model.device) if rows > 1 else None
+    start = time.perf_counter()
+    model.forward(tokens, positions, cache, mask)
+    return time.perf_counter() - start
+
+
+def run_pattern(model: LeanModel, pattern: Pattern, rounds: int) -> dict[str, float]:
+    """Median seconds per labelled forward over `rounds` passes of the pattern, after one untimed pass."""
+    timed: dict[str, list[float]] = {}
+    for round_index in range(rounds + 1):
+        for label, cache, rows in pattern:
+            seconds = forward_seconds(model, cache, rows)
+            if round_index and label:
+                timed.setdefault(label, []).append(seconds)
+    return {label: statistics.median(values) for label, values in timed.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    decoder = load_decoder(args.plan)
+    settings = decoder.plan.settings
+    model, profile = decoder.lean_target, load_profile(args.profile)
+    gamma1, gamma2 = settings["gamma1"], settings["gamma2"]
+    middle_rows = gamma1 + 1 if gamma1 else 1
+    middles_per_top = math.ceil(gamma2 / gamma1) if gamma1 else gamma2
+    top_rows = gamma2 + 1
+    full = random_cache(model, settings["context"], top_rows)
+    middle = random_cache(model, settings["budget"], middle_rows)
+    shapes = {"one token": (full, 1), f"top, {top_rows} rows": (full, top_rows),
+              f"middle, {middle_rows} rows": (middle, middle_rows)}
+    repeated = {}
+    for label, (cache, rows) in shapes.items():
+        repeated.update(run_pattern(model, [(None, cache, rows), (label, cache, rows)], args.rounds))
+    top_label, middle_label = list(shapes)[1:]
+    step: Pattern = [(middle_label, middle, middle_rows)] * middles_per_top + [(top_label, full, top_rows)]
+    alternating = run_pattern(model, step, args.rounds)
+    alternating.update(run_pattern(model, [(None, full, top_rows), ("one token", full, 1)], args.rounds))
+    print(f"{args.plan}: gamma1 {gamma1}, gamma2 {gamma2}, budget {settings['budget']}, context "
+          f"{settings['context']}; a step = {middles_per_top} middle forwards, then the top's; {args.rounds} rounds")
+    print("| forward | profile ms | repeated ms | in the step ms | in the step / repeated |")
+    print("|---|---|---|---|---|")
+    for label, (cache, rows) in shapes.items():
+        price = profile.latency(rows, cache.length) * 1e3
+        ratio = alternating[label] / repeated[label]
+        print(f"| {label} over {cache.length} | {price:.1f} | {repeated[label] * 1e3:.1f} | "
+              f"{alternating[label] * 1e3:.1f} | {ratio:.3f} |")
+    print("(one token 'in the step': right after a top-level forward)")
+
+
+if __name__ == "__main__":
+    main()
