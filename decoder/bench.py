@@ -3,16 +3,16 @@
 Methods: `ours` (the plan), `ours-ar` (our engine with a one-node tree), and the transformers baselines
 `hf` (generate), `hf-assisted` (assistant_model = the plan's draft), `hf-prompt-lookup`
 (prompt_lookup_num_tokens = 10). For each prompt the methods run back to back, so machine noise spreads
-evenly; one warm-up generation per method comes first. Two rates per method: end-to-end tokens/s (new tokens
-over the wall time of the whole call, prefill included) and decode tokens/s (tokens after the prefill over the
-time after it: for transformers, timed by a streamer from the first emitted tokens on; for our engine, whose
-prefill stops before the last prompt token, every new token over the decode time). Speedups compare decode
-rates, since at long contexts the prefill, the same work for every method, would hide them; the end-to-end
-ratio against `hf` is reported too. A drafter's own prefill (a draft model's prompt, a StreamingLLM window)
-counts as our engine's decoding time, since one-token decoding does not pay it. Greedy runs are checked token
-by token against `hf`;
-at the first differing token the report gives the target's top-2 logit gap (a near-tie below 1e-4 is
-rounding, not a bug: multi-token and one-token forwards round differently).
+evenly, and their order rotates from one prompt to the next, so that no method always runs first or always
+right after transformers; one warm-up generation per method comes first. Two rates per method: end-to-end
+tokens/s (new tokens over the wall time of the whole call, prefill included) and decode tokens/s (tokens after
+the prefill over the time after it: for transformers, timed by a streamer from the first emitted tokens on; for
+our engine, whose prefill stops before the last prompt token, every new token over the decode time). Speedups
+compare decode rates, since at long contexts the prefill, the same work for every method, would hide them; the
+end-to-end ratio against `hf` is reported too. A drafter's own prefill (a draft model's prompt, a StreamingLLM
+window) counts as our engine's decoding time, since one-token decoding does not pay it. Greedy runs are checked
+token by token against `hf`; at the first differing token the report gives the target's top-2 logit gap (a
+near-tie below 1e-4 is rounding, not a bug: multi-token and one-token forwards round differently).
 """
 
 from __future__ import annotations
@@ -96,10 +96,12 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
         repricing.timer.run(REPRICE_PASSES, warmup=1)
     rows = []
     for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
-        row: dict[str, Any] = {"id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids), "methods": {}}
-        for name, run in methods.items():
+        order = names[index % len(names):] + names[:index % len(names)]
+        row: dict[str, Any] = {"id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids),
+                               "order": order, "methods": {}}
+        for name in order:
             start = time.perf_counter()
-            tokens, extra = run(ids, request.max_new_tokens, request.seed + index)
+            tokens, extra = methods[name](ids, request.max_new_tokens, request.seed + index)
             seconds = time.perf_counter() - start
             decode_tokens, decode_seconds = extra.pop("decode")
             row["methods"][name] = {"new_tokens": len(tokens), "seconds": seconds,

@@ -240,6 +240,8 @@ def test_bench_report_on_tiny_models(bench_tiny_sequoia):
         assert summary[name]["identical_to_hf"] == summary[name]["compared"] == 2
     for entry in summary.values():
         assert entry["decode_tokens_per_second"] > 0 and entry["tokens_per_second"] > 0
+    first, second = (row["order"] for row in report["per_prompt"])
+    assert first == ["ours", "hf", "hf-assisted", "ours-ar"] and second == first[1:] + first[:1]
     for row in report["per_prompt"]:
         hf = row["methods"]["hf"]
         assert hf["decode_tokens"] == hf["new_tokens"] - 1 and hf["decode_seconds"] < hf["seconds"]
