@@ -2,7 +2,7 @@
 
 `plan profile` times each forward right after an untimed one of the same shape over the same cache. A
 TriForce step runs the middle level's forwards (gamma1 + 1 rows over the retrieval cache of `budget` slots;
-one row for the two-level variant) several times, then the top level's (gamma2 + 1 rows over the full
+one row for the two-level variant, `bottom: none`) several times, then the top level's (gamma2 + 1 rows over the full
 cache). This times both shapes repeated, as the profile does, and in that alternation, as decoding runs
 them, beside one-token forwards over the full cache, with the profile's price of each; medians over the
 rounds. Cache contents are random, as in the profile: the cost does not depend on them.
@@ -22,17 +22,11 @@ import torch
 
 from decoder.api import load_decoder
 from decoder.model import KVCache, LeanModel, causal_mask
+from profiler.latency import random_cache
+from specplan.errors import UserError
 from specplan.profile_schema import load_profile
 
 Pattern = list[tuple[str | None, KVCache, int]]  # (label of a timed forward or None, cache, rows)
-
-
-def random_cache(model: LeanModel, length: int, room: int) -> KVCache:
-    cache = model.new_cache(length + room)
-    cache.k.normal_(0, 0.1)
-    cache.v.normal_(0, 0.1)
-    cache.length = length
-    return cache
 
 
 @torch.inference_mode()
@@ -62,11 +56,19 @@ def main() -> None:
     parser.add_argument("--profile", required=True)
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
-    decoder = load_decoder(args.plan)
-    settings = decoder.plan.settings
-    model, profile = decoder.lean_target, load_profile(args.profile)
-    gamma1, gamma2 = settings["gamma1"], settings["gamma2"]
-    middle_rows = gamma1 + 1 if gamma1 else 1
+    try:
+        decoder = load_decoder(args.plan)
+        profile = load_profile(args.profile)
+    except UserError as error:
+        parser.error(str(error))
+    plan = decoder.plan
+    if plan is None or plan.method != "triforce" or not plan.settings.get("speculate", True) \
+            or plan.settings["bottom"] == "streaming":
+        parser.error(f"{args.plan}: not a TriForce plan that drafts through a retrieval cache")
+    settings, model = plan.settings, decoder.lean_target
+    gamma2 = settings["gamma2"]
+    gamma1 = 0 if settings["bottom"] == "none" else settings["gamma1"]  # two-level: the middle drafts alone
+    middle_rows = gamma1 + 1
     middles_per_top = math.ceil(gamma2 / gamma1) if gamma1 else gamma2
     top_rows = gamma2 + 1
     full = random_cache(model, settings["context"], top_rows)

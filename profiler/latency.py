@@ -389,10 +389,7 @@ def _calls_at(models: dict[str, LeanModel], context: int, sizes: list[int], budg
     calls = {}
     pool = torch.cuda.graph_pool_handle() if any(m.device.type == "cuda" for m in models.values()) else None
     for role, model in models.items():
-        cache = model.new_cache(context + max(sizes))
-        cache.k.normal_(0, 0.1)
-        cache.v.normal_(0, 0.1)
-        cache.length = context
+        cache = random_cache(model, context, max(sizes))
         for n in sizes:
             tokens = torch.randint(0, model.shape.vocab, (n,), device=model.device)
             positions = torch.arange(context, context + n, device=model.device)
@@ -405,6 +402,15 @@ def _calls_at(models: dict[str, LeanModel], context: int, sizes: list[int], budg
             for budget in budgets:
                 calls[f"{BUILD}|{context}|{budget}"] = _build_call(model, cache, budget)
     return calls
+
+
+def random_cache(model: LeanModel, length: int, room: int) -> KVCache:
+    """A cache of `length` random entries with `room` free slots after them: what a timed forward reads."""
+    cache = model.new_cache(length + room)
+    cache.k.normal_(0, 0.1)
+    cache.v.normal_(0, 0.1)
+    cache.length = length
+    return cache
 
 
 def _build_call(model: LeanModel, cache: KVCache, budget: int) -> Callable[[], float]:
