@@ -7,8 +7,12 @@ cache). This times both shapes repeated, as the profile does, and in that altern
 them, beside one-token forwards over the full cache, with the profile's price of each; medians over the
 rounds. Cache contents are random, as in the profile: the cost does not depend on them.
 
+With --trace SECONDS it then runs the step's pattern (and a one-token forward) for that long and prints each
+shape's median time per 5 seconds: a host whose speed changes over time shows here, apart from any effect of
+the alternation.
+
     python bench/forward_alternation.py --plan plans/smollm2-135m.triforce-7680.cpu-2c.bf16.yaml \
-        --profile profiles/smollm2-135m.cpu-2c.bf16-7680.yaml --rounds 12
+        --profile profiles/smollm2-135m.cpu-2c.bf16-7680.yaml --rounds 12 --trace 120
 """
 
 from __future__ import annotations
@@ -50,11 +54,40 @@ def run_pattern(model: LeanModel, pattern: Pattern, rounds: int) -> dict[str, fl
     return {label: statistics.median(values) for label, values in timed.items()}
 
 
+def trace(model: LeanModel, pattern: Pattern, seconds: float, prices: dict[str, float], window: float = 5.0) -> None:
+    """Runs `pattern` round after round for `seconds`; prints, for each `window` seconds, each labelled forward's
+    median time against its profiled price, then each one's range of window medians over the run."""
+    labels = list(dict.fromkeys(label for label, _, _ in pattern if label))
+    print("| second | rounds | " + " | ".join(f"{label} ms (/ profile)" for label in labels) + " |")
+    print("|---" * (len(labels) + 2) + "|")
+    medians: dict[str, list[float]] = {label: [] for label in labels}
+    start = time.perf_counter()
+    window_start = 0.0
+    while window_start < seconds:
+        taken: dict[str, list[float]] = {label: [] for label in labels}
+        rounds = 0
+        while time.perf_counter() - start < window_start + window:
+            for label, cache, rows in pattern:
+                seconds_taken = forward_seconds(model, cache, rows)
+                if label:
+                    taken[label].append(seconds_taken)
+            rounds += 1
+        cells = []
+        for label in labels:
+            medians[label].append(statistics.median(taken[label]) / prices[label])
+            cells.append(f"{statistics.median(taken[label]) * 1e3:.1f} ({medians[label][-1]:.2f})")
+        print(f"| {window_start:.0f} | {rounds} | " + " | ".join(cells) + " |", flush=True)
+        window_start += window
+    for label, values in medians.items():
+        print(f"{label}: {window:.0f}-second medians at {min(values):.2f}-{max(values):.2f}x the profile's price")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", required=True)
     parser.add_argument("--profile", required=True)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--trace", type=float, default=0.0, metavar="SECONDS")
     args = parser.parse_args()
     try:
         decoder = load_decoder(args.plan)
@@ -92,6 +125,9 @@ def main() -> None:
         print(f"| {label} over {cache.length} | {price:.1f} | {repeated[label] * 1e3:.1f} | "
               f"{alternating[label] * 1e3:.1f} | {ratio:.3f} |")
     print("(one token 'in the step': right after a top-level forward)")
+    if args.trace > 0:
+        prices = {label: profile.latency(rows, cache.length) for label, (cache, rows) in shapes.items()}
+        trace(model, [("one token", full, 1)] + step, args.trace, prices)
 
 
 if __name__ == "__main__":
