@@ -66,7 +66,7 @@ def trace(model: LeanModel, pattern: Pattern, seconds: float, prices: dict[str, 
     while window_start < seconds:
         taken: dict[str, list[float]] = {label: [] for label in labels}
         rounds = 0
-        while time.perf_counter() - start < window_start + window:
+        while not rounds or time.perf_counter() - start < window_start + window:  # a round at least
             for label, cache, rows in pattern:
                 seconds_taken = forward_seconds(model, cache, rows)
                 if label:
@@ -87,7 +87,8 @@ def main() -> None:
     parser.add_argument("--plan", required=True)
     parser.add_argument("--profile", required=True)
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--trace", type=float, default=0.0, metavar="SECONDS")
+    parser.add_argument("--trace", type=float, default=0.0, metavar="SECONDS",
+                        help="then follow the shapes for this long, 5-second medians against the profile")
     args = parser.parse_args()
     try:
         decoder = load_decoder(args.plan)
