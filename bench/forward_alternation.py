@@ -43,14 +43,23 @@ def forward_seconds(model: LeanModel, cache: KVCache, rows: int) -> float:
     return time.perf_counter() - start
 
 
+def one_pass(model: LeanModel, pattern: Pattern) -> dict[str, list[float]]:
+    """Seconds of each labelled forward in one pass of the pattern."""
+    taken: dict[str, list[float]] = {}
+    for label, cache, rows in pattern:
+        seconds = forward_seconds(model, cache, rows)
+        if label:
+            taken.setdefault(label, []).append(seconds)
+    return taken
+
+
 def run_pattern(model: LeanModel, pattern: Pattern, rounds: int) -> dict[str, float]:
     """Median seconds per labelled forward over `rounds` passes of the pattern, after one untimed pass."""
+    one_pass(model, pattern)
     timed: dict[str, list[float]] = {}
-    for round_index in range(rounds + 1):
-        for label, cache, rows in pattern:
-            seconds = forward_seconds(model, cache, rows)
-            if round_index and label:
-                timed.setdefault(label, []).append(seconds)
+    for _ in range(rounds):
+        for label, seconds in one_pass(model, pattern).items():
+            timed.setdefault(label, []).extend(seconds)
     return {label: statistics.median(values) for label, values in timed.items()}
 
 
@@ -67,10 +76,8 @@ def trace(model: LeanModel, pattern: Pattern, seconds: float, prices: dict[str, 
         taken: dict[str, list[float]] = {label: [] for label in labels}
         rounds = 0
         while not rounds or time.perf_counter() - start < window_start + window:  # a round at least
-            for label, cache, rows in pattern:
-                seconds_taken = forward_seconds(model, cache, rows)
-                if label:
-                    taken[label].append(seconds_taken)
+            for label, seconds_taken in one_pass(model, pattern).items():
+                taken[label].extend(seconds_taken)
             rounds += 1
         cells = []
         for label in labels:
@@ -118,16 +125,15 @@ def main() -> None:
     alternating.update(run_pattern(model, [(None, full, top_rows), ("one token", full, 1)], args.rounds))
     print(f"{args.plan}: gamma1 {gamma1}, gamma2 {gamma2}, budget {settings['budget']}, context "
           f"{settings['context']}; a step = {middles_per_top} middle forwards, then the top's; {args.rounds} rounds")
+    prices = {label: profile.latency(rows, cache.length) for label, (cache, rows) in shapes.items()}
     print("| forward | profile ms | repeated ms | in the step ms | in the step / repeated |")
     print("|---|---|---|---|---|")
-    for label, (cache, rows) in shapes.items():
-        price = profile.latency(rows, cache.length) * 1e3
+    for label, (cache, _) in shapes.items():
         ratio = alternating[label] / repeated[label]
-        print(f"| {label} over {cache.length} | {price:.1f} | {repeated[label] * 1e3:.1f} | "
+        print(f"| {label} over {cache.length} | {prices[label] * 1e3:.1f} | {repeated[label] * 1e3:.1f} | "
               f"{alternating[label] * 1e3:.1f} | {ratio:.3f} |")
     print("(one token 'in the step': right after a top-level forward)")
     if args.trace > 0:
-        prices = {label: profile.latency(rows, cache.length) for label, (cache, rows) in shapes.items()}
         trace(model, [("one token", full, 1)] + step, args.trace, prices)
 
 
