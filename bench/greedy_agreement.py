@@ -4,7 +4,7 @@ context). Per prompt: identical or not, the first differing token, and the targe
 (the lean model's, in the report's dtype, after the reference's tokens up to that point).
 
     .venv/bin/python bench/greedy_agreement.py --report reports/bench-8k-bf16-avx2.json --reference ours-ar \
-        --dataset ../shared/data/haystack --context 7680
+        --dataset haystack --context 7680
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the machine weighs on both alike. TriForce plans decode haystack prompts at the 
         --profile profiles/smollm2-135m.cpu-2c.fp32.yaml --prompts 2 --max-new-tokens 256
     python bench/step_breakdown.py --plan plans/smollm2-135m.lookahead.cpu-2c.fp32.yaml \
         --profile profiles/smollm2-135m.cpu-2c-avx2.fp32.yaml \
-        --dataset ../shared/data/specbench:summarization,rag,coding --prompts 6 --max-new-tokens 256
+        --dataset specbench:summarization,rag,coding --prompts 6 --max-new-tokens 256
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def plan_with_prompts(doc: str, input_option: str, prompts: int) -> tuple[argpar
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--plan", required=True)
     parser.add_argument(input_option, required=True)
-    parser.add_argument("--dataset", default="../shared/data/haystack")
+    parser.add_argument("--dataset", default="haystack")
     parser.add_argument("--prompts", type=int, default=prompts)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """Sequoia's optimal token trees: the exact dynamic program, compiled with numba.
 
-Notation (../shared/papers.md, Sequoia appendix C.2.2). p = (p_1..p_K) is the positional acceptance
+Notation (the Sequoia paper, appendix C.2.2). p = (p_1..p_K) is the positional acceptance
 vector: p_k is the probability that the k-th sampled child of an accepted node is accepted. A node's
 score is the product of p_rank along its root path; a tree's value F is the sum of its node scores
 (the root's 1 is the bonus token). T(m, l, b) is the best F over trees with exactly m nodes, at most l

@@ -1,4 +1,6 @@
-"""Prompt datasets: Spec-Bench's question.jsonl (with a category filter), other JSONL files, plain text files."""
+"""Prompt datasets: Spec-Bench's question.jsonl (with a category filter), other JSONL files, plain text files.
+
+`--dataset` takes a path or one of the sets the project carries (data/README.md), by short name."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ from pathlib import Path
 
 from specplan.errors import UserError
 
-DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "specplan" / "prompts" / "demo.jsonl"
+_ROOT = Path(__file__).resolve().parent.parent
+DEMO_PROMPTS = _ROOT / "specplan" / "prompts" / "demo.jsonl"
+# The carried data: data/ in a checkout (and an editable install); a wheel installs it as specplan_data/.
+DATA_DIR = next((d for d in (_ROOT / "data", _ROOT / "specplan_data") if (d / "README.md").is_file()), _ROOT / "data")
+DATASETS = {"specbench": DATA_DIR / "specbench" / "question.jsonl", "haystack": DATA_DIR / "haystack"}
 
 
 @dataclass(frozen=True)
@@ -19,16 +25,25 @@ class Prompt:
     text: str
 
 
-def split_dataset_spec(spec: str) -> tuple[Path, str | None]:
-    """`PATH[:category]`; a path that exists as given wins over a category suffix."""
-    if os.path.exists(spec) or ":" not in spec:
+def resolve_dataset(spec: str | os.PathLike) -> tuple[Path, str | None]:
+    """`NAME[:categories]` or `PATH[:categories]` -> (path, categories); a path that exists as given wins over a
+    category suffix, and a path over a short name."""
+    spec = str(spec)
+    if os.path.exists(spec):
         return Path(spec), None
-    path, category = spec.rsplit(":", 1)
-    return Path(path), category or None
+    name, category = spec.rsplit(":", 1) if ":" in spec else (spec, "")
+    if os.path.exists(name):
+        return Path(name), category or None
+    if name in DATASETS:
+        if not DATASETS[name].exists():
+            raise UserError(f"dataset {name!r}: this install lacks the carried data ({DATASETS[name]})")
+        return DATASETS[name], category or None
+    raise UserError(f"unknown dataset {name!r}: no such file or folder, and not one of the carried sets "
+                    f"({', '.join(DATASETS)}; see data/README.md)")
 
 
 def read_dataset(spec: str) -> list[Prompt]:
-    path, category = split_dataset_spec(spec)
+    path, category = resolve_dataset(spec)
     if path.is_dir():
         if (path / "question.jsonl").is_file():
             path = path / "question.jsonl"
@@ -38,8 +53,6 @@ def read_dataset(spec: str) -> list[Prompt]:
                 raise UserError(f"{path}: no question.jsonl and no .txt files")
             prompts = [Prompt(p.stem, "text", p.read_text(errors="replace")) for p in texts]
             return _filter(prompts, category, path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such dataset")
     if path.suffix == ".jsonl":
         prompts = []
         for number, line in enumerate(path.read_text().splitlines(), 1):

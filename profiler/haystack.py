@@ -1,5 +1,6 @@
 """Long-context prompts: essays concatenated to a requested token length, a planted needle sentence, then a
-question about the needle or a summarization request. The essays are read from the given folder."""
+question about the needle or a summarization request. The essays are read from the given folder, or from the
+carried `haystack` set by its short name."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from profiler.datasets import encode_prompt
+from profiler.datasets import encode_prompt, resolve_dataset
 from specplan.errors import UserError
 
 NEEDLES = [
@@ -35,7 +36,9 @@ class LongPrompt:
 
 
 def essays(directory: str | Path) -> list[str]:
-    folder = Path(directory)
+    folder, category = resolve_dataset(directory)
+    if category is not None:
+        raise UserError(f"{directory}: a folder of essays has no categories")
     files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
     if not files:
         raise UserError(f"{directory}: no .txt essays to build long prompts from")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from profiler.acceptance import positional_greedy, positional_sampled, truncate_support
 from profiler.datasets import read_dataset, spread_sample
+from profiler.haystack import essays
 from specplan.acceptance_schema import load_sequoia_acceptance
 from specplan.errors import UserError
 
@@ -86,15 +88,30 @@ def test_greedy_indicators():
     assert got.tolist() == [[0, 1, 0], [0, 0, 0]]  # target argmax 1 is draft's 2nd; token 0 is draft's 4th
 
 
-def test_specbench_reader_and_category_filter(tmp_path):
-    prompts = read_dataset("../shared/data/specbench:coding")
+def test_specbench_reader_and_category_filter(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # short names resolve to the carried data/ from any directory
+    prompts = read_dataset("specbench:coding")
     assert len(prompts) == 10 and {p.category for p in prompts} == {"coding"}
-    mixed = spread_sample(read_dataset("../shared/data/specbench"), 13)
-    assert len({p.category for p in mixed}) == 13
+    mixed = spread_sample(read_dataset("specbench"), 13)
+    assert len({p.category for p in mixed}) == 13 and len(read_dataset("specbench")) == 480
+    assert len(read_dataset("specbench:summarization,rag,coding")) == 170
+    assert len(essays("haystack")) == 49
     with pytest.raises(UserError, match="no category"):
-        read_dataset("../shared/data/specbench:nonsense")
-    with pytest.raises(UserError, match="no such dataset"):
+        read_dataset("specbench:nonsense")
+    with pytest.raises(UserError, match=r"unknown dataset 'spec-bench'.*\(specbench, haystack;"):
+        read_dataset("spec-bench:coding")
+    with pytest.raises(UserError, match="unknown dataset"):
         read_dataset(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(UserError, match="has no categories"):
+        essays("haystack:needle")
+
+
+def test_a_path_wins_over_a_short_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("specbench").mkdir()
+    Path("specbench/question.jsonl").write_text(json.dumps({"category": "mine", "turns": ["own prompt"]}) + "\n")
+    assert [(p.category, p.text) for p in read_dataset("specbench")] == [("mine", "own prompt")]
+    assert [p.text for p in read_dataset("specbench:mine")] == ["own prompt"]
 
 
 def test_accept_cli_on_tiny_models(run_cli, tmp_path):
@@ -122,9 +139,10 @@ def test_accept_cli_on_tiny_models(run_cli, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dataset", "/nonexistent/q.jsonl"], "no such dataset"),
-    (["--dataset", "../shared/data/specbench", "--target", "no-such-model"], "unknown model"),
-    (["--dataset", "../shared/data/specbench", "--max-new-tokens", "5000"], "exceeds the context"),
+    (["--dataset", "/nonexistent/q.jsonl"], "unknown dataset"),
+    (["--dataset", "sharegpt"], "not one of the carried sets (specbench, haystack;"),
+    (["--dataset", "specbench", "--target", "no-such-model"], "unknown model"),
+    (["--dataset", "specbench", "--max-new-tokens", "5000"], "exceeds the context"),
 ])
 def test_accept_bad_input(args, message, run_cli, tmp_path):
     base = {"--target": "tiny-random-llama", "--draft": "tiny-random-llama-draft", "--temperature": "0",

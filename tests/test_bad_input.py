@@ -93,7 +93,7 @@ def test_triforce_plan_bad_settings(change, message, run_cli, write_yaml_file):
 def test_triforce_context_over_the_model_maximum(run_cli, tmp_path):
     out = tmp_path / "acc.yaml"
     assert_one_line_exit_2(run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
-                                   "../shared/data/haystack", "--contexts", "8192", "--budgets", "256",
+                                   "haystack", "--contexts", "8192", "--budgets", "256",
                                    "--chunks", "8", "--strides", "64", "-o", out), "exceeds")
     assert not out.exists()
 
@@ -102,7 +102,7 @@ def test_triforce_context_over_the_model_maximum(run_cli, tmp_path):
 def test_triforce_streaming_cache_bad_sizes(cache, message, run_cli, tmp_path):
     out = tmp_path / "acc.yaml"
     assert_one_line_exit_2(run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
-                                   "../shared/data/haystack", "--contexts", "300", "--budgets", "64",
+                                   "haystack", "--contexts", "300", "--budgets", "64",
                                    "--chunks", "8", "--strides", "16", *cache, "-o", out), message)
     assert not out.exists()
 

@@ -79,7 +79,7 @@ def test_triforce_on_a_long_prompt_is_lossless(smollm2):
     from decoder.trie import Trie, TrieSettings
     from decoder.triforce import HierarchicalDrafter, RetrievalSettings
 
-    prompt = build_prompts("../shared/data/haystack", smollm2.tokenizer, 2048, 1)[0]
+    prompt = build_prompts("haystack", smollm2.tokenizer, 2048, 1)[0]
     lean = LeanModel(smollm2.model)
     drafter = HierarchicalDrafter(lean, TrieDrafter(Trie(TrieSettings(decoding_length=4, branch_length=3))), 2, 6,
                                   RetrievalSettings(budget=512, chunk=8, stride=64))

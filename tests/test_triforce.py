@@ -478,7 +478,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
 
     out = tmp_path / "acc.yaml"
     code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
-                              "../shared/data/haystack", "--contexts", "300", "--samples", "2", "--budgets", "64",
+                              "haystack", "--contexts", "300", "--samples", "2", "--budgets", "64",
                               "--chunks", "8", "--strides", "16", "--max-new-tokens", "12", "-o", out)
     assert code == 0, stderr
     acceptance = load_triforce_acceptance(out)
@@ -516,7 +516,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     # same) and in its steps: the replay of the plan's own settings then takes the decoder's steps.
     decoded = tmp_path / "decoded.yaml"
     code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
-                              "../shared/data/haystack", "--contexts", "300", "--samples", "2", "--budgets", "64",
+                              "haystack", "--contexts", "300", "--samples", "2", "--budgets", "64",
                               "--chunks", "8", "--strides", "16", "--max-new-tokens", "12", "--decode-with", plan,
                               "-o", decoded)
     assert code == 0, stderr
@@ -535,11 +535,11 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
                                 settings["gamma2"], 2e-4, {})
     decoder = load_decoder(str(plan), target="tiny-random-llama", dtype="fp32")
     steps = sum(decoder.engine.generate(p.ids, 12, SamplingParams()).steps
-                for p in build_prompts("../shared/data/haystack", decoder.tokenizer, 300, 2))
+                for p in build_prompts("haystack", decoder.tokenizer, 300, 2))
     assert candidate.tokens_per_step == pytest.approx(len(middle) / steps)
     report_path = tmp_path / "report.json"
     code, stdout, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--dataset",
-                                   "../shared/data/haystack", "--context", "300", "--prompts", "1",
+                                   "haystack", "--context", "300", "--prompts", "1",
                                    "--max-new-tokens", "12", "--baselines", "hf,ours-ar,two-level,streaming",
                                    "--reprice", "-o", report_path)
     assert code == 0, stderr
@@ -562,7 +562,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     assert isinstance(load_decoder(str(one_token), target="tiny-random-llama", dtype="fp32").engine.drafter,
                       NoDrafter)
     code, stdout, stderr = run_cli("bench", "--plan", one_token, "--target", "tiny-random-llama", "--dataset",
-                                   "../shared/data/haystack", "--context", "300", "--prompts", "1",
+                                   "haystack", "--context", "300", "--prompts", "1",
                                    "--max-new-tokens", "12", "--baselines", "hf,ours-ar,two-level,streaming",
                                    "--reprice", "-o", tmp_path / "one-token.json")
     assert code == 0, stderr
@@ -577,17 +577,17 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     for option, message in ((["--dtype", "bf16"], "not bf16"), (["--temperature", "0.7"], "greedy"),
                             (["--contexts", "64"], "not below the context")):
         code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
-                                  "../shared/data/haystack", "--decode-with", plan, *option, "-o", tmp_path / "x.yaml")
+                                  "haystack", "--decode-with", plan, *option, "-o", tmp_path / "x.yaml")
         assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
         assert not (tmp_path / "x.yaml").exists()
     code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
-                              "../shared/data/haystack", "--contexts", "300", "--decode-with", one_token,
+                              "haystack", "--contexts", "300", "--decode-with", one_token,
                               "-o", tmp_path / "x.yaml")
     assert code == 2 and "speculate: false" in stderr and len(stderr.strip().splitlines()) == 1, stderr
     with open(out, "a") as handle:
         handle.write("# edited\n")
     code, _, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--dataset",
-                              "../shared/data/haystack", "--context", "300", "--prompts", "1", "--baselines",
+                              "haystack", "--context", "300", "--prompts", "1", "--baselines",
                               "ours-ar", "--reprice", "-o", tmp_path / "again.json")
     assert code == 2 and "changed after the plan was solved" in stderr and len(stderr.strip().splitlines()) == 1
 
