@@ -125,6 +125,9 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
     elsewhere = _profiled_elsewhere(decoder.plan, str(decoder.lean_target.device)) if decoder.plan else None
     if elsewhere:
         report["prediction"]["profiled_elsewhere"] = elsewhere
+    planned_context = decoder.plan.settings.get("context") if decoder.plan else None
+    if request.context is not None and planned_context is not None and planned_context != request.context:
+        report["prediction"]["planned_context"] = planned_context
     write_json(output, report)
     markdown = output.with_suffix(".md")
     with atomic_output(markdown) as handle:
@@ -297,7 +300,8 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
         if plan else None,
         "sampling": {"temperature": request.params.temperature, "top_p": request.params.top_p,
                      "top_k": request.params.top_k},
-        "dataset": request.dataset, "prompts": len(rows), "max_new_tokens": request.max_new_tokens,
+        "dataset": request.dataset, "context": request.context, "prompts": len(rows),
+        "max_new_tokens": request.max_new_tokens,
         "summary": summary, "prediction": prediction, "per_prompt": rows,
     }
 
@@ -448,6 +452,9 @@ def markdown_table(report: dict) -> str:
                             if "two_level_measured_over_repriced" in repriced else ""))
             lines.append("times now against the profile's: " + ", ".join(
                 f"{key.replace('_', ' ')} {value:.2f}x" for key, value in repriced["price_ratios"].items()))
+        if prediction.get("planned_context"):
+            lines.append(f"note: the plan was solved for {prediction['planned_context']}-token prompts, these hold "
+                         f"{report['context']}: the prediction is for those")
         if prediction.get("profiled_elsewhere"):
             lines.append(f"note: the plan's profile was measured on another machine "
                          f"({prediction['profiled_elsewhere']}): the prediction is for that one")

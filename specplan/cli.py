@@ -7,8 +7,13 @@ from pathlib import Path
 
 import click
 
+from profiler.datasets import DATASETS
 from specplan.errors import UserError
 from specplan.plan_schema import Plan
+
+PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
+                + ") or PATH[:category[,...]]: a Spec-Bench-style .jsonl, a .txt file or a folder of them")
+ESSAYS_HELP = "haystack (the carried essays) or a folder of .txt essays to build long prompts from"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -128,8 +133,7 @@ def accept() -> None:
 @accept.command("sequoia")
 @click.option("--target", required=True)
 @click.option("--draft", required=True)
-@click.option("--dataset", required=True, help="PATH[:category]: Spec-Bench question.jsonl or its folder, "
-              "a .jsonl, a .txt file or a folder of them")
+@click.option("--dataset", required=True, help=PROMPTS_HELP)
 @click.option("--samples", type=int, help="number of prompts (spread across categories)")
 @click.option("--temperature", type=float, required=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -160,7 +164,7 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
 
 @accept.command("lookahead")
 @click.option("--target", required=True)
-@click.option("--dataset", required=True, help="PATH[:category[,category]]")
+@click.option("--dataset", required=True, help=PROMPTS_HELP)
 @click.option("--samples", type=int, help="number of prompts (spread across categories)")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
@@ -219,7 +223,7 @@ def _note_inexact_replay(plan: Plan) -> None:
 @accept.command("triforce")
 @click.option("--target", required=True)
 @click.option("--draft", help="bottom draft model (with a StreamingLLM cache); without it, a Lookahead trie")
-@click.option("--dataset", required=True, help="a folder of essays to build long prompts from")
+@click.option("--dataset", required=True, help=ESSAYS_HELP)
 @click.option("--contexts", default="4096,8192", show_default=True, help="prompt lengths in tokens")
 @click.option("--samples", type=int, default=2, show_default=True, help="prompts per context (needle, summary, ...)")
 @click.option("--budgets", default="256,512,1024,2048", show_default=True)
@@ -359,7 +363,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 
 @cli.command()
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), required=True)
-@click.option("--dataset", required=True, help="PATH[:category[,category]]")
+@click.option("--dataset", required=True, help=PROMPTS_HELP)
 @click.option("--prompts", type=int, default=8, show_default=True, help="prompts, spread across categories")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--baselines", default="hf,hf-assisted,ours-ar", show_default=True,
