@@ -33,7 +33,7 @@ from decoder.sampling import SamplingParams
 from profiler.datasets import Prompt, encode_prompt, read_dataset, spread_sample
 from profiler.haystack import build_prompts
 from specplan.errors import UserError
-from specplan.fileio import atomic_output, write_json
+from specplan.fileio import atomic_output, read_json, write_json
 from specplan.machine import cpu_info, machine_difference, this_machine
 from specplan.plan_schema import Plan
 from specplan.profile_schema import LatencyProfile, load_profile
@@ -291,7 +291,7 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
                     "measured_tokens_per_step": summary[method].get("tokens_per_step")}
     return {
         "kind": "bench/report",
-        "machine": {**cpu_info(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": {**cpu_info(), **this_machine(str(decoder.lean_target.device)), "torch": torch.__version__,
                     "platform": platform.platform()},
         "models": {"target": decoder.target.name, "draft": decoder.draft.name if decoder.draft else None,
                    "dtype": decoder.target.dtype, "draft_dtype": decoder.draft.dtype if decoder.draft else None,
@@ -459,6 +459,102 @@ def markdown_table(report: dict) -> str:
             lines.append(f"note: the plan's profile was measured on another machine "
                          f"({prediction['profiled_elsewhere']}): the prediction is for that one")
     return "\n".join(lines)
+
+
+def load_report(path: str | Path) -> dict:
+    """A `plan bench` report (JSON), checked for the fields that tables and plots read."""
+    report = read_json(path)
+    if report.get("kind") != "bench/report":
+        raise UserError(f"{path}: not a plan bench report (kind {report.get('kind')!r})")
+    summary, models = report.get("summary"), report.get("models")
+    if not (isinstance(summary, dict) and summary and isinstance(models, dict) and "target" in models
+            and all(isinstance(m, dict) and isinstance(m.get("decode_tokens_per_second"), (int, float))
+                    for m in summary.values())):
+        raise UserError(f"{path}: a bench report needs models.target and a summary of decode tokens/s per method")
+    return report
+
+
+def report_label(report: dict) -> str:
+    """e.g. "Lookahead, smollm2-135m fp32" or "TriForce 7680, smollm2-135m bf16"."""
+    models, plan = report["models"], report.get("plan") or {}
+    method = {"plan/sequoia": "Sequoia", "plan/lookahead": "Lookahead", "plan/triforce": "TriForce"}.get(
+        plan.get("kind"), "one-token")
+    context = f" {report['context']}" if report.get("context") else ""
+    pair = models["target"] + (f" + {models['draft']}" if models.get("draft") else "")
+    return f"{method}{context}, {pair} {models.get('dtype', '')}".strip()
+
+
+METHOD_COLORS = {"ours": "tab:red", "ours-ar": "tab:gray", "hf-assisted": "tab:blue", "hf-prompt-lookup": "tab:cyan",
+                 "two-level": "tab:orange", "streaming": "tab:olive"}
+PREDICTION_BAND = 0.10  # the planner's accuracy target: measured within 10% of predicted
+
+
+def plot_summary(reports: list[dict], png: Path) -> None:
+    """Left: every method's decode speedup over transformers' greedy generate, one group of bars per report.
+    Right: the plan's predicted speedup over our one-token decoding against the measured one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.9 * len(reports) + 2.5),
+                                      gridspec_kw={"width_ratios": [3, 2]})
+    labels = [report_label(r) for r in reports]
+    height = 0.8 / len(METHOD_COLORS)
+    shown: set[str] = set()
+    for row, report in enumerate(reports):
+        summary = report["summary"]
+        if "hf" not in summary:
+            continue
+        present = [m for m in METHOD_COLORS if m in summary]
+        for slot, method in enumerate(present):
+            value = _ratio(summary[method], summary["hf"], "decode_tokens_per_second")
+            y = row + (slot - (len(present) - 1) / 2) * height
+            left.barh(y, value, height * 0.9, color=METHOD_COLORS[method],
+                      label=None if method in shown else ("ours (the plan)" if method == "ours" else method))
+            left.text(value, y, f" {value:.2f}x", va="center", fontsize=7)
+            shown.add(method)
+    left.axvline(1.0, color="black", lw=0.8)
+    left.set_xlim(0, left.get_xlim()[1] * 1.12)  # room for the values
+    left.set_yticks(range(len(reports)), labels, fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("decode tokens/s over transformers greedy (same run)")
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 1.0 + 0.6 / (len(reports) + 2)), ncol=6,
+                frameon=False)
+    left.grid(alpha=0.3, axis="x")
+
+    points = [(r["prediction"]["plan_speedup"], r["prediction"]["measured_speedup_vs_ours_ar"], label)
+              for r, label in zip(reports, labels)
+              if (r.get("prediction") or {}).get("plan_speedup") and "measured_speedup_vs_ours_ar" in r["prediction"]]
+    if points:
+        top = max(max(p, m) for p, m, _ in points) * 1.1
+        line = np.array([0.8, top])
+        right.plot(line, line, color="black", lw=0.8)
+        right.fill_between(line, line * (1 - PREDICTION_BAND), line * (1 + PREDICTION_BAND), color="gray", alpha=0.2,
+                           label=f"within {PREDICTION_BAND:.0%}")
+        for predicted, measured, label in points:
+            right.scatter(predicted, measured, color="tab:red", zorder=3)
+            right.annotate(label, (predicted, measured), fontsize=7, xytext=(4, -3), textcoords="offset points")
+        right.set_xlim(0.8, top)
+        right.set_ylim(0.8, top)
+        right.legend(fontsize=7, loc="upper left")
+    right.set_xlabel("predicted speedup over our one-token decoding")
+    right.set_ylabel("measured")
+    right.grid(alpha=0.3)
+    machines = sorted({_machine_label(r.get("machine") or {}) for r in reports})
+    fig.suptitle("; ".join(machines), fontsize=9)
+    fig.tight_layout()
+    with atomic_output(png, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=110)
+    plt.close(fig)
+
+
+def _machine_label(machine: dict) -> str:
+    if machine.get("device") == "cuda":
+        return str(machine.get("gpu"))
+    flags = machine.get("cpu_flags") or []
+    isa = "AVX-512" if any(f.startswith("avx512") for f in flags) else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{machine.get('cpu', 'CPU')} ({isa}), {machine.get('threads', '?')} threads"
 
 
 def plot_report(report: dict, png: Path) -> None:

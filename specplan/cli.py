@@ -405,15 +405,16 @@ def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, base
 
 
 @cli.command()
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="also draw a PNG")
 @click.option("--compare", type=click.Path(dir_okay=False, path_type=Path),
               help="a second profile drawn beside the first (e.g. modeled against measured)")
-def show(file: Path, plot: Path | None, compare: Path | None) -> None:
-    """Print a plan, profile or acceptance file readably."""
-    from specplan.show import show_file
+def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> None:
+    """Print a plan, profile or acceptance file readably, or one or more plan bench reports (.json: their
+    tables; --plot draws every method's speedup and the plans' predicted against measured speedups)."""
+    from specplan.show import show_files
 
-    click.echo(show_file(file, plot, compare))
+    click.echo(show_files(list(files), plot, compare))
     if plot is not None:
         click.echo(f"wrote {plot}")
 

@@ -25,15 +25,19 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a YAML mapping with yaml.safe_load; every failure becomes a one-line UserError."""
-    path = Path(path)
+def _read_text(path: Path) -> str:
     try:
-        text = path.read_text()
+        return path.read_text()
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read: {exc.__class__.__name__}") from None
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a YAML mapping with yaml.safe_load; every failure becomes a one-line UserError."""
+    path = Path(path)
+    text = _read_text(path)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -91,6 +95,18 @@ def write_yaml(path: str | os.PathLike, data: dict[str, Any]) -> None:
     text = yaml.safe_dump(plain(data), sort_keys=False, default_flow_style=None, width=120)
     with atomic_output(path) as handle:
         handle.write(text)
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a JSON object; every failure becomes a one-line UserError."""
+    path = Path(path)
+    try:
+        data = json.loads(_read_text(path))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: malformed JSON at line {exc.lineno}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object at the top level")
+    return data
 
 
 def write_json(path: str | os.PathLike, data: Any) -> None:

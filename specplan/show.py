@@ -1,4 +1,4 @@
-"""`plan show`: readable views (and plots) of plans, profiles and acceptance files."""
+"""`plan show`: readable views (and plots) of plans, profiles, acceptance files and bench reports."""
 
 from __future__ import annotations
 
@@ -13,6 +13,24 @@ from specplan.errors import UserError
 from specplan.fileio import atomic_output, read_yaml
 from specplan.plan_schema import Plan, TokenTree
 from specplan.profile_schema import LatencyProfile
+
+
+def show_files(paths: list[str | os.PathLike], plot: str | os.PathLike | None = None,
+               compare: str | os.PathLike | None = None) -> str:
+    """One plan, profile or acceptance file; or one or more `plan bench` reports (.json), whose plot is the
+    summary of all of them."""
+    if paths and all(Path(p).suffix == ".json" for p in paths):
+        from decoder.bench import load_report, markdown_table, plot_summary
+
+        if compare is not None:
+            raise UserError("--compare applies to profiles only")
+        reports = [load_report(p) for p in paths]
+        if plot is not None:
+            plot_summary(reports, Path(plot))
+        return "\n\n".join(markdown_table(r) for r in reports)
+    if len(paths) != 1:
+        raise UserError("several files are shown together only when all are plan bench reports (.json)")
+    return show_file(paths[0], plot, compare)
 
 
 def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,

@@ -251,6 +251,26 @@ def test_bench_report_on_tiny_models(bench_tiny_sequoia):
     assert "| ours |" in report_path.with_suffix(".md").read_text() and report_path.with_suffix(".png").stat().st_size
 
 
+def test_show_reports_prints_their_tables_and_plots_a_summary(bench_tiny_sequoia, run_cli, tmp_path):
+    report_path = bench_tiny_sequoia(6, "hf,ours-ar")
+    report = json.loads(report_path.read_text())
+    assert report["machine"]["device"] == "cpu" and report["machine"]["threads"] >= 1
+    code, stdout, stderr = run_cli("show", report_path, report_path, "--plot", tmp_path / "summary.png")
+    assert code == 0, stderr
+    assert stdout.count("| ours |") == 2 and (tmp_path / "summary.png").read_bytes()[:4] == b"\x89PNG"
+    not_a_report = tmp_path / "other.json"
+    for text, message in (('{"kind": "bench/report"', "malformed JSON"),
+                          ('{"kind": "plan/sequoia"}', "not a plan bench"),
+                          ('{"kind": "bench/report", "models": {"target": "t"}, "summary": {"ours": {}}}',
+                           "decode tokens/s")):
+        not_a_report.write_text(text)
+        code, _, stderr = run_cli("show", not_a_report, "--plot", tmp_path / "bad.png")
+        assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert not (tmp_path / "bad.png").exists()
+    code, _, stderr = run_cli("show", report_path, tmp_path / "plan.yaml")
+    assert code == 2 and "only when all are plan bench reports" in stderr
+
+
 def test_bench_says_when_the_plans_profile_is_from_another_machine(run_cli, write_yaml_file, tmp_path):
     from specplan.machine import machine_difference, this_machine
     from specplan.plan_schema import load_plan
