@@ -34,7 +34,7 @@ from profiler.datasets import Prompt, encode_prompt, read_dataset, spread_sample
 from profiler.haystack import build_prompts
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, read_json, write_json
-from specplan.machine import cpu_info, machine_difference, this_machine
+from specplan.machine import cpu_info, machine_difference, machine_label, this_machine
 from specplan.plan_schema import Plan
 from specplan.profile_schema import LatencyProfile, load_profile
 from specplan.provenance import check_unchanged
@@ -541,20 +541,12 @@ def plot_summary(reports: list[dict], png: Path) -> None:
     right.set_xlabel("predicted speedup over our one-token decoding")
     right.set_ylabel("measured")
     right.grid(alpha=0.3)
-    machines = sorted({_machine_label(r.get("machine") or {}) for r in reports})
+    machines = sorted({machine_label(r.get("machine") or {}) for r in reports})
     fig.suptitle("; ".join(machines), fontsize=9)
     fig.tight_layout()
     with atomic_output(png, "wb") as handle:
         fig.savefig(handle, format="png", dpi=110)
     plt.close(fig)
-
-
-def _machine_label(machine: dict) -> str:
-    if machine.get("device") == "cuda":
-        return str(machine.get("gpu"))
-    flags = machine.get("cpu_flags") or []
-    isa = "AVX-512" if any(f.startswith("avx512") for f in flags) else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{machine.get('cpu', 'CPU')} ({isa}), {machine.get('threads', '?')} threads"
 
 
 def plot_report(report: dict, png: Path) -> None:

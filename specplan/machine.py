@@ -47,3 +47,13 @@ def machine_difference(recorded: dict, current: dict) -> str | None:
     if not keys:
         return None
     return "; ".join(f"{key} {recorded.get(key)} there, {current.get(key)} here" for key in keys)
+
+
+def machine_label(machine: dict) -> str:
+    """A short name for a recorded machine: the GPU's, or the CPU's with its vector ISA and threads."""
+    if machine.get("device") == "cuda" or machine.get("gpu"):
+        return str(machine.get("gpu", "GPU"))
+    flags = machine.get("cpu_flags") or []
+    isa = ("AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
+           else "no AVX2")
+    return f"{machine.get('cpu', 'CPU')} ({isa}), {machine.get('threads', '?')} threads"

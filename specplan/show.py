@@ -11,6 +11,7 @@ import numpy as np
 from specplan.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance, TriForceAcceptance
 from specplan.errors import UserError
 from specplan.fileio import atomic_output, read_yaml
+from specplan.machine import machine_label
 from specplan.plan_schema import Plan, TokenTree
 from specplan.profile_schema import LatencyProfile
 
@@ -173,12 +174,13 @@ def plot_profiles(profiles: list[LatencyProfile], png: str | os.PathLike) -> Non
     curves = [(profile, profile.target_by_context or {profile.target_context or 0: profile.target_t_seconds})
               for profile in profiles]
     contexts = sorted({L for _, by_context in curves for L in by_context})  # one color per L across profiles
-    for profile, by_context in curves:
-        style = "-" if profile.source == "measured" else "--"
+    for index, (profile, by_context) in enumerate(curves):
+        style = ("-", "--", ":")[index % 3]  # one line style per profile, one color per context
+        where = machine_label(profile.raw.get("hardware") or {})
         for L, curve in sorted(by_context.items()):
             sizes = sorted(curve)
-            ax.plot(sizes, [curve[n] * 1e3 for n in sizes], style, marker="o" if style == "-" else None, ms=3,
-                    color=colors[contexts.index(L) % len(colors)], label=f"L = {L} ({profile.source})")
+            ax.plot(sizes, [curve[n] * 1e3 for n in sizes], style, marker="o" if index == 0 else None, ms=3,
+                    color=colors[contexts.index(L) % len(colors)], label=f"L = {L}: {where} ({profile.source})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("new tokens n")
