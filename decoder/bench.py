@@ -17,6 +17,7 @@ near-tie below 1e-4 is rounding, not a bug: multi-token and one-token forwards r
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -128,7 +129,7 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
     planned_context = decoder.plan.settings.get("context") if decoder.plan else None
     if request.context is not None and planned_context is not None and planned_context != request.context:
         report["prediction"]["planned_context"] = planned_context
-    write_json(output, report)
+    write_json(output, report, indent=None)  # a line per token would make it 5x longer; the .md is the view
     markdown = output.with_suffix(".md")
     with atomic_output(markdown) as handle:
         handle.write(markdown_table(report) + "\n")
@@ -475,12 +476,14 @@ def load_report(path: str | Path) -> dict:
 
 
 def report_label(report: dict) -> str:
-    """e.g. "Lookahead, smollm2-135m fp32" or "TriForce 7680, smollm2-135m bf16"."""
+    """e.g. "Lookahead, smollm2-135m fp32", "Sequoia, qwen2.5-coder-1.5b + 0.5b bf16", "TriForce 7680, ..."."""
     models, plan = report["models"], report.get("plan") or {}
     method = {"plan/sequoia": "Sequoia", "plan/lookahead": "Lookahead", "plan/triforce": "TriForce"}.get(
         plan.get("kind"), "one-token")
     context = f" {report['context']}" if report.get("context") else ""
-    pair = models["target"] + (f" + {models['draft']}" if models.get("draft") else "")
+    draft = models.get("draft") or ""
+    shared = os.path.commonprefix([models["target"], draft]).rpartition("-")[0]  # qwen2.5-coder-1.5b + 0.5b
+    pair = models["target"] + (f" + {draft[len(shared) + 1:] if shared else draft}" if draft else "")
     return f"{method}{context}, {pair} {models.get('dtype', '')}".strip()
 
 
@@ -499,7 +502,7 @@ def plot_summary(reports: list[dict], png: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.9 * len(reports) + 2.5),
                                       gridspec_kw={"width_ratios": [3, 2]})
-    labels = [report_label(r) for r in reports]
+    labels = [f"{index}. {report_label(r)}" for index, r in enumerate(reports, 1)]
     height = 0.8 / len(METHOD_COLORS)
     shown: set[str] = set()
     for row, report in enumerate(reports):
@@ -523,8 +526,8 @@ def plot_summary(reports: list[dict], png: Path) -> None:
                 frameon=False)
     left.grid(alpha=0.3, axis="x")
 
-    points = [(r["prediction"]["plan_speedup"], r["prediction"]["measured_speedup_vs_ours_ar"], label)
-              for r, label in zip(reports, labels)
+    points = [(r["prediction"]["plan_speedup"], r["prediction"]["measured_speedup_vs_ours_ar"], str(index))
+              for index, r in enumerate(reports, 1)
               if (r.get("prediction") or {}).get("plan_speedup") and "measured_speedup_vs_ours_ar" in r["prediction"]]
     if points:
         top = max(max(p, m) for p, m, _ in points) * 1.1
@@ -534,12 +537,12 @@ def plot_summary(reports: list[dict], png: Path) -> None:
                            label=f"within {PREDICTION_BAND:.0%}")
         for predicted, measured, label in points:
             right.scatter(predicted, measured, color="tab:red", zorder=3)
-            right.annotate(label, (predicted, measured), fontsize=7, xytext=(4, -3), textcoords="offset points")
+            right.annotate(label, (predicted, measured), fontsize=8, xytext=(4, -3), textcoords="offset points")
         right.set_xlim(0.8, top)
         right.set_ylim(0.8, top)
         right.legend(fontsize=7, loc="upper left")
     right.set_xlabel("predicted speedup over our one-token decoding")
-    right.set_ylabel("measured")
+    right.set_ylabel("measured (points numbered as the rows on the left)")
     right.grid(alpha=0.3)
     machines = sorted({machine_label(r.get("machine") or {}) for r in reports})
     fig.suptitle("; ".join(machines), fontsize=9)

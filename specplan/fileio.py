@@ -109,7 +109,7 @@ def read_json(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def write_json(path: str | os.PathLike, data: Any) -> None:
+def write_json(path: str | os.PathLike, data: Any, indent: int | None = 2) -> None:
     with atomic_output(path) as handle:
-        json.dump(plain(data), handle, indent=2)
+        json.dump(plain(data), handle, indent=indent)
         handle.write("\n")
