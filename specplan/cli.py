@@ -377,7 +377,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--verify", type=click.Choice(["greedy", "sequoia", "specinfer", "sample-match"]))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True)
-@click.option("--context", type=int, help="long prompts of this many tokens built from --dataset (a folder of essays)")
+@click.option("--context", type=int, help="long prompts of this many tokens built from --dataset (" + ESSAYS_HELP + ")")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="default: cuda when available")
 @click.option("--reprice", is_flag=True,
               help="TriForce plans: re-time the forwards and builds the prediction priced, between the prompts, "
