@@ -454,8 +454,8 @@ def markdown_table(report: dict) -> str:
             lines.append("times now against the profile's: " + ", ".join(
                 f"{key.replace('_', ' ')} {value:.2f}x" for key, value in repriced["price_ratios"].items()))
         if prediction.get("planned_context"):
-            lines.append(f"note: the plan was solved for {prediction['planned_context']}-token prompts, these hold "
-                         f"{report['context']}: the prediction is for those")
+            lines.append(f"note: the plan was solved for {prediction['planned_context']}-token prompts and these hold "
+                         f"{report['context']}: its prediction is for {prediction['planned_context']}")
         if prediction.get("profiled_elsewhere"):
             lines.append(f"note: the plan's profile was measured on another machine "
                          f"({prediction['profiled_elsewhere']}): the prediction is for that one")

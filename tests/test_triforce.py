@@ -556,7 +556,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     code, stdout, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--dataset", "haystack",
                                    "--context", "320", "--prompts", "1", "--max-new-tokens", "4", "--baselines",
                                    "ours-ar", "-o", tmp_path / "longer.json")
-    assert code == 0 and "solved for 300-token prompts, these hold 320" in stdout, stderr
+    assert code == 0 and "solved for 300-token prompts and these hold 320" in stdout, stderr
 
     # Where no setting is predicted fast enough, the plan decodes one token per step; the bench still runs its
     # TriForce baselines at the best setting, and re-prices that setting.
