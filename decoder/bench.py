@@ -37,6 +37,7 @@ from specplan.errors import UserError
 from specplan.fileio import atomic_output, read_json, write_json
 from specplan.machine import cpu_info, machine_difference, machine_label, this_machine
 from specplan.plan_schema import Plan
+from specplan.plotting import pyplot, save_png
 from specplan.profile_schema import LatencyProfile, load_profile
 from specplan.provenance import check_unchanged
 
@@ -495,11 +496,7 @@ PREDICTION_BAND = 0.10  # the planner's accuracy target: measured within 10% of 
 def plot_summary(reports: list[dict], png: Path) -> None:
     """Left: every method's decode speedup over transformers' greedy generate, one group of bars per report.
     Right: the plan's predicted speedup over our one-token decoding against the measured one."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.9 * len(reports) + 2.5),
                                       gridspec_kw={"width_ratios": [3, 2]})
     labels = [f"{index}. {report_label(r)}" for index, r in enumerate(reports, 1)]
@@ -547,17 +544,11 @@ def plot_summary(reports: list[dict], png: Path) -> None:
     machines = sorted({machine_label(r.get("machine") or {}) for r in reports})
     fig.suptitle("; ".join(machines), fontsize=9)
     fig.tight_layout()
-    with atomic_output(png, "wb") as handle:
-        fig.savefig(handle, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, png)
 
 
 def plot_report(report: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(report["summary"])
     fig, ax = plt.subplots(figsize=(8, 4.5))
     per_prompt = [[row["methods"][n]["decode_tokens_per_second"] for row in report["per_prompt"]] for n in names]
@@ -568,6 +559,4 @@ def plot_report(report: dict, png: Path) -> None:
     ax.set_title(f"{report['models']['target']} ({report['models']['dtype']}), {report['prompts']} prompts")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    with atomic_output(png, "wb") as handle:
-        fig.savefig(handle, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, png)

@@ -10,9 +10,10 @@ import numpy as np
 
 from specplan.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance, TriForceAcceptance
 from specplan.errors import UserError
-from specplan.fileio import atomic_output, read_yaml
+from specplan.fileio import read_yaml
 from specplan.machine import machine_label
 from specplan.plan_schema import Plan, TokenTree
+from specplan.plotting import pyplot, save_png
 from specplan.profile_schema import LatencyProfile
 
 
@@ -152,23 +153,8 @@ def describe_acceptance(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, png: str | os.PathLike) -> None:
-    with atomic_output(Path(png), "wb") as handle:
-        fig.savefig(handle, format="png", dpi=110)
-    _pyplot().close(fig)
-
-
 def plot_profiles(profiles: list[LatencyProfile], png: str | os.PathLike) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     curves = [(profile, profile.target_by_context or {profile.target_context or 0: profile.target_t_seconds})
@@ -189,11 +175,11 @@ def plot_profiles(profiles: list[LatencyProfile], png: str | os.PathLike) -> Non
     ax.set_title(f"{(first.get('models') or {}).get('target', '?')}, {first.get('dtype', '?')}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    _save(fig, png)
+    save_png(fig, png)
 
 
 def plot_acceptance(acceptance: SequoiaAcceptance, png: str | os.PathLike) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ranks = np.arange(1, len(acceptance.positional) + 1)
     ax.bar(ranks, acceptance.positional, yerr=acceptance.stderr, capsize=3, color="tab:blue", alpha=0.8)
@@ -202,7 +188,7 @@ def plot_acceptance(acceptance: SequoiaAcceptance, png: str | os.PathLike) -> No
     ax.set_ylabel("p_k")
     ax.set_title(f"{acceptance.draft} -> {acceptance.target}, T = {acceptance.temperature}")
     ax.grid(alpha=0.3, axis="y")
-    _save(fig, png)
+    save_png(fig, png)
 
 
 def _format_mapping(data: dict[str, Any], indent: str = "  ") -> list[str]:
@@ -276,7 +262,7 @@ def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
     positional = np.asarray(plan.inputs["acceptance"]["positional"])
     tables = SequoiaTables(positional, int(plan.inputs["max_size"]), int(plan.inputs["max_depth"]))
     G = tables.G
-    plt = _pyplot()
+    plt = pyplot()
     profile_inputs = plan.inputs.get("profile")
     fig, axes = plt.subplots(1, 2 if profile_inputs else 1, figsize=(12 if profile_inputs else 7, 4.5), squeeze=False)
     ax = axes[0, 0]
@@ -311,4 +297,4 @@ def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
         ax2.grid(alpha=0.3)
     fig.suptitle(f"{plan.kind}: {plan.models.get('target', '?')} / {plan.models.get('draft', '?')}")
     fig.tight_layout()
-    _save(fig, png)
+    save_png(fig, png)
