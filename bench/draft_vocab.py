@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from decoder.api import stop_token_ids
 from decoder.model import LeanModel, causal_mask
 from specplan.machine import cpu_info
 from specplan.models import load_model
@@ -38,7 +37,7 @@ def main() -> None:
     models = {"all": LeanModel(loaded.model)}
     for limit in limits:
         models[f"< {limit}"] = LeanModel(loaded.model)
-        models[f"< {limit}"].limit_vocabulary(limit, stop_token_ids(loaded))
+        models[f"< {limit}"].limit_vocabulary(limit, loaded.stop_token_ids)
     cache = models["all"].new_cache(args.context + max(sizes))
     cache.k.normal_(0, 0.1)
     cache.v.normal_(0, 0.1)
@@ -66,7 +65,7 @@ def main() -> None:
     if args.report:
         rows = json.load(open(args.report))["per_prompt"]
         tokens = [t for row in rows for t in row["methods"]["hf"]["tokens"]]
-        stops = stop_token_ids(loaded)
+        stops = loaded.stop_token_ids
         for limit in limits:
             covered = sum(t < limit or t in stops for t in tokens) / len(tokens)
             print(f"ids < {limit} (or stop tokens): {covered:.1%} of the {len(tokens)} HF greedy tokens in "

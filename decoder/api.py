@@ -22,7 +22,7 @@ from decoder.sampling import SamplingParams
 from decoder.trie import Trie, TrieSettings
 from profiler.datasets import encode_prompt
 from specplan.errors import UserError
-from specplan.models import LoadedModel, load_model, tokenizer_fingerprint
+from specplan.models import LoadedModel, check_same_vocabulary, load_model
 from specplan.plan_schema import Plan, load_plan
 
 
@@ -47,17 +47,6 @@ class GenerationOutput:
         }
 
 
-def stop_token_ids(loaded: LoadedModel) -> set[int]:
-    ids = set()
-    configured = getattr(loaded.model.generation_config, "eos_token_id", None)
-    for value in (configured if isinstance(configured, list) else [configured]):
-        if value is not None:
-            ids.add(int(value))
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(int(loaded.tokenizer.eos_token_id))
-    return ids
-
-
 class Decoder:
     def __init__(self, target: LoadedModel, make_drafter: Callable[[], Drafter | None], plan: Plan | None,
                  verify: str | None, draft: LoadedModel | None = None, lean_target: LeanModel | None = None,
@@ -68,7 +57,7 @@ class Decoder:
         self.plan = plan
         self.make_drafter = make_drafter
         self.lean_target = lean_target or LeanModel(target.model)
-        self.engine = SpeculativeEngine(self.lean_target, make_drafter(), stop_token_ids(target), verify)
+        self.engine = SpeculativeEngine(self.lean_target, make_drafter(), target.stop_token_ids, verify)
 
     def restart(self) -> None:
         """A fresh drafter: forget what a trie learned (so a benchmark matches an offline replay)."""
@@ -107,7 +96,7 @@ def lean_model(loaded: LoadedModel, device: str, vocabulary: int | None = None) 
     if given; on a GPU every shape replays as a CUDA graph."""
     model = LeanModel(loaded.model, device)
     if vocabulary is not None:
-        model.limit_vocabulary(vocabulary, stop_token_ids(loaded))
+        model.limit_vocabulary(vocabulary, loaded.stop_token_ids)
     if model.device.type == "cuda":
         model.enable_cuda_graphs()
     return model
@@ -129,7 +118,7 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     if plan is None:
         return Decoder(target_model, lambda: None, None, verify, lean_target=lean_target)
     if plan.method == "lookahead":
-        fingerprint = tokenizer_fingerprint(target_model.tokenizer)
+        fingerprint = target_model.vocabulary
         if fingerprint != plan.tokenizer:
             raise UserError(f"{plan_path}: the plan was made for another tokenizer "
                             f"({plan.tokenizer.get('vocab_size')} tokens) than {target_name}'s "
@@ -186,9 +175,3 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, d
         return HierarchicalDrafter(lean_target, bottom(), settings["gamma1"], settings["gamma2"], retrieval)
 
     return Decoder(target, hierarchy, plan, verify, draft_model, lean_target, lean_draft)
-
-
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
-    if target.config.vocab_size != draft.config.vocab_size or len(target.tokenizer) != len(draft.tokenizer):
-        raise UserError(f"the draft {draft.name} does not share the vocabulary of the target {target.name} "
-                        f"({draft.config.vocab_size} vs {target.config.vocab_size} logits)")

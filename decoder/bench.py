@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from decoder.api import Decoder, stop_token_ids
+from decoder.api import Decoder
 from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
 from profiler.datasets import Prompt, encode_prompt, read_dataset, spread_sample
@@ -143,7 +143,7 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
     device = decoder.lean_target.device
     hf_model = decoder.target.model.to(device)  # the baselines run where our decoder runs
     hf_draft = decoder.draft.model.to(device) if decoder.draft is not None else None
-    stops_set = stop_token_ids(decoder.target)
+    stops_set = decoder.target.stop_token_ids
     stops = sorted(stops_set)
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else stops[0]
 

@@ -5,7 +5,7 @@ same loop with a one-node tree."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +37,7 @@ class GenerationResult:
 
 
 class SpeculativeEngine:
-    def __init__(self, target: LeanModel, drafter: Drafter | None = None, stop_ids: set[int] | None = None,
+    def __init__(self, target: LeanModel, drafter: Drafter | None = None, stop_ids: Collection[int] | None = None,
                  rule: str | None = None) -> None:
         self.target = target
         self.drafter = drafter or NoDrafter()

@@ -21,6 +21,7 @@ Standard errors are over positions (the per-position values are independent draw
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -203,7 +204,7 @@ class AcceptanceRun:
 
 @torch.inference_mode()
 def continuation(model: LeanModel, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                 generator: torch.Generator, stop_ids: set[int]) -> list[int]:
+                 generator: torch.Generator, stop_ids: Collection[int]) -> list[int]:
     """The target's own continuation, one token per forward."""
     cache = model.new_cache(len(prompt) + max_new_tokens)
     logits = model.prefill(torch.tensor(prompt), cache)
@@ -240,7 +241,7 @@ def sequence_logits(model: LeanModel, tokens: list[int], first: int, chunk: int 
 
 
 def measure_sequoia(target: LeanModel, draft: LeanModel, prompts: list[list[int]], params: SamplingParams,
-                    width: int, max_new_tokens: int, stop_ids: set[int], seed: int = 0, paths: int = 64,
+                    width: int, max_new_tokens: int, stop_ids: Collection[int], seed: int = 0, paths: int = 64,
                     progress=None) -> AcceptanceRun:
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
@@ -278,7 +279,7 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
     from specplan.acceptance_schema import SequoiaAcceptance
     from specplan.errors import UserError
     from specplan.fileio import write_yaml
-    from specplan.models import load_model
+    from specplan.models import check_same_vocabulary, load_model
     from specplan.provenance import provenance
 
     if width < 1:
@@ -292,19 +293,17 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
     log(f"loading {target_name} ({dtype}) and {draft_name} ({draft_dtype})")
     target = load_model(target_name, dtype, log=log)
     draft = load_model(draft_name, draft_dtype, log=log)
-    if target.config.vocab_size != draft.config.vocab_size and \
-            len(target.tokenizer) != len(draft.tokenizer):
-        raise UserError(f"{target_name} and {draft_name} do not share a vocabulary")
+    check_same_vocabulary(target, draft)
     encoded = [encode_prompt(target.tokenizer, p.text, chat) for p in prompts]
     limit = target.config.max_position_embeddings
     too_long = [p.id for p, ids in zip(prompts, encoded) if len(ids) + max_new_tokens > limit]
     if too_long:
         raise UserError(f"prompt {too_long[0]} plus {max_new_tokens} new tokens exceeds the context of {limit}")
-    stop_ids = {t for t in [target.tokenizer.eos_token_id] if t is not None}
     bar = tqdm(total=len(prompts) * max_new_tokens, desc="accept", unit="tok", disable=None if progress else True,
                leave=False)
     run = measure_sequoia(LeanModel(target.model), lean_model(draft, "cpu", draft_vocab), encoded, params, width,
-                          max_new_tokens, stop_ids, seed, paths, progress=lambda n: bar.update(max_new_tokens))
+                          max_new_tokens, target.stop_token_ids, seed, paths,
+                          progress=lambda n: bar.update(max_new_tokens))
     bar.close()
     acceptance = SequoiaAcceptance(
         positional=run.positional, stderr=run.stderr, target=target_name, draft=draft_name,

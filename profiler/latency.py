@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoder.api import lean_model, stop_token_ids
+from decoder.api import lean_model
 from decoder.drafters import Drafter
 from decoder.engine import SpeculativeEngine
 from decoder.model import KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
@@ -504,7 +504,7 @@ def _model(request: ProfileRequest, log) -> dict:
     for role, m in models.items():
         shape = ModelShape.from_config(m.config)
         _check_contexts(m.name, shape, request)
-        output_rows = len(draft_vocabulary_ids(request.draft_vocab, stop_token_ids(m), shape.vocab)) \
+        output_rows = len(draft_vocabulary_ids(request.draft_vocab, m.stop_token_ids, shape.vocab)) \
             if role == "draft" and request.draft_vocab is not None else shape.vocab
         costs[role] = roofline.ModelCost.from_shape(shape, m.config.intermediate_size, m.dtype, output_rows)
     if gpu is None:

@@ -25,7 +25,7 @@ and one step whose chain is a token shorter shifts every later step of a greedy 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +58,7 @@ def _agreement(upper: torch.Tensor, lower: torch.Tensor, params: SamplingParams)
 
 @torch.inference_mode()
 def _continuation(target: LeanModel, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                  generator: torch.Generator, stop_ids: set[int], given: list[int] | None = None):
+                  generator: torch.Generator, stop_ids: Collection[int], given: list[int] | None = None):
     """The target's own continuation with its full cache, up to and including a stop token, or the `given`
     one (teacher forced): (full cache, the target's logits per new token, tokens, the target's query per
     root: row k for the token at position len(prompt) - 1 + k, as a decoder's rebuild would score with)."""
@@ -175,7 +175,7 @@ def _trie_runs(drafts: list[tuple[np.ndarray, np.ndarray]], middle_choice: np.nd
 
 
 def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tuple[int, int, int]],
-                     bottom: BottomSpec, max_new_tokens: int, params: SamplingParams, stop_ids: set[int],
+                     bottom: BottomSpec, max_new_tokens: int, params: SamplingParams, stop_ids: Collection[int],
                      segment: int = 8, seed: int = 0, log: Callable[[str], None] = print,
                      decode: Callable[[list[int]], tuple[list[int], list[int]]] | None = None
                      ) -> tuple[list[dict], list[dict]]:
@@ -274,12 +274,12 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
     another text than the plan emits. The middle level then runs in the plan's own steps, so that its cache
     holds what the decoder's held at each position. The prompts are decoded as `plan bench` does (in order,
     one decoder)."""
-    from decoder.api import check_same_vocabulary, load_decoder, stop_token_ids
+    from decoder.api import load_decoder
     from profiler.haystack import build_prompts
     from specplan.acceptance_schema import TriForceAcceptance
     from specplan.errors import UserError
     from specplan.fileio import write_yaml
-    from specplan.models import load_model
+    from specplan.models import check_same_vocabulary, load_model
     from specplan.provenance import provenance
 
     if bottom_kind == "model" and not draft_name:
@@ -317,7 +317,7 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
         prompts = build_prompts(dataset, target.tokenizer, context, samples)
         if decoder is not None:
             decoder.restart()  # as `plan bench` does before its prompts
-        measured = measure_triforce(lean, prompts, grid, bottom, max_new_tokens, params, stop_token_ids(target),
+        measured = measure_triforce(lean, prompts, grid, bottom, max_new_tokens, params, target.stop_token_ids,
                                     log=log, decode=decode if decoder is not None else None)
         entries += measured[0]
         streaming += measured[1]

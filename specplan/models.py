@@ -12,6 +12,7 @@ Names resolve to:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -81,6 +82,35 @@ class LoadedModel:
     @property
     def config(self) -> Any:
         return self.model.config
+
+    @functools.cached_property
+    def vocabulary(self) -> dict[str, Any]:
+        """The tokenizer's fingerprint: {vocab_size, sha256} of its token -> id map."""
+        return tokenizer_fingerprint(self.tokenizer)
+
+    @functools.cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Every id that ends a generation: the generation config's EOS ids (one or a list) and the tokenizer's.
+        Decoding, acceptance measurement and profiling all stop on this one set."""
+        ids = set()
+        configured = getattr(self.model.generation_config, "eos_token_id", None)
+        for value in (configured if isinstance(configured, list) else [configured]):
+            if value is not None:
+                ids.add(int(value))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft's logits index the target's vocabulary: same number of ids, and every id the same token."""
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise UserError(f"the draft {draft.name} does not share the vocabulary of the target {target.name} "
+                        f"({draft.config.vocab_size} vs {target.config.vocab_size} logits)")
+    if draft.vocabulary != target.vocabulary:
+        raise UserError(f"the draft {draft.name} does not share the vocabulary of the target {target.name} "
+                        f"(its tokenizer maps ids to other tokens: {draft.vocabulary['vocab_size']} vs "
+                        f"{target.vocabulary['vocab_size']} entries, different contents)")
 
 
 def cache_dir() -> Path:

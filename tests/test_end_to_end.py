@@ -83,7 +83,7 @@ def test_triforce_on_a_long_prompt_is_lossless(smollm2):
     lean = LeanModel(smollm2.model)
     drafter = HierarchicalDrafter(lean, TrieDrafter(Trie(TrieSettings(decoding_length=4, branch_length=3))), 2, 6,
                                   RetrievalSettings(budget=512, chunk=8, stride=64))
-    result = SpeculativeEngine(lean, drafter, {smollm2.tokenizer.eos_token_id}).generate(prompt.ids, 48,
+    result = SpeculativeEngine(lean, drafter, smollm2.stop_token_ids).generate(prompt.ids, 48,
                                                                                          SamplingParams())
     assert result.tokens == hf_greedy(smollm2, prompt.ids, 48)[:len(result.tokens)]
     assert result.tokens_per_step > 3  # of at most 7: the middle level agrees with the target most of the time
@@ -100,7 +100,6 @@ def test_plan_for_another_tokenizer_is_refused(run_cli, tmp_path, write_yaml_fil
 
 
 def test_lookahead_with_token_zero_in_the_prompt_is_lossless(smollm2):
-    from decoder.api import stop_token_ids
     from decoder.drafters import TrieDrafter
     from decoder.engine import SpeculativeEngine
     from decoder.model import LeanModel
@@ -111,7 +110,7 @@ def test_lookahead_with_token_zero_in_the_prompt_is_lossless(smollm2):
     ids = document + [0] + document * 2 + [0] + tokenizer.encode("The committee")
     engine = SpeculativeEngine(LeanModel(smollm2.model),
                                TrieDrafter(Trie(TrieSettings(decoding_length=8, branch_length=4))),
-                               stop_token_ids(smollm2))
+                               smollm2.stop_token_ids)
     result = engine.generate(ids, 40, SamplingParams())
     assert result.tokens == hf_greedy(smollm2, ids, 40)[:len(result.tokens)] and len(result.tokens) > 0
     assert result.tokens_per_step > 1.5  # the repeated document is drafted from the trie across the id-0 separators

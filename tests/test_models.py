@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specplan.errors import UserError
-from specplan.models import assemble_gguf, load_model
+from specplan.models import LoadedModel, assemble_gguf, check_same_vocabulary, load_model
 
 
 def test_tiny_models_are_deterministic():
@@ -27,6 +27,31 @@ def test_tiny_tokenizer_round_trips_bytes_including_token_zero():
     ids = tokenizer("a\x00b")["input_ids"]
     assert ids == [97, 0, 98]
     assert tokenizer.decode(ids) == "a\x00b"
+
+
+def test_stop_tokens_are_the_generation_configs_and_the_tokenizers():
+    loaded = load_model("tiny-random-llama")
+    assert loaded.stop_token_ids == {258}  # <|im_end|>, in both
+    loaded.model.generation_config.eos_token_id = [258, 256]  # as Qwen2.5's own configs list <|im_end|>, <|endoftext|>
+    del loaded.stop_token_ids  # a cached property
+    assert loaded.stop_token_ids == {256, 258}
+
+
+def test_a_draft_must_map_every_id_to_the_same_token():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    target, draft = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
+    check_same_vocabulary(target, draft)
+    vocab = target.tokenizer.get_vocab()
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # same size, two ids swapped
+    swapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])))
+    with pytest.raises(UserError, match="maps ids to other tokens"):
+        check_same_vocabulary(target, LoadedModel("swapped", draft.model, swapped, "fp32"))
+    wider = load_model("tiny-random-qwen2-draft")
+    wider.model.config.vocab_size += 1
+    with pytest.raises(UserError, match="261 vs 260 logits"):
+        check_same_vocabulary(target, wider)
 
 
 def test_bf16_dtype():
