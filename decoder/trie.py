@@ -31,14 +31,27 @@ KEY_TYPE = types.int64
 _EMPTY = -1
 
 
+MAX_PREFIX = 4  # longest context suffix matched
+PROMPT_WEIGHT = 4.0  # prompt branches weigh this many output windows
+CAPACITY_FACTOR = 16  # the trie holds this many L_d-token windows before pruning
+
+
 @dataclass(frozen=True)
 class TrieSettings:
     decoding_length: int = 16  # L_d: tokens the target scores per step, root included
     branch_length: int = 8  # L_b: deepest draft token below the root
-    window: int = 12  # tokens per inserted branch (a matched context plus its continuation)
-    max_prefix: int = 4  # longest context suffix matched
-    capacity: int = 16 * 16 * 12  # nodes before pruning
-    prompt_weight: float = 4.0  # prompt branches weigh this many output windows
+    window: int = MAX_PREFIX + 8  # tokens per inserted branch (a matched context plus its continuation)
+    max_prefix: int = MAX_PREFIX
+    capacity: int = CAPACITY_FACTOR * 16 * (MAX_PREFIX + 8)  # nodes before pruning
+    prompt_weight: float = PROMPT_WEIGHT
+
+    @classmethod
+    def sized(cls, decoding_length: int, branch_length: int) -> TrieSettings:
+        """Lookahead's settings for L_d and L_b: windows hold a matched context and a full branch, and the
+        capacity is CAPACITY_FACTOR x L_d windows (the defaults above are those of L_d 16, L_b 8)."""
+        window = MAX_PREFIX + branch_length
+        return cls(decoding_length, branch_length, window, MAX_PREFIX, CAPACITY_FACTOR * decoding_length * window,
+                   PROMPT_WEIGHT).check()
 
     def check(self) -> TrieSettings:
         if self.decoding_length < 1:

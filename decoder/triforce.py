@@ -27,14 +27,15 @@ from decoder.drafters import Drafter, choose_children
 from decoder.model import KVCache, LeanModel, causal_mask
 from decoder.sampling import probabilities
 from decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
-from decoder.trie import TrieSettings
+from decoder.trie import MAX_PREFIX, TrieSettings
 from decoder.verify import choose_rule
 from specplan.errors import UserError
+from specplan.plan_schema import STREAMING_SINKS, STREAMING_WINDOW
 
 
 def bottom_trie_settings(gamma1: int) -> TrieSettings:
     """A trie bottom's drafts: at most gamma1 tokens below the root, as the planner's model assumes."""
-    return TrieSettings(decoding_length=gamma1 + 1, branch_length=gamma1, window=gamma1 + 4)
+    return TrieSettings(decoding_length=gamma1 + 1, branch_length=gamma1, window=MAX_PREFIX + gamma1)
 
 
 def chain_tree(tokens: list[int], draw: str = DETERMINISTIC) -> DraftTree:
@@ -46,7 +47,8 @@ class StreamingDrafter(Drafter):
 
     draws = (DETERMINISTIC, WITHOUT_REPLACEMENT)
 
-    def __init__(self, model: LeanModel, gamma: int, sinks: int = 4, window: int = 1024) -> None:
+    def __init__(self, model: LeanModel, gamma: int, sinks: int = STREAMING_SINKS,
+                 window: int = STREAMING_WINDOW) -> None:
         if gamma < 1 or sinks < 0 or window < 1:
             raise UserError("streaming drafter: gamma >= 1, sinks >= 0, window >= 1")
         self.model, self.gamma, self.sinks, self.window = model, gamma, sinks, window

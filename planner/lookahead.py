@@ -50,14 +50,6 @@ class ReplayResult:
         return self.tokens / self.steps
 
 
-def settings_for(decoding_length: int, branch_length: int, max_prefix: int = 4, capacity_factor: int = 16,
-                 prompt_weight: float = 4.0) -> TrieSettings:
-    """Windows hold a matched context and a full branch; capacity is `capacity_factor` x L_d windows."""
-    window = max_prefix + branch_length
-    return TrieSettings(decoding_length, branch_length, window, max_prefix, capacity_factor * decoding_length * window,
-                        prompt_weight).check()
-
-
 def replay(records: list, settings: TrieSettings) -> ReplayResult:
     trie = Trie(settings)
     tokens = steps = 0
@@ -126,10 +118,10 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
     if not grid:
         raise UserError("no (L_d, L_b) pair to search: L_d must be >= 2 and within the profile's sizes")
     start = time.perf_counter()
-    replay(acceptance.records[:1], settings_for(*grid[0]))  # loads the trie's compiled calls before they are timed
+    replay(acceptance.records[:1], TrieSettings.sized(*grid[0]))  # compiles the trie's calls before the timing
     candidates, replays = [], {}
     for d, b in grid:
-        result = replay(acceptance.records, settings_for(d, b))
+        result = replay(acceptance.records, TrieSettings.sized(d, b))
         replays[(d, b)] = result
         speedup = step = None
         if profile is not None:
@@ -140,7 +132,7 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
         (lambda c: (-c.tokens_per_step, c.decoding_length, c.branch_length))
     candidates.sort(key=key)
     best = candidates[0]
-    settings = settings_for(best.decoding_length, best.branch_length)
+    settings = TrieSettings.sized(best.decoding_length, best.branch_length)
     prediction = {"tokens_per_step": best.tokens_per_step, "replayed_tokens": replays[(best.decoding_length,
                                                                                          best.branch_length)].tokens}
     if profile is not None:

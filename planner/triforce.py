@@ -89,7 +89,7 @@ from numba import njit
 
 from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1, load_triforce_acceptance
 from specplan.errors import UserError
-from specplan.plan_schema import Plan
+from specplan.plan_schema import STREAMING_SINKS, STREAMING_WINDOW, Plan
 from specplan.profile_schema import LatencyProfile, covering, load_profile
 from specplan.provenance import check_unchanged, provenance
 
@@ -332,7 +332,7 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
         raise UserError(f"the acceptance is for {acceptance.target!r} but the profile for {measured!r}")
     bottom = "none" if two_level else ("trie" if acceptance.bottom == "trie" else "model")
     cache = acceptance.extra.get("bottom_cache") or {}
-    sinks, window = int(cache.get("sinks", 4)), int(cache.get("window", 1024))
+    sinks, window = int(cache.get("sinks", STREAMING_SINKS)), int(cache.get("window", STREAMING_WINDOW))
     if bottom_seconds is None and bottom != "none":
         bottom_seconds = _bottom_seconds(bottom, profile, sinks + window)
     started = time.perf_counter()

@@ -39,14 +39,15 @@ from decoder.trie import Trie, TrieSettings, accepted_run
 from decoder.triforce import RetrievalCache, RetrievalSettings, bottom_trie_settings
 from profiler.haystack import LongPrompt
 from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1
+from specplan.plan_schema import STREAMING_SINKS, STREAMING_WINDOW
 
 
 @dataclass(frozen=True)
 class BottomSpec:
     kind: str  # "trie", "model" or "none"
     model: LeanModel | None = None
-    sinks: int = 4
-    window: int = 1024
+    sinks: int = STREAMING_SINKS
+    window: int = STREAMING_WINDOW
 
 
 def _agreement(upper: torch.Tensor, lower: torch.Tensor, params: SamplingParams) -> np.ndarray:

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import click
 
+from planner.export import EXPORT_FORMATS
 from profiler.datasets import DATASETS
+from specplan.choices import DEVICES, DTYPES, VERIFICATION_RULES
 from specplan.errors import UserError
-from specplan.plan_schema import Plan
+from specplan.plan_schema import STREAMING_SINKS, STREAMING_WINDOW, Plan
 
 PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
                 + ") or PATH[:category[,...]]: a Spec-Bench-style .jsonl, a .txt file or a folder of them")
@@ -81,8 +83,8 @@ def _int_list(text: str | None) -> list[int] | None:
 @cli.command()
 @click.option("--model", "target", required=True, help="target: preset, HF directory or .gguf")
 @click.option("--draft", help="draft model (its per-step cost is profiled too)")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
-@click.option("--draft-dtype", type=click.Choice(["fp32", "bf16"]), help="default: --dtype")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
+@click.option("--draft-dtype", type=click.Choice(DTYPES), help="default: --dtype")
 @click.option("--draft-vocab", type=click.IntRange(min=1), help=DRAFT_VOCAB_HELP)
 @click.option("--contexts", help="context lengths L, comma-separated [128,1024,4096]")
 @click.option("--sizes", help="new-token counts n, comma-separated [1,2,4,...,512]")
@@ -139,8 +141,8 @@ def accept() -> None:
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--width", type=int, default=16, show_default=True, help="K: children ranks measured")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="continuation length per prompt")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
-@click.option("--draft-dtype", type=click.Choice(["fp32", "bf16"]), help="default: --dtype")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
+@click.option("--draft-dtype", type=click.Choice(DTYPES), help="default: --dtype")
 @click.option("--draft-vocab", type=click.IntRange(min=1), help=DRAFT_VOCAB_HELP)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -167,7 +169,7 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
 @click.option("--dataset", required=True, help=PROMPTS_HELP)
 @click.option("--samples", type=int, help="number of prompts (spread across categories)")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
 @click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
               help="store the outputs of this Lookahead plan's decoder (bf16: the text speculative decoding emits)")
@@ -232,10 +234,10 @@ def _note_inexact_replay(plan: Plan) -> None:
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
-@click.option("--sinks", type=int, default=4, show_default=True,
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
+@click.option("--sinks", type=int, default=STREAMING_SINKS, show_default=True,
               help="StreamingLLM cache of the bottom model and of the streaming-only draft: sink tokens")
-@click.option("--window", type=int, default=1024, show_default=True, help="... and recent tokens")
+@click.option("--window", type=int, default=STREAMING_WINDOW, show_default=True, help="... and recent tokens")
 @click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
               help="a greedy TriForce plan: measure along the text it decodes (outside fp32 it differs from the "
                    "target's one-token text)")
@@ -305,17 +307,17 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
 @click.option("--prompt-file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), help="default: the plan's, else fp32")
-@click.option("--draft-dtype", type=click.Choice(["fp32", "bf16"]), help="default: --dtype")
+@click.option("--dtype", type=click.Choice(DTYPES), help="default: the plan's, else fp32")
+@click.option("--draft-dtype", type=click.Choice(DTYPES), help="default: --dtype")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, help="default: the plan's (0 = greedy)")
 @click.option("--top-p", type=float, help="default: the plan's, else 1")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--verify", type=click.Choice(["greedy", "sequoia", "specinfer", "sample-match"]),
+@click.option("--verify", type=click.Choice(VERIFICATION_RULES),
               help="verification rule (default: greedy at T = 0, else Sequoia's)")
 @click.option("--chat", is_flag=True, help="apply the target's chat template to the prompt")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="default: cuda when available")
+@click.option("--device", type=click.Choice(DEVICES), help="default: cuda when available")
 @click.option("--stream", is_flag=True, help="print tokens as they are accepted")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, target: str | None,
@@ -370,15 +372,15 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
               help="comma-separated: hf, hf-assisted, hf-prompt-lookup, ours-ar; two-level, streaming (TriForce)")
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]))
-@click.option("--draft-dtype", type=click.Choice(["fp32", "bf16"]))
+@click.option("--dtype", type=click.Choice(DTYPES))
+@click.option("--draft-dtype", type=click.Choice(DTYPES))
 @click.option("--temperature", type=float, help="default: the plan's")
 @click.option("--top-p", type=float)
-@click.option("--verify", type=click.Choice(["greedy", "sequoia", "specinfer", "sample-match"]))
+@click.option("--verify", type=click.Choice(VERIFICATION_RULES))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True)
 @click.option("--context", type=int, help="long prompts of this many tokens built from --dataset (" + ESSAYS_HELP + ")")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="default: cuda when available")
+@click.option("--device", type=click.Choice(DEVICES), help="default: cuda when available")
 @click.option("--reprice", is_flag=True,
               help="TriForce plans: re-time the forwards and builds the prediction priced, between the prompts, "
                    "and report the prediction re-priced with them")
@@ -421,7 +423,7 @@ def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> No
 
 @cli.command()
 @click.argument("plan_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["sequoia", "medusa", "vllm", "trtllm"]), required=True)
+@click.option("--format", "fmt", type=click.Choice(EXPORT_FORMATS), required=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write here instead of stdout")
 def export(plan_file: Path, fmt: str, output: Path | None) -> None:
     """Export a Sequoia plan's tree to another engine's format."""

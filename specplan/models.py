@@ -30,9 +30,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
 
+from specplan.choices import DTYPES  # noqa: E402
 from specplan.errors import UserError  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TORCH_DTYPES = dict(zip(DTYPES, (torch.float32, torch.bfloat16)))
 
 
 @dataclass(frozen=True)
@@ -122,9 +123,9 @@ def known_models() -> list[str]:
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    return DTYPES[dtype]
+    if dtype not in TORCH_DTYPES:
+        raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(TORCH_DTYPES)})")
+    return TORCH_DTYPES[dtype]
 
 
 def load_model(name: str, dtype: str = "fp32", log=None) -> LoadedModel:

@@ -36,6 +36,9 @@ PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce")
 LOOKAHEAD_SETTINGS = ("decoding_length", "branch_length", "window", "max_prefix", "capacity")
 TRIFORCE_SETTINGS = ("gamma1", "gamma2", "budget", "chunk", "stride", "context")
 TRIFORCE_BOTTOMS = ("trie", "model", "none", "streaming")
+# StreamingLLM's cache, as TriForce's bottom level keeps it: a few attention-sink tokens and a recent window.
+STREAMING_SINKS = 4
+STREAMING_WINDOW = 1024
 
 
 @dataclass(frozen=True)

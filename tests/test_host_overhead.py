@@ -53,11 +53,12 @@ def test_sequoia_prices_overhead_as_forward_time():
 
 
 def test_lookahead_prices_overhead_and_trie_time_per_step():
-    from planner.lookahead import predicted_speedup, replay, settings_for
+    from decoder.trie import TrieSettings
+    from planner.lookahead import predicted_speedup, replay
 
     shifted, with_overhead = profiles()
     text = [5, 6, 7, 8, 9] * 8
-    result = replay([types.SimpleNamespace(prompt=text[:10], output=text)], settings_for(8, 4))
+    result = replay([types.SimpleNamespace(prompt=text[:10], output=text)], TrieSettings.sized(8, 4))
     assert result.trie_seconds > 0
     result = dataclasses.replace(result, trie_seconds=0.0)
     assert predicted_speedup(result, shifted)[0] == pytest.approx(predicted_speedup(result, with_overhead)[0])

@@ -54,6 +54,14 @@ def test_a_draft_must_map_every_id_to_the_same_token():
         check_same_vocabulary(target, wider)
 
 
+def test_cli_choices_are_the_registries_keys():
+    from decoder.verify import RULES
+    from specplan.choices import DTYPES, VERIFICATION_RULES
+    from specplan.models import TORCH_DTYPES
+
+    assert set(RULES) == set(VERIFICATION_RULES) and tuple(TORCH_DTYPES) == DTYPES
+
+
 def test_bf16_dtype():
     model = load_model("tiny-random-llama", "bf16")
     assert model.model.model.embed_tokens.weight.dtype == torch.bfloat16
