@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from decoder.cuda_graphs import enable_cuda_graphs
 from decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from decoder.engine import GenerationResult, SpeculativeEngine
 from decoder.model import LeanModel
@@ -98,7 +99,7 @@ def lean_model(loaded: LoadedModel, device: str, vocabulary: int | None = None) 
     if vocabulary is not None:
         model.limit_vocabulary(vocabulary, loaded.stop_token_ids)
     if model.device.type == "cuda":
-        model.enable_cuda_graphs()
+        enable_cuda_graphs(model)
     return model
 
 

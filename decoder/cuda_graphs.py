@@ -26,6 +26,11 @@ def graph_size(n: int, room: int) -> int:
     return size if size <= room else n
 
 
+def enable_cuda_graphs(model: LeanModel) -> None:
+    """Replay every forward of `model` of a given size as a CUDA graph (GPU only)."""
+    model.graphed = GraphedForward(model)
+
+
 class GraphedForward:
     """Drop-in for LeanModel.forward (dynamic layout) that replays a CUDA graph per (cache, graph_size(n)).
 

@@ -158,7 +158,7 @@ class LeanModel:
             })
         self.output_weight = self._matmul_weight(self.lm_head)
         self.output_ids: torch.Tensor | None = None  # set by limit_vocabulary
-        self.graphed = None  # decoder.cuda_graphs.GraphedForward once enable_cuda_graphs() is called
+        self.graphed = None  # a decoder.cuda_graphs.GraphedForward, set by cuda_graphs.enable_cuda_graphs
         d = self.shape.head_dim
         self.q_size, self.kv_size = self.shape.heads * d, self.shape.kv_heads * d
         inv_freq = 1.0 / (self.shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -166,12 +166,6 @@ class LeanModel:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.rope_cos = emb.cos().to(self.dtype).to(self.device)
         self.rope_sin = emb.sin().to(self.dtype).to(self.device)
-
-    def enable_cuda_graphs(self) -> None:
-        """Replay every forward of a given size as a CUDA graph (GPU only)."""
-        from decoder.cuda_graphs import GraphedForward
-
-        self.graphed = GraphedForward(self)
 
     def limit_vocabulary(self, size: int, always: Iterable[int] = ()) -> None:
         """Score only the token ids below `size`, plus `always` (the stop tokens); every other logit is -inf.

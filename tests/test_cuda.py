@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decoder.api import lean_model
-from decoder.cuda_graphs import GRAPH_SIZES, graph_size
+from decoder.cuda_graphs import GRAPH_SIZES, enable_cuda_graphs, graph_size
 from decoder.drafters import SequoiaDrafter, TrieDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.model import GRAPH_CACHE_SLOTS, LeanModel, causal_mask
@@ -115,8 +115,8 @@ def gpu_toy_pair():
     target_hf, _ = toy_model(10)
     draft_hf, _ = toy_model(10, noise=0.6)
     target, draft = LeanModel(target_hf, "cuda"), LeanModel(draft_hf, "cuda")
-    target.enable_cuda_graphs()
-    draft.enable_cuda_graphs()
+    enable_cuda_graphs(target)
+    enable_cuda_graphs(draft)
     return target_hf, target, draft
 
 
