@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests
 
 demo: setup

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
+from core.machine import cpu_info
+from core.models import load_model
 from decoder.model import KVCache, LeanModel, causal_mask
-from specplan.machine import cpu_info
-from specplan.models import load_model
 
 
 def _prefilled(model: LeanModel, context: int, room: int) -> KVCache:

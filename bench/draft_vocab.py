@@ -15,9 +15,9 @@ import time
 
 import torch
 
+from core.machine import cpu_info
+from core.models import load_model
 from decoder.model import LeanModel, causal_mask
-from specplan.machine import cpu_info
-from specplan.models import load_model
 
 
 @torch.inference_mode()

@@ -14,10 +14,10 @@ import json
 
 import torch
 
-from decoder.bench import first_difference
+from core.models import load_model
 from decoder.model import LeanModel
 from profiler.haystack import build_prompts
-from specplan.models import load_model
+from specplan.bench import first_difference
 
 
 @torch.inference_mode()

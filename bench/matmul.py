@@ -12,10 +12,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from core.machine import cpu_info
+from core.models import load_model
 from decoder.model import LeanModel
 from profiler.hardware import best_time
-from specplan.machine import cpu_info
-from specplan.models import load_model
 
 
 @torch.inference_mode()

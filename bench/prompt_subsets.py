@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from decoder.bench import markdown_table, summarize
+from specplan.bench import markdown_table, summarize
 
 
 def main() -> None:

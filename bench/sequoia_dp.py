@@ -12,8 +12,8 @@ import time
 import numpy as np
 from numba import njit
 
+from core.machine import cpu_info
 from planner.sequoia_dp import SequoiaTables
-from specplan.machine import cpu_info
 
 NEG = -np.inf
 

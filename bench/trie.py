@@ -13,10 +13,9 @@ import time
 
 import numpy as np
 
-from decoder.trie import Trie, TrieSettings
-from planner.lookahead import _longest_match
-from specplan.acceptance_schema import load_lookahead_acceptance
-from specplan.machine import cpu_info
+from core.acceptance_schema import load_lookahead_acceptance
+from core.machine import cpu_info
+from decoder.trie import Trie, TrieSettings, accepted_run
 
 
 def main() -> None:
@@ -43,7 +42,7 @@ def main() -> None:
                 start = time.perf_counter()
                 tokens, parents = trie.retrieve(sequence, position)
                 middle = time.perf_counter()
-                emitted = min(_longest_match(tokens, parents, sequence, position, end) + 1, end - position)
+                emitted = min(accepted_run(tokens, parents, sequence[position:end]) + 1, end - position)
                 before = time.perf_counter()
                 trie.insert(sequence, position, position + emitted)
                 finish = time.perf_counter()

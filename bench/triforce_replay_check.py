@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from step_breakdown import plan_with_prompts  # bench/ is on the path of a script run from it
 
+from core.acceptance_schema import load_triforce_acceptance
 from decoder.sampling import SamplingParams
-from specplan.acceptance_schema import load_triforce_acceptance
 
 
 def first_proposal_runs(bottom: list[int], gamma1: int) -> list[int]:

@@ -15,16 +15,16 @@ from typing import Any
 
 import torch
 
+from core.errors import UserError
+from core.models import LoadedModel, check_same_vocabulary, load_model
+from core.plan_schema import Plan, load_plan
+from core.prompts import encode_prompt
 from decoder.cuda_graphs import enable_cuda_graphs
 from decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from decoder.engine import GenerationResult, SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
 from decoder.trie import Trie, TrieSettings
-from profiler.datasets import encode_prompt
-from specplan.errors import UserError
-from specplan.models import LoadedModel, check_same_vocabulary, load_model
-from specplan.plan_schema import Plan, load_plan
 
 
 @dataclass

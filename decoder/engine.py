@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.errors import UserError
 from decoder.drafters import Drafter, NoDrafter
 from decoder.model import KVCache, LeanModel
 from decoder.sampling import SamplingParams
 from decoder.tree import ancestor_matrix, tree_attention_mask
 from decoder.verify import VerificationRule, choose_rule
-from specplan.errors import UserError
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from specplan.errors import UserError
+from core.errors import UserError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 KEY_BUCKET = 64  # bf16 CPU attention runs over a key length rounded up to this (see LeanModel._key_span)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specplan.errors import UserError
+from core.errors import UserError
 
 
 @dataclass(frozen=True)

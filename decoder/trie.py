@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, types
 from numba.typed import Dict
 
-from specplan.errors import UserError
+from core.errors import UserError
 
 KEY_TYPE = types.int64
 _EMPTY = -1

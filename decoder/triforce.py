@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
+from core.errors import UserError
+from core.plan_schema import STREAMING_SINKS, STREAMING_WINDOW
 from decoder.drafters import Drafter, choose_children
 from decoder.model import KVCache, LeanModel, causal_mask
 from decoder.sampling import probabilities
 from decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
 from decoder.trie import MAX_PREFIX, TrieSettings
 from decoder.verify import choose_rule
-from specplan.errors import UserError
-from specplan.plan_schema import STREAMING_SINKS, STREAMING_WINDOW
 
 
 def bottom_trie_settings(gamma1: int) -> TrieSettings:

@@ -6,8 +6,8 @@ import ast
 import json
 from typing import Any
 
-from specplan.errors import UserError
-from specplan.plan_schema import TokenTree
+from core.errors import UserError
+from core.plan_schema import TokenTree
 
 EXPORT_FORMATS = ("sequoia", "medusa", "vllm", "trtllm")
 

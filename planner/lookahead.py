@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from core.acceptance_schema import load_lookahead_acceptance
+from core.errors import UserError
+from core.plan_schema import Plan
+from core.profile_schema import LatencyProfile, load_profile
+from core.provenance import provenance
 from decoder.trie import Trie, TrieSettings, accepted_run
-from specplan.acceptance_schema import load_lookahead_acceptance
-from specplan.errors import UserError
-from specplan.plan_schema import Plan
-from specplan.profile_schema import LatencyProfile, load_profile
-from specplan.provenance import provenance
 
 DECODING_LENGTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 BRANCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from core.acceptance_schema import SequoiaAcceptance, load_sequoia_acceptance
+from core.errors import UserError
+from core.plan_schema import Plan, TokenTree
+from core.profile_schema import LatencyProfile, load_profile
+from core.provenance import provenance
 from planner.sequoia_dp import SequoiaTables
-from specplan.acceptance_schema import SequoiaAcceptance, load_sequoia_acceptance
-from specplan.errors import UserError
-from specplan.plan_schema import Plan, TokenTree
-from specplan.profile_schema import LatencyProfile, load_profile
-from specplan.provenance import provenance
 
 
 @dataclass(frozen=True)

@@ -87,11 +87,11 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1, load_triforce_acceptance
-from specplan.errors import UserError
-from specplan.plan_schema import STREAMING_SINKS, STREAMING_WINDOW, Plan
-from specplan.profile_schema import LatencyProfile, covering, load_profile
-from specplan.provenance import check_unchanged, provenance
+from core.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1, load_triforce_acceptance
+from core.errors import UserError
+from core.plan_schema import STREAMING_SINKS, STREAMING_WINDOW, Plan
+from core.profile_schema import LatencyProfile, covering, load_profile
+from core.provenance import check_unchanged, provenance
 
 GAMMA1 = TRIFORCE_GAMMA1
 GAMMA2 = tuple(range(1, 17))

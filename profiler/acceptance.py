@@ -274,13 +274,14 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
     """Measure and write an acceptance/sequoia file; returns its document."""
     from tqdm import tqdm
 
+    from core.acceptance_schema import SequoiaAcceptance
+    from core.errors import UserError
+    from core.fileio import write_yaml
+    from core.models import check_same_vocabulary, load_model
+    from core.prompts import encode_prompt
+    from core.provenance import provenance
     from decoder.api import lean_model
-    from profiler.datasets import encode_prompt, read_dataset, spread_sample
-    from specplan.acceptance_schema import SequoiaAcceptance
-    from specplan.errors import UserError
-    from specplan.fileio import write_yaml
-    from specplan.models import check_same_vocabulary, load_model
-    from specplan.provenance import provenance
+    from profiler.datasets import read_dataset, spread_sample
 
     if width < 1:
         raise UserError(f"--width must be >= 1, got {width}")

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from specplan.errors import UserError
+from core.errors import UserError
 
 _ROOT = Path(__file__).resolve().parent.parent
 DEMO_PROMPTS = _ROOT / "specplan" / "prompts" / "demo.jsonl"
@@ -97,13 +97,3 @@ def spread_sample(prompts: list[Prompt], count: int | None) -> list[Prompt]:
             if queue and len(out) < count:
                 out.append(queue.pop(0))
     return out
-
-
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UserError("the model's tokenizer has no chat template (drop --chat)")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        return list(ids)
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from specplan.machine import cpu_info
+from core.machine import cpu_info
 
 
 def fingerprint(device: torch.device, dtype: str, threads: int) -> dict:

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from profiler.datasets import encode_prompt, resolve_dataset
-from specplan.errors import UserError
+from core.errors import UserError
+from core.prompts import encode_prompt
+from profiler.datasets import resolve_dataset
 
 NEEDLES = [
     ("The secret ingredient in Grandma Ola's lemon cake is a spoonful of cardamom.",

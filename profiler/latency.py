@@ -25,6 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.errors import UserError
+from core.fileio import atomic_output, write_yaml
+from core.models import LoadedModel, load_model, torch_dtype
+from core.provenance import provenance
 from decoder.api import lean_model
 from decoder.drafters import Drafter
 from decoder.engine import SpeculativeEngine
@@ -33,10 +37,6 @@ from decoder.sampling import SamplingParams
 from decoder.tree import DraftTree
 from decoder.triforce import RetrievalCache, RetrievalSettings, StreamingDrafter
 from profiler import hardware, roofline
-from specplan.errors import UserError
-from specplan.fileio import atomic_output, write_yaml
-from specplan.models import LoadedModel, load_model, torch_dtype
-from specplan.provenance import provenance
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -5,15 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from core.acceptance_schema import LookaheadAcceptance, LookaheadRecord
+from core.errors import UserError
+from core.fileio import write_yaml
+from core.models import tokenizer_fingerprint
+from core.plan_schema import load_decoding_plan
+from core.prompts import encode_prompt
+from core.provenance import provenance
 from decoder.api import load_decoder
 from decoder.sampling import SamplingParams
-from profiler.datasets import encode_prompt, read_dataset, spread_sample
-from specplan.acceptance_schema import LookaheadAcceptance, LookaheadRecord
-from specplan.errors import UserError
-from specplan.fileio import write_yaml
-from specplan.models import tokenizer_fingerprint
-from specplan.plan_schema import load_decoding_plan
-from specplan.provenance import provenance
+from profiler.datasets import read_dataset, spread_sample
 
 
 def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None, max_new_tokens: int, dtype: str,

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.errors import UserError
 from decoder.model import ModelShape
-from specplan.errors import UserError
 
 # Fractions of the datasheet peaks that tuned inference kernels reach (assumptions, not measurements).
 BANDWIDTH_EFFICIENCY = 0.80

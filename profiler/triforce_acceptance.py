@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from core.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1
+from core.plan_schema import STREAMING_SINKS, STREAMING_WINDOW
 from decoder.drafters import TrieDrafter
 from decoder.model import LeanModel, causal_mask
 from decoder.sampling import SamplingParams, probabilities, sample
@@ -38,8 +40,6 @@ from decoder.tree import DETERMINISTIC
 from decoder.trie import Trie, TrieSettings, accepted_run
 from decoder.triforce import RetrievalCache, RetrievalSettings, bottom_trie_settings
 from profiler.haystack import LongPrompt
-from specplan.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1
-from specplan.plan_schema import STREAMING_SINKS, STREAMING_WINDOW
 
 
 @dataclass(frozen=True)
@@ -275,13 +275,13 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
     another text than the plan emits. The middle level then runs in the plan's own steps, so that its cache
     holds what the decoder's held at each position. The prompts are decoded as `plan bench` does (in order,
     one decoder)."""
+    from core.acceptance_schema import TriForceAcceptance
+    from core.errors import UserError
+    from core.fileio import write_yaml
+    from core.models import check_same_vocabulary, load_model
+    from core.provenance import provenance
     from decoder.api import load_decoder
     from profiler.haystack import build_prompts
-    from specplan.acceptance_schema import TriForceAcceptance
-    from specplan.errors import UserError
-    from specplan.fileio import write_yaml
-    from specplan.models import check_same_vocabulary, load_model
-    from specplan.provenance import provenance
 
     if bottom_kind == "model" and not draft_name:
         raise UserError("a model bottom needs --draft")
@@ -338,9 +338,9 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
 def _check_triforce_plan(plan_path: str, target_name: str, dtype: str, params: SamplingParams,
                          contexts: list[int]) -> dict:
     """The plan's decoding settings, after checking it can decode these prompts greedily."""
+    from core.errors import UserError
+    from core.plan_schema import load_decoding_plan
     from decoder.triforce import RetrievalSettings
-    from specplan.errors import UserError
-    from specplan.plan_schema import load_decoding_plan
 
     plan = load_decoding_plan(plan_path, "triforce", target_name, dtype)
     if not params.greedy or float(plan.sampling.get("temperature", 0.0)) != 0.0:

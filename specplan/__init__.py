@@ -1,3 +1,6 @@
-"""specplan: profile, plan and run lossless speculative decoding on the hardware at hand."""
+"""specplan: profile, plan and run lossless speculative decoding on the hardware at hand. This package is the
+top layer (the `plan` CLI, `plan show`, the demo and the bench harness); ARCHITECTURE.md draws the rest."""
 
-__version__ = "0.1.0"
+from core import __version__
+
+__all__ = ["__version__"]

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import click
 
+from core.choices import DEVICES, DTYPES, VERIFICATION_RULES
+from core.errors import UserError
+from core.plan_schema import STREAMING_SINKS, STREAMING_WINDOW, Plan
 from planner.export import EXPORT_FORMATS
 from profiler.datasets import DATASETS
-from specplan.choices import DEVICES, DTYPES, VERIFICATION_RULES
-from specplan.errors import UserError
-from specplan.plan_schema import STREAMING_SINKS, STREAMING_WINDOW, Plan
 
 PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
                 + ") or PATH[:category[,...]]: a Spec-Bench-style .jsonl, a .txt file or a folder of them")
@@ -43,8 +43,8 @@ def solve() -> None:
 def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int, batch: int,
                       context: int | None, top: int, output: Path) -> None:
     """Sequoia: the optimal token tree and its size/depth for this hardware."""
+    from core.plan_schema import save_plan
     from planner.sequoia import solve_sequoia
-    from specplan.plan_schema import save_plan
 
     plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, batch, context)
     header = f"{'n':>5} {'d':>3} {'G(n,d)':>8}"
@@ -196,8 +196,8 @@ def accept_lookahead(target: str, dataset: str, samples: int | None, max_new_tok
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
                         branch_lengths: str | None, top: int, output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie."""
+    from core.plan_schema import save_plan
     from planner.lookahead import BRANCH_LENGTHS, DECODING_LENGTHS, solve_lookahead
-    from specplan.plan_schema import save_plan
 
     d_grid = tuple(_int_list(decoding_lengths) or DECODING_LENGTHS)
     b_grid = tuple(_int_list(branch_lengths) or BRANCH_LENGTHS)
@@ -276,8 +276,8 @@ def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str,
 def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int | None, two_level: bool,
                        rebuild_below: float, min_speedup: float, top: int, output: Path) -> None:
     """TriForce: gamma1, gamma2, budget, chunk and rebuild stride by an expected-time-per-token model."""
+    from core.plan_schema import save_plan
     from planner.triforce import solve_triforce
-    from specplan.plan_schema import save_plan
 
     plan, ranked = solve_triforce(acceptance_path, profile_path, context, two_level=two_level,
                                   rebuild_below=rebuild_below, min_speedup=min_speedup)
@@ -392,8 +392,8 @@ def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, base
           reprice: bool, output: Path) -> None:
     """Our decoder against Hugging Face baselines on the same prompts, in one run."""
     from decoder.api import load_decoder
-    from decoder.bench import BenchRequest, markdown_table, run_bench
     from decoder.sampling import SamplingParams
+    from specplan.bench import BenchRequest, markdown_table, run_bench
 
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device)
     defaults = decoder.default_params()
@@ -427,9 +427,9 @@ def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> No
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write here instead of stdout")
 def export(plan_file: Path, fmt: str, output: Path | None) -> None:
     """Export a Sequoia plan's tree to another engine's format."""
+    from core.fileio import atomic_output
+    from core.plan_schema import load_plan
     from planner.export import export_tree
-    from specplan.fileio import atomic_output
-    from specplan.plan_schema import load_plan
 
     plan = load_plan(plan_file)
     if plan.tree is None:

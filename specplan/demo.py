@@ -12,14 +12,15 @@ from pathlib import Path
 
 import torch
 
+from core.errors import UserError
+from core.plan_schema import save_plan
+from core.prompts import encode_prompt
 from decoder.api import load_decoder
 from decoder.sampling import SamplingParams
 from planner.lookahead import solve_lookahead
-from profiler.datasets import DEMO_PROMPTS, encode_prompt, read_dataset
+from profiler.datasets import DEMO_PROMPTS, read_dataset
 from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
 from profiler.outputs import run_lookahead_acceptance
-from specplan.errors import UserError
-from specplan.plan_schema import save_plan
 
 MODEL = "smollm2-135m"
 OUT = Path("demo-output")

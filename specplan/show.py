@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from specplan.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance, TriForceAcceptance
-from specplan.errors import UserError
-from specplan.fileio import read_yaml
-from specplan.machine import machine_label
-from specplan.plan_schema import Plan, TokenTree
-from specplan.plotting import pyplot, save_png
-from specplan.profile_schema import LatencyProfile
+from core.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance, TriForceAcceptance
+from core.errors import UserError
+from core.fileio import read_yaml
+from core.machine import machine_label
+from core.plan_schema import Plan, TokenTree
+from core.plotting import pyplot, save_png
+from core.profile_schema import LatencyProfile
 
 
 def show_files(paths: list[str | os.PathLike], plot: str | os.PathLike | None = None,
@@ -22,7 +22,7 @@ def show_files(paths: list[str | os.PathLike], plot: str | os.PathLike | None = 
     """One plan, profile or acceptance file; or one or more `plan bench` reports (.json), whose plot is the
     summary of all of them."""
     if paths and all(Path(p).suffix == ".json" for p in paths):
-        from decoder.bench import load_report, markdown_table, plot_summary
+        from specplan.bench import load_report, markdown_table, plot_summary
 
         if compare is not None:
             raise UserError("--compare applies to profiles only")

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.models import load_model
 from decoder.model import LeanModel
 from specplan.cli import main
-from specplan.models import load_model
 
 from toy import toy_model
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from core.acceptance_schema import load_sequoia_acceptance
+from core.errors import UserError
 from profiler.acceptance import positional_greedy, positional_sampled, truncate_support
 from profiler.datasets import read_dataset, spread_sample
 from profiler.haystack import essays
-from specplan.acceptance_schema import load_sequoia_acceptance
-from specplan.errors import UserError
 
 
 def random_pair(seed: int, vocab: int = 12, concentration: float = 0.5):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.models import load_model
 from decoder.api import lean_model
 from decoder.cuda_graphs import GRAPH_SIZES, enable_cuda_graphs, graph_size
 from decoder.drafters import SequoiaDrafter, TrieDrafter
@@ -19,7 +20,6 @@ from decoder.model import GRAPH_CACHE_SLOTS, LeanModel, causal_mask
 from decoder.sampling import SamplingParams
 from decoder.trie import Trie, TrieSettings
 from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
-from specplan.models import load_model
 
 from toy import (
     VOCAB,
@@ -137,8 +137,8 @@ def test_sampling_on_the_gpu_is_distributed_as_the_target(hierarchy, gpu_toy_pai
 
 
 def test_measured_gpu_profile(run_cli, tmp_path):
+    from core.profile_schema import load_profile
     from profiler.latency import _local_gpu_name
-    from specplan.profile_schema import load_profile
 
     gpu = _local_gpu_name()
     if gpu is None:

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from core.errors import UserError
+from core.models import load_model
 from decoder.drafters import NoDrafter, SequoiaDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
-from specplan.errors import UserError
-from specplan.models import load_model
 
 from conftest import ACCEPTANCE, PROFILE
 from toy import (
@@ -272,8 +272,8 @@ def test_show_reports_prints_their_tables_and_plots_a_summary(bench_tiny_sequoia
 
 
 def test_bench_says_when_the_plans_profile_is_from_another_machine(run_cli, write_yaml_file, tmp_path):
-    from specplan.machine import machine_difference, this_machine
-    from specplan.plan_schema import load_plan
+    from core.machine import machine_difference, this_machine
+    from core.plan_schema import load_plan
 
     here = this_machine("cpu")
     assert machine_difference(dict(here), here) is None

@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
+from core.models import load_model
+from core.prompts import encode_prompt
 from decoder.api import load_decoder
 from decoder.sampling import SamplingParams
-from profiler.datasets import DEMO_PROMPTS, encode_prompt, read_dataset
+from profiler.datasets import DEMO_PROMPTS, read_dataset
 from profiler.haystack import build_prompts
-from specplan.models import load_model
 
 MODEL = "smollm2-135m"
 

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from specplan.profile_schema import LatencyProfile
+from core.profile_schema import LatencyProfile
 
 OVERHEAD = 0.003
 BASE = {

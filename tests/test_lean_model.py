@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import decoder.model as model_module
+from core.errors import UserError
+from core.models import load_model
 from decoder.model import LeanModel, causal_mask
-from specplan.errors import UserError
-from specplan.models import load_model
 
 
 @pytest.fixture(scope="module", params=["tiny-random-llama", "tiny-random-qwen2"])

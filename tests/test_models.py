@@ -8,8 +8,8 @@ import zipfile
 import pytest
 import torch
 
-from specplan.errors import UserError
-from specplan.models import LoadedModel, assemble_gguf, check_same_vocabulary, load_model
+from core.errors import UserError
+from core.models import LoadedModel, assemble_gguf, check_same_vocabulary, load_model
 
 
 def test_tiny_models_are_deterministic():
@@ -55,9 +55,9 @@ def test_a_draft_must_map_every_id_to_the_same_token():
 
 
 def test_cli_choices_are_the_registries_keys():
+    from core.choices import DTYPES, VERIFICATION_RULES
+    from core.models import TORCH_DTYPES
     from decoder.verify import RULES
-    from specplan.choices import DTYPES, VERIFICATION_RULES
-    from specplan.models import TORCH_DTYPES
 
     assert set(RULES) == set(VERIFICATION_RULES) and tuple(TORCH_DTYPES) == DTYPES
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import yaml
 
+from core.errors import UserError
+from core.profile_schema import load_profile
 from decoder.model import ModelShape
 from profiler import latency, roofline
-from specplan.errors import UserError
-from specplan.profile_schema import load_profile
 
 QUICK = ["--contexts", "16,64", "--sizes", "1,2,4,8", "--repeats", "2"]
 
@@ -167,7 +167,7 @@ def test_profile_bad_input(args, message, run_cli, tmp_path):
 
 
 def test_support_and_covering_are_the_points_an_interpolation_reads():
-    from specplan.profile_schema import LatencyCurve, covering
+    from core.profile_schema import LatencyCurve, covering
 
     points = {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 3.5, 32: 7.0, 64: 15.0}
     support = LatencyCurve(points).support(5)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import yaml
 
+from core.errors import UserError
+from core.plan_schema import TokenTree, load_plan
+from core.profile_schema import LatencyCurve, LatencyProfile
 from planner.export import EXPORT_FORMATS, export_tree, import_tree
 from planner.sequoia import rank_candidates, solve_sequoia
 from planner.sequoia_dp import SequoiaTables, tree_value
-from specplan.errors import UserError
-from specplan.plan_schema import TokenTree, load_plan
-from specplan.profile_schema import LatencyCurve, LatencyProfile
 
 from conftest import ACCEPTANCE, PROFILE
 

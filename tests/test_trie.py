@@ -7,8 +7,8 @@ import collections
 import numpy as np
 import pytest
 
+from core.errors import UserError
 from decoder.trie import Trie, TrieSettings
-from specplan.errors import UserError
 
 
 def reference_counts(sequence: list[int], window: int) -> collections.Counter:

@@ -9,14 +9,14 @@ import pytest
 import torch
 import yaml
 
+from core.errors import UserError
+from core.models import load_model
 from decoder.drafters import NoDrafter, TrieDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
 from decoder.trie import Trie, TrieSettings
 from decoder.triforce import HierarchicalDrafter, RetrievalCache, RetrievalSettings, StreamingDrafter
-from specplan.errors import UserError
-from specplan.models import load_model
 
 from toy import (
     VOCAB,
@@ -166,8 +166,8 @@ FLAT_PROFILE = {  # t(n, L) = 10 ms + 1 ms per new token at 264 tokens of contex
 
 
 def test_triforce_cost_model_by_hand():
+    from core.profile_schema import LatencyProfile
     from planner.triforce import evaluate, expected_tokens
-    from specplan.profile_schema import LatencyProfile
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
     entry = TRIFORCE_ACCEPTANCE["entries"][0]
@@ -193,7 +193,7 @@ def test_solve_and_show_triforce(run_cli, write_yaml_file, tmp_path):
     out = tmp_path / "plan.yaml"
     code, stdout, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile, "-o", out)
     assert code == 0, stderr
-    from specplan.plan_schema import load_plan
+    from core.plan_schema import load_plan
 
     plan = load_plan(out)
     assert plan.settings["budget"] == 1024  # the better middle acceptance wins here
@@ -260,7 +260,7 @@ def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_fil
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("acc.yaml", acceptance),
                               "--profile", write_yaml_file("prof.yaml", profile), "-o", out)
     assert code == 0, stderr
-    from specplan.plan_schema import load_plan
+    from core.plan_schema import load_plan
 
     plan = load_plan(out)
     assert plan.settings["bottom"] == "model" and plan.settings["window"] == 1020
@@ -282,8 +282,8 @@ def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_fil
         per_token[charged] = plan.prediction["seconds_per_token"]
     assert per_token[0.05] == pytest.approx(per_token[None] + 0.05 / 40)
     # `plan bench --reprice` re-times the draft's window prefill the plan charges, and re-prices with it
+    from core.profile_schema import load_profile
     from planner.triforce import priced_points, reprice
-    from specplan.profile_schema import load_profile
 
     prefilled = write_yaml_file("prof.yaml", dict(profile, draft=dict(
         profile["draft"], window_prefill={"sinks": 4, "window": 1020, "seconds": 0.05})))
@@ -315,8 +315,8 @@ def test_triforce_trace_replay_by_hand():
     from 3 to the end: 2 steps of 2 x t(1, 264) + t(3, 4096) each (the profile is linear: t(n) = 40 + 4n ms
     at 4096, 10 + n ms at 264). The continuation also pays its first build: the root's forward, t(1, 4096),
     and the build itself, priced at t(1, 4096) by a profile without builds, at 5 ms by one with them."""
+    from core.profile_schema import LatencyProfile
     from planner.triforce import evaluate_traces
-    from specplan.profile_schema import LatencyProfile
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
     entry = {**TRIFORCE_ACCEPTANCE["entries"][0],
@@ -359,8 +359,8 @@ def test_streaming_draft_replay_by_hand():
     corrects the next (tokens 0-1), then accepts the rest: 2 steps of 2 x c_s + t(3, 4096 + p). The target
     itself drafts here: c_s = t(1, 4 + 1024), read between the profile's contexts. No retrieval cache: no
     first forward of the root and no build."""
+    from core.profile_schema import LatencyProfile
     from planner.triforce import evaluate_streaming, evaluate_traces, streaming_seconds
-    from specplan.profile_schema import LatencyProfile
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
     record = {"context": 4096, "drafter": "target", "acceptance": 2 / 3, "traces": [np.array([1.0, 0.0, 1.0])]}
@@ -381,9 +381,9 @@ def test_planner_chooses_the_streaming_draft_where_it_pays(run_cli, write_yaml_f
     """A draft the top always accepts and no retrieval setting to match it: the plan drafts with the
     StreamingLLM cache alone (`bottom: streaming`), and decodes losslessly; a useless one is only recorded;
     --two-level ignores it."""
+    from core.plan_schema import load_plan
+    from core.profile_schema import load_profile
     from decoder.api import load_decoder
-    from specplan.plan_schema import load_plan
-    from specplan.profile_schema import load_profile
 
     profile = write_yaml_file("prof.yaml", FLAT_PROFILE)
     perfect = {"context": 4096, "drafter": "target", "acceptance": 1.0, "traces": [[1] * 40, [1] * 30]}
@@ -439,8 +439,8 @@ def test_triforce_replays_recorded_trie_runs_by_hand():
     """gamma1 = 2, gamma2 = 3, the middle right everywhere, the trie's recorded runs 2 0 1 0 1 0 (its first
     proposals, all wrong, would give one token per round): at 0 one round of 1 + 2 tokens, the top keeps the
     chain and a bonus token; at 4 rounds of 1 + 1 and 1 + 4/6 (the mean run past the end), a chain of 4."""
+    from core.profile_schema import LatencyProfile
     from planner.triforce import evaluate_traces
-    from specplan.profile_schema import LatencyProfile
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
     runs = np.zeros((8, 6), dtype=np.int64)
@@ -468,13 +468,13 @@ def test_trie_runs_follow_the_middle_and_stop_off_the_text():
 
 
 def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
+    from core.acceptance_schema import load_triforce_acceptance
+    from core.plan_schema import load_plan
+    from core.profile_schema import load_profile
     from decoder.api import load_decoder
     from decoder.drafters import NoDrafter
     from planner.triforce import evaluate_traces
     from profiler.haystack import build_prompts
-    from specplan.acceptance_schema import load_triforce_acceptance
-    from specplan.plan_schema import load_plan
-    from specplan.profile_schema import load_profile
 
     out = tmp_path / "acc.yaml"
     code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from specplan.errors import UserError
-from specplan.fileio import read_yaml, write_yaml
-from specplan.validate import Fields, check_number
+from core.errors import UserError
+from core.fileio import read_yaml, write_yaml
+from core.validate import Fields, check_number
 
 PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce")
 LOOKAHEAD_SETTINGS = ("decoding_length", "branch_length", "window", "max_prefix", "capacity")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from specplan.errors import UserError
+from core.errors import UserError
 
 
 class Fields:

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 from scipy.interpolate import PchipInterpolator
 
-from specplan.fileio import read_yaml
-from specplan.machine import machine_identity
-from specplan.validate import Fields
+from core.fileio import read_yaml
+from core.machine import machine_identity
+from core.validate import Fields
 
 
 class LatencyCurve:
@@ -201,7 +201,7 @@ class LatencyProfile:
 
     @property
     def machine(self) -> dict[str, Any]:
-        """The machine the timings describe (specplan.machine.machine_identity of `hardware`)."""
+        """The machine the timings describe (core.machine.machine_identity of `hardware`)."""
         hardware = self.raw.get("hardware")
         return machine_identity(hardware if isinstance(hardware, dict) else {})
 

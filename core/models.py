@@ -30,8 +30,8 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
 
-from specplan.choices import DTYPES  # noqa: E402
-from specplan.errors import UserError  # noqa: E402
+from core.choices import DTYPES  # noqa: E402
+from core.errors import UserError  # noqa: E402
 
 TORCH_DTYPES = dict(zip(DTYPES, (torch.float32, torch.bfloat16)))
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from specplan.fileio import read_yaml
-from specplan.validate import Fields, check_number
+from core.fileio import read_yaml
+from core.validate import Fields, check_number
 
 POSITIONAL_SUM_TOLERANCE = 1e-6
 

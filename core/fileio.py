@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from specplan.errors import UserError
+from core.errors import UserError
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -28,18 +28,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.errors import UserError
+from core.fileio import atomic_output, read_json, write_json
+from core.machine import cpu_info, machine_difference, machine_label, this_machine
+from core.plan_schema import Plan
+from core.plotting import pyplot, save_png
+from core.profile_schema import LatencyProfile, load_profile
+from core.prompts import encode_prompt
+from core.provenance import check_unchanged
 from decoder.api import Decoder
 from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
-from profiler.datasets import Prompt, encode_prompt, read_dataset, spread_sample
+from profiler.datasets import Prompt, read_dataset, spread_sample
 from profiler.haystack import build_prompts
-from specplan.errors import UserError
-from specplan.fileio import atomic_output, read_json, write_json
-from specplan.machine import cpu_info, machine_difference, machine_label, this_machine
-from specplan.plan_schema import Plan
-from specplan.plotting import pyplot, save_png
-from specplan.profile_schema import LatencyProfile, load_profile
-from specplan.provenance import check_unchanged
 
 BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming")
 TRIFORCE_BASELINES = ("two-level", "streaming")
