@@ -103,17 +103,17 @@ def main() -> None:
     except UserError as error:
         parser.error(str(error))
     plan = decoder.plan
-    if plan is None or plan.method != "triforce" or not plan.settings.get("speculate", True) \
-            or plan.settings["bottom"] == "streaming":
+    if plan is None or plan.method != "triforce" or not plan.settings.speculate \
+            or plan.settings.bottom == "streaming":
         parser.error(f"{args.plan}: not a TriForce plan that drafts through a retrieval cache")
     settings, model = plan.settings, decoder.lean_target
-    gamma2 = settings["gamma2"]
-    gamma1 = 0 if settings["bottom"] == "none" else settings["gamma1"]  # two-level: the middle drafts alone
+    gamma2 = settings.gamma2
+    gamma1 = 0 if settings.bottom == "none" else settings.gamma1  # two-level: the middle drafts alone
     middle_rows = gamma1 + 1
     middles_per_top = math.ceil(gamma2 / gamma1) if gamma1 else gamma2
     top_rows = gamma2 + 1
-    full = random_cache(model, settings["context"], top_rows)
-    middle = random_cache(model, settings["budget"], middle_rows)
+    full = random_cache(model, settings.context, top_rows)
+    middle = random_cache(model, settings.budget, middle_rows)
     shapes = {"one token": (full, 1), f"top, {top_rows} rows": (full, top_rows),
               f"middle, {middle_rows} rows": (middle, middle_rows)}
     repeated = {}
@@ -123,8 +123,8 @@ def main() -> None:
     step: Pattern = [(middle_label, middle, middle_rows)] * middles_per_top + [(top_label, full, top_rows)]
     alternating = run_pattern(model, step, args.rounds)
     alternating.update(run_pattern(model, [(None, full, top_rows), ("one token", full, 1)], args.rounds))
-    print(f"{args.plan}: gamma1 {gamma1}, gamma2 {gamma2}, budget {settings['budget']}, context "
-          f"{settings['context']}; a step = {middles_per_top} middle forwards, then the top's; {args.rounds} rounds")
+    print(f"{args.plan}: gamma1 {gamma1}, gamma2 {gamma2}, budget {settings.budget}, context "
+          f"{settings.context}; a step = {middles_per_top} middle forwards, then the top's; {args.rounds} rounds")
     prices = {label: profile.latency(rows, cache.length) for label, (cache, rows) in shapes.items()}
     print("| forward | profile ms | repeated ms | in the step ms | in the step / repeated |")
     print("|---|---|---|---|---|")

@@ -132,7 +132,7 @@ def plan_with_prompts(doc: str, input_option: str, prompts: int) -> tuple[argpar
         picked = spread_sample(read_dataset(args.dataset), args.prompts)
         encoded = [(p, encode_prompt(decoder.tokenizer, p.text, chat=True)) for p in picked]
         return args, decoder, [LongPrompt(p.id, p.category, ids, None, len(ids)) for p, ids in encoded]
-    return args, decoder, build_prompts(args.dataset, decoder.tokenizer, decoder.plan.settings["context"],
+    return args, decoder, build_prompts(args.dataset, decoder.tokenizer, decoder.plan.settings.context,
                                         args.prompts)
 
 

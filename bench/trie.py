@@ -15,7 +15,8 @@ import numpy as np
 
 from core.acceptance_schema import load_lookahead_acceptance
 from core.machine import cpu_info
-from decoder.trie import Trie, TrieSettings, accepted_run
+from core.method_settings import TrieSettings
+from decoder.trie import Trie, accepted_run
 
 
 def main() -> None:

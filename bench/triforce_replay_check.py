@@ -48,11 +48,11 @@ def replayed_steps(middle: list[int], runs: list[int], gamma2: int) -> list[tupl
 def main() -> None:
     args, decoder, prompts = plan_with_prompts(__doc__, "--acceptance", 4)
     s = decoder.plan.settings
-    if s["bottom"] == "none" or not s["speculate"] or decoder.plan.sampling.get("temperature", 0.0) != 0.0:
+    if s.bottom == "none" or not s.speculate or decoder.plan.sampling.get("temperature", 0.0) != 0.0:
         raise SystemExit("needs a greedy, speculating plan with a bottom drafter")
     entry = next(e for e in load_triforce_acceptance(args.acceptance).entries
-                 if (e["context"], e["budget"], e["chunk"], e["stride"]) == (s["context"], s["budget"], s["chunk"],
-                                                                               s["stride"]))
+                 if (e.context, e.budget, e.chunk, e.stride) == (s.context, s.budget, s.chunk,
+                                                                               s.stride))
     decoder.restart()  # a fresh drafter, as `plan bench` starts its prompts with
     drafter = decoder.engine.drafter
     chains: list[int] = []
@@ -63,13 +63,13 @@ def main() -> None:
         update(tree, accepted, next_token)
 
     drafter.update = recording_update
-    for prompt, trace in zip(prompts, entry["traces"]):
+    for prompt, trace in zip(prompts, entry.traces):
         chains.clear()
         result = decoder.engine.generate(prompt.ids, args.max_new_tokens, SamplingParams())
         decoded = list(zip(chains, result.accepted_per_step))
-        runs = trace["bottom_runs"][s["gamma1"] - 1].tolist() if "bottom_runs" in trace else \
-            first_proposal_runs([int(v) for v in trace["bottom"]], s["gamma1"])
-        replayed = replayed_steps([int(v) for v in trace["middle"]], runs, s["gamma2"])
+        runs = trace.bottom_runs[s.gamma1 - 1].tolist() if trace.bottom_runs is not None else \
+            first_proposal_runs([int(v) for v in trace.bottom], s.gamma1)
+        replayed = replayed_steps([int(v) for v in trace.middle], runs, s.gamma2)
         parted = next((i for i, (a, b) in enumerate(zip(decoded, replayed)) if a != b),
                       None if len(decoded) == len(replayed) else min(len(decoded), len(replayed)))
         print(f"{prompt.id}: {len(result.tokens)} tokens, decoder {len(decoded)} steps, replay {len(replayed)} "

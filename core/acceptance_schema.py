@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from core.fileio import read_yaml
-from core.validate import Fields, check_number
+from core.validate import MAX_VOCABULARY, Fields, check_number
 
 POSITIONAL_SUM_TOLERANCE = 1e-6
 
@@ -90,8 +90,10 @@ class LookaheadAcceptance:
     """The target's greedy outputs on a dataset, in order: what an offline trie replay needs."""
 
     target: str
-    tokenizer: dict[str, Any]
+    tokenizer: dict[str, Any]  # {vocab_size, sha256}: a trie plan holds token ids of this tokenizer
     records: list[LookaheadRecord]
+    dtype: str | None = None
+    decoded_with: tuple[int, int] | None = None  # (L_d, L_b) of the Lookahead plan whose decoding gave the outputs
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -100,7 +102,7 @@ class LookaheadAcceptance:
         f.kind("acceptance/lookahead")
         models = f.sub("models")
         tokenizer = f.sub("tokenizer")
-        tokenizer.integer("vocab_size", low=1)
+        vocab_size = tokenizer.integer("vocab_size", low=1, high=MAX_VOCABULARY)
         tokenizer.string("sha256")
         raw = data.get("records")
         if not isinstance(raw, list) or not raw:
@@ -110,17 +112,25 @@ class LookaheadAcceptance:
             r = Fields(item, f"{where}: records[{i}]")
             token_lists = [r.data.get(key) for key in ("prompt", "output")]
             if not all(isinstance(tokens, list) and tokens and all(isinstance(t, int) and not isinstance(t, bool)
-                                                                      and t >= 0 for t in tokens)
+                                                                      and 0 <= t < vocab_size for t in tokens)
                        for tokens in token_lists):
-                raise r.fail("'prompt' and 'output' must be non-empty lists of token ids")
+                raise r.fail(f"'prompt' and 'output' must be non-empty lists of token ids below the vocabulary size "
+                             f"{vocab_size}")
             records.append(LookaheadRecord(str(r.data.get("id", i)), str(r.data.get("category", "")),
                                            *token_lists))
+        decoded = f.sub("decoded_with", required=False)
         return cls(target=models.string("target"), tokenizer=dict(tokenizer.data), records=records,
-                   extra={k: v for k, v in data.items() if k not in {"kind", "models", "tokenizer", "records"}})
+                   dtype=f.string("dtype", required=False),
+                   decoded_with=(decoded.token_count("decoding_length"), decoded.token_count("branch_length"))
+                   if decoded else None,
+                   extra={k: v for k, v in data.items()
+                          if k not in {"kind", "models", "tokenizer", "records", "dtype", "decoded_with"}})
 
     def to_dict(self) -> dict[str, Any]:
+        decoded = None if self.decoded_with is None else dict(zip(("decoding_length", "branch_length"),
+                                                                  self.decoded_with))
         return {"kind": "acceptance/lookahead", "models": {"target": self.target}, "tokenizer": self.tokenizer,
-                **self.extra,
+                **({"dtype": self.dtype} if self.dtype is not None else {}), "decoded_with": decoded, **self.extra,
                 "records": [{"id": r.id, "category": r.category, "prompt": r.prompt, "output": r.output}
                             for r in self.records]}
 
@@ -129,95 +139,26 @@ def load_lookahead_acceptance(path: str | os.PathLike) -> LookaheadAcceptance:
     return LookaheadAcceptance.from_dict(read_yaml(path), str(path))
 
 
-TRIFORCE_ENTRY_FIELDS = ("context", "budget", "chunk", "stride")
 TRIFORCE_DECODED_SETTINGS = ("bottom", "gamma1", "gamma2", "budget", "chunk", "stride")  # in `decoded_with`
 TRIFORCE_GAMMA1 = tuple(range(1, 9))  # gamma1 values the planner searches; a trie's runs are recorded for each
+STREAMING_DRAFTERS = ("draft", "target")
 
 
 @dataclass
-class TriForceAcceptance:
-    """Per (context, budget, chunk, stride): the middle level's (target over a retrieval cache) acceptance
-    against the full target, and the bottom drafter's against the middle level. Per context (`streaming`,
-    optional): the StreamingLLM-only draft's acceptance against the full target, `drafter` `draft` (the
-    bottom model) or `target` (the target itself over the StreamingLLM cache), one trace per prompt."""
+class TriForceTrace:
+    """One prompt's acceptances per continuation position: the middle level's by the full target, the bottom
+    drafter's by the middle level; for a trie bottom at T = 0, its accepted run at each position for each gamma1
+    in TRIFORCE_GAMMA1 (stored as one string of digits per gamma1)."""
 
-    target: str
-    bottom: str  # "trie" or the bottom model's name
-    entries: list[dict[str, Any]]
-    temperature: float = 0.0
-    streaming: list[dict[str, Any]] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
+    middle: np.ndarray  # [positions] float
+    bottom: np.ndarray  # [positions] float
+    bottom_runs: np.ndarray | None = None  # [len(TRIFORCE_GAMMA1), positions] int
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str) -> TriForceAcceptance:
-        f = Fields(data, where)
-        f.kind("acceptance/triforce")
-        models = f.sub("models")
-        raw = data.get("entries")
-        if not isinstance(raw, list) or not raw:
-            raise f.fail("'entries' must be a non-empty list")
-        entries = []
-        for i, item in enumerate(raw):
-            e = Fields(item, f"{where}: entries[{i}]")
-            entry = {key: e.integer(key, low=1) for key in TRIFORCE_ENTRY_FIELDS}
-            entry["middle"] = e.number("middle", low=0.0, high=1.0)
-            entry["bottom"] = e.number("bottom", low=0.0, high=1.0)
-            entry["traces"] = _traces(e)
-            entry.update({k: v for k, v in item.items() if k not in entry})
-            entries.append(entry)
-        bottom = models.string("bottom")
-        return cls(target=models.string("target"), bottom=bottom, entries=entries,
-                   temperature=f.number("temperature", required=False, low=0.0, default=0.0),
-                   streaming=_streaming_records(f, bottom),
-                   extra={k: v for k, v in data.items()
-                          if k not in {"kind", "models", "entries", "temperature", "streaming"}})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "acceptance/triforce", "models": {"target": self.target, "bottom": self.bottom},
-                "temperature": self.temperature, **self.extra, "streaming": self.streaming, "entries": self.entries}
-
-    def streaming_at(self, context: int) -> dict[str, Any] | None:
-        return next((r for r in self.streaming if r["context"] == context), None)
-
-
-def _streaming_records(f: Fields, bottom: str) -> list[dict[str, Any]]:
-    raw = f.data.get("streaming") or []
-    if not isinstance(raw, list):
-        raise f.fail("'streaming' must be a list")
-    records = []
-    for i, item in enumerate(raw):
-        r = Fields(item, f"{f.where}: streaming[{i}]")
-        record = {"context": r.integer("context", low=1), "drafter": r.string("drafter"),
-                  "acceptance": r.number("acceptance", low=0.0, high=1.0)}
-        if record["drafter"] not in ("draft", "target"):
-            raise r.fail("'drafter' must be draft or target")
-        if record["drafter"] == "draft" and bottom == "trie":
-            raise r.fail("a streaming draft model needs a model bottom")
-        traces = r.data.get("traces")
-        if not (isinstance(traces, list) and traces and all(isinstance(t, list) and t for t in traces)):
-            raise r.fail("'traces' must be a non-empty list of non-empty per-prompt lists")
-        record["traces"] = [np.array([check_number(v, f"{r.where}: traces[{j}][{k}]", 0.0, 1.0)
-                                      for k, v in enumerate(trace)]) for j, trace in enumerate(traces)]
-        record.update({k: v for k, v in item.items() if k not in record})
-        records.append(record)
-    return records
-
-
-def _traces(entry: Fields) -> list[dict[str, np.ndarray]]:
-    """Per prompt, the middle and bottom acceptances at each continuation position (optional), and for a trie
-    bottom at T = 0 its accepted runs: one string per gamma1 in TRIFORCE_GAMMA1, one digit per position."""
-    raw = entry.data.get("traces")
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise entry.fail("'traces' must be a list")
-    traces = []
-    for i, item in enumerate(raw):
-        t = Fields(item, f"{entry.where}: traces[{i}]")
+    def from_fields(cls, t: Fields) -> TriForceTrace:
         middle, bottom = (t.number_list(key, low=0.0, high=1.0) for key in ("middle", "bottom"))
         if not middle or len(middle) != len(bottom):
             raise t.fail("'middle' and 'bottom' must be non-empty and of equal length")
-        trace = {"middle": np.array(middle), "bottom": np.array(bottom)}
         runs = t.data.get("bottom_runs")
         if runs is not None:
             if not (isinstance(runs, list) and len(runs) == len(TRIFORCE_GAMMA1) and all(
@@ -225,9 +166,143 @@ def _traces(entry: Fields) -> list[dict[str, np.ndarray]]:
                     for gamma1, r in zip(TRIFORCE_GAMMA1, runs))):
                 raise t.fail(f"'bottom_runs' must hold {len(TRIFORCE_GAMMA1)} strings of one digit per position, "
                              "none above its gamma1")
-            trace["bottom_runs"] = np.array([[int(c) for c in r] for r in runs], dtype=np.int64)
-        traces.append(trace)
-    return traces
+            runs = np.array([[int(c) for c in r] for r in runs], dtype=np.int64)
+        return cls(np.array(middle), np.array(bottom), runs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"middle": _stored(self.middle), "bottom": _stored(self.bottom)}
+        if self.bottom_runs is not None:
+            out["bottom_runs"] = ["".join(str(int(run)) for run in row) for row in self.bottom_runs]
+        return out
+
+
+@dataclass
+class TriForceEntry:
+    """One retrieval-cache setting (context, budget, chunk, stride): the mean acceptances and their traces."""
+
+    context: int
+    budget: int
+    chunk: int
+    stride: int
+    middle: float  # the middle level's acceptance by the full target
+    bottom: float  # the bottom drafter's acceptance by the middle level
+    traces: list[TriForceTrace] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # stderrs, positions
+
+    @classmethod
+    def from_fields(cls, e: Fields) -> TriForceEntry:
+        budget, chunk = e.token_count("budget"), e.token_count("chunk")
+        if chunk >= budget or budget % chunk:
+            raise e.fail(f"the chunk ({chunk}) must divide the budget ({budget}) and be smaller")
+        raw = e.data.get("traces")
+        if raw is not None and not isinstance(raw, list):
+            raise e.fail("'traces' must be a list")
+        traces = [TriForceTrace.from_fields(Fields(item, f"{e.where}: traces[{i}]"))
+                  for i, item in enumerate(raw or [])]
+        known = {"context", "budget", "chunk", "stride", "middle", "bottom", "traces"}
+        return cls(e.token_count("context"), budget, chunk, e.token_count("stride"),
+                   e.number("middle", low=0.0, high=1.0), e.number("bottom", low=0.0, high=1.0), traces,
+                   {k: v for k, v in e.data.items() if k not in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"context": self.context, "budget": self.budget, "chunk": self.chunk, "stride": self.stride,
+                "middle": self.middle, "bottom": self.bottom, **self.extra,
+                "traces": [trace.to_dict() for trace in self.traces]}
+
+
+@dataclass
+class StreamingRecord:
+    """The StreamingLLM-only draft at one context: `drafter` draft (the bottom model) or target (the target
+    itself over the StreamingLLM cache), its acceptance by the full target, one trace per prompt."""
+
+    context: int
+    drafter: str  # one of STREAMING_DRAFTERS
+    acceptance: float
+    traces: list[np.ndarray]  # per prompt: [positions] float
+    extra: dict[str, Any] = field(default_factory=dict)  # stderr, positions
+
+    @classmethod
+    def from_fields(cls, r: Fields, bottom: str) -> StreamingRecord:
+        drafter = r.string("drafter")
+        if drafter not in STREAMING_DRAFTERS:
+            raise r.fail("'drafter' must be draft or target")
+        if drafter == "draft" and bottom == "trie":
+            raise r.fail("a streaming draft model needs a model bottom")
+        traces = r.data.get("traces")
+        if not (isinstance(traces, list) and traces and all(isinstance(t, list) and t for t in traces)):
+            raise r.fail("'traces' must be a non-empty list of non-empty per-prompt lists")
+        values = [np.array([check_number(v, f"{r.where}: traces[{j}][{k}]", 0.0, 1.0) for k, v in enumerate(trace)])
+                  for j, trace in enumerate(traces)]
+        known = {"context", "drafter", "acceptance", "traces"}
+        return cls(r.token_count("context"), drafter, r.number("acceptance", low=0.0, high=1.0), values,
+                   {k: v for k, v in r.data.items() if k not in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"context": self.context, "drafter": self.drafter, "acceptance": self.acceptance, **self.extra,
+                "traces": [_stored(trace) for trace in self.traces]}
+
+
+@dataclass
+class TriForceAcceptance:
+    """Per (context, budget, chunk, stride) a TriForceEntry; per context (optional) a StreamingRecord."""
+
+    target: str
+    bottom: str  # "trie" or the bottom model's name
+    entries: list[TriForceEntry]
+    temperature: float = 0.0
+    streaming: list[StreamingRecord] = field(default_factory=list)
+    bottom_cache: tuple[int, int] | None = None  # the bottom model's StreamingLLM cache: (sinks, window)
+    decoded_with: dict[str, Any] | None = None  # the plan whose decoding was replayed: file and settings
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> TriForceAcceptance:
+        f = Fields(data, where)
+        f.kind("acceptance/triforce")
+        models = f.sub("models")
+        bottom = models.string("bottom")
+        raw = data.get("entries")
+        if not isinstance(raw, list) or not raw:
+            raise f.fail("'entries' must be a non-empty list")
+        streaming = data.get("streaming") or []
+        if not isinstance(streaming, list):
+            raise f.fail("'streaming' must be a list")
+        cache = f.sub("bottom_cache", required=False)
+        known = {"kind", "models", "entries", "temperature", "streaming", "bottom_cache", "decoded_with"}
+        return cls(
+            target=models.string("target"), bottom=bottom,
+            entries=[TriForceEntry.from_fields(Fields(item, f"{where}: entries[{i}]")) for i, item in enumerate(raw)],
+            temperature=f.number("temperature", required=False, low=0.0, default=0.0),
+            streaming=[StreamingRecord.from_fields(Fields(item, f"{where}: streaming[{i}]"), bottom)
+                       for i, item in enumerate(streaming)],
+            bottom_cache=(cache.token_count("sinks", low=0), cache.token_count("window")) if cache else None,
+            decoded_with=_decoded_with(f.sub("decoded_with", required=False)),
+            extra={k: v for k, v in data.items() if k not in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": "acceptance/triforce", "models": {"target": self.target, "bottom": self.bottom},
+                               "temperature": self.temperature, **self.extra}
+        out["bottom_cache"] = None if self.bottom_cache is None else dict(zip(("sinks", "window"), self.bottom_cache))
+        out["decoded_with"] = self.decoded_with
+        out["streaming"] = [record.to_dict() for record in self.streaming]
+        out["entries"] = [entry.to_dict() for entry in self.entries]
+        return out
+
+    def streaming_at(self, context: int) -> StreamingRecord | None:
+        return next((r for r in self.streaming if r.context == context), None)
+
+
+def _decoded_with(section: Fields | None) -> dict[str, Any] | None:
+    if section is None:
+        return None
+    values = {key: section.token_count(key, low=0 if key == "gamma1" else 1)  # gamma1 0: no bottom level
+              for key in TRIFORCE_DECODED_SETTINGS if key != "bottom"}
+    return {**section.data, **values, "bottom": section.string("bottom")}
+
+
+def _stored(values: np.ndarray) -> list:
+    """A trace as the file holds it: 0/1 integers at T = 0, else probabilities."""
+    return values.tolist()
 
 
 def load_triforce_acceptance(path: str | os.PathLike) -> TriForceAcceptance:

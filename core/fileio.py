@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -34,18 +35,130 @@ def _read_text(path: Path) -> str:
         raise UserError(f"{path}: cannot read: {exc.__class__.__name__}") from None
 
 
-def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a YAML mapping with yaml.safe_load; every failure becomes a one-line UserError."""
-    path = Path(path)
-    text = _read_text(path)
+# Bounds on what a document may hold. specplan's own files nest at most 6 deep, never use anchors or aliases, and
+# keep every number finite and every integer well inside int64 (token ids, sizes, contexts).
+MAX_DOCUMENT_BYTES = 256 << 20
+MAX_DEPTH = 32
+MAX_NODES = 20_000_000
+MAX_INTEGER = 2**53  # exact in float64, and far beyond any count, length or token id
+MAX_STRING_CHARS = 1 << 16  # free-form text (a note, a command line); names are bounded tighter (core.validate)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader with anchors/aliases refused and the nesting depth bounded.
+
+    An alias is how a YAML file builds a cycle (`&a [*a]`) or an exponential "billion laughs" expansion; specplan
+    never writes one. The composer recurses once per nesting level, so deep nesting is refused before it
+    exhausts Python's stack."""
+
+    depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise _Refused("anchors and aliases (& and *) are not allowed", self.peek_event().start_mark)
+        event = self.peek_event()
+        if getattr(event, "anchor", None) is not None:
+            raise _Refused("anchors and aliases (& and *) are not allowed", event.start_mark)
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise _Refused(f"nested more than {MAX_DEPTH} levels deep", event.start_mark)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+class _Refused(Exception):
+    def __init__(self, message: str, mark: Any) -> None:
+        super().__init__(message)
+        self.line = mark.line + 1 if mark is not None else None
+
+
+def field_name(path: list[Any]) -> str:
+    """`target.contexts.512.t_seconds[2]` for a path of mapping keys and list positions."""
+    text = ""
+    for part in path:
+        text += f"[{int(part)}]" if isinstance(part, _Index) else f"{'.' if text else ''}{shown(part, quote=False)}"
+    return text or "<document>"
+
+
+class _Index(int):
+    """A list position in a field path (printed as [i], where a mapping key is printed as .key)."""
+
+
+def shown(value: Any, limit: int = 60, quote: bool = True) -> str:
+    """A user's value for an error line: its repr, cut short (a 1 MB string must not become a 1 MB line)."""
+    text = repr(value) if quote or not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_plain_values(data: Any, where: str) -> None:
+    """Refuse anything in a loaded document that no specplan format holds, naming the field: keys other than
+    strings and integers, dates, binary, sets, non-finite numbers, integers beyond MAX_INTEGER, strings that are
+    not valid Unicode (a lone surrogate), and documents of more than MAX_NODES values. Iterative: no recursion."""
+    stack: list[tuple[Any, list[Any]]] = [(data, [])]
+    nodes = 0
+    while stack:
+        value, path = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise UserError(f"{where}: more than {MAX_NODES} values")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, bool) or not isinstance(key, (str, int)):
+                    raise UserError(f"{where}: {field_name(path)} has a key {shown(key)}: keys are names or integers")
+                if isinstance(key, str):
+                    _check_string(key, where, path)
+                stack.append((item, path + [key]))
+        elif isinstance(value, list):
+            stack.extend((item, path + [_Index(i)]) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_string(value, where, path)
+        elif isinstance(value, bool) or value is None:
+            continue
+        elif isinstance(value, int):
+            if abs(value) > MAX_INTEGER:
+                raise UserError(f"{where}: {field_name(path)}: integer {shown(value)} is out of range")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise UserError(f"{where}: {field_name(path)}: must be finite, got {value}")
+        else:
+            raise UserError(f"{where}: {field_name(path)}: a {type(value).__name__} is not a value specplan reads")
+
+
+def _check_string(text: str, where: str, path: list[Any]) -> None:
+    if len(text) > MAX_STRING_CHARS:
+        raise UserError(f"{where}: {field_name(path)}: a string of {len(text)} characters; at most {MAX_STRING_CHARS}")
     try:
-        data = yaml.safe_load(text)
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{where}: {field_name(path)}: a string that is not valid Unicode") from None
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a YAML mapping safely and within bounds (see _BoundedLoader, check_plain_values); every failure
+    becomes a one-line UserError naming the file."""
+    path = Path(path)
+    with contextlib.suppress(OSError):
+        if path.stat().st_size > MAX_DOCUMENT_BYTES:
+            raise UserError(f"{path}: larger than {MAX_DOCUMENT_BYTES >> 20} MiB; not a specplan file")
+    text = _read_text(path)
+    loader = _BoundedLoader(text)
+    try:
+        data = loader.get_single_data()
+    except _Refused as exc:
+        raise UserError(f"{path}: {exc} (line {exc.line})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise UserError(f"{path}: malformed YAML{where}") from None
+    except (RecursionError, MemoryError):
+        raise UserError(f"{path}: too deeply nested or too large") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a YAML mapping at the top level")
+    check_plain_values(data, str(path))
     return data
 
 
@@ -104,6 +217,8 @@ def read_json(path: str | os.PathLike) -> dict[str, Any]:
         data = json.loads(_read_text(path))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: malformed JSON at line {exc.lineno}") from None
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object at the top level")
     return data

@@ -28,17 +28,14 @@ from typing import Any
 
 import numpy as np
 
+from core.choices import DTYPES
 from core.errors import UserError
-from core.fileio import read_yaml, write_yaml
-from core.validate import Fields, check_number
+from core.fileio import check_plain_values, plain, read_yaml, write_yaml
+from core.method_settings import TrieSettings, TriForceSettings
+from core.validate import MAX_VOCABULARY, Fields
 
 PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce")
-LOOKAHEAD_SETTINGS = ("decoding_length", "branch_length", "window", "max_prefix", "capacity")
-TRIFORCE_SETTINGS = ("gamma1", "gamma2", "budget", "chunk", "stride", "context")
-TRIFORCE_BOTTOMS = ("trie", "model", "none", "streaming")
-# StreamingLLM's cache, as TriForce's bottom level keeps it: a few attention-sink tokens and a recent window.
-STREAMING_SINKS = 4
-STREAMING_WINDOW = 1024
+MAX_TREE_NODES = 1 << 16  # far above any tree a target verifies in one forward
 
 
 @dataclass(frozen=True)
@@ -50,6 +47,8 @@ class TokenTree:
     @classmethod
     def from_parents(cls, parents: Any, where: str = "tree") -> TokenTree:
         values = list(parents) if isinstance(parents, (list, tuple, np.ndarray)) else None
+        if values is not None and len(values) > MAX_TREE_NODES:
+            raise UserError(f"{where}: {len(values)} nodes; a tree holds at most {MAX_TREE_NODES}")
         if values is None or not all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in values):
             raise UserError(f"{where}: parents must be a list of integers")
         tree = cls(tuple(int(p) for p in values))
@@ -141,23 +140,12 @@ class TokenTree:
 
 
 def _finite_mapping(data: Any, where: str) -> dict[str, Any]:
-    """Check that every number inside a (nested) mapping is finite."""
+    """A free-form section (inputs, solver, provenance, ...): a mapping of plain, finite values."""
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a mapping")
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, f"{path}.{k}")
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                walk(v, f"{path}[{i}]")
-        elif isinstance(value, float):
-            check_number(value, path)
-
-    walk(data, where)
+    check_plain_values(data, where)
     return data
 
 
@@ -173,8 +161,9 @@ class Plan:
     provenance: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
     tree: TokenTree | None = None
-    settings: dict[str, Any] = field(default_factory=dict)  # lookahead, triforce: the method's settings
+    settings: TrieSettings | TriForceSettings | None = None  # lookahead, triforce: the method's settings
     tokenizer: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="plan", compare=False)  # the file it was read from, for error messages
 
     @property
     def kind(self) -> str:
@@ -190,7 +179,11 @@ class Plan:
         prediction.number("speedup", required=False, low=0.0)
         models = f.sub("models", required=False)
         if models:
-            models.integer("draft_vocab", required=False, low=1)
+            for role in ("target", "draft"):
+                models.string(role, required=False)
+            for role in ("dtype", "draft_dtype"):
+                models.string(role, required=False, choices=DTYPES)
+            models.integer("draft_vocab", required=False, low=1, high=MAX_VOCABULARY)
         plan = cls(
             method=method,
             models=dict(models.data) if models else {},
@@ -199,6 +192,7 @@ class Plan:
             solver=_finite_mapping(data.get("solver"), f"{where}: solver"),
             provenance=_finite_mapping(data.get("provenance"), f"{where}: provenance"),
             sampling=_finite_mapping(data.get("sampling"), f"{where}: sampling"),
+            source=where,
         )
         if method == "sequoia":
             tree = f.sub("tree")
@@ -212,28 +206,14 @@ class Plan:
             if tokens_per_step > plan.tree.size:
                 raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the tree size {plan.tree.size}")
         if method == "lookahead":
-            settings = f.sub("lookahead")
-            plan.settings = {key: settings.integer(key, low=1) for key in LOOKAHEAD_SETTINGS}
-            plan.settings["prompt_weight"] = settings.number("prompt_weight", low=0.0)
+            plan.settings = TrieSettings.from_fields(f.sub("lookahead"))
             tokenizer = f.sub("tokenizer")
             plan.tokenizer = {"vocab_size": tokenizer.integer("vocab_size", low=1),
                               "sha256": tokenizer.string("sha256")}
-            if tokens_per_step > plan.settings["decoding_length"]:
+            if tokens_per_step > plan.settings.decoding_length:
                 raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the decoding length")
         if method == "triforce":
-            settings = f.sub("triforce")
-            plan.settings = {key: settings.integer(key, low=1) for key in TRIFORCE_SETTINGS}
-            plan.settings["rebuild_below"] = settings.number("rebuild_below", low=0.0, high=1.0)
-            plan.settings["bottom"] = settings.string("bottom")
-            if plan.settings["bottom"] not in TRIFORCE_BOTTOMS:
-                raise settings.fail(f"'bottom' must be {', '.join(TRIFORCE_BOTTOMS[:-1])} or {TRIFORCE_BOTTOMS[-1]}")
-            plan.settings["sinks"] = settings.integer("sinks", low=0)
-            plan.settings["window"] = settings.integer("window", low=1)
-            plan.settings["speculate"] = settings.boolean("speculate", default=True)
-            if plan.settings["gamma2"] < plan.settings["gamma1"]:
-                raise settings.fail("gamma2 must be >= gamma1")
-            if plan.settings["budget"] % plan.settings["chunk"]:
-                raise settings.fail("the chunk size must divide the budget")
+            plan.settings = TriForceSettings.from_fields(f.sub("triforce"))
         return plan
 
     def to_dict(self) -> dict[str, Any]:
@@ -242,8 +222,8 @@ class Plan:
             out["sampling"] = self.sampling
         if self.tree is not None:
             out["tree"] = {"size": self.tree.size, "depth": self.tree.depth, "parents": list(self.tree.parents)}
-        if self.settings:
-            out[self.method] = self.settings
+        if self.settings is not None:
+            out[self.method] = self.settings.to_dict()
         if self.tokenizer:
             out["tokenizer"] = self.tokenizer
         out["prediction"] = self.prediction
@@ -262,7 +242,7 @@ def load_decoding_plan(path: str | os.PathLike, method: str, target: str, dtype:
     dtype."""
     plan = load_plan(path)
     if plan.method != method:
-        raise UserError(f"{path}: --decode-with needs a {method} plan, not a {plan.method} plan")
+        raise UserError(f"{path}: decoding these outputs needs a {method} plan, not a {plan.method} plan")
     if plan.models.get("target") != target:
         raise UserError(f"{path}: the plan is for {plan.models.get('target')!r}, not {target!r}")
     if plan.models.get("dtype", dtype) != dtype:
@@ -271,7 +251,10 @@ def load_decoding_plan(path: str | os.PathLike, method: str, target: str, dtype:
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
-    write_yaml(path, plan.to_dict())
+    """Write a plan after reading it back with the loader: a solver never writes a plan that does not load."""
+    document = plain(plan.to_dict())
+    Plan.from_dict(document, str(path))
+    write_yaml(path, document)
 
 
 def parents_array(tree: TokenTree) -> np.ndarray:

@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 from scipy.interpolate import PchipInterpolator
 
-from core.fileio import read_yaml
+from core.choices import DTYPES
+from core.fileio import check_plain_values, plain, read_yaml, shown, write_yaml
 from core.machine import machine_identity
-from core.validate import Fields
+from core.validate import MAX_FORWARD_TOKENS, MAX_SECONDS, Fields
 
 
 class LatencyCurve:
@@ -72,6 +73,12 @@ class LatencyProfile:
     builds_by_context: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {budget: seconds}}
     overhead_seconds: dict[int, float] = field(default_factory=dict)  # {n: engine seconds per step outside t(n)}
     window_prefills: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # {role: (sinks, window, s)}
+    overhead_context: int | None = None  # the context engine_overhead_seconds was timed at
+    models: dict[str, str] = field(default_factory=dict)  # {role: model name}
+    dtype: str | None = None
+    draft_dtype: str | None = None
+    hardware: dict[str, Any] = field(default_factory=dict)
+    measurement_seconds: float | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -79,51 +86,52 @@ class LatencyProfile:
         f = Fields(data, where)
         f.kind("profile/latency")
         target = f.sub("target")
-        t_seconds = target.int_keyed_numbers("t_seconds", low=0.0)
+        t_seconds = target.int_keyed_numbers("t_seconds", seconds=True, max_key=MAX_FORWARD_TOKENS)
         if 1 not in t_seconds:
             raise target.fail("'t_seconds' must include n = 1 (speedups are relative to t(1))")
-        if min(t_seconds) < 1:
-            raise target.fail("'t_seconds' keys must be >= 1")
-        if t_seconds[1] <= 0:
-            raise target.fail("t(1) must be > 0")
         by_context: dict[int, dict[int, float]] = {}
         builds: dict[int, dict[int, float]] = {}
-        contexts = target.sub("contexts", required=False)
-        if contexts is not None:
-            for key in contexts.data:
-                entry = Fields(contexts.data[key], f"{contexts.where}: {key}")
-                by_context[int(key)] = entry.int_keyed_numbers("t_seconds", low=0.0)
+        if target.has("contexts"):
+            for context, entry in target.by_token_count("contexts").items():
+                by_context[context] = entry.int_keyed_numbers("t_seconds", seconds=True, max_key=MAX_FORWARD_TOKENS)
+                if 1 not in by_context[context]:
+                    raise entry.fail("'t_seconds' must include n = 1 (speedups are relative to t(1))")
                 if entry.has("retrieval_build_seconds"):
-                    builds[int(key)] = entry.int_keyed_numbers("retrieval_build_seconds", low=0.0)
+                    builds[context] = entry.int_keyed_numbers("retrieval_build_seconds", seconds=True)
         draft = f.sub("draft", required=False)
-        draft_step = draft.number("step_seconds", required=False, low=0.0) if draft else None
+        draft_step = draft.seconds("step_seconds", required=False) if draft else None
         draft_by_context: dict[int, float] = {}
         if draft is not None and draft.has("contexts"):
-            dctx = draft.sub("contexts")
-            for key in dctx.data:
-                entry = Fields(dctx.data[key], f"{dctx.where}: {key}")
-                draft_by_context[int(key)] = entry.number("step_seconds", low=0.0)
+            draft_by_context = {context: entry.seconds("step_seconds")
+                                for context, entry in draft.by_token_count("contexts").items()}
         window_prefills = {}
         for role, section in (("target", target), ("draft", draft)):
             if section is not None and section.has("window_prefill"):
                 prefill = section.sub("window_prefill")
-                window_prefills[role] = (prefill.integer("sinks", low=0), prefill.integer("window", low=1),
-                                         prefill.number("seconds", low=0.0))
+                window_prefills[role] = (prefill.token_count("sinks", low=0), prefill.token_count("window"),
+                                         prefill.seconds("seconds"))
         source = f.string("source", required=False, default="measured")
         if source not in ("measured", "modeled"):
-            raise f.fail(f"'source' must be measured or modeled, got {source!r}")
+            raise f.fail(f"'source' must be measured or modeled, got {shown(source)}")
         return cls(
             target_t_seconds=t_seconds,
             draft_step_seconds=draft_step,
-            target_context=target.integer("context", required=False, low=1),
+            target_context=target.token_count("context", required=False),
             target_by_context=by_context,
             draft_by_context=draft_by_context,
             source=source,
             draft_vocab=f.integer("draft_vocab", required=False, low=1),
             builds_by_context={L: points for L, points in builds.items() if points},
-            overhead_seconds=target.int_keyed_numbers("engine_overhead_seconds", low=0.0)
+            overhead_seconds=target.int_keyed_numbers("engine_overhead_seconds", low=0.0, high=MAX_SECONDS,
+                                                                    max_key=MAX_FORWARD_TOKENS)
             if target.has("engine_overhead_seconds") else {},
             window_prefills=window_prefills,
+            overhead_context=target.token_count("engine_overhead_context", required=False),
+            models=_names(f.sub("models", required=False)),
+            dtype=f.string("dtype", required=False, choices=DTYPES),
+            draft_dtype=f.string("draft_dtype", required=False, choices=DTYPES),
+            hardware=_hardware(f.sub("hardware", required=False)),
+            measurement_seconds=f.number("measurement_seconds", required=False, low=0.0),
             raw=data,
         )
 
@@ -202,17 +210,34 @@ class LatencyProfile:
     @property
     def machine(self) -> dict[str, Any]:
         """The machine the timings describe (core.machine.machine_identity of `hardware`)."""
-        hardware = self.raw.get("hardware")
-        return machine_identity(hardware if isinstance(hardware, dict) else {})
+        return machine_identity(self.hardware)
 
     def plan_inputs(self, path: str | os.PathLike) -> dict[str, Any]:
         """What a plan records of the profile it was solved with."""
         return {"file": str(path), "source": self.source, "machine": self.machine}
 
-    @property
-    def models(self) -> dict[str, Any]:
-        models = self.raw.get("models")
-        return models if isinstance(models, dict) else {}
+
+def _names(models: Fields | None) -> dict[str, str]:
+    """`models: {target: name, draft: name}`."""
+    if models is None:
+        return {}
+    return {role: models.string(role) for role in models.data}
+
+
+HARDWARE_STRINGS = ("device", "gpu", "cpu")
+
+
+def _hardware(hardware: Fields | None) -> dict[str, Any]:
+    """`hardware`, free-form but for the fields a machine's identity is read from (core.machine)."""
+    if hardware is None:
+        return {}
+    for key in HARDWARE_STRINGS:
+        hardware.string(key, required=False)
+    hardware.integer("threads", required=False, low=1)
+    flags = hardware.data.get("cpu_flags")
+    if flags is not None and not (isinstance(flags, list) and all(isinstance(x, str) for x in flags)):
+        raise hardware.fail("'cpu_flags' must be a list of names")
+    return hardware.data
 
 
 def covering(keys: Iterable[int], low: float, high: float) -> list[int]:
@@ -231,3 +256,11 @@ def _linear(points: dict[int, float], x: float) -> float:
 
 def load_profile(path: str | os.PathLike) -> LatencyProfile:
     return LatencyProfile.from_dict(read_yaml(path), str(path))
+
+
+def save_profile(document: dict[str, Any], path: str | os.PathLike) -> LatencyProfile:
+    """Write a profile the profiler assembled, after reading it back with the loader: what is written loads."""
+    profile = LatencyProfile.from_dict(plain(document), str(path))
+    check_plain_values(profile.raw, str(path))
+    write_yaml(path, profile.raw)
+    return profile

@@ -9,7 +9,7 @@ from core.errors import UserError
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
-            raise UserError("the model's tokenizer has no chat template (drop --chat)")
+            raise UserError("the model's tokenizer has no chat template: encode the prompt as given, without one")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
         return list(ids)

@@ -24,7 +24,7 @@ from decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from decoder.engine import GenerationResult, SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
-from decoder.trie import Trie, TrieSettings
+from decoder.trie import Trie
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Decoder:
                  seed: int | None = None, chat: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationOutput:
         if max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+            raise UserError(f"the number of new tokens must be >= 1, got {max_new_tokens}")
         ids = self.encode(prompt, chat)
         result = self.engine.generate(ids, max_new_tokens, params or self.default_params(), seed, on_tokens)
         return GenerationOutput(result, self.tokenizer.decode(result.tokens, skip_special_tokens=True), len(ids))
@@ -111,7 +111,7 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     plan = load_plan(plan_path) if plan_path is not None else None
     target_name = target or (plan.models.get("target") if plan else None)
     if not target_name:
-        raise UserError("no target model: give --target or a plan that names one")
+        raise UserError("no target model: name one, or give a plan that names one")
     dtype = dtype or (plan.models.get("dtype") if plan else None) or "fp32"
     log(f"loading {target_name} ({dtype})")
     target_model = load_model(target_name, dtype, log=log)
@@ -124,14 +124,14 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
             raise UserError(f"{plan_path}: the plan was made for another tokenizer "
                             f"({plan.tokenizer.get('vocab_size')} tokens) than {target_name}'s "
                             f"({fingerprint['vocab_size']} tokens)")
-        settings = TrieSettings(**plan.settings).check()
+        settings = plan.settings.check()
         return Decoder(target_model, lambda: TrieDrafter(Trie(settings)), plan, verify, lean_target=lean_target)
     if plan.method == "triforce":
         return _triforce_decoder(plan, target_model, lean_target, draft, draft_dtype or dtype, verify, log, device)
     if plan.method == "sequoia":
         draft_name = draft or plan.models.get("draft")
         if not draft_name:
-            raise UserError(f"{plan_path}: the plan names no draft model; give --draft")
+            raise UserError(f"{plan_path}: the plan names no draft model; name one")
         draft_dtype = draft_dtype or plan.models.get("draft_dtype") or dtype
         log(f"loading {draft_name} ({draft_dtype})")
         draft_model = load_model(draft_name, draft_dtype, log=log)
@@ -147,32 +147,32 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, d
     from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter, bottom_trie_settings
 
     settings = plan.settings
-    retrieval = RetrievalSettings(settings["budget"], settings["chunk"], settings["stride"],
-                                  settings["rebuild_below"]).check()
+    retrieval = RetrievalSettings(settings.budget, settings.chunk, settings.stride,
+                                  settings.rebuild_below).check()
     draft_model = lean_draft = None
     draft_name = draft_name or plan.models.get("draft")
     # loaded even where the plan does not speculate: bench baselines use it
-    if settings["bottom"] == "model" or (settings["bottom"] == "streaming" and plan.models.get("draft")):
+    if settings.bottom == "model" or (settings.bottom == "streaming" and plan.models.get("draft")):
         if not draft_name:
-            raise UserError("the plan's bottom level is a draft model but names none; give --draft")
+            raise UserError("the plan's bottom level is a draft model but names none; name one")
         log(f"loading {draft_name} ({draft_dtype})")
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target, draft_model)
         lean_draft = lean_model(draft_model, device)
 
     def bottom() -> Drafter:
-        if settings["bottom"] == "trie":
-            return TrieDrafter(Trie(bottom_trie_settings(settings["gamma1"])))
-        if settings["bottom"] == "model":
-            return StreamingDrafter(lean_draft, settings["gamma1"], settings["sinks"], settings["window"])
+        if settings.bottom == "trie":
+            return TrieDrafter(Trie(bottom_trie_settings(settings.gamma1)))
+        if settings.bottom == "model":
+            return StreamingDrafter(lean_draft, settings.gamma1, settings.sinks, settings.window)
         return NoDrafter()
 
     def hierarchy() -> Drafter | None:
-        if not settings["speculate"]:
+        if not settings.speculate:
             return None
-        if settings["bottom"] == "streaming":  # no middle level: the StreamingLLM draft drafts for the top
-            return StreamingDrafter(lean_draft or lean_target, settings["gamma2"], settings["sinks"],
-                                    settings["window"])
-        return HierarchicalDrafter(lean_target, bottom(), settings["gamma1"], settings["gamma2"], retrieval)
+        if settings.bottom == "streaming":  # no middle level: the StreamingLLM draft drafts for the top
+            return StreamingDrafter(lean_draft or lean_target, settings.gamma2, settings.sinks,
+                                    settings.window)
+        return HierarchicalDrafter(lean_target, bottom(), settings.gamma1, settings.gamma2, retrieval)
 
     return Decoder(target, hierarchy, plan, verify, draft_model, lean_target, lean_draft)

@@ -4,6 +4,7 @@ a trie (Lookahead) and a hierarchy (TriForce); verification is kept apart (decod
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,11 @@ class Drafter(ABC):
 
     def bind(self, target_cache: KVCache) -> None:
         """The engine's target cache after prefill (a drafter built on the target's own cache reads it)."""
+
+    def target_forward_arguments(self) -> dict[str, Any]:
+        """Extra keyword arguments for the target's verifying forward (LeanModel.forward): TriForce's drafter
+        asks for the root's rotated queries, which select its retrieval cache."""
+        return {}
 
     # A drafter used as the bottom of a hierarchy follows speculative tokens that the top may reject:
     def extend(self, tokens: list[int]) -> None:

@@ -81,7 +81,7 @@ class SpeculativeEngine:
         # which one-token decoding does not pay: it counts as decoding time.
         self.drafter.reset(prompt, max_len)
         self.drafter.bind(cache)
-        queries = getattr(self.drafter, "queries", None)
+        forward_arguments = self.drafter.target_forward_arguments()
         out: list[int] = []
         accepted_per_step: list[int] = []
         root = prompt[-1]
@@ -91,7 +91,7 @@ class SpeculativeEngine:
             tokens = torch.tensor(tree.tokens)
             positions = cache.length + torch.tensor(tree.depths)
             mask = self._mask(tree.parents, cache.length) if tree.size > 1 else None
-            logits = target.forward(tokens, positions, cache, mask, queries=queries, query_row=0)
+            logits = target.forward(tokens, positions, cache, mask, **forward_arguments)
             path, next_token = rule.walk(tree, logits, params, generator)
             contiguous = path == list(range(len(path)))
             cache.commit(None if contiguous else torch.tensor(path), len(path))

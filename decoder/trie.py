@@ -19,48 +19,16 @@ subtrees) until it fits; prompt branches stay while their request is live.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, types
 from numba.typed import Dict
 
-from core.errors import UserError
+from core.method_settings import TrieSettings
 
 KEY_TYPE = types.int64
 _EMPTY = -1
-
-
-MAX_PREFIX = 4  # longest context suffix matched
-PROMPT_WEIGHT = 4.0  # prompt branches weigh this many output windows
-CAPACITY_FACTOR = 16  # the trie holds this many L_d-token windows before pruning
-
-
-@dataclass(frozen=True)
-class TrieSettings:
-    decoding_length: int = 16  # L_d: tokens the target scores per step, root included
-    branch_length: int = 8  # L_b: deepest draft token below the root
-    window: int = MAX_PREFIX + 8  # tokens per inserted branch (a matched context plus its continuation)
-    max_prefix: int = MAX_PREFIX
-    capacity: int = CAPACITY_FACTOR * 16 * (MAX_PREFIX + 8)  # nodes before pruning
-    prompt_weight: float = PROMPT_WEIGHT
-
-    @classmethod
-    def sized(cls, decoding_length: int, branch_length: int) -> TrieSettings:
-        """Lookahead's settings for L_d and L_b: windows hold a matched context and a full branch, and the
-        capacity is CAPACITY_FACTOR x L_d windows (the defaults above are those of L_d 16, L_b 8)."""
-        window = MAX_PREFIX + branch_length
-        return cls(decoding_length, branch_length, window, MAX_PREFIX, CAPACITY_FACTOR * decoding_length * window,
-                   PROMPT_WEIGHT).check()
-
-    def check(self) -> TrieSettings:
-        if self.decoding_length < 1:
-            raise UserError(f"decoding length L_d must be >= 1, got {self.decoding_length}")
-        if self.branch_length < 1:
-            raise UserError(f"branch length L_b must be >= 1, got {self.branch_length}")
-        if self.max_prefix < 1 or self.window < 2 or self.capacity < 1 or self.prompt_weight < 0:
-            raise UserError("trie settings: max_prefix >= 1, window >= 2, capacity >= 1, prompt_weight >= 0")
-        return self
 
 
 def accepted_run(draft_tokens: np.ndarray, draft_parents: np.ndarray, wanted: np.ndarray) -> int:
@@ -88,6 +56,18 @@ def _child(children, parent: int, token: int) -> int:
     return _EMPTY
 
 
+class TrieArrays(NamedTuple):
+    """The trie's nodes as flat arrays (numba reads a NamedTuple by field); slots beyond `size[0]` are free."""
+
+    tokens: np.ndarray  # [slots] int64: the node's token
+    parents: np.ndarray  # [slots] int64
+    first_child: np.ndarray  # [slots] int64, _EMPTY for a leaf
+    next_sibling: np.ndarray  # [slots] int64, _EMPTY for the last sibling
+    output_count: np.ndarray  # [slots] float64: windows of generated text through the node (decayed)
+    prompt_count: np.ndarray  # [slots] float64: windows of the live prompt through the node
+    size: np.ndarray  # [1] int64: nodes in use (an array, so that compiled code can grow it)
+
+
 @njit(cache=True)
 def _add_child(state, children, parent: int, token: int) -> int:
     tokens, parents, first_child, next_sibling, output_count, prompt_count, size = state
@@ -109,7 +89,7 @@ def _count_windows(state, children, sequence, old_length, new_length, window, fr
     """Add `delta` to the counts of the windows of sequence[:new_length] that gained tokens since old_length
     (the arrays must have room for (new_length - old_length + window) * window new nodes). A negative delta
     withdraws an earlier insertion of the same tokens: it creates no nodes and stops at pruned ones."""
-    counts = state[5] if from_prompt else state[4]
+    counts = state.prompt_count if from_prompt else state.output_count
     for start in range(max(0, old_length - window + 1), new_length):
         node = 0
         end = min(start + window, new_length)
@@ -251,19 +231,20 @@ class Trie:
         self.draft_parents = np.zeros(settings.decoding_length, dtype=np.int64)
 
     def _allocate(self, slots: int) -> None:
-        self.state = (np.zeros(slots, np.int64), np.full(slots, -1, np.int64), np.full(slots, -1, np.int64),
-                      np.full(slots, -1, np.int64), np.zeros(slots), np.zeros(slots), np.ones(1, np.int64))
+        self.state = TrieArrays(np.zeros(slots, np.int64), np.full(slots, -1, np.int64),
+                                np.full(slots, -1, np.int64), np.full(slots, -1, np.int64), np.zeros(slots),
+                                np.zeros(slots), np.ones(1, np.int64))
         self.children = Dict.empty(key_type=KEY_TYPE, value_type=KEY_TYPE)
 
     @property
     def size(self) -> int:
-        return int(self.state[6][0])
+        return int(self.state.size[0])
 
     def insert(self, sequence: np.ndarray, old_length: int, new_length: int, from_prompt: bool = False) -> None:
         """Count the windows of sequence[:new_length] that grew since old_length (0 for a fresh sequence)."""
         window = self.settings.window
         needed = (new_length - max(0, old_length - window + 1)) * window
-        if len(self.state[0]) - self.size < needed:
+        if len(self.state.tokens) - self.size < needed:
             self._rebuild(np.ones(self.size, dtype=bool), room=needed)
         _count_windows(self.state, self.children, sequence, old_length, new_length, window, from_prompt, 1.0)
         if from_prompt:
@@ -313,5 +294,5 @@ def _copy_nodes(state, children, old_ids, tokens, parents, output_count, prompt_
         old = old_ids[i]
         node = _add_child(state, children, new_id[parents[old]], tokens[old])
         new_id[old] = node
-        state[4][node] = output_count[old]
-        state[5][node] = prompt_count[old]
+        state.output_count[node] = output_count[old]
+        state.prompt_count[node] = prompt_count[old]

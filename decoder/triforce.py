@@ -20,16 +20,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from core.errors import UserError
-from core.plan_schema import STREAMING_SINKS, STREAMING_WINDOW
+from core.method_settings import MAX_PREFIX, STREAMING_SINKS, STREAMING_WINDOW, TrieSettings
 from decoder.drafters import Drafter, choose_children
 from decoder.model import KVCache, LeanModel, causal_mask
 from decoder.sampling import probabilities
 from decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
-from decoder.trie import MAX_PREFIX, TrieSettings
 from decoder.verify import choose_rule
 
 
@@ -242,6 +242,10 @@ class HierarchicalDrafter(Drafter):
         self.full = None
         self.rebuild_due = False
         self.recent.clear()
+
+    def target_forward_arguments(self) -> dict[str, Any]:
+        """The target's verifying forward writes its root's rotated queries here: the next build's selection."""
+        return {"queries": self.queries, "query_row": 0}
 
     def bind(self, target_cache: KVCache) -> None:
         self.full = target_cache

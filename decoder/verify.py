@@ -135,17 +135,17 @@ def choose_rule(name: str | None, params: SamplingParams, drafter_draws: tuple[s
     drafter can produce. Deterministic drafters are verified by sample matching."""
     if params.greedy:
         if name not in (None, "greedy"):
-            raise UserError(f"--verify {name} needs a temperature > 0 (T = 0 verifies by greedy match)")
+            raise UserError(f"the {name} verification rule needs a temperature > 0 (T = 0 verifies by greedy match)")
         return GreedyMatch()
     if name == "greedy":
-        raise UserError("--verify greedy needs --temperature 0")
+        raise UserError("the greedy verification rule needs temperature 0")
     if drafter_draws == (DETERMINISTIC,):
         if name not in (None, "sample-match"):
-            raise UserError(f"this drafter proposes deterministic drafts; --verify {name} does not apply")
+            raise UserError(f"this drafter proposes deterministic drafts; the {name} verification rule does not apply")
         return SampleMatch()
     rule = RULES.get(name or "sequoia")
     if rule is None:
         raise UserError(f"unknown verification rule {name!r} (choose from {', '.join(RULES)})")
     if rule.draw not in drafter_draws:
-        raise UserError(f"--verify {rule.name} needs children drawn {rule.draw.replace('_', ' ')}")
+        raise UserError(f"the {rule.name} verification rule needs children drawn {rule.draw.replace('_', ' ')}")
     return rule()

@@ -10,10 +10,14 @@ from core.errors import UserError
 from core.plan_schema import TokenTree
 
 EXPORT_FORMATS = ("sequoia", "medusa", "vllm", "trtllm")
+GROWMAP_MAX_NODES = 4096  # the growmap holds a dense n x n mask: 16 M entries here, ~40 MB of JSON
 
 
 def sequoia_growmap(tree: TokenTree) -> dict[str, Any]:
     """The reference implementation's growmap layout (there a pickled .pt; here plain JSON)."""
+    if tree.size > GROWMAP_MAX_NODES:
+        raise UserError(f"a {tree.size}-node tree is too large for the sequoia growmap (a dense n x n mask); it "
+                        f"takes at most {GROWMAP_MAX_NODES} nodes")
     depths = tree.depths
     children = tree.children
     levels = [[v for v in range(tree.size) if depths[v] == k] for k in range(tree.depth + 1)]

@@ -25,10 +25,11 @@ import numpy as np
 
 from core.acceptance_schema import load_lookahead_acceptance
 from core.errors import UserError
+from core.method_settings import TrieSettings
 from core.plan_schema import Plan
 from core.profile_schema import LatencyProfile, load_profile
 from core.provenance import provenance
-from decoder.trie import Trie, TrieSettings, accepted_run
+from decoder.trie import Trie, accepted_run
 
 DECODING_LENGTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 BRANCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -140,15 +141,13 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
         prediction.update(speedup=best.speedup, step_seconds=best.step_seconds, latency_source=profile.source,
                           engine_overhead_seconds=float(profile.engine_overhead(best_replay.step_sizes).mean()),
                           trie_seconds=best_replay.trie_seconds / best_replay.steps)
-    decoded_with = acceptance.extra.get("decoded_with")
-    if decoded_with and acceptance.extra.get("dtype") != "fp32":
+    if acceptance.decoded_with and acceptance.dtype != "fp32":
         # Outside fp32 the text depends on the forward's size: the replay is exact for the decoding settings only.
-        prediction["replay_exact"] = (decoded_with.get("decoding_length"), decoded_with.get("branch_length")) == \
-            (best.decoding_length, best.branch_length)
+        prediction["replay_exact"] = acceptance.decoded_with == (best.decoding_length, best.branch_length)
     plan = Plan(
         method="lookahead",
         models={"target": acceptance.target,
-                **({"dtype": profile.raw["dtype"]} if profile is not None and profile.raw.get("dtype") else {})},
+                **({"dtype": profile.dtype} if profile is not None and profile.dtype else {})},
         prediction=prediction,
         inputs={"acceptance": {"file": str(acceptance_path), "records": len(acceptance.records),
                                "dataset": acceptance.extra.get("dataset")},
@@ -158,7 +157,7 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
                 "top": [asdict(c) for c in candidates[:10]]},
         provenance=provenance([acceptance_path] + ([profile_path] if profile_path else [])),
         sampling={"temperature": 0.0},
-        settings=asdict(settings),
+        settings=settings,
         tokenizer=acceptance.tokenizer,
     )
     return plan, candidates

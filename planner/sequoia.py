@@ -75,11 +75,11 @@ def rank_candidates(tables: SequoiaTables, profile: LatencyProfile | None = None
 def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, profile_path: str | Path | None = None,
                   batch: int = 1, context: int | None = None) -> tuple[Plan, list[Candidate]]:
     if max_size < 1:
-        raise UserError(f"--max-size must be >= 1, got {max_size}")
+        raise UserError(f"the largest tree size must be >= 1, got {max_size}")
     if max_depth < 0:
-        raise UserError(f"--max-depth must be >= 0, got {max_depth}")
+        raise UserError(f"the largest tree depth must be >= 0, got {max_depth}")
     if batch < 1:
-        raise UserError(f"--batch must be >= 1, got {batch}")
+        raise UserError(f"the batch size must be >= 1, got {batch}")
     acceptance = load_sequoia_acceptance(acceptance_path)
     profile = load_profile(profile_path) if profile_path is not None else None
     models = _models(acceptance, profile)
@@ -126,8 +126,8 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     )
     if profile is not None:
         for key in ("dtype", "draft_dtype"):
-            if profile.raw.get(key):
-                plan.models[key] = profile.raw[key]
+            if getattr(profile, key):
+                plan.models[key] = getattr(profile, key)
     if acceptance.draft_vocab is not None:
         plan.models["draft_vocab"] = acceptance.draft_vocab
     return plan, ranked

@@ -87,9 +87,16 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from core.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1, load_triforce_acceptance
+from core.acceptance_schema import (
+    TRIFORCE_DECODED_SETTINGS,
+    TRIFORCE_GAMMA1,
+    StreamingRecord,
+    TriForceEntry,
+    load_triforce_acceptance,
+)
 from core.errors import UserError
-from core.plan_schema import STREAMING_SINKS, STREAMING_WINDOW, Plan
+from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, TriForceSettings
+from core.plan_schema import Plan
 from core.profile_schema import LatencyProfile, covering, load_profile
 from core.provenance import check_unchanged, provenance
 
@@ -122,23 +129,23 @@ class TriForceCandidate:
     streaming: bool = False  # the StreamingLLM-only draft (budget, chunk, stride: the best two-level setting's)
 
 
-def evaluate(profile: LatencyProfile, context: int, entry: dict, gamma1: int, gamma2: int,
+def evaluate(profile: LatencyProfile, context: int, entry: TriForceEntry, gamma1: int, gamma2: int,
              bottom_seconds: float | None) -> TriForceCandidate:
     """The model above for one setting; bottom_seconds None means no bottom (the two-level variant)."""
     if bottom_seconds is None:
         per_round, gamma1 = 1.0, 0
     else:
-        per_round = expected_tokens(entry["bottom"], gamma1)
+        per_round = expected_tokens(entry.bottom, gamma1)
     round_cost = _round_cost(profile, entry, gamma1, bottom_seconds)
     rounds = math.ceil(gamma2 / per_round)
     chain = rounds * per_round
     top = _forward_seconds(profile, min(chain + 1, _max_n(profile)), context)
-    tokens = expected_tokens(entry["middle"], chain)
+    tokens = expected_tokens(entry.middle, chain)
     step = rounds * round_cost + top
     t1 = _forward_seconds(profile, 1, context)
-    per_token = step / tokens + build_seconds(profile, context, entry["budget"]) / refill(entry)
-    return TriForceCandidate(gamma1, gamma2, entry["budget"], entry["chunk"], entry["stride"], entry["middle"],
-                             entry["bottom"], chain, tokens, step, per_token, t1 / per_token)
+    per_token = step / tokens + build_seconds(profile, context, entry.budget) / refill(entry)
+    return TriForceCandidate(gamma1, gamma2, entry.budget, entry.chunk, entry.stride, entry.middle,
+                             entry.bottom, chain, tokens, step, per_token, t1 / per_token)
 
 
 def _forward_seconds(profile: LatencyProfile, n: float, context: float) -> float:
@@ -146,10 +153,10 @@ def _forward_seconds(profile: LatencyProfile, n: float, context: float) -> float
     return float(profile.latency(n, context) + profile.engine_overhead(n))
 
 
-def _round_cost(profile: LatencyProfile, entry: dict, gamma1: int, bottom_seconds: float | None) -> float:
+def _round_cost(profile: LatencyProfile, entry: TriForceEntry, gamma1: int, bottom_seconds: float | None) -> float:
     """One middle round: gamma1 bottom drafts and the middle level's forward over its retrieval cache (one
     token, without a bottom)."""
-    middle_context = entry["budget"] + entry["chunk"]
+    middle_context = entry.budget + entry.chunk
     if bottom_seconds is None:
         return _forward_seconds(profile, 1, middle_context)
     return gamma1 * bottom_seconds + _forward_seconds(profile, gamma1 + 1, middle_context)
@@ -161,12 +168,12 @@ def build_seconds(profile: LatencyProfile, context: int, budget: int) -> float:
     return measured if measured is not None else float(profile.latency(1, context))
 
 
-def refill(entry: dict) -> int:
+def refill(entry: TriForceEntry) -> int:
     """R': tokens inserted into the retrieval cache between two rebuilds."""
-    return min(entry["stride"], entry["budget"] - entry["chunk"])
+    return min(entry.stride, entry.budget - entry.chunk)
 
 
-def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: int, gamma2: int,
+def evaluate_traces(profile: LatencyProfile, context: int, entry: TriForceEntry, gamma1: int, gamma2: int,
                     bottom_seconds: float | None, top_costs: dict[int, np.ndarray],
                     window_prefill: float = 0.0) -> TriForceCandidate:
     """The replay above for one setting; `top_costs[T]` is the t(n, L + p) table of `_top_costs`;
@@ -175,13 +182,13 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: 
         gamma1, window_prefill = 0, 0.0
     round_cost = _round_cost(profile, entry, gamma1, bottom_seconds)
     tokens = steps = seconds = ar_seconds = chains = 0.0
-    for trace in entry["traces"]:
-        length = len(trace["middle"])
+    for trace in entry.traces:
+        length = len(trace.middle)
         if length not in top_costs:
             top_costs[length] = _top_costs(profile, context, length)
         table = top_costs[length]
-        runs = trace["bottom_runs"][gamma1 - 1] if "bottom_runs" in trace and gamma1 else NO_RUNS
-        trace_seconds, trace_steps, mean_chain = _replay_trace(trace["middle"], trace["bottom"], runs, gamma1,
+        runs = trace.bottom_runs[gamma1 - 1] if trace.bottom_runs is not None and gamma1 else NO_RUNS
+        trace_seconds, trace_steps, mean_chain = _replay_trace(trace.middle, trace.bottom, runs, gamma1,
                                                                gamma2, round_cost, table)
         tokens += length
         steps += trace_steps
@@ -189,22 +196,22 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: dict, gamma1: 
         ar_seconds += table[1].sum()
         chains += mean_chain * length
     t1 = _forward_seconds(profile, 1, context)
-    build = build_seconds(profile, context, entry["budget"])
-    rebuilds = sum((len(trace["middle"]) - 1) // refill(entry) for trace in entry["traces"])
-    per_token = (seconds + len(entry["traces"]) * (t1 + build + window_prefill) + rebuilds * build) / tokens
-    return TriForceCandidate(gamma1, gamma2, entry["budget"], entry["chunk"], entry["stride"], entry["middle"],
-                             entry["bottom"], chains / tokens, tokens / steps, seconds / steps, per_token,
+    build = build_seconds(profile, context, entry.budget)
+    rebuilds = sum((len(trace.middle) - 1) // refill(entry) for trace in entry.traces)
+    per_token = (seconds + len(entry.traces) * (t1 + build + window_prefill) + rebuilds * build) / tokens
+    return TriForceCandidate(gamma1, gamma2, entry.budget, entry.chunk, entry.stride, entry.middle,
+                             entry.bottom, chains / tokens, tokens / steps, seconds / steps, per_token,
                              (ar_seconds / tokens) / per_token)
 
 
-def evaluate_streaming(profile: LatencyProfile, context: int, record: dict, gamma: int, seconds_per_draft: float,
-                       top_costs: dict[int, np.ndarray], retrieval: TriForceCandidate,
+def evaluate_streaming(profile: LatencyProfile, context: int, record: StreamingRecord, gamma: int,
+                       seconds_per_draft: float, top_costs: dict[int, np.ndarray], retrieval: TriForceCandidate,
                        window_prefill: float = 0.0) -> TriForceCandidate:
     """The StreamingLLM-only draft's replay (see the docstring), w = `window_prefill` per prompt; `retrieval`
     lends its budget, chunk and stride to the plan's settings, which a `bottom: streaming` plan keeps for its
     two-level baseline."""
     tokens = steps = seconds = ar_seconds = 0.0
-    for trace in record["traces"]:
+    for trace in record.traces:
         length = len(trace)
         if length not in top_costs:
             top_costs[length] = _top_costs(profile, context, length)
@@ -215,15 +222,15 @@ def evaluate_streaming(profile: LatencyProfile, context: int, record: dict, gamm
         steps += trace_steps
         seconds += trace_seconds
         ar_seconds += table[1].sum()
-    per_token = (seconds + len(record["traces"]) * window_prefill) / tokens
-    return TriForceCandidate(0, gamma, retrieval.budget, retrieval.chunk, retrieval.stride, record["acceptance"],
-                             record["acceptance"], float(gamma), tokens / steps, seconds / steps, per_token,
+    per_token = (seconds + len(record.traces) * window_prefill) / tokens
+    return TriForceCandidate(0, gamma, retrieval.budget, retrieval.chunk, retrieval.stride, record.acceptance,
+                             record.acceptance, float(gamma), tokens / steps, seconds / steps, per_token,
                              (ar_seconds / tokens) / per_token, streaming=True)
 
 
-def streaming_seconds(profile: LatencyProfile, record: dict, streaming_cache: int) -> float:
+def streaming_seconds(profile: LatencyProfile, record: StreamingRecord, streaming_cache: int) -> float:
     """c_s: the streaming drafter's one-token step over its cache of sinks + window tokens."""
-    if record["drafter"] == "draft":
+    if record.drafter == "draft":
         return _bottom_seconds("model", profile, streaming_cache)
     return float(profile.latency(1, streaming_cache))
 
@@ -306,7 +313,7 @@ def _bottom_seconds(bottom: str, profile: LatencyProfile, streaming_cache: int) 
         return TRIE_SECONDS_PER_DRAFT
     seconds = profile.draft_step(streaming_cache)
     if seconds is None:
-        raise UserError("a model bottom needs its step cost: profile the draft (plan profile --draft)")
+        raise UserError("a model bottom needs its step cost: a profile that times the draft")
     return seconds
 
 
@@ -319,26 +326,25 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
                    bottom_seconds: float | None = None, two_level: bool = False,
                    rebuild_below: float = 0.0, min_speedup: float = 1.0) -> tuple[Plan, list[TriForceCandidate]]:
     if not math.isfinite(min_speedup) or min_speedup <= 0:
-        raise UserError(f"--min-speedup must be a positive number, got {min_speedup}")
+        raise UserError(f"the minimum speedup must be a positive number, got {min_speedup}")
     acceptance = load_triforce_acceptance(acceptance_path)
     profile = load_profile(profile_path)
-    contexts = sorted({e["context"] for e in acceptance.entries})
+    contexts = sorted({e.context for e in acceptance.entries})
     context = context or contexts[-1]
-    entries = [e for e in acceptance.entries if e["context"] == context]
+    entries = [e for e in acceptance.entries if e.context == context]
     if not entries:
         raise UserError(f"{acceptance_path} has no measurements at context {context} (it has {contexts})")
     measured = profile.models.get("target")
     if measured and measured != acceptance.target:
         raise UserError(f"the acceptance is for {acceptance.target!r} but the profile for {measured!r}")
     bottom = "none" if two_level else ("trie" if acceptance.bottom == "trie" else "model")
-    cache = acceptance.extra.get("bottom_cache") or {}
-    sinks, window = int(cache.get("sinks", STREAMING_SINKS)), int(cache.get("window", STREAMING_WINDOW))
+    sinks, window = acceptance.bottom_cache or (STREAMING_SINKS, STREAMING_WINDOW)
     if bottom_seconds is None and bottom != "none":
         bottom_seconds = _bottom_seconds(bottom, profile, sinks + window)
     started = time.perf_counter()
     candidates = []
     top_costs: dict[int, np.ndarray] = {}
-    replayed = all(entry["traces"] for entry in entries)
+    replayed = all(entry.traces for entry in entries)
     bottom_prefill = window_prefill_seconds(profile, "draft", sinks, window) if bottom == "model" else 0.0
     searched = [(0, None)] + ([] if bottom == "none" else [(gamma1, bottom_seconds) for gamma1 in GAMMA1])
     for entry in entries:
@@ -355,28 +361,28 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     streaming_draft = None
     if record is not None:
         streaming_draft = streaming_seconds(profile, record, sinks + window)
-        streaming_prefill = window_prefill_seconds(profile, record["drafter"], sinks, window)
+        streaming_prefill = window_prefill_seconds(profile, record.drafter, sinks, window)
         candidates += [evaluate_streaming(profile, context, record, gamma, streaming_draft, top_costs, best_two_level,
                                           streaming_prefill)
                        for gamma in GAMMA2]
         candidates.sort(key=lambda c: (-c.speedup, c.gamma2, c.gamma1, c.budget))
-    decoded_with = acceptance.extra.get("decoded_with")
+    decoded_with = acceptance.decoded_with
     exact = next((c for c in candidates if decoded_with and all(
         decoded_with.get(key) == value for key, value in _decoded_settings(c, bottom).items())), None)
     best = candidates[0]
     if exact is not None and best.speedup < exact.speedup * (1.0 + REPLAY_SWITCH_MARGIN):
         best = exact
-    speculate = best.speedup > min_speedup
-    settings = {**_decoded_settings(best, bottom), "context": context, "rebuild_below": rebuild_below,
-                "sinks": sinks, "window": window, "speculate": speculate}
-    bottom = settings["bottom"]
+    speculate = bool(best.speedup > min_speedup)
+    settings = TriForceSettings(**_decoded_settings(best, bottom), context=context, rebuild_below=rebuild_below,
+                                sinks=sinks, window=window, speculate=speculate).check()
+    bottom = settings.bottom
     # whose window prefill the plan's decoding pays (None in the plan: not profiled, so unpriced)
-    streaming_role = record["drafter"] if bottom == "streaming" else "draft" if bottom == "model" else None
+    streaming_role = record.drafter if bottom == "streaming" else "draft" if bottom == "model" else None
     models = {"target": acceptance.target}
-    if bottom == "model" or (bottom == "streaming" and record["drafter"] == "draft"):
+    if bottom == "model" or (bottom == "streaming" and record.drafter == "draft"):
         models["draft"] = acceptance.bottom
-    if profile.raw.get("dtype"):
-        models["dtype"] = profile.raw["dtype"]
+    if profile.dtype:
+        models["dtype"] = profile.dtype
     speculative = {"tokens_per_step": best.tokens_per_step, "speedup": best.speedup,
                    "seconds_per_token": best.seconds_per_token, "chain_tokens": best.chain_tokens,
                    "middle_acceptance": best.middle_acceptance, "bottom_acceptance": best.bottom_acceptance}
@@ -393,7 +399,7 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
                            "speedup": best_two_level.speedup, "tokens_per_step": best_two_level.tokens_per_step}})
     if record is not None:  # `plan bench` runs its streaming baseline with this gamma
         best_streaming = next(c for c in candidates if c.streaming)
-        prediction["best_streaming"] = {"drafter": record["drafter"], "gamma2": best_streaming.gamma2,
+        prediction["best_streaming"] = {"drafter": record.drafter, "gamma2": best_streaming.gamma2,
                                         "speedup": best_streaming.speedup,
                                         "tokens_per_step": best_streaming.tokens_per_step}
     if decoded_with and speculate:
@@ -432,16 +438,16 @@ class PricedPoints:
     window_prefill: str | None = None  # the role (draft or target) whose profiled window prefill is priced
 
 
-def _plan_settings(plan: Plan) -> list[tuple[dict, int, int, float | None]]:
+def _plan_settings(plan: Plan) -> list[tuple[TriForceEntry | StreamingRecord, int, int, float | None]]:
     """(acceptance entry, gamma1, gamma2, bottom seconds) for the plan's setting, then its best two-level one."""
     path = plan.inputs["acceptance"]["file"]
     check_unchanged(plan.provenance, path, "the plan's acceptance file")
     acceptance = load_triforce_acceptance(path)
     s = plan.settings
 
-    def entry(budget: int, chunk: int, stride: int) -> dict:
-        found = next((e for e in acceptance.entries if (e["context"], e["budget"], e["chunk"], e["stride"])
-                      == (s["context"], budget, chunk, stride)), None)
+    def entry(budget: int, chunk: int, stride: int) -> TriForceEntry:
+        found = next((e for e in acceptance.entries if (e.context, e.budget, e.chunk, e.stride)
+                      == (s.context, budget, chunk, stride)), None)
         if found is None:
             raise UserError(f"{path} has no entry for context {s['context']}, "
                             f"budget {budget}, chunk {chunk}, stride {stride}: not the plan's acceptance file")
@@ -449,59 +455,59 @@ def _plan_settings(plan: Plan) -> list[tuple[dict, int, int, float | None]]:
 
     two = plan.prediction.get("best_two_level") or s
     two_level = (entry(two["budget"], two["chunk"], two["stride"]), 0, two["gamma2"], None)
-    if s["bottom"] == "streaming":
-        record = acceptance.streaming_at(s["context"])
+    if s.bottom == "streaming":
+        record = acceptance.streaming_at(s.context)
         if record is None:
             raise UserError(f"{path} has no streaming draft measured at context {s['context']}: "
                             "not the plan's acceptance file")
-        return [(record, 0, s["gamma2"], None), two_level]
-    plan_bottom = None if s["bottom"] == "none" else plan.inputs.get("bottom_seconds_per_draft")
-    return [(entry(s["budget"], s["chunk"], s["stride"]), 0 if plan_bottom is None else s["gamma1"],
-             s["gamma2"], plan_bottom), two_level]
+        return [(record, 0, s.gamma2, None), two_level]
+    plan_bottom = None if s.bottom == "none" else plan.inputs.get("bottom_seconds_per_draft")
+    return [(entry(s.budget, s.chunk, s.stride), 0 if plan_bottom is None else s.gamma1,
+             s.gamma2, plan_bottom), two_level]
 
 
 def priced_points(plan: Plan, profile: LatencyProfile) -> PricedPoints:
-    context = plan.settings["context"]
+    context = plan.settings.context
     contexts = sorted(profile.target_by_context)
     if not contexts:
-        raise UserError("re-pricing needs a profile timed at several contexts (plan profile --contexts ...)")
+        raise UserError("re-pricing needs a profile timed at several contexts")
     target: dict[int, int] = {}  # context -> the largest size read there
     builds: dict[int, set[int]] = {}
-    streaming_cache = plan.settings["sinks"] + plan.settings["window"]
-    draft_priced = plan.settings["bottom"] == "model"
+    streaming_cache = plan.settings.sinks + plan.settings.window
+    draft_priced = plan.settings.bottom == "model"
     settings = _plan_settings(plan)
     for entry, gamma1, gamma2, _ in settings:
-        if "drafter" in entry:  # the streaming draft's record: the top's chains, the drafter's step
-            longest = max(len(trace) for trace in entry["traces"])
-            draft_priced = entry["drafter"] == "draft"
+        if isinstance(entry, StreamingRecord):  # the streaming draft's record: the top's chains, the drafter's step
+            longest = max(len(trace) for trace in entry.traces)
+            draft_priced = entry.drafter == "draft"
             if not draft_priced:
                 for L in covering(contexts, streaming_cache, streaming_cache):
                     target[L] = max(target.get(L, 1), 1)
         else:
-            longest = max((len(trace["middle"]) for trace in entry["traces"]), default=1)
-            middle = entry["budget"] + entry["chunk"]
+            longest = max((len(trace.middle) for trace in entry.traces), default=1)
+            middle = entry.budget + entry.chunk
             for L in covering(contexts, middle, middle):
                 target[L] = max(target.get(L, 1), gamma1 + 1)
             for L in covering(profile.builds_by_context, context, context) if profile.builds_by_context else []:
-                builds.setdefault(L, set()).update(covering(profile.builds_by_context[L], entry["budget"],
-                                                            entry["budget"]))
+                builds.setdefault(L, set()).update(covering(profile.builds_by_context[L], entry.budget,
+                                                            entry.budget))
         for L in covering(contexts, context, context + longest - 1):
             target[L] = max(target.get(L, 1), min(gamma2 + gamma1 + 2, _max_n(profile)))  # the longest chain + 1
     draft = []
     if draft_priced and profile.draft_by_context:
         draft = covering(profile.draft_by_context, streaming_cache, streaming_cache)
-    prefill_role = _window_prefill_role(settings[0][0], settings[0][1], plan.settings["bottom"])
-    if prefill_role and profile.window_prefill(prefill_role, plan.settings["sinks"], plan.settings["window"]) is None:
+    prefill_role = _window_prefill_role(settings[0][0], settings[0][1], plan.settings.bottom)
+    if prefill_role and profile.window_prefill(prefill_role, plan.settings.sinks, plan.settings.window) is None:
         prefill_role = None
     return PricedPoints({L: profile.target_curve(L).support(largest) for L, largest in sorted(target.items())},
                         {L: sorted(budgets) for L, budgets in sorted(builds.items())}, draft, prefill_role)
 
 
-def _window_prefill_role(entry: dict, gamma1: int, bottom: str) -> str | None:
+def _window_prefill_role(entry: TriForceEntry, gamma1: int, bottom: str) -> str | None:
     """The model whose StreamingLLM window prefill a plan's setting (`_plan_settings`) charges: a streaming
     draft's drafter, or the draft under a model bottom; None for a trie bottom or the two-level variant."""
-    if "drafter" in entry:
-        return entry["drafter"]
+    if isinstance(entry, StreamingRecord):
+        return entry.drafter
     return "draft" if gamma1 and bottom == "model" else None
 
 
@@ -509,16 +515,16 @@ def reprice(plan: Plan, profile: LatencyProfile) -> tuple[TriForceCandidate, Tri
     """The plan's setting and its best two-level setting, priced with `profile` exactly as the solver priced
     them (the trace replay, or the closed form where the acceptance has no traces)."""
     (entry, gamma1, gamma2, bottom_seconds), two_level = _plan_settings(plan)
-    context, sinks, window = plan.settings["context"], plan.settings["sinks"], plan.settings["window"]
-    priced_two = evaluate_traces(profile, context, *two_level, {}) if two_level[0]["traces"] else \
+    context, sinks, window = plan.settings.context, plan.settings.sinks, plan.settings.window
+    priced_two = evaluate_traces(profile, context, *two_level, {}) if two_level[0].traces else \
         evaluate(profile, context, *two_level)
-    role = _window_prefill_role(entry, gamma1, plan.settings["bottom"])
+    role = _window_prefill_role(entry, gamma1, plan.settings.bottom)
     prefill = window_prefill_seconds(profile, role, sinks, window) if role else 0.0
-    if "drafter" in entry:
+    if isinstance(entry, StreamingRecord):
         return evaluate_streaming(profile, context, entry, gamma2, streaming_seconds(profile, entry, sinks + window),
                                   {}, priced_two, prefill), priced_two
     if role:
         bottom_seconds = _bottom_seconds("model", profile, sinks + window)
     priced = evaluate_traces(profile, context, entry, gamma1, gamma2, bottom_seconds, {}, prefill) \
-        if entry["traces"] else evaluate(profile, context, entry, gamma1, gamma2, bottom_seconds)
+        if entry.traces else evaluate(profile, context, entry, gamma1, gamma2, bottom_seconds)
     return priced, priced_two

@@ -284,9 +284,9 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
     from profiler.datasets import read_dataset, spread_sample
 
     if width < 1:
-        raise UserError(f"--width must be >= 1, got {width}")
+        raise UserError(f"the width (child ranks measured) must be >= 1, got {width}")
     if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        raise UserError(f"the number of new tokens must be >= 1, got {max_new_tokens}")
     prompts = spread_sample(read_dataset(dataset), samples)
     if not prompts:
         raise UserError(f"{dataset}: no prompts")

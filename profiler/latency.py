@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from core.errors import UserError
-from core.fileio import atomic_output, write_yaml
+from core.fileio import atomic_output
 from core.models import LoadedModel, load_model, torch_dtype
+from core.profile_schema import LatencyProfile, save_profile
 from core.provenance import provenance
 from decoder.api import lean_model
 from decoder.drafters import Drafter
@@ -69,13 +70,13 @@ class ProfileRequest:
 
 
 def run_profile(request: ProfileRequest, output: Path, resume: bool = False, log: Callable[[str], None] = print,
-                progress: bool = True) -> dict:
+                progress: bool = True) -> LatencyProfile:
     torch_dtype(request.dtype)
     torch_dtype(request.draft_dtype or request.dtype)
     if not request.sizes or min(request.sizes) < 1 or 1 not in request.sizes:
-        raise UserError("--sizes must be positive and include 1")
+        raise UserError("the sizes n must be positive and include 1")
     if not request.contexts or min(request.contexts) < 1:
-        raise UserError("--contexts must be positive")
+        raise UserError("the context lengths must be positive")
     torch.set_num_threads(request.threads)
     local_gpu = _local_gpu_name()
     if request.gpu is None or (request.gpu != "cpu" and request.gpu == local_gpu):
@@ -83,8 +84,7 @@ def run_profile(request: ProfileRequest, output: Path, resume: bool = False, log
         document = _measure(request, device, output, resume, log, progress)
     else:
         document = _model(request, log)
-    write_yaml(output, document)
-    return document
+    return save_profile(document, output)
 
 
 def _local_gpu_name() -> str | None:
@@ -427,8 +427,8 @@ def _window_prefill_call(model: LeanModel, sinks: int, window: int) -> Callable[
     drafter = StreamingDrafter(model, gamma=1, sinks=sinks, window=window)
     room = model.shape.max_context - drafter.max_tree_size
     if sinks + window + 1 > room:
-        raise UserError(f"--window-prefill {sinks},{window}: the window does not fit the model's context "
-                        f"of {model.shape.max_context}")
+        raise UserError(f"a StreamingLLM window of {sinks} + {window} tokens does not fit the model's context of "
+                        f"{model.shape.max_context}")
     prompt = torch.randint(0, model.shape.vocab, (sinks + window + 1,)).tolist()
     return _wall_clock(model.device, lambda: drafter.reset(prompt, room))
 

@@ -27,7 +27,7 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
     outputs predicts another text than speculative decoding emits; outputs decoded with the plan are the ones
     a benchmark of that plan reproduces, prompt for prompt (same prompts, same order, one trie across them)."""
     if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        raise UserError(f"the number of new tokens must be >= 1, got {max_new_tokens}")
     prompts = spread_sample(read_dataset(dataset), samples)
     if not prompts:
         raise UserError(f"{dataset}: no prompts")
@@ -37,8 +37,8 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
     decoder.restart()
     target, engine = decoder.target, decoder.engine
     decoding = "greedy (the target alone)" if decoder.plan is None else \
-        f"greedy, decoded with the Lookahead plan {decode_with} (L_d = {decoder.plan.settings['decoding_length']}, " \
-        f"L_b = {decoder.plan.settings['branch_length']})"
+        f"greedy, decoded with the Lookahead plan {decode_with} (L_d = {decoder.plan.settings.decoding_length}, " \
+        f"L_b = {decoder.plan.settings.branch_length})"
     start = time.perf_counter()
     records = []
     for index, prompt in enumerate(prompts):
@@ -49,9 +49,10 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
             f"{len(result.tokens)} generated")
     acceptance = LookaheadAcceptance(
         target=target_name, tokenizer=tokenizer_fingerprint(target.tokenizer), records=records,
-        extra={"dtype": dtype, "decoding": decoding,
-               "decoded_with": None if decoder.plan is None else {
-                   key: decoder.plan.settings[key] for key in ("decoding_length", "branch_length")},
+        dtype=dtype,
+        decoded_with=None if decoder.plan is None else (decoder.plan.settings.decoding_length,
+                                                        decoder.plan.settings.branch_length),
+        extra={"decoding": decoding,
                "max_new_tokens": max_new_tokens,
                "dataset": {"spec": dataset, "prompts": len(prompts), "chat_template": chat,
                            "categories": sorted({p.category for p in prompts})},

@@ -31,13 +31,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.acceptance_schema import TRIFORCE_DECODED_SETTINGS, TRIFORCE_GAMMA1
-from core.plan_schema import STREAMING_SINKS, STREAMING_WINDOW
+from core.acceptance_schema import (
+    TRIFORCE_DECODED_SETTINGS,
+    TRIFORCE_GAMMA1,
+    StreamingRecord,
+    TriForceEntry,
+    TriForceTrace,
+)
+from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, TrieSettings
 from decoder.drafters import TrieDrafter
 from decoder.model import LeanModel, causal_mask
 from decoder.sampling import SamplingParams, probabilities, sample
 from decoder.tree import DETERMINISTIC
-from decoder.trie import Trie, TrieSettings, accepted_run
+from decoder.trie import Trie, accepted_run
 from decoder.triforce import RetrievalCache, RetrievalSettings, bottom_trie_settings
 from profiler.haystack import LongPrompt
 
@@ -179,7 +185,7 @@ def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tu
                      bottom: BottomSpec, max_new_tokens: int, params: SamplingParams, stop_ids: Collection[int],
                      segment: int = 8, seed: int = 0, log: Callable[[str], None] = print,
                      decode: Callable[[list[int]], tuple[list[int], list[int]]] | None = None
-                     ) -> tuple[list[dict], list[dict]]:
+                     ) -> tuple[list[TriForceEntry], list[StreamingRecord]]:
     """Acceptance entries per (context, budget, chunk, stride), and per context the StreamingLLM-only draft's
     record. With `decode` (greedy only), the continuation is the one it returns for a prompt instead of the
     target's one-token greedy text, and the middle level runs in the steps it returns (tokens emitted per step)
@@ -233,18 +239,18 @@ def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tu
     for (context, budget, chunk, stride), values in samples.items():
         middle = np.concatenate(values["middle"])
         bottom_values = np.concatenate(values["bottom"])
-        traces = [{"middle": _trace(m, params), "bottom": _trace(b, params)}
+        traces = [TriForceTrace(_trace(m, params), _trace(b, params))
                   for m, b in zip(values["middle"], values["bottom"])]
         for trace, runs in zip(traces, values["bottom_runs"]):
-            trace["bottom_runs"] = runs
-        entries.append({"context": context, "budget": budget, "chunk": chunk, "stride": stride,
-                        "middle": float(middle.mean()), "bottom": float(bottom_values.mean()),
-                        "middle_stderr": _stderr(middle), "bottom_stderr": _stderr(bottom_values),
-                        "positions": int(len(middle)), "traces": traces})
+            trace.bottom_runs = np.array([[int(c) for c in run] for run in runs], dtype=np.int64)
+        entries.append(TriForceEntry(context, budget, chunk, stride, float(middle.mean()), float(bottom_values.mean()),
+                                     traces, {"middle_stderr": _stderr(middle), "bottom_stderr": _stderr(bottom_values),
+                                              "positions": int(len(middle))}))
     drafter = "target" if bottom.kind != "model" else "draft"
-    records = [{"context": context, "drafter": drafter, "acceptance": float(np.concatenate(values).mean()),
-                "stderr": _stderr(np.concatenate(values)), "positions": int(sum(len(v) for v in values)),
-                "traces": [_trace(v, params) for v in values]} for context, values in streaming.items()]
+    records = [StreamingRecord(context, drafter, float(np.concatenate(values).mean()),
+                               [_trace(v, params) for v in values],
+                               {"stderr": _stderr(np.concatenate(values)), "positions": sum(len(v) for v in values)})
+               for context, values in streaming.items()]
     return entries, records
 
 
@@ -261,9 +267,9 @@ def _stderr(values: np.ndarray) -> float:
     return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
 
 
-def _trace(values: np.ndarray, params: SamplingParams) -> list:
+def _trace(values: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Per-position acceptances as stored: 0/1 at T = 0, else probabilities to 4 decimals."""
-    return [int(v) for v in values] if params.greedy else [round(float(v), 4) for v in values]
+    return values.astype(np.int64) if params.greedy else np.round(values.astype(np.float64), 4)
 
 
 def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kind: str, dataset: str,
@@ -284,9 +290,9 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
     from profiler.haystack import build_prompts
 
     if bottom_kind == "model" and not draft_name:
-        raise UserError("a model bottom needs --draft")
+        raise UserError("a model bottom needs a draft model")
     if sinks < 0 or window < 1:
-        raise UserError(f"a StreamingLLM cache needs --sinks >= 0 and --window >= 1 (got {sinks} and {window})")
+        raise UserError(f"a StreamingLLM cache needs sinks >= 0 and a window >= 1 (got {sinks} and {window})")
     decoder = None
     if decode_with is not None:
         plan_settings = _check_triforce_plan(decode_with, target_name, dtype, params, contexts)
@@ -324,10 +330,9 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
         streaming += measured[1]
     acceptance = TriForceAcceptance(
         target=target_name, bottom=draft_name if bottom_kind == "model" else bottom_kind, entries=entries,
-        temperature=params.temperature, streaming=streaming,
+        temperature=params.temperature, streaming=streaming, bottom_cache=(sinks, window),
+        decoded_with=None if decoder is None else {"plan": decode_with, **plan_settings},
         extra={"dtype": dtype, "top_p": params.top_p, "max_new_tokens": max_new_tokens,
-               "bottom_cache": {"sinks": sinks, "window": window},
-               "decoded_with": None if decoder is None else {"plan": decode_with, **plan_settings},
                "dataset": {"path": dataset, "contexts": contexts, "prompts_per_context": samples},
                "seconds": round(time.perf_counter() - started, 1), "provenance": provenance()})
     document = acceptance.to_dict()
@@ -344,10 +349,11 @@ def _check_triforce_plan(plan_path: str, target_name: str, dtype: str, params: S
 
     plan = load_decoding_plan(plan_path, "triforce", target_name, dtype)
     if not params.greedy or float(plan.sampling.get("temperature", 0.0)) != 0.0:
-        raise UserError("--decode-with replays greedy decoding: use a T = 0 plan and --temperature 0")
+        raise UserError("replaying a plan's decoding is greedy only: a T = 0 plan and temperature 0")
     settings = plan.settings
-    if not settings["speculate"]:
-        raise UserError(f"{plan_path} decodes one token per step (speculate: false): measure without --decode-with")
+    if not settings.speculate:
+        raise UserError(f"{plan_path} decodes one token per step (speculate: false): no speculative decoding to "
+                        "replay")
     for context in contexts:
-        RetrievalSettings(settings["budget"], settings["chunk"], settings["stride"]).check(context)
-    return {key: settings[key] for key in TRIFORCE_DECODED_SETTINGS}
+        RetrievalSettings(settings.budget, settings.chunk, settings.stride).check(context)
+    return {key: getattr(settings, key) for key in TRIFORCE_DECODED_SETTINGS}

@@ -128,7 +128,7 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
     elsewhere = _profiled_elsewhere(decoder.plan, str(decoder.lean_target.device)) if decoder.plan else None
     if elsewhere:
         report["prediction"]["profiled_elsewhere"] = elsewhere
-    planned_context = decoder.plan.settings.get("context") if decoder.plan else None
+    planned_context = getattr(decoder.plan.settings, "context", None) if decoder.plan else None
     if request.context is not None and planned_context is not None and planned_context != request.context:
         report["prediction"]["planned_context"] = planned_context
     write_json(output, report, indent=None)  # a line per token would make it 5x longer; the .md is the view
@@ -177,16 +177,16 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
 
         s = decoder.plan.settings
         # The two-level variant at its own best settings where the planner recorded them, else at the plan's.
-        two = {**s, **decoder.plan.prediction.get("best_two_level", {})}
-        retrieval = RetrievalSettings(two["budget"], two["chunk"], two["stride"], s["rebuild_below"])
+        two = {**s.to_dict(), **decoder.plan.prediction.get("best_two_level", {})}
+        retrieval = RetrievalSettings(two["budget"], two["chunk"], two["stride"], s.rebuild_below)
         # The streaming draft likewise at its best gamma, where the acceptance file measured it.
-        streaming_gamma = decoder.plan.prediction.get("best_streaming", {}).get("gamma2", s["gamma2"])
+        streaming_gamma = decoder.plan.prediction.get("best_streaming", {}).get("gamma2", s.gamma2)
         streaming_model = decoder.lean_draft or decoder.lean_target
         triforce = {
             "two-level": engine_method(SpeculativeEngine(decoder.lean_target, HierarchicalDrafter(
                 decoder.lean_target, NoDrafter(), 1, two["gamma2"], retrieval), stops_set)),
             "streaming": engine_method(SpeculativeEngine(decoder.lean_target, StreamingDrafter(
-                streaming_model, streaming_gamma, s["sinks"], s["window"]), stops_set)),
+                streaming_model, streaming_gamma, s.sinks, s.window), stops_set)),
         }
 
     available = {
@@ -331,7 +331,7 @@ class _Repricing:
         points = priced_points(plan, self.profile)
         draft = decoder.lean_draft if points.draft or points.window_prefill == "draft" else None
         self.draft_priced = bool(points.draft)
-        window_prefill = (points.window_prefill, plan.settings["sinks"], plan.settings["window"]) \
+        window_prefill = (points.window_prefill, plan.settings.sinks, plan.settings.window) \
             if points.window_prefill else None
         self.timer = PointTimer(decoder.lean_target, draft, points.target, points.builds, points.draft,
                                 window_prefill)
@@ -343,7 +343,7 @@ class _Repricing:
         profiled, profiled_two = reprice(self.plan, self.profile)
         repriced, repriced_two = reprice(self.plan, fresh)
         s = self.plan.settings
-        L, middle = s["context"], s["budget"] + s["chunk"]
+        L, middle = s.context, s.budget + s.chunk
         top = min(round(profiled.chain_tokens) + 1, max(fresh.target_curve(L).points))
 
         def ratio(price: Callable[[LatencyProfile], float | None]) -> float | None:
@@ -353,18 +353,18 @@ class _Repricing:
         ratios = {"one_token_at_context": ratio(lambda p: p.latency(1, L)),
                   f"top_verify_{top}_at_context": ratio(lambda p: p.latency(top, L)),
                   "middle_step": ratio(lambda p: p.latency(profiled.gamma1 + 1, middle)),
-                  "retrieval_build": ratio(lambda p: p.retrieval_build(L, s["budget"]))}
+                  "retrieval_build": ratio(lambda p: p.retrieval_build(L, s.budget))}
         if self.draft_priced:
-            ratios["draft_step"] = ratio(lambda p: p.draft_step(s["sinks"] + s["window"]))
+            ratios["draft_step"] = ratio(lambda p: p.draft_step(s.sinks + s.window))
         if self.timer.window_prefill_role:
-            ratios["window_prefill"] = ratio(lambda p: p.window_prefill(self.timer.window_prefill_role, s["sinks"],
-                                                                        s["window"]))
+            ratios["window_prefill"] = ratio(lambda p: p.window_prefill(self.timer.window_prefill_role, s.sinks,
+                                                                        s.window))
         out = {"speedup": repriced.speedup, "tokens_per_step": repriced.tokens_per_step,
                "profiled_speedup": profiled.speedup, "two_level_speedup": repriced_two.speedup,
                "two_level_profiled_speedup": profiled_two.speedup,
                "price_ratios": {key: value for key, value in ratios.items() if value is not None},
                "passes": len(next(iter(self.timer.samples.values()))), "points": len(self.timer.calls)}
-        if not s["speculate"]:  # the plan decodes one token per step; what was re-priced is its best setting
+        if not s.speculate:  # the plan decodes one token per step; what was re-priced is its best setting
             out.update({"speedup": 1.0, "tokens_per_step": 1.0, "profiled_speedup": 1.0,
                         "best_speculative_speedup": repriced.speedup,
                         "best_speculative_profiled_speedup": profiled.speedup})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import click
 
 from core.choices import DEVICES, DTYPES, VERIFICATION_RULES
 from core.errors import UserError
-from core.plan_schema import STREAMING_SINKS, STREAMING_WINDOW, Plan
+from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
+from core.plan_schema import Plan
 from planner.export import EXPORT_FORMATS
 from profiler.datasets import DATASETS
 
@@ -18,47 +20,17 @@ PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + 
 ESSAYS_HELP = "haystack (the carried essays) or a folder of .txt essays to build long prompts from"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class InPipelineOrder(click.Group):
+    """Lists its commands in the order they are defined (the pipeline's), not alphabetically."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
+
+@click.group(cls=InPipelineOrder, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="specplan")
 def cli() -> None:
     """Profile, plan and run lossless speculative decoding on the hardware at hand."""
-
-
-@cli.group()
-def solve() -> None:
-    """Turn a profile and acceptance statistics into a plan file."""
-
-
-@solve.command("sequoia")
-@click.option("--acceptance", "acceptance_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="acceptance/sequoia YAML (the positional acceptance vector)")
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="profile/latency YAML; without it the plan maximises tokens per step")
-@click.option("--max-size", type=int, required=True, help="largest tree size n (nodes, root included)")
-@click.option("--max-depth", type=int, required=True, help="largest tree depth d (draft steps)")
-@click.option("--batch", type=int, default=1, show_default=True, help="sequences per batch: cost uses t(batch * n)")
-@click.option("--context", type=int, default=None, help="use the profile's t(n) at this context length")
-@click.option("--top", type=int, default=10, show_default=True, help="rows of the ranked table to print")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int, batch: int,
-                      context: int | None, top: int, output: Path) -> None:
-    """Sequoia: the optimal token tree and its size/depth for this hardware."""
-    from core.plan_schema import save_plan
-    from planner.sequoia import solve_sequoia
-
-    plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, batch, context)
-    header = f"{'n':>5} {'d':>3} {'G(n,d)':>8}"
-    if profile_path is not None:
-        header += f" {'step ms':>9} {'speedup':>8} {'tok/s':>8}"
-    click.echo(header)
-    for c in ranked[:top]:
-        row = f"{c.size:>5} {c.depth:>3} {c.tokens_per_step:>8.4f}"
-        if c.speedup is not None:
-            row += f" {c.step_seconds * 1e3:>9.3f} {c.speedup:>8.3f} {c.tokens_per_second:>8.2f}"
-        click.echo(row)
-    save_plan(plan, output)
-    click.echo(f"DP over n <= {max_size}, d <= {max_depth}: {plan.solver['seconds'] * 1e3:.1f} ms; "
-               f"chose n = {plan.tree.size}, d = {plan.tree.depth}; wrote {output}")
 
 
 def _progress(message: str) -> None:
@@ -93,8 +65,8 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--window-prefill", help="SINKS,WINDOW: also time a StreamingLLM drafter's prefill of its window "
               "(the draft's, else the target's), which `plan solve triforce` charges once per prompt [off]")
 @click.option("--gpu", help="a catalogue GPU (a100-80g, h100, ...) to model, or `cpu` to model this CPU")
-@click.option("--threads", type=int, help="torch threads (default: all cores)")
-@click.option("--repeats", type=int, help="timed repeats per point [7, quick 3]")
+@click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: all cores)")
+@click.option("--repeats", type=click.IntRange(min=1), help="timed repeats per point [7, quick 3]")
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
 @click.option("--resume", is_flag=True, help="go on from the timing passes an interrupted run completed")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
@@ -120,14 +92,11 @@ def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None,
         if len(sinks_window) != 2 or sinks_window[0] < 0 or sinks_window[1] < 1:
             raise UserError(f"--window-prefill takes SINKS,WINDOW (sinks >= 0, window >= 1), got {window_prefill!r}")
         request.window_prefill = (sinks_window[0], sinks_window[1])
-    if request.repeats < 1 or request.threads < 1:
-        raise UserError("--repeats and --threads must be >= 1")
-    document = run_profile(request, output, resume, log=_progress)
-    click.echo(describe_profile(document))
+    click.echo(describe_profile(run_profile(request, output, resume, log=_progress)))
     click.echo(f"wrote {output}")
 
 
-@cli.group()
+@cli.group(cls=InPipelineOrder)
 def accept() -> None:
     """Measure acceptance statistics of a draft/target pair on a dataset."""
 
@@ -136,17 +105,19 @@ def accept() -> None:
 @click.option("--target", required=True)
 @click.option("--draft", required=True)
 @click.option("--dataset", required=True, help=PROMPTS_HELP)
-@click.option("--samples", type=int, help="number of prompts (spread across categories)")
+@click.option("--samples", type=click.IntRange(min=1), help="number of prompts (spread across categories)")
 @click.option("--temperature", type=float, required=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--width", type=int, default=16, show_default=True, help="K: children ranks measured")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="continuation length per prompt")
+@click.option("--width", type=click.IntRange(min=1), default=16, show_default=True, help="K: children ranks measured")
+@click.option("--max-new-tokens", type=click.IntRange(min=1),
+              default=128, show_default=True, help="continuation length per prompt")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
 @click.option("--draft-dtype", type=click.Choice(DTYPES), help="default: --dtype")
 @click.option("--draft-vocab", type=click.IntRange(min=1), help=DRAFT_VOCAB_HELP)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--paths", type=int, default=64, show_default=True, help="simulated rejection paths per position")
+@click.option("--paths", type=click.IntRange(min=1),
+              default=64, show_default=True, help="simulated rejection paths per position")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, temperature: float, top_p: float,
                    width: int, max_new_tokens: int, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
@@ -167,8 +138,8 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
 @accept.command("lookahead")
 @click.option("--target", required=True)
 @click.option("--dataset", required=True, help=PROMPTS_HELP)
-@click.option("--samples", type=int, help="number of prompts (spread across categories)")
-@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--samples", type=click.IntRange(min=1), help="number of prompts (spread across categories)")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
 @click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
@@ -185,13 +156,93 @@ def accept_lookahead(target: str, dataset: str, samples: int | None, max_new_tok
     click.echo(f"{len(acceptance.records)} prompts, {tokens} generated tokens; wrote {output}")
 
 
+@accept.command("triforce")
+@click.option("--target", required=True)
+@click.option("--draft", help="bottom draft model (with a StreamingLLM cache); without it, a Lookahead trie")
+@click.option("--dataset", required=True, help=ESSAYS_HELP)
+@click.option("--contexts", default="4096,8192", show_default=True, help="prompt lengths in tokens")
+@click.option("--samples", type=click.IntRange(min=1),
+              default=2, show_default=True, help="prompts per context (needle, summary, ...)")
+@click.option("--budgets", default="256,512,1024,2048", show_default=True)
+@click.option("--chunks", default="8,16", show_default=True)
+@click.option("--strides", default="64,256", show_default=True, help="retrieval-cache rebuild strides")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
+@click.option("--sinks", type=click.IntRange(min=0), default=STREAMING_SINKS, show_default=True,
+              help="StreamingLLM cache of the bottom model and of the streaming-only draft: sink tokens")
+@click.option("--window", type=click.IntRange(min=1),
+              default=STREAMING_WINDOW, show_default=True, help="... and recent tokens")
+@click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
+              help="a greedy TriForce plan: measure along the text it decodes (outside fp32 it differs from the "
+                   "target's one-token text)")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str, samples: int, budgets: str,
+                    chunks: str, strides: str, max_new_tokens: int, temperature: float, top_p: float, dtype: str,
+                    sinks: int, window: int, decode_with: str | None, output: Path) -> None:
+    """Acceptance of the retrieval-cache target (per budget/chunk/stride) and of the bottom drafter."""
+    from decoder.sampling import SamplingParams
+    from profiler.triforce_acceptance import run_triforce_acceptance
+
+    grid = [(b, c, r) for b in _int_list(budgets) for c in _int_list(chunks) for r in _int_list(strides)]
+    document = run_triforce_acceptance(target, draft, "model" if draft else "trie", dataset, _int_list(contexts),
+                                       samples, grid, max_new_tokens, SamplingParams(temperature, top_p), dtype,
+                                       sinks, window, str(output), log=_progress, decode_with=decode_with)
+    click.echo(f"{'L':>6} {'B':>5} {'s':>3} {'R':>4} {'middle':>7} {'bottom':>7}")
+    for e in document["entries"]:
+        click.echo(f"{e['context']:>6} {e['budget']:>5} {e['chunk']:>3} {e['stride']:>4} {e['middle']:>7.3f} "
+                   f"{e['bottom']:>7.3f}")
+    click.echo(f"wrote {output}")
+
+
+@cli.group(cls=InPipelineOrder)
+def solve() -> None:
+    """Turn a profile and acceptance statistics into a plan file."""
+
+
+@solve.command("sequoia")
+@click.option("--acceptance", "acceptance_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="acceptance/sequoia YAML (the positional acceptance vector)")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="profile/latency YAML; without it the plan maximises tokens per step")
+@click.option("--max-size", type=click.IntRange(min=1),
+              required=True, help="largest tree size n (nodes, root included)")
+@click.option("--max-depth", type=click.IntRange(min=0), required=True, help="largest tree depth d (draft steps)")
+@click.option("--batch", type=click.IntRange(min=1),
+              default=1, show_default=True, help="sequences per batch: cost uses t(batch * n)")
+@click.option("--context", type=int, default=None, help="use the profile's t(n) at this context length")
+@click.option("--top", type=click.IntRange(min=0),
+              default=10, show_default=True, help="rows of the ranked table to print")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int, batch: int,
+                      context: int | None, top: int, output: Path) -> None:
+    """Sequoia: the optimal token tree and its size/depth for this hardware."""
+    from core.plan_schema import save_plan
+    from planner.sequoia import solve_sequoia
+
+    plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, batch, context)
+    header = f"{'n':>5} {'d':>3} {'G(n,d)':>8}"
+    if profile_path is not None:
+        header += f" {'step ms':>9} {'speedup':>8} {'tok/s':>8}"
+    click.echo(header)
+    for c in ranked[:top]:
+        row = f"{c.size:>5} {c.depth:>3} {c.tokens_per_step:>8.4f}"
+        if c.speedup is not None:
+            row += f" {c.step_seconds * 1e3:>9.3f} {c.speedup:>8.3f} {c.tokens_per_second:>8.2f}"
+        click.echo(row)
+    save_plan(plan, output)
+    click.echo(f"DP over n <= {max_size}, d <= {max_depth}: {plan.solver['seconds'] * 1e3:.1f} ms; "
+               f"chose n = {plan.tree.size}, d = {plan.tree.depth}; wrote {output}")
+
+
 @solve.command("lookahead")
 @click.option("--acceptance", "acceptance_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="acceptance/lookahead YAML (the target's greedy outputs)")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--decoding-lengths", help="L_d grid, comma-separated (default 2..64)")
 @click.option("--branch-lengths", help="L_b grid, comma-separated (default 1..16)")
-@click.option("--top", type=int, default=10, show_default=True)
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
                         branch_lengths: str | None, top: int, output: Path) -> None:
@@ -212,7 +263,7 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
         click.echo(row)
     save_plan(plan, output)
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
-               f"{plan.settings['decoding_length']}, L_b = {plan.settings['branch_length']}; wrote {output}")
+               f"{plan.settings.decoding_length}, L_b = {plan.settings.branch_length}; wrote {output}")
     _note_inexact_replay(plan)
 
 
@@ -222,46 +273,6 @@ def _note_inexact_replay(plan: Plan) -> None:
                    f"plan (plan accept {plan.method} --decode-with) and solve again for an exact replay", err=True)
 
 
-@accept.command("triforce")
-@click.option("--target", required=True)
-@click.option("--draft", help="bottom draft model (with a StreamingLLM cache); without it, a Lookahead trie")
-@click.option("--dataset", required=True, help=ESSAYS_HELP)
-@click.option("--contexts", default="4096,8192", show_default=True, help="prompt lengths in tokens")
-@click.option("--samples", type=int, default=2, show_default=True, help="prompts per context (needle, summary, ...)")
-@click.option("--budgets", default="256,512,1024,2048", show_default=True)
-@click.option("--chunks", default="8,16", show_default=True)
-@click.option("--strides", default="64,256", show_default=True, help="retrieval-cache rebuild strides")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
-@click.option("--sinks", type=int, default=STREAMING_SINKS, show_default=True,
-              help="StreamingLLM cache of the bottom model and of the streaming-only draft: sink tokens")
-@click.option("--window", type=int, default=STREAMING_WINDOW, show_default=True, help="... and recent tokens")
-@click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
-              help="a greedy TriForce plan: measure along the text it decodes (outside fp32 it differs from the "
-                   "target's one-token text)")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str, samples: int, budgets: str,
-                    chunks: str, strides: str, max_new_tokens: int, temperature: float, top_p: float, dtype: str,
-                    sinks: int, window: int, decode_with: str | None, output: Path) -> None:
-    """Acceptance of the retrieval-cache target (per budget/chunk/stride) and of the bottom drafter."""
-    from decoder.sampling import SamplingParams
-    from profiler.triforce_acceptance import run_triforce_acceptance
-
-    grid = [(b, c, r) for b in _int_list(budgets) for c in _int_list(chunks) for r in _int_list(strides)]
-    if samples < 1 or max_new_tokens < 1:
-        raise UserError("--samples and --max-new-tokens must be >= 1")
-    document = run_triforce_acceptance(target, draft, "model" if draft else "trie", dataset, _int_list(contexts),
-                                       samples, grid, max_new_tokens, SamplingParams(temperature, top_p), dtype,
-                                       sinks, window, str(output), log=_progress, decode_with=decode_with)
-    click.echo(f"{'L':>6} {'B':>5} {'s':>3} {'R':>4} {'middle':>7} {'bottom':>7}")
-    for e in document["entries"]:
-        click.echo(f"{e['context']:>6} {e['budget']:>5} {e['chunk']:>3} {e['stride']:>4} {e['middle']:>7.3f} "
-                   f"{e['bottom']:>7.3f}")
-    click.echo(f"wrote {output}")
-
-
 @solve.command("triforce")
 @click.option("--acceptance", "acceptance_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--profile", "profile_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
@@ -269,9 +280,9 @@ def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str,
 @click.option("--two-level", is_flag=True, help="no bottom drafter: retrieval-cache self-speculation only")
 @click.option("--rebuild-below", type=float, default=0.0, show_default=True,
               help="also rebuild when the rolling acceptance falls below this")
-@click.option("--min-speedup", type=float, default=1.0, show_default=True,
+@click.option("--min-speedup", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="speculate only if predicted faster than this times one-token decoding")
-@click.option("--top", type=int, default=10, show_default=True)
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int | None, two_level: bool,
                        rebuild_below: float, min_speedup: float, top: int, output: Path) -> None:
@@ -279,6 +290,8 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
     from core.plan_schema import save_plan
     from planner.triforce import solve_triforce
 
+    if not math.isfinite(min_speedup):
+        raise UserError(f"--min-speedup must be a positive number, got {min_speedup}")
     plan, ranked = solve_triforce(acceptance_path, profile_path, context, two_level=two_level,
                                   rebuild_below=rebuild_below, min_speedup=min_speedup)
     click.echo(f"{'drafter':<9} {'g1':>3} {'g2':>3} {'B':>5} {'s':>3} {'R':>4} {'a_mid':>6} {'a_bot':>6} "
@@ -294,10 +307,46 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
     save_plan(plan, output)
     click.echo(f"wrote {output}")
     _note_inexact_replay(plan)
-    if not plan.settings["speculate"]:
+    if not plan.settings.speculate:
         best = plan.prediction["best_speculative"]["speedup"]
         click.echo(f"note: no setting is predicted faster than {min_speedup:g}x one-token decoding at context "
-                   f"{plan.settings['context']} (best {best:.2f}x): the plan decodes one token per step", err=True)
+                   f"{plan.settings.context} (best {best:.2f}x): the plan decodes one token per step", err=True)
+
+
+@cli.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="also draw a PNG")
+@click.option("--compare", type=click.Path(dir_okay=False, path_type=Path),
+              help="a second profile drawn beside the first (e.g. modeled against measured)")
+def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> None:
+    """Print a plan, profile or acceptance file readably, or one or more plan bench reports (.json: their
+    tables; --plot draws every method's speedup and the plans' predicted against measured speedups)."""
+    from specplan.show import show_files
+
+    click.echo(show_files(list(files), plot, compare))
+    if plot is not None:
+        click.echo(f"wrote {plot}")
+
+
+@cli.command()
+@click.argument("plan_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(EXPORT_FORMATS), required=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write here instead of stdout")
+def export(plan_file: Path, fmt: str, output: Path | None) -> None:
+    """Export a Sequoia plan's tree to another engine's format."""
+    from core.fileio import atomic_output
+    from core.plan_schema import load_plan
+    from planner.export import export_tree
+
+    plan = load_plan(plan_file)
+    if plan.tree is None:
+        raise UserError(f"{plan_file}: a {plan.kind} has no token tree to export")
+    text = export_tree(plan.tree, fmt)
+    if output is None:
+        click.echo(text)
+    else:
+        with atomic_output(output) as handle:
+            handle.write(text + "\n")
 
 
 @cli.command()
@@ -309,7 +358,7 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(DTYPES), help="default: the plan's, else fp32")
 @click.option("--draft-dtype", type=click.Choice(DTYPES), help="default: --dtype")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=float, help="default: the plan's (0 = greedy)")
 @click.option("--top-p", type=float, help="default: the plan's, else 1")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off")
@@ -366,8 +415,9 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @cli.command()
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option("--dataset", required=True, help=PROMPTS_HELP)
-@click.option("--prompts", type=int, default=8, show_default=True, help="prompts, spread across categories")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--prompts", type=click.IntRange(min=1),
+              default=8, show_default=True, help="prompts, spread across categories")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--baselines", default="hf,hf-assisted,ours-ar", show_default=True,
               help="comma-separated: hf, hf-assisted, hf-prompt-lookup, ours-ar; two-level, streaming (TriForce)")
 @click.option("--target", help="override the plan's target model")
@@ -406,47 +456,19 @@ def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, base
     click.echo(f"wrote {output} (+ .md, .png)")
 
 
-@cli.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="also draw a PNG")
-@click.option("--compare", type=click.Path(dir_okay=False, path_type=Path),
-              help="a second profile drawn beside the first (e.g. modeled against measured)")
-def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> None:
-    """Print a plan, profile or acceptance file readably, or one or more plan bench reports (.json: their
-    tables; --plot draws every method's speedup and the plans' predicted against measured speedups)."""
-    from specplan.show import show_files
-
-    click.echo(show_files(list(files), plot, compare))
-    if plot is not None:
-        click.echo(f"wrote {plot}")
+MAX_ERROR_CHARS = 400  # an error is one readable line, whatever the user's file held
 
 
-@cli.command()
-@click.argument("plan_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(EXPORT_FORMATS), required=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write here instead of stdout")
-def export(plan_file: Path, fmt: str, output: Path | None) -> None:
-    """Export a Sequoia plan's tree to another engine's format."""
-    from core.fileio import atomic_output
-    from core.plan_schema import load_plan
-    from planner.export import export_tree
-
-    plan = load_plan(plan_file)
-    if plan.tree is None:
-        raise UserError(f"{plan_file}: a {plan.kind} has no token tree to export")
-    text = export_tree(plan.tree, fmt)
-    if output is None:
-        click.echo(text)
-    else:
-        with atomic_output(output) as handle:
-            handle.write(text + "\n")
+def _one_line(message: str) -> str:
+    text = " ".join(message.split()).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(args=argv, prog_name="plan", standalone_mode=False)
     except UserError as exc:
-        click.echo(f"plan: error: {exc}", err=True)
+        click.echo(f"plan: error: {_one_line(str(exc))}", err=True)
         return 2
     except click.exceptions.Exit as exc:
         return exc.exit_code

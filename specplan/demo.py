@@ -39,7 +39,7 @@ def main() -> int:
     request = ProfileRequest(target=MODEL, dtype=dtype, contexts=[256, 1024], sizes=list(QUICK_SIZES), repeats=3,
                              warmup=1)
     profile = run_profile(request, profile_path, log=say, progress=False)
-    curve = profile["target"]["contexts"][256]["t_seconds"]
+    curve = profile.target_by_context[256]
     say("   t(n) at 256 tokens of context: " + ", ".join(f"n={n}: {t * 1e3:.1f} ms" for n, t in curve.items()))
 
     say(f"== 2/4 accept: the target's own greedy outputs on {len(read_dataset(str(DEMO_PROMPTS)))} demo prompts")
@@ -51,7 +51,7 @@ def main() -> int:
     plan, ranked = solve_lookahead(acceptance_path, profile_path)
     plan_path = Path("plans") / f"demo.{MODEL}.lookahead.{dtype}.yaml"
     save_plan(plan, plan_path)
-    say(f"   chose L_d = {plan.settings['decoding_length']}, L_b = {plan.settings['branch_length']}: "
+    say(f"   chose L_d = {plan.settings.decoding_length}, L_b = {plan.settings.branch_length}: "
         f"{plan.prediction['tokens_per_step']:.2f} tokens/step, predicted {plan.prediction['speedup']:.2f}x "
         f"over autoregressive decoding ({plan_path})")
 

@@ -15,6 +15,7 @@ from core.machine import machine_label
 from core.plan_schema import Plan, TokenTree
 from core.plotting import pyplot, save_png
 from core.profile_schema import LatencyProfile
+from core.validate import Fields
 
 
 def show_files(paths: list[str | os.PathLike], plot: str | os.PathLike | None = None,
@@ -44,7 +45,7 @@ def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
         others = [LatencyProfile.from_dict(read_yaml(compare), str(compare))] if compare else []
         if plot is not None:
             plot_profiles([profile] + others, plot)
-        text = "\n\n".join(describe_profile(p.raw) for p in [profile] + others)
+        text = "\n\n".join(describe_profile(p) for p in [profile] + others)
         return text + ("\n\n" + compare_profiles(profile, others[0]) if others else "")
     if compare is not None:
         raise UserError("--compare applies to profiles only")
@@ -59,12 +60,12 @@ def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
                  f"T = {acceptance.temperature}",
                  f"  {'L':>6} {'B':>5} {'s':>3} {'R':>4} {'middle':>7} {'bottom':>7} {'positions':>9}"]
         for e in acceptance.entries:
-            lines.append(f"  {e['context']:>6} {e['budget']:>5} {e['chunk']:>3} {e['stride']:>4} {e['middle']:>7.3f} "
-                         f"{e['bottom']:>7.3f} {e.get('positions', 0):>9}")
+            lines.append(f"  {e.context:>6} {e.budget:>5} {e.chunk:>3} {e.stride:>4} {e.middle:>7.3f} "
+                         f"{e.bottom:>7.3f} {e.extra.get('positions', 0):>9}")
         for r in acceptance.streaming:
-            drafter = acceptance.bottom if r["drafter"] == "draft" else acceptance.target
-            lines.append(f"  streaming draft ({drafter} over a StreamingLLM cache) at {r['context']}: "
-                         f"{r['acceptance']:.3f} against the full target over {sum(map(len, r['traces']))} positions")
+            drafter = acceptance.bottom if r.drafter == "draft" else acceptance.target
+            lines.append(f"  streaming draft ({drafter} over a StreamingLLM cache) at {r.context}: "
+                         f"{r.acceptance:.3f} against the full target over {sum(map(len, r.traces))} positions")
         return "\n".join(lines)
     if kind == "acceptance/sequoia":
         acceptance = SequoiaAcceptance.from_dict(data, str(path))
@@ -79,41 +80,35 @@ def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
     raise UserError(f"{path}: cannot show a document of kind {kind!r}")
 
 
-def describe_profile(document: dict[str, Any]) -> str:
-    lines = [f"profile/latency ({document.get('source', 'measured')}), dtype {document.get('dtype', '?')}, "
-             f"models: " + ", ".join(f"{k}={v}" for k, v in (document.get("models") or {}).items())
-             + (f", draft scores ids < {document['draft_vocab']}" if document.get("draft_vocab") else "")]
-    machine = document.get("hardware") or {}
+def describe_profile(profile: LatencyProfile) -> str:
+    lines = [f"profile/latency ({profile.source}), dtype {profile.dtype or '?'}, models: "
+             + ", ".join(f"{k}={v}" for k, v in profile.models.items())
+             + (f", draft scores ids < {profile.draft_vocab}" if profile.draft_vocab else "")]
+    machine = profile.hardware
     label = machine.get("gpu") or machine.get("cpu")
     if label:
         lines.append(f"hardware: {label}" + (f", {machine['threads']} threads" if "threads" in machine else ""))
-    for role in ("target", "draft"):
-        section = document.get(role)
-        if not section:
-            continue
-        contexts = section.get("contexts") or {section.get("context", "?"): {"t_seconds": section["t_seconds"]}}
-        sizes = sorted({int(n) for entry in contexts.values() for n in entry["t_seconds"]})
-        lines.append(f"{role}: t(n) in ms" + (f"; step {section['step_seconds'] * 1e3:.2f} ms"
-                                               if "step_seconds" in section else ""))
-        lines.append("  " + f"{'n':>6}" + "".join(f"{'L=' + str(L):>12}" for L in contexts))
-        for n in sizes:
-            row = "".join(f"{entry['t_seconds'][n] * 1e3:>12.2f}" if n in entry["t_seconds"] else f"{'':>12}"
-                          for entry in contexts.values())
-            lines.append(f"  {n:>6}{row}")
-        builds = {L: entry["retrieval_build_seconds"] for L, entry in contexts.items()
-                  if entry.get("retrieval_build_seconds")}
-        for L, by_budget in builds.items():
-            lines.append(f"  retrieval build at L={L}: " + ", ".join(
-                f"B={budget} {seconds * 1e3:.2f} ms" for budget, seconds in by_budget.items()))
-        if section.get("engine_overhead_seconds"):
-            lines.append(f"  engine overhead per step at L={section.get('engine_overhead_context', '?')}: " + ", ".join(
-                f"n={n} {seconds * 1e3:.2f} ms" for n, seconds in section["engine_overhead_seconds"].items()))
-        prefill = section.get("window_prefill")
-        if prefill:
-            lines.append(f"  StreamingLLM window prefill ({prefill['sinks']} sinks + {prefill['window']} recent "
-                         f"tokens): {prefill['seconds']:.3f} s")
-    if "measurement_seconds" in document:
-        lines.append(f"measured in {document['measurement_seconds']} s")
+    by_context = profile.target_by_context or {profile.target_context or "?": profile.target_t_seconds}
+    sizes = sorted({n for points in by_context.values() for n in points})
+    lines.append("target: t(n) in ms")
+    lines.append("  " + f"{'n':>6}" + "".join(f"{'L=' + str(L):>12}" for L in by_context))
+    for n in sizes:
+        row = "".join(f"{points[n] * 1e3:>12.2f}" if n in points else f"{'':>12}" for points in by_context.values())
+        lines.append(f"  {n:>6}{row}")
+    for L, by_budget in profile.builds_by_context.items():
+        lines.append(f"  retrieval build at L={L}: " + ", ".join(
+            f"B={budget} {seconds * 1e3:.2f} ms" for budget, seconds in by_budget.items()))
+    if profile.overhead_seconds:
+        lines.append(f"  engine overhead per step at L={profile.overhead_context or '?'}: " + ", ".join(
+            f"n={n} {seconds * 1e3:.2f} ms" for n, seconds in profile.overhead_seconds.items()))
+    if profile.draft_step_seconds is not None or profile.draft_by_context:
+        steps = profile.draft_by_context or {profile.target_context or "?": profile.draft_step_seconds}
+        lines.append("draft: step in ms " + ", ".join(f"L={L} {seconds * 1e3:.2f}" for L, seconds in steps.items()))
+    for role, (sinks, window, seconds) in profile.window_prefills.items():
+        lines.append(f"  {role}'s StreamingLLM window prefill ({sinks} sinks + {window} recent tokens): "
+                     f"{seconds:.3f} s")
+    if profile.measurement_seconds is not None:
+        lines.append(f"measured in {profile.measurement_seconds} s")
     return "\n".join(lines)
 
 
@@ -162,7 +157,7 @@ def plot_profiles(profiles: list[LatencyProfile], png: str | os.PathLike) -> Non
     contexts = sorted({L for _, by_context in curves for L in by_context})  # one color per L across profiles
     for index, (profile, by_context) in enumerate(curves):
         style = ("-", "--", ":")[index % 3]  # one line style per profile, one color per context
-        where = machine_label(profile.raw.get("hardware") or {})
+        where = machine_label(profile.machine)
         for L, curve in sorted(by_context.items()):
             sizes = sorted(curve)
             ax.plot(sizes, [curve[n] * 1e3 for n in sizes], style, marker="o" if index == 0 else None, ms=3,
@@ -171,8 +166,7 @@ def plot_profiles(profiles: list[LatencyProfile], png: str | os.PathLike) -> Non
     ax.set_yscale("log")
     ax.set_xlabel("new tokens n")
     ax.set_ylabel("target forward t(n) [ms]")
-    first = profiles[0].raw
-    ax.set_title(f"{(first.get('models') or {}).get('target', '?')}, {first.get('dtype', '?')}")
+    ax.set_title(f"{profiles[0].models.get('target', '?')}, {profiles[0].dtype or '?'}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     save_png(fig, png)
@@ -240,11 +234,10 @@ def describe_plan(plan: Plan) -> str:
         depths = plan.tree.depths
         widths = [depths.count(k) for k in range(plan.tree.depth + 1)]
         lines.append(f"tree: {plan.tree.size} nodes, depth {plan.tree.depth}, nodes per level {widths}")
-        positional = plan.inputs.get("acceptance", {}).get("positional")
-        lines.extend("  " + line for line in ascii_tree(plan.tree, positional))
-    if plan.settings:
+        lines.extend("  " + line for line in ascii_tree(plan.tree, _recorded_acceptance(plan, required=False)))
+    if plan.settings is not None:
         lines.append(f"{plan.method}:")
-        lines.extend(_format_mapping(plan.settings))
+        lines.extend(_format_mapping(plan.settings.to_dict()))
     lines.append("inputs:")
     lines.extend(_format_mapping(plan.inputs))
     lines.append("solver:")
@@ -254,13 +247,26 @@ def describe_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+PLOT_MAX_TREE_SIZE = 4096
+
+
+def _recorded_acceptance(plan: Plan, required: bool) -> list[float] | None:
+    """The positional acceptance vector a Sequoia plan records among its inputs."""
+    inputs = Fields(plan.inputs, f"{plan.source}: inputs")
+    acceptance = inputs.sub("acceptance", required=required)
+    return acceptance.number_list("positional", required=required, low=0.0, high=1.0) if acceptance else None
+
+
 def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
     if plan.method != "sequoia":
         raise UserError(f"--plot is not available for {plan.kind}")
     from planner.sequoia import rank_candidates
     from planner.sequoia_dp import SequoiaTables
-    positional = np.asarray(plan.inputs["acceptance"]["positional"])
-    tables = SequoiaTables(positional, int(plan.inputs["max_size"]), int(plan.inputs["max_depth"]))
+    positional = np.asarray(_recorded_acceptance(plan, required=True))
+    inputs = Fields(plan.inputs, f"{plan.source}: inputs")
+    # The DP is redrawn over the plan's own search space, bounded so that a file cannot ask for hours of it.
+    max_size = inputs.integer("max_size", low=plan.tree.size, high=PLOT_MAX_TREE_SIZE)
+    tables = SequoiaTables(positional, max_size, inputs.integer("max_depth", low=plan.tree.depth, high=max_size))
     G = tables.G
     plt = pyplot()
     profile_inputs = plan.inputs.get("profile")
@@ -277,19 +283,22 @@ def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     if profile_inputs:
+        recorded = inputs.sub("profile")
         profile = LatencyProfile.from_dict({
             "kind": "profile/latency",
-            "target": {"t_seconds": profile_inputs["target_t_seconds"]},
-            "draft": {"step_seconds": profile_inputs["draft_step_seconds"]},
-        }, "plan inputs")
-        ranked = rank_candidates(tables, profile, int(plan.inputs.get("batch", 1)))
+            "target": {"t_seconds": recorded.data.get("target_t_seconds")},
+            "draft": {"step_seconds": recorded.data.get("draft_step_seconds")},
+        }, recorded.where)
+        ranked = rank_candidates(tables, profile, inputs.integer("batch", required=False, low=1, high=max_size,
+                                                                  default=1))
         best_per_n: dict[int, float] = {}
         for c in ranked:
             best_per_n[c.size] = max(best_per_n.get(c.size, 0.0), c.speedup)
         ax2 = axes[0, 1]
         ns = sorted(best_per_n)
         ax2.plot(ns, [best_per_n[n] for n in ns], label="best depth for each n")
-        ax2.scatter([plan.tree.size], [plan.prediction["speedup"]], color="black", zorder=5, label="plan")
+        if plan.prediction.get("speedup") is not None:
+            ax2.scatter([plan.tree.size], [plan.prediction["speedup"]], color="black", zorder=5, label="plan")
         ax2.set_xscale("log", base=2)
         ax2.set_xlabel("tree size n")
         ax2.set_ylabel("predicted speedup")

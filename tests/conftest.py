@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.fileio import plain
 from core.models import load_model
 from decoder.model import LeanModel
 from specplan.cli import main
@@ -29,7 +30,7 @@ def run_cli(capsys):
 def write_yaml_file(tmp_path: Path):
     def write(name: str, data) -> Path:
         path = tmp_path / name
-        path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+        path.write_text(data if isinstance(data, str) else yaml.safe_dump(plain(data)))  # plain: no aliases
         return path
 
     return write

@@ -49,7 +49,7 @@ def test_tree_larger_than_the_cache(run_cli, write_yaml_file, tmp_path):
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["--prompt", "hi", "--top-p", "0"], "top_p"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
-    (["--prompt", "hi", "--temperature", "0.5", "--verify", "greedy"], "--verify greedy"),
+    (["--prompt", "hi", "--temperature", "0.5", "--verify", "greedy"], "greedy verification rule needs temperature 0"),
 ])
 def test_generate_bad_arguments(args, message, run_cli, sequoia_plan):
     assert_one_line_exit_2(run_cli("generate", "--plan", sequoia_plan, *TINY_PAIR, *args), message)
@@ -81,7 +81,7 @@ TRIFORCE_PLAN = {"kind": "plan/triforce", "models": {"target": "tiny-random-llam
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"budget": 250}, "chunk size must divide the budget"),
+    ({"budget": 250}, "must divide the budget"),
     ({"gamma1": 4, "gamma2": 2}, "gamma2 must be >= gamma1"),
     ({"budget": 4096}, "not below the context"),
 ])
@@ -98,7 +98,8 @@ def test_triforce_context_over_the_model_maximum(run_cli, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("cache, message", [(["--window", "0"], "--window >= 1"), (["--sinks", "-1"], "--sinks >= 0")])
+@pytest.mark.parametrize("cache, message", [(["--window", "0"], "'--window': 0 is not in the range x>=1"),
+                                            (["--sinks", "-1"], "'--sinks': -1 is not in the range x>=0")])
 def test_triforce_streaming_cache_bad_sizes(cache, message, run_cli, tmp_path):
     out = tmp_path / "acc.yaml"
     assert_one_line_exit_2(run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset",
@@ -110,4 +111,4 @@ def test_triforce_streaming_cache_bad_sizes(cache, message, run_cli, tmp_path):
 def test_triforce_plan_bad_bottom(run_cli, write_yaml_file):
     plan = write_yaml_file("plan.yaml", {**TRIFORCE_PLAN, "triforce": {**TRIFORCE_PLAN["triforce"], "bottom": "x"}})
     assert_one_line_exit_2(run_cli("generate", "--plan", plan, "--prompt", "a short prompt"),
-                           "'bottom' must be trie, model, none or streaming")
+                           "'bottom' must be one of trie, model, none, streaming")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.method_settings import TrieSettings
 from core.models import load_model
 from decoder.api import lean_model
 from decoder.cuda_graphs import GRAPH_SIZES, enable_cuda_graphs, graph_size
@@ -18,7 +19,7 @@ from decoder.drafters import SequoiaDrafter, TrieDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.model import GRAPH_CACHE_SLOTS, LeanModel, causal_mask
 from decoder.sampling import SamplingParams
-from decoder.trie import Trie, TrieSettings
+from decoder.trie import Trie
 from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
 
 from toy import (

@@ -194,8 +194,9 @@ def test_ancestor_matrix_holds_each_node_and_its_ancestors():
 # --- the trie drafter (Lookahead) ----------------------------------------------------------------------------
 
 def trie_engine(target: LeanModel, **settings) -> SpeculativeEngine:
+    from core.method_settings import TrieSettings
     from decoder.drafters import TrieDrafter
-    from decoder.trie import Trie, TrieSettings
+    from decoder.trie import Trie
 
     return SpeculativeEngine(target, TrieDrafter(Trie(TrieSettings(**settings))))
 

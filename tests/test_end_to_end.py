@@ -74,10 +74,11 @@ def yaml_load(path):
 
 
 def test_triforce_on_a_long_prompt_is_lossless(smollm2):
+    from core.method_settings import TrieSettings
     from decoder.drafters import TrieDrafter
     from decoder.engine import SpeculativeEngine
     from decoder.model import LeanModel
-    from decoder.trie import Trie, TrieSettings
+    from decoder.trie import Trie
     from decoder.triforce import HierarchicalDrafter, RetrievalSettings
 
     prompt = build_prompts("haystack", smollm2.tokenizer, 2048, 1)[0]
@@ -101,10 +102,11 @@ def test_plan_for_another_tokenizer_is_refused(run_cli, tmp_path, write_yaml_fil
 
 
 def test_lookahead_with_token_zero_in_the_prompt_is_lossless(smollm2):
+    from core.method_settings import TrieSettings
     from decoder.drafters import TrieDrafter
     from decoder.engine import SpeculativeEngine
     from decoder.model import LeanModel
-    from decoder.trie import Trie, TrieSettings
+    from decoder.trie import Trie
 
     tokenizer = smollm2.tokenizer
     document = tokenizer.encode("The committee met on Tuesday and approved the budget for the new library. ")

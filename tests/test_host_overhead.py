@@ -53,7 +53,7 @@ def test_sequoia_prices_overhead_as_forward_time():
 
 
 def test_lookahead_prices_overhead_and_trie_time_per_step():
-    from decoder.trie import TrieSettings
+    from core.method_settings import TrieSettings
     from planner.lookahead import predicted_speedup, replay
 
     shifted, with_overhead = profiles()
@@ -69,11 +69,12 @@ def test_lookahead_prices_overhead_and_trie_time_per_step():
 
 
 def test_triforce_prices_overhead_as_forward_time():
+    from core.acceptance_schema import TriForceEntry, TriForceTrace
     from planner.triforce import evaluate, evaluate_traces
 
     shifted, with_overhead = profiles()
-    entry = {"context": 4096, "budget": 256, "chunk": 8, "stride": 64, "middle": 0.7, "bottom": 0.5,
-             "traces": [{"middle": np.array([1.0, 1.0, 0.0, 1.0, 1.0, 1.0]), "bottom": np.ones(6)}]}
+    entry = TriForceEntry(context=4096, budget=256, chunk=8, stride=64, middle=0.7, bottom=0.5,
+                          traces=[TriForceTrace(np.array([1.0, 1.0, 0.0, 1.0, 1.0, 1.0]), np.ones(6))])
     for gamma1, bottom in ((2, 0.001), (1, None)):
         a = evaluate(shifted, 4096, entry, gamma1, 4, bottom)
         b = evaluate(with_overhead, 4096, entry, gamma1, 4, bottom)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from decoder.trie import Trie, TrieSettings
+from core.method_settings import TrieSettings
+from decoder.trie import Trie
 
 
 def reference_counts(sequence: list[int], window: int) -> collections.Counter:
@@ -143,5 +144,5 @@ def test_solver_says_whether_a_bf16_replay_is_exact(dtype, decoded_with, exact, 
         "tokenizer": {"vocab_size": 259, "sha256": "0" * 64}, "dtype": dtype, "decoded_with": decoded_with,
         "records": [{"prompt": repeated[:8], "output": repeated}]})
     plan, _ = solve_lookahead(acceptance, None, decoding_lengths=(2, 4), branch_lengths=(1, 3))
-    assert (plan.settings["decoding_length"], plan.settings["branch_length"]) == (4, 3)  # most tokens per step
+    assert (plan.settings.decoding_length, plan.settings.branch_length) == (4, 3)  # most tokens per step
     assert plan.prediction.get("replay_exact") is exact

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
+from core.acceptance_schema import StreamingRecord, TriForceAcceptance, TriForceEntry, TriForceTrace
 from core.errors import UserError
+from core.method_settings import TrieSettings
 from core.models import load_model
 from decoder.drafters import NoDrafter, TrieDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
-from decoder.trie import Trie, TrieSettings
+from decoder.trie import Trie
 from decoder.triforce import HierarchicalDrafter, RetrievalCache, RetrievalSettings, StreamingDrafter
 
 from toy import (
@@ -165,12 +168,16 @@ FLAT_PROFILE = {  # t(n, L) = 10 ms + 1 ms per new token at 264 tokens of contex
 }
 
 
+def first_entry() -> TriForceEntry:
+    return TriForceAcceptance.from_dict(TRIFORCE_ACCEPTANCE, "acceptance").entries[0]
+
+
 def test_triforce_cost_model_by_hand():
     from core.profile_schema import LatencyProfile
     from planner.triforce import evaluate, expected_tokens
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
-    entry = TRIFORCE_ACCEPTANCE["entries"][0]
+    entry = first_entry()
     c = evaluate(profile, 4096, entry, gamma1=2, gamma2=4, bottom_seconds=0.001)
     per_round = 1 + 0.5 + 0.25  # E(0.5, 2)
     rounds = 3  # ceil(4 / 1.75)
@@ -196,35 +203,35 @@ def test_solve_and_show_triforce(run_cli, write_yaml_file, tmp_path):
     from core.plan_schema import load_plan
 
     plan = load_plan(out)
-    assert plan.settings["budget"] == 1024  # the better middle acceptance wins here
-    assert plan.settings["bottom"] == "trie" and plan.settings["gamma2"] >= plan.settings["gamma1"]
+    assert plan.settings.budget == 1024  # the better middle acceptance wins here
+    assert plan.settings.bottom == "trie" and plan.settings.gamma2 >= plan.settings.gamma1
     assert 0 < plan.prediction["best_two_level"]["speedup"] < plan.prediction["speedup"]
     useless_bottom = dict(TRIFORCE_ACCEPTANCE, entries=[dict(e, bottom=0.0) for e in TRIFORCE_ACCEPTANCE["entries"]])
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("useless.yaml", useless_bottom),
                               "--profile", profile, "-o", tmp_path / "dropped.yaml")
     dropped = load_plan(tmp_path / "dropped.yaml")  # drafts never accepted only cost: the plan drops the bottom
-    assert code == 0 and dropped.settings["bottom"] == "none", stderr
+    assert code == 0 and dropped.settings.bottom == "none", stderr
     assert dropped.prediction["speedup"] == dropped.prediction["best_two_level"]["speedup"]
     hopeless = dict(TRIFORCE_ACCEPTANCE, entries=[dict(e, middle=0.0) for e in TRIFORCE_ACCEPTANCE["entries"]])
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("hopeless.yaml", hopeless),
                               "--profile", profile, "-o", tmp_path / "hopeless-plan.yaml")
     assert code == 0 and "no setting is predicted faster than 1x one-token decoding at context 4096" in stderr
     hopeless_plan = load_plan(tmp_path / "hopeless-plan.yaml")  # decodes one token per step instead
-    assert not hopeless_plan.settings["speculate"] and hopeless_plan.prediction["speedup"] == 1.0
+    assert not hopeless_plan.settings.speculate and hopeless_plan.prediction["speedup"] == 1.0
     assert hopeless_plan.prediction["best_speculative"]["speedup"] < 1
     assert hopeless_plan.prediction["seconds_per_token"] == pytest.approx(0.044)  # t(1, 4096)
     plan = load_plan(out)
     for margin, speculates in ((plan.prediction["speedup"] * 0.99, True), (plan.prediction["speedup"] * 1.01, False)):
         code, _, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile,
                                   "--min-speedup", str(margin), "-o", tmp_path / "margin.yaml")
-        assert code == 0 and load_plan(tmp_path / "margin.yaml").settings["speculate"] == speculates, stderr
+        assert code == 0 and load_plan(tmp_path / "margin.yaml").settings.speculate == speculates, stderr
     for bad in ("nan", "0"):
         code, _, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile,
                                   "--min-speedup", bad, "-o", tmp_path / "bad.yaml")
         assert code == 2 and "--min-speedup" in stderr and not (tmp_path / "bad.yaml").exists()
     code, stdout, _ = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile, "--two-level",
                               "-o", tmp_path / "two.yaml")
-    assert code == 0 and load_plan(tmp_path / "two.yaml").settings["bottom"] == "none"
+    assert code == 0 and load_plan(tmp_path / "two.yaml").settings.bottom == "none"
 
 
 def test_decoded_settings_are_kept_unless_another_is_clearly_faster(write_yaml_file):
@@ -243,7 +250,7 @@ def test_decoded_settings_are_kept_unless_another_is_clearly_faster(write_yaml_f
                     "chunk": decoded.chunk, "stride": decoded.stride}
         acceptance = dict(TRIFORCE_ACCEPTANCE, decoded_with={"plan": "p.yaml", **settings})
         plan, _ = solve_triforce(write_yaml_file("decoded.yaml", acceptance), profile)
-        assert (plan.settings["gamma1"], plan.settings["gamma2"], plan.settings["budget"]) == (
+        assert (plan.settings.gamma1, plan.settings.gamma2, plan.settings.budget) == (
             max(kept.gamma1, 1), kept.gamma2, kept.budget)
         assert plan.prediction["replay_exact"] == (kept is decoded)
 
@@ -263,7 +270,7 @@ def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_fil
     from core.plan_schema import load_plan
 
     plan = load_plan(out)
-    assert plan.settings["bottom"] == "model" and plan.settings["window"] == 1020
+    assert plan.settings.bottom == "model" and plan.settings.window == 1020
     assert plan.inputs["bottom_seconds_per_draft"] == pytest.approx(0.003)
     assert plan.inputs["window_prefill_seconds"] is None  # not profiled: unpriced, and the plan says so
     # Profiled for this window, the draft's prefill (50 ms) is charged once per prompt of the replay (two of 40
@@ -278,7 +285,7 @@ def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_fil
                                   "--profile", write_yaml_file("prof.yaml", prefilled), "-o", out)
         assert code == 0, stderr
         plan = load_plan(out)
-        assert plan.settings["bottom"] == "model" and plan.inputs["window_prefill_seconds"] == charged
+        assert plan.settings.bottom == "model" and plan.inputs["window_prefill_seconds"] == charged
         per_token[charged] = plan.prediction["seconds_per_token"]
     assert per_token[0.05] == pytest.approx(per_token[None] + 0.05 / 40)
     # `plan bench --reprice` re-times the draft's window prefill the plan charges, and re-prices with it
@@ -319,8 +326,7 @@ def test_triforce_trace_replay_by_hand():
     from planner.triforce import evaluate_traces
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
-    entry = {**TRIFORCE_ACCEPTANCE["entries"][0],
-             "traces": [{"middle": np.array([1.0, 1.0, 0.0, 1.0]), "bottom": np.ones(4)}]}
+    entry = replace(first_entry(), traces=[TriForceTrace(np.array([1.0, 1.0, 0.0, 1.0]), np.ones(4))])
     c = evaluate_traces(profile, 4096, entry, gamma1=1, gamma2=2, bottom_seconds=None, top_costs={})
     step = 2 * 0.011 + 0.052
     assert c.tokens_per_step == pytest.approx(2.0)
@@ -335,11 +341,11 @@ def test_triforce_trace_replay_by_hand():
     assert c.speedup == pytest.approx(0.044 / ((2 * step + 0.044 + 0.005) / 4))
     # With a stride of 2 a rebuild falls due after 2 of the 4 tokens inserted; the one due after the last
     # step is never built.
-    c = evaluate_traces(timed, 4096, {**entry, "stride": 2}, gamma1=1, gamma2=2, bottom_seconds=None, top_costs={})
+    c = evaluate_traces(timed, 4096, replace(entry, stride=2), gamma1=1, gamma2=2, bottom_seconds=None, top_costs={})
     assert c.speedup == pytest.approx(0.044 / ((2 * step + 0.044 + 2 * 0.005) / 4))
     # A trie bottom, gamma1 = 2, gamma2 = 3, one position: one round of 3 tokens (the bottom's trace beyond the
     # end counts at its mean), then the top verifies the root and 3 tokens.
-    one = {**entry, "traces": [{"middle": np.array([1.0]), "bottom": np.array([1.0])}]}
+    one = replace(entry, traces=[TriForceTrace(np.array([1.0]), np.array([1.0]))])
     c = evaluate_traces(profile, 4096, one, gamma1=2, gamma2=3, bottom_seconds=0.001, top_costs={})
     assert c.chain_tokens == 3 and c.tokens_per_step == 1.0
     assert c.step_seconds == pytest.approx(2 * 0.001 + 0.013 + 0.056)
@@ -363,10 +369,10 @@ def test_streaming_draft_replay_by_hand():
     from planner.triforce import evaluate_streaming, evaluate_traces, streaming_seconds
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
-    record = {"context": 4096, "drafter": "target", "acceptance": 2 / 3, "traces": [np.array([1.0, 0.0, 1.0])]}
+    record = StreamingRecord(context=4096, drafter="target", acceptance=2 / 3, traces=[np.array([1.0, 0.0, 1.0])])
     c_s = streaming_seconds(profile, record, 1028)
     assert c_s == pytest.approx(float(profile.latency(1, 1028))) and 0.011 < c_s < 0.044
-    entry = {**TRIFORCE_ACCEPTANCE["entries"][0], "traces": [{"middle": np.ones(3), "bottom": np.ones(3)}]}
+    entry = replace(first_entry(), traces=[TriForceTrace(np.ones(3), np.ones(3))])
     two_level = evaluate_traces(profile, 4096, entry, gamma1=1, gamma2=2, bottom_seconds=None, top_costs={})
     c = evaluate_streaming(profile, 4096, record, 2, c_s, {}, two_level)
     assert c.streaming and (c.budget, c.chunk, c.stride) == (256, 8, 64)
@@ -400,23 +406,23 @@ def test_planner_chooses_the_streaming_draft_where_it_pays(run_cli, write_yaml_f
         assert code == 0, stderr
         outcomes[name] = load_plan(out)
     plan = outcomes["perfect"]
-    assert plan.settings["bottom"] == "streaming" and "draft" not in plan.models
+    assert plan.settings.bottom == "streaming" and "draft" not in plan.models
     assert plan.prediction["speedup"] == plan.prediction["best_streaming"]["speedup"] > 1
-    assert plan.prediction["best_streaming"]["gamma2"] == plan.settings["gamma2"]
+    assert plan.prediction["best_streaming"]["gamma2"] == plan.settings.gamma2
     two = plan.prediction["best_two_level"]
-    assert (plan.settings["budget"], plan.settings["chunk"], plan.settings["stride"]) == (
+    assert (plan.settings.budget, plan.settings.chunk, plan.settings.stride) == (
         two["budget"], two["chunk"], two["stride"])
     assert plan.inputs["streaming_seconds_per_draft"] > 0
     assert_repricing_reads_exactly_the_priced_points(plan, load_profile(profile))
     decoder = load_decoder(str(tmp_path / "perfect-plan.yaml"), target="tiny-random-llama", dtype="fp32")
     drafter = decoder.engine.drafter
-    assert isinstance(drafter, StreamingDrafter) and drafter.gamma == plan.settings["gamma2"]
+    assert isinstance(drafter, StreamingDrafter) and drafter.gamma == plan.settings.gamma2
     assert drafter.model is decoder.lean_target and drafter.window == 1024
     prompt = long_prompt(300, 5)
     assert decoder.engine.generate(prompt, 40, SamplingParams()).tokens == hf_greedy(decoder.target, prompt, 40)
-    assert outcomes["useless"].settings["bottom"] != "streaming"
+    assert outcomes["useless"].settings.bottom != "streaming"
     assert outcomes["useless"].prediction["best_streaming"]["speedup"] < outcomes["useless"].prediction["speedup"]
-    assert outcomes["two-level"].settings["bottom"] == "none" and "best_streaming" not in outcomes[
+    assert outcomes["two-level"].settings.bottom == "none" and "best_streaming" not in outcomes[
         "two-level"].prediction
 
 
@@ -445,8 +451,7 @@ def test_triforce_replays_recorded_trie_runs_by_hand():
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
     runs = np.zeros((8, 6), dtype=np.int64)
     runs[1] = [2, 0, 1, 0, 1, 0]
-    entry = {**TRIFORCE_ACCEPTANCE["entries"][0],
-             "traces": [{"middle": np.ones(6), "bottom": np.zeros(6), "bottom_runs": runs}]}
+    entry = replace(first_entry(), traces=[TriForceTrace(np.ones(6), np.zeros(6), runs)])
     c = evaluate_traces(profile, 4096, entry, gamma1=2, gamma2=3, bottom_seconds=0.001, top_costs={})
     round_cost = 2 * 0.001 + 0.013  # t(3, 264)
     assert c.tokens_per_step == pytest.approx(3.0)
@@ -483,19 +488,19 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     assert code == 0, stderr
     acceptance = load_triforce_acceptance(out)
     (entry,) = acceptance.entries
-    assert len(entry["traces"]) == 2
-    middle = np.concatenate([t["middle"] for t in entry["traces"]])
-    bottom = np.concatenate([t["bottom"] for t in entry["traces"]])
-    assert all(1 <= len(t["middle"]) <= 12 for t in entry["traces"]) and entry["positions"] == len(middle)
+    assert len(entry.traces) == 2
+    middle = np.concatenate([t.middle for t in entry.traces])
+    bottom = np.concatenate([t.bottom for t in entry.traces])
+    assert all(1 <= len(t.middle) <= 12 for t in entry.traces) and entry.extra["positions"] == len(middle)
     assert set(np.unique(middle)) <= {0.0, 1.0}
-    assert entry["middle"] == pytest.approx(middle.mean()) and entry["bottom"] == pytest.approx(bottom.mean())
-    for trace in entry["traces"]:
-        runs = trace["bottom_runs"]
-        assert runs.shape == (8, len(trace["middle"])) and (runs <= np.arange(1, 9)[:, None]).all()
+    assert entry.middle == pytest.approx(middle.mean()) and entry.bottom == pytest.approx(bottom.mean())
+    for trace in entry.traces:
+        runs = trace.bottom_runs
+        assert runs.shape == (8, len(trace.middle)) and (runs <= np.arange(1, 9)[:, None]).all()
     (streaming,) = acceptance.streaming  # the target itself over a StreamingLLM cache, against the full target
-    assert streaming["context"] == 300 and streaming["drafter"] == "target"
-    assert [len(t) for t in streaming["traces"]] == [len(t["middle"]) for t in entry["traces"]]
-    assert streaming["acceptance"] == pytest.approx(np.concatenate(streaming["traces"]).mean())
+    assert streaming.context == 300 and streaming.drafter == "target"
+    assert [len(t) for t in streaming.traces] == [len(t.middle) for t in entry.traces]
+    assert streaming.acceptance == pytest.approx(np.concatenate(streaming.traces).mean())
     profile = tmp_path / "prof.yaml"
     assert run_cli("profile", "--model", "tiny-random-llama", "--contexts", "72,300", "--sizes", "1,2,4,8,16,32",
                    "--repeats", "1", "-o", profile)[0] == 0
@@ -521,18 +526,19 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
                               "-o", decoded)
     assert code == 0, stderr
     redecoded = load_triforce_acceptance(decoded)
-    for again, first in zip(redecoded.entries[0]["traces"], entry["traces"], strict=True):
-        assert np.array_equal(again["bottom"], first["bottom"])
+    for again, first in zip(redecoded.entries[0].traces, entry.traces, strict=True):
+        assert np.array_equal(again.bottom, first.bottom)
     settings = load_plan(plan).settings
-    assert redecoded.extra["decoded_with"] == {"plan": str(plan), **{key: settings[key] for key in (
+    assert redecoded.decoded_with == {"plan": str(plan), **{key: getattr(settings, key) for key in (
         "bottom", "gamma1", "gamma2", "budget", "chunk", "stride")}}
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", decoded, "--profile", profile, "--min-speedup",
                               "0.01", "-o", tmp_path / "again.yaml")
     again = load_plan(tmp_path / "again.yaml")
-    assert code == 0 and again.prediction["replay_exact"] == all(again.settings[key] == settings[key] for key in (
+    assert code == 0 and again.prediction["replay_exact"] == all(
+        getattr(again.settings, key) == getattr(settings, key) for key in (
         "bottom", "gamma1", "gamma2", "budget", "chunk", "stride"))
-    candidate = evaluate_traces(load_profile(profile), 300, redecoded.entries[0], settings["gamma1"],
-                                settings["gamma2"], 2e-4, {})
+    candidate = evaluate_traces(load_profile(profile), 300, redecoded.entries[0], settings.gamma1,
+                                settings.gamma2, 2e-4, {})
     decoder = load_decoder(str(plan), target="tiny-random-llama", dtype="fp32")
     steps = sum(decoder.engine.generate(p.ids, 12, SamplingParams()).steps
                 for p in build_prompts("haystack", decoder.tokenizer, 300, 2))
@@ -606,7 +612,7 @@ def assert_repricing_reads_exactly_the_priced_points(plan, profile) -> None:
     assert own.speedup == pytest.approx(plan.prediction["speedup"])
     assert own_two.speedup == pytest.approx(plan.prediction["best_two_level"]["speedup"])
     points = priced_points(plan, profile)
-    assert plan.settings["context"] in points.target and 1 in points.target[plan.settings["context"]]
+    assert plan.settings.context in points.target and 1 in points.target[plan.settings.context]
     slow = {L: {n: 3 * profile.latency(n, L).item() for n in sizes} for L, sizes in points.target.items()}
     slow_builds = {L: {b: 3 * profile.builds_by_context[L][b] for b in budgets} for L, budgets in points.builds.items()}
     everywhere = profile.with_points(

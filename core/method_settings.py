@@ -1,0 +1,104 @@
+"""The settings a plan gives its method's decoder: `TrieSettings` (Lookahead, and TriForce's trie bottom) and
+`TriForceSettings`. A plan file holds them as its `lookahead:` or `triforce:` section (core/plan_schema.py);
+the planner writes them, the decoder reads them, both by attribute."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from core.errors import UserError
+from core.fileio import plain
+from core.validate import Fields
+
+MAX_PREFIX = 4  # longest context suffix matched
+PROMPT_WEIGHT = 4.0  # prompt branches weigh this many output windows
+CAPACITY_FACTOR = 16  # the trie holds this many L_d-token windows before pruning
+# StreamingLLM's cache, as TriForce's bottom level keeps it: a few attention-sink tokens and a recent window.
+STREAMING_SINKS = 4
+STREAMING_WINDOW = 1024
+TRIFORCE_BOTTOMS = ("trie", "model", "none", "streaming")
+MAX_GAMMA = 64  # draft tokens per level and round; TriForce's published settings use at most 16
+
+
+@dataclass(frozen=True)
+class TrieSettings:
+    """Lookahead's trie (decoder/trie.py): how drafts are retrieved and how much the trie holds."""
+
+    decoding_length: int = 16  # L_d: tokens the target scores per step, root included
+    branch_length: int = 8  # L_b: deepest draft token below the root
+    window: int = MAX_PREFIX + 8  # tokens per inserted branch (a matched context plus its continuation)
+    max_prefix: int = MAX_PREFIX
+    capacity: int = CAPACITY_FACTOR * 16 * (MAX_PREFIX + 8)  # nodes before pruning
+    prompt_weight: float = PROMPT_WEIGHT
+
+    @classmethod
+    def sized(cls, decoding_length: int, branch_length: int) -> TrieSettings:
+        """Lookahead's settings for L_d and L_b: windows hold a matched context and a full branch, and the
+        capacity is CAPACITY_FACTOR x L_d windows (the defaults above are those of L_d 16, L_b 8)."""
+        window = MAX_PREFIX + branch_length
+        return cls(decoding_length, branch_length, window, MAX_PREFIX, CAPACITY_FACTOR * decoding_length * window,
+                   PROMPT_WEIGHT).check()
+
+    def check(self) -> TrieSettings:
+        if self.decoding_length < 1:
+            raise UserError(f"decoding length L_d must be >= 1, got {self.decoding_length}")
+        if self.branch_length < 1:
+            raise UserError(f"branch length L_b must be >= 1, got {self.branch_length}")
+        if self.max_prefix < 1 or self.window < 2 or self.capacity < 1 or self.prompt_weight < 0:
+            raise UserError("trie settings: max_prefix >= 1, window >= 2, capacity >= 1, prompt_weight >= 0")
+        return self
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> TrieSettings:
+        integers = {key: f.token_count(key) for key in ("decoding_length", "branch_length", "window", "max_prefix",
+                                                         "capacity")}
+        settings = cls(**integers, prompt_weight=f.number("prompt_weight", low=0.0, high=1e6))
+        if settings.window < 2 or settings.max_prefix >= settings.window:
+            raise f.fail("the window must be >= 2 and longer than max_prefix")
+        return settings
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TriForceSettings:
+    """A TriForce plan's decoding: the bottom level (`trie`, `model`: the draft over a StreamingLLM cache of
+    `sinks` + `window` tokens, `none`: the two-level variant, `streaming`: no middle level) drafting gamma1 tokens
+    per middle round, the middle level (the target over a retrieval cache of `budget` tokens in chunks of
+    `chunk`, rebuilt every `stride` tokens, or when the rolling acceptance falls below `rebuild_below`) drafting
+    gamma2 tokens for the full target, planned for prompts of `context` tokens. `speculate: false` decodes one
+    token per step (the others are then the best speculative setting's, which `plan bench` runs as baselines)."""
+
+    gamma1: int
+    gamma2: int
+    budget: int
+    chunk: int
+    stride: int
+    context: int
+    bottom: str  # one of TRIFORCE_BOTTOMS
+    rebuild_below: float = 0.0
+    sinks: int = STREAMING_SINKS
+    window: int = STREAMING_WINDOW
+    speculate: bool = True
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> TriForceSettings:
+        gamma1, gamma2 = (f.integer(key, low=1, high=MAX_GAMMA) for key in ("gamma1", "gamma2"))
+        if gamma2 < gamma1:
+            raise f.fail("gamma2 must be >= gamma1")
+        budget, chunk = f.token_count("budget"), f.token_count("chunk")
+        if chunk >= budget or budget % chunk:
+            raise f.fail(f"the chunk ({chunk}) must divide the budget ({budget}) and be smaller")
+        return cls(gamma1, gamma2, budget, chunk, f.token_count("stride"), f.token_count("context"),
+                   f.string("bottom", choices=TRIFORCE_BOTTOMS), f.number("rebuild_below", low=0.0, high=1.0),
+                   f.token_count("sinks", low=0), f.token_count("window"), f.boolean("speculate", default=True))
+
+    def check(self) -> TriForceSettings:
+        """The loader's checks, for settings made in code (the solver's, before it writes them)."""
+        return TriForceSettings.from_fields(Fields(plain(self.to_dict()), "triforce settings"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+

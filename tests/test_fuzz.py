@@ -1,0 +1,180 @@
+"""The file formats against hostile input: every committed file loads and re-dumps to the same document; a CI-sized
+sample of the mutation fuzzer (tests/fuzz.py) runs clean; and each crash the fuzzer once found stays fixed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from fuzz import committed_files, fuzz, summary
+
+from core.acceptance_schema import load_lookahead_acceptance, load_sequoia_acceptance, load_triforce_acceptance
+from core.fileio import plain, read_yaml
+from core.plan_schema import Plan, load_plan
+from core.profile_schema import load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+FUZZ_SAMPLE_FILES = 60  # the full run is `python tests/fuzz.py --files 1500` (BENCHMARKS.md)
+
+
+def _redumped(path: Path) -> dict:
+    kind = read_yaml(path)["kind"]
+    if kind.startswith("plan/"):
+        return load_plan(path).to_dict()
+    if kind == "profile/latency":
+        return load_profile(path).raw
+    loader = {"acceptance/sequoia": load_sequoia_acceptance, "acceptance/lookahead": load_lookahead_acceptance,
+              "acceptance/triforce": load_triforce_acceptance}[kind]
+    return loader(path).to_dict()
+
+
+def _without_empty_fields(document: dict) -> dict:
+    """Older files leave out optional sections that newer ones write as null or []: the same document."""
+    return {key: value for key, value in document.items() if value is not None and value != []}
+
+
+@pytest.mark.parametrize("path", committed_files(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_committed_file_loads_and_redumps_equivalently(path):
+    assert _without_empty_fields(plain(_redumped(path))) == _without_empty_fields(read_yaml(path))
+
+
+def test_fuzz_sample_is_clean():
+    outcomes = fuzz(FUZZ_SAMPLE_FILES, seed=11)
+    bad = [o for o in outcomes if o.verdict not in ("ok", "rejected")]
+    assert len(outcomes) >= 2 * FUZZ_SAMPLE_FILES
+    assert not bad, summary(outcomes, FUZZ_SAMPLE_FILES, 0) + "\n" + "\n".join(
+        f"{o.verdict}: {o.command} [{o.mutation}] {o.detail}" for o in bad[:10])
+
+
+SEQUOIA_PLAN = "plans/qwen2.5-coder-1.5b.sequoia.cpu-2c.bf16.yaml"
+SMOLLM_PROFILE = "profiles/smollm2-135m.cpu-2c.fp32-7680.yaml"
+TRIFORCE_ACCEPTANCE = "acceptance/smollm2-135m.triforce.haystack.fp32.yaml"
+LOOKAHEAD_ACCEPTANCE = "acceptance/smollm2-135m.lookahead.specbench-sum-rag-code.fp32.yaml"
+
+
+def _edited(path: str, tmp_path: Path, edit) -> Path:
+    document = yaml.safe_load((ROOT / path).read_text())
+    edited = edit(document)
+    out = tmp_path / Path(path).name
+    out.write_text(edited if isinstance(edited, str) else yaml.safe_dump(document, sort_keys=False))
+    return out
+
+
+def _text_at(key: str, snippet: str):
+    """Replace the top-level `key`'s value by raw YAML text."""
+    def edit(document: dict) -> str:
+        document[key] = "PLACEHOLDER_VALUE"
+        return yaml.safe_dump(document, sort_keys=False).replace("PLACEHOLDER_VALUE", snippet)
+    return edit
+
+
+def _set(*path_and_value):
+    *path, value = path_and_value
+
+    def edit(document: dict) -> None:
+        node = document
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return edit
+
+
+def _rename_context(old: int, new):
+    def edit(document: dict) -> None:
+        contexts = document["target"]["contexts"]
+        contexts[new] = contexts.pop(old)
+    return edit
+
+
+def _solve_triforce(profile: Path, out: Path) -> list:
+    return ["solve", "triforce", "--acceptance", ROOT / TRIFORCE_ACCEPTANCE, "--profile", profile, "-o", out]
+
+
+# Each case: the file mutated as the fuzzer once did, the command that crashed on it, what the one line says.
+REGRESSIONS = {
+    "1000-deep nesting (RecursionError)": (SEQUOIA_PLAN, _text_at("provenance", "[" * 1000 + "1" + "]" * 1000),
+                                           "show", "nested more than"),
+    "self-referencing alias (RecursionError)": (SEQUOIA_PLAN, _text_at("provenance", "&a [1, *a]"), "show",
+                                                "aliases"),
+    "billion-laughs alias bomb (hang)": (
+        SEQUOIA_PLAN, _text_at("inputs", "[&a [1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], "
+                                         "&c [*b,*b,*b,*b,*b,*b,*b,*b,*b], &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]]"),
+        "show", "aliases"),
+    "profile context key 4k (ValueError)": (SMOLLM_PROFILE, _rename_context(4096, "4k"), "solve-triforce",
+                                            "not a positive integer"),
+    "profile context key null (TypeError)": (SMOLLM_PROFILE, _rename_context(4096, None), "solve-triforce",
+                                             "keys are names or integers"),
+    "context without n = 1 (ValueError)": (
+        SMOLLM_PROFILE, lambda d: d["target"]["contexts"][4096]["t_seconds"].pop(1), "solve-triforce",
+        "must include n = 1"),
+    "t(n) = 1e308 (PCHIP raises)": (SMOLLM_PROFILE, _set("target", "contexts", 4096, "t_seconds", 2, 1e308),
+                                    "solve-triforce", "must be <="),
+    "huge n key 1e7 (hang)": (SMOLLM_PROFILE, lambda d: d["target"]["contexts"][4096]["t_seconds"].update(
+        {10**7: 1.0}), "solve-triforce", "outside"),
+    "t(n) = 0 (speedup .inf)": (SMOLLM_PROFILE, _set("target", "t_seconds", 1, 0.0), "solve-triforce", "> 0"),
+    "chunk == budget (ZeroDivisionError)": (TRIFORCE_ACCEPTANCE, lambda d: d["entries"][0].update(chunk=256),
+                                            "solve-triforce-acceptance", "must divide the budget"),
+    "a section that is a list (AttributeError)": (TRIFORCE_ACCEPTANCE, _set("bottom_cache", [1, 2]),
+                                                  "solve-triforce-acceptance", "expected a mapping"),
+    "a section that is an int (TypeError)": (SMOLLM_PROFILE, _set("target", "contexts", 7), "solve-triforce",
+                                             "expected a mapping"),
+    "token id >= 2^63 (OverflowError)": (LOOKAHEAD_ACCEPTANCE, lambda d: d["records"][0]["output"].__setitem__(
+        0, 2**63), "solve-lookahead", "out of range"),
+    "token id beyond the vocabulary": (LOOKAHEAD_ACCEPTANCE, lambda d: d["records"][0]["output"].__setitem__(
+        0, 49152), "solve-lookahead", "below the vocabulary size"),
+    "lone surrogate (UnicodeEncodeError)": (SEQUOIA_PLAN, _text_at("provenance", '"\\ud800"'), "show",
+                                            "not valid Unicode"),
+    "a date where a number belongs (TypeError)": (TRIFORCE_ACCEPTANCE, _text_at("bottom_cache", "{sinks: 2026-11-25}"),
+                                                  "solve-triforce-acceptance", "a date is not a value"),
+}
+
+
+@pytest.mark.parametrize("case", list(REGRESSIONS))
+def test_fuzzer_crash_stays_fixed(case, run_cli, tmp_path):
+    path, edit, command, message = REGRESSIONS[case]
+    mutated = _edited(path, tmp_path, edit)
+    out = tmp_path / "plan.yaml"
+    argv = {
+        "show": ["show", mutated],
+        "solve-triforce": _solve_triforce(mutated, out),
+        "solve-triforce-acceptance": ["solve", "triforce", "--acceptance", mutated, "--profile", ROOT / SMOLLM_PROFILE,
+                                      "-o", out],
+        "solve-lookahead": ["solve", "lookahead", "--acceptance", mutated, "--decoding-lengths", "4",
+                            "--branch-lengths", "2", "-o", out],
+    }[command]
+    code, _, stderr = run_cli(*argv)
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0] and str(mutated) in lines[0], stderr
+    assert not out.exists()
+
+
+def test_profile_minimal_form_shows(run_cli, write_yaml_file):
+    """The schema docstring's minimal profile, which the loader accepts, `plan show` once crashed on."""
+    minimal = write_yaml_file("p.yaml", {"kind": "profile/latency", "target": {"t_seconds": {1: 0.035, 16: 0.07}},
+                                         "draft": {"step_seconds": 0.004}})
+    code, stdout, stderr = run_cli("show", minimal)
+    assert code == 0 and "35.00" in stdout and "4.00" in stdout, stderr
+
+
+def test_huge_tree_is_refused_not_exported_as_a_dense_mask(run_cli, tmp_path):
+    plan = load_plan(ROOT / SEQUOIA_PLAN).to_dict()
+    plan["tree"] = {"size": 5000, "depth": 1, "parents": [-1] + [0] * 4999}
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(plain(plan)))
+    Plan.from_dict(read_yaml(path), str(path))  # a valid plan ...
+    code, _, stderr = run_cli("export", path, "--format", "sequoia", "-o", tmp_path / "tree.json")
+    assert code == 2 and "too large for the sequoia growmap" in stderr  # ... whose n x n mask is refused
+    assert run_cli("export", path, "--format", "medusa", "-o", tmp_path / "tree.json")[0] == 0
+
+
+def test_model_name_of_wrong_type_is_refused(run_cli, tmp_path):
+    plan = _edited(SEQUOIA_PLAN, tmp_path, _set("models", "target", 123))
+    code, _, stderr = run_cli("generate", "--plan", plan, "--prompt", "hi", "--max-new-tokens", "1")
+    assert code == 2 and "'target' must be a string" in stderr and str(plan) in stderr
+
+
+def test_megabyte_value_is_not_echoed(run_cli, tmp_path):
+    plan = _edited(SEQUOIA_PLAN, tmp_path, _set("prediction", "tokens_per_step", "x" * 1_000_000))
+    code, _, stderr = run_cli("show", plan)
+    assert code == 2 and len(stderr) < 500, len(stderr)
