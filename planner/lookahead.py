@@ -25,6 +25,7 @@ import numpy as np
 
 from core.acceptance_schema import load_lookahead_acceptance
 from core.errors import UserError
+from core.fileio import shown
 from core.method_settings import TrieSettings
 from core.plan_schema import Plan
 from core.profile_schema import LatencyProfile, load_profile
@@ -112,7 +113,8 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
     if profile is not None:
         measured = profile.models.get("target")
         if measured and measured != acceptance.target:
-            raise UserError(f"the outputs are from {acceptance.target!r} but the profile is for {measured!r}")
+            raise UserError(f"{acceptance_path} and {profile_path}: the outputs are from "
+                            f"{shown(acceptance.target)} but the profile is for {shown(measured)}")
         max_n = min(max(curve) for curve in (profile.target_by_context or {0: profile.target_t_seconds}).values())
         decoding_lengths = tuple(d for d in decoding_lengths if d <= max_n)
     grid = [(d, b) for d in decoding_lengths for b in branch_lengths if b < d]

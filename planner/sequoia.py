@@ -21,6 +21,7 @@ import numpy as np
 
 from core.acceptance_schema import SequoiaAcceptance, load_sequoia_acceptance
 from core.errors import UserError
+from core.fileio import shown
 from core.plan_schema import Plan, TokenTree
 from core.profile_schema import LatencyProfile, load_profile
 from core.provenance import provenance
@@ -82,7 +83,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         raise UserError(f"the batch size must be >= 1, got {batch}")
     acceptance = load_sequoia_acceptance(acceptance_path)
     profile = load_profile(profile_path) if profile_path is not None else None
-    models = _models(acceptance, profile)
+    models = _models(acceptance, profile, f"{acceptance_path} and {profile_path}")
 
     SequoiaTables(acceptance.positional, 2, 1)  # compile or load the numba cache outside the timing
     start = time.perf_counter()
@@ -133,16 +134,17 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     return plan, ranked
 
 
-def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None) -> dict:
+def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files: str) -> dict:
     models = {"target": acceptance.target, "draft": acceptance.draft}
     if profile is not None:
         if profile.draft_vocab != acceptance.draft_vocab:
-            raise UserError(f"the acceptance file's draft vocabulary ({acceptance.draft_vocab or 'all'}) differs from "
-                            f"the one the profile timed ({profile.draft_vocab or 'all'}): measure both with the same "
-                            "--draft-vocab")
+            raise UserError(f"{files}: the acceptance file's draft vocabulary ({acceptance.draft_vocab or 'all'}) "
+                            f"differs from the one the profile timed ({profile.draft_vocab or 'all'}): measure both "
+                            "with the same draft vocabulary")
         for role in ("target", "draft"):
             measured = profile.models.get(role)
             if measured and models[role] and measured != models[role]:
-                raise UserError(f"the acceptance file is for {role} {models[role]!r} but the profile for {measured!r}")
+                raise UserError(f"{files}: the acceptance file is for {role} {shown(models[role])} but the profile "
+                                f"for {shown(measured)}")
             models[role] = models[role] or measured
     return {k: v for k, v in models.items() if v}

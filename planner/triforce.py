@@ -95,6 +95,7 @@ from core.acceptance_schema import (
     load_triforce_acceptance,
 )
 from core.errors import UserError
+from core.fileio import shown
 from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, TriForceSettings
 from core.plan_schema import Plan
 from core.profile_schema import LatencyProfile, covering, load_profile
@@ -336,7 +337,8 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
         raise UserError(f"{acceptance_path} has no measurements at context {context} (it has {contexts})")
     measured = profile.models.get("target")
     if measured and measured != acceptance.target:
-        raise UserError(f"the acceptance is for {acceptance.target!r} but the profile for {measured!r}")
+        raise UserError(f"{acceptance_path} and {profile_path}: the acceptance is for {shown(acceptance.target)} but "
+                        f"the profile for {shown(measured)}")
     bottom = "none" if two_level else ("trie" if acceptance.bottom == "trie" else "model")
     sinks, window = acceptance.bottom_cache or (STREAMING_SINKS, STREAMING_WINDOW)
     if bottom_seconds is None and bottom != "none":

@@ -457,23 +457,25 @@ def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, base
 
 
 MAX_ERROR_CHARS = 400  # an error is one readable line, whatever the user's file held
+ERROR_PREFIX = "plan: error: "
 
 
 def _one_line(message: str) -> str:
     text = " ".join(message.split()).encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+    room = MAX_ERROR_CHARS - len(ERROR_PREFIX)
+    return text if len(text) <= room else text[: room - 3] + "..."
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(args=argv, prog_name="plan", standalone_mode=False)
     except UserError as exc:
-        click.echo(f"plan: error: {_one_line(str(exc))}", err=True)
+        click.echo(ERROR_PREFIX + _one_line(str(exc)), err=True)
         return 2
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.ClickException as exc:
-        click.echo(f"plan: error: {exc.format_message()}", err=True)
+        click.echo(ERROR_PREFIX + _one_line(exc.format_message()), err=True)
         return 2
     except (KeyboardInterrupt, click.exceptions.Abort):
         click.echo("plan: interrupted", err=True)

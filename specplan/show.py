@@ -10,7 +10,7 @@ import numpy as np
 
 from core.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance, TriForceAcceptance
 from core.errors import UserError
-from core.fileio import read_yaml
+from core.fileio import read_yaml, shown
 from core.machine import machine_label
 from core.plan_schema import Plan, TokenTree
 from core.plotting import pyplot, save_png
@@ -77,7 +77,7 @@ def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
         if plot is not None:
             plot_plan(plan, plot)
         return describe_plan(plan)
-    raise UserError(f"{path}: cannot show a document of kind {kind!r}")
+    raise UserError(f"{path}: cannot show a document of kind {shown(kind)}")
 
 
 def describe_profile(profile: LatencyProfile) -> str:

@@ -178,3 +178,9 @@ def test_megabyte_value_is_not_echoed(run_cli, tmp_path):
     plan = _edited(SEQUOIA_PLAN, tmp_path, _set("prediction", "tokens_per_step", "x" * 1_000_000))
     code, _, stderr = run_cli("show", plan)
     assert code == 2 and len(stderr) < 500, len(stderr)
+
+
+def test_odd_kind_is_not_echoed(run_cli, tmp_path):
+    plan = _edited(SEQUOIA_PLAN, tmp_path, _set("kind", {"provenance": ["x" * 100] * 10}))
+    code, _, stderr = run_cli("show", plan)
+    assert code == 2 and "cannot show a document of kind" in stderr and len(stderr.strip()) <= 400
