@@ -316,7 +316,7 @@ class _Repricing:
     model error from a machine that runs slower or faster than when it was profiled."""
 
     def __init__(self, decoder: Decoder) -> None:
-        from planner.triforce import priced_points
+        from planner.triforce_reprice import priced_points
         from profiler.latency import PointTimer
 
         plan = decoder.plan
@@ -337,7 +337,7 @@ class _Repricing:
                                 window_prefill)
 
     def report(self, summary: dict) -> dict:
-        from planner.triforce import reprice
+        from planner.triforce_reprice import reprice
 
         fresh = self.profile.with_points(*self.timer.medians())
         profiled, profiled_two = reprice(self.plan, self.profile)

@@ -70,7 +70,7 @@ def test_lookahead_prices_overhead_and_trie_time_per_step():
 
 def test_triforce_prices_overhead_as_forward_time():
     from core.acceptance_schema import TriForceEntry, TriForceTrace
-    from planner.triforce import evaluate, evaluate_traces
+    from planner.triforce_cost import evaluate, evaluate_traces
 
     shifted, with_overhead = profiles()
     entry = TriForceEntry(context=4096, budget=256, chunk=8, stride=64, middle=0.7, bottom=0.5,

@@ -174,7 +174,7 @@ def first_entry() -> TriForceEntry:
 
 def test_triforce_cost_model_by_hand():
     from core.profile_schema import LatencyProfile
-    from planner.triforce import evaluate, expected_tokens
+    from planner.triforce_cost import evaluate, expected_tokens
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
     entry = first_entry()
@@ -290,7 +290,7 @@ def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_fil
     assert per_token[0.05] == pytest.approx(per_token[None] + 0.05 / 40)
     # `plan bench --reprice` re-times the draft's window prefill the plan charges, and re-prices with it
     from core.profile_schema import load_profile
-    from planner.triforce import priced_points, reprice
+    from planner.triforce_reprice import priced_points, reprice
 
     prefilled = write_yaml_file("prof.yaml", dict(profile, draft=dict(
         profile["draft"], window_prefill={"sinks": 4, "window": 1020, "seconds": 0.05})))
@@ -323,7 +323,7 @@ def test_triforce_trace_replay_by_hand():
     at 4096, 10 + n ms at 264). The continuation also pays its first build: the root's forward, t(1, 4096),
     and the build itself, priced at t(1, 4096) by a profile without builds, at 5 ms by one with them."""
     from core.profile_schema import LatencyProfile
-    from planner.triforce import evaluate_traces
+    from planner.triforce_cost import evaluate_traces
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
     entry = replace(first_entry(), traces=[TriForceTrace(np.array([1.0, 1.0, 0.0, 1.0]), np.ones(4))])
@@ -366,7 +366,7 @@ def test_streaming_draft_replay_by_hand():
     itself drafts here: c_s = t(1, 4 + 1024), read between the profile's contexts. No retrieval cache: no
     first forward of the root and no build."""
     from core.profile_schema import LatencyProfile
-    from planner.triforce import evaluate_streaming, evaluate_traces, streaming_seconds
+    from planner.triforce_cost import evaluate_streaming, evaluate_traces, streaming_seconds
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
     record = StreamingRecord(context=4096, drafter="target", acceptance=2 / 3, traces=[np.array([1.0, 0.0, 1.0])])
@@ -446,7 +446,7 @@ def test_triforce_replays_recorded_trie_runs_by_hand():
     proposals, all wrong, would give one token per round): at 0 one round of 1 + 2 tokens, the top keeps the
     chain and a bonus token; at 4 rounds of 1 + 1 and 1 + 4/6 (the mean run past the end), a chain of 4."""
     from core.profile_schema import LatencyProfile
-    from planner.triforce import evaluate_traces
+    from planner.triforce_cost import evaluate_traces
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
     runs = np.zeros((8, 6), dtype=np.int64)
@@ -478,7 +478,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     from core.profile_schema import load_profile
     from decoder.api import load_decoder
     from decoder.drafters import NoDrafter
-    from planner.triforce import evaluate_traces
+    from planner.triforce_cost import evaluate_traces
     from profiler.haystack import build_prompts
 
     out = tmp_path / "acc.yaml"
@@ -606,7 +606,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
 def assert_repricing_reads_exactly_the_priced_points(plan, profile) -> None:
     """Re-priced with its own profile, a plan predicts what the solver did; with only the priced points slowed
     down 3x, what it predicts from a profile slowed down 3x everywhere (the trie's constant cost aside)."""
-    from planner.triforce import priced_points, reprice
+    from planner.triforce_reprice import priced_points, reprice
 
     own, own_two = reprice(plan, profile)
     assert own.speedup == pytest.approx(plan.prediction["speedup"])
