@@ -29,6 +29,7 @@ import numpy as np
 from scipy.interpolate import PchipInterpolator
 
 from core.choices import DTYPES
+from core.errors import UserError
 from core.fileio import check_plain_values, plain, read_yaml, shown, write_yaml
 from core.machine import machine_identity
 from core.validate import MAX_FORWARD_TOKENS, MAX_SECONDS, Fields
@@ -140,7 +141,7 @@ class LatencyProfile:
             return LatencyCurve(self.target_t_seconds)
         if context not in self.target_by_context:
             known = sorted(self.target_by_context)
-            raise ValueError(f"the profile has no context {context} (it has {known})")
+            raise UserError(f"the profile has no context {context} (it has {known})")
         return LatencyCurve(self.target_by_context[context])
 
     def latency(self, n: int | np.ndarray, context: float) -> np.ndarray:

@@ -93,7 +93,32 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     ranked = rank_candidates(tables, profile, batch, context)
     if not ranked:
         raise UserError("no feasible tree within the given size, depth and profile range")
-    best = ranked[0]
+    plan = _assemble_plan(tables, ranked[0], ranked, acceptance, acceptance_path, profile, profile_path, models,
+                          max_size, max_depth, batch, context)
+    plan.solver["seconds"] = dp_seconds
+    return plan, ranked
+
+
+def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files: str) -> dict:
+    models = {"target": acceptance.target, "draft": acceptance.draft}
+    if profile is not None:
+        if profile.draft_vocab != acceptance.draft_vocab:
+            raise UserError(f"{files}: the acceptance file's draft vocabulary ({acceptance.draft_vocab or 'all'}) "
+                            f"differs from the one the profile timed ({profile.draft_vocab or 'all'}): measure both "
+                            "with the same draft vocabulary")
+        for role in ("target", "draft"):
+            measured = profile.models.get(role)
+            if measured and models[role] and measured != models[role]:
+                raise UserError(f"{files}: the acceptance file is for {role} {shown(models[role])} but the profile "
+                                f"for {shown(measured)}")
+            models[role] = models[role] or measured
+    return {k: v for k, v in models.items() if v}
+
+
+def _assemble_plan(tables: SequoiaTables, best: Candidate, ranked: list[Candidate], acceptance: SequoiaAcceptance,
+                   acceptance_path: str | Path, profile: LatencyProfile | None, profile_path: str | Path | None,
+                   models: dict, max_size: int, max_depth: int, batch: int, context: int | None) -> Plan:
+    """The plan file for the chosen (n, d): its tree, prediction, and the inputs `plan show` redraws it from."""
     tree = TokenTree.from_parents(tables.tree(best.size, best.depth))
     prediction = {"tokens_per_step": best.tokens_per_step}
     if profile is not None:
@@ -118,7 +143,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         models=models,
         prediction=prediction,
         inputs=inputs,
-        solver={"seconds": dp_seconds, "algorithm": "depth-bounded tree DP (numba)",
+        solver={"seconds": 0.0, "algorithm": "depth-bounded tree DP (numba)",
                 "width": len(acceptance.positional),
                 "top": [asdict(c) for c in ranked[:10]]},
         provenance=provenance([acceptance_path] + ([profile_path] if profile_path else [])),
@@ -131,20 +156,4 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
                 plan.models[key] = getattr(profile, key)
     if acceptance.draft_vocab is not None:
         plan.models["draft_vocab"] = acceptance.draft_vocab
-    return plan, ranked
-
-
-def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files: str) -> dict:
-    models = {"target": acceptance.target, "draft": acceptance.draft}
-    if profile is not None:
-        if profile.draft_vocab != acceptance.draft_vocab:
-            raise UserError(f"{files}: the acceptance file's draft vocabulary ({acceptance.draft_vocab or 'all'}) "
-                            f"differs from the one the profile timed ({profile.draft_vocab or 'all'}): measure both "
-                            "with the same draft vocabulary")
-        for role in ("target", "draft"):
-            measured = profile.models.get(role)
-            if measured and models[role] and measured != models[role]:
-                raise UserError(f"{files}: the acceptance file is for {role} {shown(models[role])} but the profile "
-                                f"for {shown(measured)}")
-            models[role] = models[role] or measured
-    return {k: v for k, v in models.items() if v}
+    return plan

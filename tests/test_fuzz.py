@@ -184,3 +184,12 @@ def test_odd_kind_is_not_echoed(run_cli, tmp_path):
     plan = _edited(SEQUOIA_PLAN, tmp_path, _set("kind", {"provenance": ["x" * 100] * 10}))
     code, _, stderr = run_cli("show", plan)
     assert code == 2 and "cannot show a document of kind" in stderr and len(stderr.strip()) <= 400
+
+
+def test_sequoia_context_the_profile_lacks(run_cli, tmp_path):
+    """An unknown --context once escaped as a ValueError traceback."""
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance",
+                              ROOT / "acceptance/qwen2.5-coder-1.5b+0.5b.sequoia.specbench.t0.bf16.yaml", "--profile",
+                              ROOT / "profiles/qwen2.5-coder-1.5b+0.5b.cpu-2c.bf16.yaml", "--max-size", 8,
+                              "--max-depth", 2, "--context", 999, "-o", tmp_path / "plan.yaml")
+    assert code == 2 and "the profile has no context 999" in stderr and not (tmp_path / "plan.yaml").exists()
