@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit
 
 from core.machine import cpu_info
-from planner.sequoia_dp import SequoiaTables
+from planner.sequoia import SequoiaTables
 
 NEG = -np.inf
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -149,13 +149,68 @@ def _finite_mapping(data: Any, where: str) -> dict[str, Any]:
     return data
 
 
+@dataclass(frozen=True)
+class PlanModels:
+    """The models a plan was made for; `draft_vocab`: the draft scores only the token ids below it."""
+
+    target: str | None = None
+    draft: str | None = None
+    dtype: str | None = None
+    draft_dtype: str | None = None
+    draft_vocab: int | None = None
+
+    @classmethod
+    def from_fields(cls, f: Fields | None) -> PlanModels:
+        if f is None:
+            return cls()
+        return cls(target=f.string("target", required=False), draft=f.string("draft", required=False),
+                   dtype=f.string("dtype", required=False, choices=DTYPES),
+                   draft_dtype=f.string("draft_dtype", required=False, choices=DTYPES),
+                   draft_vocab=f.integer("draft_vocab", required=False, low=1, high=MAX_VOCABULARY))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the solver predicts for the plan on the profiled machine. The figures every method gives are fields;
+    `details` holds a method's own (TriForce's baselines at their best settings, which `plan bench` runs; the
+    replayed token count of Lookahead), written beside them in the same mapping."""
+
+    tokens_per_step: float
+    speedup: float | None = None  # over one-token decoding; None without a profile
+    step_seconds: float | None = None
+    tokens_per_second: float | None = None
+    seconds_per_token: float | None = None
+    latency_source: str | None = None  # the profile's: measured or modeled
+    replay_exact: bool | None = None  # outside fp32: whether the acceptance was decoded with this plan's settings
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> Prediction:
+        typed = {"tokens_per_step": f.number("tokens_per_step", low=1.0),
+                 "speedup": f.number("speedup", required=False, low=0.0),
+                 "step_seconds": f.number("step_seconds", required=False, low=0.0),
+                 "tokens_per_second": f.number("tokens_per_second", required=False, low=0.0),
+                 "seconds_per_token": f.number("seconds_per_token", required=False, low=0.0),
+                 "latency_source": f.string("latency_source", required=False),
+                 "replay_exact": f.boolean("replay_exact", default=None)}
+        details = {k: v for k, v in f.data.items() if k not in typed}
+        return cls(**typed, details=_finite_mapping(details, f.where))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if v is not None and k != "details"}
+        return {**out, **self.details}
+
+
 @dataclass
 class Plan:
     """A solved plan of any method; `params` holds the method-specific section (for Sequoia, the tree)."""
 
     method: str
-    models: dict[str, Any]
-    prediction: dict[str, Any]
+    models: PlanModels
+    prediction: Prediction
     inputs: dict[str, Any] = field(default_factory=dict)
     solver: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
@@ -175,25 +230,17 @@ class Plan:
         kind = f.kind(PLAN_KINDS)
         method = kind.split("/", 1)[1]
         prediction = f.sub("prediction")
-        tokens_per_step = prediction.number("tokens_per_step", low=1.0)
-        prediction.number("speedup", required=False, low=0.0)
-        models = f.sub("models", required=False)
-        if models:
-            for role in ("target", "draft"):
-                models.string(role, required=False)
-            for role in ("dtype", "draft_dtype"):
-                models.string(role, required=False, choices=DTYPES)
-            models.integer("draft_vocab", required=False, low=1, high=MAX_VOCABULARY)
         plan = cls(
             method=method,
-            models=dict(models.data) if models else {},
-            prediction=_finite_mapping(prediction.data, f"{where}: prediction"),
+            models=PlanModels.from_fields(f.sub("models", required=False)),
+            prediction=Prediction.from_fields(prediction),
             inputs=_finite_mapping(data.get("inputs"), f"{where}: inputs"),
             solver=_finite_mapping(data.get("solver"), f"{where}: solver"),
             provenance=_finite_mapping(data.get("provenance"), f"{where}: provenance"),
             sampling=_finite_mapping(data.get("sampling"), f"{where}: sampling"),
             source=where,
         )
+        tokens_per_step = plan.prediction.tokens_per_step
         if method == "sequoia":
             tree = f.sub("tree")
             plan.tree = TokenTree.from_parents(tree.data.get("parents") or [], f"{where}: tree.parents")
@@ -217,7 +264,7 @@ class Plan:
         return plan
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, "models": self.models}
+        out: dict[str, Any] = {"kind": self.kind, "models": self.models.to_dict()}
         if self.sampling:
             out["sampling"] = self.sampling
         if self.tree is not None:
@@ -226,7 +273,7 @@ class Plan:
             out[self.method] = self.settings.to_dict()
         if self.tokenizer:
             out["tokenizer"] = self.tokenizer
-        out["prediction"] = self.prediction
+        out["prediction"] = self.prediction.to_dict()
         out["inputs"] = self.inputs
         out["solver"] = self.solver
         out["provenance"] = self.provenance
@@ -243,10 +290,10 @@ def load_decoding_plan(path: str | os.PathLike, method: str, target: str, dtype:
     plan = load_plan(path)
     if plan.method != method:
         raise UserError(f"{path}: decoding these outputs needs a {method} plan, not a {plan.method} plan")
-    if plan.models.get("target") != target:
-        raise UserError(f"{path}: the plan is for {plan.models.get('target')!r}, not {target!r}")
-    if plan.models.get("dtype", dtype) != dtype:
-        raise UserError(f"{path}: the plan is for {plan.models['dtype']}, not {dtype}")
+    if plan.models.target != target:
+        raise UserError(f"{path}: the plan is for {plan.models.target!r}, not {target!r}")
+    if (plan.models.dtype or dtype) != dtype:
+        raise UserError(f"{path}: the plan is for {plan.models.dtype}, not {dtype}")
     return plan
 
 

@@ -103,7 +103,7 @@ class Fields:
             raise self.fail(f"'{key}' must be one of {', '.join(choices)}, got {shown(value)}")
         return value
 
-    def boolean(self, key: str, *, default: bool) -> bool:
+    def boolean(self, key: str, *, default: bool | None) -> bool | None:
         if not self.has(key):
             return default
         value = self.data[key]

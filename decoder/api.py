@@ -109,10 +109,10 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     """Load the plan (if any) and the models it names (or the ones given), and build its drafter."""
     device = device or default_device()
     plan = load_plan(plan_path) if plan_path is not None else None
-    target_name = target or (plan.models.get("target") if plan else None)
+    target_name = target or (plan.models.target if plan else None)
     if not target_name:
         raise UserError("no target model: name one, or give a plan that names one")
-    dtype = dtype or (plan.models.get("dtype") if plan else None) or "fp32"
+    dtype = dtype or (plan.models.dtype if plan else None) or "fp32"
     log(f"loading {target_name} ({dtype})")
     target_model = load_model(target_name, dtype, log=log)
     lean_target = lean_model(target_model, device)
@@ -129,14 +129,14 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     if plan.method == "triforce":
         return _triforce_decoder(plan, target_model, lean_target, draft, draft_dtype or dtype, verify, log, device)
     if plan.method == "sequoia":
-        draft_name = draft or plan.models.get("draft")
+        draft_name = draft or plan.models.draft
         if not draft_name:
             raise UserError(f"{plan_path}: the plan names no draft model; name one")
-        draft_dtype = draft_dtype or plan.models.get("draft_dtype") or dtype
+        draft_dtype = draft_dtype or plan.models.draft_dtype or dtype
         log(f"loading {draft_name} ({draft_dtype})")
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target_model, draft_model)
-        lean_draft = lean_model(draft_model, device, plan.models.get("draft_vocab"))
+        lean_draft = lean_model(draft_model, device, plan.models.draft_vocab)
         return Decoder(target_model, lambda: SequoiaDrafter(lean_draft, list(plan.tree.parents)), plan, verify,
                        draft_model, lean_target, lean_draft)
     raise UserError(f"{plan_path}: plans of kind {plan.kind} cannot be run yet")
@@ -150,9 +150,9 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, d
     retrieval = RetrievalSettings(settings.budget, settings.chunk, settings.stride,
                                   settings.rebuild_below).check()
     draft_model = lean_draft = None
-    draft_name = draft_name or plan.models.get("draft")
+    draft_name = draft_name or plan.models.draft
     # loaded even where the plan does not speculate: bench baselines use it
-    if settings.bottom == "model" or (settings.bottom == "streaming" and plan.models.get("draft")):
+    if settings.bottom == "model" or (settings.bottom == "streaming" and plan.models.draft):
         if not draft_name:
             raise UserError("the plan's bottom level is a draft model but names none; name one")
         log(f"loading {draft_name} ({draft_dtype})")

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from core.acceptance_schema import load_lookahead_acceptance
+from core.acceptance_schema import LookaheadAcceptance, LookaheadRecord, load_lookahead_acceptance
 from core.errors import UserError
 from core.fileio import shown
 from core.method_settings import TrieSettings
-from core.plan_schema import Plan
+from core.plan_schema import Plan, PlanModels, Prediction
 from core.profile_schema import LatencyProfile, load_profile
 from core.provenance import provenance
 from decoder.trie import Trie, accepted_run
@@ -52,7 +52,7 @@ class ReplayResult:
         return self.tokens / self.steps
 
 
-def replay(records: list, settings: TrieSettings) -> ReplayResult:
+def replay(records: list[LookaheadRecord], settings: TrieSettings) -> ReplayResult:
     trie = Trie(settings)
     tokens = steps = 0
     sizes: list[int] = []
@@ -121,45 +121,59 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
     if not grid:
         raise UserError("no (L_d, L_b) pair to search: L_d must be >= 2 and within the profile's sizes")
     start = time.perf_counter()
-    replay(acceptance.records[:1], TrieSettings.sized(*grid[0]))  # compiles the trie's calls before the timing
-    candidates, replays = [], {}
-    for d, b in grid:
-        result = replay(acceptance.records, TrieSettings.sized(d, b))
-        replays[(d, b)] = result
-        speedup = step = None
-        if profile is not None:
-            speedup, step = predicted_speedup(result, profile)
-        candidates.append(LookaheadCandidate(d, b, result.tokens_per_step, speedup, step))
+    replays = _search(acceptance.records, grid)
     seconds = time.perf_counter() - start
-    key = (lambda c: (-c.speedup, c.decoding_length, c.branch_length)) if profile is not None else \
-        (lambda c: (-c.tokens_per_step, c.decoding_length, c.branch_length))
-    candidates.sort(key=key)
-    best = candidates[0]
-    settings = TrieSettings.sized(best.decoding_length, best.branch_length)
-    prediction = {"tokens_per_step": best.tokens_per_step, "replayed_tokens": replays[(best.decoding_length,
-                                                                                         best.branch_length)].tokens}
+    candidates = _choose(replays, profile)
+    plan = _assemble(candidates[0], replays, acceptance, acceptance_path, profile, profile_path, decoding_lengths,
+                     branch_lengths)
+    plan.solver.update(seconds=seconds, top=[asdict(c) for c in candidates[:10]])
+    return plan, candidates
+
+
+def _search(records: list[LookaheadRecord], grid: list[tuple[int, int]]) -> dict[tuple[int, int], ReplayResult]:
+    """The replay of every (L_d, L_b) of the grid."""
+    replay(records[:1], TrieSettings.sized(*grid[0]))  # compiles the trie's calls before the timed replays
+    return {(d, b): replay(records, TrieSettings.sized(d, b)) for d, b in grid}
+
+
+def _choose(replays: dict[tuple[int, int], ReplayResult], profile: LatencyProfile | None) -> list[LookaheadCandidate]:
+    """Every pair, best first: by predicted speedup with a profile, by tokens per step without one; ties go to
+    the smaller decoding length, then branch length."""
+    candidates = []
+    for (d, b), result in replays.items():
+        speedup, step = predicted_speedup(result, profile) if profile is not None else (None, None)
+        candidates.append(LookaheadCandidate(d, b, result.tokens_per_step, speedup, step))
     if profile is not None:
-        best_replay = replays[(best.decoding_length, best.branch_length)]
-        prediction.update(speedup=best.speedup, step_seconds=best.step_seconds, latency_source=profile.source,
-                          engine_overhead_seconds=float(profile.engine_overhead(best_replay.step_sizes).mean()),
-                          trie_seconds=best_replay.trie_seconds / best_replay.steps)
-    if acceptance.decoded_with and acceptance.dtype != "fp32":
-        # Outside fp32 the text depends on the forward's size: the replay is exact for the decoding settings only.
-        prediction["replay_exact"] = acceptance.decoded_with == (best.decoding_length, best.branch_length)
-    plan = Plan(
+        return sorted(candidates, key=lambda c: (-c.speedup, c.decoding_length, c.branch_length))
+    return sorted(candidates, key=lambda c: (-c.tokens_per_step, c.decoding_length, c.branch_length))
+
+
+def _assemble(best: LookaheadCandidate, replays: dict[tuple[int, int], ReplayResult],
+              acceptance: LookaheadAcceptance, acceptance_path: str | Path, profile: LatencyProfile | None,
+              profile_path: str | Path | None, decoding_lengths: tuple[int, ...],
+              branch_lengths: tuple[int, ...]) -> Plan:
+    """The plan file for the chosen pair: the trie settings, the prediction, the inputs and the grid."""
+    best_replay = replays[(best.decoding_length, best.branch_length)]
+    details: dict = {"replayed_tokens": best_replay.tokens}
+    if profile is not None:
+        details.update(engine_overhead_seconds=float(profile.engine_overhead(best_replay.step_sizes).mean()),
+                       trie_seconds=best_replay.trie_seconds / best_replay.steps)
+    # Outside fp32 the text depends on the forward's size: the replay is exact for the decoding settings only.
+    replay_exact = (acceptance.decoded_with == (best.decoding_length, best.branch_length)
+                    if acceptance.decoded_with and acceptance.dtype != "fp32" else None)
+    return Plan(
         method="lookahead",
-        models={"target": acceptance.target,
-                **({"dtype": profile.dtype} if profile is not None and profile.dtype else {})},
-        prediction=prediction,
+        models=PlanModels(target=acceptance.target, dtype=profile.dtype or None if profile is not None else None),
+        prediction=Prediction(best.tokens_per_step, best.speedup, best.step_seconds,
+                              latency_source=profile.source if profile is not None else None,
+                              replay_exact=replay_exact, details=details),
         inputs={"acceptance": {"file": str(acceptance_path), "records": len(acceptance.records),
                                "dataset": acceptance.extra.get("dataset")},
                 **({"profile": profile.plan_inputs(profile_path)} if profile is not None else {}),
                 "grid": {"decoding_lengths": list(decoding_lengths), "branch_lengths": list(branch_lengths)}},
-        solver={"seconds": seconds, "algorithm": "exact greedy replay of the trie over the (L_d, L_b) grid",
-                "top": [asdict(c) for c in candidates[:10]]},
+        solver={"seconds": 0.0, "algorithm": "exact greedy replay of the trie over the (L_d, L_b) grid", "top": []},
         provenance=provenance([acceptance_path] + ([profile_path] if profile_path else [])),
         sampling={"temperature": 0.0},
-        settings=settings,
+        settings=TrieSettings.sized(best.decoding_length, best.branch_length),
         tokenizer=acceptance.tokenizer,
     )
-    return plan, candidates

@@ -1,6 +1,24 @@
-"""Sequoia's hardware-aware optimizer: the tree size and depth that maximise wall-clock speedup.
+"""Sequoia's planner: the exact tree DP (numba), then the hardware-aware choice of the tree's size and depth.
 
-For a tree of n nodes (root included) and depth d, one decoding step costs d draft forwards and one
+The tree DP. Notation (the Sequoia paper, appendix C.2.2). p = (p_1..p_K) is the positional acceptance
+vector: p_k is the probability that the k-th sampled child of an accepted node is accepted. A node's
+score is the product of p_rank along its root path; a tree's value F is the sum of its node scores
+(the root's 1 is the bonus token). T(m, l, b) is the best F over trees with exactly m nodes, at most l
+levels, whose root has exactly b children ranked 1..b; G(n, d) = max_b T(n, d + 1, b).
+
+Implementation. For a fixed level bound l, T(m, l, b) = 1 + S_b(m - 1) where S_b(r) is the best value of
+b ranked child subtrees with r nodes in total, each at most l - 1 levels:
+
+    S_0(0) = 0,  S_b(r) = max_{s >= 1} S_{b-1}(r - s) + p_b * M_{l-1}(s),   M_l(m) = max_b T(m, l, b).
+
+This is the paper's recurrence with y = r - s + 1. It is evaluated as a max-plus convolution whose
+innermost loop runs over r with s fixed: out[r] = max(out[r], prev[r - s] + v). That loop reads and
+writes contiguous memory with no loop-carried reduction, so LLVM vectorises it (the loop over s inside
+the loop over r, the textbook order, is a reduction that does not vectorise without fast-math and is
+about 5x slower). Infeasible states are -inf and are never multiplied: sizes whose child value is -inf
+are skipped, so 0 * -inf cannot produce a NaN.
+
+The choice. For a tree of n nodes (root included) and depth d, one decoding step costs d draft forwards and one
 target forward over B * n new tokens (B = batch), and yields G(n, d) tokens per sequence on average:
 
     speedup(n, d) = G(n, d) * (t(B) + o(B)) / (t(B * n) + o(B * n) + d * c_draft)
@@ -18,14 +36,180 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from numba import njit
 
 from core.acceptance_schema import SequoiaAcceptance, load_sequoia_acceptance
 from core.errors import UserError
 from core.fileio import shown
-from core.plan_schema import Plan, TokenTree
+from core.plan_schema import Plan, PlanModels, Prediction, TokenTree
 from core.profile_schema import LatencyProfile, load_profile
 from core.provenance import provenance
-from planner.sequoia_dp import SequoiaTables
+
+NEG_INF = -np.inf
+
+
+@njit(cache=True)
+def _max_plus_level(prev: np.ndarray, child: np.ndarray, weight: float, first: int, out: np.ndarray) -> None:
+    """out[r] = max over s of prev[r - s] + weight * child[s], for r >= s + first (prev[x] = -inf below first)."""
+    n = out.shape[0]
+    out[:] = NEG_INF
+    for s in range(1, n - first):
+        c = child[s]
+        if c == NEG_INF:
+            continue
+        v = weight * c
+        # Fresh 1-D views with a unit stride and a zero base offset let LLVM vectorise the select.
+        dst = out[s + first :]
+        src = prev[first : n - s]
+        for i in range(dst.shape[0]):
+            cand = src[i] + v
+            cur = dst[i]
+            dst[i] = cand if cand > cur else cur
+
+
+@njit(cache=True)
+def _fill_tables(p: np.ndarray, max_size: int, max_levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """S[l, b, r] (b ranked children of total size r, each at most l - 1 levels) and M[l, m]."""
+    width = min(p.shape[0], max(max_size - 1, 0))
+    S = np.full((max_levels + 1, width + 1, max_size), NEG_INF)
+    M = np.full((max_levels + 1, max_size + 1), NEG_INF)
+    for l in range(1, max_levels + 1):
+        S[l, 0, 0] = 0.0
+        M[l, 1] = 1.0
+        if l == 1:
+            continue
+        child = M[l - 1, :max_size]
+        for b in range(1, width + 1):
+            _max_plus_level(S[l, b - 1], child, p[b - 1], b - 1, S[l, b])
+            for m in range(b + 1, max_size + 1):
+                t = 1.0 + S[l, b, m - 1]
+                if t > M[l, m]:
+                    M[l, m] = t
+    return S, M
+
+
+@njit(cache=True)
+def _depth_unbounded(p: np.ndarray, max_size: int) -> np.ndarray:
+    """c(n) = best F over trees with exactly n nodes and any depth, for n = 0..max_size."""
+    width = min(p.shape[0], max(max_size - 1, 0))
+    S = np.full((width + 1, max_size), NEG_INF)
+    c = np.full(max_size + 1, NEG_INF)
+    S[0, 0] = 0.0
+    for m in range(1, max_size + 1):
+        best = 1.0
+        for b in range(1, min(width, m - 1) + 1):
+            t = 1.0 + S[b, m - 1]
+            if t > best:
+                best = t
+        c[m] = best
+        if m == max_size:
+            break
+        # Now every M(s <= m) is known: extend S_b to total size r = m.
+        for b in range(1, width + 1):
+            acc = NEG_INF
+            for s in range(1, m - b + 2):
+                prev = S[b - 1, m - s]
+                if prev == NEG_INF:
+                    continue
+                cand = prev + p[b - 1] * c[s]
+                if cand > acc:
+                    acc = cand
+            S[b, m] = acc
+    return c
+
+
+@njit(cache=True)
+def _reconstruct(p: np.ndarray, S: np.ndarray, M: np.ndarray, size: int, levels: int) -> np.ndarray:
+    """Parents (BFS order, children in rank order) of the best tree with `size` nodes and <= `levels` levels.
+
+    Ties: the fewest root children b, then for the b-th child the smallest subtree.
+    """
+    parents = np.full(size, -1, dtype=np.int64)
+    node_size = np.zeros(size, dtype=np.int64)
+    node_levels = np.zeros(size, dtype=np.int64)
+    node_size[0] = size
+    node_levels[0] = levels
+    sizes = np.zeros(S.shape[1], dtype=np.int64)
+    count = 1
+    for v in range(size):
+        m = node_size[v]
+        l = node_levels[v]
+        if m == 1:
+            continue
+        best_b = 0
+        best = NEG_INF
+        for b in range(1, min(S.shape[1] - 1, m - 1) + 1):
+            t = 1.0 + S[l, b, m - 1]
+            if t > best:
+                best = t
+                best_b = b
+        r = m - 1
+        for b in range(best_b, 0, -1):
+            target = S[l, b, r]
+            chosen = -1
+            for s in range(1, r - b + 2):
+                c = M[l - 1, s]
+                if c == NEG_INF:
+                    continue
+                if S[l, b - 1, r - s] + p[b - 1] * c == target:
+                    chosen = s
+                    break
+            sizes[b - 1] = chosen
+            r -= chosen
+        for b in range(best_b):
+            parents[count] = v
+            node_size[count] = sizes[b]
+            node_levels[count] = l - 1
+            count += 1
+    return parents
+
+
+class SequoiaTables:
+    """G(n, d) for all n <= max_size, d <= max_depth, and the optimal tree for any of them."""
+
+    def __init__(self, positional: np.ndarray, max_size: int, max_depth: int) -> None:
+        if max_size < 1:
+            raise ValueError("max_size must be >= 1")
+        if max_depth < 0:
+            raise ValueError("max_depth must be >= 0")
+        self.positional = np.ascontiguousarray(positional, dtype=np.float64)
+        self.max_size = max_size
+        self.max_depth = max_depth
+        self._S, self._M = _fill_tables(self.positional, max_size, max_depth + 1)
+
+    @property
+    def G(self) -> np.ndarray:
+        """G[n, d] for n in 0..max_size, d in 0..max_depth; -inf where no such tree exists (and n = 0)."""
+        return self._M[1:, :].T.copy()
+
+    def value(self, size: int, depth: int) -> float:
+        return float(self._M[depth + 1, size])
+
+    def tree(self, size: int, depth: int) -> np.ndarray:
+        """Parents of an optimal tree with exactly `size` nodes and depth at most `depth`."""
+        if not (1 <= size <= self.max_size and 0 <= depth <= self.max_depth):
+            raise ValueError(f"(size={size}, depth={depth}) is outside the solved table")
+        if not np.isfinite(self._M[depth + 1, size]):
+            raise ValueError(f"no tree has {size} nodes within depth {depth} and width {len(self.positional)}")
+        return _reconstruct(self.positional, self._S, self._M, size, depth + 1)
+
+
+def depth_unbounded_values(positional: np.ndarray, max_size: int) -> np.ndarray:
+    """c(n) for n in 0..max_size: the best expected tokens per step with n nodes and no depth limit."""
+    return _depth_unbounded(np.ascontiguousarray(positional, dtype=np.float64), max_size)
+
+
+def tree_value(parents: np.ndarray, positional: np.ndarray) -> float:
+    """F(T): the sum over nodes of the product of p_rank along the root path (BFS-ordered parents)."""
+    score = np.zeros(len(parents))
+    score[0] = 1.0
+    next_rank = np.zeros(len(parents), dtype=np.int64)
+    for v in range(1, len(parents)):
+        parent = parents[v]
+        rank = next_rank[parent]
+        next_rank[parent] += 1
+        score[v] = score[parent] * (positional[rank] if rank < len(positional) else 0.0)
+    return float(score.sum())
 
 
 @dataclass(frozen=True)
@@ -99,7 +283,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     return plan, ranked
 
 
-def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files: str) -> dict:
+def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files: str) -> PlanModels:
     models = {"target": acceptance.target, "draft": acceptance.draft}
     if profile is not None:
         if profile.draft_vocab != acceptance.draft_vocab:
@@ -112,18 +296,19 @@ def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files
                 raise UserError(f"{files}: the acceptance file is for {role} {shown(models[role])} but the profile "
                                 f"for {shown(measured)}")
             models[role] = models[role] or measured
-    return {k: v for k, v in models.items() if v}
+    return PlanModels(target=models["target"] or None, draft=models["draft"] or None,
+                      dtype=profile.dtype or None if profile is not None else None,
+                      draft_dtype=profile.draft_dtype or None if profile is not None else None,
+                      draft_vocab=acceptance.draft_vocab)
 
 
 def _assemble_plan(tables: SequoiaTables, best: Candidate, ranked: list[Candidate], acceptance: SequoiaAcceptance,
                    acceptance_path: str | Path, profile: LatencyProfile | None, profile_path: str | Path | None,
-                   models: dict, max_size: int, max_depth: int, batch: int, context: int | None) -> Plan:
+                   models: PlanModels, max_size: int, max_depth: int, batch: int, context: int | None) -> Plan:
     """The plan file for the chosen (n, d): its tree, prediction, and the inputs `plan show` redraws it from."""
     tree = TokenTree.from_parents(tables.tree(best.size, best.depth))
-    prediction = {"tokens_per_step": best.tokens_per_step}
-    if profile is not None:
-        prediction.update(speedup=best.speedup, step_seconds=best.step_seconds,
-                          tokens_per_second=best.tokens_per_second, latency_source=profile.source)
+    prediction = Prediction(best.tokens_per_step, best.speedup, best.step_seconds, best.tokens_per_second,
+                            latency_source=profile.source if profile is not None else None)
     inputs: dict = {
         "acceptance": {"file": str(acceptance_path), "positional": [float(x) for x in acceptance.positional]},
         "max_size": max_size, "max_depth": max_depth, "batch": batch,
@@ -138,7 +323,7 @@ def _assemble_plan(tables: SequoiaTables, best: Candidate, ranked: list[Candidat
         }
     sampling = {k: v for k, v in (("temperature", acceptance.temperature), ("top_p", acceptance.top_p))
                 if v is not None}
-    plan = Plan(
+    return Plan(
         method="sequoia",
         models=models,
         prediction=prediction,
@@ -150,10 +335,3 @@ def _assemble_plan(tables: SequoiaTables, best: Candidate, ranked: list[Candidat
         sampling=sampling,
         tree=tree,
     )
-    if profile is not None:
-        for key in ("dtype", "draft_dtype"):
-            if getattr(profile, key):
-                plan.models[key] = getattr(profile, key)
-    if acceptance.draft_vocab is not None:
-        plan.models["draft_vocab"] = acceptance.draft_vocab
-    return plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ from core.acceptance_schema import (
 from core.errors import UserError
 from core.fileio import shown
 from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, TriForceSettings
-from core.plan_schema import Plan
+from core.plan_schema import Plan, PlanModels, Prediction
 from core.profile_schema import LatencyProfile, load_profile
 from core.provenance import provenance
 from planner.triforce_cost import (
@@ -142,20 +142,22 @@ def _assemble(settings: TriForceSettings, best: TriForceCandidate, exact: TriFor
     bottom, context, sinks, window = settings.bottom, settings.context, settings.sinks, settings.window
     # whose window prefill the plan's decoding pays (None in the plan: not profiled, so unpriced)
     streaming_role = record.drafter if bottom == "streaming" else "draft" if bottom == "model" else None
-    models = {"target": acceptance.target}
-    if bottom == "model" or (bottom == "streaming" and record.drafter == "draft"):
-        models["draft"] = acceptance.bottom
-    if profile.dtype:
-        models["dtype"] = profile.dtype
+    has_draft = bottom == "model" or (bottom == "streaming" and record.drafter == "draft")
+    models = PlanModels(target=acceptance.target, draft=acceptance.bottom if has_draft else None,
+                        dtype=profile.dtype or None)
     speculative = {"tokens_per_step": best.tokens_per_step, "speedup": best.speedup,
                    "seconds_per_token": best.seconds_per_token, "chain_tokens": best.chain_tokens,
                    "middle_acceptance": best.middle_acceptance, "bottom_acceptance": best.bottom_acceptance}
-    prediction = speculative if settings.speculate else {
-        "tokens_per_step": 1.0, "speedup": 1.0, "seconds_per_token": best.seconds_per_token * best.speedup,
-        "best_speculative": speculative}
+    if settings.speculate:
+        prediction = Prediction(best.tokens_per_step, best.speedup, seconds_per_token=best.seconds_per_token,
+                                details={k: speculative[k] for k in ("chain_tokens", "middle_acceptance",
+                                                                     "bottom_acceptance")})
+    else:
+        prediction = Prediction(1.0, 1.0, seconds_per_token=best.seconds_per_token * best.speedup,
+                                details={"best_speculative": speculative})
     two = search.best_two_level
-    prediction.update({
-        "latency_source": profile.source,
+    prediction = replace(prediction, latency_source=profile.source)
+    prediction.details.update({
         "build_source": "measured" if profile.retrieval_build(context, best.budget) is not None
         else "t(1, L): the profile times no retrieval build",
         # `plan bench` runs its two-level baseline with these settings, the variant at its own best
@@ -163,11 +165,11 @@ def _assemble(settings: TriForceSettings, best: TriForceCandidate, exact: TriFor
                            "speedup": two.speedup, "tokens_per_step": two.tokens_per_step}})
     if record is not None:  # `plan bench` runs its streaming baseline with this gamma
         best_streaming = next(c for c in search.candidates if c.streaming)
-        prediction["best_streaming"] = {"drafter": record.drafter, "gamma2": best_streaming.gamma2,
+        prediction.details["best_streaming"] = {"drafter": record.drafter, "gamma2": best_streaming.gamma2,
                                         "speedup": best_streaming.speedup,
                                         "tokens_per_step": best_streaming.tokens_per_step}
     if acceptance.decoded_with and settings.speculate:
-        prediction["replay_exact"] = best is exact
+        prediction = replace(prediction, replay_exact=best is exact)
     return Plan(
         method="triforce",
         models=models,

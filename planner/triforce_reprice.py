@@ -45,16 +45,16 @@ def _plan_settings(plan: Plan) -> list[tuple[TriForceEntry | StreamingRecord, in
         found = next((e for e in acceptance.entries if (e.context, e.budget, e.chunk, e.stride)
                       == (s.context, budget, chunk, stride)), None)
         if found is None:
-            raise UserError(f"{path} has no entry for context {s['context']}, "
+            raise UserError(f"{path} has no entry for context {s.context}, "
                             f"budget {budget}, chunk {chunk}, stride {stride}: not the plan's acceptance file")
         return found
 
-    two = plan.prediction.get("best_two_level") or s
+    two = plan.prediction.details.get("best_two_level") or s.to_dict()
     two_level = (entry(two["budget"], two["chunk"], two["stride"]), 0, two["gamma2"], None)
     if s.bottom == "streaming":
         record = acceptance.streaming_at(s.context)
         if record is None:
-            raise UserError(f"{path} has no streaming draft measured at context {s['context']}: "
+            raise UserError(f"{path} has no streaming draft measured at context {s.context}: "
                             "not the plan's acceptance file")
         return [(record, 0, s.gamma2, None), two_level]
     plan_bottom = None if s.bottom == "none" else plan.inputs.get("bottom_seconds_per_draft")

@@ -177,10 +177,10 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
 
         s = decoder.plan.settings
         # The two-level variant at its own best settings where the planner recorded them, else at the plan's.
-        two = {**s.to_dict(), **decoder.plan.prediction.get("best_two_level", {})}
+        two = {**s.to_dict(), **decoder.plan.prediction.details.get("best_two_level", {})}
         retrieval = RetrievalSettings(two["budget"], two["chunk"], two["stride"], s.rebuild_below)
         # The streaming draft likewise at its best gamma, where the acceptance file measured it.
-        streaming_gamma = decoder.plan.prediction.get("best_streaming", {}).get("gamma2", s.gamma2)
+        streaming_gamma = decoder.plan.prediction.details.get("best_streaming", {}).get("gamma2", s.gamma2)
         streaming_model = decoder.lean_draft or decoder.lean_target
         triforce = {
             "two-level": engine_method(SpeculativeEngine(decoder.lean_target, HierarchicalDrafter(
@@ -277,8 +277,8 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
     plan = decoder.plan
     prediction = {}
     if plan is not None:
-        prediction = {"plan_tokens_per_step": plan.prediction.get("tokens_per_step"),
-                      "plan_speedup": plan.prediction.get("speedup"),
+        prediction = {"plan_tokens_per_step": plan.prediction.tokens_per_step,
+                      "plan_speedup": plan.prediction.speedup,
                       "measured_tokens_per_step": summary["ours"].get("tokens_per_step")}
         if "ours-ar" in summary:
             prediction["measured_speedup_vs_ours_ar"] = summary["ours"]["speedup_vs_ours-ar"]
@@ -286,7 +286,7 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
                 prediction["measured_over_predicted"] = (prediction["measured_speedup_vs_ours_ar"]
                                                          / prediction["plan_speedup"])
         for method, key in (("two-level", "best_two_level"), ("streaming", "best_streaming")):
-            best = plan.prediction.get(key)
+            best = plan.prediction.details.get(key)
             if best and method in summary and "ours-ar" in summary:
                 prediction[method.replace("-", "_")] = {
                     "predicted_speedup": best["speedup"], "predicted_tokens_per_step": best["tokens_per_step"],
@@ -298,9 +298,9 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
                     "platform": platform.platform()},
         "models": {"target": decoder.target.name, "draft": decoder.draft.name if decoder.draft else None,
                    "dtype": decoder.target.dtype, "draft_dtype": decoder.draft.dtype if decoder.draft else None,
-                   **({"draft_vocab": plan.models["draft_vocab"]} if plan and "draft_vocab" in plan.models else {})},
-        "plan": {"kind": plan.kind, "prediction": plan.prediction, "tree_size": plan.tree.size if plan.tree else None}
-        if plan else None,
+                   **({"draft_vocab": plan.models.draft_vocab} if plan and plan.models.draft_vocab else {})},
+        "plan": {"kind": plan.kind, "prediction": plan.prediction.to_dict(),
+                 "tree_size": plan.tree.size if plan.tree else None} if plan else None,
         "sampling": {"temperature": request.params.temperature, "top_p": request.params.top_p,
                      "top_k": request.params.top_k},
         "dataset": request.dataset, "context": request.context, "prompts": len(rows),

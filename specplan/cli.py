@@ -268,7 +268,7 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
 
 
 def _note_inexact_replay(plan: Plan) -> None:
-    if plan.prediction.get("replay_exact") is False:
+    if plan.prediction.replay_exact is False:
         click.echo("note: the acceptance was measured decoding with other settings than these: decode with this "
                    f"plan (plan accept {plan.method} --decode-with) and solve again for an exact replay", err=True)
 
@@ -308,7 +308,7 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
     click.echo(f"wrote {output}")
     _note_inexact_replay(plan)
     if not plan.settings.speculate:
-        best = plan.prediction["best_speculative"]["speedup"]
+        best = plan.prediction.details["best_speculative"]["speedup"]
         click.echo(f"note: no setting is predicted faster than {min_speedup:g}x one-token decoding at context "
                    f"{plan.settings.context} (best {best:.2f}x): the plan decodes one token per step", err=True)
 

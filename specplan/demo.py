@@ -52,7 +52,7 @@ def main() -> int:
     plan_path = Path("plans") / f"demo.{MODEL}.lookahead.{dtype}.yaml"
     save_plan(plan, plan_path)
     say(f"   chose L_d = {plan.settings.decoding_length}, L_b = {plan.settings.branch_length}: "
-        f"{plan.prediction['tokens_per_step']:.2f} tokens/step, predicted {plan.prediction['speedup']:.2f}x "
+        f"{plan.prediction.tokens_per_step:.2f} tokens/step, predicted {plan.prediction.speedup:.2f}x "
         f"over autoregressive decoding ({plan_path})")
 
     say("== 4/4 generate: the Lookahead plan next to plain decoding (same engine, one-node trees) and "
@@ -84,7 +84,7 @@ def main() -> int:
     fast_rate = totals["lookahead"][0] / totals["lookahead"][1]
     slow_rate = totals["plain"][0] / totals["plain"][1]
     say(f"== lookahead {fast_rate:.1f} tok/s vs plain {slow_rate:.1f} tok/s: {fast_rate / slow_rate:.2f}x "
-        f"(predicted {plan.prediction['speedup']:.2f}x); outputs identical on {identical}/{len(prompts)} prompts; "
+        f"(predicted {plan.prediction.speedup:.2f}x); outputs identical on {identical}/{len(prompts)} prompts; "
         f"demo took {time.perf_counter() - started:.0f} s")
     example = decoder.generate(prompts[2].text, 80, params, chat=True)
     say(f"\nexample ({prompts[2].category}):\n{example.text}")

@@ -225,11 +225,11 @@ def ascii_tree(tree: TokenTree, positional: list[float] | None = None) -> list[s
 
 
 def describe_plan(plan: Plan) -> str:
-    lines = [f"{plan.kind}  models: " + ", ".join(f"{k}={v}" for k, v in plan.models.items())]
+    lines = [f"{plan.kind}  models: " + ", ".join(f"{k}={v}" for k, v in plan.models.to_dict().items())]
     if plan.sampling:
         lines.append("sampling: " + ", ".join(f"{k}={v}" for k, v in plan.sampling.items()))
     lines.append("prediction:")
-    lines.extend(_format_mapping(plan.prediction))
+    lines.extend(_format_mapping(plan.prediction.to_dict()))
     if plan.tree is not None:
         depths = plan.tree.depths
         widths = [depths.count(k) for k in range(plan.tree.depth + 1)]
@@ -260,8 +260,7 @@ def _recorded_acceptance(plan: Plan, required: bool) -> list[float] | None:
 def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
     if plan.method != "sequoia":
         raise UserError(f"--plot is not available for {plan.kind}")
-    from planner.sequoia import rank_candidates
-    from planner.sequoia_dp import SequoiaTables
+    from planner.sequoia import SequoiaTables, rank_candidates
     positional = np.asarray(_recorded_acceptance(plan, required=True))
     inputs = Fields(plan.inputs, f"{plan.source}: inputs")
     # The DP is redrawn over the plan's own search space, bounded so that a file cannot ask for hours of it.
@@ -275,7 +274,7 @@ def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
     sizes = np.arange(1, G.shape[0])
     for d in sorted({int(x) for x in np.linspace(1, tables.max_depth, min(tables.max_depth, 8))} - {0}):
         ax.plot(sizes, G[1:, d], label=f"d = {d}")
-    ax.scatter([plan.tree.size], [plan.prediction["tokens_per_step"]], color="black", zorder=5,
+    ax.scatter([plan.tree.size], [plan.prediction.tokens_per_step], color="black", zorder=5,
                label=f"plan: n={plan.tree.size}, d={plan.tree.depth}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tree size n (nodes, root included)")
@@ -297,13 +296,13 @@ def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
         ax2 = axes[0, 1]
         ns = sorted(best_per_n)
         ax2.plot(ns, [best_per_n[n] for n in ns], label="best depth for each n")
-        if plan.prediction.get("speedup") is not None:
-            ax2.scatter([plan.tree.size], [plan.prediction["speedup"]], color="black", zorder=5, label="plan")
+        if plan.prediction.speedup is not None:
+            ax2.scatter([plan.tree.size], [plan.prediction.speedup], color="black", zorder=5, label="plan")
         ax2.set_xscale("log", base=2)
         ax2.set_xlabel("tree size n")
         ax2.set_ylabel("predicted speedup")
         ax2.legend(fontsize=8)
         ax2.grid(alpha=0.3)
-    fig.suptitle(f"{plan.kind}: {plan.models.get('target', '?')} / {plan.models.get('draft', '?')}")
+    fig.suptitle(f"{plan.kind}: {plan.models.target or '?'} / {plan.models.draft or '?'}")
     fig.tight_layout()
     save_png(fig, png)

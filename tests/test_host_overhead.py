@@ -41,8 +41,7 @@ def test_a_profile_without_overhead_prices_none():
 
 
 def test_sequoia_prices_overhead_as_forward_time():
-    from planner.sequoia import rank_candidates
-    from planner.sequoia_dp import SequoiaTables
+    from planner.sequoia import SequoiaTables, rank_candidates
 
     shifted, with_overhead = profiles()
     tables = SequoiaTables(np.array([0.6, 0.2, 0.1]), 16, 6)

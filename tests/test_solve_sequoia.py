@@ -9,11 +9,10 @@ import pytest
 import yaml
 
 from core.errors import UserError
-from core.plan_schema import TokenTree, load_plan
+from core.plan_schema import PlanModels, TokenTree, load_plan
 from core.profile_schema import LatencyCurve, LatencyProfile
 from planner.export import EXPORT_FORMATS, export_tree, import_tree
-from planner.sequoia import rank_candidates, solve_sequoia
-from planner.sequoia_dp import SequoiaTables, tree_value
+from planner.sequoia import SequoiaTables, rank_candidates, solve_sequoia, tree_value
 
 from conftest import ACCEPTANCE, PROFILE
 
@@ -27,10 +26,10 @@ def test_solve_writes_a_valid_plan(run_cli, write_yaml_file, tmp_path):
     assert code == 0, stderr
     assert "speedup" in stdout
     plan = load_plan(out)
-    assert plan.models == {"target": "toy-target", "draft": "toy-draft"}
+    assert plan.models == PlanModels(target="toy-target", draft="toy-draft")
     assert plan.sampling == {"temperature": 0.6}
     p = np.array(ACCEPTANCE["positional"])
-    assert plan.prediction["tokens_per_step"] == pytest.approx(tree_value(np.array(plan.tree.parents), p))
+    assert plan.prediction.tokens_per_step == pytest.approx(tree_value(np.array(plan.tree.parents), p))
     assert plan.solver["seconds"] > 0
     assert set(plan.provenance["inputs"]) == {str(acc), str(prof)}
     assert plan.inputs["acceptance"]["positional"] == ACCEPTANCE["positional"]  # all entries, none dropped
@@ -38,15 +37,15 @@ def test_solve_writes_a_valid_plan(run_cli, write_yaml_file, tmp_path):
     t = LatencyCurve({1: 0.035, 16: 0.070, 64: 0.125, 128: 0.186})
     G = SequoiaTables(p, 128, 12).G
     best = max(G[n, d] * t(1) / (t(n) + d * 0.004) for n in range(1, 129) for d in range(13) if np.isfinite(G[n, d]))
-    assert plan.prediction["speedup"] == pytest.approx(best)
+    assert plan.prediction.speedup == pytest.approx(best)
 
 
 def test_without_profile_maximises_tokens_per_step(write_yaml_file):
     acc = write_yaml_file("acc.yaml", ACCEPTANCE)
     plan, ranked = solve_sequoia(acc, 40, 5)
     G = SequoiaTables(np.array(ACCEPTANCE["positional"]), 40, 5).G
-    assert plan.prediction["tokens_per_step"] == pytest.approx(np.nanmax(G[np.isfinite(G)]))
-    assert "speedup" not in plan.prediction
+    assert plan.prediction.tokens_per_step == pytest.approx(np.nanmax(G[np.isfinite(G)]))
+    assert plan.prediction.speedup is None
     assert plan.tree.size == 40
 
 
@@ -203,7 +202,7 @@ def test_draft_vocabulary_reaches_the_plan_and_the_decoder(run_cli, write_yaml_f
     code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acc, "--profile", prof, "--max-size", 8,
                               "--max-depth", 3, "-o", out)
     assert code == 0, stderr
-    assert load_plan(out).models["draft_vocab"] == 64
+    assert load_plan(out).models.draft_vocab == 64
     decoder = load_decoder(out, "tiny-random-llama", "tiny-random-llama-draft", device="cpu")
     assert decoder.engine.drafter.model.output_ids.tolist() == list(range(64)) + [258]
     bad = write_yaml_file("bad.yaml", {**yaml.safe_load(out.read_text()),

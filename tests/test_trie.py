@@ -145,4 +145,4 @@ def test_solver_says_whether_a_bf16_replay_is_exact(dtype, decoded_with, exact, 
         "records": [{"prompt": repeated[:8], "output": repeated}]})
     plan, _ = solve_lookahead(acceptance, None, decoding_lengths=(2, 4), branch_lengths=(1, 3))
     assert (plan.settings.decoding_length, plan.settings.branch_length) == (4, 3)  # most tokens per step
-    assert plan.prediction.get("replay_exact") is exact
+    assert plan.prediction.replay_exact is exact

@@ -205,23 +205,23 @@ def test_solve_and_show_triforce(run_cli, write_yaml_file, tmp_path):
     plan = load_plan(out)
     assert plan.settings.budget == 1024  # the better middle acceptance wins here
     assert plan.settings.bottom == "trie" and plan.settings.gamma2 >= plan.settings.gamma1
-    assert 0 < plan.prediction["best_two_level"]["speedup"] < plan.prediction["speedup"]
+    assert 0 < plan.prediction.details["best_two_level"]["speedup"] < plan.prediction.speedup
     useless_bottom = dict(TRIFORCE_ACCEPTANCE, entries=[dict(e, bottom=0.0) for e in TRIFORCE_ACCEPTANCE["entries"]])
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("useless.yaml", useless_bottom),
                               "--profile", profile, "-o", tmp_path / "dropped.yaml")
     dropped = load_plan(tmp_path / "dropped.yaml")  # drafts never accepted only cost: the plan drops the bottom
     assert code == 0 and dropped.settings.bottom == "none", stderr
-    assert dropped.prediction["speedup"] == dropped.prediction["best_two_level"]["speedup"]
+    assert dropped.prediction.speedup == dropped.prediction.details["best_two_level"]["speedup"]
     hopeless = dict(TRIFORCE_ACCEPTANCE, entries=[dict(e, middle=0.0) for e in TRIFORCE_ACCEPTANCE["entries"]])
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("hopeless.yaml", hopeless),
                               "--profile", profile, "-o", tmp_path / "hopeless-plan.yaml")
     assert code == 0 and "no setting is predicted faster than 1x one-token decoding at context 4096" in stderr
     hopeless_plan = load_plan(tmp_path / "hopeless-plan.yaml")  # decodes one token per step instead
-    assert not hopeless_plan.settings.speculate and hopeless_plan.prediction["speedup"] == 1.0
-    assert hopeless_plan.prediction["best_speculative"]["speedup"] < 1
-    assert hopeless_plan.prediction["seconds_per_token"] == pytest.approx(0.044)  # t(1, 4096)
+    assert not hopeless_plan.settings.speculate and hopeless_plan.prediction.speedup == 1.0
+    assert hopeless_plan.prediction.details["best_speculative"]["speedup"] < 1
+    assert hopeless_plan.prediction.seconds_per_token == pytest.approx(0.044)  # t(1, 4096)
     plan = load_plan(out)
-    for margin, speculates in ((plan.prediction["speedup"] * 0.99, True), (plan.prediction["speedup"] * 1.01, False)):
+    for margin, speculates in ((plan.prediction.speedup * 0.99, True), (plan.prediction.speedup * 1.01, False)):
         code, _, stderr = run_cli("solve", "triforce", "--acceptance", acceptance, "--profile", profile,
                                   "--min-speedup", str(margin), "-o", tmp_path / "margin.yaml")
         assert code == 0 and load_plan(tmp_path / "margin.yaml").settings.speculate == speculates, stderr
@@ -252,7 +252,7 @@ def test_decoded_settings_are_kept_unless_another_is_clearly_faster(write_yaml_f
         plan, _ = solve_triforce(write_yaml_file("decoded.yaml", acceptance), profile)
         assert (plan.settings.gamma1, plan.settings.gamma2, plan.settings.budget) == (
             max(kept.gamma1, 1), kept.gamma2, kept.budget)
-        assert plan.prediction["replay_exact"] == (kept is decoded)
+        assert plan.prediction.replay_exact == (kept is decoded)
 
 
 def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_file, tmp_path):
@@ -286,7 +286,7 @@ def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_fil
         assert code == 0, stderr
         plan = load_plan(out)
         assert plan.settings.bottom == "model" and plan.inputs["window_prefill_seconds"] == charged
-        per_token[charged] = plan.prediction["seconds_per_token"]
+        per_token[charged] = plan.prediction.seconds_per_token
     assert per_token[0.05] == pytest.approx(per_token[None] + 0.05 / 40)
     # `plan bench --reprice` re-times the draft's window prefill the plan charges, and re-prices with it
     from core.profile_schema import load_profile
@@ -302,6 +302,13 @@ def test_model_bottom_is_priced_over_its_streaming_cache(run_cli, write_yaml_fil
     slower, _ = reprice(plan, solved.with_points({}, {}, {}, {"draft": 0.09}))
     assert own.seconds_per_token == pytest.approx(per_token[0.05])
     assert slower.seconds_per_token == pytest.approx(own.seconds_per_token + 0.04 / 40)
+    # an acceptance file without the plan's setting is one line naming the setting (it raised a TypeError)
+    from dataclasses import replace
+
+    unrelated = replace(plan, settings=replace(plan.settings, budget=plan.settings.budget * 2),
+                        prediction=replace(plan.prediction, details={}))
+    with pytest.raises(UserError, match=f"has no entry for context {plan.settings.context}, budget"):
+        priced_points(unrelated, solved)
 
 
 def test_point_timer_times_a_window_prefill():
@@ -406,10 +413,10 @@ def test_planner_chooses_the_streaming_draft_where_it_pays(run_cli, write_yaml_f
         assert code == 0, stderr
         outcomes[name] = load_plan(out)
     plan = outcomes["perfect"]
-    assert plan.settings.bottom == "streaming" and "draft" not in plan.models
-    assert plan.prediction["speedup"] == plan.prediction["best_streaming"]["speedup"] > 1
-    assert plan.prediction["best_streaming"]["gamma2"] == plan.settings.gamma2
-    two = plan.prediction["best_two_level"]
+    assert plan.settings.bottom == "streaming" and plan.models.draft is None
+    assert plan.prediction.speedup == plan.prediction.details["best_streaming"]["speedup"] > 1
+    assert plan.prediction.details["best_streaming"]["gamma2"] == plan.settings.gamma2
+    two = plan.prediction.details["best_two_level"]
     assert (plan.settings.budget, plan.settings.chunk, plan.settings.stride) == (
         two["budget"], two["chunk"], two["stride"])
     assert plan.inputs["streaming_seconds_per_draft"] > 0
@@ -421,9 +428,9 @@ def test_planner_chooses_the_streaming_draft_where_it_pays(run_cli, write_yaml_f
     prompt = long_prompt(300, 5)
     assert decoder.engine.generate(prompt, 40, SamplingParams()).tokens == hf_greedy(decoder.target, prompt, 40)
     assert outcomes["useless"].settings.bottom != "streaming"
-    assert outcomes["useless"].prediction["best_streaming"]["speedup"] < outcomes["useless"].prediction["speedup"]
+    assert outcomes["useless"].prediction.details["best_streaming"]["speedup"] < outcomes["useless"].prediction.speedup
     assert outcomes["two-level"].settings.bottom == "none" and "best_streaming" not in outcomes[
-        "two-level"].prediction
+        "two-level"].prediction.details
 
 
 @pytest.mark.parametrize("record, message", [
@@ -534,7 +541,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", decoded, "--profile", profile, "--min-speedup",
                               "0.01", "-o", tmp_path / "again.yaml")
     again = load_plan(tmp_path / "again.yaml")
-    assert code == 0 and again.prediction["replay_exact"] == all(
+    assert code == 0 and again.prediction.replay_exact == all(
         getattr(again.settings, key) == getattr(settings, key) for key in (
         "bottom", "gamma1", "gamma2", "budget", "chunk", "stride"))
     candidate = evaluate_traces(load_profile(profile), 300, redecoded.entries[0], settings.gamma1,
@@ -554,7 +561,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
         assert report["summary"][name]["identical_to_hf"] == 1
     repriced = report["prediction"]["repriced"]
     assert repriced["passes"] == 4
-    assert repriced["profiled_speedup"] == pytest.approx(load_plan(plan).prediction["speedup"])
+    assert repriced["profiled_speedup"] == pytest.approx(load_plan(plan).prediction.speedup)
     assert repriced["measured_over_repriced"] == pytest.approx(
         report["summary"]["ours"]["speedup_vs_ours-ar"] / repriced["speedup"])
     assert repriced["price_ratios"]["one_token_at_context"] > 0 and "re-priced with its" in stdout
@@ -583,7 +590,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     assert all(one_token_report["summary"][name]["identical_to_hf"] == 1 for name in ("ours", "two-level"))
     one_token_repriced = one_token_report["prediction"]["repriced"]
     assert one_token_repriced["speedup"] == 1.0 and one_token_repriced["best_speculative_profiled_speedup"] == \
-        pytest.approx(load_plan(one_token).prediction["best_speculative"]["speedup"])
+        pytest.approx(load_plan(one_token).prediction.details["best_speculative"]["speedup"])
     assert "the plan decodes one token per step" in stdout
     for option, message in ((["--dtype", "bf16"], "not bf16"), (["--temperature", "0.7"], "greedy"),
                             (["--contexts", "64"], "not below the context")):
@@ -609,8 +616,8 @@ def assert_repricing_reads_exactly_the_priced_points(plan, profile) -> None:
     from planner.triforce_reprice import priced_points, reprice
 
     own, own_two = reprice(plan, profile)
-    assert own.speedup == pytest.approx(plan.prediction["speedup"])
-    assert own_two.speedup == pytest.approx(plan.prediction["best_two_level"]["speedup"])
+    assert own.speedup == pytest.approx(plan.prediction.speedup)
+    assert own_two.speedup == pytest.approx(plan.prediction.details["best_two_level"]["speedup"])
     points = priced_points(plan, profile)
     assert plan.settings.context in points.target and 1 in points.target[plan.settings.context]
     slow = {L: {n: 3 * profile.latency(n, L).item() for n in sizes} for L, sizes in points.target.items()}
