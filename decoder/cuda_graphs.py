@@ -27,8 +27,10 @@ def graph_size(n: int, room: int) -> int:
 
 
 def enable_cuda_graphs(model: LeanModel) -> None:
-    """Replay every forward of `model` of a given size as a CUDA graph (GPU only)."""
-    model.graphed = GraphedForward(model)
+    """Replay every forward of `model` of a given size as a CUDA graph (GPU only). A model whose RoPE depends on
+    the prompt's length (dynamic NTK, longrope) runs eagerly: a graph would keep the length it was captured with."""
+    if not model.position_dependent_rope:
+        model.graphed = GraphedForward(model)
 
 
 class GraphedForward:

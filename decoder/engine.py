@@ -73,7 +73,7 @@ class SpeculativeEngine:
         start = time.perf_counter()
         cache = self.cache = target.cache_for(max_len, self.cache)
         max_len = cache.max_len
-        target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), cache, logits=False)
+        target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), cache, logits=False, prompt_length=len(prompt))
         prefill_seconds = time.perf_counter() - start
 
         start = time.perf_counter()

@@ -1,10 +1,13 @@
-"""A lean forward for Llama- and Qwen2-family models, in the spirit of gpt-fast.
+"""A lean forward for the Llama family and its relatives (Mistral, Qwen2/3, Phi-3, Gemma 2/3), in the spirit of
+gpt-fast.
 
 One forward scores `n` new tokens (a chain for prefill, a token tree for verification) against a static,
 preallocated KV cache: their keys and values are written after the committed prefix, attention runs over
 [cache | new tokens] with an additive mask, and `commit` compacts the accepted tokens into the prefix.
 Weights are taken from the transformers model the shared loader returns (q/k/v and gate/up fused), and the
 arithmetic mirrors transformers' (RMSNorm in fp32, RoPE tables in fp32), so fp32 greedy output matches.
+Each family's differences from Llama are named options of this one forward (`Architecture`, read from the
+transformers config); RoPE variants live in decoder/rope.py.
 
 Two attention layouts:
 - dynamic (CPU default): attention over the first `length + n` cache slots only (in bf16, rounded up to a
@@ -23,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import UserError
+from decoder.rope import RotaryTables
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+GEMMA_FAMILY = ("gemma2", "gemma3_text")
 KEY_BUCKET = 64  # bf16 CPU attention runs over a key length rounded up to this (see LeanModel._key_span)
 UPCAST_ROWS = 3  # on a CPU that emulates bf16, matmuls of this many rows or more run in fp32 (LeanModel._linear)
 GRAPH_CACHE_SLOTS = 512  # with CUDA graphs, cache sizes are rounded up to this (see LeanModel.cache_for)
@@ -59,25 +64,75 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
-        if config.model_type not in SUPPORTED_ARCHITECTURES:
-            raise UserError(f"architecture {config.model_type!r} is not supported (only {SUPPORTED_ARCHITECTURES})")
+        """The sizes that set a forward's cost, of any decoder-only config (every RoPE variant costs the same)."""
         rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default":
-            raise UserError(f"RoPE scaling {rope_type!r} is not supported")
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        max_context = config.max_position_embeddings
+        if rope.get("rope_type") == "dynamic":  # dynamic NTK stretches the context by its factor
+            max_context = int(max_context * rope["factor"])
         heads = config.num_attention_heads
         return cls(
             architecture=config.model_type,
             layers=config.num_hidden_layers,
             hidden=config.hidden_size,
             heads=heads,
-            kv_heads=config.num_key_value_heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             vocab=config.vocab_size,
-            max_context=config.max_position_embeddings,
-            rope_theta=float(theta),
-            rms_eps=float(config.rms_norm_eps),
+            max_context=max_context,
+            rope_theta=float(theta or 10000.0),
+            rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+        )
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How a family's forward differs from Llama's: named options read from its transformers config."""
+
+    name: str
+    gemma_norm: bool = False  # Gemma: RMSNorm times (1 + w) in fp32, then cast; Llama: w times the cast norm
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's q and k before RoPE
+    sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs normed too, before the residual
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model's dtype
+    activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU)
+    attention_scale: float = 1.0  # 1/sqrt(head_dim), or Gemma's query_pre_attn_scalar^-0.5
+    attention_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap) before the mask
+    final_softcap: float | None = None  # Gemma 2/3: the same on the logits
+    layer_windows: tuple[int | None, ...] = ()  # per layer, its sliding window (None: full attention)
+    layer_rope: tuple[str | None, ...] = ()  # per layer, its RoPE parameter set (Gemma 3: per layer type)
+    # Phi-3 (longrope): once the sequence outgrows the original context, its generate re-encodes every token with
+    # the long factors (transformers' Phi3ForCausalLM.prepare_inputs_for_generation drops the cache there)
+    reencodes_long_rope: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> Architecture:
+        name = config.model_type
+        if name not in SUPPORTED_ARCHITECTURES:
+            raise UserError(f"architecture {name!r} is not supported by the lean decoder "
+                            f"(it runs {', '.join(SUPPORTED_ARCHITECTURES)})")
+        layers = config.num_hidden_layers
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if name in ("mistral", "phi3") or not layer_types:
+            # Mistral and Phi-3 slide every layer's window when the config sets one
+            windows = (window if name in ("mistral", "phi3") else None,) * layers
+        else:
+            windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types[:layers])
+        gemma = name in GEMMA_FAMILY
+        return cls(
+            name=name,
+            gemma_norm=gemma,
+            qk_norm=name in ("qwen3", "gemma3_text"),
+            sandwich_norms=gemma,
+            embed_scale=config.hidden_size ** 0.5 if gemma else None,
+            activation="gelu_tanh" if gemma else "silu",
+            attention_scale=(config.query_pre_attn_scalar if gemma else head_dim) ** -0.5,
+            attention_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
+            final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+            layer_windows=windows,
+            layer_rope=tuple(layer_types[:layers]) if name == "gemma3_text" else (None,) * layers,
+            reencodes_long_rope=name == "phi3" and (config.rope_parameters or {}).get("rope_type") == "longrope",
         )
 
 
@@ -90,6 +145,9 @@ class KVCache:
         self.v = torch.zeros(size, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
+        self.prompt_length = 0  # the prompt's length, for RoPE variants that depend on it (decoder/rope.py)
+        self.long_rope = False  # Phi-3: the committed tokens are encoded with the long RoPE factors
+        self.tokens = torch.zeros(max_len, dtype=torch.long, device=device)  # Phi-3: re-encoded at the switch
         # CUDA graphs captured over this cache's memory, by number of new tokens (decoder/cuda_graphs.py); they
         # live and die with it.
         self.graphs: dict[int, tuple] = {}
@@ -102,6 +160,7 @@ class KVCache:
             slots = kept.to(self.k.device) + start
             self.k[:, :, start:start + count] = self.k[:, :, slots]
             self.v[:, :, start:start + count] = self.v[:, :, slots]
+            self.tokens[start:start + count] = self.tokens[slots]
         self.length = start + count
 
     def truncate(self, length: int) -> None:
@@ -112,7 +171,9 @@ class LeanModel:
     def __init__(self, hf_model: Any, device: torch.device | str = "cpu", emulated_bf16: bool | None = None) -> None:
         """`emulated_bf16` forces (True) or rules out (False) the path of a CPU without bf16 instructions; None
         detects it."""
-        self.shape = ModelShape.from_config(hf_model.config)
+        config = hf_model.config
+        self.architecture = Architecture.from_config(config)
+        self.shape = ModelShape.from_config(config)
         self.device = torch.device(device)
         params = dict(hf_model.named_parameters())
         self.dtype = params["model.embed_tokens.weight"].dtype
@@ -141,31 +202,46 @@ class LeanModel:
         # bf16, whose pass reads half the bytes (29 against 37 ms at 2 rows).
         self.cache_dtype = torch.float32 if self.emulated_bf16 else self.dtype
         self.upcast_rows = UPCAST_ROWS
-        self.layers = []
-        for i in range(self.shape.layers):
-            prefix = f"model.layers.{i}."
-            attn, mlp = prefix + "self_attn.", prefix + "mlp."
-            bias = [params.get(attn + f"{p}_proj.bias") for p in "qkv"]
-            self.layers.append({
-                "ln1": take(prefix + "input_layernorm.weight"),
-                "ln2": take(prefix + "post_attention_layernorm.weight"),
-                "wqkv": self._matmul_weight(torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])),
-                "bqkv": torch.cat([b.detach() for b in bias]).to(self.device) if bias[0] is not None else None,
-                "wo": self._matmul_weight(take(attn + "o_proj.weight")),
-                "w_gate_up": self._matmul_weight(
-                    torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])),
-                "w_down": self._matmul_weight(take(mlp + "down_proj.weight")),
-            })
+        self.layers = [self._layer_weights(params, f"model.layers.{i}.", take) for i in range(self.shape.layers)]
         self.output_weight = self._matmul_weight(self.lm_head)
         self.output_ids: torch.Tensor | None = None  # set by limit_vocabulary
         self.graphed = None  # a decoder.cuda_graphs.GraphedForward, set by cuda_graphs.enable_cuda_graphs
         d = self.shape.head_dim
         self.q_size, self.kv_size = self.shape.heads * d, self.shape.kv_heads * d
-        inv_freq = 1.0 / (self.shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        freqs = torch.arange(self.shape.max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.rope_cos = emb.cos().to(self.dtype).to(self.device)
-        self.rope_sin = emb.sin().to(self.dtype).to(self.device)
+        arch = self.architecture
+        self.embed_scale = (None if arch.embed_scale is None
+                            else torch.tensor(arch.embed_scale, dtype=self.dtype, device=self.device))
+        self.rotary = {kind: RotaryTables(config, kind, d, self.shape.max_context, self.dtype, self.device)
+                       for kind in dict.fromkeys(arch.layer_rope)}
+        self.position_dependent_rope = any(table.position_dependent for table in self.rotary.values())
+        self.long_rope_switch = self.rotary[None].original_max_position if arch.reencodes_long_rope else None
+
+    def _layer_weights(self, params: dict[str, torch.Tensor], prefix: str, take) -> dict[str, Any]:
+        """One layer's weights, q/k/v and gate/up fused (Phi-3 checkpoints ship them fused)."""
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        optional = lambda name: take(name) if name in params else None  # noqa: E731
+        if attn + "qkv_proj.weight" in params:
+            wqkv, bqkv = take(attn + "qkv_proj.weight"), optional(attn + "qkv_proj.bias")
+        else:
+            wqkv = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
+            biases = [optional(attn + f"{p}_proj.bias") for p in "qkv"]
+            bqkv = torch.cat(biases) if biases[0] is not None else None
+        if mlp + "gate_up_proj.weight" in params:
+            w_gate_up, b_gate_up = take(mlp + "gate_up_proj.weight"), optional(mlp + "gate_up_proj.bias")
+        else:
+            w_gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+            biases = [optional(mlp + "gate_proj.bias"), optional(mlp + "up_proj.bias")]
+            b_gate_up = torch.cat(biases) if biases[0] is not None else None
+        norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm")
+        return {
+            **{name: optional(prefix + name + ".weight") for name in norms},
+            "q_norm": optional(attn + "q_norm.weight"), "k_norm": optional(attn + "k_norm.weight"),
+            "wqkv": self._matmul_weight(wqkv), "bqkv": bqkv,
+            "wo": self._matmul_weight(take(attn + "o_proj.weight")), "bo": optional(attn + "o_proj.bias"),
+            "w_gate_up": self._matmul_weight(w_gate_up), "b_gate_up": b_gate_up,
+            "w_down": self._matmul_weight(take(mlp + "down_proj.weight")), "b_down": optional(mlp + "down_proj.bias"),
+        }
 
     def limit_vocabulary(self, size: int, always: Iterable[int] = ()) -> None:
         """Score only the token ids below `size`, plus `always` (the stop tokens); every other logit is -inf.
@@ -192,13 +268,15 @@ class LeanModel:
         if self.graphed is not None and not exact:
             max_len = min(-(-max_len // GRAPH_CACHE_SLOTS) * GRAPH_CACHE_SLOTS, self.shape.max_context)
         if previous is not None and previous.max_len == max_len:
-            previous.length = 0
+            previous.length, previous.long_rope = 0, False
             return previous
         return self.new_cache(max_len)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps)
+        if self.architecture.gemma_norm:
+            return (h * (1.0 + weight.float())).to(x.dtype)
         return weight * h.to(x.dtype)
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -213,7 +291,8 @@ class LeanModel:
         1.15-1.4x faster at 7680 keys but 5-10% slower at 1024. Longer blocks (prefill) go to SDPA."""
         n = q.shape[1]
         q = q.to(keys.dtype)
-        if self._grouped_attention(n, keys.shape[1]):
+        softcap, scale = self.architecture.attention_softcap, self.architecture.attention_scale
+        if softcap is not None or self._grouped_attention(n, keys.shape[1]):
             heads, d = q.shape[0], q.shape[2]
             kv_heads, length = keys.shape[0], keys.shape[1]
             group = heads // kv_heads
@@ -224,12 +303,14 @@ class LeanModel:
                 scores = torch.stack([F.linear(q[h], keys[h]) for h in range(kv_heads)])
             else:
                 scores = q @ keys.transpose(1, 2)
-            scores = scores.float() * d ** -0.5
+            scores = scores.float() * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             if mask is not None:
                 scores = (scores.view(kv_heads, group, n, length) + mask.float()).view(kv_heads, group * n, length)
             weights = scores.softmax(-1).to(values.dtype)
             return (weights @ values).view(heads, n, d).to(self.dtype)
-        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask,
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask, scale=scale,
                                               enable_gqa=self.shape.kv_heads != self.shape.heads)[0].to(self.dtype)
 
     def _grouped_attention(self, n: int, keys: int) -> bool:
@@ -261,9 +342,32 @@ class LeanModel:
         return _matmul(x, weight.narrow, bias, self.packed)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
+        rotary_dim = cos.shape[-1]
+        if rotary_dim < x.shape[-1]:  # partial rotary: the rest of each head passes through
+            return torch.cat([self._rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+        half = rotary_dim // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+    def _window_masks(self, mask: torch.Tensor | None, positions: torch.Tensor, cache: KVCache, span: int,
+                      slots: torch.Tensor | None) -> dict[int | None, torch.Tensor | None]:
+        """The additive mask of each attention window: `mask` for full attention, and for a sliding window W
+        `mask` with every key at W or more positions before the query hidden (transformers: kv > q - W).
+        A committed slot holds the token of its own position; the new tokens sit at `positions`."""
+        masks: dict[int | None, torch.Tensor | None] = {None: mask}
+        windows = {w for w in self.architecture.layer_windows if w is not None}
+        if not windows:
+            return masks
+        key_positions = torch.arange(span, device=self.device)
+        if slots is None:
+            key_positions[cache.length:cache.length + positions.shape[0]] = positions
+        else:
+            key_positions = key_positions.index_copy(0, slots, positions)
+        distance = positions[:, None] - key_positions[None, :]
+        base = mask if mask is not None else torch.zeros(distance.shape, dtype=self.dtype, device=self.device)
+        for window in windows:
+            masks[window] = base.masked_fill(distance >= window, float("-inf"))
+        return masks
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                 logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None,
@@ -278,13 +382,45 @@ class LeanModel:
         """
         if self.graphed is not None and slots is None and queries is None:
             return self.graphed(tokens, positions, cache, mask, logits_rows)
+        if self.long_rope_switch is not None and not cache.long_rope:
+            lengths = torch.clamp(positions.to(self.device) + 1, min=cache.prompt_length)
+            if bool((lengths > self.long_rope_switch).any()):
+                return self._switch_to_long_rope(tokens, positions, lengths, cache, mask, logits_rows, slots, queries,
+                                                 query_row)
+        return self._forward(tokens, positions, cache, mask, logits_rows, slots, queries, query_row)
+
+    def _switch_to_long_rope(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                             cache: KVCache, mask: torch.Tensor | None, logits_rows: torch.Tensor | slice | None,
+                             slots: torch.Tensor | None, queries: torch.Tensor | None, query_row: int) -> torch.Tensor:
+        """Phi-3's switch to the long RoPE factors, as its generate makes it: rows whose sequence still fits the
+        original context are scored with the short factors; then the committed tokens are encoded again with the
+        long factors, and the other rows are scored over them (the long-factor keys stay in the cache)."""
+        within = lengths <= self.long_rope_switch
+        short = self._forward(tokens, positions, cache, mask) if bool(within.any()) else None
+        cache.long_rope = True
+        if cache.length:
+            committed, length = cache.tokens[:cache.length].clone(), cache.length
+            cache.length = 0
+            self._prefill(committed, cache, 512, logits=False)
+            assert cache.length == length
+        logits = self._forward(tokens, positions, cache, mask, None, slots, queries, query_row)
+        if short is not None:
+            logits[within] = short[within]
+        return logits if logits_rows is None else logits[logits_rows]
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+                 logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None,
+                 queries: torch.Tensor | None = None, query_row: int = -1) -> torch.Tensor:
         shape = self.shape
         n = tokens.shape[0]
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         mask = None if mask is None else mask.to(self.device)
+        arch = self.architecture
         x = F.embedding(tokens, self.embed)
-        cos = self.rope_cos[positions][None]  # [1, n, d]
-        sin = self.rope_sin[positions][None]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = {kind: table(positions, cache.prompt_length, cache.long_rope)  # [n, rotary_dim] each
+                for kind, table in self.rotary.items()}
         start = cache.length
         end = start + n
         span = self._key_span(cache, n, end, slots is not None)
@@ -292,41 +428,63 @@ class LeanModel:
             padded = torch.full((n, span), float("-inf"), dtype=self.dtype, device=self.device)
             padded[:, :end] = 0 if mask is None else mask
             mask = padded
-        attn_mask = None if mask is None else mask[None, None].to(self.cache_dtype)
+        masks = self._window_masks(mask, positions, cache, mask.shape[-1] if mask is not None else end, slots)
+        attn_masks = {w: None if m is None else m[None, None].to(self.cache_dtype) for w, m in masks.items()}
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["ln1"])
+            window, cos, sin = arch.layer_windows[i], *rope[arch.layer_rope[i]]
+            h = self._rms_norm(x, layer["input_layernorm"])
             qkv = self._linear(h, layer["wqkv"], layer["bqkv"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._rope(q.view(n, shape.heads, shape.head_dim).transpose(0, 1), cos, sin)
-            k = self._rope(k.view(n, shape.kv_heads, shape.head_dim).transpose(0, 1), cos, sin)
+            q, k = q.view(n, shape.heads, shape.head_dim), k.view(n, shape.kv_heads, shape.head_dim)
+            if arch.qk_norm:
+                q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
+            q = self._rope(q.transpose(0, 1), cos, sin)
+            k = self._rope(k.transpose(0, 1), cos, sin)
             v = v.view(n, shape.kv_heads, shape.head_dim).transpose(0, 1)
             if queries is not None:
                 queries[i] = q[:, query_row]
             if slots is None:
                 cache.k[i, :, start:end] = k
                 cache.v[i, :, start:end] = v
+                if i == 0 and self.long_rope_switch is not None:
+                    cache.tokens[start:end] = tokens
                 keys, values = cache.k[i, :, :span], cache.v[i, :, :span]
             else:
                 cache.k[i].index_copy_(1, slots, k)
                 cache.v[i].index_copy_(1, slots, v)
+                if i == 0 and self.long_rope_switch is not None:
+                    cache.tokens.index_copy_(0, slots, tokens)
                 keys, values = cache.k[i], cache.v[i]
-            out = self._attention(q, keys, values, mask, attn_mask)
-            x = x + self._linear(out.transpose(0, 1).reshape(n, self.q_size), layer["wo"])
-            h = self._rms_norm(x, layer["ln2"])
-            gate, up = self._linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer["w_down"])
+            out = self._attention(q, keys, values, masks[window], attn_masks[window])
+            out = self._linear(out.transpose(0, 1).reshape(n, self.q_size), layer["wo"], layer["bo"])
+            if arch.sandwich_norms:
+                x = x + self._rms_norm(out, layer["post_attention_layernorm"])
+                h = self._rms_norm(x, layer["pre_feedforward_layernorm"])
+            else:
+                x = x + out
+                h = self._rms_norm(x, layer["post_attention_layernorm"])
+            gate, up = self._linear(h, layer["w_gate_up"], layer["b_gate_up"]).chunk(2, dim=-1)
+            gated = (F.silu(gate) if arch.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+            out = self._linear(gated, layer["w_down"], layer["b_down"])
+            x = x + (self._rms_norm(out, layer["post_feedforward_layernorm"]) if arch.sandwich_norms else out)
         if logits_rows is not None:
             x = x[logits_rows]
         logits = self._linear(self._rms_norm(x, self.final_norm), self.output_weight)
+        if arch.final_softcap is not None:
+            logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
         if self.output_ids is None:
             return logits
         return logits.new_full((logits.shape[0], shape.vocab), float("-inf")).index_copy_(1, self.output_ids, logits)
 
-    def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int = 512, logits: bool = True
-                ) -> torch.Tensor | None:
-        """Append `tokens` to the cache in causal chunks; returns the last token's logits ([vocab]) if asked."""
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int = 512, logits: bool = True,
+                prompt_length: int | None = None) -> torch.Tensor | None:
+        """Append `tokens` to the cache in causal chunks; returns the last token's logits ([vocab]) if asked.
+        `prompt_length`: the whole prompt's, when these tokens start it but leave some of it to later forwards
+        (by default, a prefill into an empty cache is the prompt)."""
         if cache.length + tokens.shape[0] > cache.max_len:
             raise UserError(f"{cache.length + tokens.shape[0]} tokens do not fit the {cache.max_len}-token cache")
+        if prompt_length is not None or cache.length == 0:
+            cache.prompt_length = prompt_length if prompt_length is not None else tokens.shape[0]
         graphed, self.graphed = self.graphed, None  # prefill chunks run eagerly: no graph per chunk size
         try:
             return self._prefill(tokens, cache, chunk, logits)

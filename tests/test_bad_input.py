@@ -112,3 +112,20 @@ def test_triforce_plan_bad_bottom(run_cli, write_yaml_file):
     plan = write_yaml_file("plan.yaml", {**TRIFORCE_PLAN, "triforce": {**TRIFORCE_PLAN["triforce"], "bottom": "x"}})
     assert_one_line_exit_2(run_cli("generate", "--plan", plan, "--prompt", "a short prompt"),
                            "'bottom' must be one of trie, model, none, streaming")
+
+
+def test_an_architecture_the_lean_decoder_does_not_run(run_cli, tmp_path):
+    """A local Hugging Face directory of a GPT-NeoX model: refused in one line naming the architectures it runs."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+    from transformers.utils import logging as hf_logging
+
+    from core.models import byte_tokenizer
+
+    hf_logging.disable_progress_bar()
+    config = GPTNeoXConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, max_position_embeddings=128)
+    directory = tmp_path / "tiny-neox"
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    assert_one_line_exit_2(run_cli("generate", "--target", str(directory), "--prompt", "hello"),
+                           "architecture 'gpt_neox' is not supported by the lean decoder")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, PretrainedConfig
 
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams, probabilities
@@ -31,11 +31,22 @@ def long_prompt(length: int, seed: int) -> list[int]:
 VOCAB = 6
 
 
-def toy_model(seed: int, noise: float = 0.0) -> tuple[AutoModelForCausalLM, LeanModel]:
+def toy_config(family: str = "llama") -> PretrainedConfig:
+    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False)
+    if family == "llama3":  # Llama 3.1's RoPE scaling, from an original context of 8
+        return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8})
+    if family == "gemma2":  # soft caps small enough to bend the distributions
+        return Gemma2Config(**common, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+                            layer_types=["sliding_attention"], attn_logit_softcapping=1.5, final_logit_softcapping=2.0)
+    return LlamaConfig(**common)
+
+
+def toy_model(seed: int, noise: float = 0.0, family: str = "llama") -> tuple[AutoModelForCausalLM, LeanModel]:
     """Random logits over a toy vocabulary; `noise` perturbs the weights (a draft close to the target)."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         initializer_range=0.5, tie_word_embeddings=False)
+    config = toy_config(family)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).eval()

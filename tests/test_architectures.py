@@ -1,0 +1,143 @@
+"""Every architecture and RoPE variant of the lean forward against transformers' own model, in fp32.
+
+The reference is the target's own decoding as transformers runs it: the prompt in one forward, then one token per
+forward over its cache (for RoPE variants that depend on the sequence length, that is what fixes each token's
+rotation; Phi-3's generate re-encodes the whole sequence once it outgrows the original context). The tiny models
+run past their RoPE's original context (64) and their sliding windows (16, 32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.method_settings import TrieSettings
+from core.models import TINY_FAMILIES, TINY_ORIGINAL_CONTEXT, load_model
+from decoder.drafters import SequoiaDrafter, TrieDrafter
+from decoder.engine import SpeculativeEngine
+from decoder.model import LeanModel
+from decoder.sampling import SamplingParams
+from decoder.trie import Trie
+from tests.test_lean_model import tree_mask
+from tests.toy import (
+    assert_distributed_as_target,
+    first_two_distribution,
+    hf_greedy,
+    sample_first_two,
+    toy_model,
+)
+
+NEW_FAMILIES = [f for f in TINY_FAMILIES if f not in ("llama", "qwen2")]  # those two: tests/test_lean_model.py
+PROMPT_LENGTH = TINY_ORIGINAL_CONTEXT - 4  # the tree and the steps cross the original context and the windows
+TREE_PROMPT_LENGTH = TINY_ORIGINAL_CONTEXT - 2  # the tree's deeper nodes lie past the original context
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=NEW_FAMILIES)
+def family(request):
+    loaded = load_model(f"tiny-random-{request.param}")
+    return request.param, loaded, LeanModel(loaded.model)
+
+
+def random_ids(count: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (count,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def reference_logits(loaded, prompt: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
+    """transformers: the prompt in one forward, then each continuation token in its own forward over the cache;
+    the logits after the prompt and after each continuation token ([1 + len(continuation), vocab])."""
+    out = loaded.model(prompt[None], use_cache=True)
+    rows, cache = [out.logits[0, -1]], out.past_key_values
+    sequence = prompt.tolist()
+    for token in continuation.tolist():
+        sequence.append(token)
+        if loaded.config.model_type == "phi3" and len(sequence) > TINY_ORIGINAL_CONTEXT:
+            # Phi-3's generate scores a sequence past the original context over all of it, re-encoded
+            rows.append(loaded.model(torch.tensor([sequence])).logits[0, -1])
+            continue
+        out = loaded.model(torch.tensor([[token]]), cache=cache, use_cache=True)
+        rows.append(out.logits[0, -1])
+        cache = out.past_key_values
+    return torch.stack(rows)
+
+
+@torch.inference_mode()
+def test_prefill_and_single_steps_match_transformers(family):
+    name, loaded, lean = family
+    ids = random_ids(PROMPT_LENGTH + 40, 0)
+    reference = reference_logits(loaded, ids[:PROMPT_LENGTH], ids[PROMPT_LENGTH:])
+    cache = lean.new_cache(len(ids))
+    last = lean.prefill(ids[:PROMPT_LENGTH], cache, chunk=24)
+    torch.testing.assert_close(last, reference[0], atol=ATOL, rtol=1e-4)
+    for t in range(PROMPT_LENGTH, len(ids)):
+        logits = lean.forward(ids[t:t + 1], torch.tensor([cache.length]), cache, None)[0]
+        cache.commit(None, 1)
+        torch.testing.assert_close(logits, reference[t - PROMPT_LENGTH + 1], atol=ATOL, rtol=1e-4,
+                                   msg=lambda m, t=t: f"{name}, position {t}: {m}")
+
+
+@torch.inference_mode()
+def test_tree_forward_and_a_non_contiguous_commit_match_transformers(family):
+    """A tree scored in one forward across the original context: each node's logits are those of its root path
+    decoded token by token; after committing the path 0 -> 2 -> 5 -> 8, the next step's are the path's."""
+    name, loaded, lean = family
+    prompt = random_ids(TREE_PROMPT_LENGTH, 1)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 5, 8]
+    tokens = random_ids(len(parents), 2)
+    cache = lean.new_cache(TREE_PROMPT_LENGTH + 40)
+    lean.prefill(prompt[:-1], cache, prompt_length=TREE_PROMPT_LENGTH)
+    tokens[0] = prompt[-1]  # the root is the prompt's last token, as the engine scores it
+    mask, depth = tree_mask(parents, cache.length)
+    logits = lean.forward(tokens, cache.length + depth, cache, mask)
+    for v in range(len(parents)):
+        path, u = [], v
+        while u > 0:
+            path.append(int(tokens[u]))
+            u = parents[u]
+        reference = reference_logits(loaded, prompt, torch.tensor(path[::-1], dtype=torch.long))[-1]
+        torch.testing.assert_close(logits[v], reference, atol=ATOL, rtol=1e-4,
+                                   msg=lambda m, v=v: f"{name}, node {v}: {m}")
+    kept = [0, 2, 5, 8]
+    cache.commit(torch.tensor(kept), len(kept))
+    following = random_ids(12, 3)
+    reference = reference_logits(loaded, prompt, torch.cat([tokens[kept[1:]], following]))
+    for i, token in enumerate(following.tolist()):
+        step = lean.forward(torch.tensor([token]), torch.tensor([cache.length]), cache, None)[0]
+        cache.commit(None, 1)
+        torch.testing.assert_close(step, reference[len(kept) + i], atol=ATOL, rtol=1e-4,
+                                   msg=lambda m, i=i: f"{name}, step {i} after the commit: {m}")
+
+
+@pytest.mark.parametrize("drafter", ["sequoia", "lookahead"])
+def test_greedy_speculation_equals_transformers_generate(family, drafter):
+    """64 new tokens from a prompt just short of the original context: a Sequoia tree with the family's tiny draft,
+    and a Lookahead trie, both token-identical to transformers' greedy generate."""
+    name, loaded, lean = family
+    prompt = random_ids(PROMPT_LENGTH, 4).tolist()
+    expected = hf_greedy(loaded, prompt, 64)
+    if drafter == "sequoia":
+        draft = LeanModel(load_model(f"tiny-random-{name}-draft").model)
+        proposer = SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3, 5])
+    else:
+        proposer = TrieDrafter(Trie(TrieSettings.sized(8, 4)))
+    engine = SpeculativeEngine(lean, proposer)
+    result = engine.generate(prompt, 64, SamplingParams())
+    assert result.tokens == expected[:len(result.tokens)] and len(result.tokens) == 64
+    if drafter == "sequoia":
+        assert sum(result.accepted_per_step) > len(result.accepted_per_step)  # it speculated, and was accepted
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma2"])
+@pytest.mark.parametrize("rule", ["sequoia", "specinfer"])
+def test_sampled_output_is_distributed_as_the_target(family, rule):
+    """Llama 3.1's RoPE and Gemma 2's soft caps and window (4 tokens, the prompt and tree run past it): the first
+    two sampled tokens of a Sequoia tree, verified by either rule, follow transformers' distribution (chi-square)."""
+    target_hf, target = toy_model(10, family=family)
+    _, draft = toy_model(10, noise=0.3, family=family)
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    prompt = [1, 4, 2, 5, 3]
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3]), rule=rule)
+    counts, accepted = sample_first_two(lambda: engine, prompt, params, 4000)
+    assert accepted > 0.2
+    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
