@@ -8,8 +8,9 @@ Names resolve to:
 - a local Hugging Face model directory, or a local `.gguf` file (converted and cached the same way);
 - `tiny-random-<family>` (and their `-draft` siblings: the same weights plus noise): small random-weight models
   built from a config with a fixed seed, with a byte-level tokenizer, for tests: one per architecture and RoPE
-  variant the lean decoder runs (`TINY_FAMILIES`, configs in `_tiny_config`), with the fields that matter set to values that change the
-  output (RoPE scaling beyond a short original context, windows shorter than the test contexts, soft caps, biases).
+  variant the lean decoder runs (`TINY_FAMILIES`, configs in `_tiny_config`), with the fields that matter set to
+  values that change the output (RoPE scaling beyond a short original context, windows shorter than the test
+  contexts, soft caps, biases).
 """
 
 from __future__ import annotations
