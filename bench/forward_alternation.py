@@ -106,7 +106,7 @@ def main() -> None:
     if plan is None or plan.method != "triforce" or not plan.settings.speculate \
             or plan.settings.bottom == "streaming":
         parser.error(f"{args.plan}: not a TriForce plan that drafts through a retrieval cache")
-    settings, model = plan.settings, decoder.lean_target
+    settings, model = plan.settings, decoder.target_forward
     gamma2 = settings.gamma2
     gamma1 = 0 if settings.bottom == "none" else settings.gamma1  # two-level: the middle drafts alone
     middle_rows = gamma1 + 1

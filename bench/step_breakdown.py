@@ -140,7 +140,7 @@ def main() -> None:
     args, decoder, picked = plan_with_prompts(__doc__, "--profile", 2)
     profile = load_profile(args.profile)
     runs = {decoder.plan.method: InstrumentedRun(decoder.engine, profile),
-            "one token": InstrumentedRun(SpeculativeEngine(decoder.lean_target, None, decoder.engine.stop_ids),
+            "one token": InstrumentedRun(SpeculativeEngine(decoder.target_forward, None, decoder.engine.stop_ids),
                                          profile)}
     for prompt in picked:  # prompt by prompt, both methods: a drift of the machine falls on both alike
         for run in runs.values():

@@ -4,3 +4,5 @@ key set of a registry in a heavier module (models.TORCH_DTYPES, verify.RULES), w
 DTYPES = ("fp32", "bf16")
 VERIFICATION_RULES = ("greedy", "sequoia", "specinfer", "sample-match")
 DEVICES = ("cpu", "cuda")
+FORWARDS = ("lean", "transformers")  # the forwards that run a model (decoder/model.py, decoder/transformers_forward.py)
+BACKENDS = ("auto",) + FORWARDS  # auto: lean where it runs the architecture (decoder/api.py: choose_backend)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -122,13 +123,22 @@ def _tiny_config(family: str) -> Any:
             layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=5.0,
             rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        # for the transformers backend: families the lean forward does not run
+        "gpt-neox": lambda: transformers.GPTNeoXConfig(  # LayerNorm, parallel residual, a quarter of each head rotated
+            **{k: v for k, v in common.items() if k != "num_key_value_heads"}, hidden_act="gelu",
+            use_parallel_residual=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "partial_rotary_factor": 0.25}),
+        "olmo2": lambda: transformers.Olmo2Config(  # q/k norms over all heads at once, norms after each block
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     }
     return configs[family]()
 
 
 TINY_FAMILIES = ("llama", "qwen2", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "llama-longrope",
-                 "qwen3", "mistral", "phi3", "gemma2", "gemma3")
-TINY_MODELS = tuple(f"tiny-random-{family}{suffix}" for suffix in ("", "-draft") for family in TINY_FAMILIES)
+                 "qwen3", "mistral", "phi3", "gemma2", "gemma3")  # the lean forward's
+TINY_GENERIC_FAMILIES = ("gpt-neox", "olmo2")  # only the transformers backend runs these
+TINY_MODELS = tuple(f"tiny-random-{family}{suffix}" for suffix in ("", "-draft")
+                    for family in TINY_FAMILIES + TINY_GENERIC_FAMILIES)
 
 
 @dataclass
@@ -138,10 +148,21 @@ class LoadedModel:
     tokenizer: Any
     dtype: str
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # what load_model was given: reloads it
+    released: bool = False  # a lean forward took the weights over and freed transformers' copies of them
 
     @property
     def config(self) -> Any:
         return self.model.config
+
+    def transformers_model(self) -> Any:
+        """transformers' own module with its weights (for the baselines that run it), loaded again if a lean
+        forward freed them: a second copy, which only a comparison with transformers needs."""
+        if self.released:
+            with torch.inference_mode(False):  # its buffers (RoPE tables) stay updatable wherever it is called from
+                self.model = load_model(self.source, self.dtype).model
+            self.released = False
+        return self.model
 
     @functools.cached_property
     def vocabulary(self) -> dict[str, Any]:
@@ -195,18 +216,22 @@ def load_model(name: str, dtype: str = "fp32", log=None) -> LoadedModel:
         return _tiny_model(name, dtype)
     if name in PRESETS:
         directory = _converted_preset(name, say)
-        return _load_directory(name, directory, dtype, {"source": "preset", "gguf_sha256": PRESETS[name].sha256})
+        return _load_directory(name, directory, dtype, {"source": "preset", "gguf_sha256": PRESETS[name].sha256},
+                               name)
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UserError(f"{path}: no such GGUF file")
         digest = _sha256(path)
-        directory = _convert_gguf(path, cache_dir() / "converted" / f"gguf-{digest[:16]}", digest, say)
-        return _load_directory(path.name, directory, dtype, {"source": "gguf", "gguf_sha256": digest})
+        directory = cache_dir() / "converted" / f"gguf-{digest[:16]}"
+        if not (directory / "specplan.json").is_file():  # converting holds the whole model in fp32
+            check_fits_memory(path.name, gguf_parameter_count(path) * 4, "fp32 (converting the GGUF)")
+        directory = _convert_gguf(path, directory, digest, say)
+        return _load_directory(path.name, directory, dtype, {"source": "gguf", "gguf_sha256": digest}, name)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path}: not a Hugging Face model directory (no config.json)")
-        return _load_directory(path.name, path, dtype, {"source": "hf-directory", "path": str(path.resolve())})
+        return _load_directory(path.name, path, dtype, {"source": "hf-directory", "path": str(path.resolve())}, name)
     if os.sep in name or path.suffix:
         raise UserError(f"{name}: no such model file or directory")
     raise UserError(f"unknown model {name!r}: choose a preset ({', '.join(known_models())}), "
@@ -314,10 +339,11 @@ def _convert_gguf(gguf: Path, target: Path, digest: str, say) -> Path:
     return target
 
 
-def _load_directory(name: str, directory: Path, dtype: str, fingerprint: dict) -> LoadedModel:
+def _load_directory(name: str, directory: Path, dtype: str, fingerprint: dict, source: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    check_fits_memory(name, safetensors_parameter_count(directory) * torch_dtype(dtype).itemsize, dtype)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     try:
@@ -326,24 +352,74 @@ def _load_directory(name: str, directory: Path, dtype: str, fingerprint: dict) -
     except (OSError, ValueError) as exc:
         raise UserError(f"{directory}: cannot load the model: {str(exc).splitlines()[0]}") from None
     model.eval()
-    return LoadedModel(name, model, tokenizer, dtype, {**fingerprint, **model_fingerprint(name, model, dtype)})
+    return LoadedModel(name, model, tokenizer, dtype, {**fingerprint, **model_fingerprint(name, model, dtype)},
+                       source)
+
+
+def available_memory() -> int:
+    """Bytes this machine can still allocate without swapping (Linux: MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_fits_memory(name: str, needed: int, dtype: str) -> None:
+    """Refuse, before loading, a model whose weights alone exceed the memory available."""
+    free = available_memory()
+    if needed > free:
+        raise UserError(f"{name} needs about {_bytes(needed)} for its weights in {dtype}, and this machine has "
+                        f"{_bytes(free)} available")
+
+
+def _bytes(count: int) -> str:
+    return f"{count / 2**30:.1f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
+def safetensors_parameter_count(directory: Path) -> int:
+    """The number of weights in a directory's safetensors files (sharded or not), from their headers alone."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            for key in handle.keys():
+                count += math.prod(handle.get_slice(key).get_shape())
+    return count
+
+
+def gguf_parameter_count(path: Path) -> int:
+    """The number of weights in a GGUF file, from its tensor table (the data stays on disk)."""
+    from gguf import GGUFReader
+
+    try:
+        return sum(int(tensor.n_elements) for tensor in GGUFReader(path).tensors)
+    except (ValueError, OSError) as exc:
+        raise UserError(f"{path}: not a readable GGUF file ({exc})") from None
 
 
 def model_fingerprint(name: str, model: Any, dtype: str) -> dict[str, Any]:
+    """The model's sizes as its config gives them (None where an architecture has no such size, e.g. no attention)."""
     config = model.config
+    size = lambda key: getattr(config, key, None)  # noqa: E731
+    heads, hidden = size("num_attention_heads"), size("hidden_size")
     return {
         "name": name,
         "architecture": config.model_type,
         "parameters": int(sum(p.numel() for p in model.parameters())),
-        "layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "attention_heads": config.num_attention_heads,
-        "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        "intermediate_size": getattr(config, "intermediate_size", None),
+        "layers": size("num_hidden_layers"),
+        "hidden_size": hidden,
+        "attention_heads": heads,
+        "kv_heads": size("num_key_value_heads") or heads,
+        "head_dim": size("head_dim") or (hidden // heads if heads and hidden else None),
+        "intermediate_size": size("intermediate_size"),
         "vocab_size": config.vocab_size,
-        "max_context": config.max_position_embeddings,
-        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "max_context": size("max_position_embeddings"),
+        "tie_word_embeddings": bool(size("tie_word_embeddings")),
         "dtype": dtype,
     }
 
@@ -405,7 +481,7 @@ def _tiny_model(name: str, dtype: str) -> LoadedModel:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():  # norm weights start at 1 (Gemma's at 0): random ones test that they are applied
             for key, parameter in model.named_parameters():
-                if key.endswith("norm.weight") and config.model_type not in ("llama", "qwen2"):
+                if "norm" in key and config.model_type not in ("llama", "qwen2"):
                     parameter.add_(0.1 * torch.randn_like(parameter))
         if name.endswith("-draft"):
             torch.manual_seed(1)
@@ -414,4 +490,4 @@ def _tiny_model(name: str, dtype: str) -> LoadedModel:
                     parameter.add_(0.05 * parameter.std() * torch.randn_like(parameter))
     model = model.to(torch_dtype(dtype)).eval()
     fingerprint = {"source": "tiny-random", "seed": 0, **model_fingerprint(name, model, dtype)}
-    return LoadedModel(name, model, byte_tokenizer(), dtype, fingerprint)
+    return LoadedModel(name, model, byte_tokenizer(), dtype, fingerprint, name)

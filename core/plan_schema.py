@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from core.choices import DTYPES
+from core.choices import DTYPES, FORWARDS
 from core.errors import UserError
 from core.fileio import check_plain_values, plain, read_yaml, write_yaml
 from core.method_settings import TrieSettings, TriForceSettings
@@ -151,13 +151,15 @@ def _finite_mapping(data: Any, where: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class PlanModels:
-    """The models a plan was made for; `draft_vocab`: the draft scores only the token ids below it."""
+    """The models a plan was made for; `draft_vocab`: the draft scores only the token ids below it; `backend`: the
+    forward its profile timed (the prediction holds for it)."""
 
     target: str | None = None
     draft: str | None = None
     dtype: str | None = None
     draft_dtype: str | None = None
     draft_vocab: int | None = None
+    backend: str | None = None
 
     @classmethod
     def from_fields(cls, f: Fields | None) -> PlanModels:
@@ -166,7 +168,8 @@ class PlanModels:
         return cls(target=f.string("target", required=False), draft=f.string("draft", required=False),
                    dtype=f.string("dtype", required=False, choices=DTYPES),
                    draft_dtype=f.string("draft_dtype", required=False, choices=DTYPES),
-                   draft_vocab=f.integer("draft_vocab", required=False, low=1, high=MAX_VOCABULARY))
+                   draft_vocab=f.integer("draft_vocab", required=False, low=1, high=MAX_VOCABULARY),
+                   backend=f.string("backend", required=False, choices=FORWARDS))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

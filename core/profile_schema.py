@@ -7,7 +7,8 @@ The minimal form, which stays loadable:
     draft: {step_seconds: 0.004}
 
 The profiler adds `target.contexts: {L: {t_seconds: {...}, spread_seconds: {...}}}`, `draft.contexts`,
-`source` (measured or modeled), `dtype`, `hardware`, `models` and, when the draft was timed scoring only the
+`source` (measured or modeled), `backend` (the forward timed: lean, or transformers' own; lean when absent),
+`dtype`, `hardware`, `models` and, when the draft was timed scoring only the
 token ids below some size (plus the stop tokens), `draft_vocab`. A measured profile also gives, per context,
 `retrieval_build_seconds: {B: seconds}`: one TriForce retrieval-cache build keeping B of the L tokens, and
 `target.engine_overhead_seconds: {n: seconds}`: the decoding engine's time per step outside the target's
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 from scipy.interpolate import PchipInterpolator
 
-from core.choices import DTYPES
+from core.choices import DTYPES, FORWARDS
 from core.errors import UserError
 from core.fileio import check_plain_values, plain, read_yaml, shown, write_yaml
 from core.machine import machine_identity
@@ -76,6 +77,7 @@ class LatencyProfile:
     window_prefills: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # {role: (sinks, window, s)}
     overhead_context: int | None = None  # the context engine_overhead_seconds was timed at
     models: dict[str, str] = field(default_factory=dict)  # {role: model name}
+    backend: str = "lean"  # the forward timed (profiles from before the transformers backend timed the lean one)
     dtype: str | None = None
     draft_dtype: str | None = None
     hardware: dict[str, Any] = field(default_factory=dict)
@@ -129,6 +131,7 @@ class LatencyProfile:
             window_prefills=window_prefills,
             overhead_context=target.token_count("engine_overhead_context", required=False),
             models=_names(f.sub("models", required=False)),
+            backend=f.string("backend", required=False, default="lean", choices=FORWARDS),
             dtype=f.string("dtype", required=False, choices=DTYPES),
             draft_dtype=f.string("draft_dtype", required=False, choices=DTYPES),
             hardware=_hardware(f.sub("hardware", required=False)),

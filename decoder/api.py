@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from core.choices import BACKENDS
 from core.errors import UserError
 from core.models import LoadedModel, check_same_vocabulary, load_model
 from core.plan_schema import Plan, load_plan
@@ -22,8 +23,9 @@ from core.prompts import encode_prompt
 from decoder.cuda_graphs import enable_cuda_graphs
 from decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from decoder.engine import GenerationResult, SpeculativeEngine
-from decoder.model import LeanModel
+from decoder.model import SUPPORTED_ARCHITECTURES, LeanModel
 from decoder.sampling import SamplingParams
+from decoder.transformers_forward import TransformersForward
 from decoder.trie import Trie
 
 
@@ -32,6 +34,7 @@ class GenerationOutput:
     result: GenerationResult
     text: str
     prompt_tokens: int
+    backend: str
 
     def to_json(self) -> dict[str, Any]:
         result = self.result
@@ -45,20 +48,21 @@ class GenerationOutput:
             "steps": result.steps,
             "prompt_tokens": self.prompt_tokens,
             "stop_reason": result.stop_reason,
+            "backend": self.backend,
         }
 
 
 class Decoder:
     def __init__(self, target: LoadedModel, make_drafter: Callable[[], Drafter | None], plan: Plan | None,
-                 verify: str | None, draft: LoadedModel | None = None, lean_target: LeanModel | None = None,
-                 lean_draft: LeanModel | None = None) -> None:
+                 verify: str | None, target_forward: Forward, draft: LoadedModel | None = None,
+                 draft_forward: Forward | None = None) -> None:
         self.target = target
         self.draft = draft
-        self.lean_draft = lean_draft
+        self.draft_forward = draft_forward
         self.plan = plan
         self.make_drafter = make_drafter
-        self.lean_target = lean_target or LeanModel(target.model)
-        self.engine = SpeculativeEngine(self.lean_target, make_drafter(), target.stop_token_ids, verify)
+        self.target_forward = target_forward
+        self.engine = SpeculativeEngine(self.target_forward, make_drafter(), target.stop_token_ids, verify)
 
     def restart(self) -> None:
         """A fresh drafter: forget what a trie learned (so a benchmark matches an offline replay)."""
@@ -85,19 +89,35 @@ class Decoder:
             raise UserError(f"the number of new tokens must be >= 1, got {max_new_tokens}")
         ids = self.encode(prompt, chat)
         result = self.engine.generate(ids, max_new_tokens, params or self.default_params(), seed, on_tokens)
-        return GenerationOutput(result, self.tokenizer.decode(result.tokens, skip_special_tokens=True), len(ids))
+        return GenerationOutput(result, self.tokenizer.decode(result.tokens, skip_special_tokens=True), len(ids),
+                                self.target_forward.backend)
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def lean_model(loaded: LoadedModel, device: str, vocabulary: int | None = None) -> LeanModel:
+Forward = LeanModel | TransformersForward  # what the engine, the drafters and the profiler run
+
+
+def choose_backend(config: Any, backend: str = "auto") -> str:
+    """The backend that runs a model: `auto` takes the lean forward for the architectures it runs and
+    transformers' own forward for any other."""
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    if backend == "auto":
+        return "lean" if config.model_type in SUPPORTED_ARCHITECTURES else "transformers"
+    return backend
+
+
+def load_forward(loaded: LoadedModel, device: str, vocabulary: int | None = None, backend: str = "auto") -> Forward:
     """The decoder's forward for a loaded model, scoring only the ids below `vocabulary` (and the stop tokens)
-    if given; on a GPU every shape replays as a CUDA graph."""
-    model = LeanModel(loaded.model, device)
-    if vocabulary is not None:
-        model.limit_vocabulary(vocabulary, loaded.stop_token_ids)
+    if given; on a GPU the lean forward replays every shape as a CUDA graph."""
+    always = loaded.stop_token_ids
+    if choose_backend(loaded.config, backend) == "transformers":
+        return TransformersForward(loaded.transformers_model(), device, vocabulary, always)
+    model = LeanModel(loaded.transformers_model(), device, release=True, vocabulary=vocabulary, always=always)
+    loaded.released = True
     if model.device.type == "cuda":
         enable_cuda_graphs(model)
     return model
@@ -105,8 +125,10 @@ def lean_model(loaded: LoadedModel, device: str, vocabulary: int | None = None) 
 
 def load_decoder(plan_path: str | Path | None = None, target: str | None = None, draft: str | None = None,
                  dtype: str | None = None, draft_dtype: str | None = None, verify: str | None = None,
-                 log: Callable[[str], None] = lambda message: None, device: str | None = None) -> Decoder:
-    """Load the plan (if any) and the models it names (or the ones given), and build its drafter."""
+                 log: Callable[[str], None] = lambda message: None, device: str | None = None,
+                 backend: str | None = None) -> Decoder:
+    """Load the plan (if any) and the models it names (or the ones given), and build its drafter. `backend`:
+    the forward to run (decoder/api.py: choose_backend); by default the plan's, else `auto`."""
     device = device or default_device()
     plan = load_plan(plan_path) if plan_path is not None else None
     target_name = target or (plan.models.target if plan else None)
@@ -115,9 +137,14 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     dtype = dtype or (plan.models.dtype if plan else None) or "fp32"
     log(f"loading {target_name} ({dtype})")
     target_model = load_model(target_name, dtype, log=log)
-    lean_target = lean_model(target_model, device)
+    requested = backend or (plan.models.backend if plan else None) or "auto"
+    backend = choose_backend(target_model.config, requested)
+    if plan is not None and plan.models.backend not in (None, backend):
+        log(f"note: the plan's prediction is for the {plan.models.backend} backend; running the {backend} one")
+    log(f"backend: {backend}")
+    target_forward = load_forward(target_model, device, backend=backend)
     if plan is None:
-        return Decoder(target_model, lambda: None, None, verify, lean_target=lean_target)
+        return Decoder(target_model, lambda: None, None, verify, target_forward)
     if plan.method == "lookahead":
         fingerprint = target_model.vocabulary
         if fingerprint != plan.tokenizer:
@@ -125,9 +152,9 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
                             f"({plan.tokenizer.get('vocab_size')} tokens) than {target_name}'s "
                             f"({fingerprint['vocab_size']} tokens)")
         settings = plan.settings.check()
-        return Decoder(target_model, lambda: TrieDrafter(Trie(settings)), plan, verify, lean_target=lean_target)
+        return Decoder(target_model, lambda: TrieDrafter(Trie(settings)), plan, verify, target_forward)
     if plan.method == "triforce":
-        return _triforce_decoder(plan, target_model, lean_target, draft, draft_dtype or dtype, verify, log, device)
+        return _triforce_decoder(plan, target_model, target_forward, draft, draft_dtype or dtype, verify, log, device)
     if plan.method == "sequoia":
         draft_name = draft or plan.models.draft
         if not draft_name:
@@ -136,20 +163,23 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
         log(f"loading {draft_name} ({draft_dtype})")
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target_model, draft_model)
-        lean_draft = lean_model(draft_model, device, plan.models.draft_vocab)
-        return Decoder(target_model, lambda: SequoiaDrafter(lean_draft, list(plan.tree.parents)), plan, verify,
-                       draft_model, lean_target, lean_draft)
+        draft_forward = load_forward(draft_model, device, plan.models.draft_vocab, requested)
+        return Decoder(target_model, lambda: SequoiaDrafter(draft_forward, list(plan.tree.parents)), plan, verify,
+                       target_forward, draft_model, draft_forward)
     raise UserError(f"{plan_path}: plans of kind {plan.kind} cannot be run yet")
 
 
-def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, draft_name: str | None,
+def _triforce_decoder(plan: Plan, target: LoadedModel, target_forward: Forward, draft_name: str | None,
                       draft_dtype: str, verify: str | None, log: Callable[[str], None], device: str) -> Decoder:
     from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter, bottom_trie_settings
 
+    if not isinstance(target_forward, LeanModel):
+        raise UserError("TriForce's retrieval cache needs the lean decoder; this target runs on the "
+                        f"{target_forward.backend} backend")
     settings = plan.settings
     retrieval = RetrievalSettings(settings.budget, settings.chunk, settings.stride,
                                   settings.rebuild_below).check()
-    draft_model = lean_draft = None
+    draft_model = draft_forward = None
     draft_name = draft_name or plan.models.draft
     # loaded even where the plan does not speculate: bench baselines use it
     if settings.bottom == "model" or (settings.bottom == "streaming" and plan.models.draft):
@@ -158,21 +188,21 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, lean_target: LeanModel, d
         log(f"loading {draft_name} ({draft_dtype})")
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target, draft_model)
-        lean_draft = lean_model(draft_model, device)
+        draft_forward = load_forward(draft_model, device)
 
     def bottom() -> Drafter:
         if settings.bottom == "trie":
             return TrieDrafter(Trie(bottom_trie_settings(settings.gamma1)))
         if settings.bottom == "model":
-            return StreamingDrafter(lean_draft, settings.gamma1, settings.sinks, settings.window)
+            return StreamingDrafter(draft_forward, settings.gamma1, settings.sinks, settings.window)
         return NoDrafter()
 
     def hierarchy() -> Drafter | None:
         if not settings.speculate:
             return None
         if settings.bottom == "streaming":  # no middle level: the StreamingLLM draft drafts for the top
-            return StreamingDrafter(lean_draft or lean_target, settings.gamma2, settings.sinks,
+            return StreamingDrafter(draft_forward or target_forward, settings.gamma2, settings.sinks,
                                     settings.window)
-        return HierarchicalDrafter(lean_target, bottom(), settings.gamma1, settings.gamma2, retrieval)
+        return HierarchicalDrafter(target_forward, bottom(), settings.gamma1, settings.gamma2, retrieval)
 
-    return Decoder(target, hierarchy, plan, verify, draft_model, lean_target, lean_draft)
+    return Decoder(target, hierarchy, plan, verify, target_forward, draft_model, draft_forward)

@@ -148,6 +148,10 @@ class KVCache:
         self.prompt_length = 0  # the prompt's length, for RoPE variants that depend on it (decoder/rope.py)
         self.long_rope = False  # Phi-3: the committed tokens are encoded with the long RoPE factors
         self.tokens = torch.zeros(max_len, dtype=torch.long, device=device)  # Phi-3: re-encoded at the switch
+        # [layers, kv_heads, max_len]: the position of each slot's token, kept where slots are not positions (a
+        # TriForce retrieval cache or a StreamingLLM cache of a model with sliding windows, whose masks need them);
+        # None: slot i holds position i
+        self.key_positions: torch.Tensor | None = None
         # CUDA graphs captured over this cache's memory, by number of new tokens (decoder/cuda_graphs.py); they
         # live and die with it.
         self.graphs: dict[int, tuple] = {}
@@ -161,23 +165,43 @@ class KVCache:
             self.k[:, :, start:start + count] = self.k[:, :, slots]
             self.v[:, :, start:start + count] = self.v[:, :, slots]
             self.tokens[start:start + count] = self.tokens[slots]
+            if self.key_positions is not None:
+                self.key_positions[:, :, start:start + count] = self.key_positions[:, :, slots]
         self.length = start + count
+
+    def track_positions(self) -> None:
+        """Keep each slot's position (see key_positions)."""
+        layers, kv_heads, max_len = self.k.shape[:3]
+        self.key_positions = torch.zeros(layers, kv_heads, max_len, dtype=torch.long, device=self.k.device)
+
+    def move(self, source: slice, destination: slice) -> None:
+        """Copy the entries of slots `source` to slots `destination` (as many), in every layer and head."""
+        for tensor in (self.k, self.v) + ((self.key_positions,) if self.key_positions is not None else ()):
+            tensor[:, :, destination] = tensor[:, :, source].clone()
 
     def truncate(self, length: int) -> None:
         self.length = length
 
 
 class LeanModel:
-    def __init__(self, hf_model: Any, device: torch.device | str = "cpu", emulated_bf16: bool | None = None) -> None:
+    backend = "lean"
+
+    def __init__(self, hf_model: Any, device: torch.device | str = "cpu", emulated_bf16: bool | None = None,
+                 release: bool = False, vocabulary: int | None = None, always: Iterable[int] = ()) -> None:
         """`emulated_bf16` forces (True) or rules out (False) the path of a CPU without bf16 instructions; None
-        detects it."""
+        detects it. `release`: free each of `hf_model`'s weights once it is copied into this model's layout (fused,
+        packed, or on another device), layer by layer, so that no weight is held twice, and keep the output matrix
+        in its packed form only; `hf_model` is unusable after (core/models.py: LoadedModel.transformers_model
+        loads it again). `vocabulary`, `always`: see limit_vocabulary."""
         config = hf_model.config
         self.architecture = Architecture.from_config(config)
         self.shape = ModelShape.from_config(config)
         self.device = torch.device(device)
         params = dict(hf_model.named_parameters())
         self.dtype = params["model.embed_tokens.weight"].dtype
-        take = lambda name: params[name].detach().to(self.device)  # noqa: E731
+        # released weights are copied even where the layout would allow sharing: transformers maps each
+        # safetensors file once, and a single tensor kept from it keeps the whole file's pages mapped
+        take = lambda name: params[name].detach().to(self.device, copy=release)  # noqa: E731
         self.embed = take("model.embed_tokens.weight")
         self.lm_head = take("lm_head.weight") if "lm_head.weight" in params else self.embed
         self.final_norm = take("model.norm.weight")
@@ -202,9 +226,21 @@ class LeanModel:
         # bf16, whose pass reads half the bytes (29 against 37 ms at 2 rows).
         self.cache_dtype = torch.float32 if self.emulated_bf16 else self.dtype
         self.upcast_rows = UPCAST_ROWS
-        self.layers = [self._layer_weights(params, f"model.layers.{i}.", take) for i in range(self.shape.layers)]
-        self.output_weight = self._matmul_weight(self.lm_head)
+        self.layers = []
+        for i in range(self.shape.layers):
+            prefix = f"model.layers.{i}."
+            self.layers.append(self._layer_weights(params, prefix, take))
+            if release:
+                _free(params, [name for name in params if name.startswith(prefix)])
         self.output_ids: torch.Tensor | None = None  # set by limit_vocabulary
+        if vocabulary is not None:
+            self.limit_vocabulary(vocabulary, always)
+        else:
+            self.output_weight = self._matmul_weight(self.lm_head)
+        if release:
+            _free(params, list(params))
+            if self.packed and self.lm_head is not self.embed:  # the packed copy is the one the forward reads
+                self.lm_head = None
         self.graphed = None  # a decoder.cuda_graphs.GraphedForward, set by cuda_graphs.enable_cuda_graphs
         d = self.shape.head_dim
         self.q_size, self.kv_size = self.shape.heads * d, self.shape.kv_heads * d
@@ -251,6 +287,8 @@ class LeanModel:
         vocabulary holds most of the tokens worth drafting. Speculation stays lossless: the target verifies."""
         if self.output_ids is not None:
             raise UserError("the vocabulary of this model is already limited")
+        if self.lm_head is None:
+            raise UserError("a released model's vocabulary is limited when it is built (LeanModel(vocabulary=...))")
         self.output_ids = torch.tensor(draft_vocabulary_ids(size, always, self.shape.vocab), device=self.device)
         self.lm_head = self.lm_head[self.output_ids].contiguous()
         self.output_weight = self._matmul_weight(self.lm_head)
@@ -306,8 +344,9 @@ class LeanModel:
             scores = scores.float() * scale
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
-            if mask is not None:
-                scores = (scores.view(kv_heads, group, n, length) + mask.float()).view(kv_heads, group * n, length)
+            if mask is not None:  # [n, L], or [kv_heads, n, L] (one per KV head)
+                per_head = mask.float() if mask.dim() == 2 else mask.float()[:, None]
+                scores = (scores.view(kv_heads, group, n, length) + per_head).view(kv_heads, group * n, length)
             weights = scores.softmax(-1).to(values.dtype)
             return (weights @ values).view(heads, n, d).to(self.dtype)
         return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask, scale=scale,
@@ -349,25 +388,40 @@ class LeanModel:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _window_masks(self, mask: torch.Tensor | None, positions: torch.Tensor, cache: KVCache, span: int,
-                      slots: torch.Tensor | None) -> dict[int | None, torch.Tensor | None]:
-        """The additive mask of each attention window: `mask` for full attention, and for a sliding window W
-        `mask` with every key at W or more positions before the query hidden (transformers: kv > q - W).
-        A committed slot holds the token of its own position; the new tokens sit at `positions`."""
-        masks: dict[int | None, torch.Tensor | None] = {None: mask}
-        windows = {w for w in self.architecture.layer_windows if w is not None}
-        if not windows:
-            return masks
-        key_positions = torch.arange(span, device=self.device)
-        if slots is None:
-            key_positions[cache.length:cache.length + positions.shape[0]] = positions
+    @property
+    def has_windows(self) -> bool:
+        return any(window is not None for window in self.architecture.layer_windows)
+
+    def _layer_masks(self, mask: torch.Tensor | None, positions: torch.Tensor, cache: KVCache, span: int,
+                     slots: torch.Tensor | None) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Per layer, its additive mask ([n, span], or [kv_heads, n, span] where the cache keeps each slot's
+        position per head) and the same as SDPA takes it: `mask` for full attention, and for a sliding window W
+        `mask` with every key at W or more positions before the query hidden (transformers: kv > q - W). A slot
+        holds the token of its own position unless the cache keeps `key_positions` (the forward wrote the new
+        tokens' there); the new tokens sit at `positions`."""
+        windows = self.architecture.layer_windows
+        if not self.has_windows:
+            return [_with_sdpa_form(mask, self)] * len(windows)
+        if cache.key_positions is None:
+            key_positions = torch.arange(span, device=self.device)
+            if slots is None:
+                key_positions[cache.length:cache.length + positions.shape[0]] = positions
+            else:
+                key_positions = key_positions.index_copy(0, slots, positions)
+            distance = positions[:, None] - key_positions[None, :]  # [n, span]
         else:
-            key_positions = key_positions.index_copy(0, slots, positions)
-        distance = positions[:, None] - key_positions[None, :]
-        base = mask if mask is not None else torch.zeros(distance.shape, dtype=self.dtype, device=self.device)
-        for window in windows:
-            masks[window] = base.masked_fill(distance >= window, float("-inf"))
-        return masks
+            distance = positions[None, None, :, None] - cache.key_positions[:, :, None, :span]  # [layers, kv, n, span]
+        base = mask if mask is not None else torch.zeros(distance.shape[-2:], dtype=self.dtype, device=self.device)
+        by_window = {None: _with_sdpa_form(mask, self)}
+        layer_masks = []
+        for i, window in enumerate(windows):
+            if window is not None and cache.key_positions is not None:
+                layer_masks.append(_with_sdpa_form(base.masked_fill(distance[i] >= window, float("-inf")), self))
+                continue
+            if window not in by_window:
+                by_window[window] = _with_sdpa_form(base.masked_fill(distance >= window, float("-inf")), self)
+            layer_masks.append(by_window[window])
+        return layer_masks
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                 logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None,
@@ -380,7 +434,7 @@ class LeanModel:
         `queries` ([layers, heads, head_dim]), if given, receives the rotated query of row `query_row` per layer
         (a retrieval cache scores its chunks with it).
         """
-        if self.graphed is not None and slots is None and queries is None:
+        if self.graphed is not None and slots is None and queries is None and cache.key_positions is None:
             return self.graphed(tokens, positions, cache, mask, logits_rows)
         if self.long_rope_switch is not None and not cache.long_rope:
             lengths = torch.clamp(positions.to(self.device) + 1, min=cache.prompt_length)
@@ -428,10 +482,14 @@ class LeanModel:
             padded = torch.full((n, span), float("-inf"), dtype=self.dtype, device=self.device)
             padded[:, :end] = 0 if mask is None else mask
             mask = padded
-        masks = self._window_masks(mask, positions, cache, mask.shape[-1] if mask is not None else end, slots)
-        attn_masks = {w: None if m is None else m[None, None].to(self.cache_dtype) for w, m in masks.items()}
+        if cache.key_positions is not None:
+            if slots is None:
+                cache.key_positions[:, :, start:end] = positions
+            else:
+                cache.key_positions.index_copy_(2, slots, positions.expand(*cache.key_positions.shape[:2], n))
+        layer_masks = self._layer_masks(mask, positions, cache, mask.shape[-1] if mask is not None else end, slots)
         for i, layer in enumerate(self.layers):
-            window, cos, sin = arch.layer_windows[i], *rope[arch.layer_rope[i]]
+            cos, sin = rope[arch.layer_rope[i]]
             h = self._rms_norm(x, layer["input_layernorm"])
             qkv = self._linear(h, layer["wqkv"], layer["bqkv"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -455,7 +513,7 @@ class LeanModel:
                 if i == 0 and self.long_rope_switch is not None:
                     cache.tokens.index_copy_(0, slots, tokens)
                 keys, values = cache.k[i], cache.v[i]
-            out = self._attention(q, keys, values, masks[window], attn_masks[window])
+            out = self._attention(q, keys, values, *layer_masks[i])
             out = self._linear(out.transpose(0, 1).reshape(n, self.q_size), layer["wo"], layer["bo"])
             if arch.sandwich_norms:
                 x = x + self._rms_norm(out, layer["post_attention_layernorm"])
@@ -492,16 +550,40 @@ class LeanModel:
             self.graphed = graphed
 
     def _prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int, logits: bool) -> torch.Tensor | None:
-        last = None
-        for begin in range(0, tokens.shape[0], chunk):
-            piece = tokens[begin:begin + chunk].to(self.device)
-            n = piece.shape[0]
-            positions = torch.arange(cache.length, cache.length + n, device=self.device)
-            mask = causal_mask(cache.length, n, self.dtype, self.device) if n > 1 else None
-            final = logits and begin + chunk >= tokens.shape[0]
-            last = self.forward(piece, positions, cache, mask, logits_rows=slice(n - 1, n) if final else slice(0, 0))
-            cache.commit(None, n)
-        return last[0] if logits and last is not None else None
+        return prefill_in_chunks(self, tokens, cache, chunk, logits)
+
+
+def _with_sdpa_form(mask: torch.Tensor | None, model: LeanModel) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(mask, the mask as SDPA takes it: [1, 1 or heads, n, L] in the cache's dtype)."""
+    if mask is None:
+        return None, None
+    if mask.dim() == 3:  # one per KV head: repeated over each head's query group
+        sdpa = mask.repeat_interleave(model.shape.heads // model.shape.kv_heads, dim=0)[None]
+    else:
+        sdpa = mask[None, None]
+    return mask, sdpa.to(model.cache_dtype)
+
+
+def _free(params: dict[str, torch.Tensor], names: Iterable[str]) -> None:
+    """Free transformers' copies of the weights `names` (the lean model holds its own)."""
+    for name in names:
+        weight = params[name]
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+
+
+def prefill_in_chunks(model: Any, tokens: torch.Tensor, cache: Any, chunk: int, logits: bool) -> torch.Tensor | None:
+    """Append `tokens` to `model`'s cache in causal chunks of `chunk`, committing each; the last token's logits
+    ([vocab]) if `logits`. `model` is any forward with the lean one's contract (LeanModel, TransformersForward)."""
+    last = None
+    for begin in range(0, tokens.shape[0], chunk):
+        piece = tokens[begin:begin + chunk].to(model.device)
+        n = piece.shape[0]
+        positions = torch.arange(cache.length, cache.length + n, device=model.device)
+        mask = causal_mask(cache.length, n, model.dtype, model.device) if n > 1 else None
+        final = logits and begin + chunk >= tokens.shape[0]
+        last = model.forward(piece, positions, cache, mask, logits_rows=slice(n - 1, n) if final else slice(0, 0))
+        cache.commit(None, n)
+    return last[0] if logits and last is not None else None
 
 
 def draft_vocabulary_ids(size: int, always: Iterable[int], vocab: int) -> list[int]:

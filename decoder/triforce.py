@@ -60,6 +60,8 @@ class StreamingDrafter(Drafter):
     def reset(self, prompt, max_len):
         size = min(self.sinks + self.window + 4 * self.max_tree_size + 8, max_len)
         self.cache = self.model.cache_for(size, self.cache, exact=True)  # the window is what its size leaves
+        if self.model.has_windows and self.cache.key_positions is None:
+            self.cache.track_positions()  # evictions leave slots that are not positions: sliding windows need them
         self.pending = list(prompt[:-1])
         self.positions = len(prompt) - 1
         self._flush_pending_into_window()
@@ -88,9 +90,7 @@ class StreamingDrafter(Drafter):
         limit = cache.max_len - self.max_tree_size - incoming
         excess = cache.length - max(limit, self.sinks)
         if excess > 0:
-            keep_from = self.sinks + excess
-            cache.k[:, :, self.sinks:cache.length - excess] = cache.k[:, :, keep_from:cache.length].clone()
-            cache.v[:, :, self.sinks:cache.length - excess] = cache.v[:, :, keep_from:cache.length].clone()
+            cache.move(slice(self.sinks + excess, cache.length), slice(self.sinks, cache.length - excess))
             cache.length -= excess
 
     @torch.inference_mode()
@@ -178,11 +178,18 @@ class RetrievalCache:
             raise UserError(f"the budget {budget} is not below the context ({length} tokens)")
         if self.cache is None:
             self.cache = KVCache(shape, budget + s + self.scratch, full.k.dtype, full.k.device)
+            if self.model.has_windows:
+                self.cache.track_positions()  # the slots hold chosen chunks: their positions set the windows' masks
         group = shape.heads // shape.kv_heads
         means = full.k[:, :, :chunks * s].float().view(shape.layers, shape.kv_heads, chunks, s, -1).mean(3)
         q = queries.float().view(shape.layers, shape.kv_heads, group, -1).sum(2)
         scores = torch.einsum("lhd,lhcd->lhc", q, means)
         scores[:, :, 0] = float("inf")  # the attention sink
+        for layer, window in enumerate(self.model.architecture.layer_windows):
+            if window is not None:
+                # A sliding-window layer spends its budget inside its window: a chunk whose every token lies W or
+                # more positions before the next query would be masked out anyway.
+                scores[layer, :, :max(0, (length - window + 1) // s)] = float("-inf")
         best = torch.topk(scores, budget // s, dim=-1).indices  # best first
         index = (best[..., None] * s + torch.arange(s, device=best.device)).flatten(2)
         tail_index = torch.arange(chunks * s, length, device=best.device).expand(*index.shape[:2], tail)
@@ -194,6 +201,8 @@ class RetrievalCache:
             for layer in range(shape.layers):
                 for head in range(shape.kv_heads):
                     torch.index_select(source[layer, head], 0, index[layer, head], out=target[layer, head, :kept])
+        if self.cache.key_positions is not None:
+            self.cache.key_positions[:, :, :kept] = index
         self.cache.length = kept
         self.next_slot = budget - 1
         self.inserted = 0
@@ -207,6 +216,8 @@ class RetrievalCache:
         slots = torch.arange(self.next_slot, self.next_slot - count, -1, device=full.k.device)
         self.cache.k[:, :, slots] = full.k[:, :, start:end]
         self.cache.v[:, :, slots] = full.v[:, :, start:end]
+        if self.cache.key_positions is not None:
+            self.cache.key_positions[:, :, slots] = torch.arange(start, end, device=slots.device)
         self.next_slot -= count
         self.inserted += count
         return True

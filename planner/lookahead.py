@@ -163,7 +163,8 @@ def _assemble(best: LookaheadCandidate, replays: dict[tuple[int, int], ReplayRes
                     if acceptance.decoded_with and acceptance.dtype != "fp32" else None)
     return Plan(
         method="lookahead",
-        models=PlanModels(target=acceptance.target, dtype=profile.dtype or None if profile is not None else None),
+        models=PlanModels(target=acceptance.target, dtype=profile.dtype or None if profile is not None else None,
+                          backend=profile.backend if profile is not None else None),
         prediction=Prediction(best.tokens_per_step, best.speedup, best.step_seconds,
                               latency_source=profile.source if profile is not None else None,
                               replay_exact=replay_exact, details=details),

@@ -299,7 +299,7 @@ def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files
     return PlanModels(target=models["target"] or None, draft=models["draft"] or None,
                       dtype=profile.dtype or None if profile is not None else None,
                       draft_dtype=profile.draft_dtype or None if profile is not None else None,
-                      draft_vocab=acceptance.draft_vocab)
+                      draft_vocab=acceptance.draft_vocab, backend=profile.backend if profile is not None else None)
 
 
 def _assemble_plan(tables: SequoiaTables, best: Candidate, ranked: list[Candidate], acceptance: SequoiaAcceptance,

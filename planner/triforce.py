@@ -144,7 +144,7 @@ def _assemble(settings: TriForceSettings, best: TriForceCandidate, exact: TriFor
     streaming_role = record.drafter if bottom == "streaming" else "draft" if bottom == "model" else None
     has_draft = bottom == "model" or (bottom == "streaming" and record.drafter == "draft")
     models = PlanModels(target=acceptance.target, draft=acceptance.bottom if has_draft else None,
-                        dtype=profile.dtype or None)
+                        dtype=profile.dtype or None, backend=profile.backend)
     speculative = {"tokens_per_step": best.tokens_per_step, "speedup": best.speedup,
                    "seconds_per_token": best.seconds_per_token, "chain_tokens": best.chain_tokens,
                    "middle_acceptance": best.middle_acceptance, "bottom_acceptance": best.bottom_acceptance}

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from decoder.model import LeanModel
+from decoder.api import Forward
 from decoder.sampling import SamplingParams, probabilities, sample
 
 TAIL_MASS = 1e-6
@@ -203,7 +203,7 @@ class AcceptanceRun:
 
 
 @torch.inference_mode()
-def continuation(model: LeanModel, prompt: list[int], max_new_tokens: int, params: SamplingParams,
+def continuation(model: Forward, prompt: list[int], max_new_tokens: int, params: SamplingParams,
                  generator: torch.Generator, stop_ids: Collection[int]) -> list[int]:
     """The target's own continuation, one token per forward."""
     cache = model.new_cache(len(prompt) + max_new_tokens)
@@ -221,7 +221,7 @@ def continuation(model: LeanModel, prompt: list[int], max_new_tokens: int, param
 
 
 @torch.inference_mode()
-def sequence_logits(model: LeanModel, tokens: list[int], first: int, chunk: int = 256) -> torch.Tensor:
+def sequence_logits(model: Forward, tokens: list[int], first: int, chunk: int = 256) -> torch.Tensor:
     """Logits predicting tokens[first:] (rows first-1 .. len-2), from one chunked causal pass."""
     from decoder.model import causal_mask
 
@@ -240,7 +240,7 @@ def sequence_logits(model: LeanModel, tokens: list[int], first: int, chunk: int 
     return torch.cat(rows)
 
 
-def measure_sequoia(target: LeanModel, draft: LeanModel, prompts: list[list[int]], params: SamplingParams,
+def measure_sequoia(target: Forward, draft: Forward, prompts: list[list[int]], params: SamplingParams,
                     width: int, max_new_tokens: int, stop_ids: Collection[int], seed: int = 0, paths: int = 64,
                     progress=None) -> AcceptanceRun:
     start = time.perf_counter()
@@ -270,7 +270,8 @@ def measure_sequoia(target: LeanModel, draft: LeanModel, prompts: list[list[int]
 def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samples: int | None,
                            params: SamplingParams, width: int, max_new_tokens: int, dtype: str, chat: bool,
                            seed: int, paths: int, output: str, log=print, progress: bool = True,
-                           draft_dtype: str | None = None, draft_vocab: int | None = None) -> dict:
+                           draft_dtype: str | None = None, draft_vocab: int | None = None,
+                           backend: str = "auto") -> dict:
     """Measure and write an acceptance/sequoia file; returns its document."""
     from tqdm import tqdm
 
@@ -280,7 +281,7 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
     from core.models import check_same_vocabulary, load_model
     from core.prompts import encode_prompt
     from core.provenance import provenance
-    from decoder.api import lean_model
+    from decoder.api import load_forward
     from profiler.datasets import read_dataset, spread_sample
 
     if width < 1:
@@ -302,7 +303,9 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
         raise UserError(f"prompt {too_long[0]} plus {max_new_tokens} new tokens exceeds the context of {limit}")
     bar = tqdm(total=len(prompts) * max_new_tokens, desc="accept", unit="tok", disable=None if progress else True,
                leave=False)
-    run = measure_sequoia(LeanModel(target.model), lean_model(draft, "cpu", draft_vocab), encoded, params, width,
+    target_forward = load_forward(target, "cpu", backend=backend)
+    log(f"backend: {target_forward.backend}")
+    run = measure_sequoia(target_forward, load_forward(draft, "cpu", draft_vocab, backend), encoded, params, width,
                           max_new_tokens, target.stop_token_ids, seed, paths,
                           progress=lambda n: bar.update(max_new_tokens))
     bar.close()
@@ -312,6 +315,7 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
         extra={
             "dtype": dtype,
             "draft_dtype": draft_dtype,
+            "backend": target_forward.backend,
             **({"draft_vocab": draft_vocab} if draft_vocab is not None else {}),
             "method": "greedy top-k match" if params.greedy else
                       f"Algorithm 1 without replacement (exact for supports <= {EXACT_SUPPORT}, "

@@ -15,6 +15,7 @@ or model bottom.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -30,11 +31,12 @@ from core.fileio import atomic_output
 from core.models import LoadedModel, load_model, torch_dtype
 from core.profile_schema import LatencyProfile, save_profile
 from core.provenance import provenance
-from decoder.api import lean_model
+from decoder.api import Forward, load_forward
 from decoder.drafters import Drafter
 from decoder.engine import SpeculativeEngine
 from decoder.model import KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
 from decoder.sampling import SamplingParams
+from decoder.transformers_forward import TransformersCache
 from decoder.tree import DraftTree
 from decoder.triforce import RetrievalCache, RetrievalSettings, StreamingDrafter
 from profiler import hardware, roofline
@@ -62,6 +64,7 @@ class ProfileRequest:
     warmup: int = 2
     repeats: int = 9
     gpu: str | None = None
+    backend: str = "auto"  # the forward to time (decoder/api.py: choose_backend)
 
     def roles(self) -> list[tuple[str, str, str]]:
         """(role, model, dtype) for each model to profile."""
@@ -153,13 +156,20 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     key = {"request": asdict(request), "machine": {k: machine[k] for k in ("cpu", "device", "torch", "threads")},
            "models": {role: m.fingerprint for role, m in models.items()}}
     checkpoint = _Checkpoint(output, key, resume)
-    lean = {role: lean_model(m, device.type, request.draft_vocab if role == "draft" else None)
+    lean = {role: load_forward(m, device.type, request.draft_vocab if role == "draft" else None, request.backend)
             for role, m in models.items()}
+    backend = lean["target"].backend
+    log(f"backend: {backend}")
     for role, model in lean.items():
         _check_contexts(models[role].name, model.shape, request)
+    # TriForce's retrieval cache and StreamingLLM window run on the lean forward only
+    retrieval = isinstance(lean["target"], LeanModel)
+    if request.window_prefill and not retrieval:
+        raise UserError("a StreamingLLM window prefill needs the lean decoder; this target runs on the "
+                        f"{backend} backend")
     calls: dict[str, Callable[[], float]] = {}
     for L in request.contexts:
-        calls.update(_calls_at(lean, L, request.sizes, _budgets_below(request.budgets, L)))
+        calls.update(_calls_at(lean, L, request.sizes, _budgets_below(request.budgets, L) if retrieval else []))
     streaming_role = "draft" if "draft" in lean else "target"
     if request.window_prefill:
         calls[WINDOW_PREFILL] = _window_prefill_call(lean[streaming_role], *request.window_prefill)
@@ -182,6 +192,7 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     window_prefill = samples.pop(WINDOW_PREFILL, None)
     curves, builds = _summaries(samples)
     document = _document(request, "measured", machine, models, curves)
+    document["backend"] = backend
     if window_prefill:
         sinks, window = request.window_prefill
         spread = _spread(window_prefill)
@@ -194,9 +205,10 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     log(f"timing the decoding engine's overhead per step at context {overhead_context}")
     document["target"]["engine_overhead_seconds"] = engine_overhead(lean["target"], overhead_context, request.sizes)
     document["target"]["engine_overhead_context"] = overhead_context
-    document["settings"] = {"engine": "specplan lean decoder", "threads": request.threads, "warmup": request.warmup,
-                            "timed_after_same_size": device.type == "cpu", "round_robin": "all points per pass",
-                            "repeats": request.repeats, "cuda_graphs": device.type == "cuda",
+    document["settings"] = {"engine": f"specplan, {backend} forward", "threads": request.threads,
+                            "warmup": request.warmup, "timed_after_same_size": device.type == "cpu",
+                            "round_robin": "all points per pass",
+                            "repeats": request.repeats, "cuda_graphs": device.type == "cuda" and backend == "lean",
                             "timer": "cuda events" if device.type == "cuda" else "time.perf_counter",
                             "retrieval_chunk": RETRIEVAL_CHUNK}
     document["measurement_seconds"] = round(time.perf_counter() - started, 1)
@@ -229,7 +241,7 @@ class PointTimer:
     """Chosen points of a profile, timed with the profiler's own calls, every point once per pass: what
     `plan bench --reprice` runs between the prompts to re-time the forwards a plan's prediction priced."""
 
-    def __init__(self, target: LeanModel, draft: LeanModel | None, sizes: dict[int, list[int]],
+    def __init__(self, target: Forward, draft: Forward | None, sizes: dict[int, list[int]],
                  builds: dict[int, list[int]], draft_contexts: list[int],
                  window_prefill: tuple[str, int, int] | None = None) -> None:
         """`window_prefill`: (role, sinks, window) of a StreamingLLM drafter whose window prefill to time too."""
@@ -276,7 +288,7 @@ class _ForwardTimer:
     """The time spent in a model's forward while installed: wall clock on the CPU (where a forward returns when
     it is done), CUDA events on a GPU (read at the end)."""
 
-    def __init__(self, model: LeanModel) -> None:
+    def __init__(self, model: Forward) -> None:
         self.model = model
         self.cpu_seconds = 0.0
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -334,7 +346,7 @@ class _ChainDrafter(Drafter):
 
 
 @torch.inference_mode()
-def engine_overhead(model: LeanModel, context: int, sizes: list[int], steps: int = OVERHEAD_STEPS,
+def engine_overhead(model: Forward, context: int, sizes: list[int], steps: int = OVERHEAD_STEPS,
                     rounds: int = 3, seed: int = 0) -> dict[int, float]:
     """{n: seconds}: a greedy decoding step's time outside the target's forward, for a draft of n tokens (root
     included) after a prompt of `context` random tokens, by the decoder's own engine: the steps' wall time
@@ -377,7 +389,7 @@ def _time_pass(calls: dict[str, Callable[[], float]]) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def _calls_at(models: dict[str, LeanModel], context: int, sizes: list[int], budgets: list[int]
+def _calls_at(models: dict[str, Forward], context: int, sizes: list[int], budgets: list[int]
               ) -> dict[str, Callable[[], float]]:
     """A timed call ("role|context|n") per forward of n new tokens over `context` cached tokens, for every model
     and n in `sizes`, and ("retrieval_build|context|budget") per retrieval-cache build of the target for every
@@ -393,23 +405,32 @@ def _calls_at(models: dict[str, LeanModel], context: int, sizes: list[int], budg
         for n in sizes:
             tokens = torch.randint(0, model.shape.vocab, (n,), device=model.device)
             positions = torch.arange(context, context + n, device=model.device)
-            if model.device.type == "cuda":
-                calls[f"{role}|{context}|{n}"] = _cuda_graph_call(model, cache, tokens, positions, pool)
-            else:
-                mask = causal_mask(context, n, model.dtype, model.device) if n > 1 else None
+            mask = causal_mask(context, n, model.dtype, model.device) if n > 1 else None
+            if model.device.type == "cpu":
                 calls[f"{role}|{context}|{n}"] = _timed_call(model, cache, tokens, positions, mask)
+            elif isinstance(model, LeanModel):
+                calls[f"{role}|{context}|{n}"] = _cuda_graph_call(model, cache, tokens, positions, pool)
+            else:  # the transformers backend runs eagerly on the GPU as well
+                calls[f"{role}|{context}|{n}"] = _wall_clock(model.device, functools.partial(
+                    model.forward, tokens, positions, cache, mask))
         if role == "target":
             for budget in budgets:
                 calls[f"{BUILD}|{context}|{budget}"] = _build_call(model, cache, budget)
     return calls
 
 
-def random_cache(model: LeanModel, length: int, room: int) -> KVCache:
-    """A cache of `length` random entries with `room` free slots after them: what a timed forward reads."""
+def random_cache(model: Forward, length: int, room: int) -> KVCache | TransformersCache:
+    """A cache of `length` entries with `room` free slots after them: what a timed forward reads. The lean
+    cache is filled with random values; transformers' cache, whose layout is the model's own, by a prefill of
+    random tokens."""
     cache = model.new_cache(length + room)
-    cache.k.normal_(0, 0.1)
-    cache.v.normal_(0, 0.1)
-    cache.length = length
+    if isinstance(cache, KVCache):
+        cache.k.normal_(0, 0.1)
+        cache.v.normal_(0, 0.1)
+        cache.length = length
+    else:
+        model.prefill(torch.randint(0, model.shape.vocab, (length,), generator=torch.Generator().manual_seed(0)),
+                      cache, logits=False)
     return cache
 
 
@@ -450,7 +471,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_call(model: LeanModel, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+def _timed_call(model: Forward, cache: KVCache | TransformersCache, tokens: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None) -> Callable[[], float]:
     def call() -> float:
         model.forward(tokens, positions, cache, mask)

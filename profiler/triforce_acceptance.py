@@ -286,7 +286,7 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
     from core.fileio import write_yaml
     from core.models import check_same_vocabulary, load_model
     from core.provenance import provenance
-    from decoder.api import load_decoder
+    from decoder.api import load_decoder, load_forward
     from profiler.haystack import build_prompts
 
     if bottom_kind == "model" and not draft_name:
@@ -311,8 +311,8 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
     if bottom_kind == "model":
         draft = load_model(draft_name, dtype, log=log)
         check_same_vocabulary(target, draft)
-        bottom = BottomSpec("model", LeanModel(draft.model), sinks, window)
-    lean = decoder.lean_target if decoder is not None else LeanModel(target.model)
+        bottom = BottomSpec("model", load_forward(draft, "cpu", backend="lean"), sinks, window)
+    lean = decoder.target_forward if decoder is not None else load_forward(target, "cpu", backend="lean")
 
     def decode(ids: list[int]) -> tuple[list[int], list[int]]:
         result = decoder.engine.generate(ids, max_new_tokens, SamplingParams())

@@ -125,7 +125,7 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
     report = _report(decoder, request, rows, names)
     if repricing is not None:
         report["prediction"]["repriced"] = repricing.report(report["summary"])
-    elsewhere = _profiled_elsewhere(decoder.plan, str(decoder.lean_target.device)) if decoder.plan else None
+    elsewhere = _profiled_elsewhere(decoder.plan, str(decoder.target_forward.device)) if decoder.plan else None
     if elsewhere:
         report["prediction"]["profiled_elsewhere"] = elsewhere
     planned_context = getattr(decoder.plan.settings, "context", None) if decoder.plan else None
@@ -141,9 +141,9 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
 
 def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
     params = request.params
-    device = decoder.lean_target.device
-    hf_model = decoder.target.model.to(device)  # the baselines run where our decoder runs
-    hf_draft = decoder.draft.model.to(device) if decoder.draft is not None else None
+    device = decoder.target_forward.device
+    hf_model = decoder.target.transformers_model().to(device)  # the baselines run where our decoder runs
+    hf_draft = decoder.draft.transformers_model().to(device) if decoder.draft is not None else None
     stops_set = decoder.target.stop_token_ids
     stops = sorted(stops_set)
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else stops[0]
@@ -181,18 +181,18 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
         retrieval = RetrievalSettings(two["budget"], two["chunk"], two["stride"], s.rebuild_below)
         # The streaming draft likewise at its best gamma, where the acceptance file measured it.
         streaming_gamma = decoder.plan.prediction.details.get("best_streaming", {}).get("gamma2", s.gamma2)
-        streaming_model = decoder.lean_draft or decoder.lean_target
+        streaming_model = decoder.draft_forward or decoder.target_forward
         triforce = {
-            "two-level": engine_method(SpeculativeEngine(decoder.lean_target, HierarchicalDrafter(
-                decoder.lean_target, NoDrafter(), 1, two["gamma2"], retrieval), stops_set)),
-            "streaming": engine_method(SpeculativeEngine(decoder.lean_target, StreamingDrafter(
+            "two-level": engine_method(SpeculativeEngine(decoder.target_forward, HierarchicalDrafter(
+                decoder.target_forward, NoDrafter(), 1, two["gamma2"], retrieval), stops_set)),
+            "streaming": engine_method(SpeculativeEngine(decoder.target_forward, StreamingDrafter(
                 streaming_model, streaming_gamma, s.sinks, s.window), stops_set)),
         }
 
     available = {
         **triforce,
         "ours": lambda ids, max_new, seed: engine_method(decoder.engine)(ids, max_new, seed),  # after restart()
-        "ours-ar": engine_method(SpeculativeEngine(decoder.lean_target, None, stops_set)),
+        "ours-ar": engine_method(SpeculativeEngine(decoder.target_forward, None, stops_set)),
         "hf": hf({}),
         "hf-assisted": hf({"assistant_model": hf_draft}) if hf_draft is not None else None,
         "hf-prompt-lookup": hf({"prompt_lookup_num_tokens": request.prompt_lookup_tokens}),
@@ -238,8 +238,8 @@ def _compare(decoder: Decoder, prompt: list[int], reference: list[int], tokens: 
     first = first_difference(tokens, reference)
     gap = None
     if first < min(len(tokens), len(reference)):
-        ids = torch.tensor([prompt + reference[:first]], device=decoder.lean_target.device)
-        logits = decoder.target.model(ids).logits[0, -1].float()
+        ids = torch.tensor([prompt + reference[:first]], device=decoder.target_forward.device)
+        logits = decoder.target.transformers_model()(ids).logits[0, -1].float()
         top = torch.topk(logits, 2).values
         gap = float(top[0] - top[1])
     return {"identical_to_hf": False, "first_difference": first, "top2_logit_gap": gap,
@@ -294,11 +294,12 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
                     "measured_tokens_per_step": summary[method].get("tokens_per_step")}
     return {
         "kind": "bench/report",
-        "machine": {**cpu_info(), **this_machine(str(decoder.lean_target.device)), "torch": torch.__version__,
+        "machine": {**cpu_info(), **this_machine(str(decoder.target_forward.device)), "torch": torch.__version__,
                     "platform": platform.platform()},
         "models": {"target": decoder.target.name, "draft": decoder.draft.name if decoder.draft else None,
                    "dtype": decoder.target.dtype, "draft_dtype": decoder.draft.dtype if decoder.draft else None,
-                   **({"draft_vocab": plan.models.draft_vocab} if plan and plan.models.draft_vocab else {})},
+                   **({"draft_vocab": plan.models.draft_vocab} if plan and plan.models.draft_vocab else {}),
+                   "backend": decoder.target_forward.backend},
         "plan": {"kind": plan.kind, "prediction": plan.prediction.to_dict(),
                  "tree_size": plan.tree.size if plan.tree else None} if plan else None,
         "sampling": {"temperature": request.params.temperature, "top_p": request.params.top_p,
@@ -329,11 +330,11 @@ class _Repricing:
         self.plan = plan
         self.profile = load_profile(profile_file)
         points = priced_points(plan, self.profile)
-        draft = decoder.lean_draft if points.draft or points.window_prefill == "draft" else None
+        draft = decoder.draft_forward if points.draft or points.window_prefill == "draft" else None
         self.draft_priced = bool(points.draft)
         window_prefill = (points.window_prefill, plan.settings.sinks, plan.settings.window) \
             if points.window_prefill else None
-        self.timer = PointTimer(decoder.lean_target, draft, points.target, points.builds, points.draft,
+        self.timer = PointTimer(decoder.target_forward, draft, points.target, points.builds, points.draft,
                                 window_prefill)
 
     def report(self, summary: dict) -> dict:

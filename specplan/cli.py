@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from core.choices import DEVICES, DTYPES, VERIFICATION_RULES
+from core.choices import BACKENDS, DEVICES, DTYPES, VERIFICATION_RULES
 from core.errors import UserError
 from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
 from core.plan_schema import Plan
@@ -43,6 +43,15 @@ DRAFT_VOCAB_HELP = ("the draft scores only the token ids below this (plus the st
                     "step; profile, acceptance and plan must agree")
 
 
+BACKEND_HELP = ("the forward that runs the models: lean (the families decoder/model.py runs, fast), transformers "
+                "(any causal LM, the model's own forward), auto: lean where it can")
+
+
+def _backend_option(default: str | None):
+    return click.option("--backend", type=click.Choice(BACKENDS), default=default, show_default=default is not None,
+                        help=BACKEND_HELP + ("" if default else "; default: the plan's, else auto"))
+
+
 def _int_list(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -69,17 +78,18 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--repeats", type=click.IntRange(min=1), help="timed repeats per point [7, quick 3]")
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
 @click.option("--resume", is_flag=True, help="go on from the timing passes an interrupted run completed")
+@_backend_option("auto")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
             contexts: str | None, sizes: str | None, budgets: str | None, window_prefill: str | None,
-            gpu: str | None, threads: int | None, repeats: int | None, quick: bool, resume: bool,
+            gpu: str | None, threads: int | None, repeats: int | None, quick: bool, resume: bool, backend: str,
             output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
     from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
     from specplan.show import describe_profile
 
     request = ProfileRequest(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype,
-                             draft_vocab=draft_vocab, gpu=gpu)
+                             draft_vocab=draft_vocab, gpu=gpu, backend=backend)
     if quick:
         request.sizes, request.repeats, request.warmup = list(QUICK_SIZES), 3, 1
     request.contexts = _int_list(contexts) or request.contexts
@@ -118,10 +128,11 @@ def accept() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--paths", type=click.IntRange(min=1),
               default=64, show_default=True, help="simulated rejection paths per position")
+@_backend_option("auto")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, temperature: float, top_p: float,
                    width: int, max_new_tokens: int, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
-                   chat: bool, seed: int, paths: int, output: Path) -> None:
+                   chat: bool, seed: int, paths: int, backend: str, output: Path) -> None:
     """Sequoia's positional acceptance vector, by teacher forcing on the target's own continuations."""
     from decoder.sampling import SamplingParams
     from profiler.acceptance import run_sequoia_acceptance
@@ -130,7 +141,7 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
     params = SamplingParams(temperature=temperature, top_p=top_p)
     document = run_sequoia_acceptance(target, draft, dataset, samples, params, width, max_new_tokens, dtype, chat,
                                       seed, paths, str(output), log=_progress, draft_dtype=draft_dtype,
-                                      draft_vocab=draft_vocab)
+                                      draft_vocab=draft_vocab, backend=backend)
     click.echo(describe_acceptance(document))
     click.echo(f"wrote {output}")
 
@@ -369,10 +380,11 @@ def export(plan_file: Path, fmt: str, output: Path | None) -> None:
 @click.option("--device", type=click.Choice(DEVICES), help="default: cuda when available")
 @click.option("--stream", is_flag=True, help="print tokens as they are accepted")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@_backend_option(None)
 def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, target: str | None,
              draft: str | None, dtype: str | None, draft_dtype: str | None, max_new_tokens: int,
              temperature: float | None, top_p: float | None, top_k: int, seed: int, verify: str | None, chat: bool,
-             device: str | None, stream: bool, as_json: bool) -> None:
+             device: str | None, stream: bool, as_json: bool, backend: str | None) -> None:
     """Generate with a plan (Sequoia, Lookahead, TriForce) or autoregressively: lossless either way."""
     import json
 
@@ -386,7 +398,8 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
             prompt = prompt_file.read_text()
         except OSError as exc:
             raise UserError(f"{prompt_file}: cannot read: {exc.strerror}") from None
-    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device)
+    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
+                           backend=backend)
     defaults = decoder.default_params()
     params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
                             top_p=defaults.top_p if top_p is None else top_p, top_k=top_k or defaults.top_k)
@@ -409,7 +422,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
         click.echo(output.text)
     click.echo(f"[{len(result.tokens)} tokens, {result.steps} target steps, {result.tokens_per_step:.2f} tokens/step, "
                f"{result.tokens_per_second:.2f} tokens/s after a {result.prefill_seconds:.2f} s prefill; "
-               f"stop: {result.stop_reason}]", err=True)
+               f"stop: {result.stop_reason}; {output.backend} backend]", err=True)
 
 
 @cli.command()
@@ -434,18 +447,20 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--reprice", is_flag=True,
               help="TriForce plans: re-time the forwards and builds the prediction priced, between the prompts, "
                    "and report the prediction re-priced with them")
+@_backend_option(None)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, baselines: str, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
-          reprice: bool, output: Path) -> None:
+          reprice: bool, backend: str | None, output: Path) -> None:
     """Our decoder against Hugging Face baselines on the same prompts, in one run."""
     from decoder.api import load_decoder
     from decoder.sampling import SamplingParams
     from specplan.bench import BenchRequest, markdown_table, run_bench
 
-    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device)
+    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
+                           backend=backend)
     defaults = decoder.default_params()
     params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
                             top_p=defaults.top_p if top_p is None else top_p)

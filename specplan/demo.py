@@ -63,6 +63,7 @@ def main() -> int:
     totals = {"lookahead": [0, 0.0], "plain": [0, 0.0]}
     identical = 0
     prompts = read_dataset(str(DEMO_PROMPTS))
+    transformers_model = decoder.target.transformers_model()  # its own copy of the weights, for the comparison
     decoder.generate(encode_prompt(decoder.tokenizer, prompts[0].text, True)[:32], 4, params)  # warm-up
     for prompt in prompts:
         ids = encode_prompt(decoder.tokenizer, prompt.text, True)
@@ -70,8 +71,8 @@ def main() -> int:
         slow = plain.generate(ids, 128, params).result
         with torch.inference_mode():
             tensor = torch.tensor([ids])
-            hf = decoder.target.model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=128,
-                                               do_sample=False, pad_token_id=decoder.tokenizer.pad_token_id)
+            hf = transformers_model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=128,
+                                             do_sample=False, pad_token_id=decoder.tokenizer.pad_token_id)
             hf = hf[0, len(ids):].tolist()
         same = fast.tokens == slow.tokens == hf
         identical += same

@@ -81,7 +81,7 @@ def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
 
 
 def describe_profile(profile: LatencyProfile) -> str:
-    lines = [f"profile/latency ({profile.source}), dtype {profile.dtype or '?'}, models: "
+    lines = [f"profile/latency ({profile.source}, {profile.backend} backend), dtype {profile.dtype or '?'}, models: "
              + ", ".join(f"{k}={v}" for k, v in profile.models.items())
              + (f", draft scores ids < {profile.draft_vocab}" if profile.draft_vocab else "")]
     machine = profile.hardware

@@ -1,4 +1,5 @@
-"""Every architecture and RoPE variant of the lean forward against transformers' own model, in fp32.
+"""Every architecture and RoPE variant of the lean forward, and the transformers backend on architectures the lean
+forward does not run (GPT-NeoX, OLMo-2) and on Llama as a cross-check, against transformers' own model in fp32.
 
 The reference is the target's own decoding as transformers runs it: the prompt in one forward, then one token per
 forward over its cache (for RoPE variants that depend on the sequence length, that is what fixes each token's
@@ -12,10 +13,10 @@ import pytest
 import torch
 
 from core.method_settings import TrieSettings
-from core.models import TINY_FAMILIES, TINY_ORIGINAL_CONTEXT, load_model
+from core.models import TINY_FAMILIES, TINY_GENERIC_FAMILIES, TINY_ORIGINAL_CONTEXT, load_model
+from decoder.api import load_forward
 from decoder.drafters import SequoiaDrafter, TrieDrafter
 from decoder.engine import SpeculativeEngine
-from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
 from decoder.trie import Trie
 from tests.test_lean_model import tree_mask
@@ -28,15 +29,20 @@ from tests.toy import (
 )
 
 NEW_FAMILIES = [f for f in TINY_FAMILIES if f not in ("llama", "qwen2")]  # those two: tests/test_lean_model.py
+CASES = [(f, "lean") for f in NEW_FAMILIES] + [(f, "transformers") for f in TINY_GENERIC_FAMILIES + ("llama",)]
 PROMPT_LENGTH = TINY_ORIGINAL_CONTEXT - 4  # the tree and the steps cross the original context and the windows
 TREE_PROMPT_LENGTH = TINY_ORIGINAL_CONTEXT - 2  # the tree's deeper nodes lie past the original context
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=NEW_FAMILIES)
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{b}" for f, b in CASES])
 def family(request):
-    loaded = load_model(f"tiny-random-{request.param}")
-    return request.param, loaded, LeanModel(loaded.model)
+    """(family, loaded model, the forward under test)."""
+    name, backend = request.param
+    loaded = load_model(f"tiny-random-{name}")
+    forward = load_forward(loaded, "cpu", backend=backend)
+    assert forward.backend == backend
+    return name, loaded, forward
 
 
 def random_ids(count: int, seed: int) -> torch.Tensor:
@@ -47,16 +53,17 @@ def random_ids(count: int, seed: int) -> torch.Tensor:
 def reference_logits(loaded, prompt: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
     """transformers: the prompt in one forward, then each continuation token in its own forward over the cache;
     the logits after the prompt and after each continuation token ([1 + len(continuation), vocab])."""
-    out = loaded.model(prompt[None], use_cache=True)
+    model = loaded.transformers_model()  # the lean forward under test freed the loaded copy
+    out = model(prompt[None], use_cache=True)
     rows, cache = [out.logits[0, -1]], out.past_key_values
     sequence = prompt.tolist()
     for token in continuation.tolist():
         sequence.append(token)
         if loaded.config.model_type == "phi3" and len(sequence) > TINY_ORIGINAL_CONTEXT:
             # Phi-3's generate scores a sequence past the original context over all of it, re-encoded
-            rows.append(loaded.model(torch.tensor([sequence])).logits[0, -1])
+            rows.append(model(torch.tensor([sequence])).logits[0, -1])
             continue
-        out = loaded.model(torch.tensor([[token]]), cache=cache, use_cache=True)
+        out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
         rows.append(out.logits[0, -1])
         cache = out.past_key_values
     return torch.stack(rows)
@@ -117,7 +124,7 @@ def test_greedy_speculation_equals_transformers_generate(family, drafter):
     prompt = random_ids(PROMPT_LENGTH, 4).tolist()
     expected = hf_greedy(loaded, prompt, 64)
     if drafter == "sequoia":
-        draft = LeanModel(load_model(f"tiny-random-{name}-draft").model)
+        draft = load_forward(load_model(f"tiny-random-{name}-draft"), "cpu", backend=lean.backend)
         proposer = SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3, 5])
     else:
         proposer = TrieDrafter(Trie(TrieSettings.sized(8, 4)))

@@ -114,18 +114,41 @@ def test_triforce_plan_bad_bottom(run_cli, write_yaml_file):
                            "'bottom' must be one of trie, model, none, streaming")
 
 
-def test_an_architecture_the_lean_decoder_does_not_run(run_cli, tmp_path):
-    """A local Hugging Face directory of a GPT-NeoX model: refused in one line naming the architectures it runs."""
-    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+def saved_directory(config, directory):
+    """A local Hugging Face directory of a random-weight model from `config`, with the byte tokenizer."""
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from core.models import byte_tokenizer
 
     hf_logging.disable_progress_bar()
-    config = GPTNeoXConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, max_position_embeddings=128)
-    directory = tmp_path / "tiny-neox"
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def test_an_architecture_neither_backend_runs(run_cli, tmp_path):
+    """A Mamba model (no attention, no positions): the lean forward does not run it and transformers' own forward
+    cannot score a token tree with it; refused in one line."""
+    from transformers import MambaConfig
+
+    directory = saved_directory(MambaConfig(vocab_size=260, hidden_size=32, num_hidden_layers=1, state_size=4),
+                                tmp_path / "tiny-mamba")
     assert_one_line_exit_2(run_cli("generate", "--target", str(directory), "--prompt", "hello"),
-                           "architecture 'gpt_neox' is not supported by the lean decoder")
+                           "architecture 'mamba' takes no position ids")
+    assert_one_line_exit_2(run_cli("generate", "--target", str(directory), "--prompt", "hello", "--backend", "lean"),
+                           "architecture 'mamba' is not supported by the lean decoder")
+
+
+def test_a_model_larger_than_the_memory(run_cli, tmp_path, monkeypatch):
+    """Refused from the safetensors headers, before any weight is read."""
+    from transformers import LlamaConfig
+
+    import core.models
+
+    directory = saved_directory(LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2), tmp_path / "tiny-llama")
+    monkeypatch.setattr(core.models, "available_memory", lambda: 1000)
+    assert_one_line_exit_2(run_cli("generate", "--target", str(directory), "--prompt", "hello"),
+                           "tiny-llama needs about 0.1 MiB for its weights in fp32, and this machine has 0.0 MiB "
+                           "available")

