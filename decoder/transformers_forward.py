@@ -40,8 +40,6 @@ class TransformersCache:
         self.dynamic = DynamicCache()  # no config: every layer a full-attention DynamicLayer
         self.max_len = max_len
         self.length = 0
-        self.prompt_length = 0
-        self.long_rope = False
 
     def written(self) -> int:
         return self.dynamic.get_seq_length()
@@ -73,8 +71,6 @@ class TransformersForward:
     """A transformers model behind the lean forward's contract (decoder/model.py: LeanModel)."""
 
     backend = "transformers"
-    graphed = None  # no CUDA graphs: the cache changes shape every step
-    position_dependent_rope = False
 
     def __init__(self, hf_model: Any, device: torch.device | str = "cpu", vocabulary: int | None = None,
                  always: Iterable[int] = ()) -> None:
@@ -118,9 +114,8 @@ class TransformersForward:
 
     def prefill(self, tokens: torch.Tensor, cache: TransformersCache, chunk: int = 512, logits: bool = True,
                 prompt_length: int | None = None) -> torch.Tensor | None:
-        """Append `tokens` to the cache in causal chunks; the last token's logits ([vocab]) if asked."""
-        if prompt_length is not None or cache.length == 0:
-            cache.prompt_length = prompt_length if prompt_length is not None else tokens.shape[0]
+        """Append `tokens` to the cache in causal chunks; the last token's logits ([vocab]) if asked.
+        (`prompt_length` is the lean forward's; transformers' own RoPE needs only the positions.)"""
         return prefill_in_chunks(self, tokens, cache, chunk, logits)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: TransformersCache,
