@@ -156,23 +156,23 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     key = {"request": asdict(request), "machine": {k: machine[k] for k in ("cpu", "device", "torch", "threads")},
            "models": {role: m.fingerprint for role, m in models.items()}}
     checkpoint = _Checkpoint(output, key, resume)
-    lean = {role: load_forward(m, device.type, request.draft_vocab if role == "draft" else None, request.backend)
-            for role, m in models.items()}
-    backend = lean["target"].backend
+    forwards = {role: load_forward(m, device.type, request.draft_vocab if role == "draft" else None, request.backend)
+                for role, m in models.items()}
+    backend = forwards["target"].backend
     log(f"backend: {backend}")
-    for role, model in lean.items():
+    for role, model in forwards.items():
         _check_contexts(models[role].name, model.shape, request)
     # TriForce's retrieval cache and StreamingLLM window run on the lean forward only
-    retrieval = isinstance(lean["target"], LeanModel)
+    retrieval = isinstance(forwards["target"], LeanModel)
     if request.window_prefill and not retrieval:
         raise UserError("a StreamingLLM window prefill needs the lean decoder; this target runs on the "
                         f"{backend} backend")
     calls: dict[str, Callable[[], float]] = {}
     for L in request.contexts:
-        calls.update(_calls_at(lean, L, request.sizes, _budgets_below(request.budgets, L) if retrieval else []))
-    streaming_role = "draft" if "draft" in lean else "target"
+        calls.update(_calls_at(forwards, L, request.sizes, _budgets_below(request.budgets, L) if retrieval else []))
+    streaming_role = "draft" if "draft" in forwards else "target"
     if request.window_prefill:
-        calls[WINDOW_PREFILL] = _window_prefill_call(lean[streaming_role], *request.window_prefill)
+        calls[WINDOW_PREFILL] = _window_prefill_call(forwards[streaming_role], *request.window_prefill)
     resumed = {name: checkpoint.samples.get(name, []) for name in calls}
     done = min(len(timed) for timed in resumed.values())
     samples = {name: timed[:done] for name, timed in resumed.items()}
@@ -200,10 +200,10 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
                                                       "spread_seconds": [spread["p10"], spread["p90"]]}
     for L, by_budget in builds.items():
         document["target"]["contexts"][L]["retrieval_build_seconds"] = by_budget
-    room = lean["target"].shape.max_context - OVERHEAD_STEPS - max(request.sizes)  # prompt + new tokens + tree
+    room = forwards["target"].shape.max_context - OVERHEAD_STEPS - max(request.sizes)  # prompt + new tokens + tree
     overhead_context = max(1, min(min(request.contexts), room))
     log(f"timing the decoding engine's overhead per step at context {overhead_context}")
-    document["target"]["engine_overhead_seconds"] = engine_overhead(lean["target"], overhead_context, request.sizes)
+    document["target"]["engine_overhead_seconds"] = engine_overhead(forwards["target"], overhead_context, request.sizes)
     document["target"]["engine_overhead_context"] = overhead_context
     document["settings"] = {"engine": f"specplan, {backend} forward", "threads": request.threads,
                             "warmup": request.warmup, "timed_after_same_size": device.type == "cpu",
