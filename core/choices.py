@@ -1,8 +1,12 @@
 """The names the CLI offers as choices, importable without torch so that `plan --help` stays fast. Each is the
 key set of a registry in a heavier module (models.TORCH_DTYPES, verify.RULES), which tests hold equal."""
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "gguf")  # gguf: the GGUF file's own quantized blocks, fp32 activations
 VERIFICATION_RULES = ("greedy", "sequoia", "specinfer", "sample-match")
 DEVICES = ("cpu", "cuda")
 FORWARDS = ("lean", "transformers")  # the forwards that run a model (decoder/model.py, decoder/transformers_forward.py)
 BACKENDS = ("auto",) + FORWARDS  # auto: lean where it runs the architecture (decoder/api.py: choose_backend)
+# plan bench's baselines (specplan/bench.py): transformers', our one-token decoding, TriForce's own variants (TriForce
+# plans only), llama.cpp on the same GGUF (the llamacpp extra)
+BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming", "llama.cpp",
+             "llama.cpp-lookup")

@@ -36,8 +36,11 @@ import torch  # noqa: E402
 
 from core.choices import DTYPES  # noqa: E402
 from core.errors import UserError  # noqa: E402
+from core.gguf_weights import BlockWeight, quantize_block_weights, read_block_weights  # noqa: E402
 
-TORCH_DTYPES = dict(zip(DTYPES, (torch.float32, torch.bfloat16)))
+# The dtype of the activations (and of the weights the checkpoint gives: at gguf, norms and biases; the matmul
+# weights stay in the file's blocks, core/gguf_weights.py).
+TORCH_DTYPES = dict(zip(DTYPES, (torch.float32, torch.bfloat16, torch.float32)))
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,24 @@ class LoadedModel:
             self.released = False
         return self.model
 
+    def gguf_file(self) -> Path | None:
+        """The GGUF file the weights come from (a preset's, fetched again if the cache lost it; a .gguf file)."""
+        if self.name in PRESETS:
+            return preset_gguf(self.name, verify=False)  # checked when it was fetched
+        path = Path(self.source).expanduser()
+        return path if path.suffix == ".gguf" and path.is_file() else None
+
+    def block_weights(self) -> dict[str, BlockWeight]:
+        """The matmul weights at dtype gguf: the GGUF file's own blocks, or for a tiny test model its weights
+        quantized with llama.cpp's rules."""
+        gguf = self.gguf_file()
+        if gguf is not None:
+            return read_block_weights(gguf, self.config)
+        if self.name in TINY_MODELS:
+            return quantize_block_weights(self.transformers_model())
+        raise UserError(f"{self.name}: dtype gguf runs a GGUF file's own quantized weights; this model has none "
+                        "(load a preset or a .gguf file, or choose fp32/bf16)")
+
     @functools.cached_property
     def vocabulary(self) -> dict[str, Any]:
         """The tokenizer's fingerprint: {vocab_size, sha256} of its token -> id map."""
@@ -231,6 +252,9 @@ def load_model(name: str, dtype: str = "fp32", log=None) -> LoadedModel:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path}: not a Hugging Face model directory (no config.json)")
+        if dtype == "gguf":
+            raise UserError(f"{path}: dtype gguf runs a GGUF file's own quantized weights; a Hugging Face directory "
+                            "has none (load a preset or a .gguf file, or choose fp32/bf16)")
         return _load_directory(path.name, path, dtype, {"source": "hf-directory", "path": str(path.resolve())}, name)
     if os.sep in name or path.suffix:
         raise UserError(f"{name}: no such model file or directory")
@@ -253,10 +277,16 @@ def _converted_preset(name: str, say) -> Path:
         meta = json.loads((target / "specplan.json").read_text())
         if meta.get("gguf_sha256") == preset.sha256:
             return target
+    return _convert_gguf(preset_gguf(name, say), target, preset.sha256, say)
+
+
+def preset_gguf(name: str, say=lambda message: None, verify: bool = True) -> Path:
+    """The preset's GGUF file in the cache, fetched (and its sha256 checked) if missing."""
+    preset = PRESETS[name]
     gguf = cache_dir() / "gguf" / preset.gguf_name
-    if not gguf.is_file() or _sha256(gguf) != preset.sha256:
+    if not gguf.is_file() or (verify and _sha256(gguf) != preset.sha256):
         fetch_preset_gguf(preset, gguf, say)
-    return _convert_gguf(gguf, target, preset.sha256, say)
+    return gguf
 
 
 def fetch_preset_gguf(preset: Preset, destination: Path, say) -> None:

@@ -115,8 +115,14 @@ def load_forward(loaded: LoadedModel, device: str, vocabulary: int | None = None
     if given; on a GPU the lean forward replays every shape as a CUDA graph."""
     always = loaded.stop_token_ids
     if choose_backend(loaded.config, backend) == "transformers":
+        if loaded.dtype == "gguf":
+            raise UserError("dtype gguf runs on the lean decoder's CPU kernels, not on the transformers backend")
         return TransformersForward(loaded.transformers_model(), device, vocabulary, always)
-    model = LeanModel(loaded.transformers_model(), device, release=True, vocabulary=vocabulary, always=always)
+    if loaded.dtype == "gguf" and torch.device(device).type != "cpu":
+        raise UserError("dtype gguf runs on the CPU kernels; on a GPU choose fp32 or bf16")
+    blocks = loaded.block_weights() if loaded.dtype == "gguf" else None
+    model = LeanModel(loaded.transformers_model(), device, release=True, vocabulary=vocabulary, always=always,
+                      block_weights=blocks)
     loaded.released = True
     if model.device.type == "cuda":
         enable_cuda_graphs(model)

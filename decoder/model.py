@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import UserError
+from core.gguf_weights import BlockWeight
+from decoder import cpu_kernels
 from decoder.rope import RotaryTables
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -33,6 +35,8 @@ GEMMA_FAMILY = ("gemma2", "gemma3_text")
 KEY_BUCKET = 64  # bf16 CPU attention runs over a key length rounded up to this (see LeanModel._key_span)
 UPCAST_ROWS = 3  # on a CPU that emulates bf16, matmuls of this many rows or more run in fp32 (LeanModel._linear)
 GRAPH_CACHE_SLOTS = 512  # with CUDA graphs, cache sizes are rounded up to this (see LeanModel.cache_for)
+KERNEL_BLOCK = 32  # the CPU kernels take fp32/bf16 weights whose rows are whole 32-element blocks
+KERNEL_FORMATS = {torch.float32: "F32", torch.bfloat16: "BF16"}
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
@@ -43,10 +47,14 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pa
 
 
 class MatmulWeight(NamedTuple):
-    """A matmul weight in the form each row count runs fastest: `narrow` (the model's dtype, packed where oneDNN
-    packs it), and on a CPU that emulates bf16 `wide`, an fp32 copy packed for matmuls of UPCAST_ROWS or more rows."""
+    """A matmul weight [rows, cols] in the form its matmul runs fastest. Run by the CPU kernels, `narrow` is the
+    weight itself (fp32, bf16) or its GGUF blocks (uint8 [rows, bytes per row]) and `format` their GGML type id.
+    Otherwise `narrow` is in the model's dtype, packed where oneDNN packs it, and on a CPU that emulates bf16 `wide`
+    is an fp32 copy packed for matmuls of UPCAST_ROWS or more rows."""
     narrow: torch.Tensor
     wide: torch.Tensor | None = None
+    format: int | None = None
+    rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,7 @@ class KVCache:
         size = (shape.layers, shape.kv_heads, max_len, shape.head_dim)
         self.k = torch.zeros(size, dtype=dtype, device=device)
         self.v = torch.zeros(size, dtype=dtype, device=device)
+        self.layer_views = list(zip(self.k.unbind(0), self.v.unbind(0)))  # (keys, values) [kv_heads, max_len, d]
         self.max_len = max_len
         self.length = 0
         self.prompt_length = 0  # the prompt's length, for RoPE variants that depend on it (decoder/rope.py)
@@ -187,23 +196,33 @@ class LeanModel:
     backend = "lean"
 
     def __init__(self, hf_model: Any, device: torch.device | str = "cpu", emulated_bf16: bool | None = None,
-                 release: bool = False, vocabulary: int | None = None, always: Iterable[int] = ()) -> None:
+                 release: bool = False, vocabulary: int | None = None, always: Iterable[int] = (),
+                 block_weights: dict[str, BlockWeight] | None = None, kernels: bool = True) -> None:
         """`emulated_bf16` forces (True) or rules out (False) the path of a CPU without bf16 instructions; None
         detects it. `release`: free each of `hf_model`'s weights once it is copied into this model's layout (fused,
         packed, or on another device), layer by layer, so that no weight is held twice, and keep the output matrix
         in its packed form only; `hf_model` is unusable after (core/models.py: LoadedModel.transformers_model
-        loads it again). `vocabulary`, `always`: see limit_vocabulary."""
+        loads it again). `vocabulary`, `always`: see limit_vocabulary. `block_weights`: the matmul weights in GGUF
+        blocks, by parameter name (dtype gguf; run by the CPU kernels). `kernels`: on a CPU, run the forward with
+        the CPU kernels (decoder/cpu_kernels.py) where they are built; False runs PyTorch's operators only."""
         config = hf_model.config
         self.architecture = Architecture.from_config(config)
         self.shape = ModelShape.from_config(config)
         self.device = torch.device(device)
+        self.kernels = cpu_kernels.kernels() if kernels and self.device.type == "cpu" else None
+        if block_weights is not None and self.kernels is None:
+            raise UserError("dtype gguf runs on the CPU kernels, which are not available here "
+                            "(a CPU device and a C++ compiler are needed)")
         params = dict(hf_model.named_parameters())
         self.dtype = params["model.embed_tokens.weight"].dtype
         # released weights are copied even where the layout would allow sharing: transformers maps each
         # safetensors file once, and a single tensor kept from it keeps the whole file's pages mapped
         take = lambda name: params[name].detach().to(self.device, copy=release)  # noqa: E731
-        self.embed = take("model.embed_tokens.weight")
-        self.lm_head = take("lm_head.weight") if "lm_head.weight" in params else self.embed
+        self.block_weights = block_weights or {}
+        self.embed: torch.Tensor | BlockWeight = self.block_weights.get("model.embed_tokens.weight") or take(
+            "model.embed_tokens.weight")
+        self.lm_head = (self.block_weights.get("lm_head.weight") or take("lm_head.weight")
+                        if "lm_head.weight" in params else self.embed)
         self.final_norm = take("model.norm.weight")
         # On CPU every matmul weight is kept in oneDNN's blocked layout, packed once here: a pass over the
         # weights costs 1.4x (bf16) to 3x (fp32) less than F.linear on this project's CPU (bench/matmul.py),
@@ -212,8 +231,9 @@ class LeanModel:
         native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         if emulated_bf16 is None:
             emulated_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native_bf16
-        self.emulated_bf16 = emulated_bf16
-        self.can_pack = self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        # the CPU kernels read bf16 on any host (widened in registers, or vdpbf16ps) and keep weights unpacked
+        self.emulated_bf16 = emulated_bf16 and self.kernels is None
+        self.can_pack = self.device.type == "cpu" and torch.backends.mkldnn.is_available() and self.kernels is None
         self.packed = self.can_pack and (
             self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and native_bf16 and not emulated_bf16))
         # A CPU without bf16 instructions (AVX2 only) emulates bf16 matmuls row by row: attention over 7680 bf16
@@ -225,6 +245,7 @@ class LeanModel:
         # against 36 ms over the copy at 3 rows, 110 against 46 at 8 (bench/matmul.py). One or two rows stay in
         # bf16, whose pass reads half the bytes (29 against 37 ms at 2 rows).
         self.cache_dtype = torch.float32 if self.emulated_bf16 else self.dtype
+        self.fused_rows = 0  # rows scored by the CPU kernels' fused forward (_forward_kernels), for tests
         self.upcast_rows = UPCAST_ROWS
         self.layers = []
         for i in range(self.shape.layers):
@@ -257,15 +278,16 @@ class LeanModel:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         optional = lambda name: take(name) if name in params else None  # noqa: E731
         if attn + "qkv_proj.weight" in params:
-            wqkv, bqkv = take(attn + "qkv_proj.weight"), optional(attn + "qkv_proj.bias")
+            wqkv, bqkv = self._fused_weight([attn + "qkv_proj.weight"], take), optional(attn + "qkv_proj.bias")
         else:
-            wqkv = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
+            wqkv = self._fused_weight([attn + f"{p}_proj.weight" for p in "qkv"], take)
             biases = [optional(attn + f"{p}_proj.bias") for p in "qkv"]
             bqkv = torch.cat(biases) if biases[0] is not None else None
         if mlp + "gate_up_proj.weight" in params:
-            w_gate_up, b_gate_up = take(mlp + "gate_up_proj.weight"), optional(mlp + "gate_up_proj.bias")
+            w_gate_up = self._fused_weight([mlp + "gate_up_proj.weight"], take)
+            b_gate_up = optional(mlp + "gate_up_proj.bias")
         else:
-            w_gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+            w_gate_up = self._fused_weight([mlp + "gate_proj.weight", mlp + "up_proj.weight"], take)
             biases = [optional(mlp + "gate_proj.bias"), optional(mlp + "up_proj.bias")]
             b_gate_up = torch.cat(biases) if biases[0] is not None else None
         norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -273,11 +295,22 @@ class LeanModel:
         return {
             **{name: optional(prefix + name + ".weight") for name in norms},
             "q_norm": optional(attn + "q_norm.weight"), "k_norm": optional(attn + "k_norm.weight"),
-            "wqkv": self._matmul_weight(wqkv), "bqkv": bqkv,
-            "wo": self._matmul_weight(take(attn + "o_proj.weight")), "bo": optional(attn + "o_proj.bias"),
-            "w_gate_up": self._matmul_weight(w_gate_up), "b_gate_up": b_gate_up,
-            "w_down": self._matmul_weight(take(mlp + "down_proj.weight")), "b_down": optional(mlp + "down_proj.bias"),
+            "wqkv": wqkv, "bqkv": bqkv,
+            "wo": self._fused_weight([attn + "o_proj.weight"], take), "bo": optional(attn + "o_proj.bias"),
+            "w_gate_up": w_gate_up, "b_gate_up": b_gate_up,
+            "w_down": self._fused_weight([mlp + "down_proj.weight"], take), "b_down": optional(mlp + "down_proj.bias"),
         }
+
+    def _fused_weight(self, names: list[str], take) -> MatmulWeight | tuple[MatmulWeight, ...]:
+        """The matmul weight of the parameters `names` stacked by rows (q/k/v, gate/up): one matrix, or, for GGUF
+        blocks of different formats (Q4_K_M's v is Q6_K beside Q4_K q and k), one per parameter."""
+        blocks = [self.block_weights.get(name) for name in names]
+        if blocks[0] is None:
+            return self._matmul_weight(torch.cat([take(name) for name in names]) if len(names) > 1 else take(names[0]))
+        if len({block.format for block in blocks}) > 1:
+            return tuple(self._matmul_weight(block) for block in blocks)
+        return self._matmul_weight(BlockWeight(blocks[0].format, sum(block.rows for block in blocks), blocks[0].cols,
+                                               torch.cat([block.data for block in blocks])))
 
     def limit_vocabulary(self, size: int, always: Iterable[int] = ()) -> None:
         """Score only the token ids below `size`, plus `always` (the stop tokens); every other logit is -inf.
@@ -290,7 +323,8 @@ class LeanModel:
         if self.lm_head is None:
             raise UserError("a released model's vocabulary is limited when it is built (LeanModel(vocabulary=...))")
         self.output_ids = torch.tensor(draft_vocabulary_ids(size, always, self.shape.vocab), device=self.device)
-        self.lm_head = self.lm_head[self.output_ids].contiguous()
+        self.lm_head = (self.lm_head.take_rows(self.output_ids) if isinstance(self.lm_head, BlockWeight)
+                        else self.lm_head[self.output_ids].contiguous())
         self.output_weight = self._matmul_weight(self.lm_head)
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -366,19 +400,38 @@ class LeanModel:
             return end
         return min(-(-end // KEY_BUCKET) * KEY_BUCKET, cache.max_len)
 
-    def _matmul_weight(self, weight: torch.Tensor) -> MatmulWeight:
+    def _matmul_weight(self, weight: torch.Tensor | BlockWeight) -> MatmulWeight:
+        if isinstance(weight, BlockWeight):
+            return MatmulWeight(weight.data, format=weight.format_id, rows=weight.rows)
+        if self.kernels is not None and weight.shape[1] % KERNEL_BLOCK == 0:
+            return MatmulWeight(weight.contiguous(), format=cpu_kernels.WEIGHT_FORMATS[KERNEL_FORMATS[weight.dtype]],
+                                rows=weight.shape[0])
         pack = torch.ops.mkldnn._reorder_linear_weight
         narrow = pack(weight, None) if self.packed else weight
         if not self.emulated_bf16:
             return MatmulWeight(narrow)
         return MatmulWeight(narrow, pack(weight.float(), None) if self.can_pack else weight.float())
 
-    def _linear(self, x: torch.Tensor, weight: MatmulWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: MatmulWeight | tuple[MatmulWeight, ...],
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(weight, MatmulWeight):  # parts: one matmul each, outputs side by side
+            out = torch.cat([self._linear(x, part) for part in weight], dim=-1)
+            return out if bias is None else out + bias
+        if weight.format is not None:
+            return self.kernels.linear(x.contiguous(), weight.format, weight.narrow, bias, weight.rows)
         if weight.wide is not None and x.shape[0] >= self.upcast_rows:
             # The output is rounded to bf16, as a bf16 matmul's fp32 accumulator is.
             wide_bias = None if bias is None else bias.float()
             return _matmul(x.float(), weight.wide, wide_bias, self.can_pack).to(self.dtype)
         return _matmul(x, weight.narrow, bias, self.packed)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, BlockWeight):
+            x = self.kernels.dequantize_rows(self.embed.format_id, self.embed.data, self.embed.cols, tokens)
+            x = x.to(self.dtype)
+        else:
+            x = F.embedding(tokens, self.embed)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rotary_dim = cos.shape[-1]
@@ -465,14 +518,14 @@ class LeanModel:
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                  logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None,
                  queries: torch.Tensor | None = None, query_row: int = -1) -> torch.Tensor:
+        if self._runs_fused(cache, slots):
+            return self._forward_kernels(tokens, positions, cache, mask, logits_rows, queries, query_row)
         shape = self.shape
         n = tokens.shape[0]
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         mask = None if mask is None else mask.to(self.device)
         arch = self.architecture
-        x = F.embedding(tokens, self.embed)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        x = self._embed(tokens)
         rope = {kind: table(positions, cache.prompt_length, cache.long_rope)  # [n, rotary_dim] each
                 for kind, table in self.rotary.items()}
         start = cache.length
@@ -528,6 +581,64 @@ class LeanModel:
         if logits_rows is not None:
             x = x[logits_rows]
         logits = self._linear(self._rms_norm(x, self.final_norm), self.output_weight)
+        if arch.final_softcap is not None:
+            logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
+        if self.output_ids is None:
+            return logits
+        return logits.new_full((logits.shape[0], shape.vocab), float("-inf")).index_copy_(1, self.output_ids, logits)
+
+    def _runs_fused(self, cache: KVCache, slots: torch.Tensor | None) -> bool:
+        """Whether the CPU kernels' fused forward scores this call: the dynamic layout, and no per-head masks (a
+        sliding window over a cache that keeps slot positions) or attention soft cap (Gemma 2), which the kernels'
+        attention does not take."""
+        return (self.kernels is not None and slots is None and self.architecture.attention_softcap is None
+                and not (self.has_windows and cache.key_positions is not None))
+
+    def _forward_kernels(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+                         logits_rows: torch.Tensor | slice | None, queries: torch.Tensor | None,
+                         query_row: int) -> torch.Tensor:
+        """_forward's arithmetic in a few CPU kernel calls per layer (decoder/kernels/cpu_kernels.cpp): the residual
+        add fused into the next norm, RoPE fused with the cache writes, attention in one call over the first
+        length + n slots (no key bucketing), the gated activation in one."""
+        kernels, shape, arch = self.kernels, self.shape, self.architecture
+        eps, gemma, gelu = shape.rms_eps, arch.gemma_norm, arch.activation != "silu"
+        n, start = tokens.shape[0], cache.length
+        end = start + n
+        self.fused_rows += n
+        x = self._embed(tokens)
+        rope = {kind: table(positions, cache.prompt_length, cache.long_rope) for kind, table in self.rotary.items()}
+        if cache.key_positions is not None:
+            cache.key_positions[:, :, start:end] = positions
+        if self.long_rope_switch is not None:
+            cache.tokens[start:end] = tokens
+        mask = None if mask is None else mask.float()
+        # per layer [n, end] (a sliding window's hides old keys) or None: every key visible
+        layer_masks = [layer_mask for layer_mask, _ in self._layer_masks(mask, positions, cache, end, None)]
+        residual = None  # each block's output, added to x by the next norm
+        for i, layer in enumerate(self.layers):
+            keys, values = cache.layer_views[i]
+            h = kernels.rms_norm(x, residual, layer["input_layernorm"], eps, gemma)
+            qkv = self._linear(h, layer["wqkv"], layer["bqkv"])
+            cos, sin = rope[arch.layer_rope[i]]
+            q = kernels.rope_store(qkv, cos, sin, keys, values, start, shape.heads, shape.kv_heads, layer["q_norm"],
+                                   layer["k_norm"], eps, gemma)  # [heads, n, head_dim]
+            if queries is not None:
+                queries[i] = q[:, query_row]
+            out = self._linear(kernels.attention(q, keys, values, end, layer_masks[i], arch.attention_scale),
+                               layer["wo"], layer["bo"])
+            if arch.sandwich_norms:
+                out = kernels.rms_norm(out, None, layer["post_attention_layernorm"], eps, gemma)
+                h = kernels.rms_norm(x, out, layer["pre_feedforward_layernorm"], eps, gemma)
+            else:
+                h = kernels.rms_norm(x, out, layer["post_attention_layernorm"], eps, gemma)
+            gated = kernels.gated_activation(self._linear(h, layer["w_gate_up"], layer["b_gate_up"]), gelu)
+            residual = self._linear(gated, layer["w_down"], layer["b_down"])
+            if arch.sandwich_norms:
+                residual = kernels.rms_norm(residual, None, layer["post_feedforward_layernorm"], eps, gemma)
+        h = kernels.rms_norm(x, residual, self.final_norm, eps, gemma)
+        if logits_rows is not None:
+            h = h[logits_rows]
+        logits = self._linear(h, self.output_weight)
         if arch.final_softcap is not None:
             logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
         if self.output_ids is None:

@@ -140,17 +140,18 @@ def test_bf16_key_buckets_give_the_exact_span_logits(name, monkeypatch):
     assert torch.equal(steps(), exact)
 
 
-@pytest.mark.parametrize("emulated", [False, True])
+@pytest.mark.parametrize("emulated, kernels", [(False, False), (True, False), (None, True)])
 @torch.inference_mode()
-def test_bf16_model_matches_transformers_as_a_cpu_with_or_without_bf16_instructions(emulated):
-    """With bf16 instructions a bf16 model keeps its keys and values in bf16; without them (emulated bf16) in
-    fp32, with attention and matmuls of three rows or more in fp32 (over an fp32 copy of the weights). Either way
-    its logits are transformers' bf16 logits up to bf16 rounding, for a prefill in 16-row chunks, single steps
-    and a masked block."""
+def test_bf16_model_matches_transformers_as_a_cpu_with_or_without_bf16_instructions(emulated, kernels):
+    """On PyTorch's operators, with bf16 instructions a bf16 model keeps its keys and values in bf16; without them
+    (emulated bf16) in fp32, with attention and matmuls of three rows or more in fp32 (over an fp32 copy of the
+    weights). The CPU kernels read bf16 on any host: bf16 cache, no copy. Either way its logits are transformers'
+    bf16 logits up to bf16 rounding, for a prefill in 16-row chunks, single steps and a masked block."""
     loaded = load_model("tiny-random-llama", "bf16")
-    lean = LeanModel(loaded.model, emulated_bf16=emulated)
+    lean = LeanModel(loaded.model, emulated_bf16=emulated, kernels=kernels)
+    assert (lean.kernels is not None) == kernels
     cache_dtype = torch.float32 if emulated else torch.bfloat16
-    assert (lean.layers[0]["wqkv"].wide is not None) == emulated
+    assert (lean.layers[0]["wqkv"].wide is not None) == bool(emulated)
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(5))
     ref = reference_logits(loaded, ids).float()
     cache = lean.new_cache(64)

@@ -1,0 +1,107 @@
+"""Matmul weights in GGUF block formats, as a GGUF file ships them (`--dtype gguf`).
+
+A model at dtype `gguf` keeps each matmul weight in the file's own quantized blocks (Q4_1, Q4_K, Q6_K, ...) and
+the decoder's CPU kernels decode them block by block inside the matmul (decoder/kernels/cpu_kernels.cpp); norms,
+biases and activations stay fp32, read from the converted checkpoint as at dtype fp32. The weights' values are
+exactly the ones the fp32 model dequantized from the same file, so the two compute the same function up to
+float rounding; llama.cpp differs from both in rounding its activations to 8-bit blocks (Q8_0/Q8_K) before
+each quantized dot product.
+
+`read_block_weights` maps a GGUF's tensors to transformers' parameter names (undoing llama.cpp's reordering of
+Llama's q/k rows, as transformers' GGUF loader does); `quantize_block_weights` quantizes a model's own weights
+with llama.cpp's Q4_1/Q8_0 rules (gguf-py), which gives the tiny test models a dtype `gguf` too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.errors import UserError
+
+# The block formats the CPU kernels decode, with GGML's type ids (elements and bytes per block are GGML's).
+BLOCK_FORMATS = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+                 "BF16": 30}
+# GGUF tensor names of the matmul weights of a decoder layer, and transformers' names for them
+LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+# The tiny test models at dtype gguf: the smollm2 preset's mix (Q4_1 layers, Q8_0 embedding)
+TEST_LAYER_FORMAT, TEST_EMBEDDING_FORMAT = "Q4_1", "Q8_0"
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A [rows, cols] matrix in a GGUF block format: `data` is uint8 [rows, bytes per row], each row's blocks as
+    the file stores them."""
+
+    format: str
+    rows: int
+    cols: int
+    data: torch.Tensor
+
+    @property
+    def format_id(self) -> int:
+        return BLOCK_FORMATS[self.format]
+
+    def take_rows(self, rows: torch.Tensor) -> BlockWeight:
+        return BlockWeight(self.format, int(rows.numel()), self.cols, self.data[rows].contiguous())
+
+
+def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """llama.cpp stores Llama's q/k rows reordered for its rotary layout (convert_hf_to_gguf.py: permute); the
+    index of the stored row that holds each of transformers' rows (transformers' _reverse_permute_weights)."""
+    index = np.arange(rows).reshape(heads, rows // heads // 2, 2)
+    return index.swapaxes(2, 1).reshape(rows)
+
+
+def read_block_weights(path: Path, config: Any) -> dict[str, BlockWeight]:
+    """The matmul weights of a GGUF file, by transformers parameter name, in the blocks the file stores."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    architecture = str(reader.fields["general.architecture"].contents())
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    names = {"token_embd": "model.embed_tokens", "output": "lm_head"}
+    for i in range(config.num_hidden_layers):
+        names.update({f"blk.{i}.{short}": f"model.layers.{i}.{long}" for short, long in LAYER_TENSORS.items()})
+    weights = {}
+    for short, long in names.items():
+        tensor = tensors.get(short + ".weight")
+        if tensor is None:
+            if short == "output":  # tied to the embedding
+                continue
+            raise UserError(f"{path.name}: no tensor {short}.weight; its {architecture} layout is not one dtype gguf "
+                            f"reads (it reads {', '.join(LAYER_TENSORS)} per layer)")
+        kind = tensor.tensor_type.name
+        if kind not in BLOCK_FORMATS:
+            raise UserError(f"{path.name}: {short}.weight is {kind}, a quantization type the CPU kernels do not run "
+                            f"(they run {', '.join(BLOCK_FORMATS)})")
+        cols, rows = (int(size) for size in tensor.shape[:2])
+        data = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        if architecture == "llama" and short.endswith(("attn_q", "attn_k")):
+            heads = config.num_attention_heads if short.endswith("attn_q") else config.num_key_value_heads
+            data = data[_unpermute_rows(rows, heads)]
+        weights[long + ".weight"] = BlockWeight(kind, rows, cols, torch.from_numpy(np.array(data)))
+    return weights
+
+
+def quantize_block_weights(model: Any) -> dict[str, BlockWeight]:
+    """A model's matmul weights quantized with llama.cpp's rules (gguf-py): Q4_1 layers, a Q8_0 embedding."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    weights = {}
+    for name, parameter in model.named_parameters():
+        if not name.endswith(".weight") or parameter.dim() != 2:
+            continue
+        kind = TEST_EMBEDDING_FORMAT if name in ("model.embed_tokens.weight", "lm_head.weight") else TEST_LAYER_FORMAT
+        values = parameter.detach().float().numpy()
+        blocks = quantize(values, GGMLQuantizationType[kind])
+        weights[name] = BlockWeight(kind, values.shape[0], values.shape[1],
+                                    torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8)))
+    return weights

@@ -1,0 +1,966 @@
+// CPU kernels for the lean forward (decoder/model.py), built for the host they run on (decoder/cpu_kernels.py).
+//
+// A one-token forward of a small model on a CPU is a few weight passes and many tiny operators; PyTorch's eager
+// operators cost microseconds each and oneDNN's one-row matmuls stream weights at about half the bandwidth.
+// These kernels do each step of a layer in one call, on torch's own thread pool (at::parallel_for):
+//   linear       x @ W^T + b for W in fp32, bf16 or a GGUF block format as the file ships it (Q4_0, Q4_1, Q5_0,
+//                Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), decoded block by block in registers and L1: no dequantized copy;
+//   rope_store   q/k (optionally RMS-normed per head) rotated, k and v written to the layer's cache slots;
+//   attention    softmax(q k^T * scale + mask) v over the cache for few query rows, grouped KV heads, keys split
+//                in chunks across threads and merged (flash-decoding);
+//   rms_norm     with the residual add fused; silu_mul / gelu_mul for the gated MLP; dequantize(_rows).
+// Arithmetic is fp32; bf16 tensors are widened on load and rounded (nearest-even) on store, where the eager
+// forward rounds its output. Portable across AVX-512 and AVX2 hosts through GCC vector extensions (a 16-float
+// vector is one zmm or two ymm); avx512_bf16 hosts take vdpbf16ps for bf16 weights.
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef int8_t v16c __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+// Rows of activations kept in registers per weight row: 4 x 2 accumulators fit AVX-512's 32 registers.
+#ifdef __AVX512F__
+constexpr int ROW_TILE = 4;
+#else
+constexpr int ROW_TILE = 2;
+#endif
+
+inline v16f load(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+inline v16f splat(float f) { return v16f{} + f; }
+inline v16f widen_bf16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
+  v16h h; std::memcpy(&h, p, sizeof h);
+  return (v16f)(__builtin_convertvector(h, v16u) << 16);
+#endif
+}
+inline float hsum(v16f v) {
+  v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+inline float half_at(const uint8_t* p) {
+  uint16_t bits; std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+inline v16f ints_to_float(v16i i) { return __builtin_convertvector(i, v16f); }
+// 16 bytes widened to 16 int32 lanes (GCC's generic convertvector would insert them one by one).
+inline v16i bytes_to_int(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  v16i out;
+  const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  std::memcpy(&out, &lo, 32); std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  return out;
+#else
+  v16b b; std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, v16i);
+#endif
+}
+inline v16i signed_bytes_to_int(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  v16i out;
+  const __m256i lo = _mm256_cvtepi8_epi32(b), hi = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+  std::memcpy(&out, &lo, 32); std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  return out;
+#else
+  v16c b; std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, v16i);
+#endif
+}
+
+// e^x for a vector (Cephes' expf polynomial, about 1 ulp); e^x = 0 below -87.3 (a -inf mask entry included).
+inline v16f vexp(v16f x) {
+  const v16i underflow = x < -87.33654f;
+  x = x > 88.37626f ? splat(88.37626f) : x;
+  x = x < -87.33654f ? splat(-87.33654f) : x;
+  v16f t = x * 1.44269504088896341f;
+  v16f k = ints_to_float(__builtin_convertvector(t, v16i));
+  k = k > t ? k - 1.0f : k;  // floor
+  v16f r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  v16f y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  v16i scale = (__builtin_convertvector(k, v16i) + 127) << 23;
+  y = y * (v16f)scale;
+  return underflow ? splat(0.0f) : y;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Weight formats: GGML's type ids, and for each block format its decoding into floats, written after ggml's
+// dequantize_row_* (ggml-quants.c) so that a block means exactly what llama.cpp reads from the same file.
+
+enum Format : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+                        BF16 = 30 };
+
+const v16i LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+template <int F> struct Block;
+
+template <> struct Block<BF16> {
+  static constexpr int elems = 32, bytes = 64;
+  static void decode(const uint8_t* b, float* y) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(b);
+    store(y, widen_bf16(h));
+    store(y + 16, widen_bf16(h + 16));
+  }
+};
+
+template <> struct Block<Q4_0> {  // d (fp16), 16 bytes: element j in the low nibble of byte j, j + 16 in the high
+  static constexpr int elems = 32, bytes = 18;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    const v16i q = bytes_to_int(b + 2);
+    store(y, ints_to_float((q & 15) - 8) * d);
+    store(y + 16, ints_to_float((q >> 4) - 8) * d);
+  }
+};
+
+template <> struct Block<Q4_1> {  // d, m (fp16), 16 bytes of nibbles: y = d q + m
+  static constexpr int elems = 32, bytes = 20;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b), m = half_at(b + 2);
+    const v16i q = bytes_to_int(b + 4);
+    store(y, ints_to_float(q & 15) * d + m);
+    store(y + 16, ints_to_float(q >> 4) * d + m);
+  }
+};
+
+inline void high_bits(uint32_t qh, v16i& low_half, v16i& high_half) {  // bit j of qh is the fifth bit of element j
+  const v16i bits = v16i{} + static_cast<int32_t>(qh);
+  low_half = ((bits >> LANE) << 4) & 0x10;
+  high_half = (bits >> (LANE + 12)) & 0x10;
+}
+
+template <> struct Block<Q5_0> {  // d, qh (32 bits), 16 bytes of nibbles: y = d (q - 16)
+  static constexpr int elems = 32, bytes = 22;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    uint32_t qh; std::memcpy(&qh, b + 2, 4);
+    v16i h0, h1; high_bits(qh, h0, h1);
+    const v16i q = bytes_to_int(b + 6);
+    store(y, ints_to_float(((q & 15) | h0) - 16) * d);
+    store(y + 16, ints_to_float(((q >> 4) | h1) - 16) * d);
+  }
+};
+
+template <> struct Block<Q5_1> {  // d, m, qh, 16 bytes of nibbles: y = d q + m
+  static constexpr int elems = 32, bytes = 24;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b), m = half_at(b + 2);
+    uint32_t qh; std::memcpy(&qh, b + 4, 4);
+    v16i h0, h1; high_bits(qh, h0, h1);
+    const v16i q = bytes_to_int(b + 8);
+    store(y, ints_to_float((q & 15) | h0) * d + m);
+    store(y + 16, ints_to_float((q >> 4) | h1) * d + m);
+  }
+};
+
+template <> struct Block<Q8_0> {  // d, 32 int8: y = d q
+  static constexpr int elems = 32, bytes = 34;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    store(y, ints_to_float(signed_bytes_to_int(b + 2)) * d);
+    store(y + 16, ints_to_float(signed_bytes_to_int(b + 18)) * d);
+  }
+};
+
+// K-quants: 256-element super-blocks of 8 sub-blocks with 6-bit scales and mins (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t& scale, uint8_t& min) {
+  if (j < 4) {
+    scale = q[j] & 63; min = q[j + 4] & 63;
+  } else {
+    scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+template <> struct Block<Q4_K> {  // d, dmin, 12 bytes of scales, 128 bytes: 32 bytes per 64 elements
+  static constexpr int elems = 256, bytes = 144;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qs = b + 16;
+    for (int c = 0; c < 4; c++, qs += 32, y += 64) {
+      uint8_t s0, m0, s1, m1;
+      scale_min_k4(2 * c, scales, s0, m0);
+      scale_min_k4(2 * c + 1, scales, s1, m1);
+      const float d0 = d * s0, n0 = dmin * m0, d1 = d * s1, n1 = dmin * m1;
+      for (int h = 0; h < 32; h += 16) {
+        const v16i q = bytes_to_int(qs + h);
+        store(y + h, ints_to_float(q & 15) * d0 - n0);
+        store(y + 32 + h, ints_to_float(q >> 4) * d1 - n1);
+      }
+    }
+  }
+};
+
+template <> struct Block<Q5_K> {  // d, dmin, scales, 32 bytes of fifth bits, 128 bytes of nibbles
+  static constexpr int elems = 256, bytes = 176;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+    for (int c = 0; c < 4; c++, qs += 32, y += 64) {
+      uint8_t s0, m0, s1, m1;
+      scale_min_k4(2 * c, scales, s0, m0);
+      scale_min_k4(2 * c + 1, scales, s1, m1);
+      const float d0 = d * s0, n0 = dmin * m0, d1 = d * s1, n1 = dmin * m1;
+      for (int h = 0; h < 32; h += 16) {
+        const v16i q = bytes_to_int(qs + h);
+        const v16i high = bytes_to_int(qh + h);
+        const v16i h0 = ((high >> (2 * c)) & 1) << 4, h1 = ((high >> (2 * c + 1)) & 1) << 4;
+        store(y + h, ints_to_float((q & 15) | h0) * d0 - n0);
+        store(y + 32 + h, ints_to_float((q >> 4) | h1) * d1 - n1);
+      }
+    }
+  }
+};
+
+template <> struct Block<Q6_K> {  // 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+  static constexpr int elems = 256, bytes = 210;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128) {
+      for (int l = 0; l < 32; l += 16) {
+        const int is = l / 16;
+        const v16i a = bytes_to_int(ql + l), c = bytes_to_int(ql + l + 32);
+        const v16i h = bytes_to_int(qh + l);
+        store(y + l, ints_to_float(((a & 15) | ((h & 3) << 4)) - 32) * (d * sc[is]));
+        store(y + l + 32, ints_to_float(((c & 15) | (((h >> 2) & 3) << 4)) - 32) * (d * sc[is + 2]));
+        store(y + l + 64, ints_to_float(((a >> 4) | (((h >> 4) & 3) << 4)) - 32) * (d * sc[is + 4]));
+        store(y + l + 96, ints_to_float(((c >> 4) | (((h >> 6) & 3) << 4)) - 32) * (d * sc[is + 6]));
+      }
+    }
+  }
+};
+
+template <> struct Block<F32> {
+  static constexpr int elems = 32, bytes = 128;
+  static void decode(const uint8_t* b, float* y) { std::memcpy(y, b, bytes); }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dot products of one weight row with up to ROW_TILE activation rows (fp32, leading dimension ldx).
+
+template <int NR>
+inline void dot_f32(const float* w, const float* x, int64_t ldx, int64_t k, float* out) {
+  v16f acc[NR][2] = {};
+  int64_t c = 0;
+  for (; c + 32 <= k; c += 32) {
+    const v16f w0 = load(w + c), w1 = load(w + c + 16);
+    for (int r = 0; r < NR; r++) {
+      acc[r][0] += w0 * load(x + r * ldx + c);
+      acc[r][1] += w1 * load(x + r * ldx + c + 16);
+    }
+  }
+  for (int r = 0; r < NR; r++) {
+    float s = hsum(acc[r][0] + acc[r][1]);
+    for (int64_t t = c; t < k; t++) s += w[t] * x[r * ldx + t];
+    out[r] = s;
+  }
+}
+
+// A WT x XT tile of outputs: WT weight rows (fp32, leading dimension k) against XT activation rows, with every
+// loaded vector used WT or XT times (for more activation rows than ROW_TILE: tree forwards, prefill chunks).
+template <int WT, int XT>
+inline void dot_tile(const float* w, const float* x, int64_t k, float out[WT][XT]) {
+  v16f acc[WT][XT] = {};
+  int64_t c = 0;
+  for (; c + 16 <= k; c += 16) {
+    v16f wv[WT], xv[XT];
+    for (int a = 0; a < WT; a++) wv[a] = load(w + a * k + c);
+    for (int b = 0; b < XT; b++) xv[b] = load(x + b * k + c);
+    for (int a = 0; a < WT; a++)
+      for (int b = 0; b < XT; b++) acc[a][b] += wv[a] * xv[b];
+  }
+  for (int a = 0; a < WT; a++)
+    for (int b = 0; b < XT; b++) {
+      float s = hsum(acc[a][b]);
+      for (int64_t t = c; t < k; t++) s += w[a * k + t] * x[b * k + t];
+      out[a][b] = s;
+    }
+}
+
+template <int F, int NR>
+inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
+  constexpr int E = Block<F>::elems;
+  alignas(64) float w[E];
+  v16f acc[NR][2] = {};
+  for (int64_t b = 0; b < k / E; b++) {
+    Block<F>::decode(row + b * Block<F>::bytes, w);
+    const float* xb = x + b * E;
+    for (int e = 0; e < E; e += 32) {
+      const v16f w0 = load(w + e), w1 = load(w + e + 16);
+      for (int r = 0; r < NR; r++) {
+        acc[r][0] += w0 * load(xb + r * ldx + e);
+        acc[r][1] += w1 * load(xb + r * ldx + e + 16);
+      }
+    }
+  }
+  for (int r = 0; r < NR; r++) out[r] = hsum(acc[r][0] + acc[r][1]);
+}
+
+#ifdef __AVX512BF16__
+template <int NR>
+inline void dot_bf16(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, float* out) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + c);
+    for (int r = 0; r < NR; r++)
+      acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512(x + r * ldx + c));
+  }
+  for (int r = 0; r < NR; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
+template <int F>
+void decode_row(const uint8_t* row, int64_t k, float* y) {
+  for (int64_t b = 0; b < k / Block<F>::elems; b++) Block<F>::decode(row + b * Block<F>::bytes, y + b * Block<F>::elems);
+}
+
+// Calls fn(std::integral_constant<int, NR>) for a tile of nr activation rows (1 <= nr <= ROW_TILE).
+template <typename Fn>
+inline void with_tile(int nr, Fn&& fn) {
+  switch (nr) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+#ifdef __AVX512F__
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+#endif
+  }
+}
+
+inline void store_row_outputs(const float* part, int nr, float bias, int64_t i, int64_t r, int64_t rows, float* out_f,
+                              c10::BFloat16* out_h) {
+  for (int j = 0; j < nr; j++) {
+    const float v = part[j] + bias;
+    if (out_f) out_f[(i + j) * rows + r] = v; else out_h[(i + j) * rows + r] = c10::BFloat16(v);
+  }
+}
+
+// Weight rows x activation rows per register tile, for more than ROW_TILE activation rows.
+#ifndef TILE_W
+#ifdef __AVX512F__  // measured on a 2-core EPYC: 8 x 2 beat 4 x 4, 6 x 4, 2 x 8 and 12 x 2 for 8 to 64 rows
+#define TILE_W 8
+#define TILE_X 2
+#else
+#define TILE_W 2
+#define TILE_X 2
+#endif
+#endif
+
+// Calls fn(std::integral_constant<int, XT>) for an edge tile of xt < TILE_X activation rows.
+template <typename Fn>
+inline void with_edge(int xt, Fn&& fn) {
+  switch (xt) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+#if TILE_X > 2
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+#endif
+#if TILE_X > 3
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+#endif
+#if TILE_X > 4
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+#endif
+#if TILE_X > 5
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+#endif
+  }
+}
+
+// Runs tile(w rows r0.., x rows i.., part) over every (weight rows, activation rows) tile of the output, weight
+// row groups split across threads; `prepare(r0, wt)` readies a group's rows (decodes them) before its tiles.
+template <typename Prepare, typename Tile>
+void tiled(int64_t n, int64_t rows, const float* bias, float* out_f, c10::BFloat16* out_h, Prepare&& prepare,
+           Tile&& tile) {
+  at::parallel_for(0, (rows + TILE_W - 1) / TILE_W, 4, [&](int64_t begin, int64_t end) {
+    auto state = prepare.make();
+    float part[TILE_W][TILE_X];
+    for (int64_t group = begin; group < end; group++) {
+      const int64_t r0 = group * TILE_W;
+      const int wt = static_cast<int>(std::min<int64_t>(TILE_W, rows - r0));
+      prepare(state, r0, wt);
+      for (int64_t i = 0; i < n; i += TILE_X) {
+        const int xt = static_cast<int>(std::min<int64_t>(TILE_X, n - i));
+        tile(state, r0, wt, i, xt, part);
+        for (int a = 0; a < wt; a++) {
+          const float b = bias ? bias[r0 + a] : 0.0f;
+          for (int j = 0; j < xt; j++) {
+            const float v = part[a][j] + b;
+            if (out_f) out_f[(i + j) * rows + r0 + a] = v; else out_h[(i + j) * rows + r0 + a] = c10::BFloat16(v);
+          }
+        }
+      }
+    }
+  });
+}
+
+// out[i, r] = x[i] . W[r] + bias[r], weight rows split across threads. Up to ROW_TILE activation rows (decoding)
+// are dotted with each weight block as it is decoded; more rows (trees, prefill) decode TILE_W weight rows at a
+// time into fp32 and run register tiles of TILE_W x TILE_X outputs over them.
+template <int F>
+void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, int64_t row_bytes, const float* bias,
+                 float* out_f, c10::BFloat16* out_h, int64_t rows) {
+  if (n <= ROW_TILE) {
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      float part[ROW_TILE];
+      for (int64_t r = begin; r < end; r++) {
+        const uint8_t* row = weight + r * row_bytes;
+        with_tile(static_cast<int>(n), [&](auto tile) {
+          if constexpr (F == F32) dot_f32<decltype(tile)::value>(reinterpret_cast<const float*>(row), x, k, k, part);
+          else dot_blocks<F, decltype(tile)::value>(row, x, k, k, part);
+        });
+        store_row_outputs(part, static_cast<int>(n), bias ? bias[r] : 0.0f, 0, r, rows, out_f, out_h);
+      }
+    });
+    return;
+  }
+  struct Decoder {  // the fp32 rows of a group: the weight itself, or decoded into a per-thread buffer
+    int64_t k, row_bytes;
+    const uint8_t* weight;
+    std::vector<float> make() const { return std::vector<float>(F == F32 ? 0 : TILE_W * k); }
+    void operator()(std::vector<float>& buffer, int64_t r0, int wt) const {
+      if constexpr (F != F32)
+        for (int a = 0; a < wt; a++) decode_row<F>(weight + (r0 + a) * row_bytes, k, buffer.data() + a * k);
+    }
+  } decoder{k, row_bytes, weight};
+  tiled(n, rows, bias, out_f, out_h, decoder,
+        [&](std::vector<float>& buffer, int64_t r0, int wt, int64_t i, int xt, float (*part)[TILE_X]) {
+          const float* w = F == F32 ? reinterpret_cast<const float*>(weight + r0 * row_bytes) : buffer.data();
+          if (wt == TILE_W && xt == TILE_X) {
+            dot_tile<TILE_W, TILE_X>(w, x + i * k, k, part);
+            return;
+          }
+          if (wt == TILE_W) {
+            with_edge(xt, [&](auto edge) {
+              constexpr int XT = decltype(edge)::value;
+              float edge_part[TILE_W][XT];
+              dot_tile<TILE_W, XT>(w, x + i * k, k, edge_part);
+              for (int a = 0; a < TILE_W; a++) std::copy(edge_part[a], edge_part[a] + XT, part[a]);
+            });
+            return;
+          }
+          for (int a = 0; a < wt; a++)
+            for (int b = 0; b < xt; b++) {
+              float one[1][1];
+              dot_tile<1, 1>(w + a * k, x + (i + b) * k, k, one);
+              part[a][b] = one[0][0];
+            }
+        });
+}
+
+#ifdef __AVX512BF16__
+template <int WT, int XT>
+inline void dot_tile_bf16(const uint16_t* w, const uint16_t* x, int64_t k, float out[][TILE_X]) {
+  __m512 acc[WT][XT];
+  for (int a = 0; a < WT; a++)
+    for (int b = 0; b < XT; b++) acc[a][b] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 32) {
+    __m512bh wv[WT], xv[XT];
+    for (int a = 0; a < WT; a++) wv[a] = (__m512bh)_mm512_loadu_si512(w + a * k + c);
+    for (int b = 0; b < XT; b++) xv[b] = (__m512bh)_mm512_loadu_si512(x + b * k + c);
+    for (int a = 0; a < WT; a++)
+      for (int b = 0; b < XT; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[a], xv[b]);
+  }
+  for (int a = 0; a < WT; a++)
+    for (int b = 0; b < XT; b++) out[a][b] = _mm512_reduce_add_ps(acc[a][b]);
+}
+
+// bf16 weights and activations on a CPU with avx512_bf16: vdpbf16ps (pairs of bf16 products into fp32 lanes).
+void linear_bf16_native(const uint16_t* x, int64_t n, int64_t k, const uint16_t* weight, const float* bias,
+                        float* out_f, c10::BFloat16* out_h, int64_t rows) {
+  if (n <= ROW_TILE) {
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      float part[ROW_TILE];
+      for (int64_t r = begin; r < end; r++) {
+        with_tile(static_cast<int>(n), [&](auto tile) { dot_bf16<decltype(tile)::value>(weight + r * k, x, k, k, part); });
+        store_row_outputs(part, static_cast<int>(n), bias ? bias[r] : 0.0f, 0, r, rows, out_f, out_h);
+      }
+    });
+    return;
+  }
+  struct NoPreparation {
+    int make() const { return 0; }
+    void operator()(int, int64_t, int) const {}
+  };
+  tiled(n, rows, bias, out_f, out_h, NoPreparation{},
+        [&](int, int64_t r0, int wt, int64_t i, int xt, float (*part)[TILE_X]) {
+          const uint16_t* w = weight + r0 * k;
+          if (wt == TILE_W && xt == TILE_X) {
+            dot_tile_bf16<TILE_W, TILE_X>(w, x + i * k, k, part);
+          } else if (wt == TILE_W) {
+            with_edge(xt, [&](auto edge) { dot_tile_bf16<TILE_W, decltype(edge)::value>(w, x + i * k, k, part); });
+          } else {
+            for (int a = 0; a < wt; a++)
+              with_tile(1, [&](auto) {
+                for (int b = 0; b < xt; b++) {
+                  float one[TILE_X];
+                  dot_bf16<1>(w + a * k, x + (i + b) * k, k, k, one);
+                  part[a][b] = one[0];
+                }
+              });
+          }
+        });
+}
+#endif
+
+int64_t block_elems(int64_t format) {
+  switch (format) {
+    case Q4_K: case Q5_K: case Q6_K: return 256;
+    default: return 32;
+  }
+}
+
+int64_t block_bytes(int64_t format) {
+  switch (format) {
+    case F32: return Block<F32>::bytes;
+    case BF16: return Block<BF16>::bytes;
+    case Q4_0: return Block<Q4_0>::bytes;
+    case Q4_1: return Block<Q4_1>::bytes;
+    case Q5_0: return Block<Q5_0>::bytes;
+    case Q5_1: return Block<Q5_1>::bytes;
+    case Q8_0: return Block<Q8_0>::bytes;
+    case Q4_K: return Block<Q4_K>::bytes;
+    case Q5_K: return Block<Q5_K>::bytes;
+    case Q6_K: return Block<Q6_K>::bytes;
+  }
+  TORCH_CHECK(false, "unsupported weight format ", format);
+}
+
+template <typename Fn>
+void with_format(int64_t format, Fn&& fn) {
+  switch (format) {
+    case F32: fn(std::integral_constant<int, F32>{}); break;
+    case BF16: fn(std::integral_constant<int, BF16>{}); break;
+    case Q4_0: fn(std::integral_constant<int, Q4_0>{}); break;
+    case Q4_1: fn(std::integral_constant<int, Q4_1>{}); break;
+    case Q5_0: fn(std::integral_constant<int, Q5_0>{}); break;
+    case Q5_1: fn(std::integral_constant<int, Q5_1>{}); break;
+    case Q8_0: fn(std::integral_constant<int, Q8_0>{}); break;
+    case Q4_K: fn(std::integral_constant<int, Q4_K>{}); break;
+    case Q5_K: fn(std::integral_constant<int, Q5_K>{}); break;
+    case Q6_K: fn(std::integral_constant<int, Q6_K>{}); break;
+    default: TORCH_CHECK(false, "unsupported weight format ", format);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Python entry points.
+
+// x [n, k] (fp32, or bf16 with bf16 weights) times weight [rows, k] in `format` (fp32/bf16 tensors, or uint8
+// [rows, row bytes] of GGUF blocks) plus bias [rows] (fp32 or x's dtype); returns [n, rows] in x's dtype.
+torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                     int64_t rows) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "linear: contiguous 2-D x and weight");
+  const int64_t n = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % block_elems(format) == 0, "linear: ", k, " inputs are not whole blocks of format ", format);
+  const int64_t row_bytes = k / block_elems(format) * block_bytes(format);
+  TORCH_CHECK(weight.numel() * weight.element_size() == rows * row_bytes, "linear: weight size does not match");
+  auto out = torch::empty({n, rows}, x.options());
+  if (n == 0) return out;
+  torch::Tensor bias_f;
+  if (bias) bias_f = bias->to(torch::kFloat32).contiguous();
+  const float* b = bias ? bias_f.data_ptr<float>() : nullptr;
+  float* out_f = out.scalar_type() == torch::kFloat32 ? out.data_ptr<float>() : nullptr;
+  c10::BFloat16* out_h = out_f ? nullptr : out.data_ptr<c10::BFloat16>();
+  const uint8_t* w = static_cast<const uint8_t*>(weight.data_ptr());
+#ifdef __AVX512BF16__
+  if (format == BF16 && x.scalar_type() == torch::kBFloat16 && k % 32 == 0) {
+    linear_bf16_native(reinterpret_cast<const uint16_t*>(x.data_ptr()), n, k, reinterpret_cast<const uint16_t*>(w),
+                       b, out_f, out_h, rows);
+    return out;
+  }
+#endif
+  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  with_format(format, [&](auto f) {
+    linear_rows<decltype(f)::value>(xf.data_ptr<float>(), n, k, w, row_bytes, b, out_f, out_h, rows);
+  });
+  return out;
+}
+
+// The rows `ids` of a weight in `format`, decoded to fp32 [len(ids), cols] (an embedding lookup).
+torch::Tensor dequantize_rows(int64_t format, torch::Tensor weight, int64_t cols, torch::Tensor ids) {
+  const int64_t row_bytes = cols / block_elems(format) * block_bytes(format);
+  const auto index = ids.to(torch::kInt64).contiguous();
+  const int64_t n = index.numel(), rows = weight.numel() * weight.element_size() / row_bytes;
+  auto out = torch::empty({n, cols}, torch::dtype(torch::kFloat32));
+  const uint8_t* w = static_cast<const uint8_t*>(weight.data_ptr());
+  const int64_t* id = index.data_ptr<int64_t>();
+  float* y = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; i++) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "dequantize_rows: id out of range");
+  with_format(format, [&](auto f) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++) decode_row<decltype(f)::value>(w + id[i] * row_bytes, cols, y + i * cols);
+    });
+  });
+  return out;
+}
+
+torch::Tensor dequantize(int64_t format, torch::Tensor weight, int64_t rows, int64_t cols) {
+  const int64_t row_bytes = cols / block_elems(format) * block_bytes(format);
+  TORCH_CHECK(weight.numel() * weight.element_size() == rows * row_bytes, "dequantize: weight size does not match");
+  auto out = torch::empty({rows, cols}, torch::dtype(torch::kFloat32));
+  const uint8_t* w = static_cast<const uint8_t*>(weight.data_ptr());
+  float* y = out.data_ptr<float>();
+  with_format(format, [&](auto f) {
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; r++) decode_row<decltype(f)::value>(w + r * row_bytes, cols, y + r * cols);
+    });
+  });
+  return out;
+}
+
+inline float load_value(const void* p, bool bf16, int64_t i) {
+  return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+inline void store_value(void* p, bool bf16, int64_t i, float v) {
+  if (bf16) static_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(v); else static_cast<float*>(p)[i] = v;
+}
+inline float round_to(bool bf16, float v) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
+
+// RMSNorm as transformers computes it: in fp32, then Llama's w * norm(x) with norm(x) rounded to the model's dtype
+// first, or Gemma's (1 + w) * norm(x) in fp32; y holds the result already rounded to the dtype.
+void rms_norm_row(const float* h, int64_t size, const void* weight, bool bf16, double eps, bool gemma, float* y) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < size; j++) sum += h[j] * h[j];
+  const float inv = 1.0f / std::sqrt(sum / size + static_cast<float>(eps));
+  for (int64_t j = 0; j < size; j++) {
+    const float w = load_value(weight, bf16, j);
+    y[j] = round_to(bf16, gemma ? h[j] * inv * (1.0f + w) : w * round_to(bf16, h[j] * inv));
+  }
+}
+
+// norm(x) for x [n, size]; with `residual`, x += residual first (in place, rounded to x's dtype, as x + out is).
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
+                       bool gemma) {
+  TORCH_CHECK(x.is_contiguous() && weight.scalar_type() == x.scalar_type(), "rms_norm: contiguous x, same dtypes");
+  const int64_t size = x.size(-1), n = x.numel() / size;
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  auto out = torch::empty_like(x);
+  torch::Tensor add;
+  if (residual) add = residual->contiguous();
+  void* xp = x.data_ptr();
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(size), y(size);
+    for (int64_t i = begin; i < end; i++) {
+      for (int64_t j = 0; j < size; j++) {
+        float v = load_value(xp, bf16, i * size + j);
+        if (residual) {
+          v = round_to(bf16, v + load_value(add.data_ptr(), bf16, i * size + j));
+          store_value(xp, bf16, i * size + j, v);
+        }
+        h[j] = v;
+      }
+      rms_norm_row(h.data(), size, weight.data_ptr(), bf16, eps, gemma, y.data());
+      for (int64_t j = 0; j < size; j++) store_value(out.data_ptr(), bf16, i * size + j, y[j]);
+    }
+  });
+  return out;
+}
+
+// act(gate) * up for gate_up [n, 2I] (gate first): SiLU, or GELU's tanh form; each product rounded as eager is.
+torch::Tensor gated_activation(torch::Tensor gate_up, bool gelu) {
+  TORCH_CHECK(gate_up.is_contiguous(), "gated_activation: contiguous input");
+  const int64_t n = gate_up.size(0), inner = gate_up.size(1) / 2;
+  const bool bf16 = gate_up.scalar_type() == torch::kBFloat16;
+  auto out = torch::empty({n, inner}, gate_up.options());
+  const void* in = gate_up.data_ptr();
+  void* o = out.data_ptr();
+  at::parallel_for(0, n * inner, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; e++) {
+      const int64_t i = e / inner, j = e % inner;
+      const float g = load_value(in, bf16, i * 2 * inner + j), u = load_value(in, bf16, i * 2 * inner + inner + j);
+      const float a = gelu ? 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)))
+                           : g / (1.0f + std::exp(-g));
+      store_value(o, bf16, e, round_to(bf16, a) * u);
+    }
+  });
+  return out;
+}
+
+// q, k, v out of qkv [n, (heads + 2 kv_heads) * d]: q and k RMS-normed per head if given (Qwen3, Gemma 3), rotated
+// over their first `rotary` dims with cos/sin [n, rotary] (transformers' rotate_half), k and v written to cache
+// slots start..start+n-1 of k_cache/v_cache [kv_heads, slots, d]; returns q [heads, n, d] in qkv's dtype.
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                         torch::Tensor v_cache, int64_t start, int64_t heads, int64_t kv_heads,
+                         c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
+                         bool gemma) {
+  const int64_t n = qkv.size(0), d = k_cache.size(2), rotary = cos.size(1), half = rotary / 2;
+  TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * d, "rope_store: qkv shape");
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == d && v_cache.stride(1) == d && v_cache.stride(2) == 1,
+              "rope_store: cache layout");
+  TORCH_CHECK(start + n <= k_cache.size(1), "rope_store: cache overflow");
+  const bool bf16 = qkv.scalar_type() == torch::kBFloat16, cache_bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  auto q = torch::empty({heads, n, d}, qkv.options());
+  const auto c = cos.contiguous(), s = sin.contiguous();
+  const bool table_bf16 = c.scalar_type() == torch::kBFloat16;
+  const int64_t width = qkv.size(1), kstride = k_cache.stride(0), vstride = v_cache.stride(0);
+  at::parallel_for(0, n * (heads + 2 * kv_heads), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(d), y(d);
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t t = task / (heads + 2 * kv_heads), h = task % (heads + 2 * kv_heads);
+      for (int64_t j = 0; j < d; j++) x[j] = load_value(qkv.data_ptr(), bf16, t * width + h * d + j);
+      if (h >= heads + kv_heads) {  // v: stored as it is
+        const int64_t kv = h - heads - kv_heads;
+        for (int64_t j = 0; j < d; j++)
+          store_value(v_cache.data_ptr(), cache_bf16, kv * vstride + (start + t) * d + j, x[j]);
+        continue;
+      }
+      const bool is_q = h < heads;
+      const auto& norm = is_q ? q_norm : k_norm;
+      if (norm) {
+        rms_norm_row(x.data(), d, norm->data_ptr(), bf16, eps, gemma, y.data());
+        x = y;
+      }
+      for (int64_t j = 0; j < d; j++) y[j] = x[j];
+      for (int64_t j = 0; j < half; j++) {
+        const float c0 = load_value(c.data_ptr(), table_bf16, t * rotary + j);
+        const float s0 = load_value(s.data_ptr(), table_bf16, t * rotary + j);
+        const float c1 = load_value(c.data_ptr(), table_bf16, t * rotary + j + half);
+        const float s1 = load_value(s.data_ptr(), table_bf16, t * rotary + j + half);
+        y[j] = x[j] * c0 - x[j + half] * s0;
+        y[j + half] = x[j + half] * c1 + x[j] * s1;
+      }
+      if (is_q) {
+        for (int64_t j = 0; j < d; j++) store_value(q.data_ptr(), bf16, (h * n + t) * d + j, y[j]);
+      } else {
+        const int64_t kv = h - heads;
+        for (int64_t j = 0; j < d; j++)
+          store_value(k_cache.data_ptr(), cache_bf16, kv * kstride + (start + t) * d + j, round_to(bf16, y[j]));
+      }
+    }
+  });
+  return q;
+}
+
+// Row helpers for any length d (16-float vectors, then a scalar tail).
+inline float dot_row(const float* a, const float* b, int64_t d) {
+  v16f acc = {};
+  int64_t e = 0;
+  for (; e + 16 <= d; e += 16) acc += load(a + e) * load(b + e);
+  float s = hsum(acc);
+  for (; e < d; e++) s += a[e] * b[e];
+  return s;
+}
+// Slot j of a [slots, d] cache row block as fp32: the row itself, or widened from bf16 into `buffer`.
+inline const float* cache_row(const torch::Tensor& cache, int64_t head, int64_t j, int64_t d, bool bf16,
+                              float* buffer) {
+  if (!bf16) return cache.data_ptr<float>() + head * cache.stride(0) + j * d;
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(cache.data_ptr()) + head * cache.stride(0) + j * d;
+  int64_t e = 0;
+  for (; e + 16 <= d; e += 16) store(buffer + e, widen_bf16(src + e));
+  for (; e < d; e++) {
+    const uint32_t bits = static_cast<uint32_t>(src[e]) << 16;
+    std::memcpy(buffer + e, &bits, 4);
+  }
+  return buffer;
+}
+
+// From this many query rows per KV head (trees, prefill), scores are computed 16 keys at a time against the keys
+// transposed ([d, 16]): a vector of 16 scores per broadcast query element, no horizontal sums.
+constexpr int64_t TRANSPOSED_ROWS = 8;
+
+// scores[r * stride + 0..count) = q_r . k_(first + j) * scale + mask[r % n, first + j] for j < count <= 16.
+void score_block(const float* q, int64_t rows, int64_t d, const torch::Tensor& k_cache, int64_t head, int64_t first,
+                 int64_t count, bool bf16, float scale, const torch::Tensor* mask, int64_t n, float* buffer,
+                 float* transposed, float* scores, int64_t stride) {
+  for (int64_t j = 0; j < 16; j++) {
+    if (j < count) {
+      const float* kj = cache_row(k_cache, head, first + j, d, bf16, buffer);
+      for (int64_t e = 0; e < d; e++) transposed[e * 16 + j] = kj[e];
+    } else {
+      for (int64_t e = 0; e < d; e++) transposed[e * 16 + j] = 0.0f;
+    }
+  }
+  const float* mask_data = mask ? mask->data_ptr<float>() : nullptr;
+  const int64_t mask_stride = mask ? mask->stride(0) : 0;
+  float block[4][16];
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int64_t group = std::min<int64_t>(4, rows - r0);
+    v16f acc[4] = {};
+    for (int64_t e = 0; e < d; e++) {
+      const v16f keys = load(transposed + e * 16);
+      for (int64_t r = 0; r < group; r++) acc[r] += q[(r0 + r) * d + e] * keys;
+    }
+    for (int64_t r = 0; r < group; r++) {
+      store(block[r], acc[r] * scale);
+      float* out = scores + (r0 + r) * stride;
+      const float* mask_row = mask_data ? mask_data + ((r0 + r) % n) * mask_stride + first : nullptr;
+      for (int64_t j = 0; j < count; j++) out[j] = block[r][j] + (mask_row ? mask_row[j] : 0.0f);
+    }
+  }
+}
+
+// softmax(q k^T * scale + mask) v for q [heads, n, d] over the first `length` slots of k/v [kv_heads, slots, d]
+// (heads share a KV head in groups, as GQA); mask [n, >= length] additive or None (every key visible). Each
+// (KV head, chunk of keys) is a task holding its rows' running max, sum and weighted values; the chunks of a head
+// are merged at the end. Returns [n, heads * d] in q's dtype.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t length,
+                        c10::optional<torch::Tensor> mask, double scale) {
+  const int64_t heads = q.size(0), n = q.size(1), d = q.size(2), kv_heads = k_cache.size(0);
+  const int64_t group = heads / kv_heads, rows = group * n;
+  TORCH_CHECK(q.is_contiguous() && k_cache.stride(2) == 1 && k_cache.stride(1) == d &&
+              v_cache.stride(2) == 1 && v_cache.stride(1) == d && length <= k_cache.size(1), "attention: layout");
+  const bool cache_bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  const auto qf = q.to(torch::kFloat32).contiguous();
+  torch::Tensor m;
+  if (mask) {
+    m = mask->to(torch::kFloat32);
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == n && m.size(1) >= length && m.stride(1) == 1, "attention: mask shape");
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t per_head = std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads);
+  int64_t chunk = std::min<int64_t>(512, std::max<int64_t>(64, (length + per_head - 1) / per_head));
+  chunk = (chunk + 15) / 16 * 16;
+  const int64_t chunks = (length + chunk - 1) / chunk, tasks = kv_heads * chunks;
+  std::vector<float> run_max(tasks * rows), run_sum(tasks * rows), run_acc(tasks * rows * d);
+  const float* qp = qf.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(rows * chunk), key(d), transposed(rows < TRANSPOSED_ROWS ? 0 : 16 * d);
+    std::vector<float> value_block(16 * d);
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t kv = task / chunks, j0 = (task % chunks) * chunk, j1 = std::min(length, j0 + chunk);
+      const int64_t span = j1 - j0;
+      const float* qh = qp + kv * group * n * d;  // rows r = g * n + i: head kv * group + g, query i
+      if (rows < TRANSPOSED_ROWS) {
+        for (int64_t j = j0; j < j1; j++) {
+          const float* kj = cache_row(k_cache, kv, j, d, cache_bf16, key.data());
+          for (int64_t r = 0; r < rows; r++) {
+            float score = dot_row(qh + r * d, kj, d) * fscale;
+            if (mask) score += m.data_ptr<float>()[(r % n) * m.stride(0) + j];
+            scores[r * chunk + (j - j0)] = score;
+          }
+        }
+      } else {
+        for (int64_t jb = j0; jb < j1; jb += 16) {
+          score_block(qh, rows, d, k_cache, kv, jb, std::min<int64_t>(16, j1 - jb), cache_bf16, fscale,
+                      mask ? &m : nullptr, n, key.data(), transposed.data(), scores.data() + (jb - j0), chunk);
+        }
+      }
+      float* acc_out = run_acc.data() + task * rows * d;
+      std::fill(acc_out, acc_out + rows * d, 0.0f);
+      for (int64_t r = 0; r < rows; r++) {
+        float* row = scores.data() + r * chunk;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < span; j++) top = std::max(top, row[j]);
+        float total = 0.0f;
+        if (top != -std::numeric_limits<float>::infinity()) {
+          int64_t j = 0;
+          for (; j + 16 <= span; j += 16) {
+            const v16f p = vexp(load(row + j) - top);
+            store(row + j, p);
+            total += hsum(p);
+          }
+          for (; j < span; j++) { row[j] = std::exp(row[j] - top); total += row[j]; }
+        } else {
+          std::fill(row, row + span, 0.0f);
+        }
+        run_max[task * rows + r] = top;
+        run_sum[task * rows + r] = total;
+      }
+      // acc_r += sum_j p_rj v_j, 16 keys at a time: each accumulator slice is loaded and stored once per block
+      for (int64_t jb = j0; jb < j1; jb += 16) {
+        const int64_t count = std::min<int64_t>(16, j1 - jb);
+        for (int64_t j = 0; j < count; j++) {
+          const float* vj = cache_row(v_cache, kv, jb + j, d, cache_bf16, value_block.data() + j * d);
+          if (vj != value_block.data() + j * d) std::copy(vj, vj + d, value_block.data() + j * d);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+          const float* p = scores.data() + r * chunk + (jb - j0);
+          float* acc = acc_out + r * d;
+          int64_t e = 0;
+          for (; e + 16 <= d; e += 16) {
+            v16f a = load(acc + e);
+            for (int64_t j = 0; j < count; j++) a += p[j] * load(value_block.data() + j * d + e);
+            store(acc + e, a);
+          }
+          for (; e < d; e++)
+            for (int64_t j = 0; j < count; j++) acc[e] += p[j] * value_block[j * d + e];
+        }
+      }
+    }
+  });
+  auto out = torch::empty({n, heads * d}, q.options());
+  const bool out_bf16 = q.scalar_type() == torch::kBFloat16;
+  at::parallel_for(0, kv_heads * rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(d);
+    for (int64_t hr = begin; hr < end; hr++) {
+      const int64_t kv = hr / rows, r = hr % rows, head = kv * group + r / n, i = r % n;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; c++) top = std::max(top, run_max[(kv * chunks + c) * rows + r]);
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      float total = 0.0f;
+      for (int64_t c = 0; c < chunks; c++) {
+        const int64_t task = kv * chunks + c;
+        const float part_max = run_max[task * rows + r];
+        if (part_max == -std::numeric_limits<float>::infinity()) continue;
+        const float weight = std::exp(part_max - top);
+        total += weight * run_sum[task * rows + r];
+        const float* acc = run_acc.data() + (task * rows + r) * d;
+        for (int64_t e = 0; e < d; e++) merged[e] += weight * acc[e];
+      }
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int64_t e = 0; e < d; e++) store_value(out.data_ptr(), out_bf16, i * heads * d + head * d + e, merged[e] * inv);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear);
+  m.def("dequantize", &dequantize);
+  m.def("dequantize_rows", &dequantize_rows);
+  m.def("rms_norm", &rms_norm);
+  m.def("gated_activation", &gated_activation);
+  m.def("rope_store", &rope_store);
+  m.def("attention", &attention);
+}

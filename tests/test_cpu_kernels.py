@@ -1,0 +1,228 @@
+"""The CPU kernels (decoder/kernels/cpu_kernels.cpp) against PyTorch and gguf-py, and dtype gguf end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from core.errors import UserError
+from core.gguf_weights import BLOCK_FORMATS, BlockWeight, read_block_weights
+from core.models import load_model
+from decoder.api import load_forward
+from decoder.cpu_kernels import kernels
+from decoder.drafters import SequoiaDrafter, TrieDrafter
+from decoder.engine import SpeculativeEngine
+from decoder.model import LeanModel
+from decoder.sampling import SamplingParams
+from decoder.trie import Trie, TrieSettings
+
+from toy import assert_distributed_as_target, first_two_distribution, hf_greedy, sample_first_two
+
+K = kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="no C++ compiler for the CPU kernels")
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf-py quantizes these
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # gguf-py only decodes these: random blocks with finite scales
+SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # the fp16 fields of each 256-value block
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
+    """A matrix in `kind` and its values as gguf-py decodes them."""
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[kind]
+    if kind in QUANTIZABLE:
+        blocks = quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    else:
+        block_size, type_size = 256, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
+        blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+        for offset in SCALE_OFFSETS[kind]:
+            scale = (rng.random((rows, cols // block_size)) * 0.01 + 0.001).astype(np.float16)
+            blocks[..., offset:offset + 2] = scale.view(np.uint8).reshape(rows, -1, 2)
+        blocks = blocks.reshape(rows, -1)
+    values = torch.from_numpy(dequantize(blocks, qtype).reshape(rows, cols).astype(np.float32))
+    return BlockWeight(kind, rows, cols, torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8))), values
+
+
+@pytest.mark.parametrize("kind", QUANTIZABLE + K_QUANTS)
+def test_blocks_decode_exactly_as_gguf_py_and_multiply_as_the_decoded_matrix(kind):
+    weight, values = random_blocks(kind, 40, 512, seed=len(kind))
+    assert torch.equal(K.dequantize(weight.format_id, weight.data, weight.rows, weight.cols), values)
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(K.dequantize_rows(weight.format_id, weight.data, weight.cols, ids), values[ids])
+    bias = torch.randn(40)
+    for n in (1, 2, 3, 4, 5, 9, 17):  # decode tiles (<= 4 rows) and register tiles with edges
+        x = torch.randn(n, 512)
+        expected = x.double() @ values.double().T + bias.double()
+        got = K.linear(x, weight.format_id, weight.data, bias, weight.rows)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_weights_multiply_as_torch(dtype):
+    weight, bias = torch.randn(70, 96).to(dtype), torch.randn(70).to(dtype)
+    kind = BLOCK_FORMATS["F32" if dtype == torch.float32 else "BF16"]
+    for n in (1, 3, 4, 6, 19):
+        x = torch.randn(n, 96).to(dtype)
+        expected = x.double() @ weight.double().T + bias.double()
+        got = K.linear(x, kind, weight, bias, 70)
+        assert got.dtype == dtype
+        # fp32: summation order only; bf16: the output rounded to bf16 (2^-8 relative)
+        tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=8e-3, atol=2e-2)
+        torch.testing.assert_close(got.double(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length, n", [(37, 1), (1500, 1), (900, 5)])
+def test_attention_is_softmax_over_the_cache_with_grouped_heads_and_a_mask(cache_dtype, length, n):
+    """Keys split in chunks across threads and merged: 1500 keys make several chunks per KV head."""
+    heads, kv_heads, d, slots = 6, 2, 48, 1600
+    gen = torch.Generator().manual_seed(length + n)
+    q = torch.randn(heads, n, d, generator=gen)
+    keys = torch.randn(kv_heads, slots, d, generator=gen).to(cache_dtype)
+    values = torch.randn(kv_heads, slots, d, generator=gen).to(cache_dtype)
+    mask = None
+    if n > 1:
+        mask = torch.zeros(n, length)
+        mask[:, length - n:] = torch.full((n, n), float("-inf")).triu(1)
+        mask[1, :300] = float("-inf")  # a sliding window's hidden keys
+    got = K.attention(q, keys, values, length, mask, 0.125)
+    group_keys = keys[:, :length].float().repeat_interleave(heads // kv_heads, 0)
+    group_values = values[:, :length].float().repeat_interleave(heads // kv_heads, 0)
+    scores = q @ group_keys.transpose(1, 2) * 0.125 + (0 if mask is None else mask)
+    expected = (scores.softmax(-1) @ group_values).transpose(0, 1).reshape(n, heads * d)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_activation_and_rope_round_as_the_eager_forward(dtype):
+    """rms_norm (with the residual add), gated_activation and rope_store against the same steps in PyTorch: equal
+    in fp32 up to summation order, and in bf16 rounded at the same places."""
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(3, 64, generator=gen).to(dtype), torch.randn(3, 64, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+    summed = x + residual
+    h = summed.float()
+    expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = K.rms_norm(x, residual, weight, 1e-5, False)
+    assert torch.equal(x, summed)  # the residual added in place
+    torch.testing.assert_close(got, expected, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+    gate_up = torch.randn(3, 80, generator=gen).to(dtype)
+    torch.testing.assert_close(K.gated_activation(gate_up, False), F.silu(gate_up[:, :40]) * gate_up[:, 40:],
+                               rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+    heads, kv_heads, d, n = 4, 2, 16, 3
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    angles = torch.rand(n, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    keys, values = torch.zeros(kv_heads, 10, d, dtype=dtype), torch.zeros(kv_heads, 10, d, dtype=dtype)
+    q = K.rope_store(qkv, cos, sin, keys, values, 5, heads, kv_heads, None, None, 1e-6, False)
+
+    def rotate(t):  # [n, h, d]
+        return t * cos[:, None] + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin[:, None]
+
+    split = qkv.view(n, heads + 2 * kv_heads, d).float()
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(q.float(), rotate(split[:, :heads].float()).transpose(0, 1), **tolerance)
+    torch.testing.assert_close(keys[:, 5:8].float(), rotate(split[:, heads:heads + kv_heads]).transpose(0, 1),
+                               **tolerance)
+    assert torch.equal(values[:, 5:8], qkv.view(n, -1, d)[:, heads + kv_heads:].transpose(0, 1))
+    assert not keys[:, :5].any() and not keys[:, 8:].any()
+
+
+def dequantized_copy(loaded) -> LeanModel:
+    """The fp32 lean model whose weights are the gguf model's blocks decoded."""
+    blocks = loaded.block_weights()
+    model = loaded.transformers_model()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name in blocks:
+                block = blocks[name]
+                parameter.copy_(K.dequantize(block.format_id, block.data, block.rows, block.cols))
+    return LeanModel(model)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("name", ["tiny-random-llama", "tiny-random-qwen2"])
+def test_gguf_model_is_the_dequantized_model_and_speculates_losslessly(name):
+    """A tiny model at dtype gguf (Q4_1 layers, a Q8_0 embedding) scores as the fp32 model of its decoded
+    weights, and its greedy Sequoia and Lookahead output equal its own one-token output and transformers' greedy
+    output of the decoded model."""
+    loaded = load_model(name, "gguf")
+    quantized = load_forward(load_model(name, "gguf"), "cpu")
+    assert quantized.layers[0]["wqkv"].format == BLOCK_FORMATS["Q4_1"]
+    assert isinstance(quantized.embed, BlockWeight) and quantized.embed.format == "Q8_0"
+    reference = dequantized_copy(loaded)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3))
+    caches = [model.new_cache(48) for model in (quantized, reference)]
+    for model, cache in zip((quantized, reference), caches):
+        model.prefill(ids[:30], cache)
+    for t in range(30, 40):
+        rows = [model.forward(ids[t:t + 1], torch.tensor([cache.length]), cache, None)[0]
+                for model, cache in zip((quantized, reference), caches)]
+        for cache in caches:
+            cache.commit(None, 1)
+        torch.testing.assert_close(rows[0], rows[1], rtol=1e-5, atol=1e-5)
+    prompt = ids[:24].tolist()
+    params = SamplingParams()
+    own = SpeculativeEngine(quantized).generate(prompt, 40, params).tokens
+    assert own == hf_greedy(loaded, prompt, 40)  # transformers' model holds the decoded weights
+    draft = load_forward(load_model(name + "-draft", "gguf"), "cpu")
+    for drafter in (SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2]), TrieDrafter(Trie(TrieSettings()))):
+        result = SpeculativeEngine(quantized, drafter).generate(prompt, 40, params)
+        assert result.tokens == own
+    assert quantized.fused_rows > 0
+
+
+def quantized_toy(seed: int, noise: float = 0.0):
+    """A toy model over a 6-token vocabulary with 32-wide weights, quantized to Q4_1 blocks; transformers' copy
+    holds the decoded weights."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         initializer_range=0.5, tie_word_embeddings=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
+    blocks = {}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2 and parameter.shape[1] % 32 == 0:
+                data = quantize(parameter.numpy(), GGMLQuantizationType.Q4_1)
+                blocks[name] = BlockWeight("Q4_1", parameter.shape[0], parameter.shape[1],
+                                           torch.from_numpy(np.ascontiguousarray(data).view(np.uint8)))
+                parameter.copy_(torch.from_numpy(dequantize(data, GGMLQuantizationType.Q4_1)))
+    return model, LeanModel(model, block_weights=blocks)
+
+
+@pytest.mark.parametrize("rule", ["sequoia", "specinfer"])
+def test_sampled_output_of_a_quantized_model_is_distributed_as_that_model(rule):
+    target_hf, target = quantized_toy(10)
+    _, draft = quantized_toy(10, noise=0.1)
+    assert target.layers[0]["w_gate_up"].format == BLOCK_FORMATS["Q4_1"]
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    prompt = [1, 4, 2, 5, 3]
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3]), rule=rule)
+    counts, accepted = sample_first_two(lambda: engine, prompt, params, 4000)
+    assert accepted > 0.2
+    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+
+
+def test_a_quantization_type_the_kernels_do_not_run_is_refused_in_one_line(tmp_path):
+    from transformers import LlamaConfig
+
+    path = tmp_path / "q2k.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 84), dtype=np.uint8), raw_shape=(8, 256),
+                      raw_dtype=GGMLQuantizationType.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match="Q2_K, a quantization type the CPU kernels do not run"):
+        read_block_weights(path, LlamaConfig(num_hidden_layers=0))
