@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench bench-setup clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: setup
 
 bench: setup
 	taskset -c 0 $(PY) bench/sequoia_dp.py
+
+# llama.cpp for the benchmarks' baselines: llama-cpp-python built from source with this CPU's instructions
+bench-setup: setup
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,llamacpp]'
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,18 +1,20 @@
 """`plan bench`: our decoder and the baselines on the same prompts, same dtype, in one process.
 
-Methods: `ours` (the plan), `ours-ar` (our engine with a one-node tree), and the transformers baselines
-`hf` (generate), `hf-assisted` (assistant_model = the plan's draft), `hf-prompt-lookup`
-(prompt_lookup_num_tokens = 10). For each prompt the methods run back to back, so machine noise spreads
-evenly, and their order rotates from one prompt to the next, so that no method always runs first or always
-right after transformers; one warm-up generation per method comes first. Two rates per method: end-to-end
-tokens/s (new tokens over the wall time of the whole call, prefill included) and decode tokens/s (tokens after
-the prefill over the time after it: for transformers, timed by a streamer from the first emitted tokens on; for
-our engine, whose prefill stops before the last prompt token, every new token over the decode time). Speedups
-compare decode rates, since at long contexts the prefill, the same work for every method, would hide them; the
-end-to-end ratio against `hf` is reported too. A drafter's own prefill (a draft model's prompt, a StreamingLLM
-window) counts as our engine's decoding time, since one-token decoding does not pay it. Greedy runs are checked
-token by token against `hf`; at the first differing token the report gives the target's top-2 logit gap (a
-near-tie below 1e-4 is rounding, not a bug: multi-token and one-token forwards round differently).
+Methods: `ours` (the plan, or without one our one-token decoding), `ours-ar` (our engine with a one-node tree),
+the transformers baselines `hf` (generate), `hf-assisted` (assistant_model = the plan's draft),
+`hf-prompt-lookup` (prompt_lookup_num_tokens = 10), and llama.cpp on the same GGUF (`llama.cpp` one token per
+forward, `llama.cpp-lookup` its prompt lookup with as many tokens; specplan/llamacpp.py). For each prompt the
+methods run back to back, so machine noise spreads evenly, and their order rotates from one prompt to the next,
+so that no method always runs first or always right after transformers; one warm-up generation per method comes
+first. Two rates per method: end-to-end tokens/s (new tokens over the wall time of the whole call, prefill
+included) and decode tokens/s (tokens after the prefill over the time after it: for transformers and llama.cpp,
+timed from the first emitted tokens on; for our engine, whose prefill stops before the last prompt token, every
+new token over the decode time). Speedups compare decode rates, since at long contexts the prefill, the same work
+for every method, would hide them; the end-to-end ratio against `hf` is reported too. A drafter's own prefill (a
+draft model's prompt, a StreamingLLM window) counts as our engine's decoding time, since one-token decoding does
+not pay it. Greedy runs are checked token by token against `hf`; at the first differing token the report gives
+the target's top-2 logit gap (a near-tie below 1e-4 is rounding, not a bug: multi-token and one-token forwards
+round differently).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.choices import BASELINES
 from core.errors import UserError
 from core.fileio import atomic_output, read_json, write_json
 from core.machine import cpu_info, machine_difference, machine_label, this_machine
@@ -41,8 +44,8 @@ from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
 from profiler.datasets import Prompt, read_dataset, spread_sample
 from profiler.haystack import build_prompts
+from specplan.llamacpp import LlamaCpp
 
-BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming")
 TRIFORCE_BASELINES = ("two-level", "streaming")
 NEAR_TIE = 1e-4
 REPRICE_PASSES = 2  # timed passes over the plan's priced points between two prompts
@@ -85,7 +88,7 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
         encoded = [encode_prompt(tokenizer, p.text, request.chat) for p in prompts]
     for ids in encoded:
         decoder.engine.check_fits(len(ids), request.max_new_tokens)
-    methods = _methods(decoder, request)
+    methods = _methods(decoder, request, max(len(ids) for ids in encoded) + request.max_new_tokens)
     names = list(methods)
     repricing = _Repricing(decoder) if request.reprice else None
     log(f"warming up {', '.join(names)}")
@@ -139,7 +142,7 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
     return report
 
 
-def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
+def _methods(decoder: Decoder, request: BenchRequest, context: int) -> dict[str, Callable]:
     params = request.params
     device = decoder.target_forward.device
     hf_model = decoder.target.transformers_model().to(device)  # the baselines run where our decoder runs
@@ -189,8 +192,15 @@ def _methods(decoder: Decoder, request: BenchRequest) -> dict[str, Callable]:
                 streaming_model, streaming_gamma, s.sinks, s.window), stops_set)),
         }
 
+    llama = {}
+    for name, lookup in (("llama.cpp", None), ("llama.cpp-lookup", request.prompt_lookup_tokens)):
+        if name in request.baselines:
+            runner = LlamaCpp(decoder.target, context, lookup)
+            llama[name] = lambda ids, max_new, seed, runner=runner: runner.generate(ids, max_new, params, seed)
+
     available = {
         **triforce,
+        **llama,
         "ours": lambda ids, max_new, seed: engine_method(decoder.engine)(ids, max_new, seed),  # after restart()
         "ours-ar": engine_method(SpeculativeEngine(decoder.target_forward, None, stops_set)),
         "hf": hf({}),

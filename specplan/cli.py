@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from core.choices import BACKENDS, DEVICES, DTYPES, VERIFICATION_RULES
+from core.choices import BACKENDS, BASELINES, DEVICES, DTYPES, VERIFICATION_RULES
 from core.errors import UserError
 from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
 from core.plan_schema import Plan
@@ -426,13 +426,15 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 
 
 @cli.command()
-@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="the plan to run (`ours`); without one, `ours` is our one-token decoding of --target")
 @click.option("--dataset", required=True, help=PROMPTS_HELP)
 @click.option("--prompts", type=click.IntRange(min=1),
               default=8, show_default=True, help="prompts, spread across categories")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--baselines", default="hf,hf-assisted,ours-ar", show_default=True,
-              help="comma-separated: hf, hf-assisted, hf-prompt-lookup, ours-ar; two-level, streaming (TriForce)")
+              help=f"comma-separated, of {', '.join(BASELINES)} (two-level, streaming: TriForce plans; llama.cpp: "
+                   "the llamacpp extra)")
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(DTYPES))
@@ -450,11 +452,11 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @_backend_option(None)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="report.json (a .md table and a .png plot are written beside it)")
-def bench(plan_path: Path, dataset: str, prompts: int, max_new_tokens: int, baselines: str, target: str | None,
+def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
           reprice: bool, backend: str | None, output: Path) -> None:
-    """Our decoder against Hugging Face baselines on the same prompts, in one run."""
+    """Our decoder against transformers and llama.cpp baselines on the same prompts, in one run."""
     from decoder.api import load_decoder
     from decoder.sampling import SamplingParams
     from specplan.bench import BenchRequest, markdown_table, run_bench

@@ -152,3 +152,37 @@ def test_a_model_larger_than_the_memory(run_cli, tmp_path, monkeypatch):
     assert_one_line_exit_2(run_cli("generate", "--target", str(directory), "--prompt", "hello"),
                            "tiny-llama needs about 0.1 MiB for its weights in fp32, and this machine has 0.0 MiB "
                            "available")
+
+
+def test_llama_cpp_baselines_without_the_extra_or_without_a_gguf(run_cli, tmp_path, monkeypatch):
+    """llama.cpp needs llama-cpp-python (the llamacpp extra) and a GGUF file (a tiny model has none)."""
+    import builtins
+
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"question_id": 1, "category": "c", "turns": ["count 1 2 3"]}')
+    args = ("bench", "--target", "tiny-random-llama", "--dataset", dataset, "--prompts", 1, "--max-new-tokens", 4,
+            "--baselines", "llama.cpp", "-o", tmp_path / "report.json")
+    real_import = builtins.__import__
+
+    def no_llama_cpp(name, *rest, **kwargs):
+        if name == "llama_cpp":
+            raise ImportError(name)
+        return real_import(name, *rest, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(builtins, "__import__", no_llama_cpp)
+        assert_one_line_exit_2(run_cli(*args), "the llama.cpp baselines need llama-cpp-python: pip install")
+    import specplan.llamacpp
+
+    monkeypatch.setattr(specplan.llamacpp, "llama_cpp", lambda: None)  # as if installed
+    assert_one_line_exit_2(run_cli(*args), "tiny-random-llama: the llama.cpp baselines run a GGUF file")
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_dtype_gguf_of_a_model_without_a_gguf(run_cli, tmp_path):
+    from transformers import LlamaConfig
+
+    directory = saved_directory(LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2), tmp_path / "tiny-llama")
+    assert_one_line_exit_2(run_cli("generate", "--target", str(directory), "--prompt", "hello", "--dtype", "gguf"),
+                           "dtype gguf runs a GGUF file's own quantized weights; a Hugging Face directory has none")

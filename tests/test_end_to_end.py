@@ -118,3 +118,47 @@ def test_lookahead_with_token_zero_in_the_prompt_is_lossless(smollm2):
     result = engine.generate(ids, 40, SamplingParams())
     assert result.tokens == hf_greedy(smollm2, ids, 40)[:len(result.tokens)] and len(result.tokens) > 0
     assert result.tokens_per_step > 1.5  # the repeated document is drafted from the trie across the id-0 separators
+
+
+def test_the_shipped_quantized_weights_decode_as_the_fp32_model(run_cli, tmp_path, smollm2):
+    """dtype gguf runs the preset's own Q4_1/Q8_0 blocks: its greedy output, one token per step and with a
+    Lookahead plan, equals transformers' fp32 greedy output (the same weights, decoded); the profile records the
+    dtype."""
+    profile = tmp_path / "p.gguf.yaml"
+    code, _, stderr = run_cli("profile", "--model", MODEL, "--dtype", "gguf", "--contexts", "256", "--sizes", "1,4",
+                              "--repeats", "2", "-o", profile)
+    assert code == 0, stderr
+    assert yaml_load(profile)["dtype"] == "gguf"
+    prompt = read_dataset("specbench:coding")[0].text
+    ids = encode_prompt(smollm2.tokenizer, prompt, True)
+    expected = hf_greedy(smollm2, ids, 40)
+    code, stdout, stderr = run_cli("generate", "--target", MODEL, "--dtype", "gguf", "--prompt", prompt, "--chat",
+                                   "--max-new-tokens", 40, "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["tokens"] == expected
+    plan = tmp_path / "plan.yaml"
+    accepted = tmp_path / "a.yaml"
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(DEMO_PROMPTS.read_text().splitlines()[:2]))
+    assert run_cli("accept", "lookahead", "--target", MODEL, "--dtype", "gguf", "--dataset", dataset,
+                   "--max-new-tokens", 32, "-o", accepted)[0] == 0
+    assert run_cli("solve", "lookahead", "--acceptance", accepted, "--profile", profile, "--decoding-lengths", "2,4",
+                   "--branch-lengths", "1,3", "-o", plan)[0] == 0
+    code, stdout, stderr = run_cli("generate", "--plan", plan, "--prompt", prompt, "--chat", "--max-new-tokens", 40,
+                                   "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["tokens"] == expected
+
+
+def test_llama_cpp_baselines_run_the_same_gguf(run_cli, tmp_path):
+    pytest.importorskip("llama_cpp")
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(DEMO_PROMPTS.read_text().splitlines()[:1]))
+    report = tmp_path / "report.json"
+    code, _, stderr = run_cli("bench", "--target", MODEL, "--dtype", "gguf", "--dataset", dataset, "--prompts", 1,
+                              "--max-new-tokens", 16, "--baselines", "ours-ar,llama.cpp,llama.cpp-lookup",
+                              "-o", report)
+    assert code == 0, stderr
+    summary = json.loads(report.read_text())["summary"]
+    for method in ("llama.cpp", "llama.cpp-lookup"):
+        assert summary[method]["new_tokens"] > 0 and summary[method]["decode_tokens_per_second"] > 0

@@ -1,0 +1,88 @@
+"""Forward-only: t(n) of our lean forward and of llama.cpp on the same GGUF, same threads (issue 33).
+
+For each (n, context): the median time of a forward of n new tokens after `context` committed ones, every row's
+logits computed (llama.cpp with logits_all, as a verification forward needs), ours and llama.cpp interleaved
+round by round so that the machine's drift hits both alike.
+
+    .venv/bin/python bench/llamacpp_forward.py smollm2-135m gguf,fp32,bf16 [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from core.models import load_model
+from decoder.api import load_forward
+from decoder.model import causal_mask
+from specplan.llamacpp import gguf_for, llama_cpp
+
+ROWS = (1, 4, 16)
+CONTEXTS = (256, 4096)
+REPEATS = 15
+
+
+def median_seconds(work, repeats: int = REPEATS) -> float:
+    work()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_point(ours, llama, cache, ids: torch.Tensor, context: int, n: int, rounds: int) -> tuple[float, float]:
+    """Median seconds of a forward of n new tokens after `context` ones, ours and llama.cpp's, rounds interleaved;
+    both caches hold the first `context` ids, and each forward's new entries are dropped again."""
+    new = ids[context:context + n]
+    mask = causal_mask(context, n, ours.dtype, "cpu") if n > 1 else None
+    positions = torch.arange(context, context + n)
+
+    def llama_forward() -> None:
+        llama._ctx.kv_cache_seq_rm(-1, context, -1)
+        llama.n_tokens = context
+        llama.eval(new.tolist())
+
+    timings: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
+    for _ in range(rounds):
+        timings["ours"].append(median_seconds(lambda: ours.forward(new, positions, cache, mask)))
+        timings["llama.cpp"].append(median_seconds(llama_forward))
+    return statistics.median(timings["ours"]), statistics.median(timings["llama.cpp"])
+
+
+@torch.inference_mode()
+def compare(name: str, dtype: str, rounds: int) -> list[str]:
+    loaded = load_model(name, dtype)
+    path = gguf_for(loaded)
+    ours = load_forward(loaded, "cpu")
+    threads = torch.get_num_threads()
+    llama = llama_cpp().Llama(model_path=str(path), n_ctx=max(CONTEXTS) + max(ROWS) + 8, n_threads=threads,
+                              n_threads_batch=threads, n_batch=512, logits_all=True, verbose=False)
+    ids = torch.randint(100, 5000, (max(CONTEXTS) + max(ROWS),), generator=torch.Generator().manual_seed(0))
+    cache = ours.new_cache(max(CONTEXTS) + max(ROWS))
+    lines = []
+    for context in CONTEXTS:
+        cache.length = 0
+        ours.prefill(ids[:context], cache, logits=False)
+        llama.reset()
+        llama.eval(ids[:context].tolist())
+        for n in ROWS:
+            ours_ms, llama_ms = (seconds * 1e3 for seconds in time_point(ours, llama, cache, ids, context, n, rounds))
+            lines.append(f"{name} {dtype} ({path.name}) context {context} n={n}: ours {ours_ms:.2f} ms, "
+                         f"llama.cpp {llama_ms:.2f} ms, ours/llama.cpp {ours_ms / llama_ms:.2f}")
+            print(lines[-1], flush=True)
+    return lines
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("dtypes", nargs="?", default="gguf,fp32,bf16")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    for dtype in args.dtypes.split(","):
+        compare(args.model, dtype, args.rounds)
