@@ -137,30 +137,33 @@ template <int F> struct Block;
 
 template <> struct Block<BF16> {
   static constexpr int elems = 32, bytes = 64;
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
     const uint16_t* h = reinterpret_cast<const uint16_t*>(b);
-    store(y, widen_bf16(h));
-    store(y + 16, widen_bf16(h + 16));
+    emit(0, widen_bf16(h));
+    emit(16, widen_bf16(h + 16));
   }
 };
 
 template <> struct Block<Q4_0> {  // d (fp16), 16 bytes: element j in the low nibble of byte j, j + 16 in the high
   static constexpr int elems = 32, bytes = 18;
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
     const float d = half_at(b);
     const v16i q = bytes_to_int(b + 2);
-    store(y, ints_to_float((q & 15) - 8) * d);
-    store(y + 16, ints_to_float((q >> 4) - 8) * d);
+    emit(0, ints_to_float((q & 15) - 8) * d);
+    emit(16, ints_to_float((q >> 4) - 8) * d);
   }
 };
 
 template <> struct Block<Q4_1> {  // d, m (fp16), 16 bytes of nibbles: y = d q + m
   static constexpr int elems = 32, bytes = 20;
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
     const float d = half_at(b), m = half_at(b + 2);
     const v16i q = bytes_to_int(b + 4);
-    store(y, ints_to_float(q & 15) * d + m);
-    store(y + 16, ints_to_float(q >> 4) * d + m);
+    emit(0, ints_to_float(q & 15) * d + m);
+    emit(16, ints_to_float(q >> 4) * d + m);
   }
 };
 
@@ -172,62 +175,68 @@ inline void high_bits(uint32_t qh, v16i& low_half, v16i& high_half) {  // bit j 
 
 template <> struct Block<Q5_0> {  // d, qh (32 bits), 16 bytes of nibbles: y = d (q - 16)
   static constexpr int elems = 32, bytes = 22;
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
     const float d = half_at(b);
     uint32_t qh; std::memcpy(&qh, b + 2, 4);
     v16i h0, h1; high_bits(qh, h0, h1);
     const v16i q = bytes_to_int(b + 6);
-    store(y, ints_to_float(((q & 15) | h0) - 16) * d);
-    store(y + 16, ints_to_float(((q >> 4) | h1) - 16) * d);
+    emit(0, ints_to_float(((q & 15) | h0) - 16) * d);
+    emit(16, ints_to_float(((q >> 4) | h1) - 16) * d);
   }
 };
 
 template <> struct Block<Q5_1> {  // d, m, qh, 16 bytes of nibbles: y = d q + m
   static constexpr int elems = 32, bytes = 24;
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
     const float d = half_at(b), m = half_at(b + 2);
     uint32_t qh; std::memcpy(&qh, b + 4, 4);
     v16i h0, h1; high_bits(qh, h0, h1);
     const v16i q = bytes_to_int(b + 8);
-    store(y, ints_to_float((q & 15) | h0) * d + m);
-    store(y + 16, ints_to_float((q >> 4) | h1) * d + m);
+    emit(0, ints_to_float((q & 15) | h0) * d + m);
+    emit(16, ints_to_float((q >> 4) | h1) * d + m);
   }
 };
 
 template <> struct Block<Q8_0> {  // d, 32 int8: y = d q
   static constexpr int elems = 32, bytes = 34;
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
     const float d = half_at(b);
-    store(y, ints_to_float(signed_bytes_to_int(b + 2)) * d);
-    store(y + 16, ints_to_float(signed_bytes_to_int(b + 18)) * d);
+    emit(0, ints_to_float(signed_bytes_to_int(b + 2)) * d);
+    emit(16, ints_to_float(signed_bytes_to_int(b + 18)) * d);
   }
 };
 
-// K-quants: 256-element super-blocks of 8 sub-blocks with 6-bit scales and mins (ggml's get_scale_min_k4).
-inline void scale_min_k4(int j, const uint8_t* q, uint8_t& scale, uint8_t& min) {
-  if (j < 4) {
-    scale = q[j] & 63; min = q[j + 4] & 63;
-  } else {
-    scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+// K-quants: 256-element super-blocks of 8 sub-blocks with 6-bit scales and mins packed in 12 bytes; unpacked
+// all at once with ggml's masks (ggml-quants.c, ggml_vec_dot_q4_K_q8_K): bytes 0-7 the scales, 8-15 the mins.
+inline void scales_mins_k4(const uint8_t* packed, uint8_t out[16]) {
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  const uint32_t mins_low = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  u[2] = mins_low;
+  u[0] &= low6;
+  std::memcpy(out, u, 16);
 }
 
 template <> struct Block<Q4_K> {  // d, dmin, 12 bytes of scales, 128 bytes: 32 bytes per 64 elements
   static constexpr int elems = 256, bytes = 144;
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
     const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* scales = b + 4;
+    uint8_t sm[16];
+    scales_mins_k4(b + 4, sm);
     const uint8_t* qs = b + 16;
-    for (int c = 0; c < 4; c++, qs += 32, y += 64) {
-      uint8_t s0, m0, s1, m1;
-      scale_min_k4(2 * c, scales, s0, m0);
-      scale_min_k4(2 * c + 1, scales, s1, m1);
-      const float d0 = d * s0, n0 = dmin * m0, d1 = d * s1, n1 = dmin * m1;
+    for (int c = 0, base = 0; c < 4; c++, qs += 32, base += 64) {
+      const float d0 = d * sm[2 * c], n0 = dmin * sm[8 + 2 * c], d1 = d * sm[2 * c + 1], n1 = dmin * sm[9 + 2 * c];
       for (int h = 0; h < 32; h += 16) {
         const v16i q = bytes_to_int(qs + h);
-        store(y + h, ints_to_float(q & 15) * d0 - n0);
-        store(y + 32 + h, ints_to_float(q >> 4) * d1 - n1);
+        emit(base + h, ints_to_float(q & 15) * d0 - n0);
+        emit(base + 32 + h, ints_to_float(q >> 4) * d1 - n1);
       }
     }
   }
@@ -235,51 +244,58 @@ template <> struct Block<Q4_K> {  // d, dmin, 12 bytes of scales, 128 bytes: 32 
 
 template <> struct Block<Q5_K> {  // d, dmin, scales, 32 bytes of fifth bits, 128 bytes of nibbles
   static constexpr int elems = 256, bytes = 176;
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
     const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* scales = b + 4;
+    uint8_t sm[16];
+    scales_mins_k4(b + 4, sm);
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + 48;
-    for (int c = 0; c < 4; c++, qs += 32, y += 64) {
-      uint8_t s0, m0, s1, m1;
-      scale_min_k4(2 * c, scales, s0, m0);
-      scale_min_k4(2 * c + 1, scales, s1, m1);
-      const float d0 = d * s0, n0 = dmin * m0, d1 = d * s1, n1 = dmin * m1;
+    for (int c = 0, base = 0; c < 4; c++, qs += 32, base += 64) {
+      const float d0 = d * sm[2 * c], n0 = dmin * sm[8 + 2 * c], d1 = d * sm[2 * c + 1], n1 = dmin * sm[9 + 2 * c];
       for (int h = 0; h < 32; h += 16) {
         const v16i q = bytes_to_int(qs + h);
         const v16i high = bytes_to_int(qh + h);
         const v16i h0 = ((high >> (2 * c)) & 1) << 4, h1 = ((high >> (2 * c + 1)) & 1) << 4;
-        store(y + h, ints_to_float((q & 15) | h0) * d0 - n0);
-        store(y + 32 + h, ints_to_float((q >> 4) | h1) * d1 - n1);
+        emit(base + h, ints_to_float((q & 15) | h0) * d0 - n0);
+        emit(base + 32 + h, ints_to_float((q >> 4) | h1) * d1 - n1);
       }
     }
   }
 };
 
-template <> struct Block<Q6_K> {  // 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+template <> struct Block<Q6_K> {  // 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d: y = d s (q - 32)
   static constexpr int elems = 256, bytes = 210;
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
     const float d = half_at(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    float scale[16], offset[16];  // y = scale q + offset, offset = -32 scale
+    for (int i = 0; i < 16; i++) {
+      scale[i] = d * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[i]);
+      offset[i] = -32.0f * scale[i];
+    }
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
-    for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128) {
-      for (int l = 0; l < 32; l += 16) {
-        const int is = l / 16;
+    for (int half = 0, base = 0, is = 0; half < 2; half++, ql += 64, qh += 32, base += 128, is += 8) {
+      for (int l = 0; l < 32; l += 16, is++) {
         const v16i a = bytes_to_int(ql + l), c = bytes_to_int(ql + l + 32);
         const v16i h = bytes_to_int(qh + l);
-        store(y + l, ints_to_float(((a & 15) | ((h & 3) << 4)) - 32) * (d * sc[is]));
-        store(y + l + 32, ints_to_float(((c & 15) | (((h >> 2) & 3) << 4)) - 32) * (d * sc[is + 2]));
-        store(y + l + 64, ints_to_float(((a >> 4) | (((h >> 4) & 3) << 4)) - 32) * (d * sc[is + 4]));
-        store(y + l + 96, ints_to_float(((c >> 4) | (((h >> 6) & 3) << 4)) - 32) * (d * sc[is + 6]));
+        emit(base + l, ints_to_float((a & 15) | ((h << 4) & 0x30)) * scale[is] + offset[is]);
+        emit(base + l + 32, ints_to_float((c & 15) | ((h << 2) & 0x30)) * scale[is + 2] + offset[is + 2]);
+        emit(base + l + 64, ints_to_float((a >> 4) | (h & 0x30)) * scale[is + 4] + offset[is + 4]);
+        emit(base + l + 96, ints_to_float((c >> 4) | ((h >> 2) & 0x30)) * scale[is + 6] + offset[is + 6]);
       }
+      is -= 2;
     }
   }
 };
 
 template <> struct Block<F32> {
   static constexpr int elems = 32, bytes = 128;
-  static void decode(const uint8_t* b, float* y) { std::memcpy(y, b, bytes); }
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    for (int e = 0; e < elems; e += 16) emit(e, load(reinterpret_cast<const float*>(b) + e));
+  }
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -324,21 +340,25 @@ inline void dot_tile(const float* w, const float* x, int64_t k, float out[WT][XT
     }
 }
 
+// Block formats decode slowly enough that the hardware prefetcher alone leaves DRAM bandwidth unused (Q6_K streamed
+// at 14 GB/s without this); the decode loop asks for the bytes this far ahead.
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+// Each weight block is decoded in registers (Block<F>::each hands over 16 values at a time) and dotted at once.
 template <int F, int NR>
 inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
   constexpr int E = Block<F>::elems;
-  alignas(64) float w[E];
   v16f acc[NR][2] = {};
   for (int64_t b = 0; b < k / E; b++) {
-    Block<F>::decode(row + b * Block<F>::bytes, w);
     const float* xb = x + b * E;
-    for (int e = 0; e < E; e += 32) {
-      const v16f w0 = load(w + e), w1 = load(w + e + 16);
-      for (int r = 0; r < NR; r++) {
-        acc[r][0] += w0 * load(xb + r * ldx + e);
-        acc[r][1] += w1 * load(xb + r * ldx + e + 16);
-      }
-    }
+    const uint8_t* block = row + b * Block<F>::bytes;
+    for (int line = 0; line < Block<F>::bytes; line += 64) __builtin_prefetch(block + PREFETCH_BYTES + line);
+    Block<F>::each(block, [&](int offset, v16f w) {
+      const int slot = (offset >> 4) & 1;  // two accumulators per row: independent FMA chains
+      for (int r = 0; r < NR; r++) acc[r][slot] += w * load(xb + r * ldx + offset);
+    });
   }
   for (int r = 0; r < NR; r++) out[r] = hsum(acc[r][0] + acc[r][1]);
 }
@@ -359,7 +379,8 @@ inline void dot_bf16(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t 
 
 template <int F>
 void decode_row(const uint8_t* row, int64_t k, float* y) {
-  for (int64_t b = 0; b < k / Block<F>::elems; b++) Block<F>::decode(row + b * Block<F>::bytes, y + b * Block<F>::elems);
+  for (int64_t b = 0; b < k / Block<F>::elems; b++, y += Block<F>::elems)
+    Block<F>::each(row + b * Block<F>::bytes, [&](int offset, v16f w) { store(y + offset, w); });
 }
 
 // Calls fn(std::integral_constant<int, NR>) for a tile of nr activation rows (1 <= nr <= ROW_TILE).
