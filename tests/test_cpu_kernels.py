@@ -218,7 +218,7 @@ def test_a_quantization_type_the_kernels_do_not_run_is_refused_in_one_line(tmp_p
 
     path = tmp_path / "q2k.gguf"
     writer = GGUFWriter(str(path), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((8, 84), dtype=np.uint8), raw_shape=(8, 256),
+    writer.add_tensor("token_embd.weight", np.zeros((8, 84), dtype=np.uint8),  # 8 rows of one 256-value block
                       raw_dtype=GGMLQuantizationType.Q2_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
