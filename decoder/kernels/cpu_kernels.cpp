@@ -231,8 +231,10 @@ template <> struct Block<Q4_K> {  // d, dmin, 12 bytes of scales, 128 bytes: 32 
     uint8_t sm[16];
     scales_mins_k4(b + 4, sm);
     const uint8_t* qs = b + 16;
+#pragma GCC unroll 4
     for (int c = 0, base = 0; c < 4; c++, qs += 32, base += 64) {
       const float d0 = d * sm[2 * c], n0 = dmin * sm[8 + 2 * c], d1 = d * sm[2 * c + 1], n1 = dmin * sm[9 + 2 * c];
+#pragma GCC unroll 2
       for (int h = 0; h < 32; h += 16) {
         const v16i q = bytes_to_int(qs + h);
         emit(base + h, ints_to_float(q & 15) * d0 - n0);
@@ -251,8 +253,10 @@ template <> struct Block<Q5_K> {  // d, dmin, scales, 32 bytes of fifth bits, 12
     scales_mins_k4(b + 4, sm);
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + 48;
+#pragma GCC unroll 4
     for (int c = 0, base = 0; c < 4; c++, qs += 32, base += 64) {
       const float d0 = d * sm[2 * c], n0 = dmin * sm[8 + 2 * c], d1 = d * sm[2 * c + 1], n1 = dmin * sm[9 + 2 * c];
+#pragma GCC unroll 2
       for (int h = 0; h < 32; h += 16) {
         const v16i q = bytes_to_int(qs + h);
         const v16i high = bytes_to_int(qh + h);
@@ -276,7 +280,9 @@ template <> struct Block<Q6_K> {  // 128 bytes of low nibbles, 64 of high bit pa
     }
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
+#pragma GCC unroll 2
     for (int half = 0, base = 0, is = 0; half < 2; half++, ql += 64, qh += 32, base += 128, is += 8) {
+#pragma GCC unroll 2
       for (int l = 0; l < 32; l += 16, is++) {
         const v16i a = bytes_to_int(ql + l), c = bytes_to_int(ql + l + 32);
         const v16i h = bytes_to_int(qh + l);
@@ -346,21 +352,31 @@ inline void dot_tile(const float* w, const float* x, int64_t k, float out[WT][XT
 #define PREFETCH_BYTES 4096
 #endif
 
-// Each weight block is decoded in registers (Block<F>::each hands over 16 values at a time) and dotted at once.
+// Each weight block is decoded in registers (Block<F>::each hands over 16 values at a time) and dotted at once,
+// into four accumulators per row (independent FMA chains: the 16-value pieces of 64 elements go to different
+// ones, so two 32-element blocks are taken per step). The blocks' loops are unrolled so that every offset, and
+// with it the accumulator, is known at compile time (a run-time index would keep the accumulators in memory).
 template <int F, int NR>
 inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
-  constexpr int E = Block<F>::elems;
-  v16f acc[NR][2] = {};
-  for (int64_t b = 0; b < k / E; b++) {
+  constexpr int E = Block<F>::elems, B = Block<F>::bytes, STEP = E >= 64 ? 1 : 64 / E;
+  v16f acc[NR][4] = {};
+  const int64_t blocks = k / E;
+  auto one_block = [&](int64_t b, auto shift) {
     const float* xb = x + b * E;
-    const uint8_t* block = row + b * Block<F>::bytes;
-    for (int line = 0; line < Block<F>::bytes; line += 64) __builtin_prefetch(block + PREFETCH_BYTES + line);
+    const uint8_t* block = row + b * B;
+    for (int line = 0; line < B; line += 64) __builtin_prefetch(block + PREFETCH_BYTES + line);
     Block<F>::each(block, [&](int offset, v16f w) {
-      const int slot = (offset >> 4) & 1;  // two accumulators per row: independent FMA chains
+      const int slot = ((offset + decltype(shift)::value) >> 4) & 3;
       for (int r = 0; r < NR; r++) acc[r][slot] += w * load(xb + r * ldx + offset);
     });
+  };
+  int64_t b = 0;
+  for (; b + STEP <= blocks; b += STEP) {
+    one_block(b, std::integral_constant<int, 0>{});
+    if constexpr (STEP > 1) one_block(b + 1, std::integral_constant<int, E>{});
   }
-  for (int r = 0; r < NR; r++) out[r] = hsum(acc[r][0] + acc[r][1]);
+  for (; b < blocks; b++) one_block(b, std::integral_constant<int, 0>{});
+  for (int r = 0; r < NR; r++) out[r] = hsum((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]));
 }
 
 #ifdef __AVX512BF16__
