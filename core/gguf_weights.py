@@ -2,10 +2,10 @@
 
 A model at dtype `gguf` keeps each matmul weight in the file's own quantized blocks (Q4_1, Q4_K, Q6_K, ...) and
 the decoder's CPU kernels decode them block by block inside the matmul (decoder/kernels/cpu_kernels.cpp); norms,
-biases and activations stay fp32, read from the converted checkpoint as at dtype fp32. The weights' values are
-exactly the ones the fp32 model dequantized from the same file, so the two compute the same function up to
-float rounding; llama.cpp differs from both in rounding its activations to 8-bit blocks (Q8_0/Q8_K) before
-each quantized dot product.
+biases and activations stay fp32, read from the converted checkpoint as at dtype fp32. Blocks decode to exactly
+the values the fp32 model dequantized from the same file; matmuls over Q4_K and Q6_K blocks round their input to
+8-bit blocks of 256 first (llama.cpp's Q8_K), the others take it in fp32 (README: "How this model differs from
+the dequantized one").
 
 `read_block_weights` maps a GGUF's tensors to transformers' parameter names (undoing llama.cpp's reordering of
 Llama's q/k rows, as transformers' GGUF loader does); `quantize_block_weights` quantizes a model's own weights
@@ -91,17 +91,21 @@ def read_block_weights(path: Path, config: Any) -> dict[str, BlockWeight]:
 
 
 def quantize_block_weights(model: Any) -> dict[str, BlockWeight]:
-    """A model's matmul weights quantized with llama.cpp's rules (gguf-py): Q4_1 layers, a Q8_0 embedding."""
+    """A model's matmul weights quantized with llama.cpp's rules (gguf-py): Q4_1 layers, a Q8_0 embedding; the
+    model's own weights are set to the blocks' values, as a GGUF's converted checkpoint holds them."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
+    from gguf.quants import dequantize, quantize
 
     weights = {}
-    for name, parameter in model.named_parameters():
-        if not name.endswith(".weight") or parameter.dim() != 2:
-            continue
-        kind = TEST_EMBEDDING_FORMAT if name in ("model.embed_tokens.weight", "lm_head.weight") else TEST_LAYER_FORMAT
-        values = parameter.detach().float().numpy()
-        blocks = quantize(values, GGMLQuantizationType[kind])
-        weights[name] = BlockWeight(kind, values.shape[0], values.shape[1],
-                                    torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8)))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not name.endswith(".weight") or parameter.dim() != 2:
+                continue
+            embedding = name in ("model.embed_tokens.weight", "lm_head.weight")
+            kind = TEST_EMBEDDING_FORMAT if embedding else TEST_LAYER_FORMAT
+            values = parameter.detach().float().numpy()
+            blocks = quantize(values, GGMLQuantizationType[kind])
+            weights[name] = BlockWeight(kind, values.shape[0], values.shape[1],
+                                        torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8)))
+            parameter.copy_(torch.from_numpy(dequantize(blocks, GGMLQuantizationType[kind])))
     return weights

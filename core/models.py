@@ -153,6 +153,7 @@ class LoadedModel:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # what load_model was given: reloads it
     released: bool = False  # a lean forward took the weights over and freed transformers' copies of them
+    quantized: dict[str, BlockWeight] | None = None  # a tiny test model's weights at dtype gguf (see block_weights)
 
     @property
     def config(self) -> Any:
@@ -180,8 +181,8 @@ class LoadedModel:
         gguf = self.gguf_file()
         if gguf is not None:
             return read_block_weights(gguf, self.config)
-        if self.name in TINY_MODELS:
-            return quantize_block_weights(self.transformers_model())
+        if self.quantized is not None:
+            return self.quantized
         raise UserError(f"{self.name}: dtype gguf runs a GGUF file's own quantized weights; this model has none "
                         "(load a preset or a .gguf file, or choose fp32/bf16)")
 
@@ -519,5 +520,8 @@ def _tiny_model(name: str, dtype: str) -> LoadedModel:
                 for parameter in model.parameters():
                     parameter.add_(0.05 * parameter.std() * torch.randn_like(parameter))
     model = model.to(torch_dtype(dtype)).eval()
+    # at dtype gguf: quantized with llama.cpp's rules, transformers' copy holding the blocks' values (as a GGUF's
+    # converted checkpoint does)
+    quantized = quantize_block_weights(model) if dtype == "gguf" else None
     fingerprint = {"source": "tiny-random", "seed": 0, **model_fingerprint(name, model, dtype)}
-    return LoadedModel(name, model, byte_tokenizer(), dtype, fingerprint, name)
+    return LoadedModel(name, model, byte_tokenizer(), dtype, fingerprint, name, quantized=quantized)

@@ -2,7 +2,8 @@
 extension builder and cached beside the converted models; `kernels()` returns the module, or None where no
 compiler is at hand (the forward then runs PyTorch's own operators, and says why once).
 
-Set SPECPLAN_KERNELS=0 to run without them (the reference forward, for comparisons).
+Set SPECPLAN_KERNELS=0 to run without them (the reference forward, for comparisons). `kernels(march)` builds for
+another instruction set than the host's (tests run the AVX2 and the portable paths on an AVX-512 host).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from core.models import cache_dir
 
 SOURCE = Path(__file__).parent / "kernels" / "cpu_kernels.cpp"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp"]
 # GGML's type ids of the weight formats `linear` runs (and what they are called in a GGUF file)
 WEIGHT_FORMATS = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
                   "BF16": 30}
@@ -40,17 +41,18 @@ def _host_features() -> str:
 
 
 @functools.cache
-def kernels() -> ModuleType | None:
+def kernels(march: str = "native") -> ModuleType | None:
     if not enabled():
         return None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), torch.__version__, sys.version,
+    flags = FLAGS + [f"-march={march}"]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), torch.__version__, sys.version,
                                     _host_features()]).encode()).hexdigest()[:16]
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
     from torch.utils.cpp_extension import load
 
     try:
-        return load(name=f"specplan_cpu_{key}", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        return load(name=f"specplan_cpu_{key}", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
         print(f"specplan: CPU kernels unavailable ({str(exc).splitlines()[0][:200]}); running PyTorch's operators",

@@ -78,8 +78,10 @@ class LlamaCpp:
             draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
         threads = torch.get_num_threads()
         self.path = gguf_for(loaded)
+        # a draft needs every position's logits; llama-cpp-python sizes its logits buffer by logits_all alone
         self.model = module.Llama(model_path=str(self.path), n_ctx=context + CONTEXT_MARGIN, n_threads=threads,
-                                  n_threads_batch=threads, n_batch=512, draft_model=draft, verbose=False)
+                                  n_threads_batch=threads, n_batch=512, draft_model=draft,
+                                  logits_all=draft is not None, verbose=False)
         self.stop_ids = loaded.stop_token_ids
 
     def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -46,18 +48,34 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[BlockWeig
     return BlockWeight(kind, rows, cols, torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8))), values
 
 
+def rounded_to_q8k(x: torch.Tensor) -> torch.Tensor:
+    """x as Q4_K and Q6_K matmuls take it: rounded to int8 per 256 values, scaled by max|x| / 127 (llama.cpp's
+    Q8_K), in fp32 arithmetic with ties to even, as the kernel rounds."""
+    blocks = x.float().reshape(x.shape[0], -1, 256)
+    top = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    return (torch.round(blocks * scale) * (top / 127.0)).reshape(x.shape)
+
+
 @pytest.mark.parametrize("kind", QUANTIZABLE + K_QUANTS)
 def test_blocks_decode_exactly_as_gguf_py_and_multiply_as_the_decoded_matrix(kind):
+    """Every block decodes to gguf-py's values exactly; a matmul is x times the decoded matrix, for Q4_K and Q6_K
+    with x rounded to 8-bit blocks first, for any number of rows."""
     weight, values = random_blocks(kind, 40, 512, seed=len(kind))
     assert torch.equal(K.dequantize(weight.format_id, weight.data, weight.rows, weight.cols), values)
     ids = torch.tensor([3, 0, 39, 3])
     assert torch.equal(K.dequantize_rows(weight.format_id, weight.data, weight.cols, ids), values[ids])
     bias = torch.randn(40)
     for n in (1, 2, 3, 4, 5, 9, 17):  # decode tiles (<= 4 rows) and register tiles with edges
-        x = torch.randn(n, 512)
-        expected = x.double() @ values.double().T + bias.double()
+        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n))
+        x[:, :7] *= 10  # an outlier channel
+        taken = rounded_to_q8k(x) if kind in ("Q4_K", "Q6_K") else x
+        expected = taken.double() @ values.double().T + bias.double()
         got = K.linear(x, weight.format_id, weight.data, bias, weight.rows)
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+        if kind in ("Q4_K", "Q6_K"):  # integer arithmetic per block: a row's result whatever the rows beside it
+            row = K.linear(x[-1:].contiguous(), weight.format_id, weight.data, bias, weight.rows)
+            assert torch.equal(got[-1:], row)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -226,3 +244,29 @@ def test_a_quantization_type_the_kernels_do_not_run_is_refused_in_one_line(tmp_p
     writer.close()
     with pytest.raises(UserError, match="Q2_K, a quantization type the CPU kernels do not run"):
         read_block_weights(path, LlamaConfig(num_hidden_layers=0))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
+def test_the_avx2_and_the_portable_builds_compute_as_this_hosts(march):
+    """The kernels built for AVX2 (x86-64-v3) and for no AVX at all (x86-64-v2: the portable paths) give this
+    host's results: the same for integer K-quant blocks, to rounding elsewhere."""
+    other = kernels(march)
+    assert other is not None
+    gen = torch.Generator().manual_seed(0)
+    for kind in QUANTIZABLE + K_QUANTS:
+        weight, _ = random_blocks(kind, 24, 512, seed=1)
+        for n in (1, 6):
+            x = torch.randn(n, 512, generator=gen)
+            torch.testing.assert_close(other.linear(x, weight.format_id, weight.data, None, weight.rows),
+                                       K.linear(x, weight.format_id, weight.data, None, weight.rows),
+                                       rtol=1e-5, atol=1e-4)
+    for dtype, kind in ((torch.float32, "F32"), (torch.bfloat16, "BF16")):
+        w, x = torch.randn(24, 96).to(dtype), torch.randn(3, 96, generator=gen).to(dtype)
+        torch.testing.assert_close(other.linear(x, BLOCK_FORMATS[kind], w, None, 24).float(),
+                                   K.linear(x, BLOCK_FORMATS[kind], w, None, 24).float(), rtol=1e-2, atol=1e-2)
+    q, keys, values = torch.randn(4, 3, 32), torch.randn(2, 300, 32).bfloat16(), torch.randn(2, 300, 32).bfloat16()
+    mask = torch.zeros(3, 290)
+    mask[:, 200:] = float("-inf")
+    torch.testing.assert_close(other.attention(q, keys, values, 290, mask, 0.2),
+                               K.attention(q, keys, values, 290, mask, 0.2), rtol=1e-4, atol=1e-5)

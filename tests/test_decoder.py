@@ -296,3 +296,20 @@ def test_bench_says_when_the_plans_profile_is_from_another_machine(run_cli, writ
     difference = json.loads(report_path.read_text())["prediction"]["profiled_elsewhere"]
     assert "Imaginary CPU there" in difference and "threads 64 there" in difference
     assert "another machine" in stdout and "another machine" in report_path.with_suffix(".md").read_text()
+
+
+def test_bench_without_a_plan_runs_one_token_decoding_at_dtype_gguf(run_cli, tmp_path):
+    """`plan bench` with no plan: `ours` is one-token decoding of --target (here a tiny model at dtype gguf,
+    quantized at load), against transformers' greedy output of the same, decoded weights."""
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"count {i} 1 2 3 4"]})
+                                 for i in range(2)))
+    report_path = tmp_path / "report.json"
+    code, _, stderr = run_cli("bench", "--target", "tiny-random-llama", "--dtype", "gguf", "--dataset", dataset,
+                              "--prompts", 2, "--max-new-tokens", 12, "--baselines", "hf,ours-ar", "-o", report_path)
+    assert code == 0, stderr
+    report = json.loads(report_path.read_text())
+    assert report["plan"] is None and report["models"]["dtype"] == "gguf"
+    summary = report["summary"]
+    assert summary["ours"]["tokens_per_step"] == 1.0
+    assert summary["ours"]["identical_to_hf"] == summary["ours-ar"]["identical_to_hf"] == 2

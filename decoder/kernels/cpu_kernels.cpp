@@ -4,11 +4,12 @@
 // operators cost microseconds each and oneDNN's one-row matmuls stream weights at about half the bandwidth.
 // These kernels do each step of a layer in one call, on torch's own thread pool (at::parallel_for):
 //   linear       x @ W^T + b for W in fp32, bf16 or a GGUF block format as the file ships it (Q4_0, Q4_1, Q5_0,
-//                Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), decoded block by block in registers and L1: no dequantized copy;
+//                Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), each block decoded in registers as it streams: no dequantized copy;
 //   rope_store   q/k (optionally RMS-normed per head) rotated, k and v written to the layer's cache slots;
 //   attention    softmax(q k^T * scale + mask) v over the cache for few query rows, grouped KV heads, keys split
 //                in chunks across threads and merged (flash-decoding);
-//   rms_norm     with the residual add fused; silu_mul / gelu_mul for the gated MLP; dequantize(_rows).
+//   rms_norm     with the residual add fused; gated_activation (SiLU or GELU-tanh gate times up); dequantize and
+//                dequantize_rows (an embedding lookup in a block format).
 // Arithmetic is fp32; bf16 tensors are widened on load and rounded (nearest-even) on store, where the eager
 // forward rounds its output. Portable across AVX-512 and AVX2 hosts through GCC vector extensions (a 16-float
 // vector is one zmm or two ymm); avx512_bf16 hosts take vdpbf16ps for bf16 weights.
@@ -587,6 +588,218 @@ void linear_bf16_native(const uint16_t* x, int64_t n, int64_t k, const uint16_t*
 }
 #endif
 
+// ---------------------------------------------------------------------------------------------------------------
+// Q4_K weights against 8-bit activations (llama.cpp's Q4_K x Q8_K). A Q4_K block's values are 6-bit integer
+// sub-block scales times 4-bit integers: with the activations rounded to 8 bits in blocks of 256 (one scale each,
+// llama.cpp's Q8_K), a whole block's dot product is integer arithmetic (pairwise byte products, then the integer
+// scales) and one float scaling, about a third of the vector work of decoding to fp32. Every Q4_K matmul takes
+// this path, for any number of rows, so a row's result does not depend on how many rows a forward scores.
+
+constexpr int64_t Q8_BLOCK = 256;
+
+// 16 floats rounded to the nearest integers (ties to even), as int32.
+inline v16i round_to_int(v16f v) {
+#if defined(__AVX512F__)
+  return (v16i)_mm512_cvtps_epi32((__m512)v);
+#elif defined(__AVX2__)
+  v16i out;
+  __m256 halves[2];
+  std::memcpy(halves, &v, sizeof v);
+  const __m256i lo = _mm256_cvtps_epi32(halves[0]), hi = _mm256_cvtps_epi32(halves[1]);
+  std::memcpy(&out, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  return out;
+#else
+  v16i out;
+  for (int i = 0; i < 16; i++) out[i] = static_cast<int32_t>(std::nearbyint(v[i]));
+  return out;
+#endif
+}
+
+// x rounded to int8 per 256 values (llama.cpp's Q8_K): q = round(x * 127 / max|x|), d = max|x| / 127, and the
+// sums of each 16 quantized values (the K-quants' mins and offsets multiply them).
+struct Q8Rows {
+  int64_t k;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sums;  // per 16 values
+
+  Q8Rows(const float* x, int64_t n, int64_t k) : k(k), q(n * k), d(n * k / Q8_BLOCK), sums(n * k / 16) {
+    for (int64_t block = 0; block < n * k / Q8_BLOCK; block++) {
+      const float* v = x + block * Q8_BLOCK;
+      v16f top = {};
+      for (int64_t i = 0; i < Q8_BLOCK; i += 16) {
+        const v16f a = load(v + i);
+        const v16f magnitude = a < 0.0f ? -a : a;
+        top = magnitude > top ? magnitude : top;
+      }
+      float largest = 0.0f;
+      for (int i = 0; i < 16; i++) largest = std::max(largest, top[i]);
+      const float scale = largest > 0.0f ? 127.0f / largest : 0.0f;
+      d[block] = largest / 127.0f;
+      for (int64_t i = 0; i < Q8_BLOCK; i += 16) {
+        const v16i rounded = round_to_int(load(v + i) * scale);  // within [-127, 127]
+        int32_t sum = 0;
+        for (int j = 0; j < 16; j++) {
+          q[block * Q8_BLOCK + i + j] = static_cast<int8_t>(rounded[j]);
+          sum += rounded[j];
+        }
+        sums[(block * Q8_BLOCK + i) / 16] = sum;
+      }
+    }
+  }
+  const int8_t* row_block(int64_t row, int64_t block) const { return q.data() + row * k + block * Q8_BLOCK; }
+  float scale(int64_t row, int64_t block) const { return d[row * (k / Q8_BLOCK) + block]; }
+  const int32_t* block_sums(int64_t row, int64_t block) const { return sums.data() + row * (k / 16) + block * 16; }
+};
+
+#if defined(__AVX2__)
+inline int32_t hsum_epi32(__m256i v) {
+  const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i quarter = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+  return _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 1)));
+}
+#endif
+
+// One Q4_K block (144 bytes) against rows 0..NR-1 of x's block `block`: adds d dx sum_j s_j (q_j . x_j) - dmin dx
+// sum_j m_j sum(x_j) to acc[r].
+template <int NR>
+inline void dot_q4k_block(const uint8_t* w, const Q8Rows& x, int64_t row0, int64_t block, float* acc) {
+  const float d = half_at(w), dmin = half_at(w + 2);
+  uint8_t sm[16];
+  scales_mins_k4(w + 4, sm);
+  const uint8_t* qs = w + 16;
+#if defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i low[4], high[4], scale[8];
+  for (int c = 0; c < 4; c++) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    low[c] = _mm256_and_si256(packed, low4);
+    high[c] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+  }
+  for (int j = 0; j < 8; j++) scale[j] = _mm256_set1_epi16(sm[j]);
+  for (int r = 0; r < NR; r++) {
+    const int8_t* xq = x.row_block(row0 + r, block);
+    __m256i sum = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {  // bytes: unsigned 4-bit weights times signed 8-bit activations, pairwise in int16
+      const __m256i a = _mm256_maddubs_epi16(low[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c)));
+      const __m256i b =
+          _mm256_maddubs_epi16(high[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c + 32)));
+      sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(a, scale[2 * c]), _mm256_madd_epi16(b, scale[2 * c + 1])));
+    }
+    const int32_t total = hsum_epi32(sum);
+    const int32_t* sums = x.block_sums(row0 + r, block);
+    int32_t mins = 0;
+    for (int j = 0; j < 8; j++) mins += sm[8 + j] * (sums[2 * j] + sums[2 * j + 1]);
+    const float dx = x.scale(row0 + r, block);
+    acc[r] += dx * (d * static_cast<float>(total) - dmin * static_cast<float>(mins));
+  }
+#else
+  for (int r = 0; r < NR; r++) {
+    const int8_t* xq = x.row_block(row0 + r, block);
+    const int32_t* sums = x.block_sums(row0 + r, block);
+    int32_t total = 0, mins = 0;
+    for (int c = 0; c < 4; c++) {
+      int32_t a = 0, b = 0;
+      for (int l = 0; l < 32; l++) {
+        a += (qs[32 * c + l] & 0xF) * xq[64 * c + l];
+        b += (qs[32 * c + l] >> 4) * xq[64 * c + 32 + l];
+      }
+      total += sm[2 * c] * a + sm[2 * c + 1] * b;
+    }
+    for (int j = 0; j < 8; j++) mins += sm[8 + j] * (sums[2 * j] + sums[2 * j + 1]);
+    acc[r] += x.scale(row0 + r, block) * (d * static_cast<float>(total) - dmin * static_cast<float>(mins));
+  }
+#endif
+}
+
+// One Q6_K block (210 bytes) against rows 0..NR-1 of x's block `block`: adds d dx sum_j s_j ((q_j - 32) . x_j) to
+// acc[r], s_j the int8 scale of the j-th 16 values.
+template <int NR>
+inline void dot_q6k_block(const uint8_t* w, const Q8Rows& x, int64_t row0, int64_t block, float* acc) {
+  const float d = half_at(w + 208);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+#if defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  __m256i values[8], scale[8];  // per half: the 6-bit values of elements 0-31, 32-63, 64-95, 96-127
+  for (int half = 0; half < 2; half++) {
+    const uint8_t* ql = w + 64 * half;
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * half));
+    __m256i* v = values + 4 * half;
+    v[0] = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), bits45));
+    v[1] = _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), bits45));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(h, bits45));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(h, 2), bits45));
+    for (int m = 0; m < 4; m++)  // elements 32m..32m+31 of the half: scales sc[8 half + 2m], sc[8 half + 2m + 1]
+      scale[4 * half + m] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * half + 2 * m + 1]), _mm_set1_epi16(sc[8 * half + 2 * m]));
+  }
+  for (int r = 0; r < NR; r++) {
+    const int8_t* xq = x.row_block(row0 + r, block);
+    __m256i sum = _mm256_setzero_si256();
+    for (int half = 0; half < 2; half++)
+      for (int m = 0; m < 4; m++) {
+        const __m256i products = _mm256_maddubs_epi16(
+            values[4 * half + m], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 128 * half + 32 * m)));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(products, scale[4 * half + m]));
+      }
+    const int32_t* sums = x.block_sums(row0 + r, block);
+    int32_t offsets = 0;
+    for (int j = 0; j < 16; j++) offsets += sc[j] * sums[j];
+    acc[r] += x.scale(row0 + r, block) * d * static_cast<float>(hsum_epi32(sum) - 32 * offsets);
+  }
+#else
+  for (int r = 0; r < NR; r++) {
+    const int8_t* xq = x.row_block(row0 + r, block);
+    int32_t total = 0;
+    for (int half = 0; half < 2; half++) {
+      const uint8_t* ql = w + 64 * half;
+      const uint8_t* qh = w + 128 + 32 * half;
+      for (int l = 0; l < 32; l++) {
+        const int g = 8 * half + l / 16;
+        const int8_t* xh = xq + 128 * half;
+        total += sc[g] * (((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32) * xh[l];
+        total += sc[g + 2] * (((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32) * xh[l + 32];
+        total += sc[g + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32) * xh[l + 64];
+        total += sc[g + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32) * xh[l + 96];
+      }
+    }
+    acc[r] += x.scale(row0 + r, block) * d * static_cast<float>(total);
+  }
+#endif
+}
+
+// out[i, r] = x[i] . W[r] + bias[r] for K-quant weights against 8-bit activations, weight rows split across
+// threads, ROW_TILE rows of x per pass over a weight row's blocks (each block unpacked once for them).
+template <int F>
+void linear_q8k(const float* x, int64_t n, int64_t k, const uint8_t* weight, const float* bias, float* out,
+                int64_t rows) {
+  const Q8Rows q8(x, n, k);
+  const int64_t blocks = k / Q8_BLOCK, row_bytes = blocks * Block<F>::bytes;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    float acc[ROW_TILE];
+    for (int64_t r = begin; r < end; r++) {
+      const uint8_t* row = weight + r * row_bytes;
+      for (int64_t i = 0; i < n; i += ROW_TILE) {
+        const int nr = static_cast<int>(std::min<int64_t>(ROW_TILE, n - i));
+        std::fill(acc, acc + ROW_TILE, 0.0f);
+        with_tile(nr, [&](auto tile) {
+          constexpr int NR = decltype(tile)::value;
+          for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t* block = row + b * Block<F>::bytes;
+            for (int line = 0; line < Block<F>::bytes; line += 64) __builtin_prefetch(block + PREFETCH_BYTES + line);
+            if constexpr (F == Q4_K) dot_q4k_block<NR>(block, q8, i, b, acc);
+            else dot_q6k_block<NR>(block, q8, i, b, acc);
+          }
+        });
+        for (int j = 0; j < nr; j++) out[(i + j) * rows + r] = acc[j] + (bias ? bias[r] : 0.0f);
+      }
+    }
+  });
+}
+
 int64_t block_elems(int64_t format) {
   switch (format) {
     case Q4_K: case Q5_K: case Q6_K: return 256;
@@ -655,6 +868,12 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor weight, c10:
   }
 #endif
   const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  if (format == Q4_K || format == Q6_K) {
+    TORCH_CHECK(out_f, "linear: K-quant weights take fp32 activations");
+    if (format == Q4_K) linear_q8k<Q4_K>(xf.data_ptr<float>(), n, k, w, b, out_f, rows);
+    else linear_q8k<Q6_K>(xf.data_ptr<float>(), n, k, w, b, out_f, rows);
+    return out;
+  }
   with_format(format, [&](auto f) {
     linear_rows<decltype(f)::value>(xf.data_ptr<float>(), n, k, w, row_bytes, b, out_f, out_h, rows);
   });
