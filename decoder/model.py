@@ -224,10 +224,10 @@ class LeanModel:
         self.lm_head = (self.block_weights.get("lm_head.weight") or take("lm_head.weight")
                         if "lm_head.weight" in params else self.embed)
         self.final_norm = take("model.norm.weight")
-        # On CPU every matmul weight is kept in oneDNN's blocked layout, packed once here: a pass over the
-        # weights costs 1.4x (bf16) to 3x (fp32) less than F.linear on this project's CPU (bench/matmul.py),
-        # and bf16 results are bit-identical to F.linear's. oneDNN packs bf16 only on CPUs with AVX-512 (or
-        # AVX-NE-CONVERT); elsewhere bf16 weights stay as they are.
+        # Without the CPU kernels, every matmul weight is kept in oneDNN's blocked layout, packed once here: a pass
+        # over the weights costs 1.4x (bf16) to 3x (fp32) less than F.linear on this project's CPU
+        # (bench/matmul.py), and bf16 results are bit-identical to F.linear's. oneDNN packs bf16 only on CPUs with
+        # AVX-512 (or AVX-NE-CONVERT); elsewhere bf16 weights stay as they are.
         native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         if emulated_bf16 is None:
             emulated_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native_bf16

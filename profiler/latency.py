@@ -209,6 +209,7 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
                             "warmup": request.warmup, "timed_after_same_size": device.type == "cpu",
                             "round_robin": "all points per pass",
                             "repeats": request.repeats, "cuda_graphs": device.type == "cuda" and backend == "lean",
+                            "cpu_kernels": getattr(forwards["target"], "kernels", None) is not None,
                             "timer": "cuda events" if device.type == "cuda" else "time.perf_counter",
                             "retrieval_chunk": RETRIEVAL_CHUNK}
     document["measurement_seconds"] = round(time.perf_counter() - started, 1)

@@ -41,11 +41,18 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
-// Rows of activations kept in registers per weight row: 4 x 2 accumulators fit AVX-512's 32 registers.
+// Rows of activations dotted with a weight row per pass over it, their accumulators in registers: 8 x 2 fit
+// AVX-512's 32 registers. Up to direct_rows(format) rows (decoding, token trees) take passes of ROW_TILE rows
+// over each weight row, a block format's blocks decoded in registers once per pass; more (prefill chunks) read
+// TILE_W weight rows as fp32 (decoded once into a buffer) and run register tiles over them. The limits are
+// measured (bench/forward_anatomy.py's matmul passes on a 2-core EPYC, smollm2-135m): fp32 rows stream best in
+// tiles from 5 rows on, bf16 from 9, decoded blocks from 17 (from 32 rows, decoding once beats a pass per 8).
 #ifdef __AVX512F__
-constexpr int ROW_TILE = 4;
+constexpr int ROW_TILE = 8;
+constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS = 16;
 #else
 constexpr int ROW_TILE = 2;
+constexpr int64_t DIRECT_ROWS_F32 = 2, DIRECT_ROWS_BF16 = 2, DIRECT_ROWS_BLOCKS = 2;
 #endif
 
 inline v16f load(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
@@ -360,14 +367,15 @@ inline void dot_tile(const float* w, const float* x, int64_t k, float out[WT][XT
 template <int F, int NR>
 inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
   constexpr int E = Block<F>::elems, B = Block<F>::bytes, STEP = E >= 64 ? 1 : 64 / E;
-  v16f acc[NR][4] = {};
+  constexpr int ACC = NR <= 4 ? 4 : 2;  // accumulators per row, as many as the registers hold
+  v16f acc[NR][ACC] = {};
   const int64_t blocks = k / E;
   auto one_block = [&](int64_t b, auto shift) {
     const float* xb = x + b * E;
     const uint8_t* block = row + b * B;
     for (int line = 0; line < B; line += 64) __builtin_prefetch(block + PREFETCH_BYTES + line);
     Block<F>::each(block, [&](int offset, v16f w) {
-      const int slot = ((offset + decltype(shift)::value) >> 4) & 3;
+      const int slot = ((offset + decltype(shift)::value) >> 4) & (ACC - 1);
       for (int r = 0; r < NR; r++) acc[r][slot] += w * load(xb + r * ldx + offset);
     });
   };
@@ -377,7 +385,11 @@ inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t 
     if constexpr (STEP > 1) one_block(b + 1, std::integral_constant<int, E>{});
   }
   for (; b < blocks; b++) one_block(b, std::integral_constant<int, 0>{});
-  for (int r = 0; r < NR; r++) out[r] = hsum((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]));
+  for (int r = 0; r < NR; r++) {
+    v16f total = acc[r][0];
+    for (int a = 1; a < ACC; a++) total += acc[r][a];
+    out[r] = hsum(total);
+  }
 }
 
 #ifdef __AVX512BF16__
@@ -409,6 +421,10 @@ inline void with_tile(int nr, Fn&& fn) {
 #ifdef __AVX512F__
     case 3: fn(std::integral_constant<int, 3>{}); break;
     case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
 #endif
   }
 }
@@ -479,22 +495,25 @@ void tiled(int64_t n, int64_t rows, const float* bias, float* out_f, c10::BFloat
   });
 }
 
-// out[i, r] = x[i] . W[r] + bias[r], weight rows split across threads. Up to ROW_TILE activation rows (decoding)
-// are dotted with each weight block as it is decoded; more rows (trees, prefill) decode TILE_W weight rows at a
-// time into fp32 and run register tiles of TILE_W x TILE_X outputs over them.
+// out[i, r] = x[i] . W[r] + bias[r], weight rows split across threads: a few activation rows in passes of ROW_TILE
+// over each weight row (its blocks decoded in registers), more with register tiles (above).
 template <int F>
 void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, int64_t row_bytes, const float* bias,
                  float* out_f, c10::BFloat16* out_h, int64_t rows) {
-  if (n <= ROW_TILE) {
+  if (n <= (F == F32 ? DIRECT_ROWS_F32 : DIRECT_ROWS_BLOCKS)) {
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       float part[ROW_TILE];
       for (int64_t r = begin; r < end; r++) {
         const uint8_t* row = weight + r * row_bytes;
-        with_tile(static_cast<int>(n), [&](auto tile) {
-          if constexpr (F == F32) dot_f32<decltype(tile)::value>(reinterpret_cast<const float*>(row), x, k, k, part);
-          else dot_blocks<F, decltype(tile)::value>(row, x, k, k, part);
-        });
-        store_row_outputs(part, static_cast<int>(n), bias ? bias[r] : 0.0f, 0, r, rows, out_f, out_h);
+        for (int64_t i = 0; i < n; i += ROW_TILE) {
+          const int nr = static_cast<int>(std::min<int64_t>(ROW_TILE, n - i));
+          with_tile(nr, [&](auto tile) {
+            constexpr int NR = decltype(tile)::value;
+            if constexpr (F == F32) dot_f32<NR>(reinterpret_cast<const float*>(row), x + i * k, k, k, part);
+            else dot_blocks<F, NR>(row, x + i * k, k, k, part);
+          });
+          store_row_outputs(part, nr, bias ? bias[r] : 0.0f, i, r, rows, out_f, out_h);
+        }
       }
     });
     return;
@@ -553,12 +572,15 @@ inline void dot_tile_bf16(const uint16_t* w, const uint16_t* x, int64_t k, float
 // bf16 weights and activations on a CPU with avx512_bf16: vdpbf16ps (pairs of bf16 products into fp32 lanes).
 void linear_bf16_native(const uint16_t* x, int64_t n, int64_t k, const uint16_t* weight, const float* bias,
                         float* out_f, c10::BFloat16* out_h, int64_t rows) {
-  if (n <= ROW_TILE) {
+  if (n <= DIRECT_ROWS_BF16) {
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       float part[ROW_TILE];
       for (int64_t r = begin; r < end; r++) {
-        with_tile(static_cast<int>(n), [&](auto tile) { dot_bf16<decltype(tile)::value>(weight + r * k, x, k, k, part); });
-        store_row_outputs(part, static_cast<int>(n), bias ? bias[r] : 0.0f, 0, r, rows, out_f, out_h);
+        for (int64_t i = 0; i < n; i += ROW_TILE) {
+          const int nr = static_cast<int>(std::min<int64_t>(ROW_TILE, n - i));
+          with_tile(nr, [&](auto tile) { dot_bf16<decltype(tile)::value>(weight + r * k, x + i * k, k, k, part); });
+          store_row_outputs(part, nr, bias ? bias[r] : 0.0f, i, r, rows, out_f, out_h);
+        }
       }
     });
     return;
