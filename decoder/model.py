@@ -246,6 +246,9 @@ class LeanModel:
         # bf16, whose pass reads half the bytes (29 against 37 ms at 2 rows).
         self.cache_dtype = torch.float32 if self.emulated_bf16 else self.dtype
         self.fused_rows = 0  # rows scored by the CPU kernels' fused forward (_forward_kernels), for tests
+        # the kernels' norms and activation take rows of whole 16-value vectors (every released model's are)
+        widths = [self.shape.hidden, config.intermediate_size] + [self.shape.head_dim] * self.architecture.qk_norm
+        self.kernel_widths = all(width % 16 == 0 for width in widths)
         self.upcast_rows = UPCAST_ROWS
         self.layers = []
         for i in range(self.shape.layers):
@@ -303,14 +306,19 @@ class LeanModel:
 
     def _fused_weight(self, names: list[str], take) -> MatmulWeight | tuple[MatmulWeight, ...]:
         """The matmul weight of the parameters `names` stacked by rows (q/k/v, gate/up): one matrix, or, for GGUF
-        blocks of different formats (Q4_K_M's v is Q6_K beside Q4_K q and k), one per parameter."""
+        blocks of different formats, one per run of a format (Q4_K_M: q and k in Q4_K, v in Q6_K)."""
         blocks = [self.block_weights.get(name) for name in names]
         if blocks[0] is None:
             return self._matmul_weight(torch.cat([take(name) for name in names]) if len(names) > 1 else take(names[0]))
-        if len({block.format for block in blocks}) > 1:
-            return tuple(self._matmul_weight(block) for block in blocks)
-        return self._matmul_weight(BlockWeight(blocks[0].format, sum(block.rows for block in blocks), blocks[0].cols,
-                                               torch.cat([block.data for block in blocks])))
+        runs: list[list[BlockWeight]] = []
+        for block in blocks:
+            if runs and runs[-1][0].format == block.format:
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        parts = tuple(self._matmul_weight(BlockWeight(run[0].format, sum(b.rows for b in run), run[0].cols,
+                                                      torch.cat([b.data for b in run]))) for run in runs)
+        return parts[0] if len(parts) == 1 else parts
 
     def limit_vocabulary(self, size: int, always: Iterable[int] = ()) -> None:
         """Score only the token ids below `size`, plus `always` (the stop tokens); every other logit is -inf.
@@ -592,7 +600,7 @@ class LeanModel:
         sliding window over a cache that keeps slot positions) or attention soft cap (Gemma 2), which the kernels'
         attention does not take."""
         return (self.kernels is not None and slots is None and self.architecture.attention_softcap is None
-                and not (self.has_windows and cache.key_positions is not None))
+                and not (self.has_windows and cache.key_positions is not None) and self.kernel_widths)
 
     def _forward_kernels(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                          logits_rows: torch.Tensor | slice | None, queries: torch.Tensor | None,

@@ -127,9 +127,12 @@ def test_norm_activation_and_rope_round_as_the_eager_forward(dtype):
     got = K.rms_norm(x, residual, weight, 1e-5, False)
     assert torch.equal(x, summed)  # the residual added in place
     torch.testing.assert_close(got, expected, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
-    gate_up = torch.randn(3, 80, generator=gen).to(dtype)
-    torch.testing.assert_close(K.gated_activation(gate_up, False), F.silu(gate_up[:, :40]) * gate_up[:, 40:],
-                               rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+    gate_up = (3 * torch.randn(3, 96, generator=gen)).to(dtype)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(K.gated_activation(gate_up, False), F.silu(gate_up[:, :48]) * gate_up[:, 48:],
+                               **tolerance)
+    torch.testing.assert_close(K.gated_activation(gate_up, True),
+                               F.gelu(gate_up[:, :48], approximate="tanh") * gate_up[:, 48:], **tolerance)
     heads, kv_heads, d, n = 4, 2, 16, 3
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     angles = torch.rand(n, d // 2, generator=gen) * 6
@@ -270,3 +273,29 @@ def test_the_avx2_and_the_portable_builds_compute_as_this_hosts(march):
     mask[:, 200:] = float("-inf")
     torch.testing.assert_close(other.attention(q, keys, values, 290, mask, 0.2),
                                K.attention(q, keys, values, 290, mask, 0.2), rtol=1e-4, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_projections_of_mixed_block_types_score_as_their_decoded_weights():
+    """Q4_K_M stores v in another block type than q and k: the fused projection runs one matmul per run of a
+    type (q and k together, v alone) and still scores as the model of the decoded weights."""
+    loaded = load_model("tiny-random-qwen2", "gguf")
+    blocks = loaded.block_weights()
+    model = loaded.transformers_model()
+    for i in range(loaded.config.num_hidden_layers):
+        name = f"model.layers.{i}.self_attn.v_proj.weight"
+        values = model.get_parameter(name).detach().numpy()
+        data = quantize(values, GGMLQuantizationType.Q8_0)
+        blocks[name] = BlockWeight("Q8_0", values.shape[0], values.shape[1],
+                                   torch.from_numpy(np.ascontiguousarray(data).view(np.uint8)))
+        with torch.no_grad():
+            model.get_parameter(name).copy_(torch.from_numpy(dequantize(data, GGMLQuantizationType.Q8_0)))
+    mixed = LeanModel(model, block_weights=blocks)
+    qkv = mixed.layers[0]["wqkv"]
+    assert [part.format for part in qkv] == [BLOCK_FORMATS["Q4_1"], BLOCK_FORMATS["Q8_0"]]
+    assert [part.rows for part in qkv] == [mixed.q_size + mixed.kv_size, mixed.kv_size]
+    reference = LeanModel(model)
+    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(4))
+    caches = [m.new_cache(24) for m in (mixed, reference)]
+    logits = [m.prefill(ids, cache) for m, cache in zip((mixed, reference), caches)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)

@@ -940,120 +940,190 @@ inline float load_value(const void* p, bool bf16, int64_t i) {
 inline void store_value(void* p, bool bf16, int64_t i, float v) {
   if (bf16) static_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(v); else static_cast<float*>(p)[i] = v;
 }
-inline float round_to(bool bf16, float v) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
+
+// 16 values of a row that is fp32 or bf16 in memory, widened to fp32; and stored back, rounded to nearest-even bf16.
+template <bool BF16>
+inline v16f load_row(const void* p, int64_t i) {
+  if constexpr (BF16) return widen_bf16(static_cast<const uint16_t*>(p) + i);
+  else return load(static_cast<const float*>(p) + i);
+}
+inline v16f round_bf16(v16f v) {  // fp32 values rounded to the nearest bf16 (ties to even), still as fp32
+  v16u bits = (v16u)v;
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return (v16f)(bits & 0xFFFF0000u);
+}
+template <bool BF16>
+inline void store_row(void* p, int64_t i, v16f v) {
+  if constexpr (BF16) {
+    const v16h narrow = __builtin_convertvector(((v16u)round_bf16(v)) >> 16, v16h);
+    std::memcpy(static_cast<uint16_t*>(p) + i, &narrow, sizeof narrow);
+  } else {
+    store(static_cast<float*>(p) + i, v);
+  }
+}
+template <bool BF16>
+inline v16f rounded(v16f v) {
+  if constexpr (BF16) return round_bf16(v);
+  else return v;
+}
 
 // RMSNorm as transformers computes it: in fp32, then Llama's w * norm(x) with norm(x) rounded to the model's dtype
-// first, or Gemma's (1 + w) * norm(x) in fp32; y holds the result already rounded to the dtype.
-void rms_norm_row(const float* h, int64_t size, const void* weight, bool bf16, double eps, bool gemma, float* y) {
-  float sum = 0.0f;
-  for (int64_t j = 0; j < size; j++) sum += h[j] * h[j];
-  const float inv = 1.0f / std::sqrt(sum / size + static_cast<float>(eps));
-  for (int64_t j = 0; j < size; j++) {
-    const float w = load_value(weight, bf16, j);
-    y[j] = round_to(bf16, gemma ? h[j] * inv * (1.0f + w) : w * round_to(bf16, h[j] * inv));
+// first, or Gemma's (1 + w) * norm(x) in fp32; y holds the result already rounded to the dtype. size % 16 == 0.
+template <bool BF16>
+void rms_norm_row(const float* h, int64_t size, const void* weight, double eps, bool gemma, float* y) {
+  v16f squares = {};
+  for (int64_t j = 0; j < size; j += 16) squares += load(h + j) * load(h + j);
+  const float inv = 1.0f / std::sqrt(hsum(squares) / size + static_cast<float>(eps));
+  for (int64_t j = 0; j < size; j += 16) {
+    const v16f w = load_row<BF16>(weight, j), normed = load(h + j) * inv;
+    store(y + j, rounded<BF16>(gemma ? normed * (1.0f + w) : w * rounded<BF16>(normed)));
   }
 }
 
 // norm(x) for x [n, size]; with `residual`, x += residual first (in place, rounded to x's dtype, as x + out is).
+template <bool BF16>
+void rms_norm_rows(void* x, const void* add, void* out, int64_t n, int64_t size, const void* weight, double eps,
+                   bool gemma) {
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(size), y(size);
+    for (int64_t i = begin; i < end; i++) {
+      for (int64_t j = 0; j < size; j += 16) {
+        v16f v = load_row<BF16>(x, i * size + j);
+        if (add) {
+          v = rounded<BF16>(v + load_row<BF16>(add, i * size + j));
+          store_row<BF16>(x, i * size + j, v);
+        }
+        store(h.data() + j, v);
+      }
+      rms_norm_row<BF16>(h.data(), size, weight, eps, gemma, y.data());
+      for (int64_t j = 0; j < size; j += 16) store_row<BF16>(out, i * size + j, load(y.data() + j));
+    }
+  });
+}
+
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
                        bool gemma) {
   TORCH_CHECK(x.is_contiguous() && weight.scalar_type() == x.scalar_type(), "rms_norm: contiguous x, same dtypes");
   const int64_t size = x.size(-1), n = x.numel() / size;
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(size % 16 == 0, "rms_norm: a width of whole 16-value vectors");
   auto out = torch::empty_like(x);
   torch::Tensor add;
   if (residual) add = residual->contiguous();
-  void* xp = x.data_ptr();
-  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(size), y(size);
-    for (int64_t i = begin; i < end; i++) {
-      for (int64_t j = 0; j < size; j++) {
-        float v = load_value(xp, bf16, i * size + j);
-        if (residual) {
-          v = round_to(bf16, v + load_value(add.data_ptr(), bf16, i * size + j));
-          store_value(xp, bf16, i * size + j, v);
-        }
-        h[j] = v;
+  const void* added = residual ? add.data_ptr() : nullptr;
+  if (x.scalar_type() == torch::kBFloat16)
+    rms_norm_rows<true>(x.data_ptr(), added, out.data_ptr(), n, size, weight.data_ptr(), eps, gemma);
+  else
+    rms_norm_rows<false>(x.data_ptr(), added, out.data_ptr(), n, size, weight.data_ptr(), eps, gemma);
+  return out;
+}
+
+// act(gate) * up for gate_up [n, 2I] (gate first): SiLU, or GELU's tanh form (tanh z = 1 - 2 / (1 + e^2z)); the
+// activation rounded to the dtype before the product, as eager rounds it.
+template <bool BF16>
+void gated_rows(const void* in, void* out, int64_t n, int64_t inner, bool gelu) {
+  at::parallel_for(0, n * (inner / 16), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t piece = begin; piece < end; piece++) {
+      const int64_t i = piece / (inner / 16), j = piece % (inner / 16) * 16;
+      const v16f g = load_row<BF16>(in, i * 2 * inner + j), u = load_row<BF16>(in, i * 2 * inner + inner + j);
+      v16f a;
+      if (gelu) {
+        const v16f z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        a = 0.5f * g * (2.0f - 2.0f / (1.0f + vexp(2.0f * z)));
+      } else {
+        a = g / (1.0f + vexp(-g));
       }
-      rms_norm_row(h.data(), size, weight.data_ptr(), bf16, eps, gemma, y.data());
-      for (int64_t j = 0; j < size; j++) store_value(out.data_ptr(), bf16, i * size + j, y[j]);
+      store_row<BF16>(out, i * inner + j, rounded<BF16>(a) * u);
     }
   });
-  return out;
 }
 
-// act(gate) * up for gate_up [n, 2I] (gate first): SiLU, or GELU's tanh form; each product rounded as eager is.
 torch::Tensor gated_activation(torch::Tensor gate_up, bool gelu) {
-  TORCH_CHECK(gate_up.is_contiguous(), "gated_activation: contiguous input");
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(1) % 32 == 0, "gated_activation: contiguous, 16-value halves");
   const int64_t n = gate_up.size(0), inner = gate_up.size(1) / 2;
-  const bool bf16 = gate_up.scalar_type() == torch::kBFloat16;
   auto out = torch::empty({n, inner}, gate_up.options());
-  const void* in = gate_up.data_ptr();
-  void* o = out.data_ptr();
-  at::parallel_for(0, n * inner, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; e++) {
-      const int64_t i = e / inner, j = e % inner;
-      const float g = load_value(in, bf16, i * 2 * inner + j), u = load_value(in, bf16, i * 2 * inner + inner + j);
-      const float a = gelu ? 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)))
-                           : g / (1.0f + std::exp(-g));
-      store_value(o, bf16, e, round_to(bf16, a) * u);
-    }
-  });
+  if (gate_up.scalar_type() == torch::kBFloat16) gated_rows<true>(gate_up.data_ptr(), out.data_ptr(), n, inner, gelu);
+  else gated_rows<false>(gate_up.data_ptr(), out.data_ptr(), n, inner, gelu);
   return out;
 }
 
-// q, k, v out of qkv [n, (heads + 2 kv_heads) * d]: q and k RMS-normed per head if given (Qwen3, Gemma 3), rotated
-// over their first `rotary` dims with cos/sin [n, rotary] (transformers' rotate_half), k and v written to cache
-// slots start..start+n-1 of k_cache/v_cache [kv_heads, slots, d]; returns q [heads, n, d] in qkv's dtype.
-torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                         torch::Tensor v_cache, int64_t start, int64_t heads, int64_t kv_heads,
-                         c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
-                         bool gemma) {
+template <bool BF16>
+void rope_store_rows(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                     torch::Tensor& k_cache, torch::Tensor& v_cache, torch::Tensor& q, int64_t start, int64_t heads,
+                     int64_t kv_heads, const c10::optional<torch::Tensor>& q_norm,
+                     const c10::optional<torch::Tensor>& k_norm, double eps, bool gemma) {
   const int64_t n = qkv.size(0), d = k_cache.size(2), rotary = cos.size(1), half = rotary / 2;
-  TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * d, "rope_store: qkv shape");
-  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == d && v_cache.stride(1) == d && v_cache.stride(2) == 1,
-              "rope_store: cache layout");
-  TORCH_CHECK(start + n <= k_cache.size(1), "rope_store: cache overflow");
-  const bool bf16 = qkv.scalar_type() == torch::kBFloat16, cache_bf16 = k_cache.scalar_type() == torch::kBFloat16;
-  auto q = torch::empty({heads, n, d}, qkv.options());
-  const auto c = cos.contiguous(), s = sin.contiguous();
-  const bool table_bf16 = c.scalar_type() == torch::kBFloat16;
   const int64_t width = qkv.size(1), kstride = k_cache.stride(0), vstride = v_cache.stride(0);
+  const bool vector_rotation = half % 16 == 0;  // whole 16-value vectors on both sides of the rotation
   at::parallel_for(0, n * (heads + 2 * kv_heads), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> x(d), y(d);
     for (int64_t task = begin; task < end; task++) {
       const int64_t t = task / (heads + 2 * kv_heads), h = task % (heads + 2 * kv_heads);
-      for (int64_t j = 0; j < d; j++) x[j] = load_value(qkv.data_ptr(), bf16, t * width + h * d + j);
+      const int64_t source = t * width + h * d;
       if (h >= heads + kv_heads) {  // v: stored as it is
-        const int64_t kv = h - heads - kv_heads;
-        for (int64_t j = 0; j < d; j++)
-          store_value(v_cache.data_ptr(), cache_bf16, kv * vstride + (start + t) * d + j, x[j]);
+        void* slot = static_cast<char*>(v_cache.data_ptr()) +
+                     ((h - heads - kv_heads) * vstride + (start + t) * d) * v_cache.element_size();
+        std::memcpy(slot, static_cast<const char*>(qkv.data_ptr()) + source * qkv.element_size(),
+                    d * qkv.element_size());
         continue;
+      }
+      if (d % 16 == 0) {
+        for (int64_t j = 0; j < d; j += 16) store(x.data() + j, load_row<BF16>(qkv.data_ptr(), source + j));
+      } else {
+        for (int64_t j = 0; j < d; j++) x[j] = load_value(qkv.data_ptr(), BF16, source + j);
       }
       const bool is_q = h < heads;
       const auto& norm = is_q ? q_norm : k_norm;
       if (norm) {
-        rms_norm_row(x.data(), d, norm->data_ptr(), bf16, eps, gemma, y.data());
+        rms_norm_row<BF16>(x.data(), d, norm->data_ptr(), eps, gemma, y.data());
         x = y;
       }
-      for (int64_t j = 0; j < d; j++) y[j] = x[j];
-      for (int64_t j = 0; j < half; j++) {
-        const float c0 = load_value(c.data_ptr(), table_bf16, t * rotary + j);
-        const float s0 = load_value(s.data_ptr(), table_bf16, t * rotary + j);
-        const float c1 = load_value(c.data_ptr(), table_bf16, t * rotary + j + half);
-        const float s1 = load_value(s.data_ptr(), table_bf16, t * rotary + j + half);
-        y[j] = x[j] * c0 - x[j + half] * s0;
-        y[j + half] = x[j + half] * c1 + x[j] * s1;
-      }
-      if (is_q) {
-        for (int64_t j = 0; j < d; j++) store_value(q.data_ptr(), bf16, (h * n + t) * d + j, y[j]);
+      y = x;  // dimensions past `rotary` pass through (partial rotary)
+      const void* c = cos.data_ptr();
+      const void* s = sin.data_ptr();
+      const int64_t row = t * rotary;
+      if (vector_rotation) {
+        for (int64_t j = 0; j < half; j += 16) {
+          const v16f a = load(x.data() + j), b = load(x.data() + j + half);
+          store(y.data() + j, a * load_row<BF16>(c, row + j) - b * load_row<BF16>(s, row + j));
+          store(y.data() + j + half, b * load_row<BF16>(c, row + j + half) + a * load_row<BF16>(s, row + j + half));
+        }
       } else {
-        const int64_t kv = h - heads;
-        for (int64_t j = 0; j < d; j++)
-          store_value(k_cache.data_ptr(), cache_bf16, kv * kstride + (start + t) * d + j, round_to(bf16, y[j]));
+        for (int64_t j = 0; j < half; j++) {
+          y[j] = x[j] * load_value(c, BF16, row + j) - x[j + half] * load_value(s, BF16, row + j);
+          y[j + half] = x[j + half] * load_value(c, BF16, row + j + half) + x[j] * load_value(s, BF16, row + j + half);
+        }
+      }
+      void* target = is_q ? q.data_ptr() : k_cache.data_ptr();
+      const int64_t offset = is_q ? (h * n + t) * d : (h - heads) * kstride + (start + t) * d;
+      if (d % 16 == 0) {
+        for (int64_t j = 0; j < d; j += 16) store_row<BF16>(target, offset + j, load(y.data() + j));
+      } else {
+        for (int64_t j = 0; j < d; j++) store_value(target, BF16, offset + j, y[j]);
       }
     }
   });
+}
+
+// q, k, v out of qkv [n, (heads + 2 kv_heads) * d]: q and k RMS-normed per head if given (Qwen3, Gemma 3), rotated
+// over their first `rotary` dims with cos/sin [n, rotary] (transformers' rotate_half), k and v written to cache
+// slots start..start+n-1 of k_cache/v_cache [kv_heads, slots, d] (in qkv's dtype); returns q [heads, n, d].
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                         torch::Tensor v_cache, int64_t start, int64_t heads, int64_t kv_heads,
+                         c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
+                         bool gemma) {
+  const int64_t n = qkv.size(0), d = k_cache.size(2);
+  TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * d, "rope_store: qkv shape");
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == d && v_cache.stride(1) == d && v_cache.stride(2) == 1,
+              "rope_store: cache layout");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
+              cos.scalar_type() == qkv.scalar_type() && cos.is_contiguous() && sin.is_contiguous(),
+              "rope_store: cache and tables in qkv's dtype");
+  TORCH_CHECK(start + n <= k_cache.size(1), "rope_store: cache overflow");
+  auto q = torch::empty({heads, n, d}, qkv.options());
+  if (qkv.scalar_type() == torch::kBFloat16)
+    rope_store_rows<true>(qkv, cos, sin, k_cache, v_cache, q, start, heads, kv_heads, q_norm, k_norm, eps, gemma);
+  else
+    rope_store_rows<false>(qkv, cos, sin, k_cache, v_cache, q, start, heads, kv_heads, q_norm, k_norm, eps, gemma);
   return q;
 }
 
@@ -1080,40 +1150,12 @@ inline const float* cache_row(const torch::Tensor& cache, int64_t head, int64_t 
   return buffer;
 }
 
-// From this many query rows per KV head (trees, prefill), scores are computed 16 keys at a time against the keys
-// transposed ([d, 16]): a vector of 16 scores per broadcast query element, no horizontal sums.
-constexpr int64_t TRANSPOSED_ROWS = 8;
+// From this many query rows per KV head (trees, prefill) a chunk's scores come from one matrix product (torch's
+// own GEMM, single-threaded inside the task) instead of a dot product per row and key.
+constexpr int64_t GEMM_ROWS = 8;
 
-// scores[r * stride + 0..count) = q_r . k_(first + j) * scale + mask[r % n, first + j] for j < count <= 16.
-void score_block(const float* q, int64_t rows, int64_t d, const torch::Tensor& k_cache, int64_t head, int64_t first,
-                 int64_t count, bool bf16, float scale, const torch::Tensor* mask, int64_t n, float* buffer,
-                 float* transposed, float* scores, int64_t stride) {
-  for (int64_t j = 0; j < 16; j++) {
-    if (j < count) {
-      const float* kj = cache_row(k_cache, head, first + j, d, bf16, buffer);
-      for (int64_t e = 0; e < d; e++) transposed[e * 16 + j] = kj[e];
-    } else {
-      for (int64_t e = 0; e < d; e++) transposed[e * 16 + j] = 0.0f;
-    }
-  }
-  const float* mask_data = mask ? mask->data_ptr<float>() : nullptr;
-  const int64_t mask_stride = mask ? mask->stride(0) : 0;
-  float block[4][16];
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    const int64_t group = std::min<int64_t>(4, rows - r0);
-    v16f acc[4] = {};
-    for (int64_t e = 0; e < d; e++) {
-      const v16f keys = load(transposed + e * 16);
-      for (int64_t r = 0; r < group; r++) acc[r] += q[(r0 + r) * d + e] * keys;
-    }
-    for (int64_t r = 0; r < group; r++) {
-      store(block[r], acc[r] * scale);
-      float* out = scores + (r0 + r) * stride;
-      const float* mask_row = mask_data ? mask_data + ((r0 + r) % n) * mask_stride + first : nullptr;
-      for (int64_t j = 0; j < count; j++) out[j] = block[r][j] + (mask_row ? mask_row[j] : 0.0f);
-    }
-  }
-}
+constexpr int64_t ATTENTION_CHUNK = 256;
+constexpr int64_t MAX_SCORES = 1 << 18;  // a task's scores buffer: 1 MB
 
 // softmax(q k^T * scale + mask) v for q [heads, n, d] over the first `length` slots of k/v [kv_heads, slots, d]
 // (heads share a KV head in groups, as GQA); mask [n, >= length] additive or None (every key visible). Each
@@ -1134,20 +1176,25 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   }
   const int64_t threads = at::get_num_threads();
   const int64_t per_head = std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads);
-  int64_t chunk = std::min<int64_t>(512, std::max<int64_t>(64, (length + per_head - 1) / per_head));
+  // chunks of at least ATTENTION_CHUNK keys (below that a split costs more, a merge pass, than it spreads), and of
+  // at most MAX_SCORES scores per task
+  const int64_t largest = std::max<int64_t>(ATTENTION_CHUNK, MAX_SCORES / rows);
+  int64_t chunk = std::min<int64_t>(largest, std::max<int64_t>(ATTENTION_CHUNK, (length + per_head - 1) / per_head));
   chunk = (chunk + 15) / 16 * 16;
   const int64_t chunks = (length + chunk - 1) / chunk, tasks = kv_heads * chunks;
   std::vector<float> run_max(tasks * rows), run_sum(tasks * rows), run_acc(tasks * rows * d);
   const float* qp = qf.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  const bool gemm = rows >= GEMM_ROWS;
+  const torch::Tensor q_rows = qf.view({kv_heads, rows, d});  // per KV head: row g * n + i is head kv * group + g
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(rows * chunk), key(d), transposed(rows < TRANSPOSED_ROWS ? 0 : 16 * d);
+    std::vector<float> scores(rows * chunk), key(d);
     std::vector<float> value_block(16 * d);
     for (int64_t task = begin; task < end; task++) {
       const int64_t kv = task / chunks, j0 = (task % chunks) * chunk, j1 = std::min(length, j0 + chunk);
       const int64_t span = j1 - j0;
       const float* qh = qp + kv * group * n * d;  // rows r = g * n + i: head kv * group + g, query i
-      if (rows < TRANSPOSED_ROWS) {
+      if (!gemm) {
         for (int64_t j = j0; j < j1; j++) {
           const float* kj = cache_row(k_cache, kv, j, d, cache_bf16, key.data());
           for (int64_t r = 0; r < rows; r++) {
@@ -1156,18 +1203,29 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
             scores[r * chunk + (j - j0)] = score;
           }
         }
-      } else {
-        for (int64_t jb = j0; jb < j1; jb += 16) {
-          score_block(qh, rows, d, k_cache, kv, jb, std::min<int64_t>(16, j1 - jb), cache_bf16, fscale,
-                      mask ? &m : nullptr, n, key.data(), transposed.data(), scores.data() + (jb - j0), chunk);
+      } else {  // q [rows, d] times the chunk's keys [span, d]^T in fp32 (a bf16 cache's keys widened first)
+        const torch::Tensor products =
+            at::linear(q_rows[kv], k_cache[kv].narrow(0, j0, span).to(torch::kFloat32)).contiguous();
+        const float* product = products.data_ptr<float>();
+        for (int64_t r = 0; r < rows; r++) {
+          const float* mask_row = mask ? m.data_ptr<float>() + (r % n) * m.stride(0) + j0 : nullptr;
+          float* out = scores.data() + r * chunk;
+          int64_t j = 0;
+          for (; j + 16 <= span; j += 16)
+            store(out + j, load(product + r * span + j) * fscale + (mask_row ? load(mask_row + j) : v16f{}));
+          for (; j < span; j++) out[j] = product[r * span + j] * fscale + (mask_row ? mask_row[j] : 0.0f);
         }
       }
       float* acc_out = run_acc.data() + task * rows * d;
       std::fill(acc_out, acc_out + rows * d, 0.0f);
       for (int64_t r = 0; r < rows; r++) {
         float* row = scores.data() + r * chunk;
+        v16f tops = splat(-std::numeric_limits<float>::infinity());
+        int64_t jt = 0;
+        for (; jt + 16 <= span; jt += 16) tops = load(row + jt) > tops ? load(row + jt) : tops;
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < span; j++) top = std::max(top, row[j]);
+        for (int i = 0; i < 16; i++) top = std::max(top, tops[i]);
+        for (; jt < span; jt++) top = std::max(top, row[jt]);
         float total = 0.0f;
         if (top != -std::numeric_limits<float>::infinity()) {
           int64_t j = 0;
@@ -1190,24 +1248,28 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
           const float* vj = cache_row(v_cache, kv, jb + j, d, cache_bf16, value_block.data() + j * d);
           if (vj != value_block.data() + j * d) std::copy(vj, vj + d, value_block.data() + j * d);
         }
-        for (int64_t r = 0; r < rows; r++) {
-          const float* p = scores.data() + r * chunk + (jb - j0);
-          float* acc = acc_out + r * d;
-          int64_t e = 0;
-          for (; e + 16 <= d; e += 16) {
-            v16f a = load(acc + e);
-            for (int64_t j = 0; j < count; j++) a += p[j] * load(value_block.data() + j * d + e);
-            store(acc + e, a);
+        int64_t e = 0;
+        for (; e + 16 <= d; e += 16) {  // one 16-wide slice of the 16 values in registers, every row over it
+          v16f slice[16];
+          for (int64_t j = 0; j < count; j++) slice[j] = load(value_block.data() + j * d + e);
+          for (int64_t r = 0; r < rows; r++) {
+            const float* p = scores.data() + r * chunk + (jb - j0);
+            v16f a = load(acc_out + r * d + e);
+            for (int64_t j = 0; j < count; j++) a += p[j] * slice[j];
+            store(acc_out + r * d + e, a);
           }
-          for (; e < d; e++)
-            for (int64_t j = 0; j < count; j++) acc[e] += p[j] * value_block[j * d + e];
         }
+        for (; e < d; e++)
+          for (int64_t r = 0; r < rows; r++) {
+            const float* p = scores.data() + r * chunk + (jb - j0);
+            for (int64_t j = 0; j < count; j++) acc_out[r * d + e] += p[j] * value_block[j * d + e];
+          }
       }
     }
   });
   auto out = torch::empty({n, heads * d}, q.options());
   const bool out_bf16 = q.scalar_type() == torch::kBFloat16;
-  at::parallel_for(0, kv_heads * rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, kv_heads * rows, 64, [&](int64_t begin, int64_t end) {  // a few rows: no fork
     std::vector<float> merged(d);
     for (int64_t hr = begin; hr < end; hr++) {
       const int64_t kv = hr / rows, r = hr % rows, head = kv * group + r / n, i = r % n;
