@@ -20,13 +20,7 @@ from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
 from decoder.trie import Trie
 from tests.test_lean_model import tree_mask
-from tests.toy import (
-    assert_distributed_as_target,
-    first_two_distribution,
-    hf_greedy,
-    sample_first_two,
-    toy_model,
-)
+from tests.toy import assert_sequoia_samples_follow_the_target, hf_greedy, toy_model
 
 NEW_FAMILIES = [f for f in TINY_FAMILIES if f not in ("llama", "qwen2")]  # those two: tests/test_lean_model.py
 CASES = [(f, "lean") for f in NEW_FAMILIES] + [(f, "transformers") for f in TINY_GENERIC_FAMILIES + ("llama",)]
@@ -142,9 +136,4 @@ def test_sampled_output_is_distributed_as_the_target(family, rule):
     two sampled tokens of a Sequoia tree, verified by either rule, follow transformers' distribution (chi-square)."""
     target_hf, target = toy_model(10, family=family)
     _, draft = toy_model(10, noise=0.3, family=family)
-    params = SamplingParams(temperature=0.8, top_p=0.95)
-    prompt = [1, 4, 2, 5, 3]
-    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3]), rule=rule)
-    counts, accepted = sample_first_two(lambda: engine, prompt, params, 4000)
-    assert accepted > 0.2
-    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+    assert_sequoia_samples_follow_the_target(target_hf, target, draft, rule)

@@ -22,7 +22,7 @@ from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
 from decoder.trie import Trie, TrieSettings
 
-from toy import assert_distributed_as_target, first_two_distribution, hf_greedy, sample_first_two
+from toy import assert_sequoia_samples_follow_the_target, hf_greedy, toy_model
 
 K = kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="no C++ compiler for the CPU kernels")
@@ -199,17 +199,7 @@ def test_gguf_model_is_the_dequantized_model_and_speculates_losslessly(name):
 def quantized_toy(seed: int, noise: float = 0.0):
     """A toy model over a 6-token vocabulary with 32-wide weights, quantized to Q4_1 blocks; transformers' copy
     holds the decoded weights."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         initializer_range=0.5, tie_word_embeddings=False)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
+    model, _ = toy_model(seed, noise, family="llama-32")
     blocks = {}
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -226,12 +216,7 @@ def test_sampled_output_of_a_quantized_model_is_distributed_as_that_model(rule):
     target_hf, target = quantized_toy(10)
     _, draft = quantized_toy(10, noise=0.1)
     assert target.layers[0]["w_gate_up"].format == BLOCK_FORMATS["Q4_1"]
-    params = SamplingParams(temperature=0.8, top_p=0.95)
-    prompt = [1, 4, 2, 5, 3]
-    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3]), rule=rule)
-    counts, accepted = sample_first_two(lambda: engine, prompt, params, 4000)
-    assert accepted > 0.2
-    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+    assert_sequoia_samples_follow_the_target(target_hf, target, draft, rule)
 
 
 def test_a_quantization_type_the_kernels_do_not_run_is_refused_in_one_line(tmp_path):

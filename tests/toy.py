@@ -34,6 +34,8 @@ VOCAB = 6
 def toy_config(family: str = "llama") -> PretrainedConfig:
     common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False)
+    if family == "llama-32":  # rows of whole 32-value blocks: quantizable to GGUF block types
+        return LlamaConfig(**dict(common, hidden_size=32, intermediate_size=64))
     if family == "llama3":  # Llama 3.1's RoPE scaling, from an original context of 8
         return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -54,6 +56,20 @@ def toy_model(seed: int, noise: float = 0.0, family: str = "llama") -> tuple[Aut
             for parameter in model.parameters():
                 parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
     return model, LeanModel(model)
+
+
+def assert_sequoia_samples_follow_the_target(target_hf, target, draft, rule: str) -> None:
+    """The first two sampled tokens of a small Sequoia tree, verified by `rule`, follow transformers'
+    distribution of `target_hf` (chi-square), and the draft was accepted often enough to matter."""
+    from decoder.drafters import SequoiaDrafter
+    from decoder.engine import SpeculativeEngine
+
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    prompt = [1, 4, 2, 5, 3]
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3]), rule=rule)
+    counts, accepted = sample_first_two(lambda: engine, prompt, params, 4000)
+    assert accepted > 0.2
+    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
 
 
 def sample_first_two(make_engine, prompt: list[int], params: SamplingParams, samples: int
