@@ -238,7 +238,7 @@ def test_a_quantization_type_the_kernels_do_not_run_is_refused_in_one_line(tmp_p
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
 def test_the_avx2_and_the_portable_builds_compute_as_this_hosts(march):
     """The kernels built for AVX2 (x86-64-v3) and for no AVX at all (x86-64-v2: the portable paths) give this
-    host's results: the same for integer K-quant blocks, to rounding elsewhere."""
+    host's results, to fp32 rounding (AVX-512 sums K-quant blocks in vector lanes, AVX2 per block)."""
     other = kernels(march)
     assert other is not None
     gen = torch.Generator().manual_seed(0)
