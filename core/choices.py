@@ -10,3 +10,7 @@ BACKENDS = ("auto",) + FORWARDS  # auto: lean where it runs the architecture (de
 # plans only), llama.cpp on the same GGUF (the llamacpp extra)
 BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming", "llama.cpp",
              "llama.cpp-lookup")
+# the engines a Sequoia plan is solved for and exported to (planner/engines.py: each one's rules, with sources);
+# specplan: our own decoder, any tree
+ENGINES = ("specplan", "sequoia", "vllm", "vllm-draft", "medusa", "eagle1", "trtllm", "trtllm-draft", "llama.cpp",
+           "hf")

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from core.choices import DTYPES, FORWARDS
+from core.choices import DTYPES, ENGINES, FORWARDS
 from core.errors import UserError
 from core.fileio import check_plain_values, plain, read_yaml, write_yaml
 from core.method_settings import TrieSettings, TriForceSettings
@@ -221,6 +221,7 @@ class Plan:
     tree: TokenTree | None = None
     settings: TrieSettings | TriForceSettings | None = None  # lookahead, triforce: the method's settings
     tokenizer: dict[str, Any] = field(default_factory=dict)
+    engine: str = "specplan"  # the engine whose rules the tree was solved within (planner/engines.py)
     source: str = field(default="plan", compare=False)  # the file it was read from, for error messages
 
     @property
@@ -241,6 +242,7 @@ class Plan:
             solver=_finite_mapping(data.get("solver"), f"{where}: solver"),
             provenance=_finite_mapping(data.get("provenance"), f"{where}: provenance"),
             sampling=_finite_mapping(data.get("sampling"), f"{where}: sampling"),
+            engine=f.string("engine", required=False, default="specplan", choices=ENGINES),
             source=where,
         )
         tokens_per_step = plan.prediction.tokens_per_step
@@ -268,6 +270,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "models": self.models.to_dict()}
+        if self.engine != "specplan":
+            out["engine"] = self.engine
         if self.sampling:
             out["sampling"] = self.sampling
         if self.tree is not None:

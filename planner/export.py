@@ -1,77 +1,159 @@
-"""Token-tree exports to other engines' formats, and the inverse import of their choice lists."""
+"""A Sequoia plan's tree in the form each serving engine takes as it is, and the inverse import of those forms.
+
+Every export first holds the tree to the engine's rules (planner/engines.py) and refuses, in one line, a tree the
+engine would not run as it is. What the engine needs beside the tree (the draft model's path, flags, the attention
+backend) comes back as `Export.instructions`, for stderr.
+"""
 
 from __future__ import annotations
 
 import ast
+import io
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from core.errors import UserError
-from core.plan_schema import TokenTree
+import yaml
 
-EXPORT_FORMATS = ("sequoia", "medusa", "vllm", "trtllm")
-GROWMAP_MAX_NODES = 4096  # the growmap holds a dense n x n mask: 16 M entries here, ~40 MB of JSON
+from core.choices import ENGINES
+from core.errors import UserError
+from core.plan_schema import Plan, TokenTree
+from planner.engines import check_tree, engine_rules
+
+EXPORT_FORMATS = tuple(engine for engine in ENGINES if engine != "specplan")
+NEEDS_DRAFT_PATH = ("vllm", "vllm-draft", "trtllm", "trtllm-draft", "llama.cpp", "hf")
+VLLM_TREE_METHODS = ("eagle", "eagle3")  # EagleProposer's methods (planner/engines.py: VLLM_EAGLE)
+GROWMAP_MAX_NODES = 4096  # the growmap holds a dense n x n mask: 16 M entries here
+
+
+@dataclass(frozen=True)
+class Export:
+    content: str | bytes  # bytes: the Sequoia reference's torch.save file
+    instructions: str  # how to run it: for stderr
+
+
+def _choices(tree: TokenTree) -> list[list[int]]:
+    """Rank paths level by level, siblings in rank order: the order Medusa, EAGLE and vLLM sort choices into."""
+    return [list(path) for path in sorted(tree.paths(), key=lambda p: (len(p), p))]
 
 
 def sequoia_growmap(tree: TokenTree) -> dict[str, Any]:
-    """The reference implementation's growmap layout (there a pickled .pt; here plain JSON)."""
+    """The reference implementation's growmap (tests/run_sequoia.py reads size, roots, branches; its engine the
+    mask and depth as int64 tensors)."""
+    import torch
+
     if tree.size > GROWMAP_MAX_NODES:
         raise UserError(f"a {tree.size}-node tree is too large for the sequoia growmap (a dense n x n mask); it "
                         f"takes at most {GROWMAP_MAX_NODES} nodes")
     depths = tree.depths
-    children = tree.children
     levels = [[v for v in range(tree.size) if depths[v] == k] for k in range(tree.depth + 1)]
-    mask = [[0] * tree.size for _ in range(tree.size)]
+    mask = torch.zeros(tree.size, tree.size, dtype=torch.int64)
     for v in range(tree.size):
         if v:
-            mask[v] = list(mask[tree.parents[v]])
-        mask[v][v] = 1
-    return {
-        "roots": levels,
-        "branches": [[len(children[v]) for v in level] for level in levels],
-        "Successors": children,
-        "mask": mask,
-        "depth": depths,
-        "size": tree.size,
-    }
+            mask[v] = mask[tree.parents[v]]
+        mask[v, v] = 1
+    children = tree.children
+    return {"roots": levels, "branches": [[len(children[v]) for v in level] for level in levels],
+            "Successors": children, "mask": mask, "depth": torch.tensor(depths, dtype=torch.int64),
+            "size": tree.size}
 
 
-def export_tree(tree: TokenTree, fmt: str) -> str:
-    paths = [list(p) for p in tree.paths()]
+def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int | None = None,
+                method: str = "eagle") -> Export:
+    """`plan`'s tree as engine `fmt` takes it; refused in one line when the tree breaks the engine's rules or a
+    path the engine needs is missing."""
+    if fmt not in EXPORT_FORMATS:
+        raise UserError(f"unknown export format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
+    tree = plan.tree
+    if tree is None:
+        raise UserError(f"{plan.source}: a {plan.kind} has no token tree to export")
+    if heads is None and plan.engine == fmt:  # the heads the plan was solved for
+        recorded = plan.solver.get("engine")
+        depth_cap = recorded.get("max_depth") if isinstance(recorded, dict) else None
+        heads = depth_cap if isinstance(depth_cap, int) and not isinstance(depth_cap, bool) else None
+    check_tree(tree, engine_rules(fmt, heads), plan.source)
+    if fmt in NEEDS_DRAFT_PATH and not draft_path:
+        raise UserError(f"--format {fmt} needs --draft-path: the draft model as {fmt} loads it (a path or hub id)")
+    depth = tree.depth
+    choices = _choices(tree)
+    target = plan.models.target or "TARGET"
     if fmt == "sequoia":
-        return json.dumps(sequoia_growmap(tree))
-    if fmt == "medusa":
-        return json.dumps(paths)
+        buffer = io.BytesIO()
+        import torch
+
+        torch.save(sequoia_growmap(tree), buffer)
+        return Export(buffer.getvalue(), "the Sequoia reference: --growmap FILE (torch.load)")
+    if fmt in ("medusa", "eagle1"):
+        argument = "medusa_choices" if fmt == "medusa" else "tree_choices"
+        return Export(json.dumps(choices), f"{fmt}: the model's {argument}")
     if fmt == "vllm":
-        # vLLM's speculative_config takes the tree as the string form of a list of tuples, level by level.
-        return json.dumps({"num_speculative_tokens": tree.size - 1,
-                           "speculative_token_tree": str([tuple(p) for p in paths])})
+        if method not in VLLM_TREE_METHODS:
+            raise UserError(f"vLLM drafts trees only with methods {', '.join(VLLM_TREE_METHODS)}; for {method!r} "
+                            "solve with --engine vllm-draft")
+        config = {"method": method, "model": draft_path, "num_speculative_tokens": tree.size - 1,
+                  "speculative_token_tree": str([tuple(path) for path in choices])}
+        return Export(json.dumps(config), f"vllm serve {target} --speculative-config '<this JSON>', with the tree "
+                                          "attention backend: VLLM_ATTENTION_BACKEND=TREE_ATTN")
+    if fmt == "vllm-draft":
+        config = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": depth}
+        return Export(json.dumps(config), f"vllm serve {target} --speculative-config '<this JSON>'")
     if fmt == "trtllm":
-        return json.dumps({"eagle_choices": paths})
-    raise UserError(f"unknown export format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
+        config = {"speculative_config": {"decoding_type": "Eagle", "max_draft_len": tree.size - 1,
+                                         "speculative_model": draft_path, "eagle_choices": choices}}
+        return Export(yaml.safe_dump(config, sort_keys=False),
+                      "trtllm-serve ... --extra_llm_api_options <this YAML> (an EAGLE engine built with "
+                      f"--max_draft_len >= {tree.size - 1} and --num_eagle_layers >= {depth})")
+    if fmt == "trtllm-draft":
+        config = {"speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": depth,
+                                         "speculative_model": draft_path}}
+        return Export(yaml.safe_dump(config, sort_keys=False), "trtllm-serve ... --extra_llm_api_options <this YAML>")
+    if fmt == "llama.cpp":
+        return Export(f"--model-draft {draft_path} --draft-max {depth} --draft-min 0 --draft-p-min 0.0",
+                      "llama-server -m TARGET.gguf <these flags> (draft-p-min 0: every step drafts the full chain "
+                      "the plan priced)")
+    config = {"assistant_model": draft_path, "num_assistant_tokens": depth,
+              "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+    return Export(json.dumps(config), "model.generate(**inputs, **<these kwargs>) with the assistant loaded from "
+                                      "assistant_model")
 
 
-def import_tree(text: str, fmt: str) -> TokenTree:
-    """Inverse of export_tree."""
+def import_tree(data: str | bytes, fmt: str) -> TokenTree:
+    """Inverse of export_plan: the tree an export holds (for a chain format, the chain of its draft length)."""
     try:
-        data = json.loads(text)
         if fmt == "sequoia":
-            successors = data["Successors"]
-            parents = [-1] * data["size"]
-            for v, kids in enumerate(successors):
+            import torch
+
+            growmap = torch.load(io.BytesIO(data if isinstance(data, bytes) else data.encode()), weights_only=True)
+            parents = [-1] * int(growmap["size"])
+            for v, kids in enumerate(growmap["Successors"]):
                 for child in kids:
                     parents[child] = v
             return TokenTree.from_parents(parents, "growmap")
-        if fmt == "medusa":
-            choices = data
+        text = data.decode() if isinstance(data, bytes) else data
+        if fmt in ("medusa", "eagle1"):
+            choices = json.loads(text)
         elif fmt == "vllm":
-            choices = ast.literal_eval(data["speculative_token_tree"])
+            choices = ast.literal_eval(json.loads(text)["speculative_token_tree"])
         elif fmt == "trtllm":
-            choices = data["eagle_choices"]
+            choices = yaml.safe_load(text)["speculative_config"]["eagle_choices"]
+        elif fmt in ("vllm-draft", "trtllm-draft", "llama.cpp", "hf"):
+            return TokenTree.from_parents(list(range(-1, _chain_length(text, fmt))), fmt)
         else:
             raise UserError(f"unknown format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, SyntaxError) as exc:
+    except (json.JSONDecodeError, yaml.YAMLError, KeyError, TypeError, ValueError, SyntaxError, IndexError,
+            RuntimeError, EOFError) as exc:
         raise UserError(f"cannot read a {fmt} tree: {exc.__class__.__name__}") from None
     if not isinstance(choices, (list, tuple)):
         raise UserError(f"a {fmt} tree must be a list of paths")
     return TokenTree.from_paths(list(choices), fmt)
+
+
+def _chain_length(text: str, fmt: str) -> int:
+    if fmt == "vllm-draft":
+        return int(json.loads(text)["num_speculative_tokens"])
+    if fmt == "trtllm-draft":
+        return int(yaml.safe_load(text)["speculative_config"]["max_draft_len"])
+    if fmt == "hf":
+        return int(json.loads(text)["num_assistant_tokens"])
+    flags = text.split()
+    return int(flags[flags.index("--draft-max") + 1])

@@ -44,6 +44,7 @@ from core.fileio import shown
 from core.plan_schema import Plan, PlanModels, Prediction, TokenTree
 from core.profile_schema import LatencyProfile, load_profile
 from core.provenance import provenance
+from planner.engines import EngineRules, engine_rules
 
 NEG_INF = -np.inf
 
@@ -199,6 +200,87 @@ def depth_unbounded_values(positional: np.ndarray, max_size: int) -> np.ndarray:
     return _depth_unbounded(np.ascontiguousarray(positional, dtype=np.float64), max_size)
 
 
+LEVEL_UNIFORM_MAX_SIZE = 512  # the enumeration grows about 6x per doubling of the size: 6 s at 512 nodes
+
+
+class LevelUniformTables:
+    """The best level-uniform trees (vLLM's EAGLE tree drafter): branching b_1..b_d, every node of level L-1 with
+    b_L children of ranks 0..b_L-1. Level L holds B_L = b_1 ... b_L nodes, each scoring the product over its path,
+    so a level sums to S(b_1) ... S(b_L) with S(b) = p_1 + ... + p_b, and
+
+        n = 1 + sum_L B_L,    G = 1 + sum_L S(b_1) ... S(b_L).
+
+    Every vector with n <= max_size and d <= max_depth is enumerated (depth first, sizes pruned as they grow);
+    G[n, d] is the best over depth at most d, as SequoiaTables' G."""
+
+    def __init__(self, positional: np.ndarray, max_size: int, max_depth: int) -> None:
+        self.positional = np.ascontiguousarray(positional, dtype=np.float64)
+        self.max_size = max_size
+        self.max_depth = max_depth
+        prefix = np.concatenate([[0.0], np.cumsum(self.positional)])  # prefix[b] = S(b)
+        best = np.full((max_size + 1, max_depth + 1), NEG_INF)
+        branching: dict[tuple[int, int], tuple[int, ...]] = {}
+
+        def visit(vector: tuple[int, ...], size: int, nodes: int, level_value: float, value: float) -> None:
+            depth = len(vector)
+            if value > best[size, depth]:
+                best[size, depth] = value
+                branching[size, depth] = vector
+            if depth == max_depth:
+                return
+            for b in range(1, len(self.positional) + 1):
+                if size + nodes * b > max_size:
+                    break
+                visit(vector + (b,), size + nodes * b, nodes * b, level_value * prefix[b],
+                      value + level_value * prefix[b])
+
+        visit((), 1, 1, 1.0, 1.0)
+        self._best = best
+        # depth at most d: carry each size's best down the depth axis, keeping the vector that achieves it
+        self._G = np.maximum.accumulate(best, axis=1)
+        self._vector = {}
+        for n in range(1, max_size + 1):
+            for d in range(max_depth + 1):
+                if np.isfinite(self._G[n, d]):
+                    self._vector[n, d] = branching[n, int(np.argmax(best[n, :d + 1]))]
+
+    @property
+    def G(self) -> np.ndarray:
+        return self._G.copy()
+
+    def branching(self, size: int, depth: int) -> tuple[int, ...]:
+        return self._vector[size, depth]
+
+    def tree(self, size: int, depth: int) -> np.ndarray:
+        parents = [-1]
+        level = [0]
+        for b in self._vector[size, depth]:
+            nxt = []
+            for node in level:
+                for _ in range(b):
+                    parents.append(node)
+                    nxt.append(len(parents) - 1)
+            level = nxt
+        return np.array(parents, dtype=np.int64)
+
+
+def engine_tables(positional: np.ndarray, max_size: int, max_depth: int,
+                  rules: EngineRules) -> SequoiaTables | LevelUniformTables:
+    """The table of G(n, d) over the trees `rules` allow: the exact DP on the acceptance vector cut to the engine's
+    top-k (1 for a chain) with its depth cap, or the level-uniform search."""
+    if rules.max_depth is not None:
+        max_depth = min(max_depth, rules.max_depth)
+    if rules.max_draft_tokens is not None:
+        max_size = min(max_size, rules.max_draft_tokens + 1)
+    width = rules.width(len(positional))
+    if rules.shape == "level-uniform":
+        if max_size > LEVEL_UNIFORM_MAX_SIZE:
+            raise UserError(f"--engine {rules.name}: the branching search takes --max-size up to "
+                            f"{LEVEL_UNIFORM_MAX_SIZE} (it enumerates every vector; 512 nodes take about 6 s)")
+        return LevelUniformTables(positional[:width], max_size, max_depth)
+    return SequoiaTables(positional[:width], max_size, max_depth)
+
+
 def tree_value(parents: np.ndarray, positional: np.ndarray) -> float:
     """F(T): the sum over nodes of the product of p_rank along the root path (BFS-ordered parents)."""
     score = np.zeros(len(parents))
@@ -222,18 +304,26 @@ class Candidate:
     tokens_per_second: float | None = None
 
 
-def rank_candidates(tables: SequoiaTables, profile: LatencyProfile | None = None, batch: int = 1,
-                    context: int | None = None) -> list[Candidate]:
+def rank_candidates(tables: SequoiaTables | LevelUniformTables, profile: LatencyProfile | None = None,
+                    batch: int = 1, context: int | None = None, rules: EngineRules | None = None) -> list[Candidate]:
     """Every non-dominated (n, d), best first: by speedup with a profile, by G without one.
 
     (n, d) is dropped when G(n, d) == G(n, d - 1): the deeper bound did not change the tree's value,
-    so it only adds draft cost. Ties are broken towards smaller n, then smaller d.
+    so it only adds draft cost (the tree kept then has depth exactly d). Ties are broken towards smaller n, then
+    smaller d. With an engine's `rules`, the depths below its least depth are dropped, and so is an (n, d) whose
+    optimal tree breaks a rule the table does not encode (TensorRT-LLM's expanded nodes per level).
     """
     G = tables.G
     sizes = np.arange(G.shape[0])
     feasible = np.isfinite(G)
     feasible[0, :] = False
     feasible[:, 1:] &= G[:, 1:] > G[:, :-1]
+    if rules is not None:
+        feasible[:, :min(rules.min_depth, G.shape[1])] = False
+        if rules.max_non_leaves_per_level is not None:
+            for n, d in zip(*np.nonzero(feasible)):
+                tree = TokenTree.from_parents(tables.tree(int(n), int(d)))
+                feasible[n, d] = rules.broken_rule(tree) is None
     if profile is None:
         candidates = [Candidate(int(n), int(d), float(G[n, d])) for n, d in zip(*np.nonzero(feasible))]
         return sorted(candidates, key=lambda c: (-c.tokens_per_step, c.size, c.depth))
@@ -258,7 +348,10 @@ def rank_candidates(tables: SequoiaTables, profile: LatencyProfile | None = None
 
 
 def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, profile_path: str | Path | None = None,
-                  batch: int = 1, context: int | None = None) -> tuple[Plan, list[Candidate]]:
+                  batch: int = 1, context: int | None = None, engine: str = "specplan",
+                  heads: int | None = None) -> tuple[Plan, list[Candidate]]:
+    """The best tree `engine` executes (planner/engines.py), and the ranked (n, d) it was chosen from. For another
+    engine than our own decoder the plan also records the unconstrained optimum, what the engine's rules cost."""
     if max_size < 1:
         raise UserError(f"the largest tree size must be >= 1, got {max_size}")
     if max_depth < 0:
@@ -269,17 +362,29 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     profile = load_profile(profile_path) if profile_path is not None else None
     models = _models(acceptance, profile, f"{acceptance_path} and {profile_path}")
 
+    rules = engine_rules(engine, heads)
+
     SequoiaTables(acceptance.positional, 2, 1)  # compile or load the numba cache outside the timing
     start = time.perf_counter()
-    tables = SequoiaTables(acceptance.positional, max_size, max_depth)
+    tables = engine_tables(acceptance.positional, max_size, max_depth, rules)
     dp_seconds = time.perf_counter() - start
 
-    ranked = rank_candidates(tables, profile, batch, context)
+    ranked = rank_candidates(tables, profile, batch, context, rules)
     if not ranked:
-        raise UserError("no feasible tree within the given size, depth and profile range")
+        raise UserError(f"no tree that {engine} runs fits the given size, depth and profile range")
     plan = _assemble_plan(tables, ranked[0], ranked, acceptance, acceptance_path, profile, profile_path, models,
                           max_size, max_depth, batch, context)
     plan.solver["seconds"] = dp_seconds
+    if rules.shape == "level-uniform":
+        plan.solver["algorithm"] = "level-uniform branching search"
+        plan.solver["branching"] = list(tables.branching(ranked[0].size, ranked[0].depth))
+    if engine != "specplan":
+        unconstrained = rank_candidates(SequoiaTables(acceptance.positional, max_size, max_depth), profile, batch,
+                                        context)[0]
+        plan.engine = engine
+        plan.solver["engine"] = {"name": engine, **rules.limits(),
+                                 "sources": [str(source) for source in rules.sources],
+                                 "unconstrained": asdict(unconstrained)}
     return plan, ranked
 
 
@@ -302,7 +407,8 @@ def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files
                       draft_vocab=acceptance.draft_vocab, backend=profile.backend if profile is not None else None)
 
 
-def _assemble_plan(tables: SequoiaTables, best: Candidate, ranked: list[Candidate], acceptance: SequoiaAcceptance,
+def _assemble_plan(tables: SequoiaTables | LevelUniformTables, best: Candidate, ranked: list[Candidate],
+                   acceptance: SequoiaAcceptance,
                    acceptance_path: str | Path, profile: LatencyProfile | None, profile_path: str | Path | None,
                    models: PlanModels, max_size: int, max_depth: int, batch: int, context: int | None) -> Plan:
     """The plan file for the chosen (n, d): its tree, prediction, and the inputs `plan show` redraws it from."""

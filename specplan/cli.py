@@ -8,11 +8,11 @@ from pathlib import Path
 
 import click
 
-from core.choices import BACKENDS, BASELINES, DEVICES, DTYPES, VERIFICATION_RULES
+from core.choices import BACKENDS, BASELINES, DEVICES, DTYPES, ENGINES, VERIFICATION_RULES
 from core.errors import UserError
 from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
 from core.plan_schema import Plan
-from planner.export import EXPORT_FORMATS
+from planner.export import EXPORT_FORMATS, VLLM_TREE_METHODS
 from profiler.datasets import DATASETS
 
 PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
@@ -225,14 +225,19 @@ def solve() -> None:
 @click.option("--context", type=int, default=None, help="use the profile's t(n) at this context length")
 @click.option("--top", type=click.IntRange(min=0),
               default=10, show_default=True, help="rows of the ranked table to print")
+@click.option("--engine", type=click.Choice(ENGINES), default="specplan", show_default=True,
+              help="the best tree this serving engine runs (its rules: planner/engines.py)")
+@click.option("--heads", type=click.IntRange(min=1),
+              help="medusa, eagle1: the draft heads of your model (its deepest level)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int, batch: int,
-                      context: int | None, top: int, output: Path) -> None:
-    """Sequoia: the optimal token tree and its size/depth for this hardware."""
+                      context: int | None, top: int, engine: str, heads: int | None, output: Path) -> None:
+    """Sequoia: the optimal token tree and its size/depth for this hardware (and a serving engine's rules)."""
     from core.plan_schema import save_plan
     from planner.sequoia import solve_sequoia
+    from specplan.show import describe_engine_cost
 
-    plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, batch, context)
+    plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, batch, context, engine, heads)
     header = f"{'n':>5} {'d':>3} {'G(n,d)':>8}"
     if profile_path is not None:
         header += f" {'step ms':>9} {'speedup':>8} {'tok/s':>8}"
@@ -243,7 +248,9 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
             row += f" {c.step_seconds * 1e3:>9.3f} {c.speedup:>8.3f} {c.tokens_per_second:>8.2f}"
         click.echo(row)
     save_plan(plan, output)
-    click.echo(f"DP over n <= {max_size}, d <= {max_depth}: {plan.solver['seconds'] * 1e3:.1f} ms; "
+    if plan.engine != "specplan":
+        click.echo(describe_engine_cost(plan))
+    click.echo(f"solved n <= {max_size}, d <= {max_depth} in {plan.solver['seconds'] * 1e3:.1f} ms; "
                f"chose n = {plan.tree.size}, d = {plan.tree.depth}; wrote {output}")
 
 
@@ -341,23 +348,33 @@ def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> No
 
 @cli.command()
 @click.argument("plan_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(EXPORT_FORMATS), required=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write here instead of stdout")
-def export(plan_file: Path, fmt: str, output: Path | None) -> None:
-    """Export a Sequoia plan's tree to another engine's format."""
+@click.option("--format", "fmt", type=click.Choice(EXPORT_FORMATS), required=True,
+              help="the engine: its rules are checked first (solve with --engine to fit them)")
+@click.option("--draft-path", help="the draft model as the engine loads it (vllm, trtllm, llama.cpp, hf)")
+@click.option("--heads", type=click.IntRange(min=1), help="medusa, eagle1: the draft heads of your model")
+@click.option("--method", type=click.Choice(VLLM_TREE_METHODS), default="eagle", show_default=True,
+              help="vllm: the speculative method that drafts the tree")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="write here instead of stdout (required for sequoia's .pt)")
+def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None, method: str,
+           output: Path | None) -> None:
+    """Export a Sequoia plan's tree as a serving engine takes it; how to run it goes to stderr."""
     from core.fileio import atomic_output
     from core.plan_schema import load_plan
-    from planner.export import export_tree
+    from planner.export import export_plan
 
-    plan = load_plan(plan_file)
-    if plan.tree is None:
-        raise UserError(f"{plan_file}: a {plan.kind} has no token tree to export")
-    text = export_tree(plan.tree, fmt)
-    if output is None:
-        click.echo(text)
+    exported = export_plan(load_plan(plan_file), fmt, draft_path, heads, method)
+    if isinstance(exported.content, bytes):
+        if output is None:
+            raise UserError(f"--format {fmt} writes a binary file: give -o FILE")
+        with atomic_output(output, "wb") as handle:
+            handle.write(exported.content)
+    elif output is None:
+        click.echo(exported.content)
     else:
         with atomic_output(output) as handle:
-            handle.write(text + "\n")
+            handle.write(exported.content.rstrip("\n") + "\n")
+    click.echo(exported.instructions, err=True)
 
 
 @cli.command()

@@ -224,8 +224,32 @@ def ascii_tree(tree: TokenTree, positional: list[float] | None = None) -> list[s
     return lines
 
 
+def describe_engine_cost(plan: Plan) -> str:
+    """A plan solved for a serving engine beside the unconstrained tree of the same inputs: what the engine's rules
+    cost in tokens/step and in predicted speedup."""
+    engine = Fields(plan.solver, f"{plan.source}: solver").sub("engine", required=False)
+    tree = plan.tree
+    own = f"n = {tree.size}, d = {tree.depth}, {plan.prediction.tokens_per_step:.3f} tokens/step" if tree else ""
+    if plan.prediction.speedup is not None:
+        own += f", {plan.prediction.speedup:.3f}x"
+    if engine is None:
+        return f"engine {plan.engine}: {own}"
+    free = engine.sub("unconstrained")
+    free_tokens = free.number("tokens_per_step", low=1.0)
+    free_speedup = free.number("speedup", required=False, low=0.0)
+    line = (f"engine {plan.engine} ({engine.string('shape')}): {own}; unconstrained tree: "
+            f"n = {free.integer('size', low=1)}, d = {free.integer('depth', low=0)}, {free_tokens:.3f} tokens/step")
+    ratio = f"tokens/step x{plan.prediction.tokens_per_step / free_tokens:.3f}"
+    if free_speedup and plan.prediction.speedup is not None:
+        line += f", {free_speedup:.3f}x"
+        ratio += f", speedup x{plan.prediction.speedup / free_speedup:.3f}"
+    return f"{line}\nthe engine's rules cost: {ratio}"
+
+
 def describe_plan(plan: Plan) -> str:
     lines = [f"{plan.kind}  models: " + ", ".join(f"{k}={v}" for k, v in plan.models.to_dict().items())]
+    if plan.engine != "specplan":
+        lines.append(describe_engine_cost(plan))
     if plan.sampling:
         lines.append("sampling: " + ", ".join(f"{k}={v}" for k, v in plan.sampling.items()))
     lines.append("prediction:")

@@ -192,8 +192,8 @@ def commands_for(original: Path, mutated: Path, out: Path) -> list[list[str]]:
     runs: list[list[str]] = [["show", m], ["show", m, "--plot", str(out / "show.png")]]
     if kind.startswith("plan/"):
         if kind == "plan/sequoia":
-            runs += [["export", m, "--format", fmt, "-o", str(out / f"tree.{fmt}")]
-                     for fmt in EXPORT_FORMATS]
+            runs += [["export", m, "--format", fmt, "--draft-path", "draft", "--heads", "4",
+                      "-o", str(out / f"tree_{fmt}.out")] for fmt in EXPORT_FORMATS]
     elif kind == "profile":
         runs.append(["show", str(ROOT / LOOKAHEAD_PROFILE), "--compare", m])
         if target.startswith("qwen"):
@@ -261,9 +261,9 @@ def _check_outputs(out: Path) -> str:
             load_plan(plan)
         except Exception as exc:  # noqa: BLE001
             return f"invalid-output: {exc}"[:300]
-    for tree in out.glob("tree.*"):
+    for tree in out.glob("tree_*.out"):
         try:
-            import_tree(tree.read_text(), tree.suffix[1:])
+            import_tree(tree.read_bytes(), tree.stem.split("_", 1)[1])
         except Exception as exc:  # noqa: BLE001
             return f"invalid-output: {exc}"[:300]
     return ""

@@ -163,9 +163,10 @@ def test_huge_tree_is_refused_not_exported_as_a_dense_mask(run_cli, tmp_path):
     path = tmp_path / "big.yaml"
     path.write_text(yaml.safe_dump(plain(plan)))
     Plan.from_dict(read_yaml(path), str(path))  # a valid plan ...
-    code, _, stderr = run_cli("export", path, "--format", "sequoia", "-o", tmp_path / "tree.json")
+    code, _, stderr = run_cli("export", path, "--format", "sequoia", "-o", tmp_path / "tree.pt")
     assert code == 2 and "too large for the sequoia growmap" in stderr  # ... whose n x n mask is refused
-    assert run_cli("export", path, "--format", "medusa", "-o", tmp_path / "tree.json")[0] == 0
+    assert run_cli("export", path, "--format", "medusa", "--heads", 1, "-o", tmp_path / "tree.json")[0] == 2
+    assert run_cli("export", path, "--format", "vllm", "--draft-path", "d", "-o", tmp_path / "tree.json")[0] == 0
 
 
 def test_model_name_of_wrong_type_is_refused(run_cli, tmp_path):

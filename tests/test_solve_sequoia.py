@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from core.errors import UserError
-from core.plan_schema import PlanModels, TokenTree, load_plan
+from core.plan_schema import Plan, PlanModels, Prediction, TokenTree, load_plan
 from core.profile_schema import LatencyCurve, LatencyProfile
-from planner.export import EXPORT_FORMATS, export_tree, import_tree
+from planner.export import export_plan, import_tree
 from planner.sequoia import SequoiaTables, rank_candidates, solve_sequoia, tree_value
 
 from conftest import ACCEPTANCE, PROFILE
@@ -82,33 +84,25 @@ def test_show_prints_tree_and_plots(run_cli, write_yaml_file, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("fmt", EXPORT_FORMATS)
-def test_export_round_trip(fmt):
-    tables = SequoiaTables(np.array([0.5, 0.2, 0.1, 0.05]), 40, 6)
-    tree = TokenTree.from_parents(tables.tree(40, 6))
-    text = export_tree(tree, fmt)
-    assert import_tree(text, fmt) == tree
-
-
 def test_export_formats_content():
-    tree = TokenTree.from_parents([-1, 0, 0, 1])
-    assert json.loads(export_tree(tree, "medusa")) == [[0], [1], [0, 0]]
-    assert json.loads(export_tree(tree, "trtllm")) == {"eagle_choices": [[0], [1], [0, 0]]}
-    assert json.loads(export_tree(tree, "vllm")) == {"num_speculative_tokens": 3,
-                                                     "speculative_token_tree": "[(0,), (1,), (0, 0)]"}
-    growmap = json.loads(export_tree(tree, "sequoia"))
+    plan = Plan(method="sequoia", models=PlanModels(target="t"), prediction=Prediction(1.5),
+                tree=TokenTree.from_parents([-1, 0, 0, 1]))
+    assert json.loads(export_plan(plan, "medusa", heads=2).content) == [[0], [1], [0, 0]]
+    trtllm = yaml.safe_load(export_plan(plan, "trtllm", draft_path="d").content)
+    assert trtllm["speculative_config"]["eagle_choices"] == [[0], [1], [0, 0]]
+    growmap = torch.load(io.BytesIO(export_plan(plan, "sequoia").content), weights_only=True)
     assert growmap["roots"] == [[0], [1, 2], [3]]
     assert growmap["branches"] == [[2], [1, 0], [0]]
     assert growmap["Successors"] == [[1, 2], [3], [], []]
-    assert growmap["mask"] == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
-    assert growmap["depth"] == [0, 1, 1, 2] and growmap["size"] == 4
+    assert growmap["mask"].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert growmap["depth"].tolist() == [0, 1, 1, 2] and growmap["size"] == 4
 
 
 def test_export_cli(run_cli, write_yaml_file, tmp_path):
     acc = write_yaml_file("acc.yaml", ACCEPTANCE)
     out = tmp_path / "plan.yaml"
     assert run_cli("solve", "sequoia", "--acceptance", acc, "--max-size", 12, "--max-depth", 3, "-o", out)[0] == 0
-    code, stdout, _ = run_cli("export", out, "--format", "trtllm")
+    code, stdout, _ = run_cli("export", out, "--format", "trtllm", "--draft-path", "d")
     assert code == 0
     assert import_tree(stdout, "trtllm") == load_plan(out).tree
 

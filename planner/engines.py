@@ -1,0 +1,187 @@
+"""What each serving engine executes of a token tree: one rule set per engine, written from the engine's source
+(each rule cites the repository, file and commit it was read from). The solver searches within an engine's rules
+(planner/sequoia.py: `solve_sequoia(engine=...)`), and `plan export` refuses a tree that breaks them.
+
+Tree shapes, by how the engine drafts:
+- "tree": any tree, children in rank order (specplan's own decoder; the Sequoia reference's growmap).
+- "ranked": any tree whose ranks and depth fit a fixed top-k per drafted node (Medusa's heads, EAGLE-1, TensorRT-LLM's
+  `eagle_choices`): the exact DP over the acceptance vector cut to the rank cap, with the depth cap.
+- "level-uniform": every node of a level has the same number of children, ranks 0..b-1 (vLLM's EAGLE tree drafter
+  takes top-(n_L / n_(L-1)) children of every node of the level above): a search over branching vectors.
+- "chain": one token per level (draft-model speculation in vLLM, TensorRT-LLM, llama.cpp, transformers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.choices import ENGINES
+from core.errors import UserError
+from core.plan_schema import TokenTree
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a rule was read: a file of a public repository at a commit."""
+
+    repo: str
+    path: str
+    commit: str
+    reads: str  # what the file does that the rule follows from
+
+    def __str__(self) -> str:
+        return f"{self.repo} {self.path} @ {self.commit[:12]}: {self.reads}"
+
+
+VLLM_EAGLE = Source(
+    "vllm-project/vllm", "vllm/v1/spec_decode/eagle.py", "008603a39fff2a383a293c62eec0c752c42199f2",
+    "EagleProposer parses speculative_token_tree with ast.literal_eval, takes the depth from the last path, and "
+    "drafts child_drafts_per_level[L] = n_L // n_(L-1) top-k children for every node of level L-1 (propose_tree, "
+    "only when the draft's attention metadata is TreeAttentionMetadata); otherwise a chain of "
+    "num_speculative_tokens argmax tokens")
+MEDUSA_UTILS = Source(
+    "FasterDecoding/Medusa", "medusa/model/utils.py", "10a2697cd0c2169764f1edbe9797eacc51de41c1",
+    "TOPK = 10; generate_medusa_buffers indexes candidate rank r at level i as r + TOPK * i + 1 into the heads' "
+    "concatenated top-10 lists (a rank of 10 or more reads the next head's candidates); level i uses head i")
+EAGLE1_UTILS = Source(
+    "SafeAILab/EAGLE", "eagle/model/utils.py", "08dc06ccb428f2d3cf8380933ea50ed3e4178168",
+    "TOPK = 10; generate_tree_buffers indexes rank r of the k-th expanded node as r + TOPK * k + 1 into the draft "
+    "head's top-10 lists, one list per expanded node")
+TRTLLM_ARGS = Source(
+    "NVIDIA/TensorRT-LLM", "tensorrt_llm/llmapi/llm_args.py", "fcd3f31682808ae56118ae43c1d7864a3a945e6f",
+    "EagleDecodingConfig (decoding_type Eagle: eagle_choices, num_eagle_layers, max_non_leaves_per_layer, "
+    "max_draft_len, and the draft model, required); DraftTargetDecodingConfig (decoding_type Draft_Target: "
+    "max_draft_len > 0 and speculative_model required, max_total_draft_tokens = max_draft_len, a chain)")
+TRTLLM_EAGLE_README = Source(
+    "NVIDIA/TensorRT-LLM", "examples/eagle/README.md", "585c756579dc4d01f21fc13c2f604cdb461ac4f0",
+    "engines are built with --max_draft_len 63 --num_eagle_layers 4 --max_non_leaves_per_layer 10, the limits of the "
+    "choices an engine runs")
+SEQUOIA_RUN = Source(
+    "Infini-AI-Lab/Sequoia", "tests/run_sequoia.py", "4932665acd900767cd4270158dd8df1e9b95421c",
+    "grow_map = torch.load(path), then size, roots, branches (and mask, depth as tensors in the engine): any tree")
+LLAMACPP_SPECULATIVE = Source(
+    "ggml-org/llama.cpp", "common/speculative.cpp", "6c8a04576e2cfa04261019fe8cbdc90c5cfc90fb",
+    "the draft-model implementation (COMMON_SPECULATIVE_TYPE_DRAFT) samples the draft's tokens (top-k 10 sampler) "
+    "into a batch of one sequence: a chain")
+HF_CANDIDATES = Source(
+    "huggingface/transformers", "src/transformers/generation/candidate_generator.py",
+    "02dba3191ce987d960b0b4ccca7556ca81a8bad6",
+    "AssistedCandidateGenerator extends the input by the assistant's own generate() output: one sequence of "
+    "num_assistant_tokens tokens (a chain)")
+
+
+@dataclass(frozen=True)
+class EngineRules:
+    """The trees one engine executes. Limits of None are absent; `heads` fills `max_depth` where the depth is the
+    number of draft heads the user's model has (Medusa, EAGLE-1)."""
+
+    name: str
+    shape: str  # tree | ranked | level-uniform | chain
+    sources: tuple[Source, ...]
+    max_rank: int | None = None  # children of a node: ranks below this
+    min_depth: int = 0
+    max_depth: int | None = None
+    max_draft_tokens: int | None = None  # nodes besides the root
+    max_non_leaves_per_level: int | None = None
+    depth_is_heads: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+    def with_heads(self, heads: int | None) -> EngineRules:
+        if not self.depth_is_heads:
+            return self
+        if heads is None:
+            raise UserError(f"{self.name}: give --heads, the number of draft heads of your model (the "
+                            "deepest level it drafts)")
+        if heads < max(self.min_depth, 1):
+            raise UserError(f"{self.name}: --heads {heads} is below the engine's least depth "
+                            f"{max(self.min_depth, 1)}")
+        return EngineRules(**{**self.__dict__, "max_depth": heads, "depth_is_heads": False})
+
+    def width(self, positional_length: int) -> int:
+        """The ranks the solver may use: the acceptance vector cut to the engine's top-k (1 for a chain)."""
+        if self.shape == "chain":
+            return 1
+        return min(positional_length, self.max_rank) if self.max_rank is not None else positional_length
+
+    def limits(self) -> dict[str, int | str]:
+        """The rules as a plan records them."""
+        out: dict[str, int | str] = {"shape": self.shape}
+        for key in ("max_rank", "max_depth", "max_draft_tokens", "max_non_leaves_per_level"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.min_depth:
+            out["min_depth"] = self.min_depth
+        return out
+
+    def broken_rule(self, tree: TokenTree) -> str | None:
+        """The first rule `tree` breaks, said in one phrase; None when the engine runs it as it is."""
+        depths, children, ranks = tree.depths, tree.children, tree.ranks
+        if self.shape == "chain" and any(len(kids) > 1 for kids in children):
+            return f"{self.name} drafts a chain (one token per level); this tree branches"
+        if self.shape == "level-uniform":
+            for level in range(tree.depth):
+                counts = {len(children[v]) for v in range(tree.size) if depths[v] == level}
+                if len(counts) > 1:
+                    return (f"{self.name} gives every node of a level the same number of children; level {level} "
+                            f"has nodes with {sorted(counts)}")
+        if self.max_rank is not None and tree.size > 1 and max(ranks[1:]) >= self.max_rank:
+            return f"{self.name} drafts the top {self.max_rank} children of a node; this tree has a child of rank " \
+                   f"{max(ranks[1:]) + 1}"
+        if self.max_depth is not None and tree.depth > self.max_depth:
+            return f"{self.name} drafts at most {self.max_depth} levels here; this tree has {tree.depth}"
+        if tree.depth < self.min_depth:
+            return f"{self.name} needs a tree of depth {self.min_depth} or more; this one has {tree.depth}"
+        if self.max_draft_tokens is not None and tree.size - 1 > self.max_draft_tokens:
+            return f"{self.name} takes at most {self.max_draft_tokens} draft tokens; this tree has {tree.size - 1}"
+        if self.max_non_leaves_per_level is not None:
+            for level in range(tree.depth):
+                expanded = sum(1 for v in range(tree.size) if depths[v] == level and children[v])
+                if expanded > self.max_non_leaves_per_level:
+                    return (f"{self.name} expands at most {self.max_non_leaves_per_level} nodes per level; level "
+                            f"{level} expands {expanded}")
+        return None
+
+
+TOP_K_OF_DRAFT_HEADS = 10  # Medusa's and EAGLE-1's TOPK: the candidates each head (or expanded node) keeps
+TRTLLM_MAX_DRAFT_LEN = 63  # the limits TensorRT-LLM's EAGLE examples build engines with
+TRTLLM_EAGLE_LAYERS = 4
+TRTLLM_NON_LEAVES_PER_LAYER = 10
+
+RULES: dict[str, EngineRules] = {
+    "specplan": EngineRules("specplan", "tree", ()),
+    "sequoia": EngineRules("sequoia", "tree", (SEQUOIA_RUN,)),
+    "vllm": EngineRules("vllm", "level-uniform", (VLLM_EAGLE,),
+                        notes=("methods eagle and eagle3 (EagleProposer) with the tree attention backend "
+                               "(VLLM_ATTENTION_BACKEND=TREE_ATTN); other methods draft a chain: "
+                               "--engine vllm-draft",)),
+    "vllm-draft": EngineRules("vllm-draft", "chain", (VLLM_EAGLE,),
+                              notes=("method draft_model (a separate draft model) and the n-gram methods",)),
+    "medusa": EngineRules("medusa", "ranked", (MEDUSA_UTILS,), max_rank=TOP_K_OF_DRAFT_HEADS, min_depth=1,
+                          depth_is_heads=True),
+    "eagle1": EngineRules("eagle1", "ranked", (EAGLE1_UTILS,), max_rank=TOP_K_OF_DRAFT_HEADS, min_depth=2,
+                          depth_is_heads=True,
+                          notes=("depth >= 2 as issue 34 read EAGLE-1's buffer builder; not re-derived here",)),
+    "trtllm": EngineRules("trtllm", "ranked", (TRTLLM_ARGS, TRTLLM_EAGLE_README), min_depth=1,
+                          max_depth=TRTLLM_EAGLE_LAYERS, max_draft_tokens=TRTLLM_MAX_DRAFT_LEN,
+                          max_non_leaves_per_level=TRTLLM_NON_LEAVES_PER_LAYER,
+                          notes=("eagle_choices of an EAGLE engine built with the examples' limits",)),
+    "trtllm-draft": EngineRules("trtllm-draft", "chain", (TRTLLM_ARGS,), min_depth=1,
+                                max_draft_tokens=TRTLLM_MAX_DRAFT_LEN,
+                                notes=("the draft-target mode: max_draft_len tokens from a separate draft model",)),
+    "llama.cpp": EngineRules("llama.cpp", "chain", (LLAMACPP_SPECULATIVE,)),
+    "hf": EngineRules("hf", "chain", (HF_CANDIDATES,)),
+}
+assert tuple(RULES) == ENGINES
+
+
+def engine_rules(name: str, heads: int | None = None) -> EngineRules:
+    if name not in RULES:
+        raise UserError(f"unknown engine {name!r} (choose from {', '.join(ENGINES)})")
+    return RULES[name].with_heads(heads)
+
+
+def check_tree(tree: TokenTree, rules: EngineRules, where: str) -> None:
+    """Refuse, in one line, a tree the engine does not run as it is, naming the rule and the solve that fits."""
+    broken = rules.broken_rule(tree)
+    if broken is not None:
+        raise UserError(f"{where}: {broken}; solve with --engine {rules.name}")

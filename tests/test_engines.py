@@ -1,0 +1,201 @@
+"""Serving engines' rules (planner/engines.py), the solver within them, and the exports they take as they are."""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from core.choices import ENGINES
+from core.errors import UserError
+from core.plan_schema import TokenTree, load_plan
+from planner.engines import RULES, EngineRules, engine_rules
+from planner.export import EXPORT_FORMATS, export_plan, import_tree
+from planner.sequoia import LevelUniformTables, SequoiaTables, engine_tables, solve_sequoia, tree_value
+
+ACCEPTANCE = "acceptance/qwen2.5-coder-1.5b+0.5b-v64k.sequoia.specbench.t0.bf16.yaml"
+PROFILE = "profiles/qwen2.5-coder-1.5b+0.5b-v64k.cpu-2c.bf16.yaml"
+P = np.array([0.55, 0.2, 0.1, 0.06, 0.03])
+
+
+def all_trees(max_size: int):
+    """Every ordered tree of up to max_size nodes, as BFS parents (children contiguous, in rank order)."""
+    def extend(parents: list[int], size: int):
+        if len(parents) == size:
+            yield tuple(parents)
+            return
+        for parent in range(parents[-1] if len(parents) > 1 else 0, len(parents)):
+            yield from extend(parents + [parent], size)
+
+    for size in range(1, max_size + 1):
+        yield from extend([-1], size)
+
+
+def brute_force_G(rules: EngineRules, positional: np.ndarray, max_size: int, max_depth: int) -> np.ndarray:
+    """Best tree value per (n, depth at most d) over every tree the rules allow whose ranks the acceptance vector
+    covers (the solvers' width)."""
+    best = np.full((max_size + 1, max_depth + 1), -np.inf)
+    for parents in all_trees(max_size):
+        tree = TokenTree.from_parents(list(parents))
+        if tree.depth > max_depth or max(tree.ranks) >= len(positional) or rules.broken_rule(tree) is not None:
+            continue
+        value = tree_value(np.array(parents), positional)
+        for d in range(tree.depth, max_depth + 1):
+            best[tree.size, d] = max(best[tree.size, d], value)
+    return best
+
+
+def test_every_engine_has_rules_with_sources():
+    assert tuple(RULES) == ENGINES
+    for name, rules in RULES.items():
+        assert rules.name == name
+        assert name == "specplan" or rules.sources, name
+        assert all(len(source.commit) == 40 for source in rules.sources)
+
+
+def test_the_rules_reject_the_counter_examples():
+    eleven = TokenTree.from_parents([-1] + [0] * 11)
+    assert "rank 11" in engine_rules("medusa", heads=4).broken_rule(eleven)
+    assert engine_rules("medusa", heads=4).broken_rule(TokenTree.from_parents([-1] + [0] * 10)) is None
+    uneven = TokenTree.from_parents([-1, 0, 0, 1, 1])  # level 1: one node with two children, one with none
+    assert "same number of children" in engine_rules("vllm").broken_rule(uneven)
+    assert engine_rules("vllm").broken_rule(TokenTree.from_parents([-1, 0, 0, 1, 1, 2, 2])) is None
+    assert "depth 2 or more" in engine_rules("eagle1", heads=4).broken_rule(TokenTree.from_parents([-1, 0, 0]))
+    assert "at most 3 levels" in engine_rules("medusa", heads=3).broken_rule(TokenTree.from_parents([-1, 0, 1, 2, 3]))
+    chain_breaker = TokenTree.from_parents([-1, 0, 0])
+    for name in ("llama.cpp", "hf", "vllm-draft", "trtllm-draft"):
+        assert "chain" in engine_rules(name).broken_rule(chain_breaker)
+    trtllm = engine_rules("trtllm")
+    assert "at most 4 levels" in trtllm.broken_rule(TokenTree.from_parents([-1, 0, 1, 2, 3, 4]))
+    assert "at most 63 draft tokens" in trtllm.broken_rule(TokenTree.from_parents([-1] + [0] * 8 + [1] * 56))
+    wide = TokenTree.from_parents([-1] + [0] * 11 + list(range(1, 12)))  # 11 expanded nodes on level 1
+    assert "expands at most 10" in trtllm.broken_rule(wide)
+    with pytest.raises(UserError, match="give --heads"):
+        engine_rules("medusa")
+    with pytest.raises(UserError, match="unknown engine"):
+        engine_rules("tgi")
+
+
+def test_level_uniform_search_equals_brute_force():
+    rules = engine_rules("vllm")
+    searched = LevelUniformTables(P, 10, 4).G
+    np.testing.assert_allclose(searched[1:], brute_force_G(rules, P, 10, 4)[1:])
+
+
+def test_capped_dp_equals_the_dp_on_the_cut_vector_with_the_depth_cap():
+    positional = np.linspace(0.3, 0.01, 14)  # 14 ranks: Medusa's top-10 cuts it
+    medusa = engine_rules("medusa", heads=3)
+    capped = engine_tables(positional, 40, 8, medusa)
+    np.testing.assert_array_equal(capped.G, SequoiaTables(positional[:10], 40, 3).G)
+    small = EngineRules("top-2", "ranked", (), max_rank=2, max_depth=3)  # the cap against every tree it allows
+    np.testing.assert_allclose(engine_tables(P, 9, 5, small).G[1:], brute_force_G(small, P, 9, 3)[1:])
+
+
+def test_a_chain_engine_solves_the_chain():
+    G = engine_tables(P, 8, 8, engine_rules("llama.cpp")).G
+    for depth in range(8):
+        assert G[depth + 1, depth] == pytest.approx(sum(P[0] ** k for k in range(depth + 1)))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_plan_solved_for_an_engine_passes_its_rules(engine):
+    heads = 3 if engine in ("medusa", "eagle1") else None
+    plan, ranked = solve_sequoia(ACCEPTANCE, 48, 8, PROFILE, engine=engine, heads=heads)
+    assert engine_rules(engine, heads).broken_rule(plan.tree) is None
+    free, _ = solve_sequoia(ACCEPTANCE, 48, 8, PROFILE)
+    assert plan.prediction.speedup <= free.prediction.speedup + 1e-12  # the rules never help
+    if engine != "specplan":
+        assert plan.engine == engine and plan.solver["engine"]["unconstrained"]["speedup"] == pytest.approx(
+            free.prediction.speedup)
+
+
+def test_vllm_rebuilds_the_level_uniform_tree_from_the_export():
+    """vLLM's EagleProposer: child_drafts_per_level[L] = n_L // n_(L-1) top-k children for every node of level
+    L-1 (planner/engines.py: VLLM_EAGLE); expanding that way gives back the plan's tree, node for node."""
+    plan, _ = solve_sequoia(ACCEPTANCE, 40, 6, PROFILE, engine="vllm")
+    config = json.loads(export_plan(plan, "vllm", draft_path="eagle-head").content)
+    assert config["method"] == "eagle" and config["model"] == "eagle-head"
+    choices = ast.literal_eval(config["speculative_token_tree"])
+    assert config["num_speculative_tokens"] == len(choices) == plan.tree.size - 1
+    per_level = [sum(1 for c in choices if len(c) == level) for level in range(1, len(choices[-1]) + 1)]
+    children = [per_level[0]] + [per_level[i] // per_level[i - 1] for i in range(1, len(per_level))]
+    rebuilt, level = [()], [()]
+    for k in children:
+        level = [node + (rank,) for node in level for rank in range(k)]
+        rebuilt += level
+    assert rebuilt[1:] == choices
+    assert TokenTree.from_paths(list(choices)) == plan.tree
+
+
+@pytest.mark.parametrize("fmt", EXPORT_FORMATS)
+def test_every_export_round_trips(fmt):
+    heads = 3 if fmt in ("medusa", "eagle1") else None
+    plan, _ = solve_sequoia(ACCEPTANCE, 24, 6, PROFILE, engine=fmt, heads=heads)
+    exported = export_plan(plan, fmt, draft_path="draft-model", heads=heads)
+    assert import_tree(exported.content, fmt) == plan.tree
+    assert exported.instructions
+
+
+def test_sequoia_export_is_the_reference_growmap_with_tensors():
+    plan, _ = solve_sequoia(ACCEPTANCE, 12, 4, PROFILE, engine="sequoia")
+    growmap = torch.load(io.BytesIO(export_plan(plan, "sequoia").content), weights_only=True)
+    tree = plan.tree
+    assert growmap["size"] == tree.size and growmap["Successors"] == tree.children
+    assert growmap["mask"].dtype == torch.int64 and growmap["depth"].tolist() == tree.depths
+    for node in range(tree.size):  # a node's row of the mask: itself and its ancestors
+        seen, v = {node}, node
+        while tree.parents[v] >= 0:
+            v = tree.parents[v]
+            seen.add(v)
+        assert set(torch.nonzero(growmap["mask"][node]).flatten().tolist()) == seen
+    assert sum(len(level) for level in growmap["roots"]) == tree.size
+
+
+def test_trtllm_export_carries_what_its_config_requires():
+    plan, _ = solve_sequoia(ACCEPTANCE, 24, 6, PROFILE, engine="trtllm")
+    config = yaml.safe_load(export_plan(plan, "trtllm", draft_path="eagle-dir").content)["speculative_config"]
+    assert config["decoding_type"] == "Eagle" and config["max_draft_len"] == plan.tree.size - 1 > 0
+    assert config["speculative_model"] == "eagle-dir" and len(config["eagle_choices"]) == plan.tree.size - 1
+
+
+def test_exports_that_break_the_engine_or_lack_a_draft_are_refused_in_one_line(run_cli, tmp_path):
+    plan_file = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", ACCEPTANCE, "--profile", PROFILE, "--max-size", 24,
+                              "--max-depth", 6, "-o", plan_file)
+    assert code == 0, stderr
+    tree = load_plan(plan_file).tree
+    assert engine_rules("vllm").broken_rule(tree) is not None  # the unconstrained tree is not level-uniform here
+    out = tmp_path / "tree.json"
+    code, _, stderr = run_cli("export", plan_file, "--format", "vllm", "--draft-path", "x", "-o", out)
+    assert code == 2 and "same number of children" in stderr and "--engine vllm" in stderr
+    assert len(stderr.strip().splitlines()) == 1 and not out.exists()
+    code, _, stderr = run_cli("export", plan_file, "--format", "llama.cpp", "-o", out)
+    assert code == 2 and "chain" in stderr and not out.exists()
+    vllm_plan = tmp_path / "vllm.yaml"
+    assert run_cli("solve", "sequoia", "--acceptance", ACCEPTANCE, "--profile", PROFILE, "--max-size", 24,
+                   "--max-depth", 6, "--engine", "vllm", "-o", vllm_plan)[0] == 0
+    code, _, stderr = run_cli("export", vllm_plan, "--format", "vllm", "-o", out)
+    assert code == 2 and "--draft-path" in stderr and not out.exists()
+    code, stdout, stderr = run_cli("export", vllm_plan, "--format", "vllm", "--draft-path", "x")
+    assert code == 0 and json.loads(stdout)["method"] == "eagle" and "TREE_ATTN" in stderr
+    code, _, stderr = run_cli("export", vllm_plan, "--format", "sequoia")
+    assert code == 2 and "-o FILE" in stderr
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", ACCEPTANCE, "--max-size", 8, "--max-depth", 3,
+                              "--engine", "medusa", "-o", tmp_path / "m.yaml")
+    assert code == 2 and "--heads" in stderr and not (tmp_path / "m.yaml").exists()
+
+
+def test_the_solver_table_and_show_print_the_engine_beside_the_unconstrained_tree(run_cli, tmp_path):
+    out = tmp_path / "plan.yaml"
+    code, stdout, stderr = run_cli("solve", "sequoia", "--acceptance", ACCEPTANCE, "--profile", PROFILE,
+                                   "--max-size", 32, "--max-depth", 6, "--engine", "hf", "-o", out)
+    assert code == 0, stderr
+    assert "engine hf (chain)" in stdout and "unconstrained tree" in stdout and "the engine's rules cost" in stdout
+    code, stdout, _ = run_cli("show", out)
+    assert code == 0 and "engine hf (chain)" in stdout
+    assert load_plan(out).tree.depth == load_plan(out).tree.size - 1
