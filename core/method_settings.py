@@ -1,6 +1,7 @@
-"""The settings a plan gives its method's decoder: `TrieSettings` (Lookahead, and TriForce's trie bottom) and
-`TriForceSettings`. A plan file holds them as its `lookahead:` or `triforce:` section (core/plan_schema.py);
-the planner writes them, the decoder reads them, both by attribute."""
+"""The settings a plan gives its method's decoder: `TrieSettings` (Lookahead, and TriForce's trie bottom),
+`TriForceSettings`, and a serving engine's `PromptLookupSettings`. A plan file holds them as its `lookahead:`,
+`triforce:` or `prompt-lookup:` section (core/plan_schema.py); the planner writes them, the decoder (or the bench,
+for an engine's lookup) reads them, both by attribute."""
 
 from __future__ import annotations
 
@@ -102,3 +103,25 @@ class TriForceSettings:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+
+
+MAX_LOOKUP_NGRAM = 16
+MAX_LOOKUP_DRAFT = 64
+
+
+@dataclass(frozen=True)
+class PromptLookupSettings:
+    """An engine's prompt lookup (planner/prompt_lookup.py): the longest trailing n-gram it looks up, and the tokens
+    it drafts after a match (transformers: max_matching_ngram_size, prompt_lookup_num_tokens; llama-cpp-python:
+    max_ngram_size, num_pred_tokens)."""
+
+    max_ngram: int = 2
+    num_tokens: int = 10
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> PromptLookupSettings:
+        return cls(f.integer("max_ngram", low=1, high=MAX_LOOKUP_NGRAM),
+                   f.integer("num_tokens", low=1, high=MAX_LOOKUP_DRAFT))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

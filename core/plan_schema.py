@@ -28,13 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from core.choices import DTYPES, ENGINES, FORWARDS
+from core.choices import DTYPES, ENGINES, LOOKUP_ENGINES, TIMED_FORWARDS
 from core.errors import UserError
 from core.fileio import check_plain_values, plain, read_yaml, write_yaml
-from core.method_settings import TrieSettings, TriForceSettings
+from core.method_settings import PromptLookupSettings, TrieSettings, TriForceSettings
 from core.validate import MAX_VOCABULARY, Fields
 
-PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce")
+PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce", "plan/prompt-lookup")
 MAX_TREE_NODES = 1 << 16  # far above any tree a target verifies in one forward
 
 
@@ -169,7 +169,7 @@ class PlanModels:
                    dtype=f.string("dtype", required=False, choices=DTYPES),
                    draft_dtype=f.string("draft_dtype", required=False, choices=DTYPES),
                    draft_vocab=f.integer("draft_vocab", required=False, low=1, high=MAX_VOCABULARY),
-                   backend=f.string("backend", required=False, choices=FORWARDS))
+                   backend=f.string("backend", required=False, choices=TIMED_FORWARDS))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -219,7 +219,7 @@ class Plan:
     provenance: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
     tree: TokenTree | None = None
-    settings: TrieSettings | TriForceSettings | None = None  # lookahead, triforce: the method's settings
+    settings: TrieSettings | TriForceSettings | PromptLookupSettings | None = None  # the method's settings
     tokenizer: dict[str, Any] = field(default_factory=dict)
     engine: str = "specplan"  # the engine whose rules the tree was solved within (planner/engines.py)
     source: str = field(default="plan", compare=False)  # the file it was read from, for error messages
@@ -266,6 +266,12 @@ class Plan:
                 raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the decoding length")
         if method == "triforce":
             plan.settings = TriForceSettings.from_fields(f.sub("triforce"))
+        if method == "prompt-lookup":
+            plan.settings = PromptLookupSettings.from_fields(f.sub("prompt-lookup"))
+            if plan.engine not in LOOKUP_ENGINES:
+                raise f.fail(f"a prompt-lookup plan needs 'engine': one of {', '.join(LOOKUP_ENGINES)}")
+            if tokens_per_step > plan.settings.num_tokens + 1:
+                raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the draft length + 1")
         return plan
 
     def to_dict(self) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from scipy.interpolate import PchipInterpolator
 
-from core.choices import DTYPES, FORWARDS
+from core.choices import DTYPES, FORWARDS, TIMED_FORWARDS
 from core.errors import UserError
 from core.fileio import check_plain_values, plain, read_yaml, shown, write_yaml
 from core.machine import machine_identity
@@ -131,7 +131,7 @@ class LatencyProfile:
             window_prefills=window_prefills,
             overhead_context=target.token_count("engine_overhead_context", required=False),
             models=_names(f.sub("models", required=False)),
-            backend=f.string("backend", required=False, default="lean", choices=FORWARDS),
+            backend=f.string("backend", required=False, default="lean", choices=TIMED_FORWARDS),
             dtype=f.string("dtype", required=False, choices=DTYPES),
             draft_dtype=f.string("draft_dtype", required=False, choices=DTYPES),
             hardware=_hardware(f.sub("hardware", required=False)),
@@ -258,8 +258,15 @@ def _linear(points: dict[int, float], x: float) -> float:
     return float(np.interp(x, keys, [points[k] for k in keys]))
 
 
-def load_profile(path: str | os.PathLike) -> LatencyProfile:
-    return LatencyProfile.from_dict(read_yaml(path), str(path))
+def load_profile(path: str | os.PathLike, backends: tuple[str, ...] = FORWARDS) -> LatencyProfile:
+    """A profile that times one of `backends`: by default our own forwards, which our decoder's plans are priced
+    on; a llama.cpp profile prices llama.cpp's own decoding only (`plan solve lookahead --engine llama.cpp`)."""
+    profile = LatencyProfile.from_dict(read_yaml(path), str(path))
+    if profile.backend not in backends:
+        how = "plan profile --engine llama.cpp" if backends == ("llama.cpp",) else "plan profile"
+        raise UserError(f"{path} times the {profile.backend} forward; this plan is priced on a profile of "
+                        f"{' or '.join(backends)} ({how})")
+    return profile
 
 
 def save_profile(document: dict[str, Any], path: str | os.PathLike) -> LatencyProfile:

@@ -137,6 +137,9 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     the forward to run (decoder/api.py: choose_backend); by default the plan's, else `auto`."""
     device = device or default_device()
     plan = load_plan(plan_path) if plan_path is not None else None
+    if plan is not None and plan.method == "prompt-lookup":
+        raise UserError(f"{plan_path}: a prompt-lookup plan runs in {plan.engine} (plan export, or plan bench with "
+                        "its baselines), not in our decoder")
     target_name = target or (plan.models.target if plan else None)
     if not target_name:
         raise UserError("no target model: name one, or give a plan that names one")

@@ -64,6 +64,8 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
     path the engine needs is missing."""
     if fmt not in EXPORT_FORMATS:
         raise UserError(f"unknown export format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
+    if plan.method == "prompt-lookup":
+        return _export_prompt_lookup(plan, fmt)
     tree = plan.tree
     if tree is None:
         raise UserError(f"{plan.source}: a {plan.kind} has no token tree to export")
@@ -157,3 +159,17 @@ def _chain_length(text: str, fmt: str) -> int:
         return int(json.loads(text)["num_assistant_tokens"])
     flags = text.split()
     return int(flags[flags.index("--draft-max") + 1])
+
+
+def _export_prompt_lookup(plan: Plan, fmt: str) -> Export:
+    """An engine's prompt-lookup knobs, for that engine alone (its matching rule is what the plan replayed)."""
+    if fmt != plan.engine:
+        raise UserError(f"{plan.source}: this plan replays {plan.engine}'s prompt lookup; export it as --format "
+                        f"{plan.engine}, or solve with --engine {fmt}")
+    settings = plan.settings
+    if fmt == "hf":
+        return Export(json.dumps({"prompt_lookup_num_tokens": settings.num_tokens,
+                                  "max_matching_ngram_size": settings.max_ngram}),
+                      "model.generate(**inputs, **<these kwargs>)")
+    return Export(json.dumps({"max_ngram_size": settings.max_ngram, "num_pred_tokens": settings.num_tokens}),
+                  "llama_cpp.Llama(..., draft_model=LlamaPromptLookupDecoding(**<these kwargs>), logits_all=True)")

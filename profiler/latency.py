@@ -191,7 +191,7 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     bar.close()
     window_prefill = samples.pop(WINDOW_PREFILL, None)
     curves, builds = _summaries(samples)
-    document = _document(request, "measured", machine, models, curves)
+    document = profile_document(request, "measured", machine, models, curves)
     document["backend"] = backend
     if window_prefill:
         sinks, window = request.window_prefill
@@ -547,7 +547,7 @@ def _model(request: ProfileRequest, log) -> dict:
     curves = {role: {L: {n: {"median": roofline.roofline_seconds(cost, n, L, bandwidth, flops, overhead_of[role])}
                          for n in request.sizes} for L in request.contexts}
               for role, cost in costs.items()}
-    document = _document(request, "modeled", machine, models, curves)
+    document = profile_document(request, "modeled", machine, models, curves)
     document["settings"] = {"model": "roofline", "bandwidth_bytes_per_s": bandwidth, "flops_per_s": flops}
     return document
 
@@ -573,7 +573,7 @@ def _ops_per_forward(loaded: LoadedModel) -> int:
 
 # --- the document -----------------------------------------------------------------------------------------
 
-def _document(request: ProfileRequest, source: str, machine: dict, models: dict[str, LoadedModel],
+def profile_document(request: ProfileRequest, source: str, machine: dict, models: dict[str, LoadedModel],
               curves: dict[str, dict[int, dict[int, dict]]]) -> dict:
     base = request.contexts[0]
 

@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.choices import BASELINES
+from core.choices import BASELINES, TIMED_FORWARDS
 from core.errors import UserError
 from core.fileio import atomic_output, read_json, write_json
 from core.machine import cpu_info, machine_difference, machine_label, this_machine
+from core.method_settings import PromptLookupSettings
 from core.plan_schema import Plan
 from core.plotting import pyplot, save_png
 from core.profile_schema import LatencyProfile, load_profile
@@ -48,6 +49,8 @@ from specplan.llamacpp import LlamaCpp
 
 TRIFORCE_BASELINES = ("two-level", "streaming")
 NEAR_TIE = 1e-4
+# a prompt-lookup plan's engine: (its one-token baseline, its prompt-lookup baseline)
+LOOKUP_BASELINES = {"hf": ("hf", "hf-prompt-lookup"), "llama.cpp": ("llama.cpp", "llama.cpp-lookup")}
 REPRICE_PASSES = 2  # timed passes over the plan's priced points between two prompts
 
 
@@ -60,7 +63,8 @@ class BenchRequest:
     params: SamplingParams
     seed: int = 0
     chat: bool = True
-    prompt_lookup_tokens: int = 10
+    prompt_lookup: PromptLookupSettings = PromptLookupSettings()  # the engines' own defaults: 2-grams, 10 tokens
+    lookup_plan: Plan | None = None  # a prompt-lookup plan: its engine's lookup runs with the plan's knobs
     context: int | None = None  # build long prompts of this many tokens from a folder of essays
     reprice: bool = False  # re-time the forwards a TriForce plan's prediction priced, between the prompts
 
@@ -193,7 +197,7 @@ def _methods(decoder: Decoder, request: BenchRequest, context: int) -> dict[str,
         }
 
     llama = {}
-    for name, lookup in (("llama.cpp", None), ("llama.cpp-lookup", request.prompt_lookup_tokens)):
+    for name, lookup in (("llama.cpp", None), ("llama.cpp-lookup", request.prompt_lookup)):
         if name in request.baselines:
             runner = LlamaCpp(decoder.target, context, lookup)
             llama[name] = lambda ids, max_new, seed, runner=runner: runner.generate(ids, max_new, params, seed)
@@ -205,7 +209,8 @@ def _methods(decoder: Decoder, request: BenchRequest, context: int) -> dict[str,
         "ours-ar": engine_method(SpeculativeEngine(decoder.target_forward, None, stops_set)),
         "hf": hf({}),
         "hf-assisted": hf({"assistant_model": hf_draft}) if hf_draft is not None else None,
-        "hf-prompt-lookup": hf({"prompt_lookup_num_tokens": request.prompt_lookup_tokens}),
+        "hf-prompt-lookup": hf({"prompt_lookup_num_tokens": request.prompt_lookup.num_tokens,
+                                "max_matching_ngram_size": request.prompt_lookup.max_ngram}),
     }
     return {name: available[name] for name in ["ours"] + [b for b in BASELINES if b in request.baselines]}
 
@@ -302,6 +307,20 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
                     "predicted_speedup": best["speedup"], "predicted_tokens_per_step": best["tokens_per_step"],
                     "measured_speedup_vs_ours_ar": summary[method]["speedup_vs_ours-ar"],
                     "measured_tokens_per_step": summary[method].get("tokens_per_step")}
+    lookup_plan = request.lookup_plan
+    if lookup_plan is not None:
+        one_token, lookup = LOOKUP_BASELINES[lookup_plan.engine]
+        prediction = {"plan_tokens_per_step": lookup_plan.prediction.tokens_per_step,
+                      "plan_speedup": lookup_plan.prediction.speedup}
+        entries = [row["methods"][lookup] for row in rows if lookup in row["methods"]]
+        if entries and "decode_forwards" in entries[0]:
+            prediction["measured_tokens_per_step"] = (sum(e["decode_tokens"] for e in entries)
+                                                      / max(1, sum(e["decode_forwards"] for e in entries)))
+        if one_token in summary and lookup in summary:
+            measured = summary[lookup][f"speedup_vs_{one_token}"]
+            prediction[f"measured_speedup_vs_{one_token}"] = measured
+            if lookup_plan.prediction.speedup:
+                prediction["measured_over_predicted"] = measured / lookup_plan.prediction.speedup
     return {
         "kind": "bench/report",
         "machine": {**cpu_info(), **this_machine(str(decoder.target_forward.device)), "torch": torch.__version__,
@@ -312,7 +331,9 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
                    "backend": decoder.target_forward.backend,
                    "cpu_kernels": getattr(decoder.target_forward, "kernels", None) is not None},
         "plan": {"kind": plan.kind, "prediction": plan.prediction.to_dict(),
-                 "tree_size": plan.tree.size if plan.tree else None} if plan else None,
+                 "tree_size": plan.tree.size if plan.tree else None} if plan else (
+            {"kind": lookup_plan.kind, "engine": lookup_plan.engine, "prediction": lookup_plan.prediction.to_dict(),
+             "settings": lookup_plan.settings.to_dict()} if lookup_plan else None),
         "sampling": {"temperature": request.params.temperature, "top_p": request.params.top_p,
                      "top_k": request.params.top_k},
         "dataset": request.dataset, "context": request.context, "prompts": len(rows),
@@ -339,7 +360,7 @@ class _Repricing:
             raise UserError("--reprice needs a plan solved with a latency profile")
         check_unchanged(plan.provenance, profile_file, "the plan's profile")
         self.plan = plan
-        self.profile = load_profile(profile_file)
+        self.profile = load_profile(profile_file, TIMED_FORWARDS)
         points = priced_points(plan, self.profile)
         draft = decoder.draft_forward if points.draft or points.window_prefill == "draft" else None
         self.draft_priced = bool(points.draft)
@@ -396,7 +417,7 @@ def _profiled_elsewhere(plan: Plan, device: str) -> str | None:
     machine = profile.get("machine")
     if machine is None and Path(str(profile.get("file"))).is_file():  # solved before plans recorded the machine
         try:
-            machine = load_profile(profile["file"]).machine
+            machine = load_profile(profile["file"], TIMED_FORWARDS).machine
         except UserError:
             return None
     return machine_difference(machine, this_machine(device)) if machine else None
@@ -435,7 +456,17 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {name} | {s['decode_tokens_per_second']:.2f} | {ratios} | {s['tokens_per_second']:.2f} | "
                      f"{end_to_end} | {per_step} | {identical} |")
     prediction = report.get("prediction") or {}
-    if prediction.get("plan_speedup"):
+    plan = report.get("plan") or {}
+    if prediction.get("plan_speedup") and plan.get("engine"):  # an engine's prompt lookup, against its one token
+        one_token, lookup = LOOKUP_BASELINES[plan["engine"]]
+        measured = prediction.get(f"measured_speedup_vs_{one_token}")
+        per_step = prediction.get("measured_tokens_per_step")
+        lines.append("")
+        lines.append(f"plan ({lookup}, {plan['settings']}): predicted {prediction['plan_speedup']:.2f}x at "
+                     f"{prediction['plan_tokens_per_step']:.2f} tokens/step; measured "
+                     + (f"{measured:.2f}x" if measured is not None else "?")
+                     + (f" at {per_step:.2f} tokens/step" if per_step is not None else "") + f" (vs {one_token})")
+    elif prediction.get("plan_speedup"):
         lines.append("")
         measured = prediction.get("measured_speedup_vs_ours_ar")
         lines.append(f"plan: predicted {prediction['plan_speedup']:.2f}x at {prediction['plan_tokens_per_step']:.2f} "

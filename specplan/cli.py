@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from core.choices import BACKENDS, BASELINES, DEVICES, DTYPES, ENGINES, VERIFICATION_RULES
+from core.choices import BACKENDS, BASELINES, DEVICES, DTYPES, ENGINES, LOOKUP_ENGINES, VERIFICATION_RULES
 from core.errors import UserError
 from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
 from core.plan_schema import Plan
@@ -79,11 +79,14 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
 @click.option("--resume", is_flag=True, help="go on from the timing passes an interrupted run completed")
 @_backend_option("auto")
+@click.option("--engine", type=click.Choice(("specplan", "llama.cpp")), default="specplan", show_default=True,
+              help="llama.cpp: time llama.cpp's own forward of the model's GGUF (the llamacpp extra), for "
+                   "`plan solve lookahead --engine llama.cpp`")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
             contexts: str | None, sizes: str | None, budgets: str | None, window_prefill: str | None,
             gpu: str | None, threads: int | None, repeats: int | None, quick: bool, resume: bool, backend: str,
-            output: Path) -> None:
+            engine: str, output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
     from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
     from specplan.show import describe_profile
@@ -102,7 +105,14 @@ def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None,
         if len(sinks_window) != 2 or sinks_window[0] < 0 or sinks_window[1] < 1:
             raise UserError(f"--window-prefill takes SINKS,WINDOW (sinks >= 0, window >= 1), got {window_prefill!r}")
         request.window_prefill = (sinks_window[0], sinks_window[1])
-    click.echo(describe_profile(run_profile(request, output, resume, log=_progress)))
+    if engine == "llama.cpp":
+        from core.profile_schema import save_profile
+        from specplan.llamacpp import profile_llamacpp
+
+        profiled = save_profile(profile_llamacpp(request, log=_progress), output)
+    else:
+        profiled = run_profile(request, output, resume, log=_progress)
+    click.echo(describe_profile(profiled))
     click.echo(f"wrote {output}")
 
 
@@ -155,14 +165,19 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
 @click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
 @click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
               help="store the outputs of this Lookahead plan's decoder (bf16: the text speculative decoding emits)")
+@click.option("--engine", type=click.Choice(("specplan", "llama.cpp")), default="specplan", show_default=True,
+              help="llama.cpp: store llama.cpp's own greedy outputs (the llamacpp extra), for its prompt-lookup plans")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def accept_lookahead(target: str, dataset: str, samples: int | None, max_new_tokens: int, dtype: str, chat: bool,
-                     decode_with: str | None, output: Path) -> None:
-    """The target's own greedy outputs on a dataset, for the offline trie replay."""
+                     decode_with: str | None, engine: str, output: Path) -> None:
+    """The target's own greedy outputs on a dataset, for the offline trie replay (and engines' prompt lookup)."""
     from profiler.outputs import run_lookahead_acceptance
 
+    engine_outputs = None
+    if engine == "llama.cpp":
+        from specplan.llamacpp import greedy_outputs as engine_outputs
     acceptance = run_lookahead_acceptance(target, dataset, samples, max_new_tokens, dtype, chat, str(output),
-                                          log=_progress, decode_with=decode_with)
+                                          log=_progress, decode_with=decode_with, engine_outputs=engine_outputs)
     tokens = sum(len(r.output) for r in acceptance.records)
     click.echo(f"{len(acceptance.records)} prompts, {tokens} generated tokens; wrote {output}")
 
@@ -261,12 +276,26 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
 @click.option("--decoding-lengths", help="L_d grid, comma-separated (default 2..64)")
 @click.option("--branch-lengths", help="L_b grid, comma-separated (default 1..16)")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True)
+@click.option("--engine", type=click.Choice(("specplan",) + LOOKUP_ENGINES), default="specplan", show_default=True,
+              help="specplan: our Lookahead trie; hf, llama.cpp: that engine's prompt lookup, replayed by its own "
+                   "rule (a llama.cpp plan is priced on `plan profile --engine llama.cpp`)")
+@click.option("--max-ngrams", help="prompt lookup: longest n-grams matched, comma-separated (default 1..4)")
+@click.option("--draft-lengths", help="prompt lookup: tokens drafted, comma-separated (default 1..16)")
+@click.option("--stop-tokens", help="prompt lookup (hf): the target's stop token ids, where the acceptance file "
+                                    "does not record them")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
-                        branch_lengths: str | None, top: int, output: Path) -> None:
-    """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie."""
+                        branch_lengths: str | None, top: int, engine: str, max_ngrams: str | None,
+                        draft_lengths: str | None, stop_tokens: str | None, output: Path) -> None:
+    """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
+    --engine, a serving engine's prompt-lookup knobs by exact replay of its rule."""
     from core.plan_schema import save_plan
     from planner.lookahead import BRANCH_LENGTHS, DECODING_LENGTHS, solve_lookahead
+
+    if engine != "specplan":
+        _solve_prompt_lookup(acceptance_path, profile_path, engine, max_ngrams, draft_lengths, stop_tokens, top,
+                             output)
+        return
 
     d_grid = tuple(_int_list(decoding_lengths) or DECODING_LENGTHS)
     b_grid = tuple(_int_list(branch_lengths) or BRANCH_LENGTHS)
@@ -283,6 +312,32 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
                f"{plan.settings.decoding_length}, L_b = {plan.settings.branch_length}; wrote {output}")
     _note_inexact_replay(plan)
+
+
+def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engine: str, max_ngrams: str | None,
+                         draft_lengths: str | None, stop_tokens: str | None, top: int, output: Path) -> None:
+    from core.plan_schema import save_plan
+    from planner.prompt_lookup import DRAFT_LENGTHS, MAX_NGRAMS, solve_prompt_lookup
+
+    ngram_grid = tuple(_int_list(max_ngrams) or MAX_NGRAMS)
+    draft_grid = tuple(_int_list(draft_lengths) or DRAFT_LENGTHS)
+    if min(ngram_grid) < 1 or min(draft_grid) < 1:
+        raise UserError("n-gram sizes and draft lengths must be >= 1")
+    stops = tuple(_int_list(stop_tokens)) if stop_tokens else None
+    plan, ranked = solve_prompt_lookup(acceptance_path, profile_path, engine, ngram_grid, draft_grid, stops)
+    priced = f" {'step ms':>8} {'speedup':>8}" if profile_path else ""
+    click.echo(f"{'ngram':>5} {'draft':>5} {'tok/step':>9}{priced}")
+    for c in ranked[:top]:
+        row = f"{c.max_ngram:>5} {c.num_tokens:>5} {c.tokens_per_step:>9.3f}"
+        if c.speedup is not None:
+            row += f" {c.step_seconds * 1e3:>8.2f} {c.speedup:>8.3f}"
+        click.echo(row)
+    save_plan(plan, output)
+    click.echo(f"replayed {len(ranked)} settings of {engine}'s prompt lookup in {plan.solver['seconds']:.1f} s; chose "
+               f"n-gram {plan.settings.max_ngram}, {plan.settings.num_tokens} tokens; wrote {output}")
+    if plan.prediction.details.get("beats_one_token") is False:
+        click.echo(f"note: no setting beats {engine}'s one-token decoding on this profile "
+                   f"({plan.prediction.speedup:.3f}x at best): run {engine} without prompt lookup", err=True)
 
 
 def _note_inexact_replay(plan: Plan) -> None:
@@ -474,10 +529,20 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
           reprice: bool, backend: str | None, output: Path) -> None:
     """Our decoder against transformers and llama.cpp baselines on the same prompts, in one run."""
+    from core.plan_schema import load_plan
     from decoder.api import load_decoder
     from decoder.sampling import SamplingParams
-    from specplan.bench import BenchRequest, markdown_table, run_bench
+    from specplan.bench import LOOKUP_BASELINES, BenchRequest, markdown_table, run_bench
 
+    lookup_plan = load_plan(plan_path) if plan_path is not None else None
+    if lookup_plan is not None and lookup_plan.method != "prompt-lookup":
+        lookup_plan = None
+    if lookup_plan is not None:  # an engine's prompt lookup: our one-token decoding of its target beside the engine
+        missing = [b for b in LOOKUP_BASELINES[lookup_plan.engine] if b not in baselines.split(",")]
+        if missing:
+            raise UserError(f"{plan_path} is {lookup_plan.engine}'s prompt lookup: add --baselines "
+                            f"{','.join(missing)} (its one-token decoding and its lookup with the plan's knobs)")
+        plan_path, target, dtype = None, target or lookup_plan.models.target, dtype or lookup_plan.models.dtype
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
                            backend=backend)
     defaults = decoder.default_params()
@@ -485,6 +550,8 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
                             top_p=defaults.top_p if top_p is None else top_p)
     request = BenchRequest(dataset, prompts, max_new_tokens, [b for b in baselines.split(",") if b], params, seed,
                            chat, context=context, reprice=reprice)
+    if lookup_plan is not None:
+        request.prompt_lookup, request.lookup_plan = lookup_plan.settings, lookup_plan
     report = run_bench(decoder, request, output, log=_progress)
     click.echo(markdown_table(report))
     click.echo(f"wrote {output} (+ .md, .png)")

@@ -1,4 +1,5 @@
-"""llama.cpp as a baseline (`plan bench --baselines llama.cpp,llama.cpp-lookup`, bench/llamacpp_forward.py).
+"""llama.cpp as a baseline (`plan bench --baselines llama.cpp,llama.cpp-lookup`, bench/llamacpp_forward.py), and its
+own t(n) (`plan profile --engine llama.cpp`, what plans for llama.cpp's prompt lookup are priced on).
 
 llama.cpp runs the GGUF file our decoder loads, through llama-cpp-python (the optional extra `llamacpp`, built
 from source for this CPU by `make bench-setup`), on as many threads as torch uses. At dtype gguf it runs the
@@ -14,15 +15,20 @@ import ctypes
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from core.errors import UserError
-from core.models import LoadedModel, cache_dir
+from core.method_settings import PromptLookupSettings
+from core.models import LoadedModel, cache_dir, load_model
 from decoder.sampling import SamplingParams
+from profiler import hardware
+from profiler.latency import ProfileRequest, profile_document
 
 # llama.cpp's file types (llama.h: LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_BF16) for our dtypes; gguf: as shipped
 FILE_TYPES = {"fp32": ("F32", 0), "bf16": ("BF16", 32)}
@@ -66,23 +72,84 @@ def gguf_for(loaded: LoadedModel) -> Path:
     return target
 
 
+def open_llama(loaded: LoadedModel, context: int, draft: Any = None, logits_all: bool = False) -> Any:
+    """llama.cpp over `loaded`'s GGUF at its dtype, on torch's threads, with room for `context` tokens."""
+    threads = torch.get_num_threads()
+    return llama_cpp().Llama(model_path=str(gguf_for(loaded)), n_ctx=context + CONTEXT_MARGIN, n_threads=threads,
+                             n_threads_batch=threads, n_batch=512, draft_model=draft, logits_all=logits_all,
+                             verbose=False)
+
+
+def forward_after(llama: Any, context: int, tokens: list[int]) -> None:
+    """One llama.cpp forward of `tokens` after the first `context` tokens of its cache, the rest of the cache
+    dropped first (as a rejected draft's entries are)."""
+    llama._ctx.kv_cache_seq_rm(-1, context, -1)
+    llama.n_tokens = context
+    llama.eval(tokens)
+
+
+def profile_llamacpp(request: ProfileRequest, log: Callable[[str], None]) -> dict[str, Any]:
+    """A measured profile of llama.cpp's own forward: t(n, L) of a forward of n tokens after L, every row's logits
+    kept (logits_all, as its prompt lookup runs), median and p10/p90 of the repeats, on random token ids."""
+    if request.draft is not None or request.gpu is not None:
+        raise UserError("--engine llama.cpp times the target's forward on this CPU: no --draft, no --gpu")
+    torch.set_num_threads(request.threads)
+    loaded = load_model(request.target, request.dtype)
+    llama = open_llama(loaded, max(request.contexts) + max(request.sizes), logits_all=True)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, min(loaded.config.vocab_size, 30000), (max(request.contexts) + max(request.sizes),),
+                        generator=generator).tolist()
+    curves: dict[int, dict[int, dict[str, float]]] = {}
+    started = time.perf_counter()
+    for context in request.contexts:
+        llama.reset()
+        llama.eval(ids[:context])
+        curves[context] = {}
+        for n in request.sizes:
+            new = ids[context:context + n]
+            for _ in range(request.warmup):
+                forward_after(llama, context, new)
+            times = []
+            for _ in range(request.repeats):
+                start = time.perf_counter()
+                forward_after(llama, context, new)
+                times.append(time.perf_counter() - start)
+            quantiles = np.quantile(times, [0.1, 0.5, 0.9])
+            curves[context][n] = {"p10": quantiles[0], "median": quantiles[1], "p90": quantiles[2]}
+        log(f"llama.cpp t(n) at L={context}: " + ", ".join(f"{n}: {p['median'] * 1e3:.2f} ms"
+                                                           for n, p in curves[context].items()))
+    machine = hardware.fingerprint(torch.device("cpu"), request.dtype, request.threads)
+    document = profile_document(request, "measured", machine, {"target": loaded}, {"target": curves})
+    document["backend"] = "llama.cpp"
+    document["settings"] = {"engine": f"llama.cpp (llama-cpp-python {llama_cpp().__version__})",
+                            "gguf": gguf_for(loaded).name, "threads": request.threads, "warmup": request.warmup,
+                            "repeats": request.repeats, "logits_all": True}
+    document["measurement_seconds"] = round(time.perf_counter() - started, 1)
+    return document
+
+
 class LlamaCpp:
     """One llama.cpp model: a greedy or sampled generation from token ids, timed as our engine's decoding is."""
 
-    def __init__(self, loaded: LoadedModel, context: int, lookup_tokens: int | None = None) -> None:
-        module = llama_cpp()
+    def __init__(self, loaded: LoadedModel, context: int, lookup: PromptLookupSettings | None = None) -> None:
         draft = None
-        if lookup_tokens is not None:
+        if lookup is not None:
+            llama_cpp()
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
-        threads = torch.get_num_threads()
+            draft = LlamaPromptLookupDecoding(max_ngram_size=lookup.max_ngram, num_pred_tokens=lookup.num_tokens)
         self.path = gguf_for(loaded)
         # a draft needs every position's logits; llama-cpp-python sizes its logits buffer by logits_all alone
-        self.model = module.Llama(model_path=str(self.path), n_ctx=context + CONTEXT_MARGIN, n_threads=threads,
-                                  n_threads_batch=threads, n_batch=512, draft_model=draft,
-                                  logits_all=draft is not None, verbose=False)
+        self.model = open_llama(loaded, context, draft, logits_all=draft is not None)
         self.stop_ids = loaded.stop_token_ids
+        self.forwards = 0
+        evaluate = self.model.eval
+
+        def counted(tokens: Any) -> None:  # llama-cpp-python's generate calls eval once per forward
+            self.forwards += 1
+            evaluate(tokens)
+
+        self.model.eval = counted
 
     def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int
                  ) -> tuple[list[int], dict[str, Any]]:
@@ -97,8 +164,21 @@ class LlamaCpp:
                                          **sampling):
             if not tokens:
                 first = time.perf_counter()
+                self.forwards = 0
             tokens.append(int(token))
             if token in self.stop_ids or len(tokens) >= max_new_tokens:
                 break
         decode = (len(tokens) - 1, time.perf_counter() - first) if tokens else (0, 0.0)
-        return tokens, {"decode": decode}
+        # the forwards after the prompt's (the generator's last forward, for a token not taken, is not started)
+        return tokens, {"decode": decode, "decode_forwards": self.forwards}
+
+
+def greedy_outputs(loaded: LoadedModel, context: int) -> tuple[Callable[[list[int], int], list[int]], str]:
+    """llama.cpp's greedy decoding of `loaded`, one token per forward (`plan accept lookahead --engine llama.cpp`:
+    the text llama.cpp's prompt lookup runs on, at a dtype where llama.cpp's output differs from ours)."""
+    runner = LlamaCpp(loaded, context)
+
+    def generate(ids: list[int], budget: int) -> list[int]:
+        return runner.generate(ids, budget, SamplingParams(), 0)[0]
+
+    return generate, f"llama.cpp ({runner.path.name})"

@@ -162,3 +162,35 @@ def test_llama_cpp_baselines_run_the_same_gguf(run_cli, tmp_path):
     summary = json.loads(report.read_text())["summary"]
     for method in ("llama.cpp", "llama.cpp-lookup"):
         assert summary[method]["new_tokens"] > 0 and summary[method]["decode_tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("max_ngram, num_tokens", [(2, 10), (3, 4)])
+def test_the_replay_of_transformers_prompt_lookup_counts_its_forwards(smollm2, max_ngram, num_tokens):
+    """planner/prompt_lookup.py's replay of transformers' rule, over the very outputs transformers' prompt lookup
+    generated, gives the steps (target forwards, counted by a hook) it took: the plan's tokens/step are exact."""
+    from core.acceptance_schema import LookaheadRecord
+    from core.method_settings import PromptLookupSettings
+    from planner.prompt_lookup import LOOKUP_RULES, replay_lookup
+
+    model = smollm2.transformers_model()
+    forwards = []
+    hook = model.register_forward_hook(lambda *args: forwards.append(1))
+    records, counted = [], 0
+    try:
+        for prompt in read_dataset("specbench:summarization,coding")[:3]:
+            ids = encode_prompt(smollm2.tokenizer, prompt.text, True)
+            forwards.clear()
+            tensor = torch.tensor([ids])
+            with torch.inference_mode():
+                out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=64,
+                                     do_sample=False, prompt_lookup_num_tokens=num_tokens,
+                                     max_matching_ngram_size=max_ngram, pad_token_id=smollm2.tokenizer.pad_token_id)
+            records.append(LookaheadRecord(prompt.id, prompt.category, ids, out[0, len(ids):].tolist()))
+            counted += len(forwards)
+    finally:
+        hook.remove()
+    replayed = replay_lookup(records, LOOKUP_RULES["hf"], PromptLookupSettings(max_ngram, num_tokens),
+                             tuple(smollm2.stop_token_ids))
+    assert replayed.steps == counted
+    assert replayed.tokens == sum(len(r.output) for r in records)
+    assert replayed.tokens_per_step > 1.0  # the prompts' text is drafted from, not a trivial one-token run

@@ -1,0 +1,193 @@
+"""Prompt lookup (n-gram drafting) as serving engines run it: each engine's matching rule replayed exactly over the
+target's greedy outputs, and the knobs (longest n-gram matched, tokens drafted) that the engine's profile prices best.
+
+The search both engines run (transformers' PromptLookupCandidateGenerator, llama-cpp-python's
+LlamaPromptLookupDecoding): for n from max_ngram down to 1, the sequence's last n tokens are looked up among all
+its n-token windows, left to right; the first window followed by at least one token gives the draft, the up to
+num_tokens tokens after it. No match: no draft, a one-token step. The target accepts the draft's longest prefix
+that equals its own greedy continuation, plus one token of its own. The engines differ in where drafting starts and
+where a draft is cut:
+
+- transformers (5.x) verifies the prompt's draft in the prefill forward itself, and cuts a draft at a stop token;
+- llama-cpp-python evaluates the prompt alone, samples the first token from it, then drafts before every later
+  forward, and does not cut at stop tokens.
+
+For greedy decoding the replay is exact: it runs the engine's rule on the very tokens the engine holds at each step.
+A step that drafts k tokens costs t(1 + k, L) of the engine's own profile (`plan profile --engine llama.cpp` times
+llama.cpp's forward), so
+
+    predicted speedup = sum over decoded tokens of t(1, L) / sum over steps of t(1 + k_step, L_step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.acceptance_schema import LookaheadRecord, load_lookahead_acceptance
+from core.choices import FORWARDS
+from core.errors import UserError
+from core.fileio import shown
+from core.method_settings import PromptLookupSettings
+from core.plan_schema import Plan, PlanModels, Prediction
+from core.profile_schema import LatencyProfile, load_profile
+from core.provenance import provenance
+from planner.engines import HF_CANDIDATES, Source
+
+MAX_NGRAMS = (1, 2, 3, 4)
+DRAFT_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+
+LLAMACPP_PYTHON_LOOKUP = Source(
+    "abetlen/llama-cpp-python", "llama_cpp/llama_speculative.py", "v0.3.36",
+    "LlamaPromptLookupDecoding.find_candidate_pred_tokens: the n-gram search above; Llama.generate evaluates the "
+    "prompt, then drafts from the tokens so far before each later eval")
+
+
+@dataclass(frozen=True)
+class LookupRule:
+    engine: str
+    drafts_in_prefill: bool  # the first forward (the prompt) also verifies a draft
+    cut_at_stop_tokens: bool
+    source: Source
+
+
+ENGINE_FORWARDS = {"hf": FORWARDS, "llama.cpp": ("llama.cpp",)}  # the profiles that price each engine's steps
+LOOKUP_RULES = {
+    "hf": LookupRule("hf", True, True, HF_CANDIDATES),
+    "llama.cpp": LookupRule("llama.cpp", False, False, LLAMACPP_PYTHON_LOOKUP),
+}
+
+
+def lookup_draft(sequence: np.ndarray, max_ngram: int, num_tokens: int) -> np.ndarray:
+    """The draft both engines' search gives for `sequence` (1-D token ids): see the module docstring."""
+    length = len(sequence)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(sequence, n)
+        matches = np.flatnonzero((windows == sequence[length - n:]).all(axis=1))
+        # every window but the last (the trailing n-gram itself) is followed by a token
+        if len(matches) and matches[0] < length - n:
+            start = matches[0] + n
+            return sequence[start:min(start + num_tokens, length)]
+    return sequence[:0]
+
+
+@dataclass(frozen=True)
+class LookupReplay:
+    settings: PromptLookupSettings
+    tokens: int  # decoded tokens the steps emitted (llama.cpp: after the prefill's first token)
+    steps: int
+    step_drafts: np.ndarray  # tokens drafted per step
+    step_contexts: np.ndarray  # tokens in the cache before each step
+    step_tokens: np.ndarray  # tokens emitted per step
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps
+
+
+def replay_lookup(records: list[LookaheadRecord], rule: LookupRule, settings: PromptLookupSettings,
+                  stop_tokens: tuple[int, ...] = ()) -> LookupReplay:
+    """The engine's steps over each record's prompt and greedy output."""
+    drafts: list[int] = []
+    contexts: list[int] = []
+    emitted_per_step: list[int] = []
+    stops = np.array(stop_tokens, dtype=np.int64)
+    for record in records:
+        sequence = np.array(record.prompt + record.output, dtype=np.int64)
+        position = len(record.prompt) + (0 if rule.drafts_in_prefill else 1)
+        end = len(sequence)
+        while position < end:
+            draft = lookup_draft(sequence[:position], settings.max_ngram, settings.num_tokens)
+            if rule.cut_at_stop_tokens and len(stops):
+                hits = np.flatnonzero(np.isin(draft, stops))
+                draft = draft[:hits[0]] if len(hits) else draft
+            truth = sequence[position:position + len(draft)]
+            mismatches = np.flatnonzero(draft[:len(truth)] != truth)
+            accepted = int(mismatches[0]) if len(mismatches) else len(truth)
+            emitted = min(accepted + 1, end - position)
+            drafts.append(len(draft))
+            contexts.append(position - 1)
+            emitted_per_step.append(emitted)
+            position += emitted
+    steps = np.array(emitted_per_step)
+    return LookupReplay(settings, int(steps.sum()), len(steps), np.array(drafts), np.array(contexts), steps)
+
+
+def predicted_speedup(result: LookupReplay, profile: LatencyProfile) -> tuple[float, float]:
+    """(speedup over one-token decoding in the same engine, seconds per step) from the engine's t(n, L)."""
+    step_seconds = sum(float(profile.latency(1 + k, L)) for k, L in zip(result.step_drafts, result.step_contexts))
+    one_token = sum(float(profile.latency(1, L)) * k for L, k in zip(result.step_contexts, result.step_tokens))
+    return float(one_token / step_seconds), float(step_seconds / result.steps)
+
+
+@dataclass(frozen=True)
+class LookupCandidate:
+    max_ngram: int
+    num_tokens: int
+    tokens_per_step: float
+    speedup: float | None
+    step_seconds: float | None
+
+
+def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | None, engine: str,
+                        max_ngrams: tuple[int, ...] = MAX_NGRAMS, draft_lengths: tuple[int, ...] = DRAFT_LENGTHS,
+                        stop_tokens: tuple[int, ...] | None = None) -> tuple[Plan, list[LookupCandidate]]:
+    """The engine's prompt-lookup knobs that its profile prices best (without a profile: the most tokens per
+    step), over the grid, by exact greedy replay."""
+    if engine not in LOOKUP_RULES:
+        raise UserError(f"prompt lookup runs in {', '.join(LOOKUP_RULES)}, not {engine!r}")
+    rule = LOOKUP_RULES[engine]
+    acceptance = load_lookahead_acceptance(acceptance_path)
+    if stop_tokens is None and rule.cut_at_stop_tokens:
+        recorded = acceptance.extra.get("stop_tokens")
+        if not (isinstance(recorded, list) and recorded and all(isinstance(t, int) for t in recorded)):
+            raise UserError(f"{acceptance_path} does not record the target's stop tokens, at which {engine} cuts its "
+                            "drafts: give --stop-tokens, or record the outputs again (plan accept lookahead)")
+        stop_tokens = tuple(recorded)
+    profile = load_profile(profile_path, ENGINE_FORWARDS[engine]) if profile_path is not None else None
+    if profile is not None:
+        measured = profile.models.get("target")
+        if measured and measured != acceptance.target:
+            raise UserError(f"{acceptance_path} and {profile_path}: the outputs are from "
+                            f"{shown(acceptance.target)} but the profile is for {shown(measured)}")
+        largest = profile.target_curve().max_n
+        draft_lengths = tuple(k for k in draft_lengths if k + 1 <= largest)
+    if not draft_lengths:
+        raise UserError("no draft length to search: the profile must time forwards of 2 tokens or more")
+    start = time.perf_counter()
+    replays = [replay_lookup(acceptance.records, rule, PromptLookupSettings(m, k), stop_tokens or ())
+               for m in max_ngrams for k in draft_lengths]
+    seconds = time.perf_counter() - start
+    candidates = []
+    for result in replays:
+        speedup, step = predicted_speedup(result, profile) if profile is not None else (None, None)
+        candidates.append(LookupCandidate(result.settings.max_ngram, result.settings.num_tokens,
+                                          result.tokens_per_step, speedup, step))
+    order = (lambda c: (-c.speedup, c.num_tokens, c.max_ngram)) if profile is not None else \
+        (lambda c: (-c.tokens_per_step, c.num_tokens, c.max_ngram))
+    candidates.sort(key=order)
+    best = candidates[0]
+    details = {"replayed_tokens": replays[0].tokens}
+    if best.speedup is not None:
+        details["beats_one_token"] = bool(best.speedup > 1.0)
+    plan = Plan(
+        method="prompt-lookup",
+        models=PlanModels(target=acceptance.target, dtype=profile.dtype or None if profile is not None else None,
+                          backend=profile.backend if profile is not None else None),
+        prediction=Prediction(best.tokens_per_step, best.speedup, best.step_seconds,
+                              latency_source=profile.source if profile is not None else None, details=details),
+        inputs={"acceptance": {"file": str(acceptance_path), "records": len(acceptance.records),
+                               "stop_tokens": list(stop_tokens or ())},
+                **({"profile": profile.plan_inputs(profile_path)} if profile is not None else {}),
+                "grid": {"max_ngrams": list(max_ngrams), "draft_lengths": list(draft_lengths)}},
+        solver={"seconds": seconds, "algorithm": f"exact greedy replay of {engine}'s prompt lookup",
+                "source": str(rule.source), "top": [asdict(c) for c in candidates[:10]]},
+        provenance=provenance([acceptance_path] + ([profile_path] if profile_path else [])),
+        sampling={"temperature": 0.0},
+        settings=PromptLookupSettings(best.max_ngram, best.num_tokens),
+        engine=engine,
+    )
+    return plan, candidates
