@@ -1,9 +1,11 @@
-"""The CPU kernels' tuning constants, measured: the matmul kernel built with other -D values (TILE_W x TILE_X, the
-register tile for more than 4 rows; PREFETCH_BYTES, how far ahead a block-format row is requested) timed on
-whole passes over real weights, against oneDNN's packed matmul.
+"""The CPU kernels' tuning constants, measured: the kernels built with other -D values (TILE_W x TILE_X, the
+register tile for more than 4 rows; PREFETCH_BYTES, how far ahead a block-format row is requested; GEMM_ROWS, the
+query rows per KV head from which attention scores a chunk with one GEMM) timed on whole passes over real weights,
+against oneDNN's packed matmul, and on attention over a long cache.
 
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
+    .venv/bin/python bench/kernel_variants.py attention 2 4 8                  # smollm2's and qwen's head groups
 
 A pass runs every layer's matmul once (q/k/v fused, o, gate/up fused, down) for n activation rows: 540 MB of
 fp32 weights, more than the caches hold, so each pass streams from memory as a forward does.
@@ -110,6 +112,24 @@ def prefetch(distances: list[str]) -> None:
         print(f"PREFETCH_BYTES={distance}: {', '.join(cells)}", flush=True)
 
 
+ATTENTION_SHAPES = ((9, 3, 1), (9, 3, 2), (9, 3, 3), (12, 2, 1), (12, 2, 2))  # (heads, KV heads, new tokens)
+
+
+def attention(thresholds: list[str]) -> None:
+    """One layer's attention of n new tokens over 256, 4096 and 7680 cached keys (fp32 cache, head size 64)."""
+    for threshold in thresholds:
+        kernels = build({"GEMM_ROWS": threshold})
+        cells = []
+        for heads, kv_heads, n in ATTENTION_SHAPES:
+            for length in (256, 4096, 7680):
+                q = torch.randn(heads, n, 64)
+                keys, values = torch.randn(kv_heads, 8192, 64), torch.randn(kv_heads, 8192, 64)
+                mask = torch.zeros(n, length) if n > 1 else None
+                seconds = median_seconds(partial(kernels.attention, q, keys, values, length, mask, 0.125))
+                cells.append(f"{heads}/{kv_heads} n={n} L={length} {seconds * 1e3:.3f}")
+        print(f"GEMM_ROWS={threshold}: {', '.join(cells)} (ms)", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    {"tiles": tiles, "prefetch": prefetch}[sys.argv[1]](sys.argv[2:])
+    {"tiles": tiles, "prefetch": prefetch, "attention": attention}[sys.argv[1]](sys.argv[2:])

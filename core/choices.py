@@ -12,8 +12,8 @@ BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "s
              "llama.cpp-lookup")
 # the engines a Sequoia plan is solved for and exported to (planner/engines.py: each one's rules, with sources);
 # specplan: our own decoder, any tree
-ENGINES = ("specplan", "sequoia", "vllm", "vllm-draft", "medusa", "eagle1", "trtllm", "trtllm-draft", "llama.cpp",
-           "hf")
+ENGINES = ("specplan", "sequoia", "vllm", "vllm-draft", "medusa", "eagle1", "trtllm", "trtllm-draft", "sglang",
+           "llama.cpp", "hf")
 # the engines whose prompt lookup `plan solve lookahead --engine` replays (planner/prompt_lookup.py)
 LOOKUP_ENGINES = ("hf", "llama.cpp")
 # the forwards a profile may time: ours, and llama.cpp's own (`plan profile --engine llama.cpp`, for its plans)

@@ -9,6 +9,8 @@ Tree shapes, by how the engine drafts:
 - "level-uniform": every node of a level has the same number of children, ranks 0..b-1 (vLLM's EAGLE tree drafter
   takes top-(n_L / n_(L-1)) children of every node of the level above): a search over branching vectors.
 - "chain": one token per level (draft-model speculation in vLLM, TensorRT-LLM, llama.cpp, transformers).
+- "sglang": no fixed tree; SGLang grows one per step from (num_steps, topk, num_draft_tokens), modelled in
+  planner/sequoia.py (sglang_pool, sglang_selection) and searched over the triple.
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ LLAMACPP_SPECULATIVE = Source(
     "ggml-org/llama.cpp", "common/speculative.cpp", "6c8a04576e2cfa04261019fe8cbdc90c5cfc90fb",
     "the draft-model implementation (COMMON_SPECULATIVE_TYPE_DRAFT) samples the draft's tokens (top-k 10 sampler) "
     "into a batch of one sequence: a chain")
+SGLANG_SPEC_UTILS = Source(
+    "sgl-project/sglang", "python/sglang/srt/speculative/spec_utils.py", "2dd501d149552ea85135d4eeb7dd740c5e691091",
+    "select_top_k_tokens: step 0 drafts the top-k children of the root; each later step multiplies the frontier's "
+    "scores by its nodes' top-k probabilities and keeps the top-k of those topk^2 as the next frontier")
+SGLANG_EAGLE_UTILS = Source(
+    "sgl-project/sglang", "python/sglang/srt/speculative/eagle_utils.py", "263bc85d64baa38d82ec20f58a61f2982c78075d",
+    "organize_draft_results: torch.topk over every step's scores keeps num_draft_token - 1 drafted tokens")
 HF_CANDIDATES = Source(
     "huggingface/transformers", "src/transformers/generation/candidate_generator.py",
     "02dba3191ce987d960b0b4ccca7556ca81a8bad6",
@@ -115,6 +124,8 @@ class EngineRules:
 
     def broken_rule(self, tree: TokenTree) -> str | None:
         """The first rule `tree` breaks, said in one phrase; None when the engine runs it as it is."""
+        if self.shape == "sglang":
+            return None  # its trees come from a (num_steps, topk, num_draft_tokens) triple: export checks the plan's
         depths, children, ranks = tree.depths, tree.children, tree.ranks
         if self.shape == "chain" and any(len(kids) > 1 for kids in children):
             return f"{self.name} drafts a chain (one token per level); this tree branches"
@@ -168,6 +179,9 @@ RULES: dict[str, EngineRules] = {
     "trtllm-draft": EngineRules("trtllm-draft", "chain", (TRTLLM_ARGS,), min_depth=1,
                                 max_draft_tokens=TRTLLM_MAX_DRAFT_LEN,
                                 notes=("the draft-target mode: max_draft_len tokens from a separate draft model",)),
+    "sglang": EngineRules("sglang", "sglang", (SGLANG_SPEC_UTILS, SGLANG_EAGLE_UTILS), max_rank=TOP_K_OF_DRAFT_HEADS,
+                          notes=("EAGLE heads (--speculative-algorithm EAGLE) or a separate draft model "
+                                 "(STANDALONE); topk up to 10 searched",)),
     "llama.cpp": EngineRules("llama.cpp", "chain", (LLAMACPP_SPECULATIVE,)),
     "hf": EngineRules("hf", "chain", (HF_CANDIDATES,)),
 }

@@ -21,7 +21,7 @@ from core.plan_schema import Plan, TokenTree
 from planner.engines import check_tree, engine_rules
 
 EXPORT_FORMATS = tuple(engine for engine in ENGINES if engine != "specplan")
-NEEDS_DRAFT_PATH = ("vllm", "vllm-draft", "trtllm", "trtllm-draft", "llama.cpp", "hf")
+NEEDS_DRAFT_PATH = ("vllm", "vllm-draft", "trtllm", "trtllm-draft", "sglang", "llama.cpp", "hf")
 VLLM_TREE_METHODS = ("eagle", "eagle3")  # EagleProposer's methods (planner/engines.py: VLLM_EAGLE)
 GROWMAP_MAX_NODES = 4096  # the growmap holds a dense n x n mask: 16 M entries here
 
@@ -74,6 +74,9 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         depth_cap = recorded.get("max_depth") if isinstance(recorded, dict) else None
         heads = depth_cap if isinstance(depth_cap, int) and not isinstance(depth_cap, bool) else None
     check_tree(tree, engine_rules(fmt, heads), plan.source)
+    if fmt == "sglang" and plan.engine != "sglang":
+        raise UserError(f"{plan.source}: SGLang grows its own tree from (num_steps, topk, num_draft_tokens); this "
+                        "plan's tree is not one of those: solve with --engine sglang")
     if fmt in NEEDS_DRAFT_PATH and not draft_path:
         raise UserError(f"--format {fmt} needs --draft-path: the draft model as {fmt} loads it (a path or hub id)")
     depth = tree.depth
@@ -109,6 +112,16 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         config = {"speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": depth,
                                          "speculative_model": draft_path}}
         return Export(yaml.safe_dump(config, sort_keys=False), "trtllm-serve ... --extra_llm_api_options <this YAML>")
+    if fmt == "sglang":
+        triple = plan.solver.get("sglang") if isinstance(plan.solver.get("sglang"), dict) else {}
+        if not all(isinstance(triple.get(k), int) for k in ("num_steps", "topk", "num_draft_tokens")):
+            raise UserError(f"{plan.source}: the plan records no SGLang (num_steps, topk, num_draft_tokens): solve "
+                            "with --engine sglang")
+        flags = (f"--speculative-algorithm EAGLE --speculative-draft-model-path {draft_path} "
+                 f"--speculative-num-steps {triple['num_steps']} --speculative-eagle-topk {triple['topk']} "
+                 f"--speculative-num-draft-tokens {triple['num_draft_tokens']}")
+        return Export(flags, f"python -m sglang.launch_server --model-path {target} <these flags> (a separate draft "
+                             "model, not EAGLE heads: --speculative-algorithm STANDALONE)")
     if fmt == "llama.cpp":
         return Export(f"--model-draft {draft_path} --draft-max {depth} --draft-min 0 --draft-p-min 0.0",
                       "llama-server -m TARGET.gguf <these flags> (draft-p-min 0: every step drafts the full chain "
@@ -140,6 +153,8 @@ def import_tree(data: str | bytes, fmt: str) -> TokenTree:
             choices = yaml.safe_load(text)["speculative_config"]["eagle_choices"]
         elif fmt in ("vllm-draft", "trtllm-draft", "llama.cpp", "hf"):
             return TokenTree.from_parents(list(range(-1, _chain_length(text, fmt))), fmt)
+        elif fmt == "sglang":
+            raise UserError("SGLang's flags hold no tree: it grows one from (num_steps, topk, num_draft_tokens)")
         else:
             raise UserError(f"unknown format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
     except (json.JSONDecodeError, yaml.YAMLError, KeyError, TypeError, ValueError, SyntaxError, IndexError,

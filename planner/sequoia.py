@@ -264,8 +264,85 @@ class LevelUniformTables:
         return np.array(parents, dtype=np.int64)
 
 
+def sglang_pool(positional: np.ndarray, steps: int, topk: int) -> tuple[np.ndarray, list[tuple[int, ...]]]:
+    """SGLang's EAGLE draft (python/sglang/srt/speculative/spec_utils.py: select_top_k_tokens) in the positional
+    acceptance model, where every drafted node's k-th most likely child has acceptance p_k and a node's score is
+    the product of p over its path, as SGLang's score is the product of draft probabilities:
+
+    - step 1 drafts the root's top `topk` children; they are the frontier;
+    - each later step expands every frontier node into its top `topk` children (topk^2 candidates, parent-major)
+      and keeps the `topk` best of them, by score, as the next frontier;
+    - every node drafted at any step (topk + (steps - 1) topk^2 of them) is a candidate.
+
+    Returns the candidates' scores and rank paths, in SGLang's order (step by step, parent-major, rank-minor).
+    Ties between equal scores go to the earlier candidate, as a stable top-k would."""
+    width = min(topk, len(positional))
+    scores = [float(positional[r]) for r in range(width)]
+    paths = [(r,) for r in range(width)]
+    frontier = list(range(width))
+    for _ in range(steps - 1):
+        start = len(scores)
+        for node in frontier:
+            for r in range(width):
+                scores.append(scores[node] * float(positional[r]))
+                paths.append(paths[node] + (r,))
+        order = sorted(range(start, len(scores)), key=lambda i: (-scores[i], i))
+        frontier = order[:width]
+    return np.array(scores), paths
+
+
+def sglang_selection(positional: np.ndarray, steps: int, topk: int, draft_tokens: int
+                     ) -> tuple[float, list[tuple[int, ...]]]:
+    """The tree SGLang verifies for (num_steps, topk, num_draft_tokens): organize_draft_results keeps the
+    num_draft_tokens - 1 best-scoring candidates of the pool (sglang_pool). A child never outscores its parent
+    (p <= 1) and ties go to the earlier candidate, so the kept set holds every kept node's ancestors, and a node's
+    kept children are its top ranks. Returns the expected tokens per step (1 + the kept scores) and the kept
+    nodes' rank paths."""
+    scores, paths = sglang_pool(positional, steps, topk)
+    kept = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:draft_tokens - 1]
+    return 1.0 + float(scores[kept].sum()), [paths[i] for i in sorted(kept)]
+
+
+class SGLangTables:
+    """G(n, d) of SGLang's dynamic trees: n = num_draft_tokens (root included), d = num_steps, the best topk for
+    each; like the other tables, G[n, d] is the best over at most d steps."""
+
+    def __init__(self, positional: np.ndarray, max_size: int, max_depth: int, max_topk: int) -> None:
+        self.max_size, self.max_depth = max_size, max_depth
+        exact = np.full((max_size + 1, max_depth + 1), NEG_INF)
+        exact[1, :] = 1.0
+        self._choice: dict[tuple[int, int], tuple[int, int]] = {}  # (n, d) -> (steps, topk)
+        for steps in range(1, max_depth + 1):
+            for topk in range(1, min(max_topk, len(positional)) + 1):
+                scores, _ = sglang_pool(positional, steps, topk)
+                cumulative = 1.0 + np.cumsum(np.sort(scores)[::-1])
+                for n in range(2, min(max_size, len(scores) + 1) + 1):
+                    if cumulative[n - 2] > exact[n, steps]:
+                        exact[n, steps] = cumulative[n - 2]
+                        self._choice[n, steps] = (steps, topk)
+        self._G = np.maximum.accumulate(exact, axis=1)
+        self._positional = positional
+        self._exact = exact
+
+    @property
+    def G(self) -> np.ndarray:
+        return self._G.copy()
+
+    def settings(self, size: int, depth: int) -> tuple[int, int, int]:
+        """(num_steps, topk, num_draft_tokens) of the best tree with `size` nodes in at most `depth` steps."""
+        steps = int(np.argmax(self._exact[size, :depth + 1]))
+        return (*self._choice[size, steps], size)
+
+    def tree(self, size: int, depth: int) -> np.ndarray:
+        if size == 1:
+            return np.array([-1], dtype=np.int64)
+        steps, topk, _ = self.settings(size, depth)
+        _, paths = sglang_selection(self._positional, steps, topk, size)
+        return np.array(TokenTree.from_paths([list(p) for p in paths]).parents, dtype=np.int64)
+
+
 def engine_tables(positional: np.ndarray, max_size: int, max_depth: int,
-                  rules: EngineRules) -> SequoiaTables | LevelUniformTables:
+                  rules: EngineRules) -> SequoiaTables | LevelUniformTables | SGLangTables:
     """The table of G(n, d) over the trees `rules` allow: the exact DP on the acceptance vector cut to the engine's
     top-k (1 for a chain) with its depth cap, or the level-uniform search."""
     if rules.max_depth is not None:
@@ -273,6 +350,8 @@ def engine_tables(positional: np.ndarray, max_size: int, max_depth: int,
     if rules.max_draft_tokens is not None:
         max_size = min(max_size, rules.max_draft_tokens + 1)
     width = rules.width(len(positional))
+    if rules.shape == "sglang":
+        return SGLangTables(positional, max_size, max_depth, width)
     if rules.shape == "level-uniform":
         if max_size > LEVEL_UNIFORM_MAX_SIZE:
             raise UserError(f"--engine {rules.name}: the branching search takes --max-size up to "
@@ -304,7 +383,7 @@ class Candidate:
     tokens_per_second: float | None = None
 
 
-def rank_candidates(tables: SequoiaTables | LevelUniformTables, profile: LatencyProfile | None = None,
+def rank_candidates(tables: SequoiaTables | LevelUniformTables | SGLangTables, profile: LatencyProfile | None = None,
                     batch: int = 1, context: int | None = None, rules: EngineRules | None = None) -> list[Candidate]:
     """Every non-dominated (n, d), best first: by speedup with a profile, by G without one.
 
@@ -378,6 +457,10 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     if rules.shape == "level-uniform":
         plan.solver["algorithm"] = "level-uniform branching search"
         plan.solver["branching"] = list(tables.branching(ranked[0].size, ranked[0].depth))
+    if rules.shape == "sglang":
+        steps, topk, draft_tokens = tables.settings(ranked[0].size, ranked[0].depth)
+        plan.solver["algorithm"] = "SGLang's dynamic-tree selection over (num_steps, topk, num_draft_tokens)"
+        plan.solver["sglang"] = {"num_steps": steps, "topk": topk, "num_draft_tokens": draft_tokens}
     if engine != "specplan":
         unconstrained = rank_candidates(SequoiaTables(acceptance.positional, max_size, max_depth), profile, batch,
                                         context)[0]
@@ -407,7 +490,7 @@ def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files
                       draft_vocab=acceptance.draft_vocab, backend=profile.backend if profile is not None else None)
 
 
-def _assemble_plan(tables: SequoiaTables | LevelUniformTables, best: Candidate, ranked: list[Candidate],
+def _assemble_plan(tables: SequoiaTables | LevelUniformTables | SGLangTables, best: Candidate, ranked: list[Candidate],
                    acceptance: SequoiaAcceptance,
                    acceptance_path: str | Path, profile: LatencyProfile | None, profile_path: str | Path | None,
                    models: PlanModels, max_size: int, max_depth: int, batch: int, context: int | None) -> Plan:

@@ -132,7 +132,7 @@ def test_vllm_rebuilds_the_level_uniform_tree_from_the_export():
     assert TokenTree.from_paths(list(choices)) == plan.tree
 
 
-@pytest.mark.parametrize("fmt", EXPORT_FORMATS)
+@pytest.mark.parametrize("fmt", [f for f in EXPORT_FORMATS if f != "sglang"])  # SGLang's flags hold no tree
 def test_every_export_round_trips(fmt):
     heads = 3 if fmt in ("medusa", "eagle1") else None
     plan, _ = solve_sequoia(ACCEPTANCE, 24, 6, PROFILE, engine=fmt, heads=heads)
@@ -199,3 +199,58 @@ def test_the_solver_table_and_show_print_the_engine_beside_the_unconstrained_tre
     code, stdout, _ = run_cli("show", out)
     assert code == 0 and "engine hf (chain)" in stdout
     assert load_plan(out).tree.depth == load_plan(out).tree.size - 1
+
+
+def simulate_sglang(positional: np.ndarray, steps: int, topk: int, draft_tokens: int):
+    """SGLang's own tensor steps (select_top_k_tokens, organize_draft_results; planner/engines.py cites them) for one
+    request whose draft gives every node the top-k probabilities `positional[:topk]`."""
+    topk_p = torch.tensor(positional[:topk], dtype=torch.float64)[None]  # (1, topk)
+    scores, score_list = topk_p, [topk_p.unsqueeze(1)]
+    paths = [(r,) for r in range(topk)]
+    frontier = list(paths)
+    for _ in range(1, steps):
+        expand = scores.unsqueeze(2) * topk_p.repeat(topk, 1).reshape(-1, topk, topk)  # (1, topk, topk)
+        values, index = torch.topk(expand.flatten(1), topk, dim=-1)
+        score_list.append(expand)
+        drafted = [node + (r,) for node in frontier for r in range(topk)]
+        paths += drafted
+        frontier, scores = [drafted[j] for j in index[0].tolist()], values
+    flat = torch.cat(score_list, dim=1).flatten(1)
+    kept = torch.sort(torch.topk(flat, draft_tokens - 1, dim=-1).indices).values[0]
+    return 1.0 + float(flat[0, kept].sum()), [paths[j] for j in kept.tolist()]
+
+
+def path_scores(positional: np.ndarray, paths) -> list[float]:
+    return sorted(float(np.prod(positional[list(path)])) for path in paths)
+
+
+def test_the_sglang_model_is_its_selection_on_random_acceptance_vectors():
+    from planner.sequoia import sglang_selection
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        positional = np.sort(rng.dirichlet(np.ones(8)) * rng.uniform(0.5, 1.0))[::-1].copy()
+        steps, topk = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+        pool = topk + (steps - 1) * topk * topk
+        draft_tokens = int(rng.integers(2, pool + 2))
+        value, kept = sglang_selection(positional, steps, topk, draft_tokens)
+        simulated_value, simulated_kept = simulate_sglang(positional, steps, topk, draft_tokens)
+        assert value == pytest.approx(simulated_value, rel=1e-12)
+        # the same scores kept; which of two equal products (p_a p_b = p_b p_a) is kept is torch.topk's choice
+        np.testing.assert_allclose(path_scores(positional, kept), path_scores(positional, simulated_kept),
+                                   rtol=1e-12)
+        tree = TokenTree.from_paths([list(path) for path in kept])  # ancestor-closed, children of top ranks
+        assert tree_value(np.array(tree.parents), positional) == pytest.approx(value, rel=1e-12)
+
+
+def test_an_sglang_plan_exports_its_triple():
+    plan, _ = solve_sequoia(ACCEPTANCE, 32, 6, PROFILE, engine="sglang")
+    triple = plan.solver["sglang"]
+    flags = export_plan(plan, "sglang", draft_path="draft").content.split()
+    assert flags[flags.index("--speculative-num-steps") + 1] == str(triple["num_steps"])
+    assert flags[flags.index("--speculative-eagle-topk") + 1] == str(triple["topk"])
+    assert flags[flags.index("--speculative-num-draft-tokens") + 1] == str(plan.tree.size)
+    assert plan.tree.depth == triple["num_steps"]
+    free, _ = solve_sequoia(ACCEPTANCE, 32, 6, PROFILE)
+    with pytest.raises(UserError, match="--engine sglang"):
+        export_plan(free, "sglang", draft_path="draft")

@@ -1227,7 +1227,9 @@ inline const float* cache_row(const torch::Tensor& cache, int64_t head, int64_t 
 // (torch's own GEMM, single-threaded inside the task) instead of a dot product per row and key. Measured on
 // smollm2 (3 KV heads of 3 query heads) at 7,680 keys: 6 rows 0.87 ms a layer by dot products, 0.42 by the GEMM;
 // 3 rows no faster by the GEMM, and slower on short contexts.
-constexpr int64_t GEMM_ROWS = 4;
+#ifndef GEMM_ROWS
+#define GEMM_ROWS 4
+#endif
 
 constexpr int64_t ATTENTION_CHUNK = 256;
 constexpr int64_t MAX_SCORES = 1 << 18;  // a task's scores buffer: 1 MB
