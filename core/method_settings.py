@@ -117,11 +117,12 @@ class PromptLookupSettings:
 
     max_ngram: int = 2
     num_tokens: int = 10
+    enabled: bool = True  # False: no setting beat one-token decoding, so the engine runs without prompt lookup
 
     @classmethod
     def from_fields(cls, f: Fields) -> PromptLookupSettings:
         return cls(f.integer("max_ngram", low=1, high=MAX_LOOKUP_NGRAM),
-                   f.integer("num_tokens", low=1, high=MAX_LOOKUP_DRAFT))
+                   f.integer("num_tokens", low=1, high=MAX_LOOKUP_DRAFT), f.boolean("enabled", default=True))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

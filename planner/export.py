@@ -182,6 +182,8 @@ def _export_prompt_lookup(plan: Plan, fmt: str) -> Export:
         raise UserError(f"{plan.source}: this plan replays {plan.engine}'s prompt lookup; export it as --format "
                         f"{plan.engine}, or solve with --engine {fmt}")
     settings = plan.settings
+    if not settings.enabled:
+        return Export("{}", f"{fmt} without prompt lookup: no setting beat its one-token decoding on the profile")
     if fmt == "hf":
         return Export(json.dumps({"prompt_lookup_num_tokens": settings.num_tokens,
                                   "max_matching_ngram_size": settings.max_ngram}),

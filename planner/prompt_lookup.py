@@ -13,6 +13,8 @@ where a draft is cut:
   forward, and does not cut at stop tokens.
 
 For greedy decoding the replay is exact: it runs the engine's rule on the very tokens the engine holds at each step.
+Where no setting is predicted faster than the engine's one-token decoding, the plan turns the lookup off (`enabled:
+false`, predicted 1.0x) and keeps the best setting's prediction on record.
 A step that drafts k tokens costs t(1 + k, L) of the engine's own profile (`plan profile --engine llama.cpp` times
 llama.cpp's forward), so
 
@@ -171,14 +173,19 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
     candidates.sort(key=order)
     best = candidates[0]
     details = {"replayed_tokens": replays[0].tokens}
+    predicted = (best.tokens_per_step, best.speedup, best.step_seconds)
+    enabled = best.speedup is None or best.speedup > 1.0
     if best.speedup is not None:
-        details["beats_one_token"] = bool(best.speedup > 1.0)
+        details["beats_one_token"] = enabled
+    if not enabled:  # the plan is the engine's one-token decoding; the best lookup stays on record for comparison
+        details.update(lookup_tokens_per_step=best.tokens_per_step, lookup_speedup=best.speedup)
+        predicted = (1.0, 1.0, None)
     plan = Plan(
         method="prompt-lookup",
         models=PlanModels(target=acceptance.target, dtype=profile.dtype or None if profile is not None else None,
                           backend=profile.backend if profile is not None else None),
-        prediction=Prediction(best.tokens_per_step, best.speedup, best.step_seconds,
-                              latency_source=profile.source if profile is not None else None, details=details),
+        prediction=Prediction(*predicted, latency_source=profile.source if profile is not None else None,
+                              details=details),
         inputs={"acceptance": {"file": str(acceptance_path), "records": len(acceptance.records),
                                "stop_tokens": list(stop_tokens or ())},
                 **({"profile": profile.plan_inputs(profile_path)} if profile is not None else {}),
@@ -187,7 +194,7 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
                 "source": str(rule.source), "top": [asdict(c) for c in candidates[:10]]},
         provenance=provenance([acceptance_path] + ([profile_path] if profile_path else [])),
         sampling={"temperature": 0.0},
-        settings=PromptLookupSettings(best.max_ngram, best.num_tokens),
+        settings=PromptLookupSettings(best.max_ngram, best.num_tokens, enabled),
         engine=engine,
     )
     return plan, candidates

@@ -310,8 +310,13 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
     lookup_plan = request.lookup_plan
     if lookup_plan is not None:
         one_token, lookup = LOOKUP_BASELINES[lookup_plan.engine]
-        prediction = {"plan_tokens_per_step": lookup_plan.prediction.tokens_per_step,
-                      "plan_speedup": lookup_plan.prediction.speedup}
+        details = lookup_plan.prediction.details
+        # the lookup baseline runs the plan's knobs; for a plan that turned the lookup off, the best setting's
+        # prediction (the plan itself is the one-token baseline)
+        prediction = {"plan_tokens_per_step": details.get("lookup_tokens_per_step",
+                                                          lookup_plan.prediction.tokens_per_step),
+                      "plan_speedup": details.get("lookup_speedup", lookup_plan.prediction.speedup),
+                      "lookup_enabled": lookup_plan.settings.enabled}
         entries = [row["methods"][lookup] for row in rows if lookup in row["methods"]]
         if entries and "decode_forwards" in entries[0]:
             prediction["measured_tokens_per_step"] = (sum(e["decode_tokens"] for e in entries)
@@ -319,8 +324,8 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
         if one_token in summary and lookup in summary:
             measured = summary[lookup][f"speedup_vs_{one_token}"]
             prediction[f"measured_speedup_vs_{one_token}"] = measured
-            if lookup_plan.prediction.speedup:
-                prediction["measured_over_predicted"] = measured / lookup_plan.prediction.speedup
+            if prediction["plan_speedup"]:
+                prediction["measured_over_predicted"] = measured / prediction["plan_speedup"]
     return {
         "kind": "bench/report",
         "machine": {**cpu_info(), **this_machine(str(decoder.target_forward.device)), "torch": torch.__version__,
@@ -466,6 +471,9 @@ def markdown_table(report: dict) -> str:
                      f"{prediction['plan_tokens_per_step']:.2f} tokens/step; measured "
                      + (f"{measured:.2f}x" if measured is not None else "?")
                      + (f" at {per_step:.2f} tokens/step" if per_step is not None else "") + f" (vs {one_token})")
+        if not prediction.get("lookup_enabled", True):
+            lines.append(f"the plan turns the lookup off (no setting was predicted faster than {one_token}): "
+                         f"it runs as {one_token}")
     elif prediction.get("plan_speedup"):
         lines.append("")
         measured = prediction.get("measured_speedup_vs_ours_ar")

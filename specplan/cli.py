@@ -302,16 +302,22 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     if min(d_grid) < 1 or min(b_grid) < 1:
         raise UserError("decoding lengths L_d and branch lengths L_b must be >= 1")
     plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid)
-    click.echo(f"{'L_d':>4} {'L_b':>4} {'tok/step':>9}" + (f" {'step ms':>8} {'speedup':>8}" if profile_path else ""))
-    for c in ranked[:top]:
-        row = f"{c.decoding_length:>4} {c.branch_length:>4} {c.tokens_per_step:>9.3f}"
-        if c.speedup is not None:
-            row += f" {c.step_seconds * 1e3:>8.2f} {c.speedup:>8.3f}"
-        click.echo(row)
+    _echo_ranked(ranked[:top], ("L_d", "decoding_length"), ("L_b", "branch_length"), profile_path is not None)
     save_plan(plan, output)
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
                f"{plan.settings.decoding_length}, L_b = {plan.settings.branch_length}; wrote {output}")
     _note_inexact_replay(plan)
+
+
+def _echo_ranked(rows: list, first: tuple[str, str], second: tuple[str, str], priced: bool) -> None:
+    """A replay solver's ranked settings: two knobs (column title, attribute), tokens/step, and with a profile the
+    step time and the predicted speedup."""
+    click.echo(f"{first[0]:>5} {second[0]:>5} {'tok/step':>9}" + (f" {'step ms':>8} {'speedup':>8}" if priced else ""))
+    for c in rows:
+        row = f"{getattr(c, first[1]):>5} {getattr(c, second[1]):>5} {c.tokens_per_step:>9.3f}"
+        if c.speedup is not None:
+            row += f" {c.step_seconds * 1e3:>8.2f} {c.speedup:>8.3f}"
+        click.echo(row)
 
 
 def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engine: str, max_ngrams: str | None,
@@ -325,19 +331,14 @@ def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engin
         raise UserError("n-gram sizes and draft lengths must be >= 1")
     stops = tuple(_int_list(stop_tokens)) if stop_tokens else None
     plan, ranked = solve_prompt_lookup(acceptance_path, profile_path, engine, ngram_grid, draft_grid, stops)
-    priced = f" {'step ms':>8} {'speedup':>8}" if profile_path else ""
-    click.echo(f"{'ngram':>5} {'draft':>5} {'tok/step':>9}{priced}")
-    for c in ranked[:top]:
-        row = f"{c.max_ngram:>5} {c.num_tokens:>5} {c.tokens_per_step:>9.3f}"
-        if c.speedup is not None:
-            row += f" {c.step_seconds * 1e3:>8.2f} {c.speedup:>8.3f}"
-        click.echo(row)
+    _echo_ranked(ranked[:top], ("ngram", "max_ngram"), ("draft", "num_tokens"), profile_path is not None)
     save_plan(plan, output)
     click.echo(f"replayed {len(ranked)} settings of {engine}'s prompt lookup in {plan.solver['seconds']:.1f} s; chose "
                f"n-gram {plan.settings.max_ngram}, {plan.settings.num_tokens} tokens; wrote {output}")
-    if plan.prediction.details.get("beats_one_token") is False:
+    if not plan.settings.enabled:
         click.echo(f"note: no setting beats {engine}'s one-token decoding on this profile "
-                   f"({plan.prediction.speedup:.3f}x at best): run {engine} without prompt lookup", err=True)
+                   f"({plan.prediction.details['lookup_speedup']:.3f}x at best): the plan turns the lookup off",
+                   err=True)
 
 
 def _note_inexact_replay(plan: Plan) -> None:

@@ -132,9 +132,9 @@ class LlamaCpp:
     """One llama.cpp model: a greedy or sampled generation from token ids, timed as our engine's decoding is."""
 
     def __init__(self, loaded: LoadedModel, context: int, lookup: PromptLookupSettings | None = None) -> None:
+        llama_cpp()  # the extra first: without it, that is the error to give
         draft = None
         if lookup is not None:
-            llama_cpp()
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft = LlamaPromptLookupDecoding(max_ngram_size=lookup.max_ngram, num_pred_tokens=lookup.num_tokens)

@@ -10,6 +10,7 @@ import yaml
 from fuzz import committed_files, fuzz, summary
 
 from core.acceptance_schema import load_lookahead_acceptance, load_sequoia_acceptance, load_triforce_acceptance
+from core.choices import TIMED_FORWARDS
 from core.fileio import plain, read_yaml
 from core.plan_schema import Plan, load_plan
 from core.profile_schema import load_profile
@@ -23,7 +24,7 @@ def _redumped(path: Path) -> dict:
     if kind.startswith("plan/"):
         return load_plan(path).to_dict()
     if kind == "profile/latency":
-        return load_profile(path).raw
+        return load_profile(path, TIMED_FORWARDS).raw
     loader = {"acceptance/sequoia": load_sequoia_acceptance, "acceptance/lookahead": load_lookahead_acceptance,
               "acceptance/triforce": load_triforce_acceptance}[kind]
     return loader(path).to_dict()

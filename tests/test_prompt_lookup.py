@@ -68,7 +68,8 @@ def test_a_solved_plan_loads_runs_nowhere_but_its_engine_and_exports(run_cli, tm
     loaded = load_plan(plan)
     assert loaded.kind == "plan/prompt-lookup" and loaded.engine == "hf"
     assert loaded.settings.max_ngram in (1, 2, 3) and loaded.settings.num_tokens in (2, 4, 8)
-    assert loaded.prediction.speedup > 0 and loaded.prediction.details["beats_one_token"] in (True, False)
+    assert loaded.prediction.speedup > 1 and loaded.prediction.details["beats_one_token"] is True
+    assert loaded.settings.enabled  # on our fp32 forward a short lookup pays
     code, stdout, _ = run_cli("export", plan, "--format", "hf")
     assert code == 0 and json.loads(stdout) == {"prompt_lookup_num_tokens": loaded.settings.num_tokens,
                                                 "max_matching_ngram_size": loaded.settings.max_ngram}
@@ -99,6 +100,9 @@ def test_a_llama_cpp_plan_says_when_nothing_beats_one_token(run_cli, write_yaml_
     code, _, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--profile", steep,
                               "--engine", "llama.cpp", "--draft-lengths", "1,2,4", "-o", out)
     assert code == 0, stderr
-    assert "no setting beats llama.cpp's one-token decoding" in stderr
+    assert "no setting beats llama.cpp's one-token decoding" in stderr and "turns the lookup off" in stderr
     plan = yaml.safe_load(out.read_text())
-    assert plan["prediction"]["beats_one_token"] is False and plan["prediction"]["speedup"] < 1.0
+    assert plan["prediction"]["beats_one_token"] is False and plan["prompt-lookup"]["enabled"] is False
+    assert plan["prediction"]["speedup"] == 1.0 and plan["prediction"]["lookup_speedup"] < 1.0
+    code, stdout, stderr = run_cli("export", out, "--format", "llama.cpp")
+    assert code == 0 and json.loads(stdout) == {} and "without prompt lookup" in stderr
