@@ -264,43 +264,55 @@ class LevelUniformTables:
         return np.array(parents, dtype=np.int64)
 
 
-def sglang_pool(positional: np.ndarray, steps: int, topk: int) -> tuple[np.ndarray, list[tuple[int, ...]]]:
+def sglang_pool(positional: np.ndarray, steps: int, topk: int
+                ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, ...]]]:
     """SGLang's EAGLE draft (python/sglang/srt/speculative/spec_utils.py: select_top_k_tokens) in the positional
-    acceptance model, where every drafted node's k-th most likely child has acceptance p_k and a node's score is
-    the product of p over its path, as SGLang's score is the product of draft probabilities:
+    acceptance model: a node's k-th most likely child is accepted with probability p_k, and SGLang ranks drafted
+    nodes by their draft score, the product of draft probabilities along the path, which falls with the rank. The
+    model scores a child of rank k by q_k = min(p_1..p_k) (p itself where it falls with the rank, as a measured
+    vector may not everywhere), so that no node outranks a lower-ranked sibling, as in SGLang:
 
     - step 1 drafts the root's top `topk` children; they are the frontier;
     - each later step expands every frontier node into its top `topk` children (topk^2 candidates, parent-major)
       and keeps the `topk` best of them, by score, as the next frontier;
     - every node drafted at any step (topk + (steps - 1) topk^2 of them) is a candidate.
 
-    Returns the candidates' scores and rank paths, in SGLang's order (step by step, parent-major, rank-minor).
-    Ties between equal scores go to the earlier candidate, as a stable top-k would."""
+    Returns the candidates' scores, their acceptance (the product of p along the path) and rank paths, in SGLang's
+    order (step by step, parent-major, rank-minor). Ties between equal scores go to the earlier candidate, as a
+    stable top-k would."""
     width = min(topk, len(positional))
-    scores = [float(positional[r]) for r in range(width)]
+    ranked = np.minimum.accumulate(positional)
+    scores = [float(ranked[r]) for r in range(width)]
+    accepted = [float(positional[r]) for r in range(width)]
     paths = [(r,) for r in range(width)]
     frontier = list(range(width))
     for _ in range(steps - 1):
         start = len(scores)
         for node in frontier:
             for r in range(width):
-                scores.append(scores[node] * float(positional[r]))
+                scores.append(scores[node] * float(ranked[r]))
+                accepted.append(accepted[node] * float(positional[r]))
                 paths.append(paths[node] + (r,))
         order = sorted(range(start, len(scores)), key=lambda i: (-scores[i], i))
         frontier = order[:width]
-    return np.array(scores), paths
+    return np.array(scores), np.array(accepted), paths
+
+
+def _kept(scores: np.ndarray, count: int) -> list[int]:
+    """organize_draft_results: the `count` best candidates by score, earlier first among equals."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:count]
 
 
 def sglang_selection(positional: np.ndarray, steps: int, topk: int, draft_tokens: int
                      ) -> tuple[float, list[tuple[int, ...]]]:
     """The tree SGLang verifies for (num_steps, topk, num_draft_tokens): organize_draft_results keeps the
     num_draft_tokens - 1 best-scoring candidates of the pool (sglang_pool). A child never outscores its parent
-    (p <= 1) and ties go to the earlier candidate, so the kept set holds every kept node's ancestors, and a node's
-    kept children are its top ranks. Returns the expected tokens per step (1 + the kept scores) and the kept
-    nodes' rank paths."""
-    scores, paths = sglang_pool(positional, steps, topk)
-    kept = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:draft_tokens - 1]
-    return 1.0 + float(scores[kept].sum()), [paths[i] for i in sorted(kept)]
+    nor a lower-ranked sibling, and ties go to the earlier candidate, so the kept set holds every kept node's
+    ancestors, and a node's kept children are its top ranks. Returns the expected tokens per step (1 + the kept
+    nodes' acceptance) and the kept nodes' rank paths."""
+    scores, accepted, paths = sglang_pool(positional, steps, topk)
+    kept = _kept(scores, draft_tokens - 1)
+    return 1.0 + float(accepted[kept].sum()), [paths[i] for i in sorted(kept)]
 
 
 class SGLangTables:
@@ -314,8 +326,8 @@ class SGLangTables:
         self._choice: dict[tuple[int, int], tuple[int, int]] = {}  # (n, d) -> (steps, topk)
         for steps in range(1, max_depth + 1):
             for topk in range(1, min(max_topk, len(positional)) + 1):
-                scores, _ = sglang_pool(positional, steps, topk)
-                cumulative = 1.0 + np.cumsum(np.sort(scores)[::-1])
+                scores, accepted, _ = sglang_pool(positional, steps, topk)
+                cumulative = 1.0 + np.cumsum(accepted[_kept(scores, len(scores))])
                 for n in range(2, min(max_size, len(scores) + 1) + 1):
                     if cumulative[n - 2] > exact[n, steps]:
                         exact[n, steps] = cumulative[n - 2]

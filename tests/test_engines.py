@@ -165,8 +165,8 @@ def test_trtllm_export_carries_what_its_config_requires():
 
 def test_exports_that_break_the_engine_or_lack_a_draft_are_refused_in_one_line(run_cli, tmp_path):
     plan_file = tmp_path / "plan.yaml"
-    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", ACCEPTANCE, "--profile", PROFILE, "--max-size", 24,
-                              "--max-depth", 6, "-o", plan_file)
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", ACCEPTANCE, "--max-size", 24,
+                              "--max-depth", 6, "-o", plan_file)  # the most tokens per step: a 24-node tree
     assert code == 0, stderr
     tree = load_plan(plan_file).tree
     assert engine_rules("vllm").broken_rule(tree) is not None  # the unconstrained tree is not level-uniform here
@@ -241,6 +241,21 @@ def test_the_sglang_model_is_its_selection_on_random_acceptance_vectors():
                                    rtol=1e-12)
         tree = TokenTree.from_paths([list(path) for path in kept])  # ancestor-closed, children of top ranks
         assert tree_value(np.array(tree.parents), positional) == pytest.approx(value, rel=1e-12)
+
+
+def test_sglang_trees_are_trees_for_a_measured_vector_that_does_not_fall_everywhere():
+    """A measured acceptance vector may rise with the rank (few samples at rank 8 and 9); SGLang ranks by draft
+    probability, which falls: the model keeps lower ranks first and values the tree by p itself."""
+    from planner.sequoia import SGLangTables, sglang_selection
+
+    positional = np.array([0.8, 0.1, 0.03, 0.016, 0.009, 0.004, 0.003, 0.001, 0.0017, 0.0039, 0.0006])
+    for steps, topk, draft_tokens in ((1, 10, 11), (3, 10, 64), (4, 4, 30)):
+        value, kept = sglang_selection(positional, steps, topk, draft_tokens)
+        tree = TokenTree.from_paths([list(path) for path in kept])
+        assert tree.size == draft_tokens and tree_value(np.array(tree.parents), positional) == pytest.approx(value)
+    tables = SGLangTables(positional, 64, 6, 10)
+    for n in (2, 11, 40, 64):
+        assert TokenTree.from_parents(tables.tree(n, 6)).size == n
 
 
 def test_an_sglang_plan_exports_its_triple():
