@@ -118,11 +118,16 @@ class PromptLookupSettings:
     max_ngram: int = 2
     num_tokens: int = 10
     enabled: bool = True  # False: no setting beat one-token decoding, so the engine runs without prompt lookup
+    min_ngram: int = 1  # vLLM's prompt_lookup_min: shorter n-grams are not looked up
 
     @classmethod
     def from_fields(cls, f: Fields) -> PromptLookupSettings:
-        return cls(f.integer("max_ngram", low=1, high=MAX_LOOKUP_NGRAM),
-                   f.integer("num_tokens", low=1, high=MAX_LOOKUP_DRAFT), f.boolean("enabled", default=True))
+        settings = cls(f.integer("max_ngram", low=1, high=MAX_LOOKUP_NGRAM),
+                       f.integer("num_tokens", low=1, high=MAX_LOOKUP_DRAFT), f.boolean("enabled", default=True),
+                       f.integer("min_ngram", required=False, default=1, low=1, high=MAX_LOOKUP_NGRAM))
+        if settings.min_ngram > settings.max_ngram:
+            raise f.fail("min_ngram must not exceed max_ngram")
+        return settings
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

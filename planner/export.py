@@ -184,6 +184,10 @@ def _export_prompt_lookup(plan: Plan, fmt: str) -> Export:
     settings = plan.settings
     if not settings.enabled:
         return Export("{}", f"{fmt} without prompt lookup: no setting beat its one-token decoding on the profile")
+    if fmt == "vllm":
+        return Export(json.dumps({"method": "ngram", "num_speculative_tokens": settings.num_tokens,
+                                  "prompt_lookup_max": settings.max_ngram, "prompt_lookup_min": settings.min_ngram}),
+                      "vllm serve TARGET --speculative-config '<this JSON>'")
     if fmt == "hf":
         return Export(json.dumps({"prompt_lookup_num_tokens": settings.num_tokens,
                                   "max_matching_ngram_size": settings.max_ngram}),

@@ -10,7 +10,8 @@ where a draft is cut:
 
 - transformers (5.x) verifies the prompt's draft in the prefill forward itself, and cuts a draft at a stop token;
 - llama-cpp-python evaluates the prompt alone, samples the first token from it, then drafts before every later
-  forward, and does not cut at stop tokens.
+  forward, and does not cut at stop tokens; vLLM's n-gram proposer likewise drafts after each sampled token,
+  and looks up n-grams no shorter than its prompt_lookup_min.
 
 For greedy decoding the replay is exact: it runs the engine's rule on the very tokens the engine holds at each step.
 Where no setting is predicted faster than the engine's one-token decoding, the plan turns the lookup off (`enabled:
@@ -56,17 +57,25 @@ class LookupRule:
     source: Source
 
 
-ENGINE_FORWARDS = {"hf": FORWARDS, "llama.cpp": ("llama.cpp",)}  # the profiles that price each engine's steps
+# the profiles that price each engine's steps (vLLM's: ours, until a vLLM profile exists)
+ENGINE_FORWARDS = {"hf": FORWARDS, "llama.cpp": ("llama.cpp",), "vllm": FORWARDS}
+VLLM_NGRAM = Source(
+    "vllm-project/vllm", "vllm/v1/spec_decode/ngram_proposer.py", "016e8ede870e3c087fdcdfb36ed3622112712f10",
+    "_find_longest_matched_ngram_and_propose_tokens: the longest n-gram in [prompt_lookup_min, prompt_lookup_max] "
+    "that matches the context's suffix, at its earliest position, and the up to k tokens after it (a KMP scan)")
 LOOKUP_RULES = {
     "hf": LookupRule("hf", True, True, HF_CANDIDATES),
     "llama.cpp": LookupRule("llama.cpp", False, False, LLAMACPP_PYTHON_LOOKUP),
+    "vllm": LookupRule("vllm", False, False, VLLM_NGRAM),  # drafts after each sampled token, the prefill's included
 }
 
 
-def lookup_draft(sequence: np.ndarray, max_ngram: int, num_tokens: int) -> np.ndarray:
-    """The draft both engines' search gives for `sequence` (1-D token ids): see the module docstring."""
+def lookup_draft(sequence: np.ndarray, max_ngram: int, num_tokens: int, min_ngram: int = 1) -> np.ndarray:
+    """The draft the engines' search gives for `sequence` (1-D token ids): see the module docstring. vLLM's
+    (`min_ngram` > 1) is the same search stopped at its prompt_lookup_min: it takes the longest n-gram in
+    [min, max] that recurs, at its earliest occurrence."""
     length = len(sequence)
-    for n in range(min(max_ngram, length - 1), 0, -1):
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(sequence, n)
         matches = np.flatnonzero((windows == sequence[length - n:]).all(axis=1))
         # every window but the last (the trailing n-gram itself) is followed by a token
@@ -102,7 +111,7 @@ def replay_lookup(records: list[LookaheadRecord], rule: LookupRule, settings: Pr
         position = len(record.prompt) + (0 if rule.drafts_in_prefill else 1)
         end = len(sequence)
         while position < end:
-            draft = lookup_draft(sequence[:position], settings.max_ngram, settings.num_tokens)
+            draft = lookup_draft(sequence[:position], settings.max_ngram, settings.num_tokens, settings.min_ngram)
             if rule.cut_at_stop_tokens and len(stops):
                 hits = np.flatnonzero(np.isin(draft, stops))
                 draft = draft[:hits[0]] if len(hits) else draft
@@ -132,6 +141,7 @@ class LookupCandidate:
     tokens_per_step: float
     speedup: float | None
     step_seconds: float | None
+    min_ngram: int = 1
 
 
 def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | None, engine: str,
@@ -160,14 +170,16 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
     if not draft_lengths:
         raise UserError("no draft length to search: the profile must time forwards of 2 tokens or more")
     start = time.perf_counter()
-    replays = [replay_lookup(acceptance.records, rule, PromptLookupSettings(m, k), stop_tokens or ())
-               for m in max_ngrams for k in draft_lengths]
+    # vLLM also takes the shortest n-gram it looks up (prompt_lookup_min); the other engines go down to 1
+    minimums = (lambda m: range(1, m + 1)) if engine == "vllm" else (lambda m: (1,))
+    replays = [replay_lookup(acceptance.records, rule, PromptLookupSettings(m, k, min_ngram=low), stop_tokens or ())
+               for m in max_ngrams for low in minimums(m) for k in draft_lengths]
     seconds = time.perf_counter() - start
     candidates = []
     for result in replays:
         speedup, step = predicted_speedup(result, profile) if profile is not None else (None, None)
         candidates.append(LookupCandidate(result.settings.max_ngram, result.settings.num_tokens,
-                                          result.tokens_per_step, speedup, step))
+                                          result.tokens_per_step, speedup, step, result.settings.min_ngram))
     order = (lambda c: (-c.speedup, c.num_tokens, c.max_ngram)) if profile is not None else \
         (lambda c: (-c.tokens_per_step, c.num_tokens, c.max_ngram))
     candidates.sort(key=order)
@@ -194,7 +206,7 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
                 "source": str(rule.source), "top": [asdict(c) for c in candidates[:10]]},
         provenance=provenance([acceptance_path] + ([profile_path] if profile_path else [])),
         sampling={"temperature": 0.0},
-        settings=PromptLookupSettings(best.max_ngram, best.num_tokens, enabled),
+        settings=PromptLookupSettings(best.max_ngram, best.num_tokens, enabled, best.min_ngram),
         engine=engine,
     )
     return plan, candidates

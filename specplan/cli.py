@@ -334,7 +334,8 @@ def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engin
     _echo_ranked(ranked[:top], ("ngram", "max_ngram"), ("draft", "num_tokens"), profile_path is not None)
     save_plan(plan, output)
     click.echo(f"replayed {len(ranked)} settings of {engine}'s prompt lookup in {plan.solver['seconds']:.1f} s; chose "
-               f"n-gram {plan.settings.max_ngram}, {plan.settings.num_tokens} tokens; wrote {output}")
+               f"n-grams {plan.settings.min_ngram}-{plan.settings.max_ngram}, {plan.settings.num_tokens} tokens; "
+               f"wrote {output}")
     if not plan.settings.enabled:
         click.echo(f"note: no setting beats {engine}'s one-token decoding on this profile "
                    f"({plan.prediction.details['lookup_speedup']:.3f}x at best): the plan turns the lookup off",
@@ -539,6 +540,9 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
     if lookup_plan is not None and lookup_plan.method != "prompt-lookup":
         lookup_plan = None
     if lookup_plan is not None:  # an engine's prompt lookup: our one-token decoding of its target beside the engine
+        if lookup_plan.engine not in LOOKUP_BASELINES:
+            raise UserError(f"{plan_path} is {lookup_plan.engine}'s prompt lookup, which plan bench cannot run here: "
+                            f"plan export --format {lookup_plan.engine} and run it in {lookup_plan.engine}")
         missing = [b for b in LOOKUP_BASELINES[lookup_plan.engine] if b not in baselines.split(",")]
         if missing:
             raise UserError(f"{plan_path} is {lookup_plan.engine}'s prompt lookup: add --baselines "

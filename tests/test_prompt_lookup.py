@@ -86,8 +86,8 @@ def test_bad_input_is_one_line(run_cli, write_yaml_file, tmp_path):
     code, _, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--profile", PROFILE,
                               "--engine", "llama.cpp", "-o", out)
     assert code == 2 and "plan profile --engine llama.cpp" in stderr and not out.exists()
-    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--engine", "vllm", "-o", out)
-    assert code == 2 and "'vllm' is not one of" in stderr
+    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--engine", "sglang", "-o", out)
+    assert code == 2 and "'sglang' is not one of" in stderr
     assert len(stderr.strip().splitlines()) == 1
 
 
@@ -106,3 +106,43 @@ def test_a_llama_cpp_plan_says_when_nothing_beats_one_token(run_cli, write_yaml_
     assert plan["prediction"]["speedup"] == 1.0 and plan["prediction"]["lookup_speedup"] < 1.0
     code, stdout, stderr = run_cli("export", out, "--format", "llama.cpp")
     assert code == 0 and json.loads(stdout) == {} and "without prompt lookup" in stderr
+
+
+def vllm_rule_by_brute_force(sequence, min_n: int, max_n: int, k: int) -> list[int]:
+    """vLLM's documented rule (planner/prompt_lookup.py: VLLM_NGRAM), by brute force: among all earlier
+    occurrences of a suffix of length min_n..max_n, the longest, then the earliest; the k tokens after it."""
+    tokens = list(sequence)
+    best = None  # (length, -start)
+    for n in range(min_n, max_n + 1):
+        suffix = tokens[len(tokens) - n:] if n <= len(tokens) else None
+        for start in range(0, len(tokens) - n):
+            if suffix is not None and tokens[start:start + n] == suffix:
+                if best is None or (n, -start) > best:
+                    best = (n, -start)
+    if best is None:
+        return []
+    begin = -best[1] + best[0]
+    return tokens[begin:begin + k]
+
+
+@pytest.mark.parametrize("min_n, max_n, k", [(1, 1, 3), (2, 3, 5), (3, 4, 2)])
+def test_vllms_rule_is_the_search_stopped_at_its_minimum(min_n, max_n, k):
+    for sequence in random_sequences():
+        assert lookup_draft(sequence, max_n, k, min_n).tolist() == vllm_rule_by_brute_force(sequence, min_n, max_n, k)
+
+
+def test_a_vllm_lookup_plan_exports_its_config_and_is_not_benched_here(run_cli, tmp_path):
+    plan = tmp_path / "vllm.yaml"
+    code, stdout, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--profile", PROFILE,
+                                   "--engine", "vllm", "--max-ngrams", "2,3", "--draft-lengths", "2,4", "-o", plan)
+    assert code == 0, stderr
+    settings = load_plan(plan).settings
+    assert 1 <= settings.min_ngram <= settings.max_ngram
+    code, stdout, _ = run_cli("export", plan, "--format", "vllm")
+    assert code == 0 and json.loads(stdout) == {"method": "ngram", "num_speculative_tokens": settings.num_tokens,
+                                                "prompt_lookup_max": settings.max_ngram,
+                                                "prompt_lookup_min": settings.min_ngram}
+    code, _, stderr = run_cli("bench", "--plan", plan, "--dataset", "specbench", "--baselines", "hf",
+                              "-o", tmp_path / "r.json")
+    assert code == 2 and "cannot run here" in stderr
+
