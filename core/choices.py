@@ -4,7 +4,9 @@ key set of a registry in a heavier module (models.TORCH_DTYPES, verify.RULES), w
 DTYPES = ("fp32", "bf16", "gguf")  # gguf: the GGUF file's own quantized blocks, fp32 activations
 VERIFICATION_RULES = ("greedy", "sequoia", "specinfer", "sample-match")
 DEVICES = ("cpu", "cuda")
-FORWARDS = ("lean", "transformers")  # the forwards that run a model (decoder/model.py, decoder/transformers_forward.py)
+# the forwards that run a model (decoder/model.py, decoder/transformers_forward.py); compiled: the lean forward through
+# torch.compile under CUDA graphs (GPU only, decoder/cuda_graphs.py: compile_forward)
+FORWARDS = ("lean", "compiled", "transformers")
 BACKENDS = ("auto",) + FORWARDS  # auto: lean where it runs the architecture (decoder/api.py: choose_backend)
 # plan bench's baselines (specplan/bench.py): transformers', our one-token decoding, TriForce's own variants (TriForce
 # plans only), llama.cpp on the same GGUF (the llamacpp extra)

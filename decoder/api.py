@@ -20,7 +20,7 @@ from core.errors import UserError
 from core.models import LoadedModel, check_same_vocabulary, load_model
 from core.plan_schema import Plan, load_plan
 from core.prompts import encode_prompt
-from decoder.cuda_graphs import enable_cuda_graphs
+from decoder.cuda_graphs import compile_forward, enable_cuda_graphs
 from decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from decoder.engine import GenerationResult, SpeculativeEngine
 from decoder.model import SUPPORTED_ARCHITECTURES, LeanModel
@@ -120,10 +120,16 @@ def load_forward(loaded: LoadedModel, device: str, vocabulary: int | None = None
         return TransformersForward(loaded.transformers_model(), device, vocabulary, always)
     if loaded.dtype == "gguf" and torch.device(device).type != "cpu":
         raise UserError("dtype gguf runs on the CPU kernels; on a GPU choose fp32 or bf16")
+    compiled = choose_backend(loaded.config, backend) == "compiled"
+    if compiled and torch.device(device).type != "cuda":
+        raise UserError("the compiled backend runs torch.compile under CUDA graphs and needs a GPU; on a CPU the "
+                        "lean backend runs the project's own kernels")
     blocks = loaded.block_weights() if loaded.dtype == "gguf" else None
     model = LeanModel(loaded.transformers_model(), device, release=True, vocabulary=vocabulary, always=always,
                       block_weights=blocks)
     loaded.released = True
+    if compiled:
+        compile_forward(model)
     if model.device.type == "cuda":
         enable_cuda_graphs(model)
     return model

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from core.errors import UserError
 from decoder.model import KVCache, LeanModel
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -31,6 +32,19 @@ def enable_cuda_graphs(model: LeanModel) -> None:
     the prompt's length (dynamic NTK, longrope) runs eagerly: a graph would keep the length it was captured with."""
     if not model.position_dependent_rope:
         model.graphed = GraphedForward(model)
+
+
+def compile_forward(model: LeanModel) -> None:
+    """Run the static-layout forward (the one the graphs capture) through torch.compile, which fuses each
+    layer's elementwise operators (norms, RoPE, residual adds, the gated activation) into a few Triton kernels:
+    under a graph every operator is still a kernel, about 2,000 per forward of smollm2-135m, and a small model is
+    bound by their count, not by its weights (bench/gpu_forward.py). Each new shape is compiled once, before
+    its graph is captured; the default mode, since the graphs here are this decoder's own."""
+    if model.device.type != "cuda" or model.position_dependent_rope:
+        raise UserError(f"the compiled backend runs under CUDA graphs, on a GPU, for a RoPE that does not depend on "
+                        f"the prompt's length ({'this one does' if model.position_dependent_rope else 'no GPU'})")
+    model.compiled_forward = torch.compile(model._forward)
+    model.backend = "compiled"
 
 
 class GraphedForward:

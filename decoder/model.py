@@ -266,6 +266,7 @@ class LeanModel:
             if self.packed and self.lm_head is not self.embed:  # the packed copy is the one the forward reads
                 self.lm_head = None
         self.graphed = None  # a decoder.cuda_graphs.GraphedForward, set by cuda_graphs.enable_cuda_graphs
+        self.compiled_forward = None  # _forward through torch.compile, set by cuda_graphs.compile_forward
         d = self.shape.head_dim
         self.q_size, self.kv_size = self.shape.heads * d, self.shape.kv_heads * d
         arch = self.architecture
@@ -497,6 +498,8 @@ class LeanModel:
         """
         if self.graphed is not None and slots is None and queries is None and cache.key_positions is None:
             return self.graphed(tokens, positions, cache, mask, logits_rows)
+        if self.compiled_forward is not None and slots is not None and queries is None:
+            return self.compiled_forward(tokens, positions, cache, mask, logits_rows, slots)
         if self.long_rope_switch is not None and not cache.long_rope:
             lengths = torch.clamp(positions.to(self.device) + 1, min=cache.prompt_length)
             if bool((lengths > self.long_rope_switch).any()):

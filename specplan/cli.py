@@ -43,8 +43,9 @@ DRAFT_VOCAB_HELP = ("the draft scores only the token ids below this (plus the st
                     "step; profile, acceptance and plan must agree")
 
 
-BACKEND_HELP = ("the forward that runs the models: lean (the families decoder/model.py runs, fast), transformers "
-                "(any causal LM, the model's own forward), auto: lean where it can")
+BACKEND_HELP = ("the forward that runs the models: lean (the families decoder/model.py runs, fast), compiled (the lean "
+                "forward through torch.compile under CUDA graphs: GPU only, about a minute to compile each shape), "
+                "transformers (any causal LM, the model's own forward), auto: lean where it can")
 
 
 def _backend_option(default: str | None):

@@ -83,6 +83,17 @@ def test_greedy_output_equals_transformers_greedy_on_the_gpu(parents, gpu_pair):
     assert list(caches[0].graphs) == [graph_size(len(parents), GRAPH_CACHE_SLOTS)]
 
 
+def test_compiled_backend_greedy_equals_transformers_greedy_on_the_gpu():
+    """The forward through torch.compile, captured in the graphs: a Sequoia tree and its draft stay exact."""
+    target, draft = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
+    target_forward, draft_forward = (load_forward(m, "cuda", backend="compiled") for m in (target, draft))
+    assert target_forward.backend == draft_forward.backend == "compiled"
+    engine = SpeculativeEngine(target_forward, SequoiaDrafter(draft_forward, [-1, 0, 0, 1, 2]))
+    for seed in range(2):
+        prompt = torch.randint(0, 256, (int(8 + 5 * seed),), generator=torch.Generator().manual_seed(seed)).tolist()
+        assert engine.generate(prompt, 30, SamplingParams()).tokens == hf_greedy(target, prompt, 30)
+
+
 @pytest.mark.parametrize("decoding_length, branch_length", [(6, 3), (16, 4)])
 def test_trie_greedy_output_equals_transformers_greedy_on_the_gpu(decoding_length, branch_length, gpu_pair):
     """Lookahead's trees change size every step: padded to a few graph sizes, the output stays exact."""

@@ -82,6 +82,7 @@ def test_llama_runs_on_either_backend_with_the_same_output(run_cli):
 @pytest.mark.parametrize("args, message", [
     (["--target", "tiny-random-gpt-neox", "--backend", "lean"], "architecture 'gpt_neox' is not supported by the lean"),
     (["--target", "tiny-random-mistral", "--backend", "transformers"], "uses sliding-window attention"),
+    (["--target", "tiny-random-llama", "--backend", "compiled", "--device", "cpu"], "needs a GPU"),
 ])
 def test_backend_refusals(args, message, run_cli):
     code, _, stderr = run_cli("generate", *args, "--prompt", "hi", "--max-new-tokens", 4)
