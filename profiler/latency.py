@@ -208,7 +208,8 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     document["settings"] = {"engine": f"specplan, {backend} forward", "threads": request.threads,
                             "warmup": request.warmup, "timed_after_same_size": device.type == "cpu",
                             "round_robin": "all points per pass",
-                            "repeats": request.repeats, "cuda_graphs": device.type == "cuda" and backend != "transformers",
+                            "repeats": request.repeats,
+                            "cuda_graphs": device.type == "cuda" and backend != "transformers",
                             "cpu_kernels": getattr(forwards["target"], "kernels", None) is not None,
                             "timer": "cuda events" if device.type == "cuda" else "time.perf_counter",
                             "retrieval_chunk": RETRIEVAL_CHUNK}
