@@ -2,6 +2,8 @@
 key set of a registry in a heavier module (models.TORCH_DTYPES, verify.RULES), which tests hold equal."""
 
 DTYPES = ("fp32", "bf16", "gguf")  # gguf: the GGUF file's own quantized blocks, fp32 activations
+MODELED_DTYPES = ("fp32", "bf16", "fp16")  # what `plan profile --gpu NAME` models (fp16: V100, T4; not decoded here)
+PROFILE_DTYPES = DTYPES + ("fp16",)  # what a profile or a plan may be for
 VERIFICATION_RULES = ("greedy", "sequoia", "specinfer", "sample-match")
 DEVICES = ("cpu", "cuda")
 # the forwards that run a model (decoder/model.py, decoder/transformers_forward.py); compiled: the lean forward through

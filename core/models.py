@@ -205,6 +205,75 @@ class LoadedModel:
         return frozenset(ids)
 
 
+# what a config must give for a forward's cost to be modeled (profiler/roofline.py)
+MODELED_CONFIG_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                         "vocab_size", "max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model known by its config alone: what a modeled profile needs (no weights, no tokenizer)."""
+
+    name: str
+    config: Any
+    dtype: str
+    fingerprint: dict[str, Any]
+    stop_token_ids: frozenset[int]
+
+
+def load_model_spec(source: str, dtype: str, log=None) -> ModelSpec:
+    """A config.json file, a directory holding one (any weights beside it are not read), a preset whose converted
+    config is cached, or else any source load_model takes (a tiny test model, a .gguf file), loaded."""
+    path = Path(source).expanduser()
+    config_file = path if path.is_file() and path.suffix == ".json" else path / "config.json"
+    if source in PRESETS and not config_file.is_file():
+        config_file = cache_dir() / "converted" / source / "config.json"
+    if not config_file.is_file():
+        loaded = load_model(source, "fp32" if dtype == "fp16" else dtype, log)
+        return ModelSpec(loaded.name, loaded.config, dtype, {**loaded.fingerprint, "dtype": dtype},
+                         loaded.stop_token_ids)
+    config = config_from_json(config_file)
+    file_name = config_file.parent.name if config_file.stem == "config" else config_file.stem
+    name = source if source in PRESETS else file_name
+    parameters = config_parameter_count(config)
+    eos = getattr(config, "eos_token_id", None)
+    stops = frozenset(int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None)
+    return ModelSpec(name, config, dtype, {"source": "config", "path": str(config_file.resolve()),
+                                           **config_fingerprint(name, config, dtype, parameters)}, stops)
+
+
+def config_from_json(path: Path) -> Any:
+    """A transformers config from a config.json, its sizes checked (MODELED_CONFIG_FIELDS); any RoPE variant."""
+    from transformers import AutoConfig
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: not a readable JSON config ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a config must be a JSON object")
+    missing = [key for key in MODELED_CONFIG_FIELDS if not data.get(key)]
+    if missing:
+        raise UserError(f"{path}: the config lacks {', '.join(missing)} (needed to model the forward)")
+    fields = {key: value for key, value in data.items() if key != "model_type"}
+    try:
+        return AutoConfig.for_model(data["model_type"], **fields)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path}: cannot read the config: {str(exc).splitlines()[0]}") from None
+
+
+def config_parameter_count(config: Any) -> int:
+    """Parameters of a decoder-only transformer with this config (embedding, attention, gated MLP, norms, head)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden, inter = config.hidden_size, config.intermediate_size
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter + 2 * hidden
+    embedding = config.vocab_size * hidden
+    head = 0 if getattr(config, "tie_word_embeddings", False) else embedding
+    return int(embedding + config.num_hidden_layers * per_layer + hidden + head)
+
+
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     """A draft's logits index the target's vocabulary: same number of ids, and every id the same token."""
     if target.config.vocab_size != draft.config.vocab_size:
@@ -435,13 +504,16 @@ def gguf_parameter_count(path: Path) -> int:
 
 def model_fingerprint(name: str, model: Any, dtype: str) -> dict[str, Any]:
     """The model's sizes as its config gives them (None where an architecture has no such size, e.g. no attention)."""
-    config = model.config
+    return config_fingerprint(name, model.config, dtype, int(sum(p.numel() for p in model.parameters())))
+
+
+def config_fingerprint(name: str, config: Any, dtype: str, parameters: int) -> dict[str, Any]:
     size = lambda key: getattr(config, key, None)  # noqa: E731
     heads, hidden = size("num_attention_heads"), size("hidden_size")
     return {
         "name": name,
         "architecture": config.model_type,
-        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "parameters": parameters,
         "layers": size("num_hidden_layers"),
         "hidden_size": hidden,
         "attention_heads": heads,

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from core.choices import DTYPES, ENGINES, LOOKUP_ENGINES, TIMED_FORWARDS
+from core.choices import ENGINES, LOOKUP_ENGINES, PROFILE_DTYPES, TIMED_FORWARDS
 from core.errors import UserError
 from core.fileio import check_plain_values, plain, read_yaml, write_yaml
 from core.method_settings import PromptLookupSettings, TrieSettings, TriForceSettings
@@ -166,8 +166,8 @@ class PlanModels:
         if f is None:
             return cls()
         return cls(target=f.string("target", required=False), draft=f.string("draft", required=False),
-                   dtype=f.string("dtype", required=False, choices=DTYPES),
-                   draft_dtype=f.string("draft_dtype", required=False, choices=DTYPES),
+                   dtype=f.string("dtype", required=False, choices=PROFILE_DTYPES),
+                   draft_dtype=f.string("draft_dtype", required=False, choices=PROFILE_DTYPES),
                    draft_vocab=f.integer("draft_vocab", required=False, low=1, high=MAX_VOCABULARY),
                    backend=f.string("backend", required=False, choices=TIMED_FORWARDS))
 

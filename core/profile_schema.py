@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from scipy.interpolate import PchipInterpolator
 
-from core.choices import DTYPES, FORWARDS, TIMED_FORWARDS
+from core.choices import FORWARDS, PROFILE_DTYPES, TIMED_FORWARDS
 from core.errors import UserError
 from core.fileio import check_plain_values, plain, read_yaml, shown, write_yaml
 from core.machine import machine_identity
@@ -132,8 +132,8 @@ class LatencyProfile:
             overhead_context=target.token_count("engine_overhead_context", required=False),
             models=_names(f.sub("models", required=False)),
             backend=f.string("backend", required=False, default="lean", choices=TIMED_FORWARDS),
-            dtype=f.string("dtype", required=False, choices=DTYPES),
-            draft_dtype=f.string("draft_dtype", required=False, choices=DTYPES),
+            dtype=f.string("dtype", required=False, choices=PROFILE_DTYPES),
+            draft_dtype=f.string("draft_dtype", required=False, choices=PROFILE_DTYPES),
             hardware=_hardware(f.sub("hardware", required=False)),
             measurement_seconds=f.number("measurement_seconds", required=False, low=0.0),
             raw=data,

@@ -397,7 +397,7 @@ class LeanModel:
 
     def _grouped_attention(self, n: int, keys: int) -> bool:
         if self.device.type == "cuda":
-            return 2 <= n <= 64 and (self.dtype == torch.float32 or keys >= 4096)
+            return cuda_grouped_attention(n, keys, self.dtype == torch.float32)
         return self.device.type == "cpu" and n <= (32 if self.cache_dtype == torch.bfloat16 else 8)
 
     def _key_span(self, cache: KVCache, n: int, end: int, static: bool) -> int:
@@ -673,6 +673,12 @@ class LeanModel:
 
     def _prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int, logits: bool) -> torch.Tensor | None:
         return prefill_in_chunks(self, tokens, cache, chunk, logits)
+
+
+def cuda_grouped_attention(n: int, keys: int, fp32: bool) -> bool:
+    """Whether a GPU forward of n rows over `keys` keys runs attention as grouped matmuls rather than SDPA (see
+    LeanModel._attention); profiler/roofline.py prices the two paths apart."""
+    return 2 <= n <= 64 and (fp32 or keys >= 4096)
 
 
 def _with_sdpa_form(mask: torch.Tensor | None, model: LeanModel) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.choices import MODELED_DTYPES
 from core.errors import UserError
 from core.fileio import atomic_output
-from core.models import LoadedModel, load_model, torch_dtype
+from core.models import LoadedModel, ModelSpec, load_model, load_model_spec, torch_dtype
 from core.profile_schema import LatencyProfile, save_profile
 from core.provenance import provenance
 from decoder.api import Forward, load_forward
@@ -40,6 +41,8 @@ from decoder.transformers_forward import TransformersCache
 from decoder.tree import DraftTree
 from decoder.triforce import RetrievalCache, RetrievalSettings, StreamingDrafter
 from profiler import hardware, roofline
+from profiler.calibration import calibrate, catalogue_name
+from profiler.operators import count_forward, gpu_operators
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -64,6 +67,7 @@ class ProfileRequest:
     warmup: int = 2
     repeats: int = 9
     gpu: str | None = None
+    calibrate: list[str] = field(default_factory=list)  # measured profiles of `gpu` to fit its cost model to
     backend: str = "auto"  # the forward to time (decoder/api.py: choose_backend)
 
     def roles(self) -> list[tuple[str, str, str]]:
@@ -74,8 +78,16 @@ class ProfileRequest:
 
 def run_profile(request: ProfileRequest, output: Path, resume: bool = False, log: Callable[[str], None] = print,
                 progress: bool = True) -> LatencyProfile:
-    torch_dtype(request.dtype)
-    torch_dtype(request.draft_dtype or request.dtype)
+    modeled_gpu = request.gpu not in (None, "cpu", _local_gpu_name())
+    for dtype in (request.dtype, request.draft_dtype or request.dtype):
+        if modeled_gpu and dtype not in MODELED_DTYPES:
+            raise UserError(f"dtype {dtype} is not modeled on a GPU (choose from {', '.join(MODELED_DTYPES)})")
+        if not modeled_gpu and dtype == "fp16":
+            raise UserError("fp16 is modeled only: --gpu NAME of a GPU not at hand (this decoder runs fp32 and bf16)")
+        if not modeled_gpu:
+            torch_dtype(dtype)
+    if request.calibrate and not modeled_gpu:
+        raise UserError("--calibrate fits the cost model of a GPU not at hand: it needs --gpu NAME")
     if not request.sizes or min(request.sizes) < 1 or 1 not in request.sizes:
         raise UserError("the sizes n must be positive and include 1")
     if not request.contexts or min(request.contexts) < 1:
@@ -91,14 +103,7 @@ def run_profile(request: ProfileRequest, output: Path, resume: bool = False, log
 
 
 def _local_gpu_name() -> str | None:
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(0).lower()
-    for key in sorted(roofline.CATALOGUE, key=len, reverse=True):
-        base = key.split("-")[0]
-        if base in name.replace(" ", ""):
-            return key
-    return None
+    return catalogue_name(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
 
 
 def _load(name: str, dtype: str, log) -> LoadedModel:
@@ -519,9 +524,49 @@ def _cuda_graph_call(model: LeanModel, cache: KVCache, tokens: torch.Tensor, pos
 # --- modeled ----------------------------------------------------------------------------------------------
 
 def _model(request: ProfileRequest, log) -> dict:
-    gpu = roofline.accelerator(request.gpu) if request.gpu != "cpu" else None
-    if gpu is not None:
-        bandwidth, flops = roofline.gpu_rates(gpu, request.dtype)
+    return _model_cpu(request, log) if request.gpu == "cpu" else _model_gpu(request, log)
+
+
+def _model_gpu(request: ProfileRequest, log) -> dict:
+    """A GPU not at hand: the cost model of profiler/roofline.py, from the models' configs alone."""
+    gpu = roofline.accelerator(request.gpu)
+    mode = {"auto": "graphs", "lean": "graphs", "compiled": "compiled"}.get(request.backend)
+    if mode is None:
+        raise UserError("a modeled GPU profile models the lean forward (--backend lean or compiled), not "
+                        f"{request.backend}'s")
+    calibration = calibrate(request.gpu, request.calibrate) if request.calibrate else None
+    parameters = calibration.parameters if calibration else roofline.DEFAULT_PARAMETERS
+    specs = {role: load_model_spec(name, dtype, log) for role, name, dtype in request.roles()}
+    curves = {}
+    for role, spec in specs.items():
+        if spec.dtype not in gpu.tflops:
+            raise UserError(f"{gpu.name} has no {spec.dtype} support")
+        shape = ModelShape.from_config(spec.config)
+        _check_contexts(spec.name, shape, request)
+        output_rows = len(draft_vocabulary_ids(request.draft_vocab, spec.stop_token_ids, shape.vocab)) \
+            if role == "draft" and request.draft_vocab is not None else shape.vocab
+        cost = roofline.gpu_model_cost(shape, spec.config.intermediate_size, spec.dtype,
+                                       gpu_operators(spec.config, spec.dtype), output_rows)
+        roofline.check_fits(gpu, spec.name, spec.fingerprint["parameters"], cost.kv_bytes_per_token,
+                            roofline.BYTES_PER_ELEMENT[spec.dtype], max(request.contexts) + max(request.sizes))
+        curves[role] = {L: {n: {"median": roofline.gpu_forward_seconds(cost, gpu, parameters, n, L, mode)}
+                            for n in request.sizes} for L in request.contexts}
+    machine = {"gpu": gpu.name, "memory_gb": gpu.memory_gb, "bandwidth_gb_s": gpu.bandwidth_gb_s,
+               "tflops": gpu.tflops[request.dtype], "sms": gpu.sms, "source": gpu.source, "dtype": request.dtype}
+    document = profile_document(request, "modeled", machine, specs, curves)
+    document["target"]["engine_overhead_seconds"] = (calibration.engine_overhead if calibration and
+                                                     calibration.engine_overhead else roofline.DEFAULT_ENGINE_OVERHEAD)
+    document["target"]["engine_overhead_context"] = min(request.contexts)
+    document["settings"] = {"model": "GPU cost model (profiler/roofline.py)", "execution": mode,
+                            "parameters": parameters.as_dict(),
+                            "calibration": calibration.record() if calibration else "catalogue defaults"}
+    if request.backend == "compiled":
+        document["backend"] = "compiled"
+    return document
+
+
+def _model_cpu(request: ProfileRequest, log) -> dict:
+    """This CPU, from microbenchmarks: overhead + max(bytes / bandwidth, flops / matmul rate)."""
     models = {role: _load(name, dtype, log) for role, name, dtype in request.roles()}
     costs = {}
     for role, m in models.items():
@@ -530,21 +575,12 @@ def _model(request: ProfileRequest, log) -> dict:
         output_rows = len(draft_vocabulary_ids(request.draft_vocab, m.stop_token_ids, shape.vocab)) \
             if role == "draft" and request.draft_vocab is not None else shape.vocab
         costs[role] = roofline.ModelCost.from_shape(shape, m.config.intermediate_size, m.dtype, output_rows)
-    if gpu is None:
-        log("microbenchmarking this CPU (bandwidth, matmul throughput, per-op cost)")
-        bench = hardware.measure_cpu(torch_dtype(request.dtype))
-        bandwidth, flops = bench["bandwidth_bytes_per_s"], bench["matmul_flops_per_s"]
-        machine = {**hardware.fingerprint(torch.device("cpu"), request.dtype, request.threads), "microbenchmark": bench}
-        overhead_of = {role: bench["op_seconds"] * _ops_per_forward(m) for role, m in models.items()}
-    else:
-        for role, m in models.items():
-            roofline.check_fits(gpu, m.name, costs[role], m.fingerprint["parameters"],
-                                max(request.contexts) + max(request.sizes))
-        machine = {"gpu": gpu.name, "memory_gb": gpu.memory_gb, "bandwidth_gb_s": gpu.bandwidth_gb_s,
-                   "tflops": gpu.tflops[request.dtype], "overhead_s": gpu.overhead_s, "source": gpu.source,
-                   "bandwidth_efficiency": roofline.BANDWIDTH_EFFICIENCY,
-                   "compute_efficiency": roofline.COMPUTE_EFFICIENCY, "dtype": request.dtype}
-        overhead_of = {role: gpu.overhead_s for role in models}
+    log("microbenchmarking this CPU (bandwidth, matmul throughput, per-op cost)")
+    bench = hardware.measure_cpu(torch_dtype(request.dtype))
+    bandwidth, flops = bench["bandwidth_bytes_per_s"], bench["matmul_flops_per_s"]
+    machine = {**hardware.fingerprint(torch.device("cpu"), request.dtype, request.threads), "microbenchmark": bench}
+    overhead_of = {role: bench["op_seconds"] * count_forward(LeanModel(m.model), 1, 0, static=False)
+                   for role, m in models.items()}
     curves = {role: {L: {n: {"median": roofline.roofline_seconds(cost, n, L, bandwidth, flops, overhead_of[role])}
                          for n in request.sizes} for L in request.contexts}
               for role, cost in costs.items()}
@@ -553,28 +589,9 @@ def _model(request: ProfileRequest, log) -> dict:
     return document
 
 
-@torch.inference_mode()
-def _ops_per_forward(loaded: LoadedModel) -> int:
-    """Tensor operations dispatched by one decode-step forward of the decoder (counted, not guessed)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.count += 1
-            return func(*args, **(kwargs or {}))
-
-    model = LeanModel(loaded.model)
-    cache = model.new_cache(8)
-    with Counter():
-        model.forward(torch.tensor([0]), torch.tensor([0]), cache, None)
-    return Counter.count
-
-
 # --- the document -----------------------------------------------------------------------------------------
 
-def profile_document(request: ProfileRequest, source: str, machine: dict, models: dict[str, LoadedModel],
+def profile_document(request: ProfileRequest, source: str, machine: dict, models: dict[str, LoadedModel | ModelSpec],
               curves: dict[str, dict[int, dict[int, dict]]]) -> dict:
     base = request.contexts[0]
 

@@ -1,26 +1,68 @@
-"""Roofline-modeled t(n) for accelerators not at hand (and for this CPU, from microbenchmarks).
+"""Modeled t(n) for a GPU that is not at hand (`plan profile --gpu NAME`), and a roofline for this CPU.
 
-For a forward of n new tokens over a context of L cached tokens:
+A GPU forward of n new tokens over L cached ones, in this decoder's execution (every operator one kernel, replayed
+as a CUDA graph), costs the sum of four terms:
 
-    t(n, L) = overhead + max(bytes(L, n) / (bandwidth * BANDWIDTH_EFFICIENCY),
-                             flops(n, L) / (peak_flops * COMPUTE_EFFICIENCY))
-    bytes(L, n) = weight bytes of every matmul (lm_head included) + KV cache bytes for L + n tokens
-    flops(n, L) = 2 * matmul parameters * n + 4 * layers * heads * head_dim * n * (L + n)   (QK^T and PV)
+    t(n, L) = (operators(n, L) - matmuls) * floor(n)          small kernels, floor(n) = op_seconds + op_row_seconds n
+            + sum over the matmuls (k x m) of max(gemm_floor(n), k m b / BW, 2 n k m / (P gemm_efficiency occupancy))
+            + kv_bytes(L + n) / BW + attention_flops(n, L) / attention_rate                attention
+            + [n > 1] * layers * (L + n) * attention_key_seconds                          masked multi-row attention
 
-The per-forward overhead stands for kernel launches under CUDA graphs, sampling and host work.
+- operators(n, L): the kernels one forward launches, counted from the decoder's own forward (a two-layer copy of
+  the model's config, traced once on the CPU with the GPU's attention path: one row through SDPA, 2-64 rows as
+  grouped matmuls, more as masked SDPA; decoder/model.py: cuda_grouped_attention), plus the kernels SDPA itself
+  launches (SDPA_KERNELS). The execution mode scales it: `graphs` (the lean backend), `compiled` (torch.compile
+  fuses the elementwise operators: COMPILED_KERNEL_FRACTION of them remain) and `eager` (no graphs: the host
+  dispatches each operator in eager_op_seconds while the GPU runs the earlier ones, so t = max(that, the sum
+  above)). Each kernel lasts at least floor(n): a 135M model on an H100 is bound by this (1,330 kernels, 3 ms).
+- gemm_floor(n): floor(1) for one row (a GEMV), else gemm_floor_seconds: a matmul of two rows or more runs a GEMM
+  kernel with a longer minimum (measured: t(2) - t(1) is about 8 us per fp32 matmul and 3.7 us per bf16 one, for
+  smollm2-135m and qwen2.5-coder-1.5b alike).
+- BW = the datasheet bandwidth * bandwidth_efficiency; P = the datasheet dense peak of the dtype (plain FP32 for
+  fp32: TF32 is off). occupancy(n, m) = min(1, tiles / SMs), tiles = max(1, n / 64) * ceil(m / 128): a skinny GEMM
+  of a small model fills few of the GPU's multiprocessors, so its FLOPs do not run at a fixed share of the peak.
+- attention_rate: fp32 one-row SDPA runs its math path (attention_flops_fp32 per second); bf16/fp16 one-row SDPA
+  runs flash kernels, bound by the KV bytes; several rows run at the GEMM rate P. Two rows or more run with a mask,
+  which costs attention_key_seconds per layer and cached key (the measured t(2) / t(1) of a small model rises 2-3x
+  at 4K-8K keys).
+- The decoding engine's host work per step (drafter, mask, verification) is not the GPU's: a modeled profile
+  carries the engine_overhead_seconds of the calibration profiles (measured on that GPU's host), else the
+  catalogue's DEFAULT_ENGINE_OVERHEAD, so that modeled plans are charged for it. The draft step is modeled alike.
+
+Each term's parameter is named in GpuParameters. The catalogue gives the datasheet figures (cited per GPU);
+DEFAULT_PARAMETERS were fitted to the H100 profiles measured with this decoder (`python
+bench/modeled_vs_measured.py --fit`); `plan profile --gpu NAME --calibrate MEASURED.yaml ...` refits them to
+measured profiles of that GPU and records the fit and its residuals in the profile.
+
+For this CPU (`--gpu cpu`): t = overhead + max(bytes / bandwidth, flops / matmul rate), from microbenchmarks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields, replace
 
 from core.errors import UserError
-from decoder.model import ModelShape
+from decoder.model import ModelShape, cuda_grouped_attention
 
-# Fractions of the datasheet peaks that tuned inference kernels reach (assumptions, not measurements).
-BANDWIDTH_EFFICIENCY = 0.80
-COMPUTE_EFFICIENCY = 0.60
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+TILE_ROWS, TILE_COLUMNS = 32, 128  # a typical cuBLAS/CUTLASS tile for skinny GEMMs: sets how many SMs n rows fill
+GEMV_ROWS, SMALL_TILE_ROWS = 4, 32  # padded_rows: how a cuBLAS-like library pads a few rows
+# Kernels SDPA launches beyond its one operator, per call: fp32 runs the math path, bf16/fp16 a flash kernel.
+# From the H100 (bench/gpu_forward.py): smollm2-135m's forward launched 1,330 kernels in fp32 and 1,122 in bf16
+# where the decoder dispatches 1,001 operators (30 layers, one SDPA call each).
+SDPA_KERNELS = {"fp32": 11, "tensor": 4}
+# torch.compile's share of the kernels (same runs: 588 of 1,330 in fp32, 410 of 1,122 in bf16)
+COMPILED_KERNEL_FRACTION = {"fp32": 588 / 1330, "tensor": 410 / 1122}
+EXECUTION_MODES = ("graphs", "compiled", "eager")
+# the engine's host work per step on the H100's host (profiles/qwen2.5-coder-1.5b.h100.bf16.yaml), {n: seconds}
+DEFAULT_ENGINE_OVERHEAD = {1: 0.09e-3, 2: 0.12e-3, 4: 0.14e-3, 8: 0.13e-3, 16: 0.15e-3, 32: 0.17e-3, 64: 0.22e-3,
+                           128: 0.54e-3}
+
+
+def dtype_class(dtype: str) -> str:
+    """fp32 runs on the CUDA cores; bf16 and fp16 on the tensor cores."""
+    return "fp32" if dtype == "fp32" else "tensor"
 
 
 @dataclass(frozen=True)
@@ -29,32 +71,149 @@ class Accelerator:
     memory_gb: float
     bandwidth_gb_s: float
     tflops: dict  # dense (no sparsity) throughput per dtype; fp32 = plain FP32 (no TF32)
-    overhead_s: float
+    sms: int  # streaming multiprocessors
     source: str
 
 
-# Datasheet numbers; the overhead is a CUDA-graph replay plus sampling (order 100 us on recent GPUs).
 CATALOGUE: dict[str, Accelerator] = {a.name: a for a in (
-    Accelerator("a100-40g", 40, 1555, {"fp32": 19.5, "bf16": 312, "fp16": 312}, 100e-6,
-                "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 40GB: HBM2 1,555 GB/s"),
-    Accelerator("a100-80g", 80, 2039, {"fp32": 19.5, "bf16": 312, "fp16": 312}, 100e-6,
-                "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 80GB: HBM2e 2,039 GB/s"),
-    Accelerator("a10", 24, 600, {"fp32": 31.2, "bf16": 125, "fp16": 125}, 120e-6,
-                "NVIDIA A10 Tensor Core GPU datasheet (2021): GDDR6 600 GB/s, 125 TFLOPS BF16 dense"),
-    Accelerator("v100", 32, 900, {"fp32": 15.7, "fp16": 125}, 150e-6,
-                "NVIDIA V100 Tensor Core GPU datasheet (2020), SXM2 32GB: HBM2 900 GB/s; no BF16"),
-    Accelerator("l40", 48, 864, {"fp32": 90.5, "bf16": 181, "fp16": 181}, 110e-6,
-                "NVIDIA L40 datasheet (2022): GDDR6 864 GB/s, 181 TFLOPS FP16/BF16 dense"),
-    Accelerator("l40s", 48, 864, {"fp32": 91.6, "bf16": 366, "fp16": 366}, 110e-6,
-                "NVIDIA L40S datasheet (2023): GDDR6 864 GB/s, 366 TFLOPS FP16/BF16 dense"),
-    Accelerator("rtx4090", 24, 1008, {"fp32": 82.6, "bf16": 165, "fp16": 165}, 100e-6,
-                "NVIDIA Ada GPU architecture whitepaper (2022), RTX 4090: 1,008 GB/s, 165 TFLOPS FP16 (FP32 acc.)"),
-    Accelerator("h100", 80, 3350, {"fp32": 67, "bf16": 989, "fp16": 989}, 80e-6,
-                "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5 80GB: HBM3 3.35 TB/s, 989 TFLOPS BF16 dense"),
-    Accelerator("h200", 141, 4800, {"fp32": 67, "bf16": 989, "fp16": 989}, 80e-6,
-                "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM 141GB: HBM3e 4.8 TB/s, 989 TFLOPS BF16 dense"),
+    Accelerator("a100-40g", 40, 1555, {"fp32": 19.5, "bf16": 312, "fp16": 312}, 108,
+                "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 40GB: HBM2 1,555 GB/s; A100 whitepaper: 108 SMs"),
+    Accelerator("a100-80g", 80, 2039, {"fp32": 19.5, "bf16": 312, "fp16": 312}, 108,
+                "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 80GB: HBM2e 2,039 GB/s; 108 SMs"),
+    Accelerator("a10", 24, 600, {"fp32": 31.2, "bf16": 125, "fp16": 125}, 72,
+                "NVIDIA A10 Tensor Core GPU datasheet (2021): GDDR6 600 GB/s, 125 TFLOPS BF16 dense; 72 SMs"),
+    Accelerator("v100", 32, 900, {"fp32": 15.7, "fp16": 125}, 80,
+                "NVIDIA V100 Tensor Core GPU datasheet (2020), SXM2 32GB: HBM2 900 GB/s; no BF16; 80 SMs"),
+    Accelerator("t4", 16, 320, {"fp32": 8.1, "fp16": 65}, 40,
+                "NVIDIA T4 datasheet (2019): GDDR6 320 GB/s, 65 TFLOPS FP16 mixed precision; no BF16; 40 SMs"),
+    Accelerator("l40", 48, 864, {"fp32": 90.5, "bf16": 181, "fp16": 181}, 142,
+                "NVIDIA L40 datasheet (2022): GDDR6 864 GB/s, 181 TFLOPS FP16/BF16 dense; 142 SMs"),
+    Accelerator("l40s", 48, 864, {"fp32": 91.6, "bf16": 366, "fp16": 366}, 142,
+                "NVIDIA L40S datasheet (2023): GDDR6 864 GB/s, 366 TFLOPS FP16/BF16 dense; 142 SMs"),
+    Accelerator("rtx4090", 24, 1008, {"fp32": 82.6, "bf16": 165, "fp16": 165}, 128,
+                "NVIDIA Ada GPU architecture whitepaper (2022), RTX 4090: 1,008 GB/s, 165 TFLOPS FP16 (FP32 acc.), "
+                "128 SMs"),
+    Accelerator("h100", 80, 3350, {"fp32": 67, "bf16": 989, "fp16": 989}, 132,
+                "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5 80GB: HBM3 3.35 TB/s, 989 TFLOPS BF16 dense; "
+                "132 SMs"),
+    Accelerator("h200", 141, 4800, {"fp32": 67, "bf16": 989, "fp16": 989}, 132,
+                "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM 141GB: HBM3e 4.8 TB/s, 989 TFLOPS BF16 dense; "
+                "132 SMs"),
 )}
 
+
+@dataclass(frozen=True)
+class GpuParameters:
+    """The cost model's parameters for one GPU (the module docstring says where each enters)."""
+
+    op_seconds: float  # one kernel replayed in a CUDA graph: launch gap plus a small kernel's minimum duration
+    op_row_seconds: float  # added to each kernel per new-token row
+    eager_op_seconds: float  # one operator dispatched eagerly (no graph): host-bound
+    bandwidth_efficiency: float  # share of the datasheet bandwidth that weight and KV streams reach
+    gemm_efficiency_fp32: float  # share of the FP32 peak a fully occupied fp32 GEMM reaches
+    gemm_efficiency_tensor: float  # the same on the tensor cores (bf16, fp16)
+    gemm_floor_seconds_fp32: float  # the shortest matmul kernel of 2 rows or more (a GEMM, not a GEMV), fp32
+    gemm_floor_seconds_tensor: float  # the same in bf16/fp16
+    attention_flops_fp32: float  # FLOP/s of one-row fp32 SDPA (its math path)
+    attention_key_seconds_grouped_fp32: float  # 2-64 rows as grouped matmuls with a mask, per layer and key, fp32
+    attention_key_seconds_grouped_tensor: float  # the same in bf16/fp16
+    attention_key_seconds_masked_fp32: float  # rows through SDPA with a mask, per layer and key, fp32
+    attention_key_seconds_masked_tensor: float  # the same in bf16/fp16
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+PARAMETER_NAMES = tuple(f.name for f in fields(GpuParameters))
+# Fitted to the H100 profiles measured with this decoder (bench/modeled_vs_measured.py --fit, 2026-11-26): the
+# per-kernel cost and the attention terms are properties of the kernels and of a GPU of this generation; the
+# datasheet figures scale the rest to other GPUs. eager_op_seconds is PyTorch's eager dispatch cost per operator,
+# about 8 us on a server CPU (not measured here).
+DEFAULT_PARAMETERS = GpuParameters(
+    op_seconds=2.26e-6, op_row_seconds=4.2e-9, eager_op_seconds=8e-6, bandwidth_efficiency=0.728,
+    gemm_efficiency_fp32=1.0, gemm_efficiency_tensor=0.355, gemm_floor_seconds_fp32=12.2e-6,
+    gemm_floor_seconds_tensor=5.6e-6, attention_flops_fp32=0.392e12, attention_key_seconds_grouped_fp32=37.4e-9,
+    attention_key_seconds_grouped_tensor=12.4e-9, attention_key_seconds_masked_fp32=53.6e-9,
+    attention_key_seconds_masked_tensor=13.6e-9)
+
+
+@dataclass(frozen=True)
+class GpuModelCost:
+    """What a forward of one model costs, independent of the GPU: its matmuls, KV cache and kernel counts."""
+
+    layers: int
+    gemms: tuple[tuple[int, int, int], ...]  # (count per forward, k, m): each matmul's weight shape
+    kv_bytes_per_token: int
+    attention_width: int  # layers * heads * head_dim
+    dtype: str
+    operators: dict[str, int]  # kernels per forward by attention path: single, grouped, masked
+
+    def attention_path(self, n: int, context: int) -> str:
+        if n == 1:
+            return "single"
+        return "grouped" if cuda_grouped_attention(n, context + n, self.dtype == "fp32") else "masked"
+
+    def kernels(self, n: int, context: int, mode: str) -> float:
+        path = self.attention_path(n, context)
+        count = self.operators[path] + (self.layers * SDPA_KERNELS[dtype_class(self.dtype)] if path != "grouped"
+                                        else 0)
+        return count * COMPILED_KERNEL_FRACTION[dtype_class(self.dtype)] if mode == "compiled" else count
+
+    def weight_bytes(self) -> int:
+        return sum(count * k * m for count, k, m in self.gemms) * BYTES_PER_ELEMENT[self.dtype]
+
+
+def gpu_model_cost(shape: ModelShape, intermediate: int, dtype: str, operators: dict[str, int],
+                   output_rows: int | None = None) -> GpuModelCost:
+    """`output_rows`: rows of the output matrix a forward reads (a draft with a limited vocabulary)."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    layers = shape.layers
+    gemms = ((layers, shape.hidden, q + 2 * kv), (layers, q, shape.hidden), (layers, shape.hidden, 2 * intermediate),
+             (layers, intermediate, shape.hidden), (1, shape.hidden, output_rows or shape.vocab))
+    return GpuModelCost(layers, gemms, 2 * layers * kv * BYTES_PER_ELEMENT[dtype], layers * q, dtype, operators)
+
+
+def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, n: int, context: int,
+                        mode: str = "graphs") -> float:
+    """t(n) at `context` cached tokens (the module docstring's formula)."""
+    if cost.dtype not in gpu.tflops:
+        raise UserError(f"{gpu.name} has no {cost.dtype} support")
+    kind = dtype_class(cost.dtype)
+    bandwidth = gpu.bandwidth_gb_s * 1e9 * p.bandwidth_efficiency
+    peak = gpu.tflops[cost.dtype] * 1e12 * (p.gemm_efficiency_fp32 if kind == "fp32" else p.gemm_efficiency_tensor)
+    kernels = cost.kernels(n, context, mode)
+    gemm_kernels = sum(count for count, _, _ in cost.gemms)
+    kernel_floor = p.op_seconds + p.op_row_seconds * n
+    seconds = (kernels - gemm_kernels) * kernel_floor
+    element = BYTES_PER_ELEMENT[cost.dtype]
+    rows = padded_rows(n)
+    row_tiles = max(1.0, rows / TILE_ROWS)
+    gemm_floor = kernel_floor if n == 1 else (p.gemm_floor_seconds_fp32 if kind == "fp32" else
+                                              p.gemm_floor_seconds_tensor)
+    for count, k, m in cost.gemms:
+        occupancy = min(1.0, row_tiles * math.ceil(m / TILE_COLUMNS) / gpu.sms)
+        seconds += count * max(gemm_floor, k * m * element / bandwidth, 2.0 * rows * k * m / (peak * occupancy))
+    attention_flops = 4.0 * cost.attention_width * n * (context + n)
+    attention_rate = p.attention_flops_fp32 if kind == "fp32" and n == 1 else peak
+    seconds += cost.kv_bytes_per_token * (context + n) / bandwidth + attention_flops / attention_rate
+    if n > 1:
+        key_seconds = getattr(p, f"attention_key_seconds_{cost.attention_path(n, context)}_{kind}")
+        seconds += cost.layers * (context + n) * key_seconds
+    # Eagerly, the host enqueues each kernel while the GPU runs the earlier ones: the slower of the two sets the pace.
+    return max(seconds, kernels * p.eager_op_seconds) if mode == "eager" else seconds
+
+
+def padded_rows(n: int) -> int:
+    """The rows a GEMM kernel computes for n: up to GEMV_ROWS run as batched GEMVs (no padding); more, up to
+    SMALL_TILE_ROWS, fill one tile of that many (the measured fp32 t(8) = t(16) = t(32) of qwen2.5-coder-1.5b)."""
+    return SMALL_TILE_ROWS if GEMV_ROWS < n < SMALL_TILE_ROWS else n
+
+
+def with_parameters(values: dict[str, float], base: GpuParameters = DEFAULT_PARAMETERS) -> GpuParameters:
+    return replace(base, **values)
+
+
+# --- the CPU roofline (--gpu cpu) ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ModelCost:
@@ -98,15 +257,9 @@ def accelerator(name: str) -> Accelerator:
     return CATALOGUE[name]
 
 
-def gpu_rates(gpu: Accelerator, dtype: str) -> tuple[float, float]:
-    """(effective bandwidth bytes/s, effective FLOP/s) for `dtype` on `gpu`."""
-    if dtype not in gpu.tflops:
-        raise UserError(f"{gpu.name} has no {dtype} support")
-    return gpu.bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY, gpu.tflops[dtype] * 1e12 * COMPUTE_EFFICIENCY
-
-
-def check_fits(gpu: Accelerator, model_name: str, cost: ModelCost, total_params: int, max_tokens: int) -> None:
-    needed = cost.resident_bytes(total_params, max_tokens)
+def check_fits(gpu: Accelerator, model_name: str, total_params: int, kv_bytes_per_token: int, element: int,
+               max_tokens: int) -> None:
+    needed = total_params * element + kv_bytes_per_token * max_tokens
     if needed > gpu.memory_gb * 1e9:
         raise UserError(f"{model_name} needs {needed / 1e9:.1f} GB (weights + KV cache for {max_tokens} tokens) "
                         f"but {gpu.name} has {gpu.memory_gb:g} GB")

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import click
 
-from core.choices import BACKENDS, BASELINES, DEVICES, DTYPES, ENGINES, LOOKUP_ENGINES, VERIFICATION_RULES
+from core.choices import (
+    BACKENDS,
+    BASELINES,
+    DEVICES,
+    DTYPES,
+    ENGINES,
+    LOOKUP_ENGINES,
+    PROFILE_DTYPES,
+    VERIFICATION_RULES,
+)
 from core.errors import UserError
 from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
 from core.plan_schema import Plan
@@ -63,10 +72,12 @@ def _int_list(text: str | None) -> list[int] | None:
 
 
 @cli.command()
-@click.option("--model", "target", required=True, help="target: preset, HF directory or .gguf")
+@click.option("--model", "target", required=True,
+              help="target: preset, HF directory or .gguf; with --gpu NAME also a config.json (no weights read)")
 @click.option("--draft", help="draft model (its per-step cost is profiled too)")
-@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
-@click.option("--draft-dtype", type=click.Choice(DTYPES), help="default: --dtype")
+@click.option("--dtype", type=click.Choice(PROFILE_DTYPES), default="fp32", show_default=True,
+              help="fp16: modeled GPUs only")
+@click.option("--draft-dtype", type=click.Choice(PROFILE_DTYPES), help="default: --dtype")
 @click.option("--draft-vocab", type=click.IntRange(min=1), help=DRAFT_VOCAB_HELP)
 @click.option("--contexts", help="context lengths L, comma-separated [128,1024,4096]")
 @click.option("--sizes", help="new-token counts n, comma-separated [1,2,4,...,512]")
@@ -75,6 +86,8 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--window-prefill", help="SINKS,WINDOW: also time a StreamingLLM drafter's prefill of its window "
               "(the draft's, else the target's), which `plan solve triforce` charges once per prompt [off]")
 @click.option("--gpu", help="a catalogue GPU (a100-80g, h100, ...) to model, or `cpu` to model this CPU")
+@click.option("--calibrate", multiple=True, type=click.Path(dir_okay=False),
+              help="a profile measured on that GPU (repeatable): fit its cost model to them first")
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: all cores)")
 @click.option("--repeats", type=click.IntRange(min=1), help="timed repeats per point [7, quick 3]")
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
@@ -86,14 +99,14 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
             contexts: str | None, sizes: str | None, budgets: str | None, window_prefill: str | None,
-            gpu: str | None, threads: int | None, repeats: int | None, quick: bool, resume: bool, backend: str,
-            engine: str, output: Path) -> None:
+            gpu: str | None, calibrate: tuple[str, ...], threads: int | None, repeats: int | None, quick: bool,
+            resume: bool, backend: str, engine: str, output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
     from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
     from specplan.show import describe_profile
 
     request = ProfileRequest(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype,
-                             draft_vocab=draft_vocab, gpu=gpu, backend=backend)
+                             draft_vocab=draft_vocab, gpu=gpu, calibrate=list(calibrate), backend=backend)
     if quick:
         request.sizes, request.repeats, request.warmup = list(QUICK_SIZES), 3, 1
     request.contexts = _int_list(contexts) or request.contexts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import yaml
@@ -108,23 +110,101 @@ def test_roofline_reads_only_the_kept_output_rows():
     assert full.matmul_params - limited.matmul_params == (151936 - 65537) * 896
 
 
-def test_roofline_against_a_hand_calculation():
-    # A Llama-7B-like shape: 32 layers, hidden 4096, 32 heads (no GQA), intermediate 11008, vocab 32000.
-    shape = ModelShape("llama", 32, 4096, 32, 32, 128, 32000, 4096, 10000.0, 1e-6)
-    cost = roofline.ModelCost.from_shape(shape, 11008, "bf16")
-    per_layer = 4096 * (3 * 4096) + 4096 * 4096 + 3 * 4096 * 11008  # 202,375,168
-    assert cost.matmul_params == 32 * per_layer + 32000 * 4096  # 6,607,077,376
-    assert cost.kv_bytes_per_token == 2 * 32 * 4096 * 2  # 524,288 bytes = 0.5 MiB per token
+LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+             "rms_norm_eps": 1e-5, "eos_token_id": 2}
+GPT_FAST_LLAMA2_7B_A100_MS = 1e3 / 104.9  # pytorch-labs/gpt-fast README: Llama-2-7B, A100 80GB, 104.9 tokens/s
+
+
+def test_gpu_model_against_a_hand_calculation():
+    """One matmul, no attention width: the kernels' floors, the weight stream and the multi-row key term add up."""
     gpu = roofline.accelerator("a100-80g")
-    bandwidth, flops = roofline.gpu_rates(gpu, "bf16")
-    assert bandwidth == pytest.approx(2039e9 * 0.8) and flops == pytest.approx(312e12 * 0.6)
-    # n = 1 at L = 1024: memory bound. bytes = 2 * 6,607,077,376 + 524,288 * 1025 = 13,751,549,952.
-    t = roofline.roofline_seconds(cost, 1, 1024, bandwidth, flops, gpu.overhead_s)
-    assert t == pytest.approx(100e-6 + 13_751_549_952 / 1_631.2e9, rel=1e-9)  # 8.53 ms
-    # n = 512 at L = 1024: compute bound. flops = 2 * 6,607,077,376 * 512 + 4 * 4096 * 32 * 512 * 1536.
-    t = roofline.roofline_seconds(cost, 512, 1024, bandwidth, flops, gpu.overhead_s)
-    hand = 100e-6 + (6_765_647_233_024 + 412_316_860_416) / 187.2e12
-    assert t == pytest.approx(hand, rel=1e-9)  # 38.4 ms
+    p = roofline.DEFAULT_PARAMETERS
+    cost = roofline.GpuModelCost(layers=2, gemms=((2, 4096, 4096),), kv_bytes_per_token=1024, attention_width=0,
+                                 dtype="bf16", operators={"single": 40, "grouped": 50, "masked": 60})
+    bandwidth = 2039e9 * p.bandwidth_efficiency
+    kernels = 40 + 2 * roofline.SDPA_KERNELS["tensor"]
+    floor = p.op_seconds + p.op_row_seconds
+    hand = (kernels - 2) * floor + 2 * (4096 * 4096 * 2 / bandwidth) + 1024 * 1025 / bandwidth
+    assert roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024) == pytest.approx(hand, rel=1e-12)
+    # two rows over 8192 keys: grouped matmuls (no SDPA kernels), a GEMM's floor, the per-key mask cost
+    floor = p.op_seconds + 2 * p.op_row_seconds
+    hand = ((50 - 2) * floor + 2 * max(p.gemm_floor_seconds_tensor, 4096 * 4096 * 2 / bandwidth)
+            + 1024 * 8194 / bandwidth + 2 * 8194 * p.attention_key_seconds_grouped_tensor)
+    assert roofline.gpu_forward_seconds(cost, gpu, p, 2, 8192) == pytest.approx(hand, rel=1e-12)
+    compiled = roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024, "compiled")
+    eager = roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024, "eager")
+    assert compiled < roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024) <= eager
+    graphs = roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024)
+    assert eager == pytest.approx(max(kernels * p.eager_op_seconds, graphs))
+
+
+def test_a_config_alone_models_llama2_7b_on_an_a100(run_cli, tmp_path):
+    """No weights: a config.json is enough, in seconds; t(1) of the compiled forward within 20% of gpt-fast's."""
+    import time
+
+    config = tmp_path / "llama-2-7b" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(LLAMA2_7B))
+    out = tmp_path / "a100.yaml"
+    start = time.perf_counter()
+    code, _, stderr = run_cli("profile", "--model", config, "--gpu", "a100-80g", "--dtype", "fp16",
+                              "--backend", "compiled", "--contexts", "256,1024", "-o", out)
+    assert code == 0, stderr
+    assert time.perf_counter() - start < 10
+    profile = load_profile(out, ("compiled",))
+    assert profile.dtype == "fp16" and profile.source == "modeled" and profile.models["target"] == "llama-2-7b"
+    assert profile.target_by_context[256][1] == pytest.approx(GPT_FAST_LLAMA2_7B_A100_MS / 1e3, rel=0.20)
+    assert profile.overhead_seconds  # modeled plans are charged the engine's work per step
+    document = yaml.safe_load(out.read_text())
+    assert document["settings"]["execution"] == "compiled"
+    assert document["model_fingerprints"]["target"]["parameters"] == 6_738_415_616  # Llama-2-7B's count
+
+
+def test_larger_targets_choose_trees_no_larger_on_a_modeled_a100(tmp_path):
+    """The Sequoia paper's observation: on one GPU, for one acceptance vector and one draft, a 13B or 33B target's
+    optimal tree is not larger than a 7B's."""
+    from planner.sequoia import SequoiaTables, rank_candidates
+
+    shapes = {"7b": LLAMA2_7B,
+              "13b": {**LLAMA2_7B, "hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40,
+                      "num_key_value_heads": 40, "num_hidden_layers": 40},
+              "33b": {**LLAMA2_7B, "hidden_size": 6656, "intermediate_size": 17920, "num_attention_heads": 52,
+                      "num_key_value_heads": 52, "num_hidden_layers": 60}}
+    draft = tmp_path / "draft.json"  # a JackFram/llama-68m-like draft
+    draft.write_text(json.dumps({**LLAMA2_7B, "hidden_size": 768, "intermediate_size": 3072,
+                                 "num_attention_heads": 12, "num_key_value_heads": 12, "num_hidden_layers": 2}))
+    tables = SequoiaTables(np.array([0.63, 0.11, 0.06, 0.035, 0.02, 0.015, 0.01, 0.008, 0.006, 0.005]), 256, 16)
+    sizes = []
+    for name, config in shapes.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(config))
+        request = latency.ProfileRequest(target=str(path), draft=str(draft), dtype="fp16", gpu="a100-80g",
+                                         contexts=[512], sizes=[1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256])
+        best = rank_candidates(tables, latency.run_profile(request, tmp_path / f"{name}.yaml", log=lambda m: None))[0]
+        sizes.append(best.size)
+    assert sizes[1] <= sizes[0] and sizes[2] <= sizes[0]
+
+
+def test_any_rope_variant_is_modeled(run_cli, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA2_7B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 4096}}))
+    code, _, stderr = run_cli("profile", "--model", config, "--gpu", "h100", "--dtype", "bf16", "--contexts", "256",
+                              "--sizes", "1,4", "-o", tmp_path / "yarn.yaml")
+    assert code == 0, stderr
+
+
+def test_calibration_fits_the_gpu_to_measured_profiles(run_cli, tmp_path):
+    out = tmp_path / "calibrated.yaml"
+    code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", "--gpu", "h100", "--dtype", "bf16",
+                              "--calibrate", "profiles/smollm2-135m.h100.bf16.yaml", "--contexts", "256",
+                              "--sizes", "1,2,4", "-o", out)
+    assert code == 0, stderr
+    calibration = yaml.safe_load(out.read_text())["settings"]["calibration"]
+    assert calibration["files"] == ["profiles/smollm2-135m.h100.bf16.yaml"]
+    assert 0 <= calibration["points_rms_log_error"] < 0.3
+    assert set(calibration["parameters"]) == set(roofline.PARAMETER_NAMES)
 
 
 def test_modeled_gpu_profile_is_labelled(run_cli, tmp_path):
@@ -141,10 +221,8 @@ def test_modeled_gpu_profile_is_labelled(run_cli, tmp_path):
 
 def test_model_too_big_for_the_gpu():
     gpu = roofline.accelerator("rtx4090")
-    shape = ModelShape("llama", 80, 8192, 64, 8, 128, 32000, 4096, 10000.0, 1e-5)
-    cost = roofline.ModelCost.from_shape(shape, 28672, "bf16")
     with pytest.raises(UserError, match="needs .* GB"):
-        roofline.check_fits(gpu, "llama-70b", cost, 70_000_000_000, 4096)
+        roofline.check_fits(gpu, "llama-70b", 70_000_000_000, 2 * 80 * 8 * 128 * 2, 2, 4096)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -156,9 +234,19 @@ def test_model_too_big_for_the_gpu():
     (["--model", "tiny-random-llama", "--contexts", "1,x"], "integers"),
     (["--model", "tiny-random-llama", "--window-prefill", "1024"], "SINKS,WINDOW"),
     (["--model", "tiny-random-llama", "--window-prefill", "4,100000"], "does not fit"),
+    (["--model", "tiny-random-llama", "--dtype", "fp16"], "fp16 is modeled only"),
+    (["--model", "tiny-random-llama", "--gpu", "a100-80g", "--calibrate", "profiles/smollm2-135m.h100.bf16.yaml"],
+     "not on a100-80g"),
+    (["--model", "tiny-random-llama", "--gpu", "h100", "--calibrate", "profiles/smollm2-135m.cpu-2c.fp32.yaml"],
+     "needs a profile measured on a GPU"),
+    (["--model", "CONFIG_WITHOUT_LAYERS", "--gpu", "a100-80g"], "lacks num_hidden_layers"),
 ])
 def test_profile_bad_input(args, message, run_cli, tmp_path):
     out = tmp_path / "p.yaml"
+    if "CONFIG_WITHOUT_LAYERS" in args:
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps({key: value for key, value in LLAMA2_7B.items() if key != "num_hidden_layers"}))
+        args = [str(config) if arg == "CONFIG_WITHOUT_LAYERS" else arg for arg in args]
     defaults = {"--contexts": "64", "--sizes": "1,2"}
     extra = [x for key, value in defaults.items() if key not in args for x in (key, value)]
     code, _, stderr = run_cli("profile", *args, *extra, "-o", out)
