@@ -91,7 +91,8 @@ def test_backend_refusals(args, message, run_cli):
 
 def test_triforce_needs_the_lean_backend(run_cli):
     code, _, stderr = run_cli("generate", "--plan", "plans/smollm2-135m.triforce-4096.cpu-2c.fp32.yaml",
-                              "--target", "tiny-random-gpt-neox", "--prompt", "hi", "--max-new-tokens", 4)
+                              "--target", "tiny-random-gpt-neox", "--backend", "transformers", "--prompt", "hi",
+                              "--max-new-tokens", 4)
     assert code == 2 and "TriForce's retrieval cache needs the lean decoder" in stderr
 
 
