@@ -4,7 +4,8 @@ A GPU forward of n new tokens over L cached ones, in this decoder's execution (e
 as a CUDA graph), costs the sum of four terms:
 
     t(n, L) = (operators(n, L) - matmuls) * floor(n)          small kernels, floor(n) = op_seconds + op_row_seconds n
-            + sum over the matmuls (k x m) of max(gemm_floor(n), k m b / BW, 2 n k m / (P gemm_efficiency occupancy))
+            + sum over the matmuls (k x m) of gemm(n) = max(floor(1), work) for one row, else gemm_floor + work,
+                                               work = max(k m b / BW, 2 rows(n) k m / (P gemm_efficiency occupancy))
             + kv_bytes(L + n) / BW + attention_flops(n, L) / attention_rate                attention
             + [n > 1] * layers * (L + n) * attention_key_seconds                          masked multi-row attention
 
@@ -15,9 +16,9 @@ as a CUDA graph), costs the sum of four terms:
   fuses the elementwise operators: COMPILED_KERNEL_FRACTION of them remain) and `eager` (no graphs: the host
   dispatches each operator in eager_op_seconds while the GPU runs the earlier ones, so t = max(that, the sum
   above)). Each kernel lasts at least floor(n): a 135M model on an H100 is bound by this (1,330 kernels, 3 ms).
-- gemm_floor(n): floor(1) for one row (a GEMV), else gemm_floor_seconds: a matmul of two rows or more runs a GEMM
-  kernel with a longer minimum (measured: t(2) - t(1) is about 8 us per fp32 matmul and 3.7 us per bf16 one, for
-  smollm2-135m and qwen2.5-coder-1.5b alike).
+- gemm_floor_seconds: a matmul of two rows or more runs a GEMM kernel instead of a GEMV, which costs about a fixed
+  time more whatever its size (measured: t(2) - t(1) is about 8 us per fp32 matmul and 3.7 us per bf16 one, for
+  smollm2-135m and qwen2.5-coder-1.5b alike). rows(n): padded_rows.
 - BW = the datasheet bandwidth * bandwidth_efficiency; P = the datasheet dense peak of the dtype (plain FP32 for
   fp32: TF32 is off). occupancy(n, m) = min(1, tiles / SMs), tiles = max(1, n / 64) * ceil(m / 128): a skinny GEMM
   of a small model fills few of the GPU's multiprocessors, so its FLOPs do not run at a fixed share of the peak.
@@ -112,7 +113,7 @@ class GpuParameters:
     bandwidth_efficiency: float  # share of the datasheet bandwidth that weight and KV streams reach
     gemm_efficiency_fp32: float  # share of the FP32 peak a fully occupied fp32 GEMM reaches
     gemm_efficiency_tensor: float  # the same on the tensor cores (bf16, fp16)
-    gemm_floor_seconds_fp32: float  # the shortest matmul kernel of 2 rows or more (a GEMM, not a GEMV), fp32
+    gemm_floor_seconds_fp32: float  # what a matmul of 2 rows or more (a GEMM, not a GEMV) costs beyond its work, fp32
     gemm_floor_seconds_tensor: float  # the same in bf16/fp16
     attention_flops_fp32: float  # FLOP/s of one-row fp32 SDPA (its math path)
     attention_key_seconds_grouped_fp32: float  # 2-64 rows as grouped matmuls with a mask, per layer and key, fp32
@@ -130,11 +131,11 @@ PARAMETER_NAMES = tuple(f.name for f in fields(GpuParameters))
 # datasheet figures scale the rest to other GPUs. eager_op_seconds is PyTorch's eager dispatch cost per operator,
 # about 8 us on a server CPU (not measured here).
 DEFAULT_PARAMETERS = GpuParameters(
-    op_seconds=2.26e-6, op_row_seconds=4.2e-9, eager_op_seconds=8e-6, bandwidth_efficiency=0.728,
-    gemm_efficiency_fp32=1.0, gemm_efficiency_tensor=0.355, gemm_floor_seconds_fp32=12.2e-6,
-    gemm_floor_seconds_tensor=5.6e-6, attention_flops_fp32=0.392e12, attention_key_seconds_grouped_fp32=37.4e-9,
-    attention_key_seconds_grouped_tensor=12.4e-9, attention_key_seconds_masked_fp32=53.6e-9,
-    attention_key_seconds_masked_tensor=13.6e-9)
+    op_seconds=2.28e-6, op_row_seconds=1.5e-9, eager_op_seconds=8e-6, bandwidth_efficiency=0.801,
+    gemm_efficiency_fp32=1.0, gemm_efficiency_tensor=0.482, gemm_floor_seconds_fp32=5.56e-6,
+    gemm_floor_seconds_tensor=4.34e-6, attention_flops_fp32=0.377e12, attention_key_seconds_grouped_fp32=37e-9,
+    attention_key_seconds_grouped_tensor=12.5e-9, attention_key_seconds_masked_fp32=53.2e-9,
+    attention_key_seconds_masked_tensor=14.9e-9)
 
 
 @dataclass(frozen=True)
@@ -188,11 +189,11 @@ def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, 
     element = BYTES_PER_ELEMENT[cost.dtype]
     rows = padded_rows(n)
     row_tiles = max(1.0, rows / TILE_ROWS)
-    gemm_floor = kernel_floor if n == 1 else (p.gemm_floor_seconds_fp32 if kind == "fp32" else
-                                              p.gemm_floor_seconds_tensor)
+    gemm_floor = p.gemm_floor_seconds_fp32 if kind == "fp32" else p.gemm_floor_seconds_tensor
     for count, k, m in cost.gemms:
         occupancy = min(1.0, row_tiles * math.ceil(m / TILE_COLUMNS) / gpu.sms)
-        seconds += count * max(gemm_floor, k * m * element / bandwidth, 2.0 * rows * k * m / (peak * occupancy))
+        work = max(k * m * element / bandwidth, 2.0 * rows * k * m / (peak * occupancy))
+        seconds += count * (max(kernel_floor, work) if n == 1 else gemm_floor + work)
     attention_flops = 4.0 * cost.attention_width * n * (context + n)
     attention_rate = p.attention_flops_fp32 if kind == "fp32" and n == 1 else peak
     seconds += cost.kv_bytes_per_token * (context + n) / bandwidth + attention_flops / attention_rate
