@@ -36,16 +36,16 @@ def measured_gpu_profiles() -> list[str]:
     return found
 
 
-def same_data(a: str, b: str) -> bool:
-    """Two profiles of one model in one dtype (the same curve, whatever code version measured it)."""
-    first, second = load_profile(a), load_profile(b)
-    return first.models.get("target") == second.models.get("target") and first.dtype == second.dtype
+def data_key(path: str) -> tuple[str | None, str | None, str | None]:
+    """(GPU, model, dtype): profiles with one key hold the same curve, whatever code version measured it."""
+    profile = load_profile(path)
+    return roofline.catalogue_name(str(profile.hardware.get("gpu"))), profile.models.get("target"), profile.dtype
 
 
 def calibration_without(path: str, paths: list[str]) -> list[str]:
     """The profiles of `path`'s GPU that are other data: another model or another dtype."""
-    gpu = read_measured(path).gpu
-    return [other for other in paths if not same_data(other, path) and read_measured(other).gpu == gpu]
+    gpu, *data = data_key(path)
+    return [other for other in paths if data_key(other)[0] == gpu and list(data_key(other)[1:]) != data]
 
 
 def leave_one_out(paths: list[str]) -> None:
@@ -170,7 +170,7 @@ def main() -> None:
     args = parser.parse_args()
     paths = measured_gpu_profiles()
     if args.fit:
-        calibration = calibrate("h100", [p for p in paths if read_measured(p).gpu == "h100"])
+        calibration = calibrate("h100", [p for p in paths if data_key(p)[0] == "h100"])
         for name, value in calibration.parameters.as_dict().items():
             print(f"{name}={value:.3g}")
         print(f"rms log error {calibration.rms_log_error:.3f}, worst {calibration.worst_error:.1%}")

@@ -4,7 +4,7 @@ bench/modeled_vs_measured.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +34,6 @@ FITTED = {
 }
 FITTED_SIZES = 128  # the points fitted: plans use n up to a few hundred at most, most below 64
 MODES = {"lean": "graphs", "compiled": "compiled", "transformers": "eager"}  # a measured profile's backend
-
-
-def catalogue_name(device_name: str) -> str | None:
-    """The catalogue GPU a device name (torch's, or a profile's hardware.gpu) is, if any."""
-    name = device_name.lower().replace(" ", "")
-    for key in sorted(roofline.CATALOGUE, key=len, reverse=True):
-        if key.split("-")[0] in name:
-            return key
-    return None
 
 
 def config_of(fingerprint: dict[str, Any]) -> Any:
@@ -84,7 +75,7 @@ def read_measured(path: str | Path, gpu: str | None = None) -> MeasuredGpuProfil
     if profile.source != "measured" or not device:
         raise UserError(f"{path}: a calibration needs a profile measured on a GPU (this one is "
                         f"{profile.source}{'' if device else ', on a CPU'})")
-    name = catalogue_name(str(device))
+    name = roofline.catalogue_name(str(device))
     if name is None:
         raise UserError(f"{path}: measured on {device}, which is not in the GPU catalogue")
     if gpu is not None and name != gpu:
@@ -134,7 +125,7 @@ def fit(profiles: list[MeasuredGpuProfile], base: roofline.GpuParameters = roofl
     measured = np.concatenate([p.measured() for p in profiles])
 
     def parameters(x: np.ndarray) -> roofline.GpuParameters:
-        return roofline.with_parameters(dict(zip(names, np.exp(x).tolist())), base)
+        return replace(base, **dict(zip(names, np.exp(x).tolist())))
 
     def residuals(x: np.ndarray) -> np.ndarray:
         values = parameters(x)

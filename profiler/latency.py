@@ -41,7 +41,7 @@ from decoder.transformers_forward import TransformersCache
 from decoder.tree import DraftTree
 from decoder.triforce import RetrievalCache, RetrievalSettings, StreamingDrafter
 from profiler import hardware, roofline
-from profiler.calibration import calibrate, catalogue_name
+from profiler.calibration import calibrate
 from profiler.operators import count_forward, gpu_operators
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -103,7 +103,7 @@ def run_profile(request: ProfileRequest, output: Path, resume: bool = False, log
 
 
 def _local_gpu_name() -> str | None:
-    return catalogue_name(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+    return roofline.catalogue_name(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
 
 
 def _load(name: str, dtype: str, log) -> LoadedModel:
@@ -560,8 +560,7 @@ def _model_gpu(request: ProfileRequest, log) -> dict:
     document["settings"] = {"model": "GPU cost model (profiler/roofline.py)", "execution": mode,
                             "parameters": parameters.as_dict(),
                             "calibration": calibration.record() if calibration else "catalogue defaults"}
-    if request.backend == "compiled":
-        document["backend"] = "compiled"
+    document["backend"] = "compiled" if mode == "compiled" else "lean"
     return document
 
 

@@ -41,7 +41,7 @@ For this CPU (`--gpu cpu`): t = overhead + max(bytes / bandwidth, flops / matmul
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from core.errors import UserError
 from decoder.model import ModelShape, cuda_grouped_attention
@@ -160,9 +160,6 @@ class GpuModelCost:
                                         else 0)
         return count * COMPILED_KERNEL_FRACTION[dtype_class(self.dtype)] if mode == "compiled" else count
 
-    def weight_bytes(self) -> int:
-        return sum(count * k * m for count, k, m in self.gemms) * BYTES_PER_ELEMENT[self.dtype]
-
 
 def gpu_model_cost(shape: ModelShape, intermediate: int, dtype: str, operators: dict[str, int],
                    output_rows: int | None = None) -> GpuModelCost:
@@ -210,10 +207,6 @@ def padded_rows(n: int) -> int:
     return SMALL_TILE_ROWS if GEMV_ROWS < n < SMALL_TILE_ROWS else n
 
 
-def with_parameters(values: dict[str, float], base: GpuParameters = DEFAULT_PARAMETERS) -> GpuParameters:
-    return replace(base, **values)
-
-
 # --- the CPU roofline (--gpu cpu) ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -250,6 +243,15 @@ class ModelCost:
 def roofline_seconds(cost: ModelCost, n: int, context: int, bandwidth: float, flops_per_s: float,
                      overhead: float) -> float:
     return overhead + max(cost.bytes_moved(n, context) / bandwidth, cost.flops(n, context) / flops_per_s)
+
+
+def catalogue_name(device_name: str) -> str | None:
+    """The catalogue GPU a device name (torch's, or a profile's hardware.gpu) is, if any."""
+    name = device_name.lower().replace(" ", "")
+    for key in sorted(CATALOGUE, key=len, reverse=True):
+        if key.split("-")[0] in name:
+            return key
+    return None
 
 
 def accelerator(name: str) -> Accelerator:
