@@ -48,7 +48,8 @@ def compile_forward(model: LeanModel) -> None:
 
 
 class GraphedForward:
-    """Drop-in for LeanModel.forward (dynamic layout) that replays a CUDA graph per (cache, graph_size(n)).
+    """Drop-in for LeanModel.forward (dynamic layout) that replays a CUDA graph per (cache, graph_size(n), query
+    row or None).
 
     The graphs are kept on the cache (KVCache.graphs), whose memory they read and write: a graph must not
     outlive it, nor be looked up by an id() that a later cache can reuse."""
@@ -60,10 +61,14 @@ class GraphedForward:
         self.warmup = warmup
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                 logits_rows: torch.Tensor | slice | None = None, **unused) -> torch.Tensor:
+                 logits_rows: torch.Tensor | slice | None = None, queries: torch.Tensor | None = None,
+                 query_row: int = -1) -> torch.Tensor:
         n = tokens.shape[0]
         size = graph_size(n, cache.max_len - cache.length)
-        graph, buffers = self._graph(cache, size)
+        # A forward that also hands out a row's rotated queries (TriForce's top verify: the retrieval cache's next
+        # selection) has a graph of its own that copies them out; the row counts among the n real tokens.
+        row = None if queries is None else query_row % n
+        graph, buffers = self._graph(cache, size, row)
         device = self.model.device
         buffers["tokens"][:n].copy_(tokens.to(device, non_blocking=True))
         buffers["positions"][:n].copy_(positions.to(device, non_blocking=True))
@@ -78,12 +83,15 @@ class GraphedForward:
         # every slot, so that no row is all -inf; their logits are never read.
         full_mask[n:, :cache.length + size] = 0
         graph.replay()
+        if queries is not None:
+            queries.copy_(buffers["queries"])
         logits = buffers["logits"][:n]
         return logits if logits_rows is None else logits[logits_rows]
 
-    def _graph(self, cache: KVCache, n: int):
-        if n not in cache.graphs:
-            device, dtype = self.model.device, self.model.dtype
+    def _graph(self, cache: KVCache, n: int, query_row: int | None):
+        key = (n, query_row)
+        if key not in cache.graphs:
+            device, dtype, shape = self.model.device, self.model.dtype, self.model.shape
             # Warm-up and capture write their keys where this call's keys go next.
             buffers = {
                 "tokens": torch.zeros(n, dtype=torch.long, device=device),
@@ -91,16 +99,20 @@ class GraphedForward:
                 "slots": torch.arange(cache.length, cache.length + n, device=device),
                 "mask": torch.zeros(n, cache.max_len, dtype=dtype, device=device),
             }
+            query_arguments = {}
+            if query_row is not None:
+                buffers["queries"] = torch.zeros(shape.layers, shape.heads, shape.head_dim, dtype=dtype, device=device)
+                query_arguments = {"queries": buffers["queries"], "query_row": query_row}
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(self.warmup):
                     self.model.forward(buffers["tokens"], buffers["positions"], cache, buffers["mask"],
-                                       slots=buffers["slots"])
+                                       slots=buffers["slots"], **query_arguments)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 buffers["logits"] = self.model.forward(buffers["tokens"], buffers["positions"], cache,
-                                                       buffers["mask"], slots=buffers["slots"])
-            cache.graphs[n] = (graph, buffers)
-        return cache.graphs[n]
+                                                       buffers["mask"], slots=buffers["slots"], **query_arguments)
+            cache.graphs[key] = (graph, buffers)
+        return cache.graphs[key]

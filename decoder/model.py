@@ -161,9 +161,9 @@ class KVCache:
         # TriForce retrieval cache or a StreamingLLM cache of a model with sliding windows, whose masks need them);
         # None: slot i holds position i
         self.key_positions: torch.Tensor | None = None
-        # CUDA graphs captured over this cache's memory, by number of new tokens (decoder/cuda_graphs.py); they
-        # live and die with it.
-        self.graphs: dict[int, tuple] = {}
+        # CUDA graphs captured over this cache's memory, by (number of new tokens, the row whose queries a graph
+        # hands out or None) (decoder/cuda_graphs.py); they live and die with it.
+        self.graphs: dict[tuple[int, int | None], tuple] = {}
 
     def commit(self, kept: torch.Tensor | None, count: int) -> None:
         """Keep `count` of the slots written after the prefix: `kept` lists them (slot offsets from `length`,
@@ -496,8 +496,8 @@ class LeanModel:
         `queries` ([layers, heads, head_dim]), if given, receives the rotated query of row `query_row` per layer
         (a retrieval cache scores its chunks with it).
         """
-        if self.graphed is not None and slots is None and queries is None and cache.key_positions is None:
-            return self.graphed(tokens, positions, cache, mask, logits_rows)
+        if self.graphed is not None and slots is None and cache.key_positions is None:
+            return self.graphed(tokens, positions, cache, mask, logits_rows, queries, query_row)
         if self.compiled_forward is not None and slots is not None and queries is None:
             return self.compiled_forward(tokens, positions, cache, mask, logits_rows, slots)
         if self.long_rope_switch is not None and not cache.long_rope:
