@@ -26,9 +26,17 @@ from profiler.operators import gpu_operators
 SIZES_CHECKED = 64  # the bound: t(n)/t(1) within 15% for n <= 64
 
 
+# Measured with code that is not today's where it matters to the model: kept for the plans solved on them.
+SUPERSEDED = {
+    f"profiles/smollm2-135m.h100.{dtype}.yaml": "measured before multi-row attention ran as grouped matmuls "
+    "(aca611c), so its 2-64-row curve is another attention path's"
+    for dtype in ("fp32", "bf16")
+}
+
+
 def measured_gpu_profiles() -> list[str]:
     found = []
-    for path in sorted(glob.glob("profiles/*.yaml")):
+    for path in sorted(set(glob.glob("profiles/*.yaml")) - set(SUPERSEDED)):
         with open(path) as handle:
             data = yaml.safe_load(handle)
         if data.get("source") == "measured" and (data.get("hardware") or {}).get("gpu"):
@@ -175,7 +183,8 @@ def main() -> None:
             print(f"{name}={value:.3g}")
         print(f"rms log error {calibration.rms_log_error:.3f}, worst {calibration.worst_error:.1%}")
         return
-    print(f"measured GPU profiles: {', '.join(paths)}\n")
+    print(f"measured GPU profiles: {', '.join(paths)}")
+    print("".join(f"left out: {path}, {why}\n" for path, why in SUPERSEDED.items()))
     leave_one_out(paths)
     published(roofline.DEFAULT_PARAMETERS)
     decisions(paths)

@@ -22,8 +22,8 @@ FITTED = {
     "op_seconds": (0.5e-6, 20e-6),
     "op_row_seconds": (0.0, 1e-7),
     "bandwidth_efficiency": (0.3, 1.0),
-    "gemm_efficiency_fp32": (0.05, 1.0),
-    "gemm_efficiency_tensor": (0.05, 1.0),
+    **{f"gemm_efficiency_{kind}_rows{rows}": (0.01, 1.0)
+       for kind in ("fp32", "tensor") for rows in roofline.ROW_BUCKETS},
     "gemm_floor_seconds_fp32": (0.5e-6, 100e-6),
     "gemm_floor_seconds_tensor": (0.5e-6, 100e-6),
     "attention_flops_fp32": (1e10, 1e14),
@@ -31,6 +31,8 @@ FITTED = {
     "attention_key_seconds_grouped_tensor": (0.0, 1e-6),
     "attention_key_seconds_masked_fp32": (0.0, 1e-6),
     "attention_key_seconds_masked_tensor": (0.0, 1e-6),
+    "attention_score_seconds_fp32": (0.0, 1e-9),
+    "attention_score_seconds_tensor": (0.0, 1e-9),
 }
 FITTED_SIZES = 128  # the points fitted: plans use n up to a few hundred at most, most below 64
 MODES = {"lean": "graphs", "compiled": "compiled", "transformers": "eager"}  # a measured profile's backend

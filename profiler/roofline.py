@@ -5,9 +5,10 @@ as a CUDA graph), costs the sum of four terms:
 
     t(n, L) = (operators(n, L) - matmuls) * floor(n)          small kernels, floor(n) = op_seconds + op_row_seconds n
             + sum over the matmuls (k x m) of gemm(n) = max(floor(1), work) for one row, else gemm_floor + work,
-                                               work = max(k m b / BW, 2 rows(n) k m / (P gemm_efficiency occupancy))
+                                               work = max(k m b / BW, 2 n k m / (P gemm_efficiency(n) occupancy))
             + kv_bytes(L + n) / BW + attention_flops(n, L) / attention_rate                attention
-            + [n > 1] * layers * (L + n) * attention_key_seconds                          masked multi-row attention
+            + [n > 1] * layers * (L + n) * (attention_key_seconds + heads n attention_score_seconds)
+                                                                                          multi-row attention
 
 - operators(n, L): the kernels one forward launches, counted from the decoder's own forward (a two-layer copy of
   the model's config, traced once on the CPU with the GPU's attention path: one row through SDPA, 2-64 rows as
@@ -18,14 +19,20 @@ as a CUDA graph), costs the sum of four terms:
   above)). Each kernel lasts at least floor(n): a 135M model on an H100 is bound by this (1,330 kernels, 3 ms).
 - gemm_floor_seconds: a matmul of two rows or more runs a GEMM kernel instead of a GEMV, which costs about a fixed
   time more whatever its size (measured: t(2) - t(1) is about 8 us per fp32 matmul and 3.7 us per bf16 one, for
-  smollm2-135m and qwen2.5-coder-1.5b alike). rows(n): padded_rows.
+  smollm2-135m and qwen2.5-coder-1.5b alike).
 - BW = the datasheet bandwidth * bandwidth_efficiency; P = the datasheet dense peak of the dtype (plain FP32 for
-  fp32: TF32 is off). occupancy(n, m) = min(1, tiles / SMs), tiles = max(1, n / 64) * ceil(m / 128): a skinny GEMM
-  of a small model fills few of the GPU's multiprocessors, so its FLOPs do not run at a fixed share of the peak.
+  fp32: TF32 is off). gemm_efficiency(n): the share of P a GEMM of n rows reaches, one parameter per bucket of
+  rows (ROW_BUCKETS: up to 4, 8, 16, 32, 64, more) and dtype class. The library picks another kernel per bucket,
+  and the H100 measured curves no smooth law follows: in fp32, five models' t(8) rise most of the way to t(16), and
+  t(32) falls back below t(16). occupancy(n, m) = min(1, tiles / SMs), tiles = max(1, n / 32) * ceil(m / 128): a
+  skinny GEMM of a small model fills few of the GPU's multiprocessors.
 - attention_rate: fp32 one-row SDPA runs its math path (attention_flops_fp32 per second); bf16/fp16 one-row SDPA
   runs flash kernels, bound by the KV bytes; several rows run at the GEMM rate P. Two rows or more run with a mask,
   which costs attention_key_seconds per layer and cached key (the measured t(2) / t(1) of a small model rises 2-3x
-  at 4K-8K keys).
+  at 4K-8K keys), plus attention_score_seconds per element of the [heads * n, L] score matrix (its scaling, mask
+  and softmax passes). Measured on the H100 (five model shapes, 4096 against 256 keys), grouped fp32 attention
+  costs about 30 ns per layer and key at n = 2 whatever the heads and head size (a latency, not a byte count),
+  and grows by about 0.018 ns (fp32) / 0.013 ns (bf16) per head-row and key: the score matrix's size.
 - The decoding engine's host work per step (drafter, mask, verification) is not the GPU's: a modeled profile
   carries the engine_overhead_seconds of the calibration profiles (measured on that GPU's host), else the
   catalogue's DEFAULT_ENGINE_OVERHEAD, so that modeled plans are charged for it. The draft step is modeled alike.
@@ -48,7 +55,7 @@ from decoder.model import ModelShape, cuda_grouped_attention
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 TILE_ROWS, TILE_COLUMNS = 32, 128  # a typical cuBLAS/CUTLASS tile for skinny GEMMs: sets how many SMs n rows fill
-GEMV_ROWS, SMALL_TILE_ROWS = 4, 32  # padded_rows: how a cuBLAS-like library pads a few rows
+ROW_BUCKETS = (4, 8, 16, 32, 64, 128)  # gemm_efficiency's buckets of rows (the last one takes every larger n)
 # Kernels SDPA launches beyond its one operator, per call: fp32 runs the math path, bf16/fp16 a flash kernel.
 # From the H100 (bench/gpu_forward.py): smollm2-135m's forward launched 1,330 kernels in fp32 and 1,122 in bf16
 # where the decoder dispatches 1,001 operators (30 layers, one SDPA call each).
@@ -111,8 +118,20 @@ class GpuParameters:
     op_row_seconds: float  # added to each kernel per new-token row
     eager_op_seconds: float  # one operator dispatched eagerly (no graph): host-bound
     bandwidth_efficiency: float  # share of the datasheet bandwidth that weight and KV streams reach
-    gemm_efficiency_fp32: float  # share of the FP32 peak a fully occupied fp32 GEMM reaches
-    gemm_efficiency_tensor: float  # the same on the tensor cores (bf16, fp16)
+    # share of the FP32 peak an fp32 GEMM of up to 4 (5-8, ..., 65 or more) rows reaches, fully occupied
+    gemm_efficiency_fp32_rows4: float
+    gemm_efficiency_fp32_rows8: float
+    gemm_efficiency_fp32_rows16: float
+    gemm_efficiency_fp32_rows32: float
+    gemm_efficiency_fp32_rows64: float
+    gemm_efficiency_fp32_rows128: float
+    # the same on the tensor cores (bf16, fp16)
+    gemm_efficiency_tensor_rows4: float
+    gemm_efficiency_tensor_rows8: float
+    gemm_efficiency_tensor_rows16: float
+    gemm_efficiency_tensor_rows32: float
+    gemm_efficiency_tensor_rows64: float
+    gemm_efficiency_tensor_rows128: float
     gemm_floor_seconds_fp32: float  # what a matmul of 2 rows or more (a GEMM, not a GEMV) costs beyond its work, fp32
     gemm_floor_seconds_tensor: float  # the same in bf16/fp16
     attention_flops_fp32: float  # FLOP/s of one-row fp32 SDPA (its math path)
@@ -120,22 +139,33 @@ class GpuParameters:
     attention_key_seconds_grouped_tensor: float  # the same in bf16/fp16
     attention_key_seconds_masked_fp32: float  # rows through SDPA with a mask, per layer and key, fp32
     attention_key_seconds_masked_tensor: float  # the same in bf16/fp16
+    attention_score_seconds_fp32: float  # multi-row attention, per layer, query head, row and key, fp32
+    attention_score_seconds_tensor: float  # the same in bf16/fp16
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def gemm_efficiency(self, kind: str, n: int) -> float:
+        bucket = next((rows for rows in ROW_BUCKETS if n <= rows), ROW_BUCKETS[-1])
+        return getattr(self, f"gemm_efficiency_{kind}_rows{bucket}")
+
 
 PARAMETER_NAMES = tuple(f.name for f in fields(GpuParameters))
-# Fitted to the H100 profiles measured with this decoder (bench/modeled_vs_measured.py --fit, 2026-11-26): the
+# Fitted to the H100 profiles measured with this decoder (bench/modeled_vs_measured.py --fit, 2026-11-26: ten
+# profiles of five model shapes, fp32 and bf16; rms log error 0.059, worst point 27%): the
 # per-kernel cost and the attention terms are properties of the kernels and of a GPU of this generation; the
 # datasheet figures scale the rest to other GPUs. eager_op_seconds is PyTorch's eager dispatch cost per operator,
 # about 8 us on a server CPU (not measured here).
 DEFAULT_PARAMETERS = GpuParameters(
-    op_seconds=2.28e-6, op_row_seconds=1.5e-9, eager_op_seconds=8e-6, bandwidth_efficiency=0.801,
-    gemm_efficiency_fp32=1.0, gemm_efficiency_tensor=0.482, gemm_floor_seconds_fp32=5.56e-6,
-    gemm_floor_seconds_tensor=4.34e-6, attention_flops_fp32=0.377e12, attention_key_seconds_grouped_fp32=37e-9,
-    attention_key_seconds_grouped_tensor=12.5e-9, attention_key_seconds_masked_fp32=53.2e-9,
-    attention_key_seconds_masked_tensor=14.9e-9)
+    op_seconds=2.3e-6, op_row_seconds=1e-12, eager_op_seconds=8e-6, bandwidth_efficiency=0.789,
+    gemm_efficiency_fp32_rows4=0.342, gemm_efficiency_fp32_rows8=0.37, gemm_efficiency_fp32_rows16=0.573,
+    gemm_efficiency_fp32_rows32=1.0, gemm_efficiency_fp32_rows64=1.0, gemm_efficiency_fp32_rows128=0.862,
+    gemm_efficiency_tensor_rows4=1.0, gemm_efficiency_tensor_rows8=0.174, gemm_efficiency_tensor_rows16=0.244,
+    gemm_efficiency_tensor_rows32=0.414, gemm_efficiency_tensor_rows64=0.335, gemm_efficiency_tensor_rows128=0.423,
+    gemm_floor_seconds_fp32=3.38e-6, gemm_floor_seconds_tensor=4.98e-6, attention_flops_fp32=0.396e12,
+    attention_key_seconds_grouped_fp32=30.3e-9, attention_key_seconds_grouped_tensor=5.59e-9,
+    attention_key_seconds_masked_fp32=45e-9, attention_key_seconds_masked_tensor=8.44e-9,
+    attention_score_seconds_fp32=9.53e-12, attention_score_seconds_tensor=5.17e-12)
 
 
 @dataclass(frozen=True)
@@ -146,6 +176,7 @@ class GpuModelCost:
     gemms: tuple[tuple[int, int, int], ...]  # (count per forward, k, m): each matmul's weight shape
     kv_bytes_per_token: int
     attention_width: int  # layers * heads * head_dim
+    heads: int  # query heads per layer
     dtype: str
     operators: dict[str, int]  # kernels per forward by attention path: single, grouped, masked
 
@@ -168,7 +199,8 @@ def gpu_model_cost(shape: ModelShape, intermediate: int, dtype: str, operators: 
     layers = shape.layers
     gemms = ((layers, shape.hidden, q + 2 * kv), (layers, q, shape.hidden), (layers, shape.hidden, 2 * intermediate),
              (layers, intermediate, shape.hidden), (1, shape.hidden, output_rows or shape.vocab))
-    return GpuModelCost(layers, gemms, 2 * layers * kv * BYTES_PER_ELEMENT[dtype], layers * q, dtype, operators)
+    return GpuModelCost(layers, gemms, 2 * layers * kv * BYTES_PER_ELEMENT[dtype], layers * q, shape.heads, dtype,
+                        operators)
 
 
 def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, n: int, context: int,
@@ -178,33 +210,27 @@ def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, 
         raise UserError(f"{gpu.name} has no {cost.dtype} support")
     kind = dtype_class(cost.dtype)
     bandwidth = gpu.bandwidth_gb_s * 1e9 * p.bandwidth_efficiency
-    peak = gpu.tflops[cost.dtype] * 1e12 * (p.gemm_efficiency_fp32 if kind == "fp32" else p.gemm_efficiency_tensor)
+    peak = gpu.tflops[cost.dtype] * 1e12 * p.gemm_efficiency(kind, n)
     kernels = cost.kernels(n, context, mode)
     gemm_kernels = sum(count for count, _, _ in cost.gemms)
     kernel_floor = p.op_seconds + p.op_row_seconds * n
     seconds = (kernels - gemm_kernels) * kernel_floor
     element = BYTES_PER_ELEMENT[cost.dtype]
-    rows = padded_rows(n)
-    row_tiles = max(1.0, rows / TILE_ROWS)
+    row_tiles = max(1.0, n / TILE_ROWS)
     gemm_floor = p.gemm_floor_seconds_fp32 if kind == "fp32" else p.gemm_floor_seconds_tensor
     for count, k, m in cost.gemms:
         occupancy = min(1.0, row_tiles * math.ceil(m / TILE_COLUMNS) / gpu.sms)
-        work = max(k * m * element / bandwidth, 2.0 * rows * k * m / (peak * occupancy))
+        work = max(k * m * element / bandwidth, 2.0 * n * k * m / (peak * occupancy))
         seconds += count * (max(kernel_floor, work) if n == 1 else gemm_floor + work)
     attention_flops = 4.0 * cost.attention_width * n * (context + n)
     attention_rate = p.attention_flops_fp32 if kind == "fp32" and n == 1 else peak
     seconds += cost.kv_bytes_per_token * (context + n) / bandwidth + attention_flops / attention_rate
     if n > 1:
         key_seconds = getattr(p, f"attention_key_seconds_{cost.attention_path(n, context)}_{kind}")
-        seconds += cost.layers * (context + n) * key_seconds
+        score_seconds = getattr(p, f"attention_score_seconds_{kind}")
+        seconds += cost.layers * (context + n) * (key_seconds + cost.heads * n * score_seconds)
     # Eagerly, the host enqueues each kernel while the GPU runs the earlier ones: the slower of the two sets the pace.
     return max(seconds, kernels * p.eager_op_seconds) if mode == "eager" else seconds
-
-
-def padded_rows(n: int) -> int:
-    """The rows a GEMM kernel computes for n: up to GEMV_ROWS run as batched GEMVs (no padding); more, up to
-    SMALL_TILE_ROWS, fill one tile of that many (the measured fp32 t(8) = t(16) = t(32) of qwen2.5-coder-1.5b)."""
-    return SMALL_TILE_ROWS if GEMV_ROWS < n < SMALL_TILE_ROWS else n
 
 
 # --- the CPU roofline (--gpu cpu) ---------------------------------------------------------------------------

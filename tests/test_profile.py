@@ -121,16 +121,18 @@ def test_gpu_model_against_a_hand_calculation():
     gpu = roofline.accelerator("a100-80g")
     p = roofline.DEFAULT_PARAMETERS
     cost = roofline.GpuModelCost(layers=2, gemms=((2, 4096, 4096),), kv_bytes_per_token=1024, attention_width=0,
-                                 dtype="bf16", operators={"single": 40, "grouped": 50, "masked": 60})
+                                 heads=8, dtype="bf16", operators={"single": 40, "grouped": 50, "masked": 60})
     bandwidth = 2039e9 * p.bandwidth_efficiency
     kernels = 40 + 2 * roofline.SDPA_KERNELS["tensor"]
     floor = p.op_seconds + p.op_row_seconds
     hand = (kernels - 2) * floor + 2 * (4096 * 4096 * 2 / bandwidth) + 1024 * 1025 / bandwidth
     assert roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024) == pytest.approx(hand, rel=1e-12)
-    # two rows over 8192 keys: grouped matmuls (no SDPA kernels), a GEMM's floor, the per-key mask cost
+    # two rows over 8192 keys: grouped matmuls (no SDPA kernels), a GEMM's floor, the per-key mask cost and the
+    # score matrix's 8 heads x 2 rows per key
     floor = p.op_seconds + 2 * p.op_row_seconds
     hand = ((50 - 2) * floor + 2 * (p.gemm_floor_seconds_tensor + 4096 * 4096 * 2 / bandwidth)
-            + 1024 * 8194 / bandwidth + 2 * 8194 * p.attention_key_seconds_grouped_tensor)
+            + 1024 * 8194 / bandwidth
+            + 2 * 8194 * (p.attention_key_seconds_grouped_tensor + 8 * 2 * p.attention_score_seconds_tensor))
     assert roofline.gpu_forward_seconds(cost, gpu, p, 2, 8192) == pytest.approx(hand, rel=1e-12)
     compiled = roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024, "compiled")
     eager = roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024, "eager")
