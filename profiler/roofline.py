@@ -5,7 +5,7 @@ as a CUDA graph), costs the sum of four terms:
 
     t(n, L) = (operators(n, L) - matmuls) * floor(n)          small kernels, floor(n) = op_seconds + op_row_seconds n
             + sum over the matmuls (k x m) of gemm(n) = max(floor(1), work) for one row, else gemm_floor + work,
-                                               work = max(k m b / BW, 2 n k m / (P gemm_efficiency(n) occupancy))
+                                        work = max(k m b / BW, 2 rows(n) k m / (P gemm_efficiency(n) occupancy))
             + kv_bytes(L + n) / BW + attention_flops(n, L) / attention_rate                attention
             + [n > 1] * layers * (L + n) * (attention_key_seconds + heads n attention_score_seconds)
                                                                                           multi-row attention
@@ -21,11 +21,12 @@ as a CUDA graph), costs the sum of four terms:
   time more whatever its size (measured: t(2) - t(1) is about 8 us per fp32 matmul and 3.7 us per bf16 one, for
   smollm2-135m and qwen2.5-coder-1.5b alike).
 - BW = the datasheet bandwidth * bandwidth_efficiency; P = the datasheet dense peak of the dtype (plain FP32 for
-  fp32: TF32 is off). gemm_efficiency(n): the share of P a GEMM of n rows reaches, one parameter per bucket of
-  rows (ROW_BUCKETS: up to 4, 8, 16, 32, 64, more) and dtype class. The library picks another kernel per bucket,
-  and the H100 measured curves no smooth law follows: in fp32, five models' t(8) rise most of the way to t(16), and
-  t(32) falls back below t(16). occupancy(n, m) = min(1, tiles / SMs), tiles = max(1, n / 32) * ceil(m / 128): a
-  skinny GEMM of a small model fills few of the GPU's multiprocessors.
+  fp32: TF32 is off). A GEMM of n rows computes rows(n): n padded to its bucket (ROW_BUCKETS: up to 4, 8, 16, 32,
+  64, 128; n itself beyond), the tile of rows its kernel runs, at gemm_efficiency(n) of P, one parameter per bucket
+  and dtype class: the library picks another kernel per bucket, and the H100 measured curves no smooth law follows
+  (in fp32, five models' t(8) rise most of the way to t(16), and t(32) falls back below t(16)). occupancy(n, m) =
+  min(1, tiles / SMs), tiles = max(1, rows(n) / 32) * ceil(m / 128): a skinny GEMM of a small model fills few of
+  the GPU's multiprocessors.
 - attention_rate: fp32 one-row SDPA runs its math path (attention_flops_fp32 per second); bf16/fp16 one-row SDPA
   runs flash kernels, bound by the KV bytes; several rows run at the GEMM rate P. Two rows or more run with a mask,
   which costs attention_key_seconds per layer and cached key (the measured t(2) / t(1) of a small model rises 2-3x
@@ -146,26 +147,34 @@ class GpuParameters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def gemm_efficiency(self, kind: str, n: int) -> float:
-        bucket = next((rows for rows in ROW_BUCKETS if n <= rows), ROW_BUCKETS[-1])
-        return getattr(self, f"gemm_efficiency_{kind}_rows{bucket}")
+        return getattr(self, f"gemm_efficiency_{kind}_rows{row_bucket(n)}")
+
+
+def row_bucket(n: int) -> int:
+    return next((rows for rows in ROW_BUCKETS if n <= rows), ROW_BUCKETS[-1])
+
+
+def gemm_rows(n: int) -> int:
+    """The rows a GEMM of n computes: its bucket's (the kernel's tile of rows), n itself beyond the last bucket."""
+    return max(n, row_bucket(n))
 
 
 PARAMETER_NAMES = tuple(f.name for f in fields(GpuParameters))
 # Fitted to the H100 profiles measured with this decoder (bench/modeled_vs_measured.py --fit, 2026-11-26: ten
-# profiles of five model shapes, fp32 and bf16; rms log error 0.059, worst point 27%): the
+# profiles of five model shapes, fp32 and bf16; rms log error 0.064, worst point 28%): the
 # per-kernel cost and the attention terms are properties of the kernels and of a GPU of this generation; the
 # datasheet figures scale the rest to other GPUs. eager_op_seconds is PyTorch's eager dispatch cost per operator,
 # about 8 us on a server CPU (not measured here).
 DEFAULT_PARAMETERS = GpuParameters(
-    op_seconds=2.3e-6, op_row_seconds=1e-12, eager_op_seconds=8e-6, bandwidth_efficiency=0.789,
-    gemm_efficiency_fp32_rows4=0.342, gemm_efficiency_fp32_rows8=0.37, gemm_efficiency_fp32_rows16=0.573,
-    gemm_efficiency_fp32_rows32=1.0, gemm_efficiency_fp32_rows64=1.0, gemm_efficiency_fp32_rows128=0.862,
-    gemm_efficiency_tensor_rows4=1.0, gemm_efficiency_tensor_rows8=0.174, gemm_efficiency_tensor_rows16=0.244,
-    gemm_efficiency_tensor_rows32=0.414, gemm_efficiency_tensor_rows64=0.335, gemm_efficiency_tensor_rows128=0.423,
-    gemm_floor_seconds_fp32=3.38e-6, gemm_floor_seconds_tensor=4.98e-6, attention_flops_fp32=0.396e12,
-    attention_key_seconds_grouped_fp32=30.3e-9, attention_key_seconds_grouped_tensor=5.59e-9,
-    attention_key_seconds_masked_fp32=45e-9, attention_key_seconds_masked_tensor=8.44e-9,
-    attention_score_seconds_fp32=9.53e-12, attention_score_seconds_tensor=5.17e-12)
+    op_seconds=2.23e-6, op_row_seconds=1e-12, eager_op_seconds=8e-6, bandwidth_efficiency=0.747,
+    gemm_efficiency_fp32_rows4=0.563, gemm_efficiency_fp32_rows8=0.395, gemm_efficiency_fp32_rows16=0.59,
+    gemm_efficiency_fp32_rows32=1.0, gemm_efficiency_fp32_rows64=1.0, gemm_efficiency_fp32_rows128=0.859,
+    gemm_efficiency_tensor_rows4=1.0, gemm_efficiency_tensor_rows8=0.179, gemm_efficiency_tensor_rows16=0.247,
+    gemm_efficiency_tensor_rows32=0.419, gemm_efficiency_tensor_rows64=0.341, gemm_efficiency_tensor_rows128=0.429,
+    gemm_floor_seconds_fp32=4.05e-6, gemm_floor_seconds_tensor=5.38e-6, attention_flops_fp32=0.447e12,
+    attention_key_seconds_grouped_fp32=30.3e-9, attention_key_seconds_grouped_tensor=5.54e-9,
+    attention_key_seconds_masked_fp32=45.4e-9, attention_key_seconds_masked_tensor=8.4e-9,
+    attention_score_seconds_fp32=9.01e-12, attention_score_seconds_tensor=5.24e-12)
 
 
 @dataclass(frozen=True)
@@ -216,11 +225,12 @@ def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, 
     kernel_floor = p.op_seconds + p.op_row_seconds * n
     seconds = (kernels - gemm_kernels) * kernel_floor
     element = BYTES_PER_ELEMENT[cost.dtype]
-    row_tiles = max(1.0, n / TILE_ROWS)
+    rows = gemm_rows(n)
+    row_tiles = max(1.0, rows / TILE_ROWS)
     gemm_floor = p.gemm_floor_seconds_fp32 if kind == "fp32" else p.gemm_floor_seconds_tensor
     for count, k, m in cost.gemms:
         occupancy = min(1.0, row_tiles * math.ceil(m / TILE_COLUMNS) / gpu.sms)
-        work = max(k * m * element / bandwidth, 2.0 * n * k * m / (peak * occupancy))
+        work = max(k * m * element / bandwidth, 2.0 * rows * k * m / (peak * occupancy))
         seconds += count * (max(kernel_floor, work) if n == 1 else gemm_floor + work)
     attention_flops = 4.0 * cost.attention_width * n * (context + n)
     attention_rate = p.attention_flops_fp32 if kind == "fp32" and n == 1 else peak
