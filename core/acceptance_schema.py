@@ -15,8 +15,39 @@ POSITIONAL_SUM_TOLERANCE = 1e-6
 
 
 @dataclass
+class DraftChainTrace:
+    """One prompt at T = 0, per position of the target's own continuation (the draft teacher-forced on it): whether
+    the draft's argmax is the target's token, and the draft's confidence in its argmax as llama.cpp's draft sampler
+    reports it (the top-1 probability renormalized over the top DRAFT_SAMPLER_TOP_K; `--draft-p-min` compares it).
+    A chain drafted from position p is accepted up to its first miss, so replaying these is exact for what a step
+    yields; where a chain runs on past a miss, its confidences there are the teacher-forced ones (an estimate)."""
+
+    match: np.ndarray  # [positions] bool
+    confidence: np.ndarray  # [positions] float
+
+    @classmethod
+    def from_fields(cls, t: Fields) -> DraftChainTrace:
+        match = t.data.get("match")
+        if not isinstance(match, str) or not match or set(match) - {"0", "1"}:
+            raise t.fail("'match' must be a non-empty string of 0s and 1s, one per position")
+        confidence = t.number_list("confidence", low=0.0, high=1.0)
+        if len(confidence) != len(match):
+            raise t.fail("'confidence' must have one entry per position of 'match'")
+        return cls(np.array([c == "1" for c in match]), np.array(confidence))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"match": "".join("1" if m else "0" for m in self.match),
+                "confidence": [round(float(c), CONFIDENCE_DECIMALS) for c in self.confidence]}
+
+
+DRAFT_SAMPLER_TOP_K = 10  # llama.cpp's draft sampler keeps the top 10 candidates (planner/engines.py cites it)
+CONFIDENCE_DECIMALS = 4  # the planner searches --draft-p-min in steps of 0.05
+
+
+@dataclass
 class SequoiaAcceptance:
-    """The positional acceptance vector p: p[k-1] = P(the k-th sampled child is the one accepted)."""
+    """The positional acceptance vector p: p[k-1] = P(the k-th sampled child is the one accepted); at T = 0 also
+    each prompt's chain trace (what the chain engines' knobs are replayed over)."""
 
     positional: np.ndarray
     stderr: np.ndarray | None = None
@@ -25,6 +56,7 @@ class SequoiaAcceptance:
     temperature: float | None = None
     top_p: float | None = None
     samples: int | None = None
+    chains: list[DraftChainTrace] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -47,6 +79,11 @@ class SequoiaAcceptance:
             raise f.fail("'stderr' must have one entry per positional entry")
         models = f.sub("models", required=False)
         f.integer("draft_vocab", required=False, low=1)
+        raw_chains = data.get("chains", [])
+        if not isinstance(raw_chains, list):
+            raise f.fail("'chains' must be a list")
+        chains = [DraftChainTrace.from_fields(Fields(item, f"{where}: chains[{i}]"))
+                  for i, item in enumerate(raw_chains)]
         return cls(
             positional=np.asarray(positional, dtype=np.float64),
             stderr=None if stderr is None else np.asarray(stderr, dtype=np.float64),
@@ -55,8 +92,10 @@ class SequoiaAcceptance:
             temperature=f.number("temperature", required=False, low=0.0),
             top_p=f.number("top_p", required=False, low=0.0, high=1.0),
             samples=f.integer("samples", required=False, low=0),
+            chains=chains,
             extra={k: v for k, v in data.items()
-                   if k not in {"kind", "positional", "stderr", "models", "temperature", "top_p", "samples"}},
+                   if k not in {"kind", "positional", "stderr", "models", "temperature", "top_p", "samples",
+                                "chains"}},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -70,6 +109,8 @@ class SequoiaAcceptance:
         if self.stderr is not None:
             out["stderr"] = [float(x) for x in self.stderr]
         out.update(self.extra)
+        if self.chains:
+            out["chains"] = [chain.to_dict() for chain in self.chains]
         return out
 
 

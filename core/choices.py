@@ -11,9 +11,9 @@ DEVICES = ("cpu", "cuda")
 FORWARDS = ("lean", "compiled", "transformers")
 BACKENDS = ("auto",) + FORWARDS  # auto: lean where it runs the architecture (decoder/api.py: choose_backend)
 # plan bench's baselines (specplan/bench.py): transformers', our one-token decoding, TriForce's own variants (TriForce
-# plans only), llama.cpp on the same GGUF (the llamacpp extra)
+# plans only), llama.cpp on the same GGUF (the llamacpp extra; llama.cpp-draft: a llama.cpp plan's draft-model knobs)
 BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming", "llama.cpp",
-             "llama.cpp-lookup")
+             "llama.cpp-lookup", "llama.cpp-draft")
 # the engines a Sequoia plan is solved for and exported to (planner/engines.py: each one's rules, with sources);
 # specplan: our own decoder, any tree
 ENGINES = ("specplan", "sequoia", "vllm", "vllm-draft", "medusa", "eagle1", "trtllm", "trtllm-draft", "sglang",

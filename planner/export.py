@@ -122,12 +122,16 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
                  f"--speculative-num-draft-tokens {triple['num_draft_tokens']}")
         return Export(flags, f"python -m sglang.launch_server --model-path {target} <these flags> (a separate draft "
                              "model, not EAGLE heads: --speculative-algorithm STANDALONE)")
+    knobs = plan.solver.get("chain_knobs") if plan.engine == fmt else None
+    knobs = knobs if isinstance(knobs, dict) else {}
     if fmt == "llama.cpp":
-        return Export(f"--model-draft {draft_path} --draft-max {depth} --draft-min 0 --draft-p-min 0.0",
-                      "llama-server -m TARGET.gguf <these flags> (draft-p-min 0: every step drafts the full chain "
-                      "the plan priced)")
+        draft_min, p_min = int(knobs.get("draft_min", 0)), float(knobs.get("p_min", 0.0))
+        return Export(f"--model-draft {draft_path} --draft-max {depth} --draft-min {draft_min} --draft-p-min {p_min}",
+                      "llama-server -m TARGET.gguf <these flags>" + (
+                          "" if knobs else " (draft-p-min 0: every step drafts the full chain the plan priced)"))
     config = {"assistant_model": draft_path, "num_assistant_tokens": depth,
-              "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+              "num_assistant_tokens_schedule": str(knobs.get("schedule", "constant")),
+              "assistant_confidence_threshold": 0.0}
     return Export(json.dumps(config), "model.generate(**inputs, **<these kwargs>) with the assistant loaded from "
                                       "assistant_model")
 

@@ -44,6 +44,7 @@ from core.fileio import shown
 from core.plan_schema import Plan, PlanModels, Prediction, TokenTree
 from core.profile_schema import LatencyProfile, load_profile
 from core.provenance import provenance
+from planner.draft_chain import CHAIN_KNOB_ENGINES, best_knobs
 from planner.engines import EngineRules, engine_rules
 
 NEG_INF = -np.inf
@@ -473,6 +474,8 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         steps, topk, draft_tokens = tables.settings(ranked[0].size, ranked[0].depth)
         plan.solver["algorithm"] = "SGLang's dynamic-tree selection over (num_steps, topk, num_draft_tokens)"
         plan.solver["sglang"] = {"num_steps": steps, "topk": topk, "num_draft_tokens": draft_tokens}
+    if engine in CHAIN_KNOB_ENGINES and acceptance.chains and profile is not None and batch == 1:
+        _use_chain_knobs(plan, engine, acceptance, profile, max_depth, context)
     if engine != "specplan":
         unconstrained = rank_candidates(SequoiaTables(acceptance.positional, max_size, max_depth), profile, batch,
                                         context)[0]
@@ -481,6 +484,20 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
                                  "sources": [str(source) for source in rules.sources],
                                  "unconstrained": asdict(unconstrained)}
     return plan, ranked
+
+
+def _use_chain_knobs(plan: Plan, engine: str, acceptance: SequoiaAcceptance, profile: LatencyProfile,
+                     max_depth: int, context: int | None) -> None:
+    """Replace the chain DP's choice by the engine's own knobs replayed over the chain traces (planner/draft_chain.py):
+    the plan's chain is the draft length, its prediction the replay's."""
+    ranked = best_knobs(engine, acceptance.chains, profile, max_depth, context)
+    best = ranked[0]
+    plan.tree = TokenTree.from_parents(list(range(-1, best.draft_max)))
+    plan.prediction = Prediction(best.tokens_per_step, best.speedup, best.step_seconds,
+                                 best.tokens_per_step / best.step_seconds, latency_source=profile.source,
+                                 replay_exact=True)
+    plan.solver["algorithm"] = f"{engine}'s drafting rule replayed over {len(acceptance.chains)} chain traces"
+    plan.solver["chain_knobs"] = {**best.as_dict(), "top": [knobs.as_dict() for knobs in ranked[1:6]]}
 
 
 def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files: str) -> PlanModels:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from core.acceptance_schema import DRAFT_SAMPLER_TOP_K, DraftChainTrace
 from decoder.api import Forward
 from decoder.sampling import SamplingParams, probabilities, sample
 
@@ -185,9 +186,18 @@ def positional_greedy(target_logits: torch.Tensor, draft_logits: torch.Tensor, w
     return (top == target_best).double().numpy()
 
 
+def chain_trace(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> DraftChainTrace:
+    """The draft's argmax against the target's at each row ([rows, vocab] each), with the draft's confidence as
+    llama.cpp's draft sampler reports it: the top-1 probability among its top DRAFT_SAMPLER_TOP_K logits."""
+    top = torch.topk(draft_logits.float(), min(DRAFT_SAMPLER_TOP_K, draft_logits.shape[-1]), dim=-1)
+    match = (top.indices[:, 0] == target_logits.argmax(-1)).numpy()
+    return DraftChainTrace(match, top.values.softmax(-1)[:, 0].double().numpy())
+
+
 @dataclass
 class AcceptanceRun:
     per_position: np.ndarray  # [positions, width]
+    chains: list[DraftChainTrace] = field(default_factory=list)  # per prompt, at T = 0
     prompt_tokens: list[int] = field(default_factory=list)
     generated_tokens: list[int] = field(default_factory=list)
     seconds: float = 0.0
@@ -254,6 +264,7 @@ def measure_sequoia(target: Forward, draft: Forward, prompts: list[list[int]], p
         draft_logits = sequence_logits(draft, tokens, len(prompt))
         if params.greedy:
             blocks.append(positional_greedy(target_logits, draft_logits, width))
+            run.chains.append(chain_trace(target_logits, draft_logits))
         else:
             P = probabilities(target_logits, params).double().numpy()
             Q = probabilities(draft_logits, params).double().numpy()
@@ -312,6 +323,7 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
     acceptance = SequoiaAcceptance(
         positional=run.positional, stderr=run.stderr, target=target_name, draft=draft_name,
         temperature=params.temperature, top_p=params.top_p, samples=int(run.per_position.shape[0]),
+        chains=run.chains,
         extra={
             "dtype": dtype,
             "draft_dtype": draft_dtype,

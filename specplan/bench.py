@@ -45,7 +45,7 @@ from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
 from profiler.datasets import Prompt, read_dataset, spread_sample
 from profiler.haystack import build_prompts
-from specplan.llamacpp import LlamaCpp
+from specplan.llamacpp import DraftChainSettings, LlamaCpp
 
 TRIFORCE_BASELINES = ("two-level", "streaming")
 NEAR_TIE = 1e-4
@@ -78,6 +78,9 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
     if any(b in TRIFORCE_BASELINES for b in request.baselines) and (decoder.plan is None
                                                                      or decoder.plan.method != "triforce"):
         raise UserError(f"the {', '.join(TRIFORCE_BASELINES)} baselines need a TriForce plan")
+    if "llama.cpp-draft" in request.baselines and _llama_draft_chain(decoder) is None:
+        raise UserError("llama.cpp-draft runs a plan solved with --engine llama.cpp from an acceptance file with "
+                        "chain traces (plan accept sequoia at temperature 0)")
     if request.prompts < 1 or request.max_new_tokens < 1:
         raise UserError("--prompts and --max-new-tokens must be >= 1")
     tokenizer = decoder.tokenizer
@@ -197,9 +200,10 @@ def _methods(decoder: Decoder, request: BenchRequest, context: int) -> dict[str,
         }
 
     llama = {}
-    for name, lookup in (("llama.cpp", None), ("llama.cpp-lookup", request.prompt_lookup)):
+    for name, lookup, chain in (("llama.cpp", None, None), ("llama.cpp-lookup", request.prompt_lookup, None),
+                                ("llama.cpp-draft", None, _llama_draft_chain(decoder))):
         if name in request.baselines:
-            runner = LlamaCpp(decoder.target, context, lookup)
+            runner = LlamaCpp(decoder.target, context, lookup, chain)
             llama[name] = lambda ids, max_new, seed, runner=runner: runner.generate(ids, max_new, params, seed)
 
     available = {
@@ -213,6 +217,15 @@ def _methods(decoder: Decoder, request: BenchRequest, context: int) -> dict[str,
                                 "max_matching_ngram_size": request.prompt_lookup.max_ngram}),
     }
     return {name: available[name] for name in ["ours"] + [b for b in BASELINES if b in request.baselines]}
+
+
+def _llama_draft_chain(decoder: Decoder) -> DraftChainSettings | None:
+    """The knobs of a plan solved for llama.cpp's draft-model speculation, with its draft; None for another plan."""
+    plan = decoder.plan
+    knobs = plan.solver.get("chain_knobs") if plan is not None and plan.engine == "llama.cpp" else None
+    if not isinstance(knobs, dict) or decoder.draft is None:
+        return None
+    return DraftChainSettings(decoder.draft, int(knobs["draft_max"]), int(knobs["draft_min"]), float(knobs["p_min"]))
 
 
 class _FirstTokensClock:
@@ -300,6 +313,15 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
             if prediction["plan_speedup"]:
                 prediction["measured_over_predicted"] = (prediction["measured_speedup_vs_ours_ar"]
                                                          / prediction["plan_speedup"])
+        if plan.engine == "llama.cpp" and "llama.cpp-draft" in summary and "llama.cpp" in summary:
+            # a plan for llama.cpp's draft-model speculation, priced on llama.cpp's profile: run there
+            entries = [row["methods"]["llama.cpp-draft"] for row in rows]
+            measured = summary["llama.cpp-draft"]["speedup_vs_llama.cpp"]
+            prediction["llama_cpp_draft"] = {
+                "measured_speedup_vs_llama.cpp": measured,
+                "measured_over_predicted": measured / plan.prediction.speedup if plan.prediction.speedup else None,
+                "measured_tokens_per_step": (sum(e["decode_tokens"] for e in entries)
+                                             / max(1, sum(e["decode_forwards"] for e in entries)))}
         for method, key in (("two-level", "best_two_level"), ("streaming", "best_streaming")):
             best = plan.prediction.details.get(key)
             if best and method in summary and "ours-ar" in summary:
@@ -482,6 +504,12 @@ def markdown_table(report: dict) -> str:
                      + (f"{measured:.2f}x at " if measured is not None else "")
                      + f"{prediction['measured_tokens_per_step']:.2f} tokens/step"
                      + (" (vs ours-ar)" if measured is not None else " (ours-ar not run: no measured speedup)"))
+        draft_chain = prediction.get("llama_cpp_draft")
+        if draft_chain:
+            lines.append(f"llama.cpp-draft (the plan's knobs, in llama-cpp-python): measured "
+                         f"{draft_chain['measured_speedup_vs_llama.cpp']:.2f}x vs llama.cpp at "
+                         f"{draft_chain['measured_tokens_per_step']:.2f} tokens/step ("
+                         f"{draft_chain['measured_over_predicted']:.2f} of the prediction)")
         speculative = (report.get("plan") or {}).get("prediction", {}).get("best_speculative")
         if speculative:
             lines.append(f"the plan decodes one token per step: its best speculative setting was predicted "

@@ -94,8 +94,8 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--resume", is_flag=True, help="go on from the timing passes an interrupted run completed")
 @_backend_option("auto")
 @click.option("--engine", type=click.Choice(("specplan", "llama.cpp")), default="specplan", show_default=True,
-              help="llama.cpp: time llama.cpp's own forward of the model's GGUF (the llamacpp extra), for "
-                   "`plan solve lookahead --engine llama.cpp`")
+              help="llama.cpp: time llama.cpp's own forward of the model's GGUF (the llamacpp extra), and with "
+                   "--draft the draft's step, for `plan solve lookahead|sequoia --engine llama.cpp`")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
             contexts: str | None, sizes: str | None, budgets: str | None, window_prefill: str | None,

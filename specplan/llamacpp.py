@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.acceptance_schema import DRAFT_SAMPLER_TOP_K
 from core.errors import UserError
 from core.method_settings import PromptLookupSettings
 from core.models import LoadedModel, cache_dir, load_model
@@ -90,54 +92,114 @@ def forward_after(llama: Any, context: int, tokens: list[int]) -> None:
 
 def profile_llamacpp(request: ProfileRequest, log: Callable[[str], None]) -> dict[str, Any]:
     """A measured profile of llama.cpp's own forward: t(n, L) of a forward of n tokens after L, every row's logits
-    kept (logits_all, as its prompt lookup runs), median and p10/p90 of the repeats, on random token ids."""
-    if request.draft is not None or request.gpu is not None:
-        raise UserError("--engine llama.cpp times the target's forward on this CPU: no --draft, no --gpu")
+    kept (logits_all, as its prompt lookup and its draft-model verification run), median and p10/p90 of the repeats,
+    on random token ids; with a draft, the draft's one-token step after L as well (what llama.cpp's draft-model
+    speculation runs per drafted token)."""
+    if request.gpu is not None or request.draft_vocab is not None:
+        raise UserError("--engine llama.cpp times llama.cpp's forward on this CPU, the draft's whole vocabulary: no "
+                        "--gpu, no --draft-vocab")
     torch.set_num_threads(request.threads)
-    loaded = load_model(request.target, request.dtype)
-    llama = open_llama(loaded, max(request.contexts) + max(request.sizes), logits_all=True)
+    loaded = {"target": load_model(request.target, request.dtype)}
+    if request.draft is not None:
+        loaded["draft"] = load_model(request.draft, request.draft_dtype or request.dtype)
+    longest = max(request.contexts) + max(request.sizes)
+    sizes = {"target": request.sizes, "draft": [1]}
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, min(loaded.config.vocab_size, 30000), (max(request.contexts) + max(request.sizes),),
-                        generator=generator).tolist()
-    curves: dict[int, dict[int, dict[str, float]]] = {}
+    vocabulary = min(model.config.vocab_size for model in loaded.values())
+    ids = torch.randint(100, min(vocabulary, 30000), (longest,), generator=generator).tolist()
+    curves: dict[str, dict[int, dict[int, dict[str, float]]]] = {}
     started = time.perf_counter()
-    for context in request.contexts:
-        llama.reset()
-        llama.eval(ids[:context])
-        curves[context] = {}
-        for n in request.sizes:
-            new = ids[context:context + n]
-            for _ in range(request.warmup):
-                forward_after(llama, context, new)
-            times = []
-            for _ in range(request.repeats):
-                start = time.perf_counter()
-                forward_after(llama, context, new)
-                times.append(time.perf_counter() - start)
-            quantiles = np.quantile(times, [0.1, 0.5, 0.9])
-            curves[context][n] = {"p10": quantiles[0], "median": quantiles[1], "p90": quantiles[2]}
-        log(f"llama.cpp t(n) at L={context}: " + ", ".join(f"{n}: {p['median'] * 1e3:.2f} ms"
-                                                           for n, p in curves[context].items()))
+    for role, model in loaded.items():
+        llama = open_llama(model, longest, logits_all=role == "target")
+        curves[role] = {}
+        for context in request.contexts:
+            llama.reset()
+            llama.eval(ids[:context])
+            curves[role][context] = {n: _timed(llama, context, ids[context:context + n], request.warmup,
+                                               request.repeats) for n in sizes[role]}
+            log(f"llama.cpp {role} t(n) at L={context}: " + ", ".join(
+                f"{n}: {p['median'] * 1e3:.2f} ms" for n, p in curves[role][context].items()))
+        del llama
     machine = hardware.fingerprint(torch.device("cpu"), request.dtype, request.threads)
-    document = profile_document(request, "measured", machine, {"target": loaded}, {"target": curves})
+    document = profile_document(request, "measured", machine, loaded, curves)
     document["backend"] = "llama.cpp"
     document["settings"] = {"engine": f"llama.cpp (llama-cpp-python {llama_cpp().__version__})",
-                            "gguf": gguf_for(loaded).name, "threads": request.threads, "warmup": request.warmup,
-                            "repeats": request.repeats, "logits_all": True}
+                            "gguf": gguf_for(loaded["target"]).name, "threads": request.threads,
+                            "warmup": request.warmup, "repeats": request.repeats, "logits_all": True,
+                            **({"draft_gguf": gguf_for(loaded["draft"]).name} if "draft" in loaded else {})}
     document["measurement_seconds"] = round(time.perf_counter() - started, 1)
     return document
+
+
+def _timed(llama: Any, context: int, new: list[int], warmup: int, repeats: int) -> dict[str, float]:
+    """p10, median and p90 seconds of a forward of `new` after `context` tokens."""
+    for _ in range(warmup):
+        forward_after(llama, context, new)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        forward_after(llama, context, new)
+        times.append(time.perf_counter() - start)
+    quantiles = np.quantile(times, [0.1, 0.5, 0.9])
+    return {"p10": quantiles[0], "median": quantiles[1], "p90": quantiles[2]}
+
+
+@dataclass(frozen=True)
+class DraftChainSettings:
+    """llama.cpp's draft-model speculation: the draft and its --draft-max/--draft-min/--draft-p-min."""
+
+    draft: LoadedModel
+    draft_max: int
+    draft_min: int = 0
+    p_min: float = 0.0
+
+
+class DraftModelChain:
+    """llama.cpp's draft-model drafting rule (common/speculative.cpp, planner/engines.py cites it) behind
+    llama-cpp-python's draft-model interface (a callable from the token ids so far to the drafted ids): the draft
+    catches up on the tokens its cache lacks, then drafts its sampler's top candidate (probability over the top
+    DRAFT_SAMPLER_TOP_K) up to draft_max tokens, stopping after one below p_min; a draft shorter than draft_min
+    is dropped."""
+
+    def __init__(self, settings: DraftChainSettings, context: int) -> None:
+        self.settings = settings
+        self.llama = open_llama(settings.draft, context)
+        self.cached: list[int] = []
+
+    def __call__(self, input_ids: np.ndarray) -> np.ndarray:
+        ids = input_ids.tolist()
+        common = 0
+        limit = min(len(self.cached), len(ids) - 1)  # the last token is always evaluated: its logits are needed
+        while common < limit and self.cached[common] == ids[common]:
+            common += 1
+        forward_after(self.llama, common, ids[common:])
+        self.cached = ids
+        drafted: list[int] = []
+        while True:
+            logits = np.ctypeslib.as_array(self.llama._ctx.get_logits(), shape=(self.llama.n_vocab(),))
+            top = np.sort(np.partition(logits, -DRAFT_SAMPLER_TOP_K)[-DRAFT_SAMPLER_TOP_K:])[::-1]
+            confidence = 1.0 / np.exp(top - top[0]).sum()
+            drafted.append(int(np.argmax(logits)))
+            if len(drafted) >= self.settings.draft_max or confidence < self.settings.p_min:
+                break
+            forward_after(self.llama, len(self.cached), drafted[-1:])
+            self.cached = self.cached + drafted[-1:]
+        return np.array(drafted if len(drafted) >= self.settings.draft_min else [], dtype=np.intc)
 
 
 class LlamaCpp:
     """One llama.cpp model: a greedy or sampled generation from token ids, timed as our engine's decoding is."""
 
-    def __init__(self, loaded: LoadedModel, context: int, lookup: PromptLookupSettings | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, context: int, lookup: PromptLookupSettings | None = None,
+                 draft_chain: DraftChainSettings | None = None) -> None:
         llama_cpp()  # the extra first: without it, that is the error to give
         draft = None
         if lookup is not None:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft = LlamaPromptLookupDecoding(max_ngram_size=lookup.max_ngram, num_pred_tokens=lookup.num_tokens)
+        elif draft_chain is not None:
+            draft = DraftModelChain(draft_chain, context)
         self.path = gguf_for(loaded)
         # a draft needs every position's logits; llama-cpp-python sizes its logits buffer by logits_all alone
         self.model = open_llama(loaded, context, draft, logits_all=draft is not None)

@@ -1,0 +1,131 @@
+"""The chain engines' own knobs, replayed: llama.cpp's `--draft-max/--draft-min/--draft-p-min` and transformers'
+`num_assistant_tokens` with its schedule, searched over the acceptance file's chain traces (T = 0) and priced on a
+profile.
+
+Each engine's drafting rule, as its source has it (planner/engines.py cites both files):
+- llama.cpp (common/speculative.cpp, the draft-model implementation): draft up to draft-max tokens, each the draft
+  sampler's top candidate; a token whose probability (over the sampler's top 10) is below draft-p-min is still
+  kept, and drafting stops after it. The draft decodes the last accepted token and each drafted token but the last:
+  as many draft forwards as drafted tokens. A draft shorter than draft-min is dropped (the server's rule): the
+  target then scores one token, the draft's forwards spent.
+- transformers (generation/candidate_generator.py, AssistedCandidateGenerator): the assistant generates
+  num_assistant_tokens tokens; the "heuristic" schedule then adds 2 when every drafted token was accepted, else
+  takes 1 away (at least 1), kept across generate calls. assistant_confidence_threshold is left at 0: above 0,
+  with scikit-learn installed, transformers re-tunes it every step from an ROC curve, which no fixed plan runs.
+
+The replay walks each prompt's continuation: a step at position p drafts k tokens (the rules above over the
+recorded confidences), the target accepts the leading matches and adds its own token, and the step costs
+k * c_draft + t(k + 1) + o(k + 1) (the profile's forward and engine overhead). At T = 0 the tokens each step yields
+are exactly the engines' (a chain is accepted up to its first miss, and the traces are the draft teacher-forced on
+the target's own tokens, which a chain's accepted prefix is); how far a chain runs past its first miss is priced
+with the teacher-forced confidences there, an estimate. One-token decoding costs t(1) + o(1) a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from core.acceptance_schema import DraftChainTrace
+from core.errors import UserError
+from core.profile_schema import LatencyProfile
+
+CHAIN_KNOB_ENGINES = ("llama.cpp", "hf")
+P_MIN_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # llama.cpp's --draft-p-min: 0, 0.05, ..., 0.95
+DRAFT_MIN_GRID = (0, 1, 2, 3)  # llama.cpp's --draft-min
+HF_SCHEDULES = ("constant", "heuristic")
+HEURISTIC_GROWTH, HEURISTIC_SHRINK = 2, 1  # transformers' heuristic schedule: +2 on a fully accepted draft, else -1
+
+
+@dataclass(frozen=True)
+class ChainKnobs:
+    """One engine setting and what its replay predicts."""
+
+    engine: str
+    draft_max: int  # llama.cpp's --draft-max; transformers' (initial) num_assistant_tokens
+    draft_min: int = 0  # llama.cpp
+    p_min: float = 0.0  # llama.cpp
+    schedule: str = "constant"  # transformers
+    tokens_per_step: float = 0.0
+    drafted_per_step: float = 0.0
+    step_seconds: float = 0.0
+    speedup: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: float,
+           forward_seconds: np.ndarray) -> ChainKnobs:
+    """`knobs` with its prediction: `forward_seconds[n]` = t(n) + o(n) for n = 1..draft_max + 1."""
+    tokens = steps = drafted_total = seconds = ar_seconds = 0.0
+    k = knobs.draft_max
+    for chain in chains:
+        length = len(chain.match)
+        if knobs.schedule == "constant":
+            k = knobs.draft_max
+        position = 0
+        while position < length:
+            drafted = _drafted(chain, position, k, knobs.p_min)
+            if drafted < knobs.draft_min:
+                accepted, verified = 0, 1
+            else:
+                accepted = _leading_matches(chain, position, drafted)
+                verified = drafted + 1
+            step_tokens = min(accepted + 1, length - position)
+            seconds += drafted * draft_seconds + forward_seconds[verified]
+            drafted_total += drafted
+            tokens += step_tokens
+            steps += 1
+            position += step_tokens
+            if knobs.schedule == "heuristic":
+                grown = min(k + HEURISTIC_GROWTH, len(forward_seconds) - 2)  # priced up to the profile's largest n
+                k = grown if accepted == drafted else max(1, k - HEURISTIC_SHRINK)
+        ar_seconds += length * forward_seconds[1]
+    if tokens == 0:
+        raise UserError("the acceptance file's chain traces are empty")
+    return ChainKnobs(knobs.engine, knobs.draft_max, knobs.draft_min, knobs.p_min, knobs.schedule,
+                      tokens / steps, drafted_total / steps, seconds / steps, ar_seconds / seconds)
+
+
+def _drafted(chain: DraftChainTrace, position: int, k: int, p_min: float) -> int:
+    """Tokens drafted from `position`: up to k, stopping after the first whose confidence is below p_min; none
+    drafted past the continuation's end."""
+    room = min(k, len(chain.match) - position)
+    if p_min > 0:
+        below = np.nonzero(chain.confidence[position:position + room] < p_min)[0]
+        if len(below):
+            return int(below[0]) + 1
+    return room
+
+
+def _leading_matches(chain: DraftChainTrace, position: int, drafted: int) -> int:
+    misses = np.nonzero(~chain.match[position:position + drafted])[0]
+    return int(misses[0]) if len(misses) else drafted
+
+
+def best_knobs(engine: str, chains: list[DraftChainTrace], profile: LatencyProfile, max_depth: int,
+               context: int | None = None) -> list[ChainKnobs]:
+    """Every setting of `engine`'s knobs up to max_depth drafted tokens, replayed and ranked by predicted speedup
+    (ties towards fewer drafted tokens)."""
+    if engine not in CHAIN_KNOB_ENGINES:
+        raise UserError(f"{engine} has no chain knobs to replay (choose from {', '.join(CHAIN_KNOB_ENGINES)})")
+    draft_seconds = profile.draft_step(context)
+    if draft_seconds is None:
+        raise UserError("the profile has no draft.step_seconds: a draft model's chain needs its per-step cost")
+    curve = profile.target_curve(context)
+    largest = min(max_depth, curve.max_n - 1)
+    if largest < 1:
+        raise UserError(f"the profile covers t(n) up to n = {curve.max_n}: no chain of one token or more fits")
+    sizes = np.arange(1, curve.max_n + 1)
+    forward_seconds = np.zeros(curve.max_n + 1)
+    forward_seconds[1:] = curve(sizes) + profile.engine_overhead(sizes)
+    if engine == "llama.cpp":
+        settings = [ChainKnobs(engine, k, draft_min, p_min) for k in range(1, largest + 1)
+                    for draft_min in DRAFT_MIN_GRID if draft_min <= k for p_min in P_MIN_GRID]
+    else:
+        settings = [ChainKnobs(engine, k, schedule=schedule)
+                    for k in range(1, largest + 1) for schedule in HF_SCHEDULES]
+    ranked = [replay(chains, knobs, draft_seconds, forward_seconds) for knobs in settings]
+    return sorted(ranked, key=lambda c: (-c.speedup, c.drafted_per_step))

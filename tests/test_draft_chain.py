@@ -1,0 +1,152 @@
+"""The chain engines' knobs (planner/draft_chain.py): llama.cpp's draft-max/draft-min/draft-p-min and transformers'
+num_assistant_tokens schedule, replayed over the acceptance file's chain traces."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from core.acceptance_schema import DraftChainTrace, SequoiaAcceptance, load_sequoia_acceptance
+from core.errors import UserError
+from core.plan_schema import load_plan
+from decoder.drafters import SequoiaDrafter
+from decoder.engine import SpeculativeEngine
+from decoder.sampling import SamplingParams
+from planner.draft_chain import ChainKnobs, replay
+from planner.export import export_plan
+from profiler.acceptance import measure_sequoia
+
+from toy import VOCAB, toy_model
+
+PROFILE = "profiles/qwen2.5-coder-1.5b+0.5b.cpu-2c.bf16.yaml"  # no draft vocabulary limit
+UNIT_COSTS = np.ones(64)  # every forward one unit, drafts free: the replay's speedup is tokens per step
+
+
+def trace(match: str, confidence: list[float]) -> DraftChainTrace:
+    return DraftChainTrace(np.array([c == "1" for c in match]), np.array(confidence))
+
+
+def tokens_per_step(chains: list[DraftChainTrace], **knobs) -> float:
+    return replay(chains, ChainKnobs(**knobs), 0.0, UNIT_COSTS).tokens_per_step
+
+
+def test_replay_without_a_confidence_stop_is_what_the_decoder_does():
+    """Chains of k tokens decoded by our engine at T = 0 take exactly the steps the replay of the traces counts."""
+    _, target = toy_model(10)
+    _, draft = toy_model(10, noise=0.5)
+    prompts = [torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
+    run = measure_sequoia(target, draft, prompts, SamplingParams(), 4, 40, stop_ids=())
+    assert 0.2 < np.mean(np.concatenate([c.match for c in run.chains])) < 0.95  # some drafts miss, some hit
+    for k in (1, 2, 4, 6):
+        engine = SpeculativeEngine(target, SequoiaDrafter(draft, list(range(-1, k))))
+        steps = sum(engine.generate(prompt, 40, SamplingParams()).steps for prompt in prompts)
+        predicted = tokens_per_step(run.chains, engine="llama.cpp", draft_max=k)
+        assert predicted == pytest.approx(4 * 40 / steps, rel=1e-12)
+
+
+def test_llama_cpp_keeps_the_token_below_draft_p_min_then_stops():
+    chain = trace("11011111", [0.9, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9])
+    # p_min 0.5, draft-max 4: step 1 drafts 2 (the second is below 0.5, kept), both hit: 3 tokens; step 2 at
+    # position 3 drafts 4, all hit: 5 tokens, the end
+    assert tokens_per_step([chain], engine="llama.cpp", draft_max=4, p_min=0.5) == 8 / 2
+    # without the stop, step 1 drafts 4 and misses the third: 3 tokens; step 2 from position 3: 5
+    assert tokens_per_step([chain], engine="llama.cpp", draft_max=4) == 8 / 2
+    # draft-min 3 drops every draft shorter than 3: position 0 drafts 2 (dropped: 1 token), position 1 drafts 1
+    # (0.3, dropped: 1 token), position 2 drafts 4 and misses at once (1 token), position 3 drafts 4 hits (5 tokens)
+    knobs = ChainKnobs("llama.cpp", 4, draft_min=3, p_min=0.5)
+    replayed = replay([chain], knobs, 0.0, UNIT_COSTS)
+    assert replayed.tokens_per_step == 8 / 4
+
+
+def test_draft_cost_counts_every_drafted_token():
+    chain = trace("1111", [0.9, 0.9, 0.9, 0.9])
+    costs = np.arange(64, dtype=float) + 10.0  # t(n) = 10 + n
+    replayed = replay([chain], ChainKnobs("llama.cpp", 3), 2.0, costs)
+    # step 1 drafts 3 (all hit): 4 tokens, the end; 3 drafts at 2 and t(4) = 14
+    assert replayed.step_seconds == 3 * 2.0 + 14.0
+    assert replayed.speedup == pytest.approx(4 * 11.0 / 20.0)
+
+
+def test_transformers_heuristic_schedule_grows_and_shrinks():
+    chain = trace("1" * 5 + "0" + "1" * 10, [1.0] * 16)
+    # constant 1: every step drafts one hit and yields 2 tokens (the miss at 5 is the target's own token): 8 steps
+    constant = tokens_per_step([chain], engine="hf", draft_max=1)
+    heuristic = tokens_per_step([chain], engine="hf", draft_max=1, schedule="heuristic")
+    # heuristic, +2 after every fully accepted draft: k = 1 drafts 0 (2 tokens), k = 3 drafts 2-4 (4 tokens, the
+    # target's own at 5), k = 5 drafts 6-10 (6 tokens), k = 7 drafts the last 4 (4 tokens): 16 tokens in 4 steps
+    assert heuristic == 16 / 4
+    assert constant == 16 / 8
+
+
+def test_a_trace_that_does_not_fit_is_refused_in_one_line(tmp_path):
+    good = {"kind": "acceptance/sequoia", "positional": [0.5, 0.2],
+            "chains": [{"match": "101", "confidence": [0.5, 0.25, 1.0]}]}
+    loaded = SequoiaAcceptance.from_dict(good, "a.yaml")
+    assert loaded.to_dict()["chains"] == good["chains"]
+    for chains, message in (([{"match": "102", "confidence": [0.5, 0.2, 0.1]}], "string of 0s and 1s"),
+                            ([{"match": "10", "confidence": [0.5]}], "one entry per position"),
+                            ([{"match": "1", "confidence": [1.5]}], "confidence"),
+                            ("no", "'chains' must be a list")):
+        with pytest.raises(UserError, match=message):
+            SequoiaAcceptance.from_dict({**good, "chains": chains}, "a.yaml")
+
+
+def chain_acceptance(tmp_path) -> str:
+    """The qwen pair's positional vector with hand-made chains: long runs of hits, confident until a miss."""
+    rng = np.random.default_rng(0)
+    chains = []
+    for _ in range(6):
+        match = rng.random(96) < 0.8
+        confidence = np.where(match, rng.uniform(0.6, 1.0, 96), rng.uniform(0.05, 0.5, 96))
+        chains.append(DraftChainTrace(match, confidence))
+    document = SequoiaAcceptance(np.array([0.7, 0.1, 0.05]), target="qwen2.5-coder-1.5b",
+                                 draft="qwen2.5-coder-0.5b", temperature=0.0, chains=chains).to_dict()
+    path = tmp_path / "chains.yaml"
+    path.write_text(yaml.safe_dump(document))
+    assert len(load_sequoia_acceptance(path).chains) == 6
+    return str(path)
+
+
+@pytest.mark.parametrize("engine", ["llama.cpp", "hf"])
+def test_a_chain_engine_plan_carries_and_exports_its_knobs(engine, run_cli, tmp_path):
+    out = tmp_path / "plan.yaml"
+    code, stdout, stderr = run_cli("solve", "sequoia", "--acceptance", chain_acceptance(tmp_path), "--profile",
+                                   PROFILE, "--engine", engine, "--max-size", 16, "--max-depth", 8, "-o", out)
+    assert code == 0, stderr
+    plan = load_plan(out)
+    knobs = plan.solver["chain_knobs"]
+    assert plan.tree.size == knobs["draft_max"] + 1 and plan.prediction.speedup == knobs["speedup"]
+    assert all(knobs["speedup"] >= other["speedup"] for other in knobs["top"])
+    exported = export_plan(plan, engine, draft_path="draft.gguf").content
+    if engine == "llama.cpp":
+        assert 0 < knobs["p_min"] < 1  # misses come with low confidence here: a stop pays
+        assert f"--draft-max {knobs['draft_max']} --draft-min {knobs['draft_min']} --draft-p-min {knobs['p_min']}" \
+            in exported
+    else:
+        config = json.loads(exported)
+        assert config["num_assistant_tokens"] == knobs["draft_max"]
+        assert config["num_assistant_tokens_schedule"] == knobs["schedule"]
+        assert config["assistant_confidence_threshold"] == 0.0
+
+
+@pytest.mark.parametrize("p_min, most_per_step", [(0.0, 5.0), (1.01, 2.0)])
+def test_llama_cpp_python_runs_the_draft_rule(p_min, most_per_step):
+    """llama.cpp's draft-model rule behind llama-cpp-python's draft interface (specplan/llamacpp.py), the model
+    drafting for itself: greedy output unchanged; draft-max 4 yields up to 5 tokens a step, and a p_min no
+    probability reaches stops every draft after its first token (at most 2 a step)."""
+    pytest.importorskip("llama_cpp")
+    from core.models import load_model
+    from specplan.llamacpp import DraftChainSettings, LlamaCpp
+
+    model = load_model("smollm2-135m", "gguf")
+    ids = model.tokenizer("The capital of France is Paris. The capital of Spain is")["input_ids"]
+    plain = LlamaCpp(model, 128).generate(ids, 24, SamplingParams(), 0)[0]
+    chained = LlamaCpp(model, 128, draft_chain=DraftChainSettings(model, 4, 0, p_min))
+    tokens, extra = chained.generate(ids, 24, SamplingParams(), 0)
+    assert tokens == plain
+    decode_tokens, _ = extra["decode"]
+    assert 1.0 < decode_tokens / extra["decode_forwards"] <= most_per_step
