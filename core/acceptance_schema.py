@@ -24,6 +24,7 @@ class DraftChainTrace:
 
     match: np.ndarray  # [positions] bool
     confidence: np.ndarray  # [positions] float
+    prompt_tokens: int | None = None  # the prompt's length: what the draft prefills before its first draft
 
     @classmethod
     def from_fields(cls, t: Fields) -> DraftChainTrace:
@@ -33,10 +34,12 @@ class DraftChainTrace:
         confidence = t.number_list("confidence", low=0.0, high=1.0)
         if len(confidence) != len(match):
             raise t.fail("'confidence' must have one entry per position of 'match'")
-        return cls(np.array([c == "1" for c in match]), np.array(confidence))
+        return cls(np.array([c == "1" for c in match]), np.array(confidence),
+                   t.integer("prompt_tokens", required=False, low=1))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"match": "".join("1" if m else "0" for m in self.match),
+        return {**({"prompt_tokens": self.prompt_tokens} if self.prompt_tokens is not None else {}),
+                "match": "".join("1" if m else "0" for m in self.match),
                 "confidence": [round(float(c), CONFIDENCE_DECIMALS) for c in self.confidence]}
 
 

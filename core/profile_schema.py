@@ -14,7 +14,9 @@ token ids below some size (plus the stop tokens), `draft_vocab`. A measured prof
 `target.engine_overhead_seconds: {n: seconds}`: the decoding engine's time per step outside the target's
 forward for a draft tree of n nodes (at the context `target.engine_overhead_context`). Profiled with
 `--window-prefill`, the draft's section (the target's where there is no draft) gives `window_prefill: {sinks,
-window, seconds}`: a StreamingLLM drafter's prefill of its window, paid once per prompt.
+window, seconds}`: a StreamingLLM drafter's prefill of its window, paid once per prompt. `draft.prefill_seconds:
+{L: seconds}` (`plan profile --engine llama.cpp`): the draft's prefill of a prompt of L tokens, which a draft-model
+engine pays once per prompt before its first draft.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class LatencyProfile:
     builds_by_context: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {budget: seconds}}
     overhead_seconds: dict[int, float] = field(default_factory=dict)  # {n: engine seconds per step outside t(n)}
     window_prefills: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # {role: (sinks, window, s)}
+    draft_prefills: dict[int, float] = field(default_factory=dict)  # {prompt tokens: the draft's prefill seconds}
     overhead_context: int | None = None  # the context engine_overhead_seconds was timed at
     models: dict[str, str] = field(default_factory=dict)  # {role: model name}
     backend: str = "lean"  # the forward timed (profiles from before the transformers backend timed the lean one)
@@ -129,6 +132,8 @@ class LatencyProfile:
                                                                     max_key=MAX_FORWARD_TOKENS)
             if target.has("engine_overhead_seconds") else {},
             window_prefills=window_prefills,
+            draft_prefills=draft.int_keyed_numbers("prefill_seconds", seconds=True)
+            if draft is not None and draft.has("prefill_seconds") else {},
             overhead_context=target.token_count("engine_overhead_context", required=False),
             models=_names(f.sub("models", required=False)),
             backend=f.string("backend", required=False, default="lean", choices=TIMED_FORWARDS),
@@ -186,6 +191,14 @@ class LatencyProfile:
         if context is None or not self.draft_by_context:
             return self.draft_step_seconds
         return _linear(self.draft_by_context, context)
+
+    def draft_prefill(self, prompt_tokens: int) -> float | None:
+        """The draft's prefill of a prompt of `prompt_tokens`: its profiled seconds per token, linear between the
+        profiled lengths (clamped), times the length; None unless profiled."""
+        if not self.draft_prefills:
+            return None
+        per_token = {length: seconds / length for length, seconds in self.draft_prefills.items()}
+        return _linear(per_token, prompt_tokens) * prompt_tokens
 
     def window_prefill(self, role: str, sinks: int, window: int) -> float | None:
         """Seconds for the `role` model (target or draft), as a StreamingLLM drafter, to prefill a window of

@@ -152,7 +152,9 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     dtype = dtype or (plan.models.dtype if plan else None) or "fp32"
     log(f"loading {target_name} ({dtype})")
     target_model = load_model(target_name, dtype, log=log)
-    requested = backend or (plan.models.backend if plan else None) or "auto"
+    # a plan priced on llama.cpp's own forward (an engine plan) runs here on ours
+    planned = plan.models.backend if plan is not None and plan.models.backend in BACKENDS else None
+    requested = backend or planned or "auto"
     backend = choose_backend(target_model.config, requested)
     if plan is not None and plan.models.backend not in (None, backend):
         log(f"note: the plan's prediction is for the {plan.models.backend} backend; running the {backend} one")

@@ -6,8 +6,9 @@ Each engine's drafting rule, as its source has it (planner/engines.py cites both
 - llama.cpp (common/speculative.cpp, the draft-model implementation): draft up to draft-max tokens, each the draft
   sampler's top candidate; a token whose probability (over the sampler's top 10) is below draft-p-min is still
   kept, and drafting stops after it. The draft decodes the last accepted token and each drafted token but the last:
-  as many draft forwards as drafted tokens. A draft shorter than draft-min is dropped (the server's rule): the
-  target then scores one token, the draft's forwards spent.
+  as many draft forwards as drafted tokens, and one more after a draft accepted whole (its last token, never
+  decoded, is decoded first). A draft shorter than draft-min is dropped (the server's rule): the target then scores
+  one token, the draft's forwards spent.
 - transformers (generation/candidate_generator.py, AssistedCandidateGenerator): the assistant generates
   num_assistant_tokens tokens; the "heuristic" schedule then adds 2 when every drafted token was accepted, else
   takes 1 away (at least 1), kept across generate calls. assistant_confidence_threshold is left at 0: above 0,
@@ -15,7 +16,9 @@ Each engine's drafting rule, as its source has it (planner/engines.py cites both
 
 The replay walks each prompt's continuation: a step at position p drafts k tokens (the rules above over the
 recorded confidences), the target accepts the leading matches and adds its own token, and the step costs
-k * c_draft + t(k + 1) + o(k + 1) (the profile's forward and engine overhead). At T = 0 the tokens each step yields
+k * c_draft + t(k + 1) + o(k + 1) (the profile's forward and engine overhead), and each prompt the draft's prefill of
+it (where the profile timed the draft's prefill and the trace records the prompt's length: one-token decoding does
+not pay it, and it lands inside the decode time). At T = 0 the tokens each step yields
 are exactly the engines' (a chain is accepted up to its first miss, and the traces are the draft teacher-forced on
 the target's own tokens, which a chain's accepted prefix is); how far a chain runs past its first miss is priced
 with the teacher-forced confidences there, an estimate. One-token decoding costs t(1) + o(1) a token.
@@ -23,6 +26,7 @@ with the teacher-forced confidences there, an estimate. One-token decoding costs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -56,16 +60,19 @@ class ChainKnobs:
         return asdict(self)
 
 
-def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: float,
-           forward_seconds: np.ndarray) -> ChainKnobs:
-    """`knobs` with its prediction: `forward_seconds[n]` = t(n) + o(n) for n = 1..draft_max + 1."""
+def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: float, forward_seconds: np.ndarray,
+           prefill_seconds: Callable[[int], float | None] = lambda tokens: None) -> ChainKnobs:
+    """`knobs` with its prediction: `forward_seconds[n]` = t(n) + o(n) for n = 1..draft_max + 1;
+    `prefill_seconds(prompt tokens)`: the draft's prefill of a prompt, None where unpriced."""
     tokens = steps = drafted_total = seconds = ar_seconds = 0.0
     k = knobs.draft_max
     for chain in chains:
         length = len(chain.match)
         if knobs.schedule == "constant":
             k = knobs.draft_max
-        position = 0
+        if chain.prompt_tokens is not None:
+            seconds += prefill_seconds(chain.prompt_tokens) or 0.0
+        position, behind = 0, False
         while position < length:
             drafted = _drafted(chain, position, k, knobs.p_min)
             if drafted < knobs.draft_min:
@@ -74,7 +81,9 @@ def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: floa
                 accepted = _leading_matches(chain, position, drafted)
                 verified = drafted + 1
             step_tokens = min(accepted + 1, length - position)
-            seconds += drafted * draft_seconds + forward_seconds[verified]
+            catch_up = 1 if behind and knobs.engine == "llama.cpp" else 0
+            behind = verified > 1 and accepted == drafted
+            seconds += (drafted + catch_up) * draft_seconds + forward_seconds[verified]
             drafted_total += drafted
             tokens += step_tokens
             steps += 1
@@ -108,7 +117,7 @@ def _leading_matches(chain: DraftChainTrace, position: int, drafted: int) -> int
 def best_knobs(engine: str, chains: list[DraftChainTrace], profile: LatencyProfile, max_depth: int,
                context: int | None = None) -> list[ChainKnobs]:
     """Every setting of `engine`'s knobs up to max_depth drafted tokens, replayed and ranked by predicted speedup
-    (ties towards fewer drafted tokens)."""
+    (ties towards fewer drafted tokens, then the smaller knobs), each distinct outcome once."""
     if engine not in CHAIN_KNOB_ENGINES:
         raise UserError(f"{engine} has no chain knobs to replay (choose from {', '.join(CHAIN_KNOB_ENGINES)})")
     draft_seconds = profile.draft_step(context)
@@ -127,5 +136,13 @@ def best_knobs(engine: str, chains: list[DraftChainTrace], profile: LatencyProfi
     else:
         settings = [ChainKnobs(engine, k, schedule=schedule)
                     for k in range(1, largest + 1) for schedule in HF_SCHEDULES]
-    ranked = [replay(chains, knobs, draft_seconds, forward_seconds) for knobs in settings]
-    return sorted(ranked, key=lambda c: (-c.speedup, c.drafted_per_step))
+    ranked = sorted((replay(chains, knobs, draft_seconds, forward_seconds, profile.draft_prefill)
+                     for knobs in settings),
+                    key=lambda c: (-c.speedup, c.drafted_per_step, c.draft_max, c.draft_min, c.p_min))
+    distinct, seen = [], set()
+    for knobs in ranked:  # settings that draft alike everywhere (a p_min no confidence falls below) listed once
+        outcome = (round(knobs.tokens_per_step, 12), round(knobs.step_seconds, 15))
+        if outcome not in seen:
+            seen.add(outcome)
+            distinct.append(knobs)
+    return distinct

@@ -122,8 +122,14 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
                  f"--speculative-num-draft-tokens {triple['num_draft_tokens']}")
         return Export(flags, f"python -m sglang.launch_server --model-path {target} <these flags> (a separate draft "
                              "model, not EAGLE heads: --speculative-algorithm STANDALONE)")
-    knobs = plan.solver.get("chain_knobs") if plan.engine == fmt else None
-    knobs = knobs if isinstance(knobs, dict) else {}
+    chain = plan.solver.get("chain_knobs") if plan.engine == fmt else None
+    chain = chain if isinstance(chain, dict) else {}
+    if chain and not chain.get("enabled", True):
+        best = chain.get("best") if isinstance(chain.get("best"), dict) else {}
+        return Export("", f"{fmt} without a draft model: no setting of its knobs was predicted faster than its "
+                          f"one-token decoding on the profile (the best, draft {best.get('draft_max')} tokens: "
+                          f"{best.get('tokens_per_step', 0):.2f} tokens/step, {best.get('speedup', 0):.2f}x)")
+    knobs = chain.get("best", {}) if isinstance(chain.get("best"), dict) else {}
     if fmt == "llama.cpp":
         draft_min, p_min = int(knobs.get("draft_min", 0)), float(knobs.get("p_min", 0.0))
         return Export(f"--model-draft {draft_path} --draft-max {depth} --draft-min {draft_min} --draft-p-min {p_min}",

@@ -39,6 +39,7 @@ import numpy as np
 from numba import njit
 
 from core.acceptance_schema import SequoiaAcceptance, load_sequoia_acceptance
+from core.choices import FORWARDS, TIMED_FORWARDS
 from core.errors import UserError
 from core.fileio import shown
 from core.plan_schema import Plan, PlanModels, Prediction, TokenTree
@@ -451,7 +452,9 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     if batch < 1:
         raise UserError(f"the batch size must be >= 1, got {batch}")
     acceptance = load_sequoia_acceptance(acceptance_path)
-    profile = load_profile(profile_path) if profile_path is not None else None
+    # llama.cpp's plans are priced on its own forward and draft step (`plan profile --engine llama.cpp`)
+    backends = TIMED_FORWARDS if engine == "llama.cpp" else FORWARDS
+    profile = load_profile(profile_path, backends) if profile_path is not None else None
     models = _models(acceptance, profile, f"{acceptance_path} and {profile_path}")
 
     rules = engine_rules(engine, heads)
@@ -489,15 +492,23 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
 def _use_chain_knobs(plan: Plan, engine: str, acceptance: SequoiaAcceptance, profile: LatencyProfile,
                      max_depth: int, context: int | None) -> None:
     """Replace the chain DP's choice by the engine's own knobs replayed over the chain traces (planner/draft_chain.py):
-    the plan's chain is the draft length, its prediction the replay's."""
+    the plan's chain is the draft length, its prediction the replay's; where no setting is predicted faster than
+    one-token decoding, the plan drafts nothing (and records the best setting, which `plan bench` still runs)."""
     ranked = best_knobs(engine, acceptance.chains, profile, max_depth, context)
     best = ranked[0]
+    enabled = best.speedup > 1.0
+    plan.solver["algorithm"] = f"{engine}'s drafting rule replayed over {len(acceptance.chains)} chain traces"
+    plan.solver["chain_knobs"] = {"enabled": enabled, "best": best.as_dict(),
+                                  "top": [knobs.as_dict() for knobs in ranked[1:6]]}
+    if not enabled:
+        plan.tree = TokenTree.from_parents([-1])
+        step = float(profile.target_curve(context)(1) + profile.engine_overhead(1))
+        plan.prediction = Prediction(1.0, 1.0, step, 1.0 / step, latency_source=profile.source)
+        return
     plan.tree = TokenTree.from_parents(list(range(-1, best.draft_max)))
     plan.prediction = Prediction(best.tokens_per_step, best.speedup, best.step_seconds,
                                  best.tokens_per_step / best.step_seconds, latency_source=profile.source,
                                  replay_exact=True)
-    plan.solver["algorithm"] = f"{engine}'s drafting rule replayed over {len(acceptance.chains)} chain traces"
-    plan.solver["chain_knobs"] = {**best.as_dict(), "top": [knobs.as_dict() for knobs in ranked[1:6]]}
 
 
 def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files: str) -> PlanModels:

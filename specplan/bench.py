@@ -222,9 +222,10 @@ def _methods(decoder: Decoder, request: BenchRequest, context: int) -> dict[str,
 def _llama_draft_chain(decoder: Decoder) -> DraftChainSettings | None:
     """The knobs of a plan solved for llama.cpp's draft-model speculation, with its draft; None for another plan."""
     plan = decoder.plan
-    knobs = plan.solver.get("chain_knobs") if plan is not None and plan.engine == "llama.cpp" else None
-    if not isinstance(knobs, dict) or decoder.draft is None:
+    chain = plan.solver.get("chain_knobs") if plan is not None and plan.engine == "llama.cpp" else None
+    if not isinstance(chain, dict) or decoder.draft is None:
         return None
+    knobs = chain["best"]  # where the plan drafts nothing, its best setting: the prediction is checked all the same
     return DraftChainSettings(decoder.draft, int(knobs["draft_max"]), int(knobs["draft_min"]), float(knobs["p_min"]))
 
 
@@ -317,9 +318,12 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
             # a plan for llama.cpp's draft-model speculation, priced on llama.cpp's profile: run there
             entries = [row["methods"]["llama.cpp-draft"] for row in rows]
             measured = summary["llama.cpp-draft"]["speedup_vs_llama.cpp"]
+            best = plan.solver["chain_knobs"]["best"]
             prediction["llama_cpp_draft"] = {
+                "knobs": {key: best[key] for key in ("draft_max", "draft_min", "p_min")},
+                "predicted_speedup": best["speedup"], "predicted_tokens_per_step": best["tokens_per_step"],
                 "measured_speedup_vs_llama.cpp": measured,
-                "measured_over_predicted": measured / plan.prediction.speedup if plan.prediction.speedup else None,
+                "measured_over_predicted": measured / best["speedup"],
                 "measured_tokens_per_step": (sum(e["decode_tokens"] for e in entries)
                                              / max(1, sum(e["decode_forwards"] for e in entries)))}
         for method, key in (("two-level", "best_two_level"), ("streaming", "best_streaming")):
@@ -506,8 +510,9 @@ def markdown_table(report: dict) -> str:
                      + (" (vs ours-ar)" if measured is not None else " (ours-ar not run: no measured speedup)"))
         draft_chain = prediction.get("llama_cpp_draft")
         if draft_chain:
-            lines.append(f"llama.cpp-draft (the plan's knobs, in llama-cpp-python): measured "
-                         f"{draft_chain['measured_speedup_vs_llama.cpp']:.2f}x vs llama.cpp at "
+            lines.append(f"llama.cpp-draft ({draft_chain['knobs']}, in llama-cpp-python): predicted "
+                         f"{draft_chain['predicted_speedup']:.2f}x at {draft_chain['predicted_tokens_per_step']:.2f} "
+                         f"tokens/step; measured {draft_chain['measured_speedup_vs_llama.cpp']:.2f}x vs llama.cpp at "
                          f"{draft_chain['measured_tokens_per_step']:.2f} tokens/step ("
                          f"{draft_chain['measured_over_predicted']:.2f} of the prediction)")
         speculative = (report.get("plan") or {}).get("prediction", {}).get("best_speculative")

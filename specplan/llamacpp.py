@@ -108,13 +108,16 @@ def profile_llamacpp(request: ProfileRequest, log: Callable[[str], None]) -> dic
     vocabulary = min(model.config.vocab_size for model in loaded.values())
     ids = torch.randint(100, min(vocabulary, 30000), (longest,), generator=generator).tolist()
     curves: dict[str, dict[int, dict[int, dict[str, float]]]] = {}
+    prefills: dict[int, float] = {}  # the draft's, per prompt length
     started = time.perf_counter()
     for role, model in loaded.items():
         llama = open_llama(model, longest, logits_all=role == "target")
         curves[role] = {}
         for context in request.contexts:
             llama.reset()
+            start = time.perf_counter()
             llama.eval(ids[:context])
+            prefills[context] = time.perf_counter() - start
             curves[role][context] = {n: _timed(llama, context, ids[context:context + n], request.warmup,
                                                request.repeats) for n in sizes[role]}
             log(f"llama.cpp {role} t(n) at L={context}: " + ", ".join(
@@ -122,6 +125,8 @@ def profile_llamacpp(request: ProfileRequest, log: Callable[[str], None]) -> dic
         del llama
     machine = hardware.fingerprint(torch.device("cpu"), request.dtype, request.threads)
     document = profile_document(request, "measured", machine, loaded, curves)
+    if "draft" in loaded:
+        document["draft"]["prefill_seconds"] = prefills  # the last role timed: the draft
     document["backend"] = "llama.cpp"
     document["settings"] = {"engine": f"llama.cpp (llama-cpp-python {llama_cpp().__version__})",
                             "gguf": gguf_for(loaded["target"]).name, "threads": request.threads,
@@ -172,7 +177,9 @@ class DraftModelChain:
         limit = min(len(self.cached), len(ids) - 1)  # the last token is always evaluated: its logits are needed
         while common < limit and self.cached[common] == ids[common]:
             common += 1
-        forward_after(self.llama, common, ids[common:])
+        if common < len(ids) - 1:  # llama.cpp decodes the tokens its draft lacks, then the last one alone
+            forward_after(self.llama, common, ids[common:-1])
+        forward_after(self.llama, len(ids) - 1, ids[-1:])
         self.cached = ids
         drafted: list[int] = []
         while True:

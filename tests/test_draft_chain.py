@@ -71,6 +71,18 @@ def test_draft_cost_counts_every_drafted_token():
     assert replayed.speedup == pytest.approx(4 * 11.0 / 20.0)
 
 
+def test_llama_cpp_decodes_a_whole_accepted_drafts_last_token_and_prefills_each_prompt():
+    chain = DraftChainTrace(np.ones(8, dtype=bool), np.full(8, 0.9), prompt_tokens=100)
+    costs = np.arange(64, dtype=float) + 10.0
+    knobs = ChainKnobs("llama.cpp", 3)
+    # two steps of 4 tokens; the second decodes the first step's last draft first: 3 + 4 drafts at 2, two t(4) = 14,
+    # and the prompt's prefill (100 tokens at 0.05)
+    replayed = replay([chain], knobs, 2.0, costs, lambda tokens: 0.05 * tokens)
+    assert replayed.step_seconds * 2 == pytest.approx(5.0 + 7 * 2.0 + 2 * 14.0)
+    transformers = replay([chain], ChainKnobs("hf", 3), 2.0, costs, lambda tokens: 0.05 * tokens)
+    assert transformers.step_seconds * 2 == pytest.approx(5.0 + 6 * 2.0 + 2 * 14.0)
+
+
 def test_transformers_heuristic_schedule_grows_and_shrinks():
     chain = trace("1" * 5 + "0" + "1" * 10, [1.0] * 16)
     # constant 1: every step drafts one hit and yields 2 tokens (the miss at 5 is the target's own token): 8 steps
@@ -118,9 +130,11 @@ def test_a_chain_engine_plan_carries_and_exports_its_knobs(engine, run_cli, tmp_
                                    PROFILE, "--engine", engine, "--max-size", 16, "--max-depth", 8, "-o", out)
     assert code == 0, stderr
     plan = load_plan(out)
-    knobs = plan.solver["chain_knobs"]
+    chain = plan.solver["chain_knobs"]
+    knobs = chain["best"]
+    assert chain["enabled"] and knobs["speedup"] > 1
     assert plan.tree.size == knobs["draft_max"] + 1 and plan.prediction.speedup == knobs["speedup"]
-    assert all(knobs["speedup"] >= other["speedup"] for other in knobs["top"])
+    assert all(knobs["speedup"] >= other["speedup"] for other in chain["top"])
     exported = export_plan(plan, engine, draft_path="draft.gguf").content
     if engine == "llama.cpp":
         assert 0 < knobs["p_min"] < 1  # misses come with low confidence here: a stop pays
@@ -150,3 +164,25 @@ def test_llama_cpp_python_runs_the_draft_rule(p_min, most_per_step):
     assert tokens == plain
     decode_tokens, _ = extra["decode"]
     assert 1.0 < decode_tokens / extra["decode_forwards"] <= most_per_step
+
+
+def test_a_chain_plan_drafts_nothing_where_no_setting_pays(run_cli, write_yaml_file, tmp_path):
+    """On a profile whose forwards of two tokens cost twice one, no setting beats one-token decoding: the plan
+    drafts nothing and says so, and its export runs the engine without a draft model."""
+    profile = yaml.safe_load(open(PROFILE))
+    curve = profile["target"]["t_seconds"]
+    one = curve[1]
+    slow = {n: one * n for n in curve}
+    profile["target"]["t_seconds"] = slow
+    profile["target"]["contexts"] = {profile["target"]["context"]: {"t_seconds": slow, "step_seconds": None}}
+    profile["target"]["contexts"][profile["target"]["context"]].pop("step_seconds")
+    path = write_yaml_file("slow.yaml", profile)
+    out = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", chain_acceptance(tmp_path), "--profile", path,
+                              "--engine", "llama.cpp", "--max-size", 8, "--max-depth", 6, "-o", out)
+    assert code == 0, stderr
+    plan = load_plan(out)
+    assert not plan.solver["chain_knobs"]["enabled"] and plan.tree.size == 1 and plan.prediction.speedup == 1.0
+    assert plan.solver["chain_knobs"]["best"]["speedup"] < 1
+    export = export_plan(plan, "llama.cpp", draft_path="draft.gguf")
+    assert export.content == "" and "without a draft model" in export.instructions
