@@ -99,9 +99,10 @@ def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: floa
 
 
 def _drafted(chain: DraftChainTrace, position: int, k: int, p_min: float) -> int:
-    """Tokens drafted from `position`: up to k, stopping after the first whose confidence is below p_min; none
-    drafted past the continuation's end."""
-    room = min(k, len(chain.match) - position)
+    """Tokens drafted from `position`: up to k, stopping after the first whose confidence is below p_min; at most
+    one fewer than the tokens left (the target adds its own), as transformers caps it (and llama-server, given a
+    token limit)."""
+    room = min(k, len(chain.match) - position - 1)
     if p_min > 0:
         below = np.nonzero(chain.confidence[position:position + room] < p_min)[0]
         if len(below):

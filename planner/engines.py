@@ -76,7 +76,8 @@ HF_CANDIDATES = Source(
     "huggingface/transformers", "src/transformers/generation/candidate_generator.py",
     "02dba3191ce987d960b0b4ccca7556ca81a8bad6",
     "AssistedCandidateGenerator extends the input by the assistant's own generate() output: one sequence of "
-    "num_assistant_tokens tokens (a chain)")
+    "num_assistant_tokens tokens (a chain); it copies num_assistant_tokens, its schedule and the confidence threshold "
+    "from the assistant model's generation_config")
 
 
 @dataclass(frozen=True)

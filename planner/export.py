@@ -135,11 +135,14 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         return Export(f"--model-draft {draft_path} --draft-max {depth} --draft-min {draft_min} --draft-p-min {p_min}",
                       "llama-server -m TARGET.gguf <these flags>" + (
                           "" if knobs else " (draft-p-min 0: every step drafts the full chain the plan priced)"))
-    config = {"assistant_model": draft_path, "num_assistant_tokens": depth,
-              "num_assistant_tokens_schedule": str(knobs.get("schedule", "constant")),
-              "assistant_confidence_threshold": 0.0}
-    return Export(json.dumps(config), "model.generate(**inputs, **<these kwargs>) with the assistant loaded from "
-                                      "assistant_model")
+    config = {"assistant_model": draft_path,
+              "assistant_generation_config": {"num_assistant_tokens": depth,
+                                              "num_assistant_tokens_schedule": str(knobs.get("schedule", "constant")),
+                                              "assistant_confidence_threshold": 0.0}}
+    return Export(json.dumps(config), "assistant = AutoModelForCausalLM.from_pretrained(<assistant_model>); "
+                                      "assistant.generation_config.update(**<assistant_generation_config>); "
+                                      "model.generate(**inputs, assistant_model=assistant): transformers reads these "
+                                      "knobs from the assistant's generation config, not from generate's kwargs")
 
 
 def import_tree(data: str | bytes, fmt: str) -> TokenTree:
@@ -181,7 +184,7 @@ def _chain_length(text: str, fmt: str) -> int:
     if fmt == "trtllm-draft":
         return int(yaml.safe_load(text)["speculative_config"]["max_draft_len"])
     if fmt == "hf":
-        return int(json.loads(text)["num_assistant_tokens"])
+        return int(json.loads(text)["assistant_generation_config"]["num_assistant_tokens"])
     flags = text.split()
     return int(flags[flags.index("--draft-max") + 1])
 

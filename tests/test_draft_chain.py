@@ -24,6 +24,7 @@ from toy import VOCAB, toy_model
 
 PROFILE = "profiles/qwen2.5-coder-1.5b+0.5b.cpu-2c.bf16.yaml"  # no draft vocabulary limit
 UNIT_COSTS = np.ones(64)  # every forward one unit, drafts free: the replay's speedup is tokens per step
+OUTSIDE_VOCABULARY = 100_000  # a pad id no token has
 
 
 def trace(match: str, confidence: list[float]) -> DraftChainTrace:
@@ -141,7 +142,7 @@ def test_a_chain_engine_plan_carries_and_exports_its_knobs(engine, run_cli, tmp_
         assert f"--draft-max {knobs['draft_max']} --draft-min {knobs['draft_min']} --draft-p-min {knobs['p_min']}" \
             in exported
     else:
-        config = json.loads(exported)
+        config = json.loads(exported)["assistant_generation_config"]
         assert config["num_assistant_tokens"] == knobs["draft_max"]
         assert config["num_assistant_tokens_schedule"] == knobs["schedule"]
         assert config["assistant_confidence_threshold"] == 0.0
@@ -186,3 +187,35 @@ def test_a_chain_plan_drafts_nothing_where_no_setting_pays(run_cli, write_yaml_f
     assert plan.solver["chain_knobs"]["best"]["speedup"] < 1
     export = export_plan(plan, "llama.cpp", draft_path="draft.gguf")
     assert export.content == "" and "without a draft model" in export.instructions
+
+
+@pytest.mark.parametrize("tokens, schedule", [(1, "constant"), (3, "constant"), (2, "heuristic")])
+def test_the_replay_counts_transformers_assisted_generation_forwards(tokens, schedule):
+    """transformers' own assisted generation (the tiny pair, greedy, no confidence stop), its target's forwards
+    counted by a hook: the replay of the chain traces takes exactly as many steps, the heuristic schedule's draft
+    length carried from one generate call to the next as transformers carries it. The prompts hold no token 0 and
+    the pad id is outside the vocabulary: transformers masks pad-valued tokens out of the assistant's inputs."""
+    from core.models import load_model
+    from decoder.api import load_forward
+
+    target_model, draft_model = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
+    prompts = [torch.randint(1, 256, (12,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(6)]
+    run = measure_sequoia(load_forward(target_model, "cpu"), load_forward(draft_model, "cpu"), prompts,
+                          SamplingParams(), 4, 40, stop_ids=())
+    # fresh transformers models (the lean forwards above took over the weights of the ones loaded with them)
+    target_hf, draft_hf = target_model.transformers_model(), draft_model.transformers_model()
+    # transformers reads the assistant's knobs from the assistant's own generation config (the export says so)
+    draft_hf.generation_config.update(num_assistant_tokens=tokens, num_assistant_tokens_schedule=schedule,
+                                      assistant_confidence_threshold=0.0)
+    forwards = []
+    hook = target_hf.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            target_hf.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft_hf, do_sample=False,
+                               max_new_tokens=40, eos_token_id=None, pad_token_id=OUTSIDE_VOCABULARY)
+    finally:
+        hook.remove()
+    replayed = replay(run.chains, ChainKnobs("hf", tokens, schedule=schedule), 0.0, UNIT_COSTS)
+    assert replayed.tokens_per_step > 1.2  # the drafts are accepted often enough for the count to mean something
+    assert replayed.tokens_per_step == pytest.approx(6 * 40 / len(forwards), rel=1e-12)
