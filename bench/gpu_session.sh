@@ -3,7 +3,8 @@
 # one log and the files made go to $OUT (8 files at most come back). The configs and tokenizers come in .gpu/
 # (carried; no weights can be sent whole: a call carries 64 MiB), so most models are random-weight copies of
 # configs, which time the same as the real ones. smollm2-135m's real GGUF (98 MB) comes in two carried halves,
-# .gpuw1/part1 with the first call and .gpuw2/part2 with the second, sent back to back while the machine is warm.
+# .gpuw1/part1 with the first call and .gpuw2/part2 with the second, sent back to back while the machine is warm
+# (bench/gpu_carry.sh assembles all four carried folders from the local model cache).
 #   device run: bash bench/gpu_session.sh profiles   (carry .gpu .whl .gpuw1)
 #   device run: bash bench/gpu_session.sh triforce   (carry .gpuw2; the same machine, within its 30 s warm time)
 set -u
@@ -22,31 +23,24 @@ case "$1" in
 profiles)
   cp .gpuw1/part1 /tmp/halves/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1
-  # Issue 35 item 5: measured t(n) of the 0.5b (it was timed only as a draft step) and of two other families'
-  # shapes (Llama 3.2 1B: 8 KV heads, llama3 RoPE; Qwen3 0.6B: QK-norm, head_dim 128): held-out profiles.
+  # The GPU path's own tests first (the top verify's graph per query row, 72b3eb9, has not run on a GPU yet).
+  timeout 170 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG"
+  # Issue 35 item 5: measured t(n) of random-weight copies of configs (held-out data for the modeled profiles).
   cp .gpu/qwen2.5-coder-1.5b/tokenizer.json .gpu/qwen2.5-coder-0.5b/
   cp .gpu/qwen2.5-coder-1.5b/tokenizer*.json .gpu/qwen3-0.6b/
   cp .gpu/smollm2-135m/tokenizer*.json .gpu/llama-3.2-1b/
   for m in qwen2.5-coder-0.5b llama-3.2-1b qwen3-0.6b; do
     timeout 40 python3 bench/random_weights.py .gpu/$m /tmp/models/$m 2>&1 | tail -1 | tee -a "$LOG"
-  done
-  for m in qwen2.5-coder-0.5b llama-3.2-1b qwen3-0.6b; do
     for dtype in fp32 bf16; do
-      timeout 75 $plan profile --model /tmp/models/$m --gpu h100 --dtype $dtype --contexts 256,1024,4096 \
-        --sizes 1,2,4,8,16,32,64,128 --repeats 7 -o "$OUT/$m.h100.$dtype.yaml" | tail -14 | tee -a "$LOG"
+      timeout 60 $plan profile --model /tmp/models/$m --gpu h100 --dtype $dtype --contexts 256,1024,4096 \
+        --sizes 1,2,4,8,16,32,64,128 --repeats 7 -o "$OUT/$m.h100.$dtype.yaml" 2>&1 | tail -14 | tee -a "$LOG"
     done
   done
-  # The GPU path's own tests.
-  timeout 150 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG"
   ;;
 triforce)
-  # Issue 35 item 5: a TriForce plan solved on a measured H100 profile and run there with real weights.
+  # Issue 35 item 5 (G2): a TriForce plan solved on a measured H100 profile and run there with real weights.
   gguf="$SPECPLAN_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
   cat /tmp/halves/part1 .gpuw2/part2 > "$gguf" && sha256sum "$gguf" | tee -a "$LOG"
-  for dtype in fp32 bf16; do
-    timeout 60 $plan profile --model /tmp/models/qwen2.5-coder-0.5b --gpu h100 --dtype $dtype --contexts 256,1024,4096 \
-      --sizes 1,2,4,8,16,32,64,128 --repeats 7 -o "$OUT/qwen2.5-coder-0.5b.h100.$dtype.yaml" 2>&1 | tail -14 | tee -a "$LOG"
-  done
   profile="$OUT/smollm2-135m.h100.fp32-7680.yaml"
   plan_file="$OUT/smollm2-135m.triforce-7680.h100.fp32.yaml"
   timeout 200 $plan profile --model smollm2-135m --gpu h100 --dtype fp32 --contexts 256,1024,4096,7680,7936 \
