@@ -243,7 +243,23 @@ def describe_engine_cost(plan: Plan) -> str:
     if free_speedup and plan.prediction.speedup is not None:
         line += f", {free_speedup:.3f}x"
         ratio += f", speedup x{plan.prediction.speedup / free_speedup:.3f}"
-    return f"{line}\nthe engine's rules cost: {ratio}"
+    return f"{line}\nthe engine's rules cost: {ratio}" + _describe_chain_knobs(plan)
+
+
+def _describe_chain_knobs(plan: Plan) -> str:
+    """A chain engine's own knobs, as replayed over the chain traces (planner/draft_chain.py), if the plan has them."""
+    chain = Fields(plan.solver, f"{plan.source}: solver").sub("chain_knobs", required=False)
+    if chain is None:
+        return ""
+    best = chain.sub("best")
+    knobs = (f"draft-max {best.integer('draft_max', low=1)}, draft-min {best.integer('draft_min', low=0)}, "
+             f"draft-p-min {best.number('p_min', low=0.0)}" if plan.engine == "llama.cpp" else
+             f"num_assistant_tokens {best.integer('draft_max', low=1)}, schedule {best.string('schedule')}")
+    found = (f"\n{plan.engine}'s knobs, replayed over the chain traces: {knobs}: "
+             f"{best.number('tokens_per_step', low=1.0):.3f} tokens/step, {best.number('speedup', low=0.0):.3f}x")
+    if not chain.boolean("enabled", default=True):
+        found += "; no setting beats one-token decoding: the plan drafts nothing"
+    return found
 
 
 def describe_plan(plan: Plan) -> str:

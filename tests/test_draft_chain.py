@@ -130,6 +130,7 @@ def test_a_chain_engine_plan_carries_and_exports_its_knobs(engine, run_cli, tmp_
     code, stdout, stderr = run_cli("solve", "sequoia", "--acceptance", chain_acceptance(tmp_path), "--profile",
                                    PROFILE, "--engine", engine, "--max-size", 16, "--max-depth", 8, "-o", out)
     assert code == 0, stderr
+    assert f"{engine}'s knobs, replayed over the chain traces" in stdout
     plan = load_plan(out)
     chain = plan.solver["chain_knobs"]
     knobs = chain["best"]
