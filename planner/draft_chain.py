@@ -95,7 +95,8 @@ def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: floa
     if tokens == 0:
         raise UserError("the acceptance file's chain traces are empty")
     return ChainKnobs(knobs.engine, knobs.draft_max, knobs.draft_min, knobs.p_min, knobs.schedule,
-                      tokens / steps, drafted_total / steps, seconds / steps, ar_seconds / seconds)
+                      float(tokens / steps), float(drafted_total / steps), float(seconds / steps),
+                      float(ar_seconds / seconds))
 
 
 def _drafted(chain: DraftChainTrace, position: int, k: int, p_min: float) -> int:

@@ -496,7 +496,7 @@ def _use_chain_knobs(plan: Plan, engine: str, acceptance: SequoiaAcceptance, pro
     one-token decoding, the plan drafts nothing (and records the best setting, which `plan bench` still runs)."""
     ranked = best_knobs(engine, acceptance.chains, profile, max_depth, context)
     best = ranked[0]
-    enabled = best.speedup > 1.0
+    enabled = bool(best.speedup > 1.0)
     plan.solver["algorithm"] = f"{engine}'s drafting rule replayed over {len(acceptance.chains)} chain traces"
     plan.solver["chain_knobs"] = {"enabled": enabled, "best": best.as_dict(),
                                   "top": [knobs.as_dict() for knobs in ranked[1:6]]}
