@@ -18,6 +18,8 @@ import yaml
 from core.choices import ENGINES
 from core.errors import UserError
 from core.plan_schema import Plan, TokenTree
+from core.validate import Fields
+from planner.draft_chain import HF_SCHEDULES
 from planner.engines import check_tree, engine_rules
 
 EXPORT_FORMATS = tuple(engine for engine in ENGINES if engine != "specplan")
@@ -122,22 +124,25 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
                  f"--speculative-num-draft-tokens {triple['num_draft_tokens']}")
         return Export(flags, f"python -m sglang.launch_server --model-path {target} <these flags> (a separate draft "
                              "model, not EAGLE heads: --speculative-algorithm STANDALONE)")
-    chain = plan.solver.get("chain_knobs") if plan.engine == fmt else None
-    chain = chain if isinstance(chain, dict) else {}
-    if chain and not chain.get("enabled", True):
-        best = chain.get("best") if isinstance(chain.get("best"), dict) else {}
+    chain = Fields(plan.solver, f"{plan.source}: solver").sub("chain_knobs", required=False) \
+        if plan.engine == fmt else None
+    best = chain.sub("best") if chain is not None else None
+    if chain is not None and not chain.boolean("enabled", default=True):
         return Export("", f"{fmt} without a draft model: no setting of its knobs was predicted faster than its "
-                          f"one-token decoding on the profile (the best, draft {best.get('draft_max')} tokens: "
-                          f"{best.get('tokens_per_step', 0):.2f} tokens/step, {best.get('speedup', 0):.2f}x)")
-    knobs = chain.get("best", {}) if isinstance(chain.get("best"), dict) else {}
+                          f"one-token decoding on the profile (the best, draft {best.integer('draft_max', low=1)} "
+                          f"tokens: {best.number('tokens_per_step', low=1.0):.2f} tokens/step, "
+                          f"{best.number('speedup', low=0.0):.2f}x)")
     if fmt == "llama.cpp":
-        draft_min, p_min = int(knobs.get("draft_min", 0)), float(knobs.get("p_min", 0.0))
+        draft_min, p_min = (best.integer("draft_min", low=0), best.number("p_min", low=0.0, high=1.0)) \
+            if best is not None else (0, 0.0)
         return Export(f"--model-draft {draft_path} --draft-max {depth} --draft-min {draft_min} --draft-p-min {p_min}",
                       "llama-server -m TARGET.gguf <these flags>" + (
-                          "" if knobs else " (draft-p-min 0: every step drafts the full chain the plan priced)"))
+                          "" if best is not None else " (draft-p-min 0: every step drafts the full chain the plan "
+                                                      "priced)"))
     config = {"assistant_model": draft_path,
               "assistant_generation_config": {"num_assistant_tokens": depth,
-                                              "num_assistant_tokens_schedule": str(knobs.get("schedule", "constant")),
+                                              "num_assistant_tokens_schedule": best.string(
+                                                  "schedule", choices=HF_SCHEDULES) if best is not None else "constant",
                                               "assistant_confidence_threshold": 0.0}}
     return Export(json.dumps(config), "assistant = AutoModelForCausalLM.from_pretrained(<assistant_model>); "
                                       "assistant.generation_config.update(**<assistant_generation_config>); "

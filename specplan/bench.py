@@ -40,6 +40,7 @@ from core.plotting import pyplot, save_png
 from core.profile_schema import LatencyProfile, load_profile
 from core.prompts import encode_prompt
 from core.provenance import check_unchanged
+from core.validate import Fields
 from decoder.api import Decoder
 from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
@@ -222,11 +223,14 @@ def _methods(decoder: Decoder, request: BenchRequest, context: int) -> dict[str,
 def _llama_draft_chain(decoder: Decoder) -> DraftChainSettings | None:
     """The knobs of a plan solved for llama.cpp's draft-model speculation, with its draft; None for another plan."""
     plan = decoder.plan
-    chain = plan.solver.get("chain_knobs") if plan is not None and plan.engine == "llama.cpp" else None
-    if not isinstance(chain, dict) or decoder.draft is None:
+    if plan is None or plan.engine != "llama.cpp" or decoder.draft is None:
         return None
-    knobs = chain["best"]  # where the plan drafts nothing, its best setting: the prediction is checked all the same
-    return DraftChainSettings(decoder.draft, int(knobs["draft_max"]), int(knobs["draft_min"]), float(knobs["p_min"]))
+    chain = Fields(plan.solver, f"{plan.source}: solver").sub("chain_knobs", required=False)
+    if chain is None:
+        return None
+    knobs = chain.sub("best")  # where the plan drafts nothing, its best setting: the prediction is checked all the same
+    return DraftChainSettings(decoder.draft, knobs.integer("draft_max", low=1), knobs.integer("draft_min", low=0),
+                              knobs.number("p_min", low=0.0, high=1.0))
 
 
 class _FirstTokensClock:
