@@ -374,6 +374,16 @@ def engine_tables(positional: np.ndarray, max_size: int, max_depth: int,
     return SequoiaTables(positional[:width], max_size, max_depth)
 
 
+def prompt_prefill_per_token(acceptance: SequoiaAcceptance, profile: LatencyProfile) -> float | None:
+    """The draft's prefill of each prompt (the profile's draft prefill, at the prompt lengths the acceptance file's
+    chain traces record) over the tokens of the continuations: what a draft-model drafter pays per token beyond its
+    steps, and one-token decoding does not. None where either file lacks it (unpriced)."""
+    prompts = [(chain.prompt_tokens, len(chain.match)) for chain in acceptance.chains if chain.prompt_tokens]
+    if not prompts or not profile.draft_prefills:
+        return None
+    return sum(profile.draft_prefill(length) for length, _ in prompts) / sum(tokens for _, tokens in prompts)
+
+
 def tree_value(parents: np.ndarray, positional: np.ndarray) -> float:
     """F(T): the sum over nodes of the product of p_rank along the root path (BFS-ordered parents)."""
     score = np.zeros(len(parents))
@@ -398,8 +408,11 @@ class Candidate:
 
 
 def rank_candidates(tables: SequoiaTables | LevelUniformTables | SGLangTables, profile: LatencyProfile | None = None,
-                    batch: int = 1, context: int | None = None, rules: EngineRules | None = None) -> list[Candidate]:
-    """Every non-dominated (n, d), best first: by speedup with a profile, by G without one.
+                    batch: int = 1, context: int | None = None, rules: EngineRules | None = None,
+                    prefill_per_token: float = 0.0) -> list[Candidate]:
+    """Every non-dominated (n, d), best first: by speedup with a profile, by G without one. `prefill_per_token`:
+    the draft's prompt prefill spread over the tokens of a continuation (prompt_prefill_per_token), added to each
+    token's time (the same for every tree: it lowers the speedups, not their order).
 
     (n, d) is dropped when G(n, d) == G(n, d - 1): the deeper bound did not change the tree's value,
     so it only adds draft cost (the tree kept then has depth exactly d). Ties are broken towards smaller n, then
@@ -436,7 +449,8 @@ def rank_candidates(tables: SequoiaTables | LevelUniformTables | SGLangTables, p
     for n, d in zip(*np.nonzero(feasible)):
         step = t_target[n] + d * c_draft
         g = float(G[n, d])
-        out.append(Candidate(int(n), int(d), g, step, g * t_batch / step, batch * g / step))
+        per_token = step / (batch * g) + prefill_per_token
+        out.append(Candidate(int(n), int(d), g, step, t_batch / (batch * per_token), 1.0 / per_token))
     return sorted(out, key=lambda c: (-c.speedup, c.size, c.depth))
 
 
@@ -464,12 +478,14 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     tables = engine_tables(acceptance.positional, max_size, max_depth, rules)
     dp_seconds = time.perf_counter() - start
 
-    ranked = rank_candidates(tables, profile, batch, context, rules)
+    prefill = prompt_prefill_per_token(acceptance, profile) if profile is not None else None
+    ranked = rank_candidates(tables, profile, batch, context, rules, prefill or 0.0)
     if not ranked:
         raise UserError(f"no tree that {engine} runs fits the given size, depth and profile range")
     plan = _assemble_plan(tables, ranked[0], ranked, acceptance, acceptance_path, profile, profile_path, models,
                           max_size, max_depth, batch, context)
     plan.solver["seconds"] = dp_seconds
+    plan.prediction.details["draft_prefill_seconds_per_token"] = prefill  # None: unpriced
     if rules.shape == "level-uniform":
         plan.solver["algorithm"] = "level-uniform branching search"
         plan.solver["branching"] = list(tables.branching(ranked[0].size, ranked[0].depth))
@@ -481,7 +497,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         _use_chain_knobs(plan, engine, acceptance, profile, max_depth, context)
     if engine != "specplan":
         unconstrained = rank_candidates(SequoiaTables(acceptance.positional, max_size, max_depth), profile, batch,
-                                        context)[0]
+                                        context, prefill_per_token=prefill or 0.0)[0]
         plan.engine = engine
         plan.solver["engine"] = {"name": engine, **rules.limits(),
                                  "sources": [str(source) for source in rules.sources],

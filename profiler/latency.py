@@ -10,7 +10,8 @@ per step outside the target's forward (drafts in, tree mask, verification walk, 
 tree size, which the planners charge beside every forward: on a GPU it can match a forward's cost. With
 `window_prefill` (sinks, window) it also times a StreamingLLM drafter's prefill of its window (the draft's, or
 the target's where no draft is profiled), which `plan solve triforce` charges once per prompt to a streaming
-or model bottom.
+or model bottom; with a draft, the draft's prefill of a prompt as long as each context, which a draft-model
+drafter pays once per prompt (`plan solve sequoia` spreads it over the continuation).
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class _Checkpoint:
 
 BUILD = "retrieval_build"  # the pseudo-role of retrieval-cache build timings (keyed by budget, not n)
 WINDOW_PREFILL = "window_prefill"  # the call timing a StreamingLLM drafter's prefill of its window
+DRAFT_PREFILL = "draft_prefill"  # the calls ("draft_prefill|L") timing a draft's prefill of an L-token prompt
 
 
 def _measure(request: ProfileRequest, device: torch.device, output: Path, resume: bool, log, progress: bool) -> dict:
@@ -178,6 +180,8 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     streaming_role = "draft" if "draft" in forwards else "target"
     if request.window_prefill:
         calls[WINDOW_PREFILL] = _window_prefill_call(forwards[streaming_role], *request.window_prefill)
+    if "draft" in forwards:
+        calls.update({f"{DRAFT_PREFILL}|{L}": _prompt_prefill_call(forwards["draft"], L) for L in request.contexts})
     resumed = {name: checkpoint.samples.get(name, []) for name in calls}
     done = min(len(timed) for timed in resumed.values())
     samples = {name: timed[:done] for name, timed in resumed.items()}
@@ -195,9 +199,13 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
         bar.update(1)
     bar.close()
     window_prefill = samples.pop(WINDOW_PREFILL, None)
+    draft_prefills = {int(name.split("|")[1]): float(np.median(samples.pop(name)))
+                      for name in list(samples) if name.startswith(DRAFT_PREFILL)}
     curves, builds = _summaries(samples)
     document = profile_document(request, "measured", machine, models, curves)
     document["backend"] = backend
+    if draft_prefills:
+        document["draft"]["prefill_seconds"] = draft_prefills
     if window_prefill:
         sinks, window = request.window_prefill
         spread = _spread(window_prefill)
@@ -459,6 +467,13 @@ def _window_prefill_call(model: LeanModel, sinks: int, window: int) -> Callable[
                         f"{model.shape.max_context}")
     prompt = torch.randint(0, model.shape.vocab, (sinks + window + 1,)).tolist()
     return _wall_clock(model.device, lambda: drafter.reset(prompt, room))
+
+
+def _prompt_prefill_call(model: Forward, length: int) -> Callable[[], float]:
+    """A draft's prefill of a `length`-token prompt into a fresh cache, as a draft-model drafter pays once per prompt
+    before its first draft (decoder/drafters.py: SequoiaDrafter.reset)."""
+    prompt = torch.randint(0, model.shape.vocab, (length,))
+    return _wall_clock(model.device, lambda: model.prefill(prompt, model.new_cache(length + 1), logits=False))
 
 
 def _wall_clock(device: torch.device, work: Callable[[], object]) -> Callable[[], float]:

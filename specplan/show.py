@@ -328,8 +328,10 @@ def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
             "target": {"t_seconds": recorded.data.get("target_t_seconds")},
             "draft": {"step_seconds": recorded.data.get("draft_step_seconds")},
         }, recorded.where)
+        prefill = plan.prediction.details.get("draft_prefill_seconds_per_token")
         ranked = rank_candidates(tables, profile, inputs.integer("batch", required=False, low=1, high=max_size,
-                                                                  default=1))
+                                                                  default=1),
+                                 prefill_per_token=float(prefill) if isinstance(prefill, (int, float)) else 0.0)
         best_per_n: dict[int, float] = {}
         for c in ranked:
             best_per_n[c.size] = max(best_per_n.get(c.size, 0.0), c.speedup)

@@ -13,11 +13,13 @@ import yaml
 from core.acceptance_schema import DraftChainTrace, SequoiaAcceptance, load_sequoia_acceptance
 from core.errors import UserError
 from core.plan_schema import load_plan
+from core.profile_schema import load_profile
 from decoder.drafters import SequoiaDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
 from planner.draft_chain import ChainKnobs, replay
 from planner.export import export_plan
+from planner.sequoia import SequoiaTables, rank_candidates
 from profiler.acceptance import measure_sequoia
 
 from toy import VOCAB, toy_model
@@ -220,3 +222,15 @@ def test_the_replay_counts_transformers_assisted_generation_forwards(tokens, sch
     replayed = replay(run.chains, ChainKnobs("hf", tokens, schedule=schedule), 0.0, UNIT_COSTS)
     assert replayed.tokens_per_step > 1.2  # the drafts are accepted often enough for the count to mean something
     assert replayed.tokens_per_step == pytest.approx(6 * 40 / len(forwards), rel=1e-12)
+
+
+def test_the_drafts_prompt_prefill_lowers_the_sequoia_speedups_not_their_order():
+    """A Sequoia plan charges the draft's prefill of each prompt over its continuation: each candidate's time per
+    token grows by the same amount, so the tree stays and the predicted speedup falls by exactly that much."""
+    profile = load_profile(PROFILE)
+    tables = SequoiaTables(np.array([0.7, 0.1, 0.05]), 16, 6)
+    plain, charged = rank_candidates(tables, profile), rank_candidates(tables, profile, prefill_per_token=0.01)
+    assert [(c.size, c.depth) for c in plain] == [(c.size, c.depth) for c in charged]
+    t1 = float(profile.target_curve()(1) + profile.engine_overhead(1))
+    for a, b in zip(plain, charged):
+        assert t1 / b.speedup == pytest.approx(t1 / a.speedup + 0.01)

@@ -32,6 +32,10 @@ def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
     assert set(profile.target_t_seconds) == {1, 2, 4, 8}
     assert all(t > 0 for t in profile.target_t_seconds.values())
     assert profile.draft_step_seconds > 0 and profile.draft_step(64) > 0
+    # the draft's prefill of a prompt as long as each context, spread per token in between
+    assert set(profile.draft_prefills) == {16, 64} and all(s > 0 for s in profile.draft_prefills.values())
+    assert profile.draft_prefill(32) == pytest.approx(32 * np.interp(32, [16, 64], [
+        profile.draft_prefills[16] / 16, profile.draft_prefills[64] / 64]))
     raw = yaml.safe_load(out.read_text())
     assert raw["hardware"]["threads"] >= 1 and raw["hardware"]["torch"]
     assert raw["model_fingerprints"]["target"]["layers"] == 2
