@@ -108,7 +108,8 @@ def test_a_plan_solved_for_an_engine_passes_its_rules(engine):
     plan, ranked = solve_sequoia(ACCEPTANCE, 48, 8, PROFILE, engine=engine, heads=heads)
     assert engine_rules(engine, heads).broken_rule(plan.tree) is None
     free, _ = solve_sequoia(ACCEPTANCE, 48, 8, PROFILE)
-    assert plan.prediction.speedup <= free.prediction.speedup + 1e-12  # the rules never help
+    if "chain_knobs" not in plan.solver:  # (llama.cpp's and transformers' knobs are priced on the exact chain traces)
+        assert plan.prediction.speedup <= free.prediction.speedup + 1e-12  # the rules never help
     if engine != "specplan":
         assert plan.engine == engine and plan.solver["engine"]["unconstrained"]["speedup"] == pytest.approx(
             free.prediction.speedup)
