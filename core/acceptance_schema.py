@@ -25,6 +25,9 @@ class DraftChainTrace:
     match: np.ndarray  # [positions] bool
     confidence: np.ndarray  # [positions] float
     prompt_tokens: int | None = None  # the prompt's length: what the draft prefills before its first draft
+    # [positions] int: the target's token's rank among the draft's top `width` (teacher-forced), `width` where it is
+    # none of them: at T = 0 a tree drafted there is accepted down the children of these ranks, so any tree replays
+    ranks: np.ndarray | None = None
 
     @classmethod
     def from_fields(cls, t: Fields) -> DraftChainTrace:
@@ -34,17 +37,27 @@ class DraftChainTrace:
         confidence = t.number_list("confidence", low=0.0, high=1.0)
         if len(confidence) != len(match):
             raise t.fail("'confidence' must have one entry per position of 'match'")
+        ranks = t.data.get("ranks")
+        if ranks is not None:
+            if not isinstance(ranks, str) or len(ranks) != len(match) or set(ranks) - set(RANK_DIGITS):
+                raise t.fail(f"'ranks' must be a string of one digit of {RANK_DIGITS!r} per position of 'match'")
+            ranks = np.array([RANK_DIGITS.index(c) for c in ranks])
+            if not np.array_equal(ranks == 0, np.array([c == "1" for c in match])):
+                raise t.fail("'ranks' must be 0 exactly where 'match' is 1")
         return cls(np.array([c == "1" for c in match]), np.array(confidence),
-                   t.integer("prompt_tokens", required=False, low=1))
+                   t.integer("prompt_tokens", required=False, low=1), ranks)
 
     def to_dict(self) -> dict[str, Any]:
         return {**({"prompt_tokens": self.prompt_tokens} if self.prompt_tokens is not None else {}),
                 "match": "".join("1" if m else "0" for m in self.match),
+                **({"ranks": "".join(RANK_DIGITS[min(int(r), len(RANK_DIGITS) - 1)] for r in self.ranks)}
+                   if self.ranks is not None else {}),
                 "confidence": [round(float(c), CONFIDENCE_DECIMALS) for c in self.confidence]}
 
 
 DRAFT_SAMPLER_TOP_K = 10  # llama.cpp's draft sampler keeps the top 10 candidates (planner/engines.py cites it)
 CONFIDENCE_DECIMALS = 4  # the planner searches --draft-p-min in steps of 0.05
+RANK_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"  # a chain trace's ranks, one digit each (widths up to 35)
 
 
 @dataclass

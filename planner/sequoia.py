@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from core.acceptance_schema import SequoiaAcceptance, load_sequoia_acceptance
+from core.acceptance_schema import DraftChainTrace, SequoiaAcceptance, load_sequoia_acceptance
 from core.choices import FORWARDS, TIMED_FORWARDS
 from core.errors import UserError
 from core.fileio import shown
@@ -384,6 +384,44 @@ def prompt_prefill_per_token(acceptance: SequoiaAcceptance, profile: LatencyProf
     return sum(profile.draft_prefill(length) for length, _ in prompts) / sum(tokens for _, tokens in prompts)
 
 
+REPLAYED_CANDIDATES = 40  # the model's best (n, d) whose trees are replayed exactly over chain traces at T = 0
+
+
+def replay_tree(parents: list[int] | np.ndarray, chains: list[DraftChainTrace]) -> float:
+    """Tokens per step of a tree at T = 0 over the chain traces, exactly: from each step's first position the
+    target's token at each depth is the child of that rank, if the tree has one (the draft's ranking there is the
+    teacher-forced one, which the accepted path is); the target adds its own token after the last."""
+    child = {}
+    next_rank = [0] * len(parents)
+    for v in range(1, len(parents)):
+        child[(int(parents[v]), next_rank[parents[v]])] = v
+        next_rank[parents[v]] += 1
+    tokens = steps = 0
+    for chain in chains:
+        ranks, length, position = chain.ranks, len(chain.ranks), 0
+        while position < length:
+            node, accepted = 0, 0
+            while position + accepted < length and (node, int(ranks[position + accepted])) in child:
+                node = child[(node, int(ranks[position + accepted]))]
+                accepted += 1
+            gained = min(accepted + 1, length - position)
+            tokens += gained
+            steps += 1
+            position += gained
+    return tokens / steps
+
+
+def _replayed(ranked: list[Candidate], tables: SequoiaTables | LevelUniformTables, chains: list[DraftChainTrace],
+              one_token_seconds: float, prefill_per_token: float) -> list[Candidate]:
+    """The model's best candidates with their trees' tokens per step replayed exactly (replay_tree), re-ranked."""
+    replayed = []
+    for c in ranked[:REPLAYED_CANDIDATES]:
+        g = replay_tree(tables.tree(c.size, c.depth), chains)
+        per_token = c.step_seconds / g + prefill_per_token
+        replayed.append(Candidate(c.size, c.depth, g, c.step_seconds, one_token_seconds / per_token, 1.0 / per_token))
+    return sorted(replayed, key=lambda c: (-c.speedup, c.size, c.depth))
+
+
 def tree_value(parents: np.ndarray, positional: np.ndarray) -> float:
     """F(T): the sum over nodes of the product of p_rank along the root path (BFS-ordered parents)."""
     score = np.zeros(len(parents))
@@ -480,12 +518,22 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
 
     prefill = prompt_prefill_per_token(acceptance, profile) if profile is not None else None
     ranked = rank_candidates(tables, profile, batch, context, rules, prefill or 0.0)
+    exact = (profile is not None and batch == 1 and acceptance.temperature == 0 and rules.shape != "sglang"
+             and bool(acceptance.chains) and all(chain.ranks is not None for chain in acceptance.chains))
+    if exact and ranked:
+        model_best = ranked[0]
+        one_token = float(profile.target_curve(context)(1) + profile.engine_overhead(1))
+        ranked = _replayed(ranked, tables, acceptance.chains, one_token, prefill or 0.0)
     if not ranked:
         raise UserError(f"no tree that {engine} runs fits the given size, depth and profile range")
     plan = _assemble_plan(tables, ranked[0], ranked, acceptance, acceptance_path, profile, profile_path, models,
                           max_size, max_depth, batch, context)
     plan.solver["seconds"] = dp_seconds
     plan.prediction.details["draft_prefill_seconds_per_token"] = prefill  # None: unpriced
+    if exact:
+        plan.prediction.replay_exact = True
+        plan.solver["replayed"] = {"chains": len(acceptance.chains), "candidates": REPLAYED_CANDIDATES,
+                                   "positional_model_best": asdict(model_best)}
     if rules.shape == "level-uniform":
         plan.solver["algorithm"] = "level-uniform branching search"
         plan.solver["branching"] = list(tables.branching(ranked[0].size, ranked[0].depth))

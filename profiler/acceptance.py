@@ -186,12 +186,16 @@ def positional_greedy(target_logits: torch.Tensor, draft_logits: torch.Tensor, w
     return (top == target_best).double().numpy()
 
 
-def chain_trace(target_logits: torch.Tensor, draft_logits: torch.Tensor, prompt_tokens: int) -> DraftChainTrace:
+def chain_trace(target_logits: torch.Tensor, draft_logits: torch.Tensor, prompt_tokens: int,
+                width: int) -> DraftChainTrace:
     """The draft's argmax against the target's at each row ([rows, vocab] each), with the draft's confidence as
-    llama.cpp's draft sampler reports it: the top-1 probability among its top DRAFT_SAMPLER_TOP_K logits."""
+    llama.cpp's draft sampler reports it (the top-1 probability among its top DRAFT_SAMPLER_TOP_K logits), and the
+    target's token's rank among the draft's top `width` (`width` where it is none of them)."""
     top = torch.topk(draft_logits.float(), min(DRAFT_SAMPLER_TOP_K, draft_logits.shape[-1]), dim=-1)
     match = (top.indices[:, 0] == target_logits.argmax(-1)).numpy()
-    return DraftChainTrace(match, top.values.softmax(-1)[:, 0].double().numpy(), prompt_tokens)
+    hits = positional_greedy(target_logits, draft_logits, width)  # [rows, width] one-hot where among the top
+    ranks = np.where(hits.any(1), hits.argmax(1), width)
+    return DraftChainTrace(match, top.values.softmax(-1)[:, 0].double().numpy(), prompt_tokens, ranks)
 
 
 @dataclass
@@ -264,7 +268,7 @@ def measure_sequoia(target: Forward, draft: Forward, prompts: list[list[int]], p
         draft_logits = sequence_logits(draft, tokens, len(prompt))
         if params.greedy:
             blocks.append(positional_greedy(target_logits, draft_logits, width))
-            run.chains.append(chain_trace(target_logits, draft_logits, len(prompt)))
+            run.chains.append(chain_trace(target_logits, draft_logits, len(prompt), width))
         else:
             P = probabilities(target_logits, params).double().numpy()
             Q = probabilities(draft_logits, params).double().numpy()

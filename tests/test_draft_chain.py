@@ -234,3 +234,25 @@ def test_the_drafts_prompt_prefill_lowers_the_sequoia_speedups_not_their_order()
     t1 = float(profile.target_curve()(1) + profile.engine_overhead(1))
     for a, b in zip(plain, charged):
         assert t1 / b.speedup == pytest.approx(t1 / a.speedup + 0.01)
+
+
+@pytest.mark.parametrize("parents", [[-1, 0], [-1, 0, 0, 1], [-1, 0, 0, 1, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 3]],
+                         ids=lambda p: f"n{len(p)}")
+def test_the_tree_replay_is_what_the_decoder_does_at_t0(parents):
+    """Any tree (ranks below the traces' width) replayed over the chain traces' ranks takes exactly the steps our
+    engine takes with it at T = 0."""
+    from planner.sequoia import replay_tree
+
+    _, target = toy_model(10)
+    _, draft = toy_model(10, noise=0.5)
+    prompts = [torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
+    run = measure_sequoia(target, draft, prompts, SamplingParams(), 4, 40, stop_ids=())
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, parents))
+    steps = sum(engine.generate(prompt, 40, SamplingParams()).steps for prompt in prompts)
+    assert replay_tree(parents, run.chains) == pytest.approx(4 * 40 / steps, rel=1e-12)
+    document = SequoiaAcceptance(np.array([0.5]), chains=run.chains).to_dict()
+    reloaded = SequoiaAcceptance.from_dict(document, "a.yaml").chains
+    assert all(np.array_equal(a.ranks, b.ranks) for a, b in zip(reloaded, run.chains))
+    with pytest.raises(UserError, match="'ranks' must be 0 exactly where 'match' is 1"):
+        SequoiaAcceptance.from_dict({**document, "chains": [{"match": "10", "ranks": "10", "confidence": [1, 1]}]},
+                                    "a.yaml")
