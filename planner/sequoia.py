@@ -32,7 +32,7 @@ Without a profile the optimizer maximises G alone over n <= N, d <= D.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -531,7 +531,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     plan.solver["seconds"] = dp_seconds
     plan.prediction.details["draft_prefill_seconds_per_token"] = prefill  # None: unpriced
     if exact:
-        plan.prediction.replay_exact = True
+        plan.prediction = replace(plan.prediction, replay_exact=True)
         plan.solver["replayed"] = {"chains": len(acceptance.chains), "candidates": REPLAYED_CANDIDATES,
                                    "positional_model_best": asdict(model_best)}
     if rules.shape == "level-uniform":

@@ -110,14 +110,16 @@ def test_a_trace_that_does_not_fit_is_refused_in_one_line(tmp_path):
             SequoiaAcceptance.from_dict({**good, "chains": chains}, "a.yaml")
 
 
-def chain_acceptance(tmp_path) -> str:
-    """The qwen pair's positional vector with hand-made chains: long runs of hits, confident until a miss."""
+def chain_acceptance(tmp_path, with_ranks: bool = False) -> str:
+    """The qwen pair's positional vector with hand-made chains: long runs of hits, confident until a miss (and,
+    `with_ranks`, the target's token at rank 1 or 2 of the draft's where it misses)."""
     rng = np.random.default_rng(0)
     chains = []
     for _ in range(6):
         match = rng.random(96) < 0.8
         confidence = np.where(match, rng.uniform(0.6, 1.0, 96), rng.uniform(0.05, 0.5, 96))
-        chains.append(DraftChainTrace(match, confidence))
+        ranks = np.where(match, 0, rng.integers(1, 4, 96)) if with_ranks else None
+        chains.append(DraftChainTrace(match, confidence, 200, ranks))
     document = SequoiaAcceptance(np.array([0.7, 0.1, 0.05]), target="qwen2.5-coder-1.5b",
                                  draft="qwen2.5-coder-0.5b", temperature=0.0, chains=chains).to_dict()
     path = tmp_path / "chains.yaml"
@@ -256,3 +258,17 @@ def test_the_tree_replay_is_what_the_decoder_does_at_t0(parents):
     with pytest.raises(UserError, match="'ranks' must be 0 exactly where 'match' is 1"):
         SequoiaAcceptance.from_dict({**document, "chains": [{"match": "10", "ranks": "10", "confidence": [1, 1]}]},
                                     "a.yaml")
+
+
+def test_a_sequoia_plan_at_t0_carries_its_trees_replayed_tokens_per_step(run_cli, tmp_path):
+    from planner.sequoia import replay_tree
+
+    path = chain_acceptance(tmp_path, with_ranks=True)
+    out = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", path, "--profile", PROFILE, "--max-size", 16,
+                              "--max-depth", 6, "-o", out)
+    assert code == 0, stderr
+    plan = load_plan(out)
+    assert plan.prediction.replay_exact and plan.solver["replayed"]["chains"] == 6
+    chains = load_sequoia_acceptance(path).chains
+    assert plan.prediction.tokens_per_step == pytest.approx(replay_tree(list(plan.tree.parents), chains))
