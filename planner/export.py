@@ -128,10 +128,11 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         if plan.engine == fmt else None
     best = chain.sub("best") if chain is not None else None
     if chain is not None and not chain.boolean("enabled", default=True):
-        return Export("", f"{fmt} without a draft model: no setting of its knobs was predicted faster than its "
-                          f"one-token decoding on the profile (the best, draft {best.integer('draft_max', low=1)} "
-                          f"tokens: {best.number('tokens_per_step', low=1.0):.2f} tokens/step, "
-                          f"{best.number('speedup', low=0.0):.2f}x)")
+        return Export("{}" if fmt == "hf" else "",
+                      f"{fmt} without a draft model: no setting of its knobs was predicted faster than its one-token "
+                      f"decoding on the profile (the best, draft {best.integer('draft_max', low=1)} tokens: "
+                      f"{best.number('tokens_per_step', low=1.0):.2f} tokens/step, "
+                      f"{best.number('speedup', low=0.0):.2f}x)")
     if fmt == "llama.cpp":
         draft_min, p_min = (best.integer("draft_min", low=0), best.number("p_min", low=0.0, high=1.0)) \
             if best is not None else (0, 0.0)
@@ -188,10 +189,11 @@ def _chain_length(text: str, fmt: str) -> int:
         return int(json.loads(text)["num_speculative_tokens"])
     if fmt == "trtllm-draft":
         return int(yaml.safe_load(text)["speculative_config"]["max_draft_len"])
-    if fmt == "hf":
-        return int(json.loads(text)["assistant_generation_config"]["num_assistant_tokens"])
-    flags = text.split()
-    return int(flags[flags.index("--draft-max") + 1])
+    if fmt == "hf":  # {} (no assistant) where the plan drafts nothing
+        config = json.loads(text)
+        return int(config["assistant_generation_config"]["num_assistant_tokens"]) if config else 0
+    flags = text.split()  # no flags (no draft model) where the plan drafts nothing
+    return int(flags[flags.index("--draft-max") + 1]) if flags else 0
 
 
 def _export_prompt_lookup(plan: Plan, fmt: str) -> Export:

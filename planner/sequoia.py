@@ -518,11 +518,13 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
 
     prefill = prompt_prefill_per_token(acceptance, profile) if profile is not None else None
     ranked = rank_candidates(tables, profile, batch, context, rules, prefill or 0.0)
-    exact = (profile is not None and batch == 1 and acceptance.temperature == 0 and rules.shape != "sglang"
-             and bool(acceptance.chains) and all(chain.ranks is not None for chain in acceptance.chains))
+    # at T = 0 fixed trees replay exactly over the chain traces; SGLang's trees are grown anew each step
+    replayable = (profile is not None and batch == 1 and acceptance.temperature == 0 and bool(acceptance.chains)
+                  and all(chain.ranks is not None for chain in acceptance.chains))
+    exact = replayable and rules.shape != "sglang"
+    one_token = float(profile.target_curve(context)(1) + profile.engine_overhead(1)) if replayable else 0.0
     if exact and ranked:
         model_best = ranked[0]
-        one_token = float(profile.target_curve(context)(1) + profile.engine_overhead(1))
         ranked = _replayed(ranked, tables, acceptance.chains, one_token, prefill or 0.0)
     if not ranked:
         raise UserError(f"no tree that {engine} runs fits the given size, depth and profile range")
@@ -544,8 +546,10 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     if engine in CHAIN_KNOB_ENGINES and acceptance.chains and profile is not None and batch == 1:
         _use_chain_knobs(plan, engine, acceptance, profile, max_depth, context)
     if engine != "specplan":
-        unconstrained = rank_candidates(SequoiaTables(acceptance.positional, max_size, max_depth), profile, batch,
-                                        context, prefill_per_token=prefill or 0.0)[0]
+        free_tables = SequoiaTables(acceptance.positional, max_size, max_depth)
+        free = rank_candidates(free_tables, profile, batch, context, prefill_per_token=prefill or 0.0)
+        unconstrained = (_replayed(free, free_tables, acceptance.chains, one_token, prefill or 0.0) if replayable
+                         else free)[0]
         plan.engine = engine
         plan.solver["engine"] = {"name": engine, **rules.limits(),
                                  "sources": [str(source) for source in rules.sources],

@@ -18,7 +18,7 @@ from decoder.drafters import SequoiaDrafter
 from decoder.engine import SpeculativeEngine
 from decoder.sampling import SamplingParams
 from planner.draft_chain import ChainKnobs, replay
-from planner.export import export_plan
+from planner.export import export_plan, import_tree
 from planner.sequoia import SequoiaTables, rank_candidates
 from profiler.acceptance import measure_sequoia
 
@@ -192,6 +192,7 @@ def test_a_chain_plan_drafts_nothing_where_no_setting_pays(run_cli, write_yaml_f
     assert plan.solver["chain_knobs"]["best"]["speedup"] < 1
     export = export_plan(plan, "llama.cpp", draft_path="draft.gguf")
     assert export.content == "" and "without a draft model" in export.instructions
+    assert import_tree(export.content, "llama.cpp").size == 1  # the one-node tree the plan runs
 
 
 @pytest.mark.parametrize("tokens, schedule", [(1, "constant"), (3, "constant"), (2, "heuristic")])

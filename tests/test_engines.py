@@ -108,8 +108,10 @@ def test_a_plan_solved_for_an_engine_passes_its_rules(engine):
     plan, ranked = solve_sequoia(ACCEPTANCE, 48, 8, PROFILE, engine=engine, heads=heads)
     assert engine_rules(engine, heads).broken_rule(plan.tree) is None
     free, _ = solve_sequoia(ACCEPTANCE, 48, 8, PROFILE)
-    if "chain_knobs" not in plan.solver:  # (llama.cpp's and transformers' knobs are priced on the exact chain traces)
-        assert plan.prediction.speedup <= free.prediction.speedup + 1e-12  # the rules never help
+    # where both are priced alike (not llama.cpp's and transformers' knobs on the chain traces, nor SGLang's dynamic
+    # tree on the positional model beside a replayed tree), the rules never help
+    if "chain_knobs" not in plan.solver and plan.prediction.replay_exact == free.prediction.replay_exact:
+        assert plan.prediction.speedup <= free.prediction.speedup + 1e-12
     if engine != "specplan":
         assert plan.engine == engine and plan.solver["engine"]["unconstrained"]["speedup"] == pytest.approx(
             free.prediction.speedup)
