@@ -185,6 +185,11 @@ class LatencyProfile:
         sizes = sorted(self.overhead_seconds)
         return np.interp(np.asarray(n, dtype=np.float64), sizes, [self.overhead_seconds[k] for k in sizes])
 
+    def step_seconds(self, n: int | np.ndarray, context: int | None = None) -> np.ndarray:
+        """One decoding step's price for n tokens: t(n) on the curve of `context` (the base one by default) plus the
+        engine's work around the forward, o(n)."""
+        return self.target_curve(context)(n) + self.engine_overhead(n)
+
     def draft_step(self, context: float | None = None) -> float | None:
         """The draft's one-token step over `context` cached tokens: linear between its profiled contexts
         (clamped); the base context's step where no context is given or the profile lists none."""

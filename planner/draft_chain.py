@@ -131,7 +131,7 @@ def best_knobs(engine: str, chains: list[DraftChainTrace], profile: LatencyProfi
         raise UserError(f"the profile covers t(n) up to n = {curve.max_n}: no chain of one token or more fits")
     sizes = np.arange(1, curve.max_n + 1)
     forward_seconds = np.zeros(curve.max_n + 1)
-    forward_seconds[1:] = curve(sizes) + profile.engine_overhead(sizes)
+    forward_seconds[1:] = profile.step_seconds(sizes, context)
     if engine == "llama.cpp":
         settings = [ChainKnobs(engine, k, draft_min, p_min) for k in range(1, largest + 1)
                     for draft_min in DRAFT_MIN_GRID if draft_min <= k for p_min in P_MIN_GRID]

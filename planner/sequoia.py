@@ -480,9 +480,9 @@ def rank_candidates(tables: SequoiaTables | LevelUniformTables | SGLangTables, p
     if max_n < 1:
         raise UserError(f"the profile covers t(n) up to n = {curve.max_n}, less than the batch {batch}")
     feasible[max_n + 1:, :] = False
-    t_batch = float(curve(batch) + profile.engine_overhead(batch))
+    t_batch = float(profile.step_seconds(batch, context))
     t_target = np.zeros(G.shape[0])
-    t_target[1:max_n + 1] = curve(sizes[1:max_n + 1] * batch) + profile.engine_overhead(sizes[1:max_n + 1] * batch)
+    t_target[1:max_n + 1] = profile.step_seconds(sizes[1:max_n + 1] * batch, context)
     out = []
     for n, d in zip(*np.nonzero(feasible)):
         step = t_target[n] + d * c_draft
@@ -522,7 +522,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     replayable = (profile is not None and batch == 1 and acceptance.temperature == 0 and bool(acceptance.chains)
                   and all(chain.ranks is not None for chain in acceptance.chains))
     exact = replayable and rules.shape != "sglang"
-    one_token = float(profile.target_curve(context)(1) + profile.engine_overhead(1)) if replayable else 0.0
+    one_token = float(profile.step_seconds(1, context)) if replayable else 0.0
     if exact and ranked:
         model_best = ranked[0]
         ranked = _replayed(ranked, tables, acceptance.chains, one_token, prefill or 0.0)
@@ -570,7 +570,7 @@ def _use_chain_knobs(plan: Plan, engine: str, acceptance: SequoiaAcceptance, pro
                                   "top": [knobs.as_dict() for knobs in ranked[1:6]]}
     if not enabled:
         plan.tree = TokenTree.from_parents([-1])
-        step = float(profile.target_curve(context)(1) + profile.engine_overhead(1))
+        step = float(profile.step_seconds(1, context))
         plan.prediction = Prediction(1.0, 1.0, step, 1.0 / step, latency_source=profile.source)
         return
     plan.tree = TokenTree.from_parents(list(range(-1, best.draft_max)))
