@@ -5,11 +5,14 @@ A graph replays fixed kernels on fixed memory, so every input lives in a static 
 the cache slots the new keys go to (written with index_copy_), and an additive mask over all `max_len` cache
 slots (the static layout of decoder/model.py). A Sequoia plan has few shapes (the verify size and each tree
 level's width); Lookahead's trees and TriForce's middle level vary in size, and padded they share a few. The
-graphs are captured once per cache (LeanModel.cache_for keeps a cache across generations) and replayed every
-step. Greedy and sampled decoding use the same graphs: only the logits come out of them.
+graphs are captured once per cache (LeanModel.cache_for keeps a few across generations): those of the sizes a
+drafter declares when the cache is made (SpeculativeEngine.prepare), others on first use. Greedy and sampled
+decoding use the same graphs: only the logits come out of them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -87,6 +90,11 @@ class GraphedForward:
             queries.copy_(buffers["queries"])
         logits = buffers["logits"][:n]
         return logits if logits_rows is None else logits[logits_rows]
+
+    def capture(self, cache: KVCache, sizes: Iterable[int]) -> None:
+        """Capture now, over an empty `cache`, the graphs that forwards of `sizes` tokens will replay."""
+        for n in sizes:
+            self._graph(cache, graph_size(n, cache.max_len - cache.length), None)
 
     def _graph(self, cache: KVCache, n: int, query_row: int | None):
         key = (n, query_row)

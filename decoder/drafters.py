@@ -29,6 +29,10 @@ class Drafter(ABC):
     def reset(self, prompt: list[int], max_len: int) -> None:
         """Start a new sequence; the last prompt token is the first root."""
 
+    def prepare(self, max_len: int) -> None:
+        """Make ahead what a sequence of a target cache of `max_len` slots will need (a draft model's cache and
+        its CUDA graphs), so that `reset` and the first steps find it made."""
+
     @abstractmethod
     def propose(self, root: int, params: SamplingParams, draw: str, generator: torch.Generator | None) -> DraftTree:
         """A tree whose node 0 is `root`."""
@@ -39,6 +43,11 @@ class Drafter(ABC):
 
     def bind(self, target_cache: KVCache) -> None:
         """The engine's target cache after prefill (a drafter built on the target's own cache reads it)."""
+
+    def target_tree_sizes(self) -> tuple[int, ...]:
+        """The tree sizes the target verifies, whose CUDA graphs are captured with a new cache (before decoding
+        starts) rather than on first use; () where that is not known ahead (captured on first use)."""
+        return ()
 
     def target_forward_arguments(self) -> dict[str, Any]:
         """Extra keyword arguments for the target's verifying forward (LeanModel.forward): TriForce's drafter
@@ -60,6 +69,9 @@ class NoDrafter(Drafter):
 
     def propose(self, root, params, draw, generator):
         return DraftTree([root], [-1])
+
+    def target_tree_sizes(self):
+        return (1,)
 
     def extend(self, tokens):
         pass
@@ -116,9 +128,17 @@ class SequoiaDrafter(Drafter):
         self.pending: list[int] = []
 
     def reset(self, prompt: list[int], max_len: int) -> None:
-        self.cache = self.model.cache_for(max_len, self.cache)
+        self.cache = self.model.cache_for(max_len, "draft")
         self.model.prefill(torch.tensor(prompt[:-1], dtype=torch.long), self.cache, logits=False)
         self.pending = []
+
+    def target_tree_sizes(self):
+        return (self.max_tree_size,)
+
+    def prepare(self, max_len):
+        cache = self.model.cache_for(max_len, "draft")
+        if self.model.graphed is not None:  # the chain fed before the root (1 or 2 tokens), then each level
+            self.model.graphed.capture(cache, {1, 2, *(len(level) for level in self.levels[1:])})
 
     @torch.inference_mode()
     def propose(self, root, params, draw, generator):
@@ -184,6 +204,9 @@ class TrieDrafter(Drafter):
         self.trie.insert(self.sequence, 0, len(prompt), from_prompt=True)
         self.counted = len(prompt)
         self.live_request = True
+
+    def target_tree_sizes(self):
+        return tuple(range(1, self.max_tree_size + 1))  # a retrieved tree has any size up to decoding_length
 
     def propose(self, root, params, draw, generator):
         self.sequence[self.length] = root

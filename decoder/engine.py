@@ -44,7 +44,7 @@ class SpeculativeEngine:
         self.stop_ids = set(stop_ids or ())
         self.rule_name = rule
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
-        self.cache: KVCache | None = None
+        self.cache: KVCache | None = None  # the current generation's (LeanModel.cache_for keeps it for the next)
 
     def rule_for(self, params: SamplingParams) -> VerificationRule:
         return choose_rule(self.rule_name, params, self.drafter.draws)
@@ -64,14 +64,25 @@ class SpeculativeEngine:
         return needed
 
     @torch.inference_mode()
+    def prepare(self, prompt_length: int, max_new_tokens: int) -> KVCache:
+        """The empty target cache a generation of this size runs on, with the CUDA graphs of the drafter's tree
+        sizes captured over it (on a GPU) and the drafter's own prepared, so that decoding replays graphs from
+        its first step. A server (or a benchmark's warm-up) calls it ahead for the sizes it expects; `generate`
+        calls it too."""
+        cache = self.target.cache_for(self.check_fits(prompt_length, max_new_tokens), "target")
+        if self.target.graphed is not None:
+            self.target.graphed.capture(cache, self.drafter.target_tree_sizes())
+        self.drafter.prepare(cache.max_len)
+        return cache
+
+    @torch.inference_mode()
     def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         rule = self.rule_for(params)
-        max_len = self.check_fits(len(prompt), max_new_tokens)
         generator = torch.Generator(device=self.target.device).manual_seed(seed if seed is not None else 0)
         target = self.target
         start = time.perf_counter()
-        cache = self.cache = target.cache_for(max_len, self.cache)
+        cache = self.cache = self.prepare(len(prompt), max_new_tokens)
         max_len = cache.max_len
         target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), cache, logits=False, prompt_length=len(prompt))
         prefill_seconds = time.perf_counter() - start

@@ -18,6 +18,7 @@ Two attention layouts:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -35,6 +36,10 @@ GEMMA_FAMILY = ("gemma2", "gemma3_text")
 KEY_BUCKET = 64  # bf16 CPU attention runs over a key length rounded up to this (see LeanModel._key_span)
 UPCAST_ROWS = 3  # on a CPU that emulates bf16, matmuls of this many rows or more run in fp32 (LeanModel._linear)
 GRAPH_CACHE_SLOTS = 512  # with CUDA graphs, cache sizes are rounded up to this (see LeanModel.cache_for)
+# With CUDA graphs, the caches (and the graphs captured over them) kept per role: prompts of mixed lengths
+# alternate among a few rounded sizes, and capturing a graph anew costs tens of its replays (two eager warm-up
+# forwards and the capture).
+KEPT_GRAPH_CACHES = 4
 KERNEL_BLOCK = 32  # the CPU kernels take fp32/bf16 weights whose rows are whole 32-element blocks
 KERNEL_FORMATS = {torch.float32: "F32", torch.bfloat16: "BF16"}
 
@@ -266,6 +271,7 @@ class LeanModel:
             if self.packed and self.lm_head is not self.embed:  # the packed copy is the one the forward reads
                 self.lm_head = None
         self.graphed = None  # a decoder.cuda_graphs.GraphedForward, set by cuda_graphs.enable_cuda_graphs
+        self.kept_caches: dict[str, OrderedDict[int, KVCache]] = {}  # by role, then size (cache_for)
         self.compiled_forward = None  # _forward through torch.compile, set by cuda_graphs.compile_forward
         d = self.shape.head_dim
         self.q_size, self.kv_size = self.shape.heads * d, self.shape.kv_heads * d
@@ -341,17 +347,28 @@ class LeanModel:
             raise UserError(f"a cache of {max_len} tokens exceeds the model's maximum context {self.shape.max_context}")
         return KVCache(self.shape, max_len, self.cache_dtype, self.device)
 
-    def cache_for(self, max_len: int, previous: KVCache | None, exact: bool = False) -> KVCache:
-        """An empty cache of `max_len` slots: `previous`, emptied, when it has that size, else a new one.
+    def cache_for(self, max_len: int, role: str, exact: bool = False) -> KVCache:
+        """An empty cache of `max_len` slots for `role` (the engine's "target", a drafter's own): the one this
+        model kept for that role and size, emptied, else a new one (kept in its place).
 
-        With CUDA graphs, `max_len` is rounded up to GRAPH_CACHE_SLOTS (unless `exact`), so that generations of
-        similar lengths keep one cache and replay the graphs captured over it instead of capturing new ones."""
+        With CUDA graphs, `max_len` is rounded up to GRAPH_CACHE_SLOTS (unless `exact`) and up to
+        KEPT_GRAPH_CACHES sizes are kept per role, least recently used first out, so that generations of mixed
+        lengths replay the graphs captured over their caches instead of capturing new ones. Without graphs, one
+        cache per role. Generations of one role must not overlap (they share the cache)."""
         if self.graphed is not None and not exact:
             max_len = min(-(-max_len // GRAPH_CACHE_SLOTS) * GRAPH_CACHE_SLOTS, self.shape.max_context)
-        if previous is not None and previous.max_len == max_len:
-            previous.length, previous.long_rope = 0, False
-            return previous
-        return self.new_cache(max_len)
+        kept = self.kept_caches.setdefault(role, OrderedDict())
+        cache = kept.pop(max_len, None)
+        if cache is None:
+            if self.graphed is None:
+                kept.clear()  # free the old cache before the new one takes its memory
+            cache = self.new_cache(max_len)
+        else:
+            cache.length, cache.long_rope = 0, False
+        kept[max_len] = cache
+        while len(kept) > (KEPT_GRAPH_CACHES if self.graphed is not None else 1):
+            kept.popitem(last=False)
+        return cache
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.float()

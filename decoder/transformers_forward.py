@@ -71,6 +71,7 @@ class TransformersForward:
     """A transformers model behind the lean forward's contract (decoder/model.py: LeanModel)."""
 
     backend = "transformers"
+    graphed = None  # the lean forward's CUDA graphs (decoder/cuda_graphs.py) do not apply to transformers' own
 
     def __init__(self, hf_model: Any, device: torch.device | str = "cpu", vocabulary: int | None = None,
                  always: Iterable[int] = ()) -> None:
@@ -109,7 +110,7 @@ class TransformersForward:
             raise UserError(f"a cache of {max_len} tokens exceeds the model's maximum context {self.shape.max_context}")
         return TransformersCache(max_len)
 
-    def cache_for(self, max_len: int, previous: TransformersCache | None, exact: bool = False) -> TransformersCache:
+    def cache_for(self, max_len: int, role: str, exact: bool = False) -> TransformersCache:
         return self.new_cache(max_len)
 
     def prefill(self, tokens: torch.Tensor, cache: TransformersCache, chunk: int = 512, logits: bool = True,

@@ -59,7 +59,7 @@ class StreamingDrafter(Drafter):
 
     def reset(self, prompt, max_len):
         size = min(self.sinks + self.window + 4 * self.max_tree_size + 8, max_len)
-        self.cache = self.model.cache_for(size, self.cache, exact=True)  # the window is what its size leaves
+        self.cache = self.model.cache_for(size, "streaming", exact=True)  # the window is what its size leaves
         if self.model.has_windows and self.cache.key_positions is None:
             self.cache.track_positions()  # evictions leave slots that are not positions: sliding windows need them
         self.pending = list(prompt[:-1])

@@ -78,10 +78,26 @@ def test_greedy_output_equals_transformers_greedy_on_the_gpu(parents, gpu_pair):
         assert result.tokens == hf_greedy(loaded, prompt, 40)
         assert result.steps <= 40
         caches.append(engine.cache)
-    # Generations of similar lengths keep one cache, so its graphs are captured once.
+    # Generations of similar lengths keep one cache, so its graphs are captured once; the target forwards the
+    # whole static tree each step (the cache is the model's: other tests' engines left their sizes' graphs on it).
     assert caches[0] is caches[1] is caches[2] and caches[0].max_len == GRAPH_CACHE_SLOTS
-    # the target forwards the whole static tree each step
-    assert list(caches[0].graphs) == [(graph_size(len(parents), GRAPH_CACHE_SLOTS), None)]
+    assert (graph_size(len(parents), GRAPH_CACHE_SLOTS), None) in caches[0].graphs
+
+
+def test_prompts_of_mixed_lengths_capture_their_graphs_once_and_ahead(gpu_pair):
+    """Lookahead's graphs (a tree of any size up to decoding_length) are captured when a cache is made, and
+    prompts alternating between cache sizes replay them instead of capturing anew."""
+    loaded, target, _ = gpu_pair
+    engine = SpeculativeEngine(target, TrieDrafter(Trie(TrieSettings(8, 3))))
+    prompts = [long_prompt(length, seed) for seed, length in enumerate((100, 700, 120, 650))]
+    graphs = []
+    for prompt in prompts:
+        cache = engine.prepare(len(prompt), 40)
+        assert {(graph_size(n, cache.max_len), None) for n in range(1, 9)} <= set(cache.graphs)
+        graphs.append({key: id(graph) for key, (graph, _) in cache.graphs.items()})
+        assert engine.generate(prompt, 40, SamplingParams()).tokens == hf_greedy(loaded, prompt, 40)
+        assert engine.cache is cache
+    assert graphs[2] == graphs[0] and graphs[3] == graphs[1] and graphs[0] != graphs[1]
 
 
 def test_compiled_backend_greedy_equals_transformers_greedy_on_the_gpu():

@@ -165,3 +165,24 @@ def test_bf16_model_matches_transformers_as_a_cpu_with_or_without_bf16_instructi
     assert logits.dtype == torch.float32 and torch.stack(rows).dtype == torch.bfloat16
     torch.testing.assert_close(logits, ref[29:], atol=0.125, rtol=0.02)  # a few bf16 steps (1/32 at 4-8)
     assert (logits.argmax(-1) == ref[29:].argmax(-1)).float().mean() >= 0.9
+
+
+def test_caches_are_kept_per_role_and_size():
+    """cache_for hands a role its kept cache of that size, emptied; without CUDA graphs one per role, with them
+    up to KEPT_GRAPH_CACHES sizes (the graphs captured over a cache live on it), least recently used out."""
+    lean = LeanModel(load_model("tiny-random-llama").model)
+    target = lean.cache_for(100, "target")
+    target.length = 7
+    assert lean.cache_for(100, "target") is target and target.length == 0
+    draft = lean.cache_for(100, "draft")
+    assert draft is not target and lean.cache_for(100, "target") is target
+    assert lean.cache_for(200, "target") is not target and lean.cache_for(100, "target") is not target  # one kept
+
+    lean.graphed = object()  # cache_for only asks whether graphs are on; no GPU needed to check what it keeps
+    sizes = [model_module.GRAPH_CACHE_SLOTS * k for k in range(1, model_module.KEPT_GRAPH_CACHES + 2)]
+    kept = {size: lean.cache_for(size - 5, "target") for size in sizes[:-1]}  # rounded up to the slot multiple
+    assert [cache.max_len for cache in kept.values()] == sizes[:-1]
+    assert all(lean.cache_for(size, "target") is kept[size] for size in sizes[:-1])  # alternating: no new cache
+    lean.cache_for(sizes[-1], "target")  # one size more: the least recently used (the first) goes
+    assert lean.cache_for(sizes[1], "target") is kept[sizes[1]]
+    assert lean.cache_for(sizes[0], "target") is not kept[sizes[0]]
