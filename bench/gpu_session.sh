@@ -5,7 +5,8 @@
 # configs, which time the same as the real ones. smollm2-135m's real GGUF (98 MB) comes in two carried halves,
 # .gpuw1/part1 with the first call and .gpuw2/part2 with the second, sent back to back while the machine is warm
 # (bench/gpu_carry.sh assembles all four carried folders from the local model cache).
-#   device run: bash bench/gpu_session.sh profiles   (carry .gpu .whl .gpuw1)
+#   device run: bash bench/gpu_session.sh profiles   (carry .gpu .whl .gpuw1: test_cuda, then held-out profiles)
+#          or: bash bench/gpu_session.sh tests      (carry .whl .gpuw1: test_cuda alone)
 #   device run: bash bench/gpu_session.sh triforce   (carry .gpuw2; the same machine, within its 30 s warm time)
 set -u
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
@@ -20,11 +21,12 @@ plan="python3 -m specplan.cli"
 } 2>&1 | tee "$LOG"
 
 case "$1" in
-profiles)
+profiles|tests)
   cp .gpuw1/part1 /tmp/halves/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1
-  # The GPU path's own tests first (the top verify's graph per query row, 72b3eb9, has not run on a GPU yet).
-  timeout 170 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG"
+  # The GPU path's own tests first.
+  timeout 300 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG"
+  [ "$1" = tests ] && exit 0
   # Issue 35 item 5: measured t(n) of random-weight copies of configs (held-out data for the modeled profiles).
   cp .gpu/qwen2.5-coder-1.5b/tokenizer.json .gpu/qwen2.5-coder-0.5b/
   cp .gpu/qwen2.5-coder-1.5b/tokenizer*.json .gpu/qwen3-0.6b/
@@ -49,5 +51,8 @@ triforce)
     --profile "$profile" --context 7680 -o "$plan_file" | head -20 | tee -a "$LOG"
   timeout 240 $plan bench --plan "$plan_file" --dataset haystack --context 7680 --prompts 4 --max-new-tokens 256 \
     --baselines ours-ar,two-level,streaming --reprice -o "$OUT/smollm2-135m.triforce-7680.h100.fp32.json" | tail -30 | tee -a "$LOG"
+  # G1 again (Lookahead, its 2026-11-24 plan) against our one-token decoding alone: what the decoder's changes since did.
+  timeout 150 $plan bench --plan plans/smollm2-135m.lookahead.h100.fp32.yaml --dataset specbench:summarization,rag,coding \
+    --prompts 12 --max-new-tokens 256 --baselines ours-ar -o "$OUT/lookahead.h100.fp32.json" | tail -12 | tee -a "$LOG"
   ;;
 esac
