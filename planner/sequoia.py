@@ -422,6 +422,18 @@ def _replayed(ranked: list[Candidate], tables: SequoiaTables | LevelUniformTable
     return sorted(replayed, key=lambda c: (-c.speedup, c.size, c.depth))
 
 
+def plan_speedup(plan: Plan, profile: LatencyProfile) -> float:
+    """A batch-1 plan's tree priced on `profile` as the solver priced it: its tokens/step (replayed or modeled)
+    over one step, t(n) + o(n) + d draft steps at the plan's context, plus the draft's prefill per token the plan
+    recorded, against one-token decoding's t(1) + o(1). `plan bench --reprice` prices it on re-timed points."""
+    context = plan.inputs["profile"]["context"]
+    tree = plan.tree
+    step = float(profile.step_seconds(tree.size, context)) + tree.depth * profile.draft_step(context)
+    per_token = (step / plan.prediction.tokens_per_step
+                 + (plan.prediction.details.get("draft_prefill_seconds_per_token") or 0.0))
+    return float(profile.step_seconds(1, context)) / per_token
+
+
 def tree_value(parents: np.ndarray, positional: np.ndarray) -> float:
     """F(T): the sum over nodes of the product of p_rank along the root path (BFS-ordered parents)."""
     score = np.zeros(len(parents))

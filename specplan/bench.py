@@ -67,7 +67,7 @@ class BenchRequest:
     prompt_lookup: PromptLookupSettings = PromptLookupSettings()  # the engines' own defaults: 2-grams, 10 tokens
     lookup_plan: Plan | None = None  # a prompt-lookup plan: its engine's lookup runs with the plan's knobs
     context: int | None = None  # build long prompts of this many tokens from a folder of essays
-    reprice: bool = False  # re-time the forwards a TriForce plan's prediction priced, between the prompts
+    reprice: bool = False  # re-time the forwards a TriForce or Sequoia plan's prediction priced, between the prompts
 
 
 def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callable[[str], None] = print) -> dict:
@@ -98,7 +98,7 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
         decoder.engine.check_fits(len(ids), request.max_new_tokens)
     methods, engines = _methods(decoder, request, max(len(ids) for ids in encoded) + request.max_new_tokens)
     names = list(methods)
-    repricing = _Repricing(decoder) if request.reprice else None
+    repricing = _repricing(decoder) if request.reprice else None
     log(f"warming up {', '.join(names)}")
     warm_up = encoded[0] if request.context is not None else encoded[0][:64]  # long-context methods need it all
     for run in methods.values():
@@ -388,6 +388,61 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
     }
 
 
+def _plan_profile(plan: Plan) -> LatencyProfile:
+    profile_file = plan.inputs.get("profile", {}).get("file")
+    if not profile_file:
+        raise UserError("--reprice needs a plan solved with a latency profile")
+    check_unchanged(plan.provenance, profile_file, "the plan's profile")
+    return load_profile(profile_file, TIMED_FORWARDS)
+
+
+def _repricing(decoder: Decoder) -> _Repricing | _TreeRepricing:
+    plan = decoder.plan
+    if plan is not None and plan.method == "triforce":
+        return _Repricing(decoder)
+    if plan is not None and plan.method == "sequoia":
+        return _TreeRepricing(decoder)
+    raise UserError("--reprice needs a TriForce or a Sequoia plan")
+
+
+class _TreeRepricing:
+    """`--reprice` for a Sequoia plan: t(1) and t(n) of its tree and the draft's step, at the plan's context,
+    re-timed between the prompts, and the plan's tokens/step priced on them (planner.sequoia.plan_speedup; the
+    draft's prompt prefill stays at its profiled price: about a tenth of a token's, timed once per pass it would
+    cost more than the rest)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        from profiler.latency import PointTimer
+
+        plan = decoder.plan
+        if plan.engine != "specplan" or plan.inputs.get("batch", 1) != 1:
+            raise UserError("--reprice prices a batch-1 tree our decoder runs (solved with --engine specplan)")
+        if plan.tree.size < 2:
+            raise UserError("--reprice: this plan decodes one token per step, its price is one-token decoding's")
+        self.plan = plan
+        self.profile = _plan_profile(plan)
+        self.context = plan.inputs["profile"]["context"]
+        if self.context is None:
+            raise UserError("--reprice needs a plan whose profile was measured at a known context")
+        self.timer = PointTimer(decoder.target_forward, decoder.draft_forward, {self.context: [1, plan.tree.size]},
+                                {}, [self.context])
+
+    def report(self, summary: dict) -> dict:
+        from planner.sequoia import plan_speedup
+
+        fresh = self.profile.with_points(*self.timer.medians())
+        L, n = self.context, self.plan.tree.size
+        ratios = {"one_token": float(fresh.step_seconds(1, L) / self.profile.step_seconds(1, L)),
+                  f"verify_{n}": float(fresh.step_seconds(n, L) / self.profile.step_seconds(n, L)),
+                  "draft_step": fresh.draft_step(L) / self.profile.draft_step(L)}
+        out = {"speedup": plan_speedup(self.plan, fresh), "tokens_per_step": self.plan.prediction.tokens_per_step,
+               "profiled_speedup": plan_speedup(self.plan, self.profile), "price_ratios": ratios,
+               "passes": len(next(iter(self.timer.samples.values()))), "points": len(self.timer.calls)}
+        if "ours-ar" in summary:
+            out["measured_over_repriced"] = summary["ours"]["speedup_vs_ours-ar"] / out["speedup"]
+        return out
+
+
 class _Repricing:
     """`--reprice`: the forwards and builds a TriForce plan's prediction priced, at the profile's own points,
     re-timed between the prompts of the run (a streaming drafter's window prefill, which the prediction charges
@@ -399,14 +454,8 @@ class _Repricing:
         from profiler.latency import PointTimer
 
         plan = decoder.plan
-        if plan is None or plan.method != "triforce":
-            raise UserError("--reprice needs a TriForce plan")
-        profile_file = plan.inputs.get("profile", {}).get("file")
-        if not profile_file:
-            raise UserError("--reprice needs a plan solved with a latency profile")
-        check_unchanged(plan.provenance, profile_file, "the plan's profile")
         self.plan = plan
-        self.profile = load_profile(profile_file, TIMED_FORWARDS)
+        self.profile = _plan_profile(plan)
         points = priced_points(plan, self.profile)
         draft = decoder.draft_forward if points.draft or points.window_prefill == "draft" else None
         self.draft_priced = bool(points.draft)
@@ -549,7 +598,8 @@ def markdown_table(report: dict) -> str:
                          + (f" (one token per step; the best speculative setting {best:.2f}x)"
                             if (best := repriced.get("best_speculative_speedup")) is not None else "")
                          + (f", measured/predicted {measured_over:.2f}" if measured_over is not None else "")
-                         + f"; two-level {repriced['two_level_speedup']:.2f}x"
+                         + (f"; two-level {repriced['two_level_speedup']:.2f}x" if "two_level_speedup" in repriced
+                            else "")
                          + (f", measured/predicted {repriced['two_level_measured_over_repriced']:.2f}"
                             if "two_level_measured_over_repriced" in repriced else ""))
             lines.append("times now against the profile's: " + ", ".join(
