@@ -19,6 +19,7 @@ round differently).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
@@ -67,7 +68,7 @@ class BenchRequest:
     prompt_lookup: PromptLookupSettings = PromptLookupSettings()  # the engines' own defaults: 2-grams, 10 tokens
     lookup_plan: Plan | None = None  # a prompt-lookup plan: its engine's lookup runs with the plan's knobs
     context: int | None = None  # build long prompts of this many tokens from a folder of essays
-    reprice: bool = False  # re-time the forwards a TriForce or Sequoia plan's prediction priced, between the prompts
+    reprice: bool = False  # re-time the forwards the plan's prediction priced, between the prompts
 
 
 def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callable[[str], None] = print) -> dict:
@@ -396,13 +397,59 @@ def _plan_profile(plan: Plan) -> LatencyProfile:
     return load_profile(profile_file, TIMED_FORWARDS)
 
 
-def _repricing(decoder: Decoder) -> _Repricing | _TreeRepricing:
+def _repricing(decoder: Decoder) -> _Repricing | _TreeRepricing | _LookaheadRepricing:
     plan = decoder.plan
     if plan is not None and plan.method == "triforce":
         return _Repricing(decoder)
     if plan is not None and plan.method == "sequoia":
         return _TreeRepricing(decoder)
-    raise UserError("--reprice needs a TriForce or a Sequoia plan")
+    if plan is not None and plan.method == "lookahead":
+        return _LookaheadRepricing(decoder)
+    raise UserError("--reprice needs a TriForce, Sequoia or Lookahead plan")
+
+
+class _LookaheadRepricing:
+    """`--reprice` for a Lookahead plan: t(n) at every profiled context, for the profiled sizes up to the first
+    that covers its largest tree, re-timed between the prompts; the trie's replay over the plan's acceptance file
+    priced on them as the solver prices it (planner.lookahead.predicted_speedup, with the trie's time per step the
+    plan recorded)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        from core.acceptance_schema import load_lookahead_acceptance
+        from planner.lookahead import replay
+        from profiler.latency import PointTimer
+
+        plan = decoder.plan
+        self.plan = plan
+        self.profile = _plan_profile(plan)
+        acceptance_file = plan.inputs["acceptance"]["file"]
+        check_unchanged(plan.provenance, acceptance_file, "the plan's acceptance file")
+        replayed = replay(load_lookahead_acceptance(acceptance_file).records, plan.settings)
+        trie_per_step = plan.prediction.details.get("trie_seconds", replayed.trie_seconds / replayed.steps)
+        self.replay = dataclasses.replace(replayed, trie_seconds=trie_per_step * replayed.steps)
+        largest = int(max(replayed.step_sizes))
+        curves = self.profile.target_by_context or {self.profile.target_context: self.profile.target_t_seconds}
+        self.sizes: dict[int, list[int]] = {}
+        for context, curve in curves.items():
+            profiled = sorted(curve)
+            covering = next((n for n in profiled if n >= largest), profiled[-1])
+            self.sizes[context] = [n for n in profiled if n <= covering]
+        self.timer = PointTimer(decoder.target_forward, None, self.sizes, {}, [])
+
+    def report(self, summary: dict) -> dict:
+        from planner.lookahead import predicted_speedup
+
+        fresh = self.profile.with_points(*self.timer.medians())
+        L = min(self.sizes)
+        largest = self.sizes[L][-1]
+        ratios = {"one_token": float(fresh.latency(1, L) / self.profile.latency(1, L)),
+                  f"verify_{largest}": float(fresh.latency(largest, L) / self.profile.latency(largest, L))}
+        out = {"speedup": predicted_speedup(self.replay, fresh)[0], "tokens_per_step": self.replay.tokens_per_step,
+               "profiled_speedup": predicted_speedup(self.replay, self.profile)[0], "price_ratios": ratios,
+               "passes": len(next(iter(self.timer.samples.values()))), "points": len(self.timer.calls)}
+        if "ours-ar" in summary:
+            out["measured_over_repriced"] = summary["ours"]["speedup_vs_ours-ar"] / out["speedup"]
+        return out
 
 
 class _TreeRepricing:

@@ -535,8 +535,8 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--context", type=int, help="long prompts of this many tokens built from --dataset (" + ESSAYS_HELP + ")")
 @click.option("--device", type=click.Choice(DEVICES), help="default: cuda when available")
 @click.option("--reprice", is_flag=True,
-              help="TriForce and Sequoia plans: re-time the forwards and builds the prediction priced, between the "
-                   "prompts, and report the prediction re-priced with them")
+              help="re-time the forwards (and builds) the plan's prediction priced, between the prompts, and report "
+                   "the prediction re-priced with them (TriForce, Sequoia and Lookahead plans)")
 @_backend_option(None)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="report.json (a .md table and a .png plot are written beside it)")

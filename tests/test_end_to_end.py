@@ -66,6 +66,17 @@ def test_lookahead_workflow_is_lossless(run_cli, tmp_path, smollm2):
     code, stdout, _ = run_cli("generate", "--plan", plan, "--prompt", "Name three colors.", "--chat",
                               "--max-new-tokens", 16, "--json")
     assert code == 0 and len(json.loads(stdout)["tokens"]) <= 16
+    # `plan bench --reprice`: the plan's forwards re-timed between the prompts price its replay again; on the
+    # profile's own times that price is the plan's prediction
+    report_path = tmp_path / "report.json"
+    code, stdout, stderr = run_cli("bench", "--plan", plan, "--dataset", dataset, "--prompts", 2,
+                                   "--max-new-tokens", 16, "--baselines", "ours-ar", "--reprice", "-o", report_path)
+    assert code == 0, stderr
+    repriced = json.loads(report_path.read_text())["prediction"]["repriced"]
+    assert repriced["profiled_speedup"] == pytest.approx(yaml_load(plan)["prediction"]["speedup"], rel=1e-9)
+    assert repriced["tokens_per_step"] == pytest.approx(replayed) and repriced["speedup"] > 0
+    assert repriced["points"] >= 2 and all(ratio > 0 for ratio in repriced["price_ratios"].values())
+    assert "re-priced with its" in stdout
 
 
 def yaml_load(path):
