@@ -42,6 +42,7 @@ ACCEPTANCE = {
     "temperature": 0.6,
     "positional": [0.634, 0.108, 0.057, 0.022, 0.015, 0.01, 0.005, 0.003, 0.012, 0.002],
 }
+TINY_PAIR = {"target": "tiny-random-llama", "draft": "tiny-random-llama-draft"}
 PROFILE = {
     "kind": "profile/latency",
     "target": {"t_seconds": {1: 0.035, 16: 0.070, 64: 0.125, 128: 0.186}},
@@ -54,11 +55,12 @@ def bench_tiny_sequoia(run_cli, write_yaml_file, tmp_path):
     """`plan bench` of a small solved Sequoia plan on the tiny pair over two short prompts; returns the
     report's path."""
 
-    def bench(max_new_tokens: int, baselines: str, *extra: str) -> Path:
-        acceptance = write_yaml_file("acc.yaml", {**ACCEPTANCE, "temperature": 0.0})
+    def bench(max_new_tokens: int, baselines: str, *extra: str, profile: Path | None = None) -> Path:
+        """`profile`: solve the plan on it (else the tree of most tokens per step)."""
+        acceptance = write_yaml_file("acc.yaml", {**ACCEPTANCE, "temperature": 0.0, "models": TINY_PAIR})
         plan = tmp_path / "plan.yaml"
         code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--max-size", 8,
-                                  "--max-depth", 3, "-o", plan)
+                                  "--max-depth", 3, *(("--profile", profile) if profile else ()), "-o", plan)
         assert code == 0, stderr
         dataset = tmp_path / "prompts.jsonl"
         dataset.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"count {i} 1 2 3 4"]})

@@ -17,7 +17,7 @@ from decoder.engine import SpeculativeEngine
 from decoder.model import LeanModel
 from decoder.sampling import SamplingParams
 
-from conftest import ACCEPTANCE, PROFILE
+from conftest import ACCEPTANCE, PROFILE, TINY_PAIR
 from toy import (
     assert_distributed_as_target,
     chi_square_p,
@@ -315,7 +315,7 @@ def test_bench_without_a_plan_runs_one_token_decoding_at_dtype_gguf(run_cli, tmp
     assert summary["ours"]["identical_to_hf"] == summary["ours-ar"]["identical_to_hf"] == 2
 
 
-def test_bench_reprices_a_sequoia_plan_on_its_forwards_re_timed(run_cli, write_yaml_file, tmp_path):
+def test_bench_reprices_a_sequoia_plan_on_its_forwards_re_timed(bench_tiny_sequoia, write_yaml_file, tmp_path):
     """`plan bench --reprice` with a Sequoia plan: t(1), t(n) and the draft's step at the plan's context, re-timed
     between the prompts, price the plan's tokens/step again; on the profile itself that price is the plan's. (The
     profile is written, not measured: the tiny pair's measured draft step costs about its target's, and no tree
@@ -324,27 +324,15 @@ def test_bench_reprices_a_sequoia_plan_on_its_forwards_re_timed(run_cli, write_y
     from core.profile_schema import load_profile
     from planner.sequoia import plan_speedup
 
-    pair = {"target": "tiny-random-llama", "draft": "tiny-random-llama-draft"}
-    profile = write_yaml_file("profile.yaml", {**PROFILE, "models": pair,
+    profile = write_yaml_file("profile.yaml", {**PROFILE, "models": TINY_PAIR,
                                                "target": {**PROFILE["target"], "context": 32}})
-    acceptance = write_yaml_file("acc.yaml", {**ACCEPTANCE, "temperature": 0.0, "models": pair})
-    plan_path = tmp_path / "plan.yaml"
-    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--profile", profile, "--max-size", 6,
-                              "--max-depth", 3, "-o", plan_path)
-    assert code == 0, stderr
-    plan = load_plan(plan_path)
+    report_path = bench_tiny_sequoia(8, "ours-ar", "--reprice", profile=profile)
+    plan = load_plan(tmp_path / "plan.yaml")
     assert plan_speedup(plan, load_profile(profile)) == pytest.approx(plan.prediction.speedup)
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"count {i} 1 2 3 4"]})
-                                 for i in range(2)))
-    report_path = tmp_path / "report.json"
-    code, stdout, stderr = run_cli("bench", "--plan", plan_path, "--target", "tiny-random-llama", "--draft",
-                                   "tiny-random-llama-draft", "--dataset", dataset, "--prompts", 2,
-                                   "--max-new-tokens", 8, "--baselines", "ours-ar", "--reprice", "-o", report_path)
-    assert code == 0, stderr
     repriced = json.loads(report_path.read_text())["prediction"]["repriced"]
     assert repriced["profiled_speedup"] == pytest.approx(plan.prediction.speedup)
-    assert repriced["passes"] == 6 and repriced["points"] == 3  # a warm-up pass, then 2 before each prompt and after
+    assert repriced["passes"] == 6 and repriced["points"] == 3  # 2 passes before each prompt and after the last
     assert set(repriced["price_ratios"]) == {"one_token", f"verify_{plan.tree.size}", "draft_step"}
     assert all(ratio > 0 for ratio in repriced["price_ratios"].values()) and repriced["speedup"] > 0
-    assert "re-priced with its 3 priced forwards" in stdout and "two-level" not in stdout
+    markdown = report_path.with_suffix(".md").read_text()
+    assert "re-priced with its 3 priced forwards" in markdown and "two-level" not in markdown
