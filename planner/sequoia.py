@@ -266,6 +266,156 @@ class LevelUniformTables:
         return np.array(parents, dtype=np.int64)
 
 
+LEVEL_LIMITED_MAX_DEPTH = 4  # the counted levels (2 and 3) a table carries; TensorRT-LLM's EAGLE engines: 4 layers
+
+
+def _merge(prev: np.ndarray, child: np.ndarray, weight: float) -> np.ndarray:
+    """out[r + s, a + c, b + d] = max(prev[r, a, b] + weight * child[s, c, d]): one more ranked child subtree,
+    over tables indexed by [nodes, expanded nodes on level 2, on level 3] (-inf: no such subtree)."""
+    out = np.full_like(prev, NEG_INF)
+    size, e2, e3 = prev.shape
+    for s, c, d in zip(*np.nonzero(np.isfinite(child))):
+        if s == 0:
+            continue
+        candidate = prev[:size - s, :e2 - c, :e3 - d] + weight * child[s, c, d]
+        region = out[s:, c:, d:]
+        np.maximum(region, candidate, out=region)
+    return out
+
+
+class LevelLimitedTables:
+    """G(n, d) over the trees that expand at most `max_expanded` nodes on each level (TensorRT-LLM's
+    max_non_leaves_per_layer), exactly, for depths up to LEVEL_LIMITED_MAX_DEPTH.
+
+    The subtree DP of SequoiaTables, with each table also indexed by the expanded nodes it holds on levels 2 and
+    3 (W_k[m, e2, e3]: the best subtree of m nodes rooted on level k, its root's score 1), so that a merge adds
+    the counts and drops what passes the limit. Level 1 needs no count: moving a subtree from one child of the
+    root to a sibling of higher p changes no level's count and raises the value, so some optimal tree expands
+    the e children of the root with the highest p (e <= max_expanded); the root is solved for each number of
+    children c and each such e, the others leaves."""
+
+    def __init__(self, positional: np.ndarray, max_size: int, max_depth: int, max_expanded: int) -> None:
+        if max_depth > LEVEL_LIMITED_MAX_DEPTH:
+            raise ValueError(f"a per-level limit is solved for depths up to {LEVEL_LIMITED_MAX_DEPTH}")
+        self.positional = np.asarray(positional, dtype=np.float64)
+        self.max_size, self.max_depth, self.max_expanded = max_size, max_depth, max_expanded
+        self._G = np.full((max_size + 1, max_depth + 1), NEG_INF)
+        self._G[1, :] = 1.0
+        self._solved: dict[int, tuple] = {}
+        for depth in range(1, max_depth + 1):
+            best, choice, W, S, chains = self._solve(depth)
+            self._G[:, depth] = np.maximum(self._G[:, depth], best)
+            self._solved[depth] = (choice, W, S, chains)
+
+    @property
+    def G(self) -> np.ndarray:
+        return self._G.copy()
+
+    def _empty(self) -> np.ndarray:
+        return np.full((self.max_size + 1, self.max_expanded + 1, self.max_expanded + 1), NEG_INF)
+
+    def _solve(self, depth: int):
+        p, N, L = self.positional, self.max_size, self.max_expanded
+        start = self._empty()
+        start[0, 0, 0] = 0.0
+        W: dict[int, np.ndarray] = {depth: self._empty()}
+        W[depth][1, 0, 0] = 1.0
+        S: dict[int, list[np.ndarray]] = {}
+        for level in range(depth - 1, 0, -1):
+            W[level] = self._empty()
+            W[level][1, 0, 0] = 1.0
+            S[level] = [start]
+            for b in range(1, min(len(p), N - 1) + 1):
+                S[level].append(_merge(S[level][-1], W[level + 1], p[b - 1]))
+                grown = 1.0 + S[level][-1][:N]
+                target = W[level][1:]
+                if level in (2, 3):  # this node is expanded: one more on its level
+                    axis = level - 1
+                    shifted = np.full_like(grown, NEG_INF)
+                    index = [slice(None)] * 3
+                    index[axis] = slice(1, None)
+                    source = [slice(None)] * 3
+                    source[axis] = slice(0, L)
+                    shifted[tuple(index)] = grown[tuple(source)]
+                    grown = shifted
+                np.maximum(target, grown, out=target)
+        expanded_child = W.get(1, self._empty()).copy()
+        expanded_child[1] = NEG_INF  # an expanded child of the root has children
+        chains: dict[tuple[int, ...], np.ndarray] = {(): start}
+        best = np.full(N + 1, NEG_INF)
+        choice: dict[int, tuple] = {}
+        for children in range(1, min(len(p), N - 1) + 1):
+            order = tuple(sorted(range(children), key=lambda r: (-p[r], r)))
+            for e in range(0, min(L, children) + 1 if depth > 1 else 1):
+                key = order[:e]
+                if key not in chains:
+                    chains[key] = _merge(chains[key[:-1]], expanded_child, p[key[-1]])
+                leaves = [r for r in range(children) if r not in key]
+                base = 1 + len(leaves)
+                value = 1.0 + float(p[leaves].sum()) + chains[key][:N + 1 - base]
+                totals = value.reshape(len(value), -1).max(axis=1)
+                for r in np.nonzero(totals > best[base:base + len(totals)])[0]:
+                    best[base + r] = totals[r]
+                    e2, e3 = np.unravel_index(int(np.argmax(value[r])), value[r].shape)
+                    choice[base + r] = (children, key, r, int(e2), int(e3))
+        return best, choice, W, S, chains
+
+    def tree(self, size: int, depth: int) -> np.ndarray:
+        """Parents (BFS order, children in rank order) of an optimal tree of `size` nodes and depth <= `depth`."""
+        if not (1 <= size <= self.max_size and 0 <= depth <= self.max_depth) or not np.isfinite(self._G[size, depth]):
+            raise ValueError(f"no tree of {size} nodes within depth {depth} under the limits")
+        if size == 1:
+            return np.array([-1], dtype=np.int64)
+        solved_depth = next(d for d in range(1, depth + 1) if self._G[size, d] == self._G[size, depth])
+        choice, W, S, chains = self._solved[solved_depth]
+        children, key, r, e2, e3 = choice[size]
+        p = self.positional
+        expanded_child = W[1].copy()
+        expanded_child[1] = NEG_INF
+        states: dict[int, tuple[int, int, int]] = {}
+        for j in range(len(key), 0, -1):  # peel the root's expanded children off their chain, last first
+            s, c, d = _peel(chains[key[:j - 1]], expanded_child, p[key[j - 1]], chains[key[:j]][r, e2, e3], r, e2, e3)
+            states[key[j - 1]] = (s, c, d)
+            r, e2, e3 = r - s, e2 - c, e3 - d
+        root = [(rank, states.get(rank, (1, 0, 0))) for rank in range(children)]
+        parents = [-1]
+        frontier = [(0, 1, root)]  # (node index, its level, its children's states in rank order)
+        while frontier:
+            next_frontier = []
+            for node, level, kids in frontier:
+                for _, (m, c, d) in kids:
+                    parents.append(node)
+                    child = len(parents) - 1
+                    if m > 1:
+                        next_frontier.append((child, level + 1, _children(W, S, p, level, m, c, d)))
+            frontier = next_frontier
+        return np.array(parents, dtype=np.int64)
+
+
+def _peel(prev: np.ndarray, child: np.ndarray, weight: float, value: float, r: int, e2: int, e3: int
+          ) -> tuple[int, int, int]:
+    """The last merged child's (nodes, level-2, level-3 counts) that made `value` at [r, e2, e3]."""
+    for s, c, d in zip(*np.nonzero(np.isfinite(child))):
+        if 1 <= s <= r and c <= e2 and d <= e3 and prev[r - s, e2 - c, e3 - d] + weight * child[s, c, d] == value:
+            return int(s), int(c), int(d)
+    raise AssertionError("no child state reproduces the table's value")
+
+
+def _children(W: dict, S: dict, p: np.ndarray, level: int, m: int, e2: int, e3: int
+              ) -> list[tuple[int, tuple[int, int, int]]]:
+    """The ranked children's states of a level-`level` node whose subtree is W[level][m, e2, e3]."""
+    own2, own3 = int(level == 2), int(level == 3)
+    value = W[level][m, e2, e3]
+    r, c2, c3 = m - 1, e2 - own2, e3 - own3
+    b = next(b for b in range(1, len(S[level])) if 1.0 + S[level][b][r, c2, c3] == value)
+    states = []
+    for rank in range(b, 0, -1):
+        s, c, d = _peel(S[level][rank - 1], W[level + 1], p[rank - 1], S[level][rank][r, c2, c3], r, c2, c3)
+        states.append((rank - 1, (s, c, d)))
+        r, c2, c3 = r - s, c2 - c, c3 - d
+    return states[::-1]
+
+
 def sglang_pool(positional: np.ndarray, steps: int, topk: int
                 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, ...]]]:
     """SGLang's EAGLE draft (python/sglang/srt/speculative/spec_utils.py: select_top_k_tokens) in the positional
@@ -355,10 +505,14 @@ class SGLangTables:
         return np.array(TokenTree.from_paths([list(p) for p in paths]).parents, dtype=np.int64)
 
 
+Tables = SequoiaTables | LevelUniformTables | LevelLimitedTables | SGLangTables  # one engine's G(n, d) and trees
+
+
 def engine_tables(positional: np.ndarray, max_size: int, max_depth: int,
-                  rules: EngineRules) -> SequoiaTables | LevelUniformTables | SGLangTables:
+                  rules: EngineRules) -> Tables:
     """The table of G(n, d) over the trees `rules` allow: the exact DP on the acceptance vector cut to the engine's
-    top-k (1 for a chain) with its depth cap, or the level-uniform search."""
+    top-k (1 for a chain) with its depth cap, with its limit of expanded nodes per level, or the level-uniform
+    search."""
     if rules.max_depth is not None:
         max_depth = min(max_depth, rules.max_depth)
     if rules.max_draft_tokens is not None:
@@ -366,6 +520,8 @@ def engine_tables(positional: np.ndarray, max_size: int, max_depth: int,
     width = rules.width(len(positional))
     if rules.shape == "sglang":
         return SGLangTables(positional, max_size, max_depth, width)
+    if rules.max_non_leaves_per_level is not None:
+        return LevelLimitedTables(positional[:width], max_size, max_depth, rules.max_non_leaves_per_level)
     if rules.shape == "level-uniform":
         if max_size > LEVEL_UNIFORM_MAX_SIZE:
             raise UserError(f"--engine {rules.name}: the branching search takes --max-size up to "
@@ -411,7 +567,7 @@ def replay_tree(parents: list[int] | np.ndarray, chains: list[DraftChainTrace]) 
     return tokens / steps
 
 
-def _replayed(ranked: list[Candidate], tables: SequoiaTables | LevelUniformTables, chains: list[DraftChainTrace],
+def _replayed(ranked: list[Candidate], tables: Tables, chains: list[DraftChainTrace],
               one_token_seconds: float, prefill_per_token: float) -> list[Candidate]:
     """The model's best candidates with their trees' tokens per step replayed exactly (replay_tree), re-ranked."""
     replayed = []
@@ -457,7 +613,7 @@ class Candidate:
     tokens_per_second: float | None = None
 
 
-def rank_candidates(tables: SequoiaTables | LevelUniformTables | SGLangTables, profile: LatencyProfile | None = None,
+def rank_candidates(tables: Tables, profile: LatencyProfile | None = None,
                     batch: int = 1, context: int | None = None, rules: EngineRules | None = None,
                     prefill_per_token: float = 0.0) -> list[Candidate]:
     """Every non-dominated (n, d), best first: by speedup with a profile, by G without one. `prefill_per_token`:
@@ -466,8 +622,8 @@ def rank_candidates(tables: SequoiaTables | LevelUniformTables | SGLangTables, p
 
     (n, d) is dropped when G(n, d) == G(n, d - 1): the deeper bound did not change the tree's value,
     so it only adds draft cost (the tree kept then has depth exactly d). Ties are broken towards smaller n, then
-    smaller d. With an engine's `rules`, the depths below its least depth are dropped, and so is an (n, d) whose
-    optimal tree breaks a rule the table does not encode (TensorRT-LLM's expanded nodes per level).
+    smaller d. With an engine's `rules`, the depths below its least depth are dropped (its other limits are the
+    table's: engine_tables).
     """
     G = tables.G
     sizes = np.arange(G.shape[0])
@@ -476,10 +632,6 @@ def rank_candidates(tables: SequoiaTables | LevelUniformTables | SGLangTables, p
     feasible[:, 1:] &= G[:, 1:] > G[:, :-1]
     if rules is not None:
         feasible[:, :min(rules.min_depth, G.shape[1])] = False
-        if rules.max_non_leaves_per_level is not None:
-            for n, d in zip(*np.nonzero(feasible)):
-                tree = TokenTree.from_parents(tables.tree(int(n), int(d)))
-                feasible[n, d] = rules.broken_rule(tree) is None
     if profile is None:
         candidates = [Candidate(int(n), int(d), float(G[n, d])) for n, d in zip(*np.nonzero(feasible))]
         return sorted(candidates, key=lambda c: (-c.tokens_per_step, c.size, c.depth))
@@ -610,7 +762,7 @@ def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files
                       draft_vocab=acceptance.draft_vocab, backend=profile.backend if profile is not None else None)
 
 
-def _assemble_plan(tables: SequoiaTables | LevelUniformTables | SGLangTables, best: Candidate, ranked: list[Candidate],
+def _assemble_plan(tables: Tables, best: Candidate, ranked: list[Candidate],
                    acceptance: SequoiaAcceptance,
                    acceptance_path: str | Path, profile: LatencyProfile | None, profile_path: str | Path | None,
                    models: PlanModels, max_size: int, max_depth: int, batch: int, context: int | None) -> Plan:

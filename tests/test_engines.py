@@ -16,7 +16,14 @@ from core.errors import UserError
 from core.plan_schema import TokenTree, load_plan
 from planner.engines import RULES, EngineRules, engine_rules
 from planner.export import EXPORT_FORMATS, export_plan, import_tree
-from planner.sequoia import LevelUniformTables, SequoiaTables, engine_tables, solve_sequoia, tree_value
+from planner.sequoia import (
+    LevelLimitedTables,
+    LevelUniformTables,
+    SequoiaTables,
+    engine_tables,
+    solve_sequoia,
+    tree_value,
+)
 
 ACCEPTANCE = "acceptance/qwen2.5-coder-1.5b+0.5b-v64k.sequoia.specbench.t0.bf16.yaml"
 PROFILE = "profiles/qwen2.5-coder-1.5b+0.5b-v64k.cpu-2c.bf16.yaml"
@@ -94,6 +101,30 @@ def test_capped_dp_equals_the_dp_on_the_cut_vector_with_the_depth_cap():
     np.testing.assert_array_equal(capped.G, SequoiaTables(positional[:10], 40, 3).G)
     small = EngineRules("top-2", "ranked", (), max_rank=2, max_depth=3)  # the cap against every tree it allows
     np.testing.assert_allclose(engine_tables(P, 9, 5, small).G[1:], brute_force_G(small, P, 9, 3)[1:])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_per_level_limit_is_solved_exactly(seed):
+    """TensorRT-LLM's limit of expanded nodes per level: the table equals brute force over every tree under it
+    (non-monotone acceptance vectors), its trees attain their value and pass the rule, and a limit that never
+    binds gives the plain DP's table."""
+    rng = np.random.default_rng(seed)
+    positional = rng.random(4) ** 2
+    positional *= rng.uniform(0.4, 0.95) / positional.sum()
+    for limit in (1, 2):
+        rules = EngineRules("limited", "ranked", (), max_depth=4, max_non_leaves_per_level=limit)
+        tables = engine_tables(positional, 9, 6, rules)
+        assert isinstance(tables, LevelLimitedTables)
+        brute = brute_force_G(rules, positional, 9, 4)
+        np.testing.assert_array_equal(np.isfinite(tables.G), np.isfinite(brute))
+        np.testing.assert_allclose(tables.G[np.isfinite(brute)], brute[np.isfinite(brute)], rtol=0, atol=1e-12)
+        for n, d in zip(*np.nonzero(np.isfinite(tables.G))):
+            parents = tables.tree(int(n), int(d))
+            tree = TokenTree.from_parents(list(parents))
+            assert tree.size == n and tree.depth <= d and rules.broken_rule(tree) is None
+            assert tree_value(parents, positional) == pytest.approx(tables.G[n, d], abs=1e-12)
+    wide = np.linspace(0.5, 0.02, 12)
+    np.testing.assert_allclose(LevelLimitedTables(wide, 40, 4, 40).G, SequoiaTables(wide, 40, 4).G)
 
 
 def test_a_chain_engine_solves_the_chain():
