@@ -315,7 +315,10 @@ class LevelLimitedTables:
         return np.full((self.max_size + 1, self.max_expanded + 1, self.max_expanded + 1), NEG_INF)
 
     def _solve(self, depth: int):
-        p, N, L = self.positional, self.max_size, self.max_expanded
+        """For trees of depth <= `depth`: the best value per size, the root's choice per size (children, the
+        expanded ones, the chain row, the level-2 and level-3 counts), and the tables the trees are rebuilt from:
+        W[level] the subtrees, S[level][b] a level's node with b children, chains the root's expanded children."""
+        p, N = self.positional, self.max_size
         start = self._empty()
         start[0, 0, 0] = 0.0
         W: dict[int, np.ndarray] = {depth: self._empty()}
@@ -328,25 +331,17 @@ class LevelLimitedTables:
             for b in range(1, min(len(p), N - 1) + 1):
                 S[level].append(_merge(S[level][-1], W[level + 1], p[b - 1]))
                 grown = 1.0 + S[level][-1][:N]
-                target = W[level][1:]
                 if level in (2, 3):  # this node is expanded: one more on its level
-                    axis = level - 1
-                    shifted = np.full_like(grown, NEG_INF)
-                    index = [slice(None)] * 3
-                    index[axis] = slice(1, None)
-                    source = [slice(None)] * 3
-                    source[axis] = slice(0, L)
-                    shifted[tuple(index)] = grown[tuple(source)]
-                    grown = shifted
-                np.maximum(target, grown, out=target)
-        expanded_child = W.get(1, self._empty()).copy()
+                    grown = _one_more_expanded(grown, axis=level - 1)
+                np.maximum(W[level][1:], grown, out=W[level][1:])
+        expanded_child = W[1].copy()
         expanded_child[1] = NEG_INF  # an expanded child of the root has children
         chains: dict[tuple[int, ...], np.ndarray] = {(): start}
         best = np.full(N + 1, NEG_INF)
         choice: dict[int, tuple] = {}
         for children in range(1, min(len(p), N - 1) + 1):
             order = tuple(sorted(range(children), key=lambda r: (-p[r], r)))
-            for e in range(0, min(L, children) + 1 if depth > 1 else 1):
+            for e in range(0, min(self.max_expanded, children) + 1 if depth > 1 else 1):
                 key = order[:e]
                 if key not in chains:
                     chains[key] = _merge(chains[key[:-1]], expanded_child, p[key[-1]])
@@ -390,6 +385,15 @@ class LevelLimitedTables:
                         next_frontier.append((child, level + 1, _children(W, S, p, level, m, c, d)))
             frontier = next_frontier
         return np.array(parents, dtype=np.int64)
+
+
+def _one_more_expanded(table: np.ndarray, axis: int) -> np.ndarray:
+    """`table` with its count on `axis` raised by one; what passes the limit (the axis's last index) is dropped."""
+    shifted = np.full_like(table, NEG_INF)
+    target, source = [slice(None)] * 3, [slice(None)] * 3
+    target[axis], source[axis] = slice(1, None), slice(0, table.shape[axis] - 1)
+    shifted[tuple(target)] = table[tuple(source)]
+    return shifted
 
 
 def _peel(prev: np.ndarray, child: np.ndarray, weight: float, value: float, r: int, e2: int, e3: int
