@@ -397,12 +397,29 @@ def _plan_profile(plan: Plan) -> LatencyProfile:
     return load_profile(profile_file, TIMED_FORWARDS)
 
 
-def _repricing(decoder: Decoder) -> _Repricing | _TreeRepricing | _LookaheadRepricing:
+def _price_ratio(fresh: LatencyProfile, profiled: LatencyProfile,
+                 price: Callable[[LatencyProfile], float | None]) -> float | None:
+    """A price re-timed beside the run over the profile's (None where either lacks it)."""
+    new, old = price(fresh), price(profiled)
+    return None if new is None or old is None else float(new) / float(old)
+
+
+def _repriced(timer: Any, summary: dict, prices: dict) -> dict:
+    """A re-pricing's report: its `prices` (speedup, tokens_per_step, profiled_speedup, price_ratios, ...), the
+    passes and points the `timer` (profiler.latency.PointTimer) ran, and the measured speedup over the re-priced
+    one where ours-ar ran."""
+    out = {**prices, "passes": len(next(iter(timer.samples.values()))), "points": len(timer.calls)}
+    if "ours-ar" in summary:
+        out["measured_over_repriced"] = summary["ours"]["speedup_vs_ours-ar"] / out["speedup"]
+    return out
+
+
+def _repricing(decoder: Decoder) -> _TriForceRepricing | _SequoiaRepricing | _LookaheadRepricing:
     plan = decoder.plan
     if plan is not None and plan.method == "triforce":
-        return _Repricing(decoder)
+        return _TriForceRepricing(decoder)
     if plan is not None and plan.method == "sequoia":
-        return _TreeRepricing(decoder)
+        return _SequoiaRepricing(decoder)
     if plan is not None and plan.method == "lookahead":
         return _LookaheadRepricing(decoder)
     raise UserError("--reprice needs a TriForce, Sequoia or Lookahead plan")
@@ -442,17 +459,14 @@ class _LookaheadRepricing:
         fresh = self.profile.with_points(*self.timer.medians())
         L = min(self.sizes)
         largest = self.sizes[L][-1]
-        ratios = {"one_token": float(fresh.latency(1, L) / self.profile.latency(1, L)),
-                  f"verify_{largest}": float(fresh.latency(largest, L) / self.profile.latency(largest, L))}
-        out = {"speedup": predicted_speedup(self.replay, fresh)[0], "tokens_per_step": self.replay.tokens_per_step,
-               "profiled_speedup": predicted_speedup(self.replay, self.profile)[0], "price_ratios": ratios,
-               "passes": len(next(iter(self.timer.samples.values()))), "points": len(self.timer.calls)}
-        if "ours-ar" in summary:
-            out["measured_over_repriced"] = summary["ours"]["speedup_vs_ours-ar"] / out["speedup"]
-        return out
+        ratios = {"one_token": _price_ratio(fresh, self.profile, lambda p: p.latency(1, L)),
+                  f"verify_{largest}": _price_ratio(fresh, self.profile, lambda p: p.latency(largest, L))}
+        return _repriced(self.timer, summary, {
+            "speedup": predicted_speedup(self.replay, fresh)[0], "tokens_per_step": self.replay.tokens_per_step,
+            "profiled_speedup": predicted_speedup(self.replay, self.profile)[0], "price_ratios": ratios})
 
 
-class _TreeRepricing:
+class _SequoiaRepricing:
     """`--reprice` for a Sequoia plan: t(1) and t(n) of its tree and the draft's step, at the plan's context,
     re-timed between the prompts, and the plan's tokens/step priced on them (planner.sequoia.plan_speedup; the
     draft's prompt prefill stays at its profiled price: about a tenth of a token's, timed once per pass it would
@@ -479,18 +493,15 @@ class _TreeRepricing:
 
         fresh = self.profile.with_points(*self.timer.medians())
         L, n = self.context, self.plan.tree.size
-        ratios = {"one_token": float(fresh.step_seconds(1, L) / self.profile.step_seconds(1, L)),
-                  f"verify_{n}": float(fresh.step_seconds(n, L) / self.profile.step_seconds(n, L)),
-                  "draft_step": fresh.draft_step(L) / self.profile.draft_step(L)}
-        out = {"speedup": plan_speedup(self.plan, fresh), "tokens_per_step": self.plan.prediction.tokens_per_step,
-               "profiled_speedup": plan_speedup(self.plan, self.profile), "price_ratios": ratios,
-               "passes": len(next(iter(self.timer.samples.values()))), "points": len(self.timer.calls)}
-        if "ours-ar" in summary:
-            out["measured_over_repriced"] = summary["ours"]["speedup_vs_ours-ar"] / out["speedup"]
-        return out
+        ratios = {"one_token": _price_ratio(fresh, self.profile, lambda p: p.step_seconds(1, L)),
+                  f"verify_{n}": _price_ratio(fresh, self.profile, lambda p: p.step_seconds(n, L)),
+                  "draft_step": _price_ratio(fresh, self.profile, lambda p: p.draft_step(L))}
+        return _repriced(self.timer, summary, {
+            "speedup": plan_speedup(self.plan, fresh), "tokens_per_step": self.plan.prediction.tokens_per_step,
+            "profiled_speedup": plan_speedup(self.plan, self.profile), "price_ratios": ratios})
 
 
-class _Repricing:
+class _TriForceRepricing:
     """`--reprice`: the forwards and builds a TriForce plan's prediction priced, at the profile's own points,
     re-timed between the prompts of the run (a streaming drafter's window prefill, which the prediction charges
     once per prompt, included). On a VM whose speed drifts, the prediction re-priced with them separates a
@@ -522,8 +533,7 @@ class _Repricing:
         top = min(round(profiled.chain_tokens) + 1, max(fresh.target_curve(L).points))
 
         def ratio(price: Callable[[LatencyProfile], float | None]) -> float | None:
-            new, old = price(fresh), price(self.profile)
-            return None if new is None or old is None else float(new) / float(old)
+            return _price_ratio(fresh, self.profile, price)
 
         ratios = {"one_token_at_context": ratio(lambda p: p.latency(1, L)),
                   f"top_verify_{top}_at_context": ratio(lambda p: p.latency(top, L)),
@@ -534,20 +544,18 @@ class _Repricing:
         if self.timer.window_prefill_role:
             ratios["window_prefill"] = ratio(lambda p: p.window_prefill(self.timer.window_prefill_role, s.sinks,
                                                                         s.window))
-        out = {"speedup": repriced.speedup, "tokens_per_step": repriced.tokens_per_step,
-               "profiled_speedup": profiled.speedup, "two_level_speedup": repriced_two.speedup,
-               "two_level_profiled_speedup": profiled_two.speedup,
-               "price_ratios": {key: value for key, value in ratios.items() if value is not None},
-               "passes": len(next(iter(self.timer.samples.values()))), "points": len(self.timer.calls)}
+        prices = {"speedup": repriced.speedup, "tokens_per_step": repriced.tokens_per_step,
+                  "profiled_speedup": profiled.speedup, "two_level_speedup": repriced_two.speedup,
+                  "two_level_profiled_speedup": profiled_two.speedup,
+                  "price_ratios": {key: value for key, value in ratios.items() if value is not None}}
         if not s.speculate:  # the plan decodes one token per step; what was re-priced is its best setting
-            out.update({"speedup": 1.0, "tokens_per_step": 1.0, "profiled_speedup": 1.0,
-                        "best_speculative_speedup": repriced.speedup,
-                        "best_speculative_profiled_speedup": profiled.speedup})
-        if "ours-ar" in summary:
-            out["measured_over_repriced"] = summary["ours"]["speedup_vs_ours-ar"] / out["speedup"]
-            if "two-level" in summary:
-                out["two_level_measured_over_repriced"] = (summary["two-level"]["speedup_vs_ours-ar"]
-                                                           / repriced_two.speedup)
+            prices.update({"speedup": 1.0, "tokens_per_step": 1.0, "profiled_speedup": 1.0,
+                           "best_speculative_speedup": repriced.speedup,
+                           "best_speculative_profiled_speedup": profiled.speedup})
+        out = _repriced(self.timer, summary, prices)
+        if "ours-ar" in summary and "two-level" in summary:
+            out["two_level_measured_over_repriced"] = (summary["two-level"]["speedup_vs_ours-ar"]
+                                                       / repriced_two.speedup)
         return out
 
 
