@@ -571,13 +571,20 @@ def replay_tree(parents: list[int] | np.ndarray, chains: list[DraftChainTrace]) 
     return tokens / steps
 
 
+def _seconds_per_token(step_seconds: float, tokens_per_step: float, prefill_per_token: float, batch: int = 1
+                      ) -> float:
+    """A tree step's time per token of each sequence of the batch, with the draft's prompt prefill spread over the
+    tokens (prompt_prefill_per_token): one-token decoding's step time over it is the speedup."""
+    return step_seconds / (batch * tokens_per_step) + prefill_per_token
+
+
 def _replayed(ranked: list[Candidate], tables: Tables, chains: list[DraftChainTrace],
               one_token_seconds: float, prefill_per_token: float) -> list[Candidate]:
     """The model's best candidates with their trees' tokens per step replayed exactly (replay_tree), re-ranked."""
     replayed = []
     for c in ranked[:REPLAYED_CANDIDATES]:
         g = replay_tree(tables.tree(c.size, c.depth), chains)
-        per_token = c.step_seconds / g + prefill_per_token
+        per_token = _seconds_per_token(c.step_seconds, g, prefill_per_token)
         replayed.append(Candidate(c.size, c.depth, g, c.step_seconds, one_token_seconds / per_token, 1.0 / per_token))
     return sorted(replayed, key=lambda c: (-c.speedup, c.size, c.depth))
 
@@ -589,8 +596,8 @@ def plan_speedup(plan: Plan, profile: LatencyProfile) -> float:
     context = plan.inputs["profile"]["context"]
     tree = plan.tree
     step = float(profile.step_seconds(tree.size, context)) + tree.depth * profile.draft_step(context)
-    per_token = (step / plan.prediction.tokens_per_step
-                 + (plan.prediction.details.get("draft_prefill_seconds_per_token") or 0.0))
+    per_token = _seconds_per_token(step, plan.prediction.tokens_per_step,
+                                  plan.prediction.details.get("draft_prefill_seconds_per_token") or 0.0)
     return float(profile.step_seconds(1, context)) / per_token
 
 
@@ -655,7 +662,7 @@ def rank_candidates(tables: Tables, profile: LatencyProfile | None = None,
     for n, d in zip(*np.nonzero(feasible)):
         step = t_target[n] + d * c_draft
         g = float(G[n, d])
-        per_token = step / (batch * g) + prefill_per_token
+        per_token = _seconds_per_token(step, g, prefill_per_token, batch)
         out.append(Candidate(int(n), int(d), g, step, t_batch / (batch * per_token), 1.0 / per_token))
     return sorted(out, key=lambda c: (-c.speedup, c.size, c.depth))
 
