@@ -336,3 +336,19 @@ def test_bench_reprices_a_sequoia_plan_on_its_forwards_re_timed(bench_tiny_sequo
     assert all(ratio > 0 for ratio in repriced["price_ratios"].values()) and repriced["speedup"] > 0
     markdown = report_path.with_suffix(".md").read_text()
     assert "re-priced with its 3 priced forwards" in markdown and "two-level" not in markdown
+
+
+def test_bench_reprice_refuses_a_plan_without_a_profile_in_one_line(run_cli, write_yaml_file, tmp_path):
+    acceptance = write_yaml_file("acc.yaml", {**ACCEPTANCE, "temperature": 0.0, "models": TINY_PAIR})
+    plan = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--max-size", 4, "--max-depth", 2,
+                              "-o", plan)
+    assert code == 0, stderr
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(json.dumps({"question_id": 0, "category": "c", "turns": ["count 1 2 3 4"]}))
+    report_path = tmp_path / "report.json"
+    code, _, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--draft",
+                              "tiny-random-llama-draft", "--dataset", dataset, "--prompts", 1, "--max-new-tokens", 4,
+                              "--baselines", "ours-ar", "--reprice", "-o", report_path)
+    assert code == 2 and "--reprice needs a plan solved with a latency profile" in stderr
+    assert len(stderr.strip().splitlines()) == 1 and not report_path.exists()
