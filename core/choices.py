@@ -18,7 +18,8 @@ BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "s
 # specplan: our own decoder, any tree
 ENGINES = ("specplan", "sequoia", "vllm", "vllm-draft", "medusa", "eagle1", "trtllm", "trtllm-draft", "sglang",
            "llama.cpp", "hf")
-# the engines whose prompt lookup `plan solve lookahead --engine` replays (planner/prompt_lookup.py)
-LOOKUP_ENGINES = ("hf", "llama.cpp", "vllm")
+# the engines whose n-gram drafting `plan solve lookahead --engine` replays (planner/prompt_lookup.py; SGLang's trie:
+# planner/sglang_ngram.py)
+LOOKUP_ENGINES = ("hf", "llama.cpp", "vllm", "sglang")
 # the forwards a profile may time: ours, and llama.cpp's own (`plan profile --engine llama.cpp`, for its plans)
 TIMED_FORWARDS = FORWARDS + ("llama.cpp",)

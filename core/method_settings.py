@@ -1,5 +1,6 @@
 """The settings a plan gives its method's decoder: `TrieSettings` (Lookahead, and TriForce's trie bottom),
-`TriForceSettings`, and a serving engine's `PromptLookupSettings`. A plan file holds them as its `lookahead:`,
+`TriForceSettings`, and a serving engine's `PromptLookupSettings` (SGLang's n-gram trie: `NgramTreeSettings`). A plan
+file holds them as its `lookahead:`,
 `triforce:` or `prompt-lookup:` section (core/plan_schema.py); the planner writes them, the decoder (or the bench,
 for an engine's lookup) reads them, both by attribute."""
 
@@ -120,6 +121,10 @@ class PromptLookupSettings:
     enabled: bool = True  # False: no setting beat one-token decoding, so the engine runs without prompt lookup
     min_ngram: int = 1  # vLLM's prompt_lookup_min: shorter n-grams are not looked up
 
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.num_tokens
+
     @classmethod
     def from_fields(cls, f: Fields) -> PromptLookupSettings:
         settings = cls(f.integer("max_ngram", low=1, high=MAX_LOOKUP_NGRAM),
@@ -127,6 +132,46 @@ class PromptLookupSettings:
                        f.integer("min_ngram", required=False, default=1, low=1, high=MAX_LOOKUP_NGRAM))
         if settings.min_ngram > settings.max_ngram:
             raise f.fail("min_ngram must not exceed max_ngram")
+        return settings
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# SGLang's NGRAM limits and defaults (python/sglang/srt/arg_groups/fields/spec.py, speculative_hook.py, v0.5.23)
+SGLANG_TRIE_DEPTH = 18  # --speculative-ngram-max-trie-depth: the longest n-gram inserted and matched
+SGLANG_MAX_BFS_BREADTH = 10  # --speculative-ngram-max-bfs-breadth (the breadth below the shortest match)
+SGLANG_DRAFT_TOKENS = 12  # --speculative-num-draft-tokens when not given: the tokens verified per step, root included
+MAX_SGLANG_DRAFT_TOKENS = 128  # a planning bound (SGLang's tree kernels take up to 1024)
+MAX_SGLANG_TRIE_DEPTH = 64  # a planning bound
+
+
+@dataclass(frozen=True)
+class NgramTreeSettings:
+    """SGLang's NGRAM speculative decoding (planner/sglang_ngram.py): a trie of the n-grams of every request so far,
+    up to `max_trie_depth` tokens deep, from which each step grows a token tree breadth-first (between
+    `min_bfs_breadth` and `max_bfs_breadth` children per node); the target verifies `num_draft_tokens` tokens
+    every step, the last token and the tree padded to that size. BFS matching, SGLang's default, only."""
+
+    num_draft_tokens: int = SGLANG_DRAFT_TOKENS
+    max_trie_depth: int = SGLANG_TRIE_DEPTH
+    max_bfs_breadth: int = SGLANG_MAX_BFS_BREADTH
+    min_bfs_breadth: int = 1
+    enabled: bool = True  # False: no setting beat one-token decoding, so the engine runs without NGRAM
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.num_draft_tokens - 1
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> NgramTreeSettings:
+        settings = cls(f.integer("num_draft_tokens", low=2, high=MAX_SGLANG_DRAFT_TOKENS),
+                       f.integer("max_trie_depth", low=2, high=MAX_SGLANG_TRIE_DEPTH),
+                       f.integer("max_bfs_breadth", low=1, high=MAX_SGLANG_DRAFT_TOKENS),
+                       f.integer("min_bfs_breadth", required=False, default=1, low=1, high=MAX_SGLANG_DRAFT_TOKENS),
+                       f.boolean("enabled", default=True))
+        if settings.min_bfs_breadth > settings.max_bfs_breadth:  # SGLang's own check (ngram.cpp: Ngram::Ngram)
+            raise f.fail("min_bfs_breadth must not exceed max_bfs_breadth")
         return settings
 
     def to_dict(self) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import numpy as np
 from core.choices import ENGINES, LOOKUP_ENGINES, PROFILE_DTYPES, TIMED_FORWARDS
 from core.errors import UserError
 from core.fileio import check_plain_values, plain, read_yaml, write_yaml
-from core.method_settings import PromptLookupSettings, TrieSettings, TriForceSettings
+from core.method_settings import NgramTreeSettings, PromptLookupSettings, TrieSettings, TriForceSettings
 from core.validate import MAX_VOCABULARY, Fields
 
 PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce", "plan/prompt-lookup")
@@ -219,7 +219,7 @@ class Plan:
     provenance: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
     tree: TokenTree | None = None
-    settings: TrieSettings | TriForceSettings | PromptLookupSettings | None = None  # the method's settings
+    settings: TrieSettings | TriForceSettings | PromptLookupSettings | NgramTreeSettings | None = None
     tokenizer: dict[str, Any] = field(default_factory=dict)
     engine: str = "specplan"  # the engine whose rules the tree was solved within (planner/engines.py)
     source: str = field(default="plan", compare=False)  # the file it was read from, for error messages
@@ -267,10 +267,11 @@ class Plan:
         if method == "triforce":
             plan.settings = TriForceSettings.from_fields(f.sub("triforce"))
         if method == "prompt-lookup":
-            plan.settings = PromptLookupSettings.from_fields(f.sub("prompt-lookup"))
             if plan.engine not in LOOKUP_ENGINES:
                 raise f.fail(f"a prompt-lookup plan needs 'engine': one of {', '.join(LOOKUP_ENGINES)}")
-            if tokens_per_step > plan.settings.num_tokens + 1:
+            settings_type = NgramTreeSettings if plan.engine == "sglang" else PromptLookupSettings
+            plan.settings = settings_type.from_fields(f.sub("prompt-lookup"))
+            if tokens_per_step > plan.settings.max_draft_tokens + 1:
                 raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the draft length + 1")
         return plan
 

@@ -197,13 +197,23 @@ def _chain_length(text: str, fmt: str) -> int:
 
 
 def _export_prompt_lookup(plan: Plan, fmt: str) -> Export:
-    """An engine's prompt-lookup knobs, for that engine alone (its matching rule is what the plan replayed)."""
+    """An engine's n-gram knobs, for that engine alone (its matching rule is what the plan replayed)."""
     if fmt != plan.engine:
-        raise UserError(f"{plan.source}: this plan replays {plan.engine}'s prompt lookup; export it as --format "
+        raise UserError(f"{plan.source}: this plan replays {plan.engine}'s n-gram drafting; export it as --format "
                         f"{plan.engine}, or solve with --engine {fmt}")
     settings = plan.settings
     if not settings.enabled:
-        return Export("{}", f"{fmt} without prompt lookup: no setting beat its one-token decoding on the profile")
+        sglang = fmt == "sglang"
+        return Export("" if sglang else "{}", f"{fmt} without {'NGRAM' if sglang else 'prompt lookup'}: no setting "
+                                              "beat its one-token decoding on the profile")
+    if fmt == "sglang":
+        return Export(f"--speculative-algorithm NGRAM --speculative-num-draft-tokens {settings.num_draft_tokens} "
+                      f"--speculative-ngram-max-trie-depth {settings.max_trie_depth} "
+                      f"--speculative-ngram-min-bfs-breadth {settings.min_bfs_breadth} "
+                      f"--speculative-ngram-max-bfs-breadth {settings.max_bfs_breadth} "
+                      "--speculative-ngram-match-type BFS",
+                      "python -m sglang.launch_server --model-path TARGET <these flags> (SGLang 0.5.23's flag names; "
+                      "the plan replayed one server serving the recorded prompts in order from its start)")
     if fmt == "vllm":
         return Export(json.dumps({"method": "ngram", "num_speculative_tokens": settings.num_tokens,
                                   "prompt_lookup_max": settings.max_ngram, "prompt_lookup_min": settings.min_ngram}),

@@ -13,6 +13,9 @@ where a draft is cut:
   forward, and does not cut at stop tokens; vLLM's n-gram proposer likewise drafts after each sampled token,
   and looks up n-grams no shorter than its prompt_lookup_min.
 
+SGLang's NGRAM drafts a token tree instead, from a trie of n-grams kept across requests, and verifies its fixed
+num_draft_tokens every step, a match or not (planner/sglang_ngram.py).
+
 For greedy decoding the replay is exact: it runs the engine's rule on the very tokens the engine holds at each step.
 Where no setting is predicted faster than the engine's one-token decoding, the plan turns the lookup off (`enabled:
 false`, predicted 1.0x) and keeps the best setting's prediction on record.
@@ -25,7 +28,7 @@ llama.cpp's forward), so
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +37,17 @@ from core.acceptance_schema import LookaheadRecord, load_lookahead_acceptance
 from core.choices import FORWARDS
 from core.errors import UserError
 from core.fileio import shown
-from core.method_settings import PromptLookupSettings
+from core.method_settings import SGLANG_MAX_BFS_BREADTH, SGLANG_TRIE_DEPTH, NgramTreeSettings, PromptLookupSettings
 from core.plan_schema import Plan, PlanModels, Prediction
 from core.profile_schema import LatencyProfile, load_profile
 from core.provenance import provenance
 from planner.engines import HF_CANDIDATES, Source
+from planner.sglang_ngram import SGLANG_TRIE, SGLANG_WORKER, NgramTreeProposer
 
 MAX_NGRAMS = (1, 2, 3, 4)
 DRAFT_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+TRIE_DEPTHS = (SGLANG_TRIE_DEPTH,)  # SGLang's trie depth; its default only unless asked (--trie-depths)
+BFS_BREADTHS = (1, 2, 4, SGLANG_MAX_BFS_BREADTH)
 
 LLAMACPP_PYTHON_LOOKUP = Source(
     "abetlen/llama-cpp-python", "llama_cpp/llama_speculative.py", "v0.3.36",
@@ -57,8 +63,8 @@ class LookupRule:
     source: Source
 
 
-# the profiles that price each engine's steps (vLLM's: ours, until a vLLM profile exists)
-ENGINE_FORWARDS = {"hf": FORWARDS, "llama.cpp": ("llama.cpp",), "vllm": FORWARDS}
+# the profiles that price each engine's steps (vLLM's and SGLang's: ours, until a profile of theirs exists)
+ENGINE_FORWARDS = {"hf": FORWARDS, "llama.cpp": ("llama.cpp",), "vllm": FORWARDS, "sglang": FORWARDS}
 VLLM_NGRAM = Source(
     "vllm-project/vllm", "vllm/v1/spec_decode/ngram_proposer.py", "016e8ede870e3c087fdcdfb36ed3622112712f10",
     "_find_longest_matched_ngram_and_propose_tokens: the longest n-gram in [prompt_lookup_min, prompt_lookup_max] "
@@ -68,6 +74,11 @@ LOOKUP_RULES = {
     "llama.cpp": LookupRule("llama.cpp", False, False, LLAMACPP_PYTHON_LOOKUP),
     "vllm": LookupRule("vllm", False, False, VLLM_NGRAM),  # drafts after each sampled token, the prefill's included
 }
+# every engine whose n-gram drafting is replayed: the chain lookups above and SGLang's trie (planner/sglang_ngram.py)
+LOOKUP_SOURCES = {**{engine: (rule.source,) for engine, rule in LOOKUP_RULES.items()},
+                  "sglang": (SGLANG_TRIE, SGLANG_WORKER)}
+LOOKUP_NAMES = {"hf": "prompt lookup", "llama.cpp": "prompt lookup", "vllm": "n-gram proposer",
+                "sglang": "NGRAM trie"}
 
 
 def lookup_draft(sequence: np.ndarray, max_ngram: int, num_tokens: int, min_ngram: int = 1) -> np.ndarray:
@@ -87,10 +98,10 @@ def lookup_draft(sequence: np.ndarray, max_ngram: int, num_tokens: int, min_ngra
 
 @dataclass(frozen=True)
 class LookupReplay:
-    settings: PromptLookupSettings
-    tokens: int  # decoded tokens the steps emitted (llama.cpp: after the prefill's first token)
+    settings: PromptLookupSettings | NgramTreeSettings
+    tokens: int  # decoded tokens the steps emitted (after the prefill's first token, where it drafts nothing)
     steps: int
-    step_drafts: np.ndarray  # tokens drafted per step
+    step_drafts: np.ndarray  # tokens drafted (and verified) per step
     step_contexts: np.ndarray  # tokens in the cache before each step
     step_tokens: np.ndarray  # tokens emitted per step
 
@@ -99,32 +110,61 @@ class LookupReplay:
         return self.tokens / self.steps
 
 
-def replay_lookup(records: list[LookaheadRecord], rule: LookupRule, settings: PromptLookupSettings,
-                  stop_tokens: tuple[int, ...] = ()) -> LookupReplay:
-    """The engine's steps over each record's prompt and greedy output."""
+class ChainLookup:
+    """The engines whose lookup drafts one chain (transformers, llama.cpp, vLLM): `lookup_draft`, cut at stop tokens
+    where the engine cuts."""
+
+    def __init__(self, rule: LookupRule, settings: PromptLookupSettings, stop_tokens: tuple[int, ...]) -> None:
+        self.rule, self.settings = rule, settings
+        self.stops = np.array(stop_tokens, dtype=np.int64)
+
+    def new_request(self) -> None:
+        """The search keeps nothing between requests."""
+
+    def step(self, sequence: np.ndarray, position: int) -> tuple[int, int]:
+        """(tokens drafted, of them accepted) for the step after sequence[:position]."""
+        s = self.settings
+        draft = lookup_draft(sequence[:position], s.max_ngram, s.num_tokens, s.min_ngram)
+        if self.rule.cut_at_stop_tokens and len(self.stops):
+            hits = np.flatnonzero(np.isin(draft, self.stops))
+            draft = draft[:hits[0]] if len(hits) else draft
+        truth = sequence[position:position + len(draft)]
+        mismatches = np.flatnonzero(draft[:len(truth)] != truth)
+        return len(draft), int(mismatches[0]) if len(mismatches) else len(truth)
+
+
+def replay_steps(records: list[LookaheadRecord], proposer: ChainLookup | NgramTreeProposer, drafts_in_prefill: bool,
+                 settings: PromptLookupSettings | NgramTreeSettings) -> LookupReplay:
+    """The engine's steps over each record's prompt and greedy output, in the records' order: a step emits the
+    draft's accepted tokens plus one of the target's own."""
     drafts: list[int] = []
     contexts: list[int] = []
     emitted_per_step: list[int] = []
-    stops = np.array(stop_tokens, dtype=np.int64)
     for record in records:
         sequence = np.array(record.prompt + record.output, dtype=np.int64)
-        position = len(record.prompt) + (0 if rule.drafts_in_prefill else 1)
+        position = len(record.prompt) + (0 if drafts_in_prefill else 1)
         end = len(sequence)
+        proposer.new_request()
         while position < end:
-            draft = lookup_draft(sequence[:position], settings.max_ngram, settings.num_tokens, settings.min_ngram)
-            if rule.cut_at_stop_tokens and len(stops):
-                hits = np.flatnonzero(np.isin(draft, stops))
-                draft = draft[:hits[0]] if len(hits) else draft
-            truth = sequence[position:position + len(draft)]
-            mismatches = np.flatnonzero(draft[:len(truth)] != truth)
-            accepted = int(mismatches[0]) if len(mismatches) else len(truth)
+            drafted, accepted = proposer.step(sequence, position)
             emitted = min(accepted + 1, end - position)
-            drafts.append(len(draft))
+            drafts.append(drafted)
             contexts.append(position - 1)
             emitted_per_step.append(emitted)
             position += emitted
     steps = np.array(emitted_per_step)
     return LookupReplay(settings, int(steps.sum()), len(steps), np.array(drafts), np.array(contexts), steps)
+
+
+def replay_lookup(records: list[LookaheadRecord], rule: LookupRule, settings: PromptLookupSettings,
+                  stop_tokens: tuple[int, ...] = ()) -> LookupReplay:
+    """A chain-lookup engine's steps over the records."""
+    return replay_steps(records, ChainLookup(rule, settings, stop_tokens), rule.drafts_in_prefill, settings)
+
+
+def replay_ngram_tree(records: list[LookaheadRecord], settings: NgramTreeSettings) -> LookupReplay:
+    """SGLang's NGRAM steps over the records, one server from its start serving them in order."""
+    return replay_steps(records, NgramTreeProposer(settings), False, settings)
 
 
 def predicted_speedup(result: LookupReplay, profile: LatencyProfile) -> tuple[float, float]:
@@ -136,24 +176,48 @@ def predicted_speedup(result: LookupReplay, profile: LatencyProfile) -> tuple[fl
 
 @dataclass(frozen=True)
 class LookupCandidate:
-    max_ngram: int
-    num_tokens: int
+    settings: PromptLookupSettings | NgramTreeSettings
     tokens_per_step: float
     speedup: float | None
     step_seconds: float | None
-    min_ngram: int = 1
+
+
+def lookup_grid(engine: str, max_ngrams: tuple[int, ...] = MAX_NGRAMS,
+                draft_lengths: tuple[int, ...] = DRAFT_LENGTHS) -> list[PromptLookupSettings]:
+    """A chain-lookup engine's settings: each longest n-gram and draft length (vLLM: each shortest n-gram too)."""
+    minimums = (lambda m: range(1, m + 1)) if engine == "vllm" else (lambda m: (1,))
+    return [PromptLookupSettings(m, k, min_ngram=low) for m in max_ngrams for low in minimums(m) for k in draft_lengths]
+
+
+def ngram_tree_grid(draft_lengths: tuple[int, ...] = DRAFT_LENGTHS, trie_depths: tuple[int, ...] = TRIE_DEPTHS,
+                    breadths: tuple[int, ...] = BFS_BREADTHS) -> list[NgramTreeSettings]:
+    """SGLang's settings: tokens drafted per step (num_draft_tokens - 1), trie depth, largest BFS breadth."""
+    return [NgramTreeSettings(k + 1, depth, breadth) for depth in trie_depths for breadth in breadths
+            for k in draft_lengths]
+
+
+def _replay(engine: str, records: list[LookaheadRecord], settings: PromptLookupSettings | NgramTreeSettings,
+            stop_tokens: tuple[int, ...]) -> LookupReplay:
+    if engine == "sglang":
+        return replay_ngram_tree(records, settings)
+    return replay_lookup(records, LOOKUP_RULES[engine], settings, stop_tokens)
+
+
+def _grid_knobs(grid: list[PromptLookupSettings | NgramTreeSettings]) -> dict[str, list[int]]:
+    """The values each knob took over the grid."""
+    return {key: sorted({getattr(settings, key) for settings in grid}) for key in grid[0].to_dict() if key != "enabled"}
 
 
 def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | None, engine: str,
-                        max_ngrams: tuple[int, ...] = MAX_NGRAMS, draft_lengths: tuple[int, ...] = DRAFT_LENGTHS,
+                        grid: list[PromptLookupSettings | NgramTreeSettings],
                         stop_tokens: tuple[int, ...] | None = None) -> tuple[Plan, list[LookupCandidate]]:
-    """The engine's prompt-lookup knobs that its profile prices best (without a profile: the most tokens per
-    step), over the grid, by exact greedy replay."""
-    if engine not in LOOKUP_RULES:
-        raise UserError(f"prompt lookup runs in {', '.join(LOOKUP_RULES)}, not {engine!r}")
-    rule = LOOKUP_RULES[engine]
+    """The engine's n-gram knobs that its profile prices best (without a profile: the most tokens per step), over
+    the grid (`lookup_grid`, or `ngram_tree_grid` for SGLang), by exact greedy replay."""
+    if engine not in LOOKUP_SOURCES:
+        raise UserError(f"prompt lookup runs in {', '.join(LOOKUP_SOURCES)}, not {engine!r}")
+    cuts_at_stops = engine in LOOKUP_RULES and LOOKUP_RULES[engine].cut_at_stop_tokens
     acceptance = load_lookahead_acceptance(acceptance_path)
-    if stop_tokens is None and rule.cut_at_stop_tokens:
+    if stop_tokens is None and cuts_at_stops:
         recorded = acceptance.extra.get("stop_tokens")
         if not (isinstance(recorded, list) and recorded and all(isinstance(t, int) for t in recorded)):
             raise UserError(f"{acceptance_path} does not record the target's stop tokens, at which {engine} cuts its "
@@ -166,22 +230,19 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
             raise UserError(f"{acceptance_path} and {profile_path}: the outputs are from "
                             f"{shown(acceptance.target)} but the profile is for {shown(measured)}")
         largest = profile.target_curve().max_n
-        draft_lengths = tuple(k for k in draft_lengths if k + 1 <= largest)
-    if not draft_lengths:
+        grid = [settings for settings in grid if settings.max_draft_tokens + 1 <= largest]
+    if not grid:
         raise UserError("no draft length to search: the profile must time forwards of 2 tokens or more")
     start = time.perf_counter()
-    # vLLM also takes the shortest n-gram it looks up (prompt_lookup_min); the other engines go down to 1
-    minimums = (lambda m: range(1, m + 1)) if engine == "vllm" else (lambda m: (1,))
-    replays = [replay_lookup(acceptance.records, rule, PromptLookupSettings(m, k, min_ngram=low), stop_tokens or ())
-               for m in max_ngrams for low in minimums(m) for k in draft_lengths]
+    replays = [_replay(engine, acceptance.records, settings, stop_tokens or ()) for settings in grid]
     seconds = time.perf_counter() - start
     candidates = []
     for result in replays:
         speedup, step = predicted_speedup(result, profile) if profile is not None else (None, None)
-        candidates.append(LookupCandidate(result.settings.max_ngram, result.settings.num_tokens,
-                                          result.tokens_per_step, speedup, step, result.settings.min_ngram))
-    order = (lambda c: (-c.speedup, c.num_tokens, c.max_ngram)) if profile is not None else \
-        (lambda c: (-c.tokens_per_step, c.num_tokens, c.max_ngram))
+        candidates.append(LookupCandidate(result.settings, result.tokens_per_step, speedup, step))
+    tie_break = lambda c: (c.settings.max_draft_tokens, tuple(c.settings.to_dict().values()))
+    order = (lambda c: (-c.speedup, tie_break(c))) if profile is not None else \
+        (lambda c: (-c.tokens_per_step, tie_break(c)))
     candidates.sort(key=order)
     best = candidates[0]
     details = {"replayed_tokens": replays[0].tokens}
@@ -201,12 +262,13 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
         inputs={"acceptance": {"file": str(acceptance_path), "records": len(acceptance.records),
                                "stop_tokens": list(stop_tokens or ())},
                 **({"profile": profile.plan_inputs(profile_path)} if profile is not None else {}),
-                "grid": {"max_ngrams": list(max_ngrams), "draft_lengths": list(draft_lengths)}},
-        solver={"seconds": seconds, "algorithm": f"exact greedy replay of {engine}'s prompt lookup",
-                "source": str(rule.source), "top": [asdict(c) for c in candidates[:10]]},
+                "grid": _grid_knobs(grid)},
+        solver={"seconds": seconds, "algorithm": f"exact greedy replay of {engine}'s {LOOKUP_NAMES[engine]}",
+                "source": "; ".join(str(source) for source in LOOKUP_SOURCES[engine]),
+                "top": [asdict(c) for c in candidates[:10]]},
         provenance=provenance([acceptance_path] + ([profile_path] if profile_path else [])),
         sampling={"temperature": 0.0},
-        settings=PromptLookupSettings(best.max_ngram, best.num_tokens, enabled, best.min_ngram),
+        settings=replace(best.settings, enabled=enabled),
         engine=engine,
     )
     return plan, candidates

@@ -291,24 +291,29 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
 @click.option("--branch-lengths", help="L_b grid, comma-separated (default 1..16)")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True)
 @click.option("--engine", type=click.Choice(("specplan",) + LOOKUP_ENGINES), default="specplan", show_default=True,
-              help="specplan: our Lookahead trie; hf, llama.cpp: that engine's prompt lookup, replayed by its own "
-                   "rule (a llama.cpp plan is priced on `plan profile --engine llama.cpp`)")
+              help="specplan: our Lookahead trie; hf, llama.cpp, vllm: that engine's prompt lookup, sglang: its NGRAM "
+                   "trie, each replayed by its own rule (a llama.cpp plan is priced on `plan profile --engine "
+                   "llama.cpp`)")
 @click.option("--max-ngrams", help="prompt lookup: longest n-grams matched, comma-separated (default 1..4)")
-@click.option("--draft-lengths", help="prompt lookup: tokens drafted, comma-separated (default 1..16)")
+@click.option("--draft-lengths", help="prompt lookup: tokens drafted (sglang: num_draft_tokens - 1), comma-separated "
+                                      "(default 1..16)")
+@click.option("--trie-depths", help="sglang: max_trie_depth values, comma-separated (default 18, its default)")
+@click.option("--bfs-breadths", help="sglang: max_bfs_breadth values, comma-separated (default 1,2,4,10)")
 @click.option("--stop-tokens", help="prompt lookup (hf): the target's stop token ids, where the acceptance file "
                                     "does not record them")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
                         branch_lengths: str | None, top: int, engine: str, max_ngrams: str | None,
-                        draft_lengths: str | None, stop_tokens: str | None, output: Path) -> None:
+                        draft_lengths: str | None, trie_depths: str | None, bfs_breadths: str | None,
+                        stop_tokens: str | None, output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
-    --engine, a serving engine's prompt-lookup knobs by exact replay of its rule."""
+    --engine, a serving engine's n-gram knobs by exact replay of its rule."""
     from core.plan_schema import save_plan
     from planner.lookahead import BRANCH_LENGTHS, DECODING_LENGTHS, solve_lookahead
 
     if engine != "specplan":
-        _solve_prompt_lookup(acceptance_path, profile_path, engine, max_ngrams, draft_lengths, stop_tokens, top,
-                             output)
+        grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths)
+        _solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stop_tokens, top, output)
         return
 
     d_grid = tuple(_int_list(decoding_lengths) or DECODING_LENGTHS)
@@ -334,22 +339,43 @@ def _echo_ranked(rows: list, first: tuple[str, str], second: tuple[str, str], pr
         click.echo(row)
 
 
-def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engine: str, max_ngrams: str | None,
-                         draft_lengths: str | None, stop_tokens: str | None, top: int, output: Path) -> None:
-    from core.plan_schema import save_plan
-    from planner.prompt_lookup import DRAFT_LENGTHS, MAX_NGRAMS, solve_prompt_lookup
+def _lookup_grid(engine: str, max_ngrams: str | None, draft_lengths: str | None, trie_depths: str | None,
+                 bfs_breadths: str | None) -> list:
+    from planner.prompt_lookup import BFS_BREADTHS, DRAFT_LENGTHS, MAX_NGRAMS, TRIE_DEPTHS, lookup_grid, ngram_tree_grid
 
-    ngram_grid = tuple(_int_list(max_ngrams) or MAX_NGRAMS)
     draft_grid = tuple(_int_list(draft_lengths) or DRAFT_LENGTHS)
+    if engine == "sglang":
+        depth_grid = tuple(_int_list(trie_depths) or TRIE_DEPTHS)
+        breadth_grid = tuple(_int_list(bfs_breadths) or BFS_BREADTHS)
+        if min(draft_grid) < 1 or min(depth_grid) < 2 or min(breadth_grid) < 1:
+            raise UserError("draft lengths and BFS breadths must be >= 1, trie depths >= 2 (SGLang's own limits)")
+        return ngram_tree_grid(draft_grid, depth_grid, breadth_grid)
+    ngram_grid = tuple(_int_list(max_ngrams) or MAX_NGRAMS)
     if min(ngram_grid) < 1 or min(draft_grid) < 1:
         raise UserError("n-gram sizes and draft lengths must be >= 1")
+    return lookup_grid(engine, ngram_grid, draft_grid)
+
+
+def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engine: str, grid: list,
+                         stop_tokens: str | None, top: int, output: Path) -> None:
+    from core.plan_schema import save_plan
+    from planner.prompt_lookup import LOOKUP_NAMES, solve_prompt_lookup
+
     stops = tuple(_int_list(stop_tokens)) if stop_tokens else None
-    plan, ranked = solve_prompt_lookup(acceptance_path, profile_path, engine, ngram_grid, draft_grid, stops)
-    _echo_ranked(ranked[:top], ("ngram", "max_ngram"), ("draft", "num_tokens"), profile_path is not None)
+    plan, ranked = solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stops)
+    knobs = [key for key in ranked[0].settings.to_dict() if key != "enabled"]
+    click.echo(" ".join(f"{key:>5}" for key in knobs) + f" {'tok/step':>9}" +
+               (f" {'step ms':>8} {'speedup':>8}" if profile_path is not None else ""))
+    for c in ranked[:top]:
+        row = " ".join(f"{getattr(c.settings, key):>{max(5, len(key))}}" for key in knobs)
+        row += f" {c.tokens_per_step:>9.3f}"
+        if c.speedup is not None:
+            row += f" {c.step_seconds * 1e3:>8.2f} {c.speedup:>8.3f}"
+        click.echo(row)
     save_plan(plan, output)
-    click.echo(f"replayed {len(ranked)} settings of {engine}'s prompt lookup in {plan.solver['seconds']:.1f} s; chose "
-               f"n-grams {plan.settings.min_ngram}-{plan.settings.max_ngram}, {plan.settings.num_tokens} tokens; "
-               f"wrote {output}")
+    chosen = ", ".join(f"{key} {value}" for key, value in plan.settings.to_dict().items() if key != "enabled")
+    click.echo(f"replayed {len(ranked)} settings of {engine}'s {LOOKUP_NAMES[engine]} in "
+               f"{plan.solver['seconds']:.1f} s; chose {chosen}; wrote {output}")
     if not plan.settings.enabled:
         click.echo(f"note: no setting beats {engine}'s one-token decoding on this profile "
                    f"({plan.prediction.details['lookup_speedup']:.3f}x at best): the plan turns the lookup off",

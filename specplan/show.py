@@ -229,7 +229,9 @@ def describe_engine_cost(plan: Plan) -> str:
     cost in tokens/step and in predicted speedup."""
     engine = Fields(plan.solver, f"{plan.source}: solver").sub("engine", required=False)
     tree = plan.tree
-    own = f"n = {tree.size}, d = {tree.depth}, {plan.prediction.tokens_per_step:.3f} tokens/step" if tree else ""
+    own = f"{plan.prediction.tokens_per_step:.3f} tokens/step"
+    if tree:
+        own = f"n = {tree.size}, d = {tree.depth}, {own}"
     if plan.prediction.speedup is not None:
         own += f", {plan.prediction.speedup:.3f}x"
     if engine is None:

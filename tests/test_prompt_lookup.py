@@ -86,8 +86,8 @@ def test_bad_input_is_one_line(run_cli, write_yaml_file, tmp_path):
     code, _, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--profile", PROFILE,
                               "--engine", "llama.cpp", "-o", out)
     assert code == 2 and "plan profile --engine llama.cpp" in stderr and not out.exists()
-    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--engine", "sglang", "-o", out)
-    assert code == 2 and "'sglang' is not one of" in stderr
+    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--engine", "tensorrt", "-o", out)
+    assert code == 2 and "'tensorrt' is not one of" in stderr
     assert len(stderr.strip().splitlines()) == 1
 
 

@@ -1,0 +1,168 @@
+"""Our replay of SGLang's NGRAM (planner/sglang_ngram.py) against SGLang's own trie code, step by step.
+
+Downloads the sglang wheel (no dependencies), builds its NGRAM corpus (kernels/jit/csrc/ngram_corpus: the trie, the
+suffix matching, the BFS tree; plain C++, CPU) with bench/sglang_ngram_shim.cpp as a C entry point, and drives it
+over the recorded greedy outputs as NGRAMWorker does: one request after another on one corpus, each step matching
+the last max_trie_depth tokens, verifying the padded tree greedily (the first child, in index order, that equals the
+target's token: verify_tree_greedy), then inserting the window the step matched from. Every step's draft tree and
+accepted count must equal ours.
+
+    .venv/bin/python bench/sglang_ngram_check.py --acceptance ACCEPTANCE.yaml [--records N] [--quick]
+
+Exit 0: equal; 1: a step differs; 3: SGLang's sources could not be fetched or built here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from core.acceptance_schema import LookaheadRecord, load_lookahead_acceptance
+from core.method_settings import NgramTreeSettings
+from planner.prompt_lookup import replay_ngram_tree
+from planner.sglang_ngram import CAPACITY, PADDING_TOKEN, SGLANG_VERSION, NgramTreeProposer
+
+CACHE = Path.home() / ".cache" / "specplan" / f"sglang-{SGLANG_VERSION}"
+SOURCES = "sglang/kernels/jit/csrc/ngram_corpus/"
+COMPILED = ("trie.cpp", "result.cpp", "ngram.cpp", "suffix_automaton.cpp")
+SHIM = Path(__file__).with_name("sglang_ngram_shim.cpp")
+UNAVAILABLE = 3
+QUICK_GRID = (NgramTreeSettings(12, 18, 10), NgramTreeSettings(5, 4, 2), NgramTreeSettings(8, 6, 3, 2))
+FULL_GRID = QUICK_GRID + tuple(NgramTreeSettings(k + 1, depth, breadth) for depth in (3, 8, 18)
+                               for breadth in (1, 4, 10) for k in (1, 3, 7, 15))
+
+
+def build_library() -> ctypes.CDLL:
+    """SGLang's NGRAM corpus as a shared library, built once into CACHE."""
+    library = CACHE / "libsglang_ngram.so"
+    if not library.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        wheels = sorted(CACHE.glob("sglang-*.whl"))
+        if not wheels:
+            subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={SGLANG_VERSION.lstrip('v')}",
+                            "--no-deps", "--quiet", "-d", str(CACHE)], check=True, timeout=600)
+            wheels = sorted(CACHE.glob("sglang-*.whl"))
+        source_dir = CACHE / "ngram_corpus"
+        source_dir.mkdir(exist_ok=True)
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            for name in wheel.namelist():
+                if name.startswith(SOURCES) and not name.endswith("/"):
+                    (source_dir / Path(name).name).write_bytes(wheel.read(name))
+        partial = library.with_suffix(".partial")
+        subprocess.run(["g++", "-O2", "-std=c++20", "-shared", "-fPIC", f"-I{source_dir}", str(SHIM),
+                        *(str(source_dir / name) for name in COMPILED), "-lpthread", "-o", str(partial)],
+                       check=True, timeout=600)
+        partial.rename(library)
+    lib = ctypes.CDLL(str(library))
+    lib.ngram_new.restype = ctypes.c_void_p
+    lib.ngram_new.argtypes = [ctypes.c_int64] * 5
+    lib.ngram_free.argtypes = [ctypes.c_void_p]
+    lib.ngram_insert.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.ngram_match.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def tree_paths(tokens: np.ndarray, mask: np.ndarray) -> set[tuple[int, ...]]:
+    """Every drafted node's token path from the root (padding left out), from SGLang's tokens and mask."""
+    size = len(tokens)
+    parents = [-1] + [max(j for j in range(i) if mask[i, j]) for i in range(1, size)]
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, size):
+        paths.append(paths[parents[i]] + (int(tokens[i]),))
+    return set(paths[1:])
+
+
+def greedy_accepted(tokens: np.ndarray, mask: np.ndarray, truth: np.ndarray) -> int:
+    """verify_tree_greedy: from the root, the first child in index order that equals the target's next token."""
+    size = len(tokens)
+    parents = [-1] + [max(j for j in range(i) if mask[i, j]) for i in range(1, size)]
+    node, accepted = 0, 0
+    for token in truth:
+        child = next((i for i in range(node + 1, size) if parents[i] == node and tokens[i] == token), None)
+        if child is None:
+            break
+        node, accepted = child, accepted + 1
+    return accepted
+
+
+def our_paths(tree: list[dict[int, int]]) -> set[tuple[int, ...]]:
+    paths, stack = set(), [(0, ())]
+    while stack:
+        index, path = stack.pop()
+        for token, child in tree[index].items():
+            paths.add(path + (token,))
+            stack.append((child, path + (token,)))
+    return paths
+
+
+def compare(lib: ctypes.CDLL, records: list[LookaheadRecord], settings: NgramTreeSettings) -> tuple[int, str | None]:
+    """(steps compared, the first difference or None)."""
+    size, depth = settings.num_draft_tokens, settings.max_trie_depth
+    corpus = lib.ngram_new(CAPACITY, depth, settings.min_bfs_breadth, settings.max_bfs_breadth, size)
+    ours = NgramTreeProposer(settings)
+    out_tokens = np.zeros(size, dtype=np.int32)
+    out_mask = np.zeros(size * size, dtype=np.uint8)
+    steps = 0
+    try:
+        for request, record in enumerate(records):
+            sequence = np.array(record.prompt + record.output, dtype=np.int64)
+            position, end = len(record.prompt) + 1, len(sequence)
+            ours.new_request()
+            while position < end:
+                context = np.ascontiguousarray(sequence[max(0, position - depth):position], dtype=np.int32)
+                lib.ngram_match(corpus, request, context.ctypes.data, len(context), position,
+                                out_tokens.ctypes.data, out_mask.ctypes.data)
+                mask = out_mask.reshape(size, size)
+                truth = sequence[position:position + size - 1]
+                theirs = tree_paths(out_tokens, mask), greedy_accepted(out_tokens, mask, truth)
+                tree = ours.draft(context.tolist())
+                accepted = ours.accepted(tree, truth.tolist())
+                padded = {(PADDING_TOKEN,)} if len(tree) < size else set()
+                mine = our_paths(tree) | padded, accepted
+                ours.insert(context.tolist())
+                lib.ngram_insert(corpus, context.ctypes.data, len(context))
+                if mine != theirs:
+                    return steps, (f"record {request}, position {position}: accepted {accepted} vs SGLang's "
+                                   f"{theirs[1]}; ours only {sorted(mine[0] - theirs[0])[:3]}, SGLang's only "
+                                   f"{sorted(theirs[0] - mine[0])[:3]}")
+                position += min(accepted + 1, end - position)
+                steps += 1
+    finally:
+        lib.ngram_free(corpus)
+    return steps, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--acceptance", required=True)
+    parser.add_argument("--records", type=int, help="the first N records only")
+    parser.add_argument("--quick", action="store_true", help=f"{len(QUICK_GRID)} settings, not {len(FULL_GRID)}")
+    args = parser.parse_args()
+    try:
+        lib = build_library()
+    except (OSError, subprocess.SubprocessError, zipfile.BadZipFile, IndexError) as exc:
+        print(f"SGLang's NGRAM sources are not available here: {exc}", file=sys.stderr)
+        sys.exit(UNAVAILABLE)
+    records = load_lookahead_acceptance(args.acceptance).records[:args.records]
+    print("| num_draft_tokens | max_trie_depth | max_bfs_breadth | min_bfs_breadth | steps | equal |")
+    print("|---|---|---|---|---|---|")
+    failed = False
+    for settings in QUICK_GRID if args.quick else FULL_GRID:
+        steps, difference = compare(lib, records, settings)
+        if difference is None and replay_ngram_tree(records, settings).steps != steps:
+            difference = f"the solver's replay takes {replay_ngram_tree(records, settings).steps} steps"
+        print(f"| {settings.num_draft_tokens} | {settings.max_trie_depth} | {settings.max_bfs_breadth} | "
+              f"{settings.min_bfs_breadth} | {steps} | {'yes' if difference is None else difference} |")
+        failed |= difference is not None
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

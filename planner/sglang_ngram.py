@@ -1,0 +1,134 @@
+"""SGLang's NGRAM speculative decoding, replayed step by step over the target's greedy outputs (SGLang 0.5.23,
+read from its sources; each rule below names the file it follows).
+
+One trie serves every request of the server, from its start (`Trie`, trie.cpp). After each verify step the worker
+inserts the request's last `max_trie_depth` tokens *as they were before that step*: the tokens the step just
+accepted are inserted after the next one (ngram_worker.py, `_update_ngram_corpus` runs inside the forward, before
+the scheduler appends them to `output_ids`; in overlap mode it splices the previous round's tokens, to the same
+effect). The prompt itself is never inserted, only its tail within those windows. An insert walks every suffix of
+the window from the root, creating nodes, and moves every node it passes to the front of its parent's children:
+children are kept most recently seen first.
+
+Each step matches the context's suffixes of every length up to max_trie_depth in the trie (SGLang caches them per
+request in a `MatchState` and advances them by the tokens appended since; as the trie only grows until its capacity
+evicts, that equals matching afresh, which the replay does). From every matched node that has children, longest
+match first, a breadth-first walk adds the children, most
+recent first, up to a breadth that starts at (max_trie_depth - 1 - d) * scale + min_bfs_breadth for a match of d
+tokens (scale = (max_bfs_breadth - min_bfs_breadth) / (max_trie_depth - 1)) and falls by scale per level, at least 1
+child; walks from several matches merge where their tokens agree, until num_draft_tokens - 1 nodes are placed. The
+tree is padded to num_draft_tokens tokens with token 0 under the root, and the target verifies all of them: a step
+always costs a forward of num_draft_tokens tokens. Greedy verification follows the child that equals the target's
+own next token, plus one token of its own (verify_tree_greedy), so for greedy decoding the replay is exact.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import numpy as np
+
+from core.errors import UserError
+from core.method_settings import NgramTreeSettings
+from planner.engines import Source
+
+SGLANG_VERSION = "v0.5.23"  # the PyPI release whose sources these rules were read from
+SGLANG_TRIE = Source(
+    "sgl-project/sglang", "python/sglang/kernels/jit/csrc/ngram_corpus/trie.cpp", SGLANG_VERSION,
+    "Trie::insert (every suffix of the window, children most recent first), Trie::match (cached suffix matches "
+    "advanced by the appended tokens), Trie::buildRecency (the breadth-first tree from the expandable matches)")
+SGLANG_WORKER = Source(
+    "sgl-project/sglang", "python/sglang/srt/speculative/ngram_worker.py", SGLANG_VERSION,
+    "NGRAMWorker: the context is the last max_trie_depth tokens, the inserted window the same tokens before the "
+    "step's own; every step verifies num_draft_tokens tokens (result.cpp fillResult pads with token 0)")
+CAPACITY = 10_000_000  # --speculative-ngram-capacity's default: nodes before the trie evicts (not replayed)
+PADDING_TOKEN = 0  # fillResult's padding, children of the root
+
+TrieNode = OrderedDict  # token -> child node; iteration from the end gives the most recently seen child first
+
+
+class NgramTreeProposer:
+    """SGLang's NGRAM drafter and its greedy verification, one step at a time (see the module docstring)."""
+
+    def __init__(self, settings: NgramTreeSettings) -> None:
+        self.settings = settings
+        self.root: TrieNode = OrderedDict()
+        self.nodes = 1
+
+    def new_request(self) -> None:
+        """The trie serves every request; nothing else is kept."""
+
+    def step(self, sequence: np.ndarray, position: int) -> tuple[int, int]:
+        """(tokens drafted, of them accepted) for the step after sequence[:position], whose greedy continuation is
+        sequence[position:]; then the step's insert."""
+        context = sequence[max(0, position - self.settings.max_trie_depth):position].tolist()
+        tree = self.draft(context)
+        drafted = self.settings.num_draft_tokens - 1
+        accepted = self.accepted(tree, sequence[position:position + drafted].tolist())
+        self.insert(context)
+        return drafted, accepted
+
+    def accepted(self, tree: list[dict[int, int]], truth: list[int]) -> int:
+        """The draft tokens greedy verification accepts: the path of children equal to the target's tokens."""
+        accepted, node = 0, 0
+        for token in truth:
+            child = tree[node].get(token)
+            if child is None:
+                padded = len(tree) <= self.settings.num_draft_tokens - 1
+                return 1 if node == 0 and token == PADDING_TOKEN and padded else accepted
+            accepted, node = accepted + 1, child
+        return accepted
+
+    def insert(self, window: list[int]) -> None:
+        """Trie::insert: every suffix of the window, up to max_trie_depth tokens, from the root."""
+        depth = self.settings.max_trie_depth
+        for start in range(len(window)):
+            cursor = self.root
+            for token in window[start:start + depth]:
+                child = cursor.get(token)
+                if child is None:
+                    child = cursor[token] = OrderedDict()
+                    self.nodes += 1
+                else:
+                    cursor.move_to_end(token)
+                cursor = child
+        if self.nodes > CAPACITY:
+            raise UserError(f"the replay's trie outgrew SGLang's default capacity of {CAPACITY} nodes, beyond which "
+                            "SGLang evicts (not replayed): replay fewer or shorter records")
+
+    def _matches(self, context: list[int]) -> list[tuple[TrieNode, int]]:
+        """The context's suffixes found in the trie that have children, longest first (Trie::match and
+        getExpandableAnchors_)."""
+        found = []
+        for length in range(1, len(context) + 1):
+            node: TrieNode | None = self.root
+            for token in context[len(context) - length:]:
+                node = node.get(token)
+                if node is None:
+                    break
+            if node is None:
+                break  # the trie holds every suffix of what it holds: no longer suffix is in it either
+            if node:
+                found.append((node, length))
+        return found[::-1]
+
+    def draft(self, context: list[int]) -> list[dict[int, int]]:
+        """The tree after `context`, a request's last max_trie_depth tokens (Trie::buildRecency): tree[i] maps a
+        token to its child's index; 0 is the root, the last token. Padding (token 0) is not in it."""
+        s = self.settings
+        deepest = max(1, s.max_trie_depth - 1)
+        scale = (s.max_bfs_breadth - s.min_bfs_breadth) / deepest
+        budget = s.num_draft_tokens - 1
+        tree: list[dict[int, int]] = [{}]
+        for anchor, length in self._matches(context):
+            queue = deque([(0, (deepest - length) * scale + s.min_bfs_breadth, anchor)])
+            while queue and len(tree) <= budget:
+                parent, breadth, node = queue.popleft()
+                for taken, (token, child) in enumerate(reversed(node.items())):
+                    if taken >= max(1, int(breadth)) or len(tree) > budget:
+                        break
+                    index = tree[parent].get(token)
+                    if index is None:
+                        index = tree[parent][token] = len(tree)
+                        tree.append({})
+                    queue.append((index, breadth - scale, child))
+        return tree
