@@ -24,8 +24,8 @@ FITTED = {
     "bandwidth_efficiency": (0.3, 1.0),
     **{f"gemm_efficiency_{kind}_rows{rows}": (0.01, 1.0)
        for kind in ("fp32", "tensor") for rows in roofline.ROW_BUCKETS},
-    "gemm_floor_seconds_fp32": (0.5e-6, 100e-6),
-    "gemm_floor_seconds_tensor": (0.5e-6, 100e-6),
+    **{f"gemm_floor_seconds_{kind}_rows{rows}": (0.5e-6, 100e-6)
+       for kind in ("fp32", "tensor") for rows in roofline.ROW_BUCKETS},
     "attention_flops_fp32": (1e10, 1e14),
     "attention_key_seconds_grouped_fp32": (0.0, 1e-6),
     "attention_key_seconds_grouped_tensor": (0.0, 1e-6),

@@ -4,8 +4,8 @@ A GPU forward of n new tokens over L cached ones, in this decoder's execution (e
 as a CUDA graph), costs the sum of four terms:
 
     t(n, L) = (operators(n, L) - matmuls) * floor(n)          small kernels, floor(n) = op_seconds + op_row_seconds n
-            + sum over the matmuls (k x m) of gemm(n) = max(floor(1), work) for one row, else gemm_floor + work,
-                                        work = max(k m b / BW, 2 rows(n) k m / (P gemm_efficiency(n) occupancy))
+            + sum over the matmuls (k x m) of gemm(n) = max(floor(1), k m b / BW) for one row (a GEMV), else
+                      gemm_floor(n) + max(k m b / BW, 2 rows(n) k m / (P gemm_efficiency(n) occupancy))
             + kv_bytes(L + n) / BW + attention_flops(n, L) / attention_rate                attention
             + [n > 1] * layers * (L + n) * (attention_key_seconds + heads n attention_score_seconds)
                                                                                           multi-row attention
@@ -19,12 +19,15 @@ as a CUDA graph), costs the sum of four terms:
   above)). Each kernel lasts at least floor(n): a 135M model on an H100 is bound by this (1,330 kernels, 3 ms).
 - gemm_floor_seconds: a matmul of two rows or more runs a GEMM kernel instead of a GEMV, which costs about a fixed
   time more whatever its size (measured: t(2) - t(1) is about 8 us per fp32 matmul and 3.7 us per bf16 one, for
-  smollm2-135m and qwen2.5-coder-1.5b alike).
+  smollm2-135m and qwen2.5-coder-1.5b alike); one parameter per bucket of rows and dtype class, as the library
+  picks another kernel per bucket (a split-K GEMM launches a second, reducing kernel) and its fixed cost with it:
+  fitted, the fp32 floor is 7.8 us at 2-4 rows and 0.5-4.7 us beyond.
 - BW = the datasheet bandwidth * bandwidth_efficiency; P = the datasheet dense peak of the dtype (plain FP32 for
   fp32: TF32 is off). A GEMM of n rows computes rows(n): n padded to its bucket (ROW_BUCKETS: up to 4, 8, 16, 32,
   64, 128; n itself beyond), the tile of rows its kernel runs, at gemm_efficiency(n) of P, one parameter per bucket
   and dtype class: the library picks another kernel per bucket, and the H100 measured curves no smooth law follows
-  (in fp32, five models' t(8) rise most of the way to t(16), and t(32) falls back below t(16)). occupancy(n, m) =
+  (in fp32, five models' t(8) rise most of the way to t(16), and t(32) falls back below t(16)); on the tensor cores,
+  whose measured curves rise smoothly, a bucket reaches at least every smaller bucket's efficiency. occupancy(n, m) =
   min(1, tiles / SMs), tiles = max(1, rows(n) / 32) * ceil(m / 128): a skinny GEMM of a small model fills few of
   the GPU's multiprocessors.
 - attention_rate: fp32 one-row SDPA runs its math path (attention_flops_fp32 per second); bf16/fp16 one-row SDPA
@@ -133,8 +136,20 @@ class GpuParameters:
     gemm_efficiency_tensor_rows32: float
     gemm_efficiency_tensor_rows64: float
     gemm_efficiency_tensor_rows128: float
-    gemm_floor_seconds_fp32: float  # what a matmul of 2 rows or more (a GEMM, not a GEMV) costs beyond its work, fp32
-    gemm_floor_seconds_tensor: float  # the same in bf16/fp16
+    # what a matmul of 2-4 (5-8, ..., 65 or more) rows (a GEMM, not a GEMV) costs beyond its work, fp32
+    gemm_floor_seconds_fp32_rows4: float
+    gemm_floor_seconds_fp32_rows8: float
+    gemm_floor_seconds_fp32_rows16: float
+    gemm_floor_seconds_fp32_rows32: float
+    gemm_floor_seconds_fp32_rows64: float
+    gemm_floor_seconds_fp32_rows128: float
+    # the same in bf16/fp16
+    gemm_floor_seconds_tensor_rows4: float
+    gemm_floor_seconds_tensor_rows8: float
+    gemm_floor_seconds_tensor_rows16: float
+    gemm_floor_seconds_tensor_rows32: float
+    gemm_floor_seconds_tensor_rows64: float
+    gemm_floor_seconds_tensor_rows128: float
     attention_flops_fp32: float  # FLOP/s of one-row fp32 SDPA (its math path)
     attention_key_seconds_grouped_fp32: float  # 2-64 rows as grouped matmuls with a mask, per layer and key, fp32
     attention_key_seconds_grouped_tensor: float  # the same in bf16/fp16
@@ -147,7 +162,14 @@ class GpuParameters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def gemm_efficiency(self, kind: str, n: int) -> float:
-        return getattr(self, f"gemm_efficiency_{kind}_rows{row_bucket(n)}")
+        """The bucket's efficiency; on the tensor cores at least that of every smaller bucket (their measured
+        curves rise smoothly with n, and a bigger tile's kernel is free to run a smaller one's in pieces)."""
+        if kind == "fp32":
+            return getattr(self, f"gemm_efficiency_fp32_rows{row_bucket(n)}")
+        return max(getattr(self, f"gemm_efficiency_tensor_rows{rows}") for rows in ROW_BUCKETS if rows <= row_bucket(n))
+
+    def gemm_floor(self, kind: str, n: int) -> float:
+        return getattr(self, f"gemm_floor_seconds_{kind}_rows{row_bucket(n)}")
 
 
 def row_bucket(n: int) -> int:
@@ -161,20 +183,26 @@ def gemm_rows(n: int) -> int:
 
 PARAMETER_NAMES = tuple(f.name for f in fields(GpuParameters))
 # Fitted to the H100 profiles measured with this decoder (bench/modeled_vs_measured.py --fit, 2026-11-26: ten
-# profiles of five model shapes, fp32 and bf16; rms log error 0.064, worst point 28%): the
+# profiles of five model shapes, fp32 and bf16; rms log error 0.054, worst point 27%): the
 # per-kernel cost and the attention terms are properties of the kernels and of a GPU of this generation; the
 # datasheet figures scale the rest to other GPUs. eager_op_seconds is PyTorch's eager dispatch cost per operator,
 # about 8 us on a server CPU (not measured here).
 DEFAULT_PARAMETERS = GpuParameters(
-    op_seconds=2.23e-6, op_row_seconds=1e-12, eager_op_seconds=8e-6, bandwidth_efficiency=0.747,
-    gemm_efficiency_fp32_rows4=0.563, gemm_efficiency_fp32_rows8=0.395, gemm_efficiency_fp32_rows16=0.59,
-    gemm_efficiency_fp32_rows32=1.0, gemm_efficiency_fp32_rows64=1.0, gemm_efficiency_fp32_rows128=0.859,
-    gemm_efficiency_tensor_rows4=1.0, gemm_efficiency_tensor_rows8=0.179, gemm_efficiency_tensor_rows16=0.247,
-    gemm_efficiency_tensor_rows32=0.419, gemm_efficiency_tensor_rows64=0.341, gemm_efficiency_tensor_rows128=0.429,
-    gemm_floor_seconds_fp32=4.05e-6, gemm_floor_seconds_tensor=5.38e-6, attention_flops_fp32=0.447e12,
-    attention_key_seconds_grouped_fp32=30.3e-9, attention_key_seconds_grouped_tensor=5.54e-9,
-    attention_key_seconds_masked_fp32=45.4e-9, attention_key_seconds_masked_tensor=8.4e-9,
-    attention_score_seconds_fp32=9.01e-12, attention_score_seconds_tensor=5.24e-12)
+    op_seconds=2.28e-06, op_row_seconds=3.49e-10, eager_op_seconds=8e-06, bandwidth_efficiency=0.773,
+    gemm_efficiency_fp32_rows4=1.0, gemm_efficiency_fp32_rows8=0.329, gemm_efficiency_fp32_rows16=0.594,
+    gemm_efficiency_fp32_rows32=1.0, gemm_efficiency_fp32_rows64=1.0, gemm_efficiency_fp32_rows128=0.834,
+    gemm_efficiency_tensor_rows4=0.0864, gemm_efficiency_tensor_rows8=0.187, gemm_efficiency_tensor_rows16=0.286,
+    gemm_efficiency_tensor_rows32=0.412, gemm_efficiency_tensor_rows64=0.0303, gemm_efficiency_tensor_rows128=0.501,
+    gemm_floor_seconds_fp32_rows4=7.8e-06, gemm_floor_seconds_fp32_rows8=1.11e-06,
+    gemm_floor_seconds_fp32_rows16=4.2e-06, gemm_floor_seconds_fp32_rows32=7.32e-07,
+    gemm_floor_seconds_fp32_rows64=4.77e-06, gemm_floor_seconds_fp32_rows128=5e-07,
+    gemm_floor_seconds_tensor_rows4=3.91e-06, gemm_floor_seconds_tensor_rows8=5.21e-06,
+    gemm_floor_seconds_tensor_rows16=5.8e-06, gemm_floor_seconds_tensor_rows32=5.08e-06,
+    gemm_floor_seconds_tensor_rows64=6.2e-06, gemm_floor_seconds_tensor_rows128=5.89e-06,
+    attention_flops_fp32=3.93e+11, attention_key_seconds_grouped_fp32=2.98e-08,
+    attention_key_seconds_grouped_tensor=5.58e-09, attention_key_seconds_masked_fp32=4.39e-08,
+    attention_key_seconds_masked_tensor=8.34e-09, attention_score_seconds_fp32=1.14e-11,
+    attention_score_seconds_tensor=5.19e-12)
 
 
 @dataclass(frozen=True)
@@ -227,11 +255,14 @@ def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, 
     element = BYTES_PER_ELEMENT[cost.dtype]
     rows = gemm_rows(n)
     row_tiles = max(1.0, rows / TILE_ROWS)
-    gemm_floor = p.gemm_floor_seconds_fp32 if kind == "fp32" else p.gemm_floor_seconds_tensor
+    gemm_floor = p.gemm_floor(kind, n)
     for count, k, m in cost.gemms:
         occupancy = min(1.0, row_tiles * math.ceil(m / TILE_COLUMNS) / gpu.sms)
-        work = max(k * m * element / bandwidth, 2.0 * rows * k * m / (peak * occupancy))
-        seconds += count * (max(kernel_floor, work) if n == 1 else gemm_floor + work)
+        stream = k * m * element / bandwidth
+        if n == 1:  # a GEMV: 2 FLOPs per weight read, never compute-bound
+            seconds += count * max(kernel_floor, stream)
+        else:
+            seconds += count * (gemm_floor + max(stream, 2.0 * rows * k * m / (peak * occupancy)))
     attention_flops = 4.0 * cost.attention_width * n * (context + n)
     attention_rate = p.attention_flops_fp32 if kind == "fp32" and n == 1 else peak
     seconds += cost.kv_bytes_per_token * (context + n) / bandwidth + attention_flops / attention_rate

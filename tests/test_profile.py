@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -134,7 +135,7 @@ def test_gpu_model_against_a_hand_calculation():
     # two rows over 8192 keys: grouped matmuls (no SDPA kernels), a GEMM's floor, the per-key mask cost and the
     # score matrix's 8 heads x 2 rows per key
     floor = p.op_seconds + 2 * p.op_row_seconds
-    hand = ((50 - 2) * floor + 2 * (p.gemm_floor_seconds_tensor + 4096 * 4096 * 2 / bandwidth)
+    hand = ((50 - 2) * floor + 2 * (p.gemm_floor("tensor", 2) + 4096 * 4096 * 2 / bandwidth)
             + 1024 * 8194 / bandwidth
             + 2 * 8194 * (p.attention_key_seconds_grouped_tensor + 8 * 2 * p.attention_score_seconds_tensor))
     assert roofline.gpu_forward_seconds(cost, gpu, p, 2, 8192) == pytest.approx(hand, rel=1e-12)
@@ -173,6 +174,17 @@ def test_a_config_alone_models_llama2_7b_on_an_a100(run_cli, tmp_path):
     assert t1 < profile.target_by_context[256][1]
     assert t1 == pytest.approx(GPT_FAST_LLAMA2_7B_A100_MS / 1e3, rel=0.20)
     assert document["model_fingerprints"]["target"]["parameters"] == 6_738_415_616  # Llama-2-7B's count
+
+
+def test_gemm_costs_go_by_bucket_of_rows():
+    """A GEMM's floor is its bucket's; on the tensor cores a bigger bucket is never less efficient than a smaller
+    one, in fp32 it is the bucket's own (the library's kernel choice: t(32) < t(16) was measured)."""
+    p = replace(roofline.DEFAULT_PARAMETERS, gemm_efficiency_tensor_rows32=0.5, gemm_efficiency_tensor_rows64=0.2,
+                gemm_efficiency_fp32_rows16=0.5, gemm_efficiency_fp32_rows32=0.2, gemm_floor_seconds_fp32_rows4=7e-6,
+                gemm_floor_seconds_fp32_rows8=1e-6)
+    assert p.gemm_efficiency("tensor", 64) == 0.5 and p.gemm_efficiency("tensor", 20) == 0.5
+    assert p.gemm_efficiency("fp32", 32) == 0.2
+    assert p.gemm_floor("fp32", 3) == 7e-6 and p.gemm_floor("fp32", 5) == 1e-6
 
 
 def test_larger_targets_choose_trees_no_larger_on_a_modeled_a100(tmp_path):
