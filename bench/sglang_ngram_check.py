@@ -156,8 +156,9 @@ def main() -> None:
     failed = False
     for settings in QUICK_GRID if args.quick else FULL_GRID:
         steps, difference = compare(lib, records, settings)
-        if difference is None and replay_ngram_tree(records, settings).steps != steps:
-            difference = f"the solver's replay takes {replay_ngram_tree(records, settings).steps} steps"
+        solver_steps = replay_ngram_tree(records, settings).steps
+        if difference is None and solver_steps != steps:
+            difference = f"the solver's replay takes {solver_steps} steps"
         print(f"| {settings.num_draft_tokens} | {settings.max_trie_depth} | {settings.max_bfs_breadth} | "
               f"{settings.min_bfs_breadth} | {steps} | {'yes' if difference is None else difference} |")
         failed |= difference is not None

@@ -12,10 +12,10 @@ children are kept most recently seen first.
 Each step matches the context's suffixes of every length up to max_trie_depth in the trie (SGLang caches them per
 request in a `MatchState` and advances them by the tokens appended since; as the trie only grows until its capacity
 evicts, that equals matching afresh, which the replay does). From every matched node that has children, longest
-match first, a breadth-first walk adds the children, most
-recent first, up to a breadth that starts at (max_trie_depth - 1 - d) * scale + min_bfs_breadth for a match of d
-tokens (scale = (max_bfs_breadth - min_bfs_breadth) / (max_trie_depth - 1)) and falls by scale per level, at least 1
-child; walks from several matches merge where their tokens agree, until num_draft_tokens - 1 nodes are placed. The
+match first, a breadth-first walk adds the children, most recent first, up to a breadth that starts at
+(max_trie_depth - 1 - d) * scale + min_bfs_breadth for a match of d tokens (scale = (max_bfs_breadth -
+min_bfs_breadth) / (max_trie_depth - 1)) and falls by scale per level, at least 1 child; walks from several matches
+merge where their tokens agree, until num_draft_tokens - 1 nodes are placed. The
 tree is padded to num_draft_tokens tokens with token 0 under the root, and the target verifies all of them: a step
 always costs a forward of num_draft_tokens tokens. Greedy verification follows the child that equals the target's
 own next token, plus one token of its own (verify_tree_greedy), so for greedy decoding the replay is exact.
