@@ -26,7 +26,7 @@ import numpy as np
 from core.acceptance_schema import LookaheadRecord, load_lookahead_acceptance
 from core.method_settings import NgramTreeSettings
 from planner.prompt_lookup import replay_ngram_tree
-from planner.sglang_ngram import CAPACITY, PADDING_TOKEN, SGLANG_VERSION, NgramTreeProposer
+from planner.sglang_ngram import CAPACITY, PADDING_TOKEN, SGLANG_VERSION, NgramTreeProposer, token_paths
 
 CACHE = Path.home() / ".cache" / "specplan" / f"sglang-{SGLANG_VERSION}"
 SOURCES = "sglang/kernels/jit/csrc/ngram_corpus/"
@@ -69,37 +69,30 @@ def build_library() -> ctypes.CDLL:
     return lib
 
 
-def tree_paths(tokens: np.ndarray, mask: np.ndarray) -> set[tuple[int, ...]]:
-    """Every drafted node's token path from the root (padding left out), from SGLang's tokens and mask."""
-    size = len(tokens)
-    parents = [-1] + [max(j for j in range(i) if mask[i, j]) for i in range(1, size)]
+def mask_parents(mask: np.ndarray) -> list[int]:
+    """Each node's parent in SGLang's tree mask: its nearest ancestor, the largest earlier index it attends to."""
+    return [-1] + [max(j for j in range(i) if mask[i, j]) for i in range(1, len(mask))]
+
+
+def sglang_paths(tokens: np.ndarray, mask: np.ndarray) -> set[tuple[int, ...]]:
+    """Every drafted node's token path from the root (padding included), from SGLang's tokens and mask."""
+    parents = mask_parents(mask)
     paths: list[tuple[int, ...]] = [()]
-    for i in range(1, size):
+    for i in range(1, len(tokens)):
         paths.append(paths[parents[i]] + (int(tokens[i]),))
     return set(paths[1:])
 
 
 def greedy_accepted(tokens: np.ndarray, mask: np.ndarray, truth: np.ndarray) -> int:
     """verify_tree_greedy: from the root, the first child in index order that equals the target's next token."""
-    size = len(tokens)
-    parents = [-1] + [max(j for j in range(i) if mask[i, j]) for i in range(1, size)]
+    parents = mask_parents(mask)
     node, accepted = 0, 0
     for token in truth:
-        child = next((i for i in range(node + 1, size) if parents[i] == node and tokens[i] == token), None)
+        child = next((i for i in range(node + 1, len(tokens)) if parents[i] == node and tokens[i] == token), None)
         if child is None:
             break
         node, accepted = child, accepted + 1
     return accepted
-
-
-def our_paths(tree: list[dict[int, int]]) -> set[tuple[int, ...]]:
-    paths, stack = set(), [(0, ())]
-    while stack:
-        index, path = stack.pop()
-        for token, child in tree[index].items():
-            paths.add(path + (token,))
-            stack.append((child, path + (token,)))
-    return paths
 
 
 def compare(lib: ctypes.CDLL, records: list[LookaheadRecord], settings: NgramTreeSettings) -> tuple[int, str | None]:
@@ -121,11 +114,11 @@ def compare(lib: ctypes.CDLL, records: list[LookaheadRecord], settings: NgramTre
                                 out_tokens.ctypes.data, out_mask.ctypes.data)
                 mask = out_mask.reshape(size, size)
                 truth = sequence[position:position + size - 1]
-                theirs = tree_paths(out_tokens, mask), greedy_accepted(out_tokens, mask, truth)
+                theirs = sglang_paths(out_tokens, mask), greedy_accepted(out_tokens, mask, truth)
                 tree = ours.draft(context.tolist())
                 accepted = ours.accepted(tree, truth.tolist())
                 padded = {(PADDING_TOKEN,)} if len(tree) < size else set()
-                mine = our_paths(tree) | padded, accepted
+                mine = token_paths(tree) | padded, accepted
                 ours.insert(context.tolist())
                 lib.ngram_insert(corpus, context.ctypes.data, len(context))
                 if mine != theirs:

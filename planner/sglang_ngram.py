@@ -132,3 +132,15 @@ class NgramTreeProposer:
                         tree.append({})
                     queue.append((index, breadth - scale, child))
         return tree
+
+
+def token_paths(tree: list[dict[int, int]]) -> set[tuple[int, ...]]:
+    """Every node of a drafted tree (`NgramTreeProposer.draft`) as its tokens from the root: the tree as SGLang's
+    tokens and mask also give it, whatever the order of siblings."""
+    paths, stack = set(), [(0, ())]
+    while stack:
+        index, path = stack.pop()
+        for token, child in tree[index].items():
+            paths.add(path + (token,))
+            stack.append((child, path + (token,)))
+    return paths

@@ -13,21 +13,11 @@ from core.acceptance_schema import LookaheadRecord
 from core.method_settings import NgramTreeSettings
 from core.plan_schema import load_plan
 from planner.prompt_lookup import replay_ngram_tree
-from planner.sglang_ngram import PADDING_TOKEN, NgramTreeProposer
+from planner.sglang_ngram import PADDING_TOKEN, NgramTreeProposer, token_paths
 
 ACCEPTANCE = "acceptance/smollm2-135m.lookahead.specbench-sum-rag-code.fp32.yaml"
 PROFILE = "profiles/smollm2-135m.cpu-2c.fp32.yaml"
 CHECK_UNAVAILABLE = 3  # bench/sglang_ngram_check.py: SGLang's sources could not be fetched or built
-
-
-def paths(tree: list[dict[int, int]]) -> set[tuple[int, ...]]:
-    found, stack = set(), [(0, ())]
-    while stack:
-        index, path = stack.pop()
-        for token, child in tree[index].items():
-            found.add(path + (token,))
-            stack.append((child, path + (token,)))
-    return found
 
 
 @pytest.mark.parametrize("max_bfs_breadth, expected", [(2, {(4,)}), (10, {(4,), (3,)})])
@@ -37,14 +27,14 @@ def test_the_tree_takes_the_most_recent_children_up_to_the_matchs_breadth(max_bf
     proposer = NgramTreeProposer(NgramTreeSettings(3, 4, max_bfs_breadth))
     proposer.insert([7, 1, 2, 3])
     proposer.insert([9, 1, 2, 4])
-    assert paths(proposer.draft([5, 1, 2])) == expected
+    assert token_paths(proposer.draft([5, 1, 2])) == expected
 
 
 def test_seeing_an_ngram_again_makes_it_the_most_recent():
     proposer = NgramTreeProposer(NgramTreeSettings(3, 4, 2))
     for window in ([7, 1, 2, 3], [9, 1, 2, 4], [8, 1, 2, 3]):
         proposer.insert(window)
-    assert paths(proposer.draft([5, 1, 2])) == {(3,)}
+    assert token_paths(proposer.draft([5, 1, 2])) == {(3,)}
 
 
 def test_a_steps_own_tokens_reach_the_trie_one_step_later():
