@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from core.acceptance_schema import LookaheadRecord, load_lookahead_acceptance
-from core.method_settings import NgramTreeSettings
-from planner.prompt_lookup import replay_ngram_tree
+from core.method_settings import SGLANG_MATCH_TYPES, NgramTreeSettings
+from planner.prompt_lookup import ngram_tree_grid, replay_ngram_tree
 from planner.sglang_ngram import CAPACITY, PADDING_TOKEN, SGLANG_VERSION, NgramTreeProposer, token_paths
 
 CACHE = Path.home() / ".cache" / "specplan" / f"sglang-{SGLANG_VERSION}"
@@ -33,9 +33,9 @@ SOURCES = "sglang/kernels/jit/csrc/ngram_corpus/"
 COMPILED = ("trie.cpp", "result.cpp", "ngram.cpp", "suffix_automaton.cpp")
 SHIM = Path(__file__).with_name("sglang_ngram_shim.cpp")
 UNAVAILABLE = 3
-QUICK_GRID = (NgramTreeSettings(12, 18, 10), NgramTreeSettings(5, 4, 2), NgramTreeSettings(8, 6, 3, 2))
-FULL_GRID = QUICK_GRID + tuple(NgramTreeSettings(k + 1, depth, breadth) for depth in (3, 8, 18)
-                               for breadth in (1, 4, 10) for k in (1, 3, 7, 15))
+QUICK_GRID = (NgramTreeSettings(12, 18, 10), NgramTreeSettings(5, 4, 2), NgramTreeSettings(8, 6, 3, 2),
+              NgramTreeSettings(12, 18, 10, match_type="PROB"))
+FULL_GRID = QUICK_GRID + tuple(ngram_tree_grid((1, 3, 7, 15), (3, 8, 18), (1, 4, 10)))  # drafted, depths, breadths
 
 
 def build_library() -> ctypes.CDLL:
@@ -61,7 +61,7 @@ def build_library() -> ctypes.CDLL:
         partial.rename(library)
     lib = ctypes.CDLL(str(library))
     lib.ngram_new.restype = ctypes.c_void_p
-    lib.ngram_new.argtypes = [ctypes.c_int64] * 5
+    lib.ngram_new.argtypes = [ctypes.c_int64] * 6
     lib.ngram_free.argtypes = [ctypes.c_void_p]
     lib.ngram_insert.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.ngram_match.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -98,7 +98,8 @@ def greedy_accepted(tokens: np.ndarray, mask: np.ndarray, truth: np.ndarray) -> 
 def compare(lib: ctypes.CDLL, records: list[LookaheadRecord], settings: NgramTreeSettings) -> tuple[int, str | None]:
     """(steps compared, the first difference or None)."""
     size, depth = settings.num_draft_tokens, settings.max_trie_depth
-    corpus = lib.ngram_new(CAPACITY, depth, settings.min_bfs_breadth, settings.max_bfs_breadth, size)
+    corpus = lib.ngram_new(CAPACITY, depth, settings.min_bfs_breadth, settings.max_bfs_breadth, size,
+                           SGLANG_MATCH_TYPES.index(settings.match_type))
     ours = NgramTreeProposer(settings)
     out_tokens = np.zeros(size, dtype=np.int32)
     out_mask = np.zeros(size * size, dtype=np.uint8)
@@ -144,16 +145,17 @@ def main() -> None:
         print(f"SGLang's NGRAM sources are not available here: {exc}", file=sys.stderr)
         sys.exit(UNAVAILABLE)
     records = load_lookahead_acceptance(args.acceptance).records[:args.records]
-    print("| num_draft_tokens | max_trie_depth | max_bfs_breadth | min_bfs_breadth | steps | equal |")
-    print("|---|---|---|---|---|---|")
+    print("| match_type | num_draft_tokens | max_trie_depth | max_bfs_breadth | min_bfs_breadth | steps | equal |")
+    print("|---|---|---|---|---|---|---|")
     failed = False
     for settings in QUICK_GRID if args.quick else FULL_GRID:
         steps, difference = compare(lib, records, settings)
         solver_steps = replay_ngram_tree(records, settings).steps
         if difference is None and solver_steps != steps:
             difference = f"the solver's replay takes {solver_steps} steps"
-        print(f"| {settings.num_draft_tokens} | {settings.max_trie_depth} | {settings.max_bfs_breadth} | "
-              f"{settings.min_bfs_breadth} | {steps} | {'yes' if difference is None else difference} |")
+        knobs = (settings.match_type, settings.num_draft_tokens, settings.max_trie_depth, settings.max_bfs_breadth,
+                 settings.min_bfs_breadth, steps, "yes" if difference is None else difference)
+        print("| " + " | ".join(str(knob) for knob in knobs) + " |")
         failed |= difference is not None
     sys.exit(1 if failed else 0)
 

@@ -12,15 +12,15 @@ using sglang::ngram::Param;
 extern "C" {
 
 void* ngram_new(int64_t capacity, int64_t max_trie_depth, int64_t min_bfs_breadth, int64_t max_bfs_breadth,
-                int64_t draft_token_num) {
-  Param param;  // as NgramCorpusObj (ngram_corpus_ffi.cpp) fills it, BFS matching, no external corpus
+                int64_t draft_token_num, int64_t match_type) {
+  Param param;  // as NgramCorpusObj (ngram_corpus_ffi.cpp) fills it (match_type 0: BFS, 1: PROB), no external corpus
   param.enable = true;
   param.enable_router_mode = false;
   param.max_trie_depth = static_cast<size_t>(max_trie_depth);
   param.min_bfs_breadth = static_cast<size_t>(min_bfs_breadth);
   param.max_bfs_breadth = static_cast<size_t>(max_bfs_breadth);
   param.draft_token_num = static_cast<size_t>(draft_token_num);
-  param.match_type = "BFS";
+  param.match_type = match_type == 0 ? "BFS" : "PROB";
   return new Ngram(static_cast<size_t>(capacity), param);
 }
 

@@ -144,6 +144,7 @@ SGLANG_MAX_BFS_BREADTH = 10  # --speculative-ngram-max-bfs-breadth (the breadth 
 SGLANG_DRAFT_TOKENS = 12  # --speculative-num-draft-tokens when not given: the tokens verified per step, root included
 MAX_SGLANG_DRAFT_TOKENS = 128  # a planning bound (SGLang's tree kernels take up to 1024)
 MAX_SGLANG_TRIE_DEPTH = 64  # a planning bound
+SGLANG_MATCH_TYPES = ("BFS", "PROB")  # --speculative-ngram-match-type: children by recency, or by frequency
 
 
 @dataclass(frozen=True)
@@ -151,12 +152,15 @@ class NgramTreeSettings:
     """SGLang's NGRAM speculative decoding (planner/sglang_ngram.py): a trie of the n-grams of every request so far,
     up to `max_trie_depth` tokens deep, from which each step grows a token tree breadth-first (between
     `min_bfs_breadth` and `max_bfs_breadth` children per node); the target verifies `num_draft_tokens` tokens
-    every step, the last token and the tree padded to that size. BFS matching, SGLang's default, only."""
+    every step, the last token and the tree padded to that size. `match_type` BFS (SGLang's default) walks the most
+    recent children breadth-first; PROB takes the most probable continuations by their counts, at most
+    `max_bfs_breadth` children a node."""
 
     num_draft_tokens: int = SGLANG_DRAFT_TOKENS
     max_trie_depth: int = SGLANG_TRIE_DEPTH
     max_bfs_breadth: int = SGLANG_MAX_BFS_BREADTH
     min_bfs_breadth: int = 1
+    match_type: str = "BFS"  # one of SGLANG_MATCH_TYPES
     enabled: bool = True  # False: no setting beat one-token decoding, so the engine runs without NGRAM
 
     @property
@@ -169,7 +173,8 @@ class NgramTreeSettings:
                        f.integer("max_trie_depth", low=2, high=MAX_SGLANG_TRIE_DEPTH),
                        f.integer("max_bfs_breadth", low=1, high=MAX_SGLANG_DRAFT_TOKENS),
                        f.integer("min_bfs_breadth", required=False, default=1, low=1, high=MAX_SGLANG_DRAFT_TOKENS),
-                       f.boolean("enabled", default=True))
+                       match_type=f.string("match_type", required=False, default="BFS", choices=SGLANG_MATCH_TYPES),
+                       enabled=f.boolean("enabled", default=True))
         if settings.min_bfs_breadth > settings.max_bfs_breadth:  # SGLang's own check (ngram.cpp: Ngram::Ngram)
             raise f.fail("min_bfs_breadth must not exceed max_bfs_breadth")
         return settings

@@ -211,7 +211,7 @@ def _export_prompt_lookup(plan: Plan, fmt: str) -> Export:
                       f"--speculative-ngram-max-trie-depth {settings.max_trie_depth} "
                       f"--speculative-ngram-min-bfs-breadth {settings.min_bfs_breadth} "
                       f"--speculative-ngram-max-bfs-breadth {settings.max_bfs_breadth} "
-                      "--speculative-ngram-match-type BFS",
+                      f"--speculative-ngram-match-type {settings.match_type}",
                       "python -m sglang.launch_server --model-path TARGET <these flags> (SGLang 0.5.23's flag names; "
                       "the plan replayed one server serving the recorded prompts in order from its start)")
     if fmt == "vllm":

@@ -37,7 +37,13 @@ from core.acceptance_schema import LookaheadRecord, load_lookahead_acceptance
 from core.choices import FORWARDS
 from core.errors import UserError
 from core.fileio import shown
-from core.method_settings import SGLANG_MAX_BFS_BREADTH, SGLANG_TRIE_DEPTH, NgramTreeSettings, PromptLookupSettings
+from core.method_settings import (
+    SGLANG_MATCH_TYPES,
+    SGLANG_MAX_BFS_BREADTH,
+    SGLANG_TRIE_DEPTH,
+    NgramTreeSettings,
+    PromptLookupSettings,
+)
 from core.plan_schema import Plan, PlanModels, Prediction
 from core.profile_schema import LatencyProfile, load_profile
 from core.provenance import provenance
@@ -190,10 +196,11 @@ def lookup_grid(engine: str, max_ngrams: tuple[int, ...] = MAX_NGRAMS,
 
 
 def ngram_tree_grid(draft_lengths: tuple[int, ...] = DRAFT_LENGTHS, trie_depths: tuple[int, ...] = TRIE_DEPTHS,
-                    breadths: tuple[int, ...] = BFS_BREADTHS) -> list[NgramTreeSettings]:
-    """SGLang's settings: tokens drafted per step (num_draft_tokens - 1), trie depth, largest BFS breadth."""
-    return [NgramTreeSettings(k + 1, depth, breadth) for depth in trie_depths for breadth in breadths
-            for k in draft_lengths]
+                    breadths: tuple[int, ...] = BFS_BREADTHS,
+                    match_types: tuple[str, ...] = SGLANG_MATCH_TYPES) -> list[NgramTreeSettings]:
+    """SGLang's settings: tokens drafted per step (num_draft_tokens - 1), trie depth, largest breadth, match type."""
+    return [NgramTreeSettings(k + 1, depth, breadth, match_type=match) for match in match_types
+            for depth in trie_depths for breadth in breadths for k in draft_lengths]
 
 
 def _replay(engine: str, records: list[LookaheadRecord], settings: PromptLookupSettings | NgramTreeSettings,

@@ -43,7 +43,63 @@ SGLANG_WORKER = Source(
 CAPACITY = 10_000_000  # --speculative-ngram-capacity's default: nodes before the trie evicts (not replayed)
 PADDING_TOKEN = 0  # fillResult's padding, children of the root
 
-TrieNode = OrderedDict  # token -> child node; iteration from the end gives the most recently seen child first
+
+
+class TrieNode:
+    """A trie node: its children by token, in the order last seen (iterating from the end gives the most recent
+    first), and how many inserted n-grams passed through it (PROB ranks children by it)."""
+
+    __slots__ = ("children", "freq")
+
+    def __init__(self) -> None:
+        self.children: OrderedDict[int, TrieNode] = OrderedDict()
+        self.freq = 1
+
+    def by_frequency(self, count: int) -> list[tuple[int, TrieNode]]:
+        """The `count` most frequent children, ties by token (TrieNode::CompareByFreq)."""
+        return sorted(self.children.items(), key=lambda item: (-item[1].freq, item[0]))[:count]
+
+
+class ProbabilityHeap:
+    """std::priority_queue of (parent index, trie node, probability) ordered by probability alone, replayed with
+    libstdc++'s push_heap and pop_heap, which decide among equal probabilities (bits/stl_heap.h)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, int, TrieNode, float]] = []  # (parent, token, node, probability)
+
+    def push(self, item: tuple[int, int, TrieNode, float]) -> None:
+        self.items.append(item)
+        self._sift_up(len(self.items) - 1, 0, item)
+
+    def pop(self) -> tuple[int, int, TrieNode, float]:
+        items = self.items
+        top = items[0]
+        if len(items) > 1:
+            last = len(items) - 1
+            value, items[last] = items[last], items[0]
+            self._adjust(0, last, value)
+        items.pop()
+        return top
+
+    def _sift_up(self, hole: int, top: int, value: tuple) -> None:  # __push_heap
+        items = self.items
+        parent = (hole - 1) // 2
+        while hole > top and items[parent][3] < value[3]:
+            items[hole] = items[parent]
+            hole, parent = parent, (parent - 1) // 2
+        items[hole] = value
+
+    def _adjust(self, hole: int, length: int, value: tuple) -> None:  # __adjust_heap
+        items, top, child = self.items, hole, hole
+        while child < (length - 1) // 2:
+            child = 2 * (child + 1)
+            if items[child][3] < items[child - 1][3]:
+                child -= 1
+            items[hole], hole = items[child], child
+        if length % 2 == 0 and child == (length - 2) // 2:
+            child = 2 * (child + 1)
+            items[hole], hole = items[child - 1], child - 1
+        self._sift_up(hole, top, value)
 
 
 class NgramTreeProposer:
@@ -51,7 +107,7 @@ class NgramTreeProposer:
 
     def __init__(self, settings: NgramTreeSettings) -> None:
         self.settings = settings
-        self.root: TrieNode = OrderedDict()
+        self.root = TrieNode()
         self.nodes = 1
 
     def new_request(self) -> None:
@@ -84,12 +140,13 @@ class NgramTreeProposer:
         for start in range(len(window)):
             cursor = self.root
             for token in window[start:start + depth]:
-                child = cursor.get(token)
+                child = cursor.children.get(token)
                 if child is None:
-                    child = cursor[token] = OrderedDict()
+                    child = cursor.children[token] = TrieNode()
                     self.nodes += 1
                 else:
-                    cursor.move_to_end(token)
+                    child.freq += 1
+                    cursor.children.move_to_end(token)
                 cursor = child
         if self.nodes > CAPACITY:
             raise UserError(f"the replay's trie outgrew SGLang's default capacity of {CAPACITY} nodes, beyond which "
@@ -102,37 +159,65 @@ class NgramTreeProposer:
         for length in range(1, len(context) + 1):
             node: TrieNode | None = self.root
             for token in context[len(context) - length:]:
-                node = node.get(token)
+                node = node.children.get(token)
                 if node is None:
                     break
             if node is None:
                 break  # the trie holds every suffix of what it holds: no longer suffix is in it either
-            if node:
+            if node.children:
                 found.append((node, length))
         return found[::-1]
 
     def draft(self, context: list[int]) -> list[dict[int, int]]:
-        """The tree after `context`, a request's last max_trie_depth tokens (Trie::buildRecency): tree[i] maps a
-        token to its child's index; 0 is the root, the last token. Padding (token 0) is not in it."""
+        """The tree after `context`, a request's last max_trie_depth tokens: tree[i] maps a token to its child's
+        index; 0 is the root, the last token. Padding (token 0) is not in it."""
+        tree: list[dict[int, int]] = [{}]
+        if self.settings.match_type == "BFS":
+            self._grow_by_recency(tree, self._matches(context))
+        else:
+            self._grow_by_frequency(tree, self._matches(context))
+        return tree
+
+    def _place(self, tree: list[dict[int, int]], parent: int, token: int) -> int:
+        """The index of `token` under tree node `parent`, placed if new."""
+        index = tree[parent].get(token)
+        if index is None:
+            index = tree[parent][token] = len(tree)
+            tree.append({})
+        return index
+
+    def _grow_by_recency(self, tree: list[dict[int, int]], anchors: list[tuple[TrieNode, int]]) -> None:
+        """Trie::buildRecency: from each match, breadth-first, the most recent children within the breadth."""
         s = self.settings
         deepest = max(1, s.max_trie_depth - 1)
         scale = (s.max_bfs_breadth - s.min_bfs_breadth) / deepest
         budget = s.num_draft_tokens - 1
-        tree: list[dict[int, int]] = [{}]
-        for anchor, length in self._matches(context):
+        for anchor, length in anchors:
             queue = deque([(0, (deepest - length) * scale + s.min_bfs_breadth, anchor)])
             while queue and len(tree) <= budget:
                 parent, breadth, node = queue.popleft()
-                for taken, (token, child) in enumerate(reversed(node.items())):
+                for taken, (token, child) in enumerate(reversed(node.children.items())):
                     if taken >= max(1, int(breadth)) or len(tree) > budget:
                         break
-                    index = tree[parent].get(token)
-                    if index is None:
-                        index = tree[parent][token] = len(tree)
-                        tree.append({})
-                    queue.append((index, breadth - scale, child))
-        return tree
+                    queue.append((self._place(tree, parent, token), breadth - scale, child))
 
+    def _grow_by_frequency(self, tree: list[dict[int, int]], anchors: list[tuple[TrieNode, int]]) -> None:
+        """Trie::buildFrequency: from each match, the most probable continuations first, a node's probability its
+        parent's times its share of the max_bfs_breadth most frequent siblings' counts (one heap for all matches)."""
+        budget, breadth = self.settings.num_draft_tokens - 1, self.settings.max_bfs_breadth
+        heap = ProbabilityHeap()
+
+        def expand(parent: int, node: TrieNode, probability: float) -> None:
+            children = node.by_frequency(breadth)
+            total = float(sum(child.freq for _, child in children)) or 1.0
+            for token, child in children:
+                heap.push((parent, token, child, child.freq / total * probability))
+
+        for anchor, _ in anchors:
+            expand(0, anchor, 1.0)
+            while heap.items and len(tree) <= budget:
+                parent, token, node, probability = heap.pop()
+                expand(self._place(tree, parent, token), node, probability)
 
 def token_paths(tree: list[dict[int, int]]) -> set[tuple[int, ...]]:
     """Every node of a drafted tree (`NgramTreeProposer.draft`) as its tokens from the root: the tree as SGLang's

@@ -299,20 +299,21 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
                                       "(default 1..16)")
 @click.option("--trie-depths", help="sglang: max_trie_depth values, comma-separated (default 18, its default)")
 @click.option("--bfs-breadths", help="sglang: max_bfs_breadth values, comma-separated (default 1,2,4,10)")
+@click.option("--match-types", help="sglang: BFS, PROB or both, comma-separated (default both)")
 @click.option("--stop-tokens", help="prompt lookup (hf): the target's stop token ids, where the acceptance file "
                                     "does not record them")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
                         branch_lengths: str | None, top: int, engine: str, max_ngrams: str | None,
                         draft_lengths: str | None, trie_depths: str | None, bfs_breadths: str | None,
-                        stop_tokens: str | None, output: Path) -> None:
+                        match_types: str | None, stop_tokens: str | None, output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
     --engine, a serving engine's n-gram knobs by exact replay of its rule."""
     from core.plan_schema import save_plan
     from planner.lookahead import BRANCH_LENGTHS, DECODING_LENGTHS, solve_lookahead
 
     if engine != "specplan":
-        grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths)
+        grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths, match_types)
         _solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stop_tokens, top, output)
         return
 
@@ -340,7 +341,8 @@ def _echo_ranked(rows: list, first: tuple[str, str], second: tuple[str, str], pr
 
 
 def _lookup_grid(engine: str, max_ngrams: str | None, draft_lengths: str | None, trie_depths: str | None,
-                 bfs_breadths: str | None) -> list:
+                 bfs_breadths: str | None, match_types: str | None) -> list:
+    from core.method_settings import SGLANG_MATCH_TYPES
     from planner.prompt_lookup import BFS_BREADTHS, DRAFT_LENGTHS, MAX_NGRAMS, TRIE_DEPTHS, lookup_grid, ngram_tree_grid
 
     draft_grid = tuple(_int_list(draft_lengths) or DRAFT_LENGTHS)
@@ -349,7 +351,10 @@ def _lookup_grid(engine: str, max_ngrams: str | None, draft_lengths: str | None,
         breadth_grid = tuple(_int_list(bfs_breadths) or BFS_BREADTHS)
         if min(draft_grid) < 1 or min(depth_grid) < 2 or min(breadth_grid) < 1:
             raise UserError("draft lengths and BFS breadths must be >= 1, trie depths >= 2 (SGLang's own limits)")
-        return ngram_tree_grid(draft_grid, depth_grid, breadth_grid)
+        matches = tuple(match_types.split(",")) if match_types else SGLANG_MATCH_TYPES
+        if unknown := [match for match in matches if match not in SGLANG_MATCH_TYPES]:
+            raise UserError(f"unknown match type {unknown[0]!r} (SGLang's: {', '.join(SGLANG_MATCH_TYPES)})")
+        return ngram_tree_grid(draft_grid, depth_grid, breadth_grid, matches)
     ngram_grid = tuple(_int_list(max_ngrams) or MAX_NGRAMS)
     if min(ngram_grid) < 1 or min(draft_grid) < 1:
         raise UserError("n-gram sizes and draft lengths must be >= 1")

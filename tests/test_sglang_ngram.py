@@ -37,6 +37,24 @@ def test_seeing_an_ngram_again_makes_it_the_most_recent():
     assert token_paths(proposer.draft([5, 1, 2])) == {(3,)}
 
 
+def test_prob_takes_the_most_probable_continuations():
+    """After "1" came 2 three times and 3 once, after "1 2" came 5 twice and 6 once: PROB places 2 (3/4), then
+    2 5 (3/4 x 2/3 = 1/2), then 3, tied at 1/4 with 2 6 and first out of libstdc++'s heap; with a breadth of 1 a
+    node's most frequent child has all of its probability."""
+    proposer = NgramTreeProposer(NgramTreeSettings(4, 4, 2, match_type="PROB"))
+    for window in ([1, 2, 5], [1, 2, 5], [1, 2, 6], [1, 3]):
+        proposer.insert(window)
+    assert token_paths(proposer.draft([9, 1])) == {(2,), (2, 5), (3,)}
+    proposer = NgramTreeProposer(NgramTreeSettings(3, 4, 2, match_type="PROB"))
+    for window in ([1, 2, 5], [1, 2, 5], [1, 2, 6], [1, 3]):
+        proposer.insert(window)
+    assert token_paths(proposer.draft([9, 1])) == {(2,), (2, 5)}
+    narrow = NgramTreeProposer(NgramTreeSettings(4, 4, 1, match_type="PROB"))
+    for window in ([1, 2, 5], [1, 2, 5], [1, 2, 6], [1, 3]):
+        narrow.insert(window)
+    assert token_paths(narrow.draft([9, 1])) == {(2,), (2, 5)}
+
+
 def test_a_steps_own_tokens_reach_the_trie_one_step_later():
     """After the prompt [5] and the prefill's 1, each step inserts the window it matched from: at the second step
     "1" has no continuation yet (the first step inserted [5, 1]), at the third it has "1" (from [5, 1, 1]), which
@@ -62,7 +80,8 @@ def test_the_replay_is_sglangs_own_trie_step_by_step():
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line.endswith("| yes |")]
-    assert len(rows) == 3 and all(int(row.split("|")[5]) > 100 for row in rows)  # steps compared per setting
+    assert len(rows) == 4 and all(int(row.split("|")[6]) > 100 for row in rows)  # steps compared per setting
+    assert {row.split("|")[1].strip() for row in rows} == {"BFS", "PROB"}
 
 
 def test_a_solved_plan_loads_exports_its_flags_and_runs_nowhere_else(run_cli, tmp_path):
@@ -76,7 +95,7 @@ def test_a_solved_plan_loads_exports_its_flags_and_runs_nowhere_else(run_cli, tm
     settings = loaded.settings
     assert loaded.engine == "sglang" and isinstance(settings, NgramTreeSettings)
     assert settings.num_draft_tokens in (3, 5, 12) and settings.max_bfs_breadth in (1, 10)
-    assert settings.max_trie_depth == 18 and len(loaded.solver["top"]) == 6
+    assert settings.max_trie_depth == 18 and len(loaded.solver["top"]) == 10  # of 12: 3 lengths, 2 breadths, 2 types
     assert "trie.cpp" in loaded.solver["source"] and "ngram_worker.py" in loaded.solver["source"]
     code, stdout, _ = run_cli("export", plan, "--format", "sglang")
     if settings.enabled:
@@ -84,6 +103,7 @@ def test_a_solved_plan_loads_exports_its_flags_and_runs_nowhere_else(run_cli, tm
         assert code == 0 and flags[flags.index("--speculative-algorithm") + 1] == "NGRAM"
         assert flags[flags.index("--speculative-num-draft-tokens") + 1] == str(settings.num_draft_tokens)
         assert flags[flags.index("--speculative-ngram-max-bfs-breadth") + 1] == str(settings.max_bfs_breadth)
+        assert flags[flags.index("--speculative-ngram-match-type") + 1] == settings.match_type
     code, _, stderr = run_cli("export", plan, "--format", "vllm")
     assert code == 2 and "--engine vllm" in stderr
     code, _, stderr = run_cli("bench", "--plan", plan, "--dataset", "specbench", "--baselines", "hf",
@@ -109,7 +129,8 @@ def test_the_replay_prices_the_padded_tree(run_cli, write_yaml_file, tmp_path):
 
 
 @pytest.mark.parametrize("option, value, message", [("--trie-depths", "1", "trie depths >= 2"),
-                                                   ("--bfs-breadths", "0", "BFS breadths must be >= 1")])
+                                                   ("--bfs-breadths", "0", "BFS breadths must be >= 1"),
+                                                   ("--match-types", "BFS,DFS", "unknown match type 'DFS'")])
 def test_bad_knobs_are_one_line(run_cli, tmp_path, option, value, message):
     out = tmp_path / "plan.yaml"
     code, _, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--engine", "sglang", option, value,
