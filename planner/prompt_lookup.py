@@ -122,6 +122,7 @@ class ChainLookup:
 
     def __init__(self, rule: LookupRule, settings: PromptLookupSettings, stop_tokens: tuple[int, ...]) -> None:
         self.rule, self.settings = rule, settings
+        self.drafts_in_prefill = rule.drafts_in_prefill
         self.stops = np.array(stop_tokens, dtype=np.int64)
 
     def new_request(self) -> None:
@@ -139,8 +140,7 @@ class ChainLookup:
         return len(draft), int(mismatches[0]) if len(mismatches) else len(truth)
 
 
-def replay_steps(records: list[LookaheadRecord], proposer: ChainLookup | NgramTreeProposer, drafts_in_prefill: bool,
-                 settings: PromptLookupSettings | NgramTreeSettings) -> LookupReplay:
+def replay_steps(records: list[LookaheadRecord], proposer: ChainLookup | NgramTreeProposer) -> LookupReplay:
     """The engine's steps over each record's prompt and greedy output, in the records' order: a step emits the
     draft's accepted tokens plus one of the target's own."""
     drafts: list[int] = []
@@ -148,7 +148,7 @@ def replay_steps(records: list[LookaheadRecord], proposer: ChainLookup | NgramTr
     emitted_per_step: list[int] = []
     for record in records:
         sequence = np.array(record.prompt + record.output, dtype=np.int64)
-        position = len(record.prompt) + (0 if drafts_in_prefill else 1)
+        position = len(record.prompt) + (0 if proposer.drafts_in_prefill else 1)
         end = len(sequence)
         proposer.new_request()
         while position < end:
@@ -159,18 +159,18 @@ def replay_steps(records: list[LookaheadRecord], proposer: ChainLookup | NgramTr
             emitted_per_step.append(emitted)
             position += emitted
     steps = np.array(emitted_per_step)
-    return LookupReplay(settings, int(steps.sum()), len(steps), np.array(drafts), np.array(contexts), steps)
+    return LookupReplay(proposer.settings, int(steps.sum()), len(steps), np.array(drafts), np.array(contexts), steps)
 
 
 def replay_lookup(records: list[LookaheadRecord], rule: LookupRule, settings: PromptLookupSettings,
                   stop_tokens: tuple[int, ...] = ()) -> LookupReplay:
     """A chain-lookup engine's steps over the records."""
-    return replay_steps(records, ChainLookup(rule, settings, stop_tokens), rule.drafts_in_prefill, settings)
+    return replay_steps(records, ChainLookup(rule, settings, stop_tokens))
 
 
 def replay_ngram_tree(records: list[LookaheadRecord], settings: NgramTreeSettings) -> LookupReplay:
     """SGLang's NGRAM steps over the records, one server from its start serving them in order."""
-    return replay_steps(records, NgramTreeProposer(settings), False, settings)
+    return replay_steps(records, NgramTreeProposer(settings))
 
 
 def predicted_speedup(result: LookupReplay, profile: LatencyProfile) -> tuple[float, float]:

@@ -105,6 +105,8 @@ class ProbabilityHeap:
 class NgramTreeProposer:
     """SGLang's NGRAM drafter and its greedy verification, one step at a time (see the module docstring)."""
 
+    drafts_in_prefill = False  # the prefill samples the first token; drafting starts at the first decode step
+
     def __init__(self, settings: NgramTreeSettings) -> None:
         self.settings = settings
         self.root = TrieNode()
