@@ -77,7 +77,7 @@ def leave_one_out(paths: list[str]) -> None:
                             if 1 < n <= SIZES_CHECKED]
             print(f"| {path.split('/')[-1]} | {len(others)} of other models or dtypes | {context} | "
                   f"{curve[1] * 1e3:.2f} ms | {model[1] * 1e3:.2f} ms | {model[1] / curve[1] - 1:+.0%} | "
-                  f"{max(ratio_errors):.0%} |")
+                  f"{max(ratio_errors):.1%} |")
 
 
 # Published single-stream decode latencies: (what, GPU, dtype, execution, config, context, ms per token, source)

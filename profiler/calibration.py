@@ -24,6 +24,8 @@ FITTED = {
     "bandwidth_efficiency": (0.3, 1.0),
     **{f"gemm_efficiency_{kind}_rows{rows}": (0.01, 1.0)
        for kind in ("fp32", "tensor") for rows in roofline.ROW_BUCKETS},
+    "gemm_split_depth_fp32": (128, 1e6),
+    "gemm_split_depth_tensor": (128, 1e6),
     **{f"gemm_floor_seconds_{kind}_rows{rows}": (0.5e-6, 100e-6)
        for kind in ("fp32", "tensor") for rows in roofline.ROW_BUCKETS},
     "attention_flops_fp32": (1e10, 1e14),
@@ -31,8 +33,10 @@ FITTED = {
     "attention_key_seconds_grouped_tensor": (0.0, 1e-6),
     "attention_key_seconds_masked_fp32": (0.0, 1e-6),
     "attention_key_seconds_masked_tensor": (0.0, 1e-6),
-    "attention_score_seconds_fp32": (0.0, 1e-9),
-    "attention_score_seconds_tensor": (0.0, 1e-9),
+    "attention_key_dim_seconds_masked_fp32": (0.0, 1e-8),
+    "attention_key_dim_seconds_masked_tensor": (0.0, 1e-8),
+    **{f"attention_score_seconds_{path}_{kind}": (0.0, 1e-9) for path in ("grouped", "masked")
+       for kind in ("fp32", "tensor")},
 }
 FITTED_SIZES = 128  # the points fitted: plans use n up to a few hundred at most, most below 64
 MODES = {"lean": "graphs", "compiled": "compiled", "transformers": "eager"}  # a measured profile's backend

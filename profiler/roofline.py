@@ -1,14 +1,15 @@
 """Modeled t(n) for a GPU that is not at hand (`plan profile --gpu NAME`), and a roofline for this CPU.
 
 A GPU forward of n new tokens over L cached ones, in this decoder's execution (every operator one kernel, replayed
-as a CUDA graph), costs the sum of four terms:
+as a CUDA graph), costs the sum of these terms:
 
     t(n, L) = (operators(n, L) - matmuls) * floor(n)          small kernels, floor(n) = op_seconds + op_row_seconds n
             + sum over the matmuls (k x m) of gemm(n) = max(floor(1), k m b / BW) for one row (a GEMV), else
                       gemm_floor(n) + max(k m b / BW, 2 rows(n) k m / (P gemm_efficiency(n) occupancy))
-            + kv_bytes(L + n) / BW + attention_flops(n, L) / attention_rate                attention
-            + [n > 1] * layers * (L + n) * (attention_key_seconds + heads n attention_score_seconds)
-                                                                                          multi-row attention
+            + kv_bytes(L + n) / BW + [n = 1, fp32] attention_flops / attention_flops_fp32     attention
+            + [n > 1] (attention_flops / P
+                       + layers (L + n) (key_seconds(path) + heads n attention_score_seconds(path)))
+                                                                                        multi-row attention
 
 - operators(n, L): the kernels one forward launches, counted from the decoder's own forward (a two-layer copy of
   the model's config, traced once on the CPU with the GPU's attention path: one row through SDPA, 2-64 rows as
@@ -21,22 +22,28 @@ as a CUDA graph), costs the sum of four terms:
   time more whatever its size (measured: t(2) - t(1) is about 8 us per fp32 matmul and 3.7 us per bf16 one, for
   smollm2-135m and qwen2.5-coder-1.5b alike); one parameter per bucket of rows and dtype class, as the library
   picks another kernel per bucket (a split-K GEMM launches a second, reducing kernel) and its fixed cost with it:
-  fitted, the fp32 floor is 7.8 us at 2-4 rows and 0.5-4.7 us beyond.
+  fitted, the fp32 floor is 7.9 us at 2-4 rows and 1.1-5.4 us beyond, the bf16 one 1.0 us rising to 9.4 us.
 - BW = the datasheet bandwidth * bandwidth_efficiency; P = the datasheet dense peak of the dtype (plain FP32 for
   fp32: TF32 is off). A GEMM of n rows computes rows(n): n padded to its bucket (ROW_BUCKETS: up to 4, 8, 16, 32,
   64, 128; n itself beyond), the tile of rows its kernel runs, at gemm_efficiency(n) of P, one parameter per bucket
   and dtype class: the library picks another kernel per bucket, and the H100 measured curves no smooth law follows
   (in fp32, five models' t(8) rise most of the way to t(16), and t(32) falls back below t(16)); on the tensor cores,
   whose measured curves rise smoothly, a bucket reaches at least every smaller bucket's efficiency. occupancy(n, m) =
-  min(1, tiles / SMs), tiles = max(1, rows(n) / 32) * ceil(m / 128): a skinny GEMM of a small model fills few of
-  the GPU's multiprocessors.
-- attention_rate: fp32 one-row SDPA runs its math path (attention_flops_fp32 per second); bf16/fp16 one-row SDPA
-  runs flash kernels, bound by the KV bytes; several rows run at the GEMM rate P. Two rows or more run with a mask,
-  which costs attention_key_seconds per layer and cached key (the measured t(2) / t(1) of a small model rises 2-3x
-  at 4K-8K keys), plus attention_score_seconds per element of the [heads * n, L] score matrix (its scaling, mask
-  and softmax passes). Measured on the H100 (five model shapes, 4096 against 256 keys), grouped fp32 attention
-  costs about 30 ns per layer and key at n = 2 whatever the heads and head size (a latency, not a byte count),
-  and grows by about 0.018 ns (fp32) / 0.013 ns (bf16) per head-row and key: the score matrix's size.
+  min(1, tiles / SMs), tiles = max(1, rows(n) / 32) * ceil(m / 128) * splits: a skinny GEMM of a small model fills
+  few of the GPU's multiprocessors, unless the library splits its depth k over several (split-K): splits = max(1,
+  k / gemm_split_depth). Fitted, the tensor cores' depth is about 1,700 (Qwen 1.5B's 8,960-deep down projection fills
+  half the H100 at 32 rows, where its 12 column tiles alone would fill a tenth) and fp32's is deeper than any
+  matmul measured (the fp32 curves follow the column tiles alone).
+- attention: one row in fp32 runs SDPA's math path (attention_flops_fp32 per second); one row in bf16/fp16 runs a
+  flash kernel, bound by the KV bytes; several rows compute at the GEMM rate P and pay per layer and cached key,
+  by path (cuda_grouped_attention): grouped matmuls materialize the [heads * n, L] score matrix in fp32 and pass
+  over it four times (cast, scale, mask, softmax), so they pay attention_score_seconds_grouped per element on top
+  of attention_key_seconds_grouped (about 30 ns per layer and key in fp32 at n = 2 whatever the model, measured on
+  the H100); SDPA with a mask (bf16 below 4,096 keys, any dtype beyond 64 rows) runs one fused kernel whose blocks
+  each sweep every key, so it pays per key attention_key_seconds_masked + head_dim *
+  attention_key_dim_seconds_masked, nearly flat in n and in the heads (measured in bf16 between 256 and 1,024
+  keys: 13.6-15.4 ns per layer and key at head size 64, 18.7-24 ns at 128, for 2 to 128 rows alike), and a small
+  attention_score_seconds_masked per element.
 - The decoding engine's host work per step (drafter, mask, verification) is not the GPU's: a modeled profile
   carries the engine_overhead_seconds of the calibration profiles (measured on that GPU's host), else the
   catalogue's DEFAULT_ENGINE_OVERHEAD, so that modeled plans are charged for it. The draft step is modeled alike.
@@ -136,6 +143,9 @@ class GpuParameters:
     gemm_efficiency_tensor_rows32: float
     gemm_efficiency_tensor_rows64: float
     gemm_efficiency_tensor_rows128: float
+    # a GEMM of depth k (its weight's input size) runs k / gemm_split_depth slices in parallel (split-K), at least one
+    gemm_split_depth_fp32: float
+    gemm_split_depth_tensor: float
     # what a matmul of 2-4 (5-8, ..., 65 or more) rows (a GEMM, not a GEMV) costs beyond its work, fp32
     gemm_floor_seconds_fp32_rows4: float
     gemm_floor_seconds_fp32_rows8: float
@@ -155,8 +165,12 @@ class GpuParameters:
     attention_key_seconds_grouped_tensor: float  # the same in bf16/fp16
     attention_key_seconds_masked_fp32: float  # rows through SDPA with a mask, per layer and key, fp32
     attention_key_seconds_masked_tensor: float  # the same in bf16/fp16
-    attention_score_seconds_fp32: float  # multi-row attention, per layer, query head, row and key, fp32
-    attention_score_seconds_tensor: float  # the same in bf16/fp16
+    attention_key_dim_seconds_masked_fp32: float  # added per cached key and head dimension, per layer, fp32
+    attention_key_dim_seconds_masked_tensor: float  # the same in bf16/fp16
+    attention_score_seconds_grouped_fp32: float  # grouped matmuls, per layer, query head, row and key, fp32
+    attention_score_seconds_grouped_tensor: float  # the same in bf16/fp16
+    attention_score_seconds_masked_fp32: float  # SDPA with a mask, per layer, query head, row and key, fp32
+    attention_score_seconds_masked_tensor: float  # the same in bf16/fp16
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -183,26 +197,28 @@ def gemm_rows(n: int) -> int:
 
 PARAMETER_NAMES = tuple(f.name for f in fields(GpuParameters))
 # Fitted to the H100 profiles measured with this decoder (bench/modeled_vs_measured.py --fit, 2026-11-26: ten
-# profiles of five model shapes, fp32 and bf16; rms log error 0.054, worst point 27%): the
+# profiles of five model shapes, fp32 and bf16; rms log error 0.045, worst point 15%): the
 # per-kernel cost and the attention terms are properties of the kernels and of a GPU of this generation; the
 # datasheet figures scale the rest to other GPUs. eager_op_seconds is PyTorch's eager dispatch cost per operator,
 # about 8 us on a server CPU (not measured here).
 DEFAULT_PARAMETERS = GpuParameters(
-    op_seconds=2.28e-06, op_row_seconds=3.49e-10, eager_op_seconds=8e-06, bandwidth_efficiency=0.773,
-    gemm_efficiency_fp32_rows4=1.0, gemm_efficiency_fp32_rows8=0.329, gemm_efficiency_fp32_rows16=0.594,
-    gemm_efficiency_fp32_rows32=1.0, gemm_efficiency_fp32_rows64=1.0, gemm_efficiency_fp32_rows128=0.834,
-    gemm_efficiency_tensor_rows4=0.0864, gemm_efficiency_tensor_rows8=0.187, gemm_efficiency_tensor_rows16=0.286,
-    gemm_efficiency_tensor_rows32=0.412, gemm_efficiency_tensor_rows64=0.0303, gemm_efficiency_tensor_rows128=0.501,
-    gemm_floor_seconds_fp32_rows4=7.8e-06, gemm_floor_seconds_fp32_rows8=1.11e-06,
-    gemm_floor_seconds_fp32_rows16=4.2e-06, gemm_floor_seconds_fp32_rows32=7.32e-07,
-    gemm_floor_seconds_fp32_rows64=4.77e-06, gemm_floor_seconds_fp32_rows128=5e-07,
-    gemm_floor_seconds_tensor_rows4=3.91e-06, gemm_floor_seconds_tensor_rows8=5.21e-06,
-    gemm_floor_seconds_tensor_rows16=5.8e-06, gemm_floor_seconds_tensor_rows32=5.08e-06,
-    gemm_floor_seconds_tensor_rows64=6.2e-06, gemm_floor_seconds_tensor_rows128=5.89e-06,
-    attention_flops_fp32=3.93e+11, attention_key_seconds_grouped_fp32=2.98e-08,
-    attention_key_seconds_grouped_tensor=5.58e-09, attention_key_seconds_masked_fp32=4.39e-08,
-    attention_key_seconds_masked_tensor=8.34e-09, attention_score_seconds_fp32=1.14e-11,
-    attention_score_seconds_tensor=5.19e-12)
+    op_seconds=2.26e-06, op_row_seconds=1e-12, eager_op_seconds=8e-06, bandwidth_efficiency=0.76,
+    gemm_efficiency_fp32_rows4=1, gemm_efficiency_fp32_rows8=0.331, gemm_efficiency_fp32_rows16=0.596,
+    gemm_efficiency_fp32_rows32=1, gemm_efficiency_fp32_rows64=1, gemm_efficiency_fp32_rows128=0.867,
+    gemm_efficiency_tensor_rows4=0.0252, gemm_efficiency_tensor_rows8=0.053, gemm_efficiency_tensor_rows16=0.103,
+    gemm_efficiency_tensor_rows32=0.201, gemm_efficiency_tensor_rows64=0.549, gemm_efficiency_tensor_rows128=1,
+    gemm_split_depth_fp32=2.37e+04, gemm_split_depth_tensor=1.72e+03, gemm_floor_seconds_fp32_rows4=7.87e-06,
+    gemm_floor_seconds_fp32_rows8=1.36e-06, gemm_floor_seconds_fp32_rows16=4.47e-06,
+    gemm_floor_seconds_fp32_rows32=1.09e-06, gemm_floor_seconds_fp32_rows64=5.41e-06,
+    gemm_floor_seconds_fp32_rows128=1.75e-06, gemm_floor_seconds_tensor_rows4=1.03e-06,
+    gemm_floor_seconds_tensor_rows8=2.18e-06, gemm_floor_seconds_tensor_rows16=3.27e-06,
+    gemm_floor_seconds_tensor_rows32=3.6e-06, gemm_floor_seconds_tensor_rows64=7.32e-06,
+    gemm_floor_seconds_tensor_rows128=9.4e-06, attention_flops_fp32=3.87e+11,
+    attention_key_seconds_grouped_fp32=3e-08, attention_key_seconds_grouped_tensor=3.55e-09,
+    attention_key_seconds_masked_fp32=3.28e-08, attention_key_seconds_masked_tensor=1e-12,
+    attention_key_dim_seconds_masked_fp32=9.59e-11, attention_key_dim_seconds_masked_tensor=1.67e-10,
+    attention_score_seconds_grouped_fp32=9.72e-12, attention_score_seconds_grouped_tensor=1.36e-11,
+    attention_score_seconds_masked_fp32=1.57e-11, attention_score_seconds_masked_tensor=1e-12)
 
 
 @dataclass(frozen=True)
@@ -214,6 +230,7 @@ class GpuModelCost:
     kv_bytes_per_token: int
     attention_width: int  # layers * heads * head_dim
     heads: int  # query heads per layer
+    head_dim: int
     dtype: str
     operators: dict[str, int]  # kernels per forward by attention path: single, grouped, masked
 
@@ -236,7 +253,8 @@ def gpu_model_cost(shape: ModelShape, intermediate: int, dtype: str, operators: 
     layers = shape.layers
     gemms = ((layers, shape.hidden, q + 2 * kv), (layers, q, shape.hidden), (layers, shape.hidden, 2 * intermediate),
              (layers, intermediate, shape.hidden), (1, shape.hidden, output_rows or shape.vocab))
-    return GpuModelCost(layers, gemms, 2 * layers * kv * BYTES_PER_ELEMENT[dtype], layers * q, shape.heads, dtype,
+    return GpuModelCost(layers, gemms, 2 * layers * kv * BYTES_PER_ELEMENT[dtype], layers * q, shape.heads,
+                        shape.head_dim, dtype,
                         operators)
 
 
@@ -257,18 +275,24 @@ def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, 
     row_tiles = max(1.0, rows / TILE_ROWS)
     gemm_floor = p.gemm_floor(kind, n)
     for count, k, m in cost.gemms:
-        occupancy = min(1.0, row_tiles * math.ceil(m / TILE_COLUMNS) / gpu.sms)
+        splits = max(1.0, k / getattr(p, f"gemm_split_depth_{kind}"))
+        occupancy = min(1.0, row_tiles * math.ceil(m / TILE_COLUMNS) * splits / gpu.sms)
         stream = k * m * element / bandwidth
         if n == 1:  # a GEMV: 2 FLOPs per weight read, never compute-bound
             seconds += count * max(kernel_floor, stream)
         else:
             seconds += count * (gemm_floor + max(stream, 2.0 * rows * k * m / (peak * occupancy)))
     attention_flops = 4.0 * cost.attention_width * n * (context + n)
-    attention_rate = p.attention_flops_fp32 if kind == "fp32" and n == 1 else peak
-    seconds += cost.kv_bytes_per_token * (context + n) / bandwidth + attention_flops / attention_rate
-    if n > 1:
-        key_seconds = getattr(p, f"attention_key_seconds_{cost.attention_path(n, context)}_{kind}")
-        score_seconds = getattr(p, f"attention_score_seconds_{kind}")
+    seconds += cost.kv_bytes_per_token * (context + n) / bandwidth
+    if n == 1:  # fp32 SDPA runs its math path; bf16/fp16 a flash kernel, bound by the KV bytes
+        seconds += attention_flops / p.attention_flops_fp32 if kind == "fp32" else 0.0
+    else:
+        seconds += attention_flops / peak
+        path = cost.attention_path(n, context)
+        key_seconds = getattr(p, f"attention_key_seconds_{path}_{kind}")
+        if path == "masked":
+            key_seconds += cost.head_dim * getattr(p, f"attention_key_dim_seconds_masked_{kind}")
+        score_seconds = getattr(p, f"attention_score_seconds_{path}_{kind}")
         seconds += cost.layers * (context + n) * (key_seconds + cost.heads * n * score_seconds)
     # Eagerly, the host enqueues each kernel while the GPU runs the earlier ones: the slower of the two sets the pace.
     return max(seconds, kernels * p.eager_op_seconds) if mode == "eager" else seconds

@@ -126,7 +126,8 @@ def test_gpu_model_against_a_hand_calculation():
     gpu = roofline.accelerator("a100-80g")
     p = roofline.DEFAULT_PARAMETERS
     cost = roofline.GpuModelCost(layers=2, gemms=((2, 4096, 4096),), kv_bytes_per_token=1024, attention_width=0,
-                                 heads=8, dtype="bf16", operators={"single": 40, "grouped": 50, "masked": 60})
+                                 heads=8, head_dim=64, dtype="bf16",
+                                 operators={"single": 40, "grouped": 50, "masked": 60})
     bandwidth = 2039e9 * p.bandwidth_efficiency
     kernels = 40 + 2 * roofline.SDPA_KERNELS["tensor"]
     floor = p.op_seconds + p.op_row_seconds
@@ -135,15 +136,40 @@ def test_gpu_model_against_a_hand_calculation():
     # two rows over 8192 keys: grouped matmuls (no SDPA kernels), a GEMM's floor, the per-key mask cost and the
     # score matrix's 8 heads x 2 rows per key
     floor = p.op_seconds + 2 * p.op_row_seconds
-    hand = ((50 - 2) * floor + 2 * (p.gemm_floor("tensor", 2) + 4096 * 4096 * 2 / bandwidth)
-            + 1024 * 8194 / bandwidth
-            + 2 * 8194 * (p.attention_key_seconds_grouped_tensor + 8 * 2 * p.attention_score_seconds_tensor))
+    occupancy = min(1.0, 4096 / 128 * max(1.0, 4096 / p.gemm_split_depth_tensor) / 108)  # column tiles x splits
+    gemm = max(4096 * 4096 * 2 / bandwidth,  # 2 rows run a 4-row tile
+               2 * 4 * 4096 * 4096 / (312e12 * p.gemm_efficiency("tensor", 2) * occupancy))
+    hand = ((50 - 2) * floor + 2 * (p.gemm_floor("tensor", 2) + gemm) + 1024 * 8194 / bandwidth
+            + 2 * 8194 * (p.attention_key_seconds_grouped_tensor + 8 * 2 * p.attention_score_seconds_grouped_tensor))
     assert roofline.gpu_forward_seconds(cost, gpu, p, 2, 8192) == pytest.approx(hand, rel=1e-12)
+    # two rows over 1024 keys in bf16: SDPA with a mask, whose per-key cost grows with the head size
+    masked = roofline.gpu_forward_seconds(cost, gpu, p, 2, 1022)
+    wider = roofline.gpu_forward_seconds(replace(cost, head_dim=128), gpu, p, 2, 1022)
+    assert wider - masked == pytest.approx(2 * 1024 * 64 * p.attention_key_dim_seconds_masked_tensor, rel=1e-9)
     compiled = roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024, "compiled")
     eager = roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024, "eager")
     assert compiled < roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024) <= eager
     graphs = roofline.gpu_forward_seconds(cost, gpu, p, 1, 1024)
     assert eager == pytest.approx(max(kernels * p.eager_op_seconds, graphs))
+
+
+def test_deep_tensor_core_gemms_split_over_the_gpu():
+    """A skinny GEMM of few column tiles fills few multiprocessors unless its depth is split (split-K): a deeper
+    matrix of the same output width costs no more FLOP time per FLOP on the tensor cores, but more in fp32."""
+    gpu = roofline.accelerator("h100")
+    no_attention = {name: 0.0 for name in roofline.PARAMETER_NAMES
+                    if name.startswith(("attention_key", "attention_score"))}
+    p = replace(roofline.DEFAULT_PARAMETERS, gemm_floor_seconds_tensor_rows32=0.0, gemm_floor_seconds_fp32_rows32=0.0,
+                op_seconds=0.0, op_row_seconds=0.0, bandwidth_efficiency=1e3, **no_attention)  # compute alone
+
+    def gemm_seconds(k: int, dtype: str) -> float:
+        cost = roofline.GpuModelCost(layers=1, gemms=((1, k, 1024),), kv_bytes_per_token=0, attention_width=0,
+                                     heads=1, head_dim=64, dtype=dtype,
+                                     operators={"grouped": 1, "masked": 1, "single": 1})
+        return roofline.gpu_forward_seconds(cost, gpu, p, 32, 0)
+
+    assert gemm_seconds(16 * 1024, "bf16") / gemm_seconds(4 * 1024, "bf16") < 4 * 0.5
+    assert gemm_seconds(16 * 1024, "fp32") / gemm_seconds(4 * 1024, "fp32") == pytest.approx(4, rel=0.01)
 
 
 def test_a_config_alone_models_llama2_7b_on_an_a100(run_cli, tmp_path):
