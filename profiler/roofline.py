@@ -51,7 +51,8 @@ as a CUDA graph), costs the sum of these terms:
 Each term's parameter is named in GpuParameters. The catalogue gives the datasheet figures (cited per GPU);
 DEFAULT_PARAMETERS were fitted to the H100 profiles measured with this decoder (`python
 bench/modeled_vs_measured.py --fit`); `plan profile --gpu NAME --calibrate MEASURED.yaml ...` refits them to
-measured profiles of that GPU and records the fit and its residuals in the profile.
+measured profiles of that GPU, pulled towards these values (profiler/calibration.py: CALIBRATION_PRIOR_WEIGHT), and
+records the fit and its residuals in the profile.
 
 For this CPU (`--gpu cpu`): t = overhead + max(bytes / bandwidth, flops / matmul rate), from microbenchmarks.
 """
