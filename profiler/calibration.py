@@ -147,13 +147,13 @@ def fit(profiles: list[MeasuredGpuProfile], base: roofline.GpuParameters = roofl
 
     result = least_squares(residuals, np.log(start), bounds=(np.log(low), np.log(high)), x_scale=1.0)
     fitted = parameters(result.x)
-    errors = errors(result.x)
+    point_errors = errors(result.x)
     overheads: dict[int, list[float]] = {}
     for profile in profiles:
         for n, seconds in profile.engine_overhead.items():
             overheads.setdefault(n, []).append(seconds)
-    return Calibration(fitted, [p.path for p in profiles], float(np.sqrt(np.mean(errors ** 2))),
-                       float(np.max(np.abs(np.expm1(errors)))),
+    return Calibration(fitted, [p.path for p in profiles], float(np.sqrt(np.mean(point_errors ** 2))),
+                       float(np.max(np.abs(np.expm1(point_errors)))),
                        {n: float(np.mean(values)) for n, values in sorted(overheads.items())})
 
 
