@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -322,19 +324,23 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     if min(d_grid) < 1 or min(b_grid) < 1:
         raise UserError("decoding lengths L_d and branch lengths L_b must be >= 1")
     plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid)
-    _echo_ranked(ranked[:top], ("L_d", "decoding_length"), ("L_b", "branch_length"), profile_path is not None)
+    _echo_ranked(ranked[:top], [("L_d", lambda c: c.decoding_length), ("L_b", lambda c: c.branch_length)],
+                 profile_path is not None)
     save_plan(plan, output)
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
                f"{plan.settings.decoding_length}, L_b = {plan.settings.branch_length}; wrote {output}")
     _note_inexact_replay(plan)
 
 
-def _echo_ranked(rows: list, first: tuple[str, str], second: tuple[str, str], priced: bool) -> None:
-    """A replay solver's ranked settings: two knobs (column title, attribute), tokens/step, and with a profile the
-    step time and the predicted speedup."""
-    click.echo(f"{first[0]:>5} {second[0]:>5} {'tok/step':>9}" + (f" {'step ms':>8} {'speedup':>8}" if priced else ""))
+def _echo_ranked(rows: list, knobs: list[tuple[str, Callable[[Any], Any]]], priced: bool) -> None:
+    """A replay solver's ranked settings: its knobs (column title, value), tokens/step, and with a profile the step
+    time and the predicted speedup."""
+    widths = [max(5, len(title)) for title, _ in knobs]
+    click.echo(" ".join(f"{title:>{width}}" for (title, _), width in zip(knobs, widths)) + f" {'tok/step':>9}"
+               + (f" {'step ms':>8} {'speedup':>8}" if priced else ""))
     for c in rows:
-        row = f"{getattr(c, first[1]):>5} {getattr(c, second[1]):>5} {c.tokens_per_step:>9.3f}"
+        row = " ".join(f"{value(c):>{width}}" for (_, value), width in zip(knobs, widths))
+        row += f" {c.tokens_per_step:>9.3f}"
         if c.speedup is not None:
             row += f" {c.step_seconds * 1e3:>8.2f} {c.speedup:>8.3f}"
         click.echo(row)
@@ -368,15 +374,9 @@ def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engin
 
     stops = tuple(_int_list(stop_tokens)) if stop_tokens else None
     plan, ranked = solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stops)
-    knobs = [key for key in ranked[0].settings.to_dict() if key != "enabled"]
-    click.echo(" ".join(f"{key:>5}" for key in knobs) + f" {'tok/step':>9}" +
-               (f" {'step ms':>8} {'speedup':>8}" if profile_path is not None else ""))
-    for c in ranked[:top]:
-        row = " ".join(f"{getattr(c.settings, key):>{max(5, len(key))}}" for key in knobs)
-        row += f" {c.tokens_per_step:>9.3f}"
-        if c.speedup is not None:
-            row += f" {c.step_seconds * 1e3:>8.2f} {c.speedup:>8.3f}"
-        click.echo(row)
+    knobs = [(key, lambda c, key=key: getattr(c.settings, key)) for key in ranked[0].settings.to_dict()
+             if key != "enabled"]
+    _echo_ranked(ranked[:top], knobs, profile_path is not None)
     save_plan(plan, output)
     chosen = ", ".join(f"{key} {value}" for key, value in plan.settings.to_dict().items() if key != "enabled")
     click.echo(f"replayed {len(ranked)} settings of {engine}'s {LOOKUP_NAMES[engine]} in "
