@@ -3,6 +3,8 @@ repository predicted by the model calibrated on the others (leave one out), and 
 
     .venv/bin/python bench/modeled_vs_measured.py            # the validation tables (BENCHMARKS.md)
     .venv/bin/python bench/modeled_vs_measured.py --fit      # the parameters fitted to all of them (the defaults)
+    .venv/bin/python bench/modeled_vs_measured.py --hold-out context   # each context fitted on the rest, its own
+                                                                       # profile's other contexts included
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import glob
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -20,7 +23,7 @@ from planner.lookahead import solve_lookahead
 from planner.triforce import solve_triforce
 from profiler import calibration as calibration_module
 from profiler import roofline
-from profiler.calibration import config_of, fit, read_measured
+from profiler.calibration import MeasuredGpuProfile, config_of, fit, read_measured
 from profiler.latency import ProfileRequest, run_profile
 from profiler.operators import gpu_operators
 
@@ -56,27 +59,39 @@ def calibration_without(path: str, paths: list[str]) -> list[str]:
     return [other for other in paths if data_key(other)[0] == gpu and list(data_key(other)[1:]) != data]
 
 
-def leave_one_out(paths: list[str]) -> None:
+def without_context(profile: MeasuredGpuProfile, context: int) -> MeasuredGpuProfile:
+    return replace(profile, points=[point for point in profile.points if point[1] != context])
+
+
+def leave_one_out(paths: list[str], hold_out: str) -> None:
+    """Each measured context priced by the model fitted without it: without its profile's model and dtype on that
+    GPU (`hold_out` "profile"), or without that context of it alone, its other contexts fitted ("context")."""
     print("| held out | calibrated on | L | t(1) measured | t(1) modeled | t(1) error "
           "| worst t(n)/t(1) error, n <= 64 |")
     print("|---|---|---|---|---|---|---|")
     profiles = {path: read_measured(path) for path in paths}
     for path, held in profiles.items():
-        others = [profiles[other] for other in calibration_without(path, paths)]
+        other_paths = calibration_without(path, paths)
+        others = [profiles[other] for other in other_paths]
+        same_data = [profiles[other] for other in paths if other not in other_paths
+                     and data_key(other)[0] == data_key(path)[0]]  # this profile and its repeats
         if not others:
             continue
-        parameters = fit(others).parameters
-        gpu = roofline.CATALOGUE[held.gpu]
         curves: dict[int, dict[int, float]] = {}
         for role, context, n, seconds in held.points:
             if role == "target":
                 curves.setdefault(context, {})[n] = seconds
+        profile_fit = fit(others).parameters if hold_out == "profile" else None
+        gpu = roofline.CATALOGUE[held.gpu]
         for context, curve in sorted(curves.items()):
+            parameters = profile_fit or fit(others + [without_context(p, context) for p in same_data]).parameters
             model = {n: roofline.gpu_forward_seconds(held.costs["target"], gpu, parameters, n, context, held.mode)
                      for n in curve}
             ratio_errors = [abs((model[n] / model[1]) / (curve[n] / curve[1]) - 1) for n in curve
                             if 1 < n <= SIZES_CHECKED]
-            print(f"| {path.split('/')[-1]} | {len(others)} of other models or dtypes | {context} | "
+            basis = (f"{len(others)} of other models or dtypes" if hold_out == "profile" else
+                     f"{len(others)} of other models or dtypes, its other contexts")
+            print(f"| {path.split('/')[-1]} | {basis} | {context} | "
                   f"{curve[1] * 1e3:.2f} ms | {model[1] * 1e3:.2f} ms | {model[1] / curve[1] - 1:+.0%} | "
                   f"{max(ratio_errors):.1%} |")
 
@@ -177,6 +192,9 @@ def decisions(paths: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fit", action="store_true", help="print the parameters fitted to every measured profile")
+    parser.add_argument("--hold-out", choices=("profile", "context"), default="profile",
+                        help="what each check's fit leaves out: the held-out profile's model and dtype on that GPU, "
+                        "or the one context checked (its other contexts fitted; 36 fits, about 5 minutes)")
     args = parser.parse_args()
     paths = measured_gpu_profiles()
     if args.fit:
@@ -187,7 +205,7 @@ def main() -> None:
         return
     print(f"measured GPU profiles: {', '.join(paths)}")
     print("".join(f"left out: {path}, {why}\n" for path, why in SUPERSEDED.items()))
-    leave_one_out(paths)
+    leave_one_out(paths, args.hold_out)
     published(roofline.DEFAULT_PARAMETERS)
     decisions(paths)
 
