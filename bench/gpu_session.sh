@@ -8,6 +8,7 @@
 #   device run: bash bench/gpu_session.sh profiles   (carry .gpu .whl .gpuw1: test_cuda, then held-out profiles)
 #          or: bash bench/gpu_session.sh tests      (carry .whl .gpuw1: test_cuda alone)
 #   device run: bash bench/gpu_session.sh triforce   (carry .gpuw2; the same machine, within its 30 s warm time)
+#          or: bash bench/gpu_session.sh attention  (carry .gpu .whl: grouped matmuls against SDPA for many heads)
 set -u
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
 OUT=${OUT:-/tmp/gpu-out}
@@ -38,6 +39,20 @@ profiles|tests)
         --sizes 1,2,4,8,16,32,64,128 --repeats 7 -o "$OUT/$m.h100.$dtype.yaml" 2>&1 | tail -14 | tee -a "$LOG"
     done
   done
+  ;;
+attention)
+  # Where grouped matmuls stop paying against masked SDPA in bf16 from 4,096 keys (decoder/model.py:
+  # cuda_grouped_attention): 32 heads of 64 (Llama 3.2 1B) and 16 of 128 (Qwen3 0.6B), 8 to 64 rows.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1
+  cp .gpu/qwen2.5-coder-1.5b/tokenizer*.json .gpu/qwen3-0.6b/
+  cp .gpu/smollm2-135m/tokenizer*.json .gpu/llama-3.2-1b/
+  for m in llama-3.2-1b qwen3-0.6b; do
+    timeout 40 python3 bench/random_weights.py .gpu/$m /tmp/models/$m 2>&1 | tail -1 | tee -a "$LOG"
+    timeout 120 python3 bench/gpu_attention.py --model /tmp/models/$m --dtype bf16 --contexts 4096,8192 \
+      --sizes 8,16,24,32,48,64 --repeats 20 2>&1 | tail -14 | tee -a "$LOG"
+  done
+  timeout 90 python3 bench/gpu_attention.py --model /tmp/models/llama-3.2-1b --dtype fp32 --contexts 4096 \
+    --sizes 8,16,32,64 --repeats 20 2>&1 | tail -6 | tee -a "$LOG"
   ;;
 triforce)
   # Issue 35 item 5 (G2): a TriForce plan solved on a measured H100 profile and run there with real weights.
