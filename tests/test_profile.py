@@ -13,6 +13,7 @@ from core.errors import UserError
 from core.profile_schema import load_profile
 from decoder.model import ModelShape
 from profiler import latency, roofline
+from profiler.operators import gpu_operators
 
 QUICK = ["--contexts", "16,64", "--sizes", "1,2,4,8", "--repeats", "2"]
 
@@ -284,6 +285,40 @@ def test_modeled_gpu_profile_is_labelled(run_cli, tmp_path):
     curve = profile.target_curve(1024)
     assert curve(512) > curve(1) > 0
     assert yaml.safe_load(out.read_text())["hardware"]["gpu"] == "a100-80g"
+
+
+@pytest.mark.parametrize("device, name", [
+    ("NVIDIA A100-SXM4-80GB", "a100-80g"), ("NVIDIA A100-SXM4-40GB", "a100-40g"), ("NVIDIA A100-PCIE-40GB", "a100-40g"),
+    ("NVIDIA A100 80GB PCIe", "a100-80g-pcie"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA H200", "h200"), ("NVIDIA L4", "l4"), ("NVIDIA L40", "l40"),
+    ("NVIDIA L40S", "l40s"), ("NVIDIA RTX A6000", "a6000"), ("NVIDIA GeForce RTX 3090", "rtx3090"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"), ("Tesla V100-SXM2-32GB", "v100"), ("Tesla T4", "t4"), ("NVIDIA A10", "a10"),
+    ("NVIDIA A10G", "a10"), ("NVIDIA GH200 480GB", None), ("NVIDIA GeForce RTX 3090 Ti", None), ("NVIDIA A40", None),
+])
+def test_device_names_map_to_one_catalogue_gpu(device, name):
+    """torch's device name decides whether `plan profile --gpu NAME` measures or models, and which GPU a measured
+    profile calibrates: an A100 80GB once matched the 40GB entry (0.76x its bandwidth), an H100 PCIe the SXM5 one."""
+    assert roofline.catalogue_name(device) == name
+
+
+def test_every_catalogue_gpu_prices_a_7b_token_by_its_bandwidth():
+    """One bf16/fp16 token of Llama-2-7B streams its 13.2 GB of matmul weights: no GPU does it faster than its
+    datasheet bandwidth allows, and a GPU with more bandwidth does it sooner (the kernels' costs are shared)."""
+    from transformers import AutoConfig
+
+    fields = dict(LLAMA2_7B)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    weights = 2 * 6_607_077_376  # the matmuls' parameters (the output matrix too), at 2 bytes
+    t1 = {}
+    for gpu in roofline.CATALOGUE.values():
+        dtype = "bf16" if "bf16" in gpu.tflops else "fp16"
+        cost = roofline.gpu_model_cost(ModelShape.from_config(config), config.intermediate_size, dtype,
+                                       gpu_operators(config, dtype))
+        t1[gpu.name] = roofline.gpu_forward_seconds(cost, gpu, roofline.DEFAULT_PARAMETERS, 1, 256)
+        assert t1[gpu.name] > weights / (gpu.bandwidth_gb_s * 1e9), gpu.name
+    by_bandwidth = sorted(roofline.CATALOGUE.values(), key=lambda gpu: gpu.bandwidth_gb_s)
+    for slower, faster in zip(by_bandwidth, by_bandwidth[1:]):
+        assert t1[faster.name] <= t1[slower.name], (slower.name, faster.name)
 
 
 def test_model_too_big_for_the_gpu():
