@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +79,8 @@ class ProfileRequest:
 
 def run_profile(request: ProfileRequest, output: Path, resume: bool = False, log: Callable[[str], None] = print,
                 progress: bool = True) -> LatencyProfile:
+    if request.gpu not in (None, "cpu"):
+        request = replace(request, gpu=roofline.accelerator(request.gpu).name)
     modeled_gpu = request.gpu not in (None, "cpu", _local_gpu_name())
     for dtype in (request.dtype, request.draft_dtype or request.dtype):
         if modeled_gpu and dtype not in MODELED_DTYPES:

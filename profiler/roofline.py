@@ -369,9 +369,11 @@ def catalogue_name(device_name: str) -> str | None:
 
 
 def accelerator(name: str) -> Accelerator:
-    if name not in CATALOGUE:
+    """A catalogue GPU by its name there, or by the device's own name (what nvidia-smi and torch print)."""
+    key = name.lower() if name.lower() in CATALOGUE else catalogue_name(name)
+    if key is None:
         raise UserError(f"unknown GPU {name!r} (known: {', '.join(CATALOGUE)}, or cpu)")
-    return CATALOGUE[name]
+    return CATALOGUE[key]
 
 
 def check_fits(gpu: Accelerator, model_name: str, total_params: int, kv_bytes_per_token: int, element: int,

@@ -87,7 +87,8 @@ def _int_list(text: str | None) -> list[int] | None:
                                 "[256,512,1024,2048,4096]")
 @click.option("--window-prefill", help="SINKS,WINDOW: also time a StreamingLLM drafter's prefill of its window "
               "(the draft's, else the target's), which `plan solve triforce` charges once per prompt [off]")
-@click.option("--gpu", help="a catalogue GPU (a100-80g, h100, ...) to model, or `cpu` to model this CPU")
+@click.option("--gpu", help="a catalogue GPU to model (a100-80g, h100, ..., or the device's own name, as in "
+                             "\"NVIDIA H100 PCIe\"), or `cpu` to model this CPU")
 @click.option("--calibrate", multiple=True, type=click.Path(dir_okay=False),
               help="a profile measured on that GPU (repeatable): fit its cost model to them first")
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: all cores)")

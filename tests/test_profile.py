@@ -285,6 +285,12 @@ def test_modeled_gpu_profile_is_labelled(run_cli, tmp_path):
     curve = profile.target_curve(1024)
     assert curve(512) > curve(1) > 0
     assert yaml.safe_load(out.read_text())["hardware"]["gpu"] == "a100-80g"
+    by_device_name = tmp_path / "by-device-name.yaml"  # as nvidia-smi prints it
+    code, _, stderr = run_cli("profile", "--model", "tiny-random-llama", "--gpu", "NVIDIA A100-SXM4-80GB",
+                              "--contexts", "128,1024", "-o", by_device_name)
+    assert code == 0, stderr
+    assert load_profile(by_device_name).target_by_context == profile.target_by_context
+    assert yaml.safe_load(by_device_name.read_text())["hardware"]["gpu"] == "a100-80g"
 
 
 @pytest.mark.parametrize("device, name", [
