@@ -8,7 +8,8 @@
 #   device run: bash bench/gpu_session.sh profiles   (carry .gpu .whl .gpuw1: test_cuda, then held-out profiles)
 #          or: bash bench/gpu_session.sh tests      (carry .whl .gpuw1: test_cuda alone)
 #   device run: bash bench/gpu_session.sh triforce   (carry .gpuw2; the same machine, within its 30 s warm time)
-#          or: bash bench/gpu_session.sh attention  (carry .gpu .whl: grouped matmuls against SDPA for many heads)
+#          or: bash bench/gpu_session.sh diagnose   (carry .gpu .whl: grouped matmuls against SDPA for many heads;
+#                                                   where a one- and a two-row forward's time goes, fp32 and bf16)
 set -u
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
 OUT=${OUT:-/tmp/gpu-out}
@@ -40,7 +41,7 @@ profiles|tests)
     done
   done
   ;;
-attention)
+diagnose)
   # Where grouped matmuls stop paying against masked SDPA in bf16 from 4,096 keys (decoder/model.py:
   # cuda_grouped_attention): 32 heads of 64 (Llama 3.2 1B) and 16 of 128 (Qwen3 0.6B), 8 to 64 rows.
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1
@@ -53,6 +54,11 @@ attention)
   done
   timeout 90 python3 bench/gpu_attention.py --model /tmp/models/llama-3.2-1b --dtype fp32 --contexts 4096 \
     --sizes 8,16,32,64 --repeats 20 2>&1 | tail -6 | tee -a "$LOG"
+  # The cost model's fp32/bf16 split of t(1) (docs/benchmark-log.md): each weight's GEMV, its bandwidth, per dtype.
+  for m in llama-3.2-1b qwen2.5-coder-1.5b smollm2-135m; do
+    timeout 90 python3 bench/gpu_kernels.py --config .gpu/$m --dtypes fp32,bf16 --context 256 --sizes 1,2 2>&1 \
+      | grep -v USDT | tee -a "$LOG"
+  done
   ;;
 triforce)
   # Issue 35 item 5 (G2): a TriForce plan solved on a measured H100 profile and run there with real weights.
