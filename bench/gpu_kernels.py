@@ -1,12 +1,13 @@
 """On a GPU: where one forward's time goes (torch.profiler over the lean forward run eagerly, in the static layout
 the graphs replay: the kernels' durations are the graph's, the launch gaps are not). Per matmul weight shape, its
-calls, microseconds per call and the share of the datasheet bandwidth its kernel streamed the weight at; then the
-time in matmuls, in attention and in everything else. The cost model's open question (docs/benchmark-log.md,
-"The leave-one-out per context"): one-row fp32 forwards stream their weights at 0.79-0.85 of the datasheet, bf16
-ones at 0.45-0.73, as seen from t(1) once the other kernels are paid.
+calls, microseconds per call and the share of the datasheet bandwidth its kernel streamed the weight at; the time
+in matmuls, in attention and in everything else; the kernels by name (which GEMV or GEMM cuBLAS picked, and any
+split-K reduction beside it). The cost model's open question (docs/benchmark-log.md, "The leave-one-out per
+context"): one-row fp32 forwards stream their weights at 0.79-0.85 of the datasheet, bf16 ones at 0.45-0.73, as
+seen from t(1) once the other kernels are paid.
 
     python bench/gpu_kernels.py --config DIR_WITH_CONFIG_JSON --dtypes fp32,bf16 --context 256 --sizes 1,2
-    python bench/gpu_kernels.py --config bench/configs --device cpu   # a dry run of the script on this CPU
+    python bench/gpu_kernels.py --config .gpu/smollm2-135m --device cpu   # a dry run on this CPU (bench/gpu_carry.sh)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ LINEAR = "aten::linear"
 SDPA = "aten::scaled_dot_product_attention"  # one row, or many rows with a mask (its time holds its kernels)
 GROUPED_ATTENTION_OPS = ("aten::bmm", "aten::_softmax")  # the grouped path's score and value matmuls, its softmax
 WARMUPS = 3
+KERNEL_NAME_CHARACTERS = 90  # enough to tell cuBLAS's kernels apart (tile, split-K) without template noise
 
 
 def device_microseconds(event, device: str) -> float:
@@ -37,8 +39,8 @@ def device_microseconds(event, device: str) -> float:
     return getattr(event, "device_time_total", None) or event.cuda_time_total
 
 
-def forward_rows(model: LeanModel, context: int, n: int, device: str):
-    """The profiler's rows, one per (operator, input shapes), of one forward of n tokens over `context` keys."""
+def profiled_forward(model: LeanModel, context: int, n: int, device: str):
+    """The profile of one forward of n tokens over `context` keys."""
     cache = random_cache(model, context, n)
     tokens = torch.randint(0, model.shape.vocab, (n,), device=device)
     positions = torch.arange(context, context + n, device=device)
@@ -54,7 +56,24 @@ def forward_rows(model: LeanModel, context: int, n: int, device: str):
         forward()
         if device == "cuda":
             torch.cuda.synchronize()
-    return prof.key_averages(group_by_input_shape=True)
+    return prof
+
+
+def kernel_table(prof, most: int = 15) -> None:
+    """The device's kernels by name (first KERNEL_NAME_CHARACTERS): how many one forward launched, their time.
+    Which GEMV or GEMM kernel the library picked per dtype, and whether a split-K reduction runs beside it."""
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels[event.name[:KERNEL_NAME_CHARACTERS]]
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us()
+    print(f"{sum(count for count, _ in kernels.values())} kernels launched\n")
+    print("| kernel | launches | us |")
+    print("|---|---|---|")
+    for name, (count, microseconds) in sorted(kernels.items(), key=lambda item: -item[1][1])[:most]:
+        print(f"| {name} | {count} | {microseconds:.0f} |")
+    print()
 
 
 def report(rows, device: str, element: int, bandwidth: float | None) -> None:
@@ -109,8 +128,10 @@ def main() -> None:
         model = LeanModel(hf, args.device)
         for n in (int(size) for size in args.sizes.split(",")):
             print(f"## {dtype_name}, n = {n}\n")
-            report(forward_rows(model, args.context, n, args.device), args.device,
-                   roofline.BYTES_PER_ELEMENT[dtype_name], bandwidth)
+            prof = profiled_forward(model, args.context, n, args.device)
+            report(prof.key_averages(group_by_input_shape=True), args.device, roofline.BYTES_PER_ELEMENT[dtype_name],
+                   bandwidth)
+            kernel_table(prof)
         del hf, model
 
 
