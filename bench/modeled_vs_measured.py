@@ -10,6 +10,7 @@ repository predicted by the model calibrated on the others (leave one out), and 
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import tempfile
 from dataclasses import replace
@@ -21,7 +22,6 @@ from core.profile_schema import load_profile
 from decoder.model import ModelShape
 from planner.lookahead import solve_lookahead
 from planner.triforce import solve_triforce
-from profiler import calibration as calibration_module
 from profiler import roofline
 from profiler.calibration import MeasuredGpuProfile, config_of, fit, read_measured
 from profiler.latency import ProfileRequest, run_profile
@@ -47,6 +47,7 @@ def measured_gpu_profiles() -> list[str]:
     return found
 
 
+@functools.cache
 def data_key(path: str) -> tuple[str | None, str | None, str | None]:
     """(GPU, model, dtype): profiles with one key hold the same curve, whatever code version measured it."""
     profile = load_profile(path)
@@ -155,7 +156,9 @@ def modeled_like(measured_path: str, calibration: list[str], directory: Path) ->
     contexts = sorted(measured.target_by_context)
     request = ProfileRequest(target=str(config_dir), dtype=measured.dtype or "fp32",
                              gpu=read_measured(measured_path).gpu, contexts=contexts,
-                             sizes=sorted(measured.target_by_context[contexts[0]]), calibrate=calibration)
+                             sizes=sorted(measured.target_by_context[contexts[0]]), calibrate=calibration,
+                             # the catalogue's defaults were fitted to the held-out profile too: no pull towards them
+                             calibration_prior_weight=0.0)
     run_profile(request, output, log=lambda message: None)
     return output
 
@@ -167,8 +170,6 @@ def setting(method: str, candidate) -> tuple:
 
 
 def decisions(paths: list[str]) -> None:
-    # the catalogue's defaults were fitted to the held-out profile too: no pull towards them in this calibration
-    calibration_module.CALIBRATION_PRIOR_WEIGHT = 0.0
     print("\n| method | plan solved on the modeled profile | its speedup priced on the measured profile | plan solved "
           "on the measured profile | its speedup | modeled choice / measured choice |")
     print("|---|---|---|---|---|---|")

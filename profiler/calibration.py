@@ -157,6 +157,6 @@ def fit(profiles: list[MeasuredGpuProfile], base: roofline.GpuParameters = roofl
                        {n: float(np.mean(values)) for n, values in sorted(overheads.items())})
 
 
-def calibrate(gpu: str, paths: list[str]) -> Calibration:
+def calibrate(gpu: str, paths: list[str], prior_weight: float = CALIBRATION_PRIOR_WEIGHT) -> Calibration:
     """`plan profile --gpu NAME --calibrate ...`: the catalogue's parameters refitted to measured profiles of NAME."""
-    return fit([read_measured(path, gpu) for path in paths], prior_weight=CALIBRATION_PRIOR_WEIGHT)
+    return fit([read_measured(path, gpu) for path in paths], prior_weight=prior_weight)

@@ -42,7 +42,7 @@ from decoder.transformers_forward import TransformersCache
 from decoder.tree import DraftTree
 from decoder.triforce import RetrievalCache, RetrievalSettings, StreamingDrafter
 from profiler import hardware, roofline
-from profiler.calibration import calibrate
+from profiler.calibration import CALIBRATION_PRIOR_WEIGHT, calibrate
 from profiler.operators import count_forward, gpu_operators
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -69,6 +69,7 @@ class ProfileRequest:
     repeats: int = 9
     gpu: str | None = None
     calibrate: list[str] = field(default_factory=list)  # measured profiles of `gpu` to fit its cost model to
+    calibration_prior_weight: float = CALIBRATION_PRIOR_WEIGHT  # their fit's pull towards the catalogue
     backend: str = "auto"  # the forward to time (decoder/api.py: choose_backend)
 
     def roles(self) -> list[tuple[str, str, str]]:
@@ -551,7 +552,8 @@ def _model_gpu(request: ProfileRequest, log) -> dict:
     if mode is None:
         raise UserError("a modeled GPU profile models the lean forward (--backend lean or compiled), not "
                         f"{request.backend}'s")
-    calibration = calibrate(request.gpu, request.calibrate) if request.calibrate else None
+    calibration = (calibrate(request.gpu, request.calibrate, request.calibration_prior_weight) if request.calibrate
+                   else None)
     parameters = calibration.parameters if calibration else roofline.DEFAULT_PARAMETERS
     specs = {role: load_model_spec(name, dtype, log) for role, name, dtype in request.roles()}
     curves = {}
