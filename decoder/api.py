@@ -1,6 +1,6 @@
 """The Python API: load a plan with its models, then generate.
 
-    from decoder.api import load_decoder
+    from specplan.decoder.api import load_decoder
     decoder = load_decoder("plans/qwen2.5-coder-1.5b.sequoia.cpu-2c.fp32.yaml")
     output = decoder.generate("Write a quicksort in Python.", max_new_tokens=128, chat=True)
     print(output.text, output.result.tokens_per_second)
@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 
-from core.choices import BACKENDS
-from core.errors import UserError
-from core.models import LoadedModel, check_same_vocabulary, load_model
-from core.plan_schema import Plan, load_plan
-from core.prompts import encode_prompt
-from decoder.cuda_graphs import compile_forward, enable_cuda_graphs
-from decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
-from decoder.engine import GenerationResult, SpeculativeEngine
-from decoder.model import SUPPORTED_ARCHITECTURES, LeanModel
-from decoder.sampling import SamplingParams
-from decoder.transformers_forward import TransformersForward
-from decoder.trie import Trie
+from specplan.core.choices import BACKENDS
+from specplan.core.errors import UserError
+from specplan.core.models import LoadedModel, check_same_vocabulary, load_model
+from specplan.core.plan_schema import Plan, load_plan
+from specplan.core.prompts import encode_prompt
+from specplan.decoder.cuda_graphs import compile_forward, enable_cuda_graphs
+from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
+from specplan.decoder.engine import GenerationResult, SpeculativeEngine
+from specplan.decoder.model import SUPPORTED_ARCHITECTURES, LeanModel
+from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.transformers_forward import TransformersForward
+from specplan.decoder.trie import Trie
 
 
 @dataclass
@@ -188,14 +188,13 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
 
 def _triforce_decoder(plan: Plan, target: LoadedModel, target_forward: Forward, draft_name: str | None,
                       draft_dtype: str, verify: str | None, log: Callable[[str], None], device: str) -> Decoder:
-    from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter, bottom_trie_settings
+    from specplan.decoder.triforce import HierarchicalDrafter, StreamingDrafter, bottom_trie_settings
 
     if not isinstance(target_forward, LeanModel):
         raise UserError("TriForce's retrieval cache needs the lean decoder; this target runs on the "
                         f"{target_forward.backend} backend")
     settings = plan.settings
-    retrieval = RetrievalSettings(settings.budget, settings.chunk, settings.stride,
-                                  settings.rebuild_below).check()
+    retrieval = settings.retrieval()
     draft_model = draft_forward = None
     draft_name = draft_name or plan.models.draft
     # loaded even where the plan does not speculate: bench baselines use it

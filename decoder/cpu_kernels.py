@@ -1,9 +1,10 @@
 """The CPU kernels of decoder/kernels/cpu_kernels.cpp, compiled once per host (gcc -O3 -march=native) with torch's
-extension builder and cached beside the converted models; `kernels()` returns the module, or None where no
-compiler is at hand (the forward then runs PyTorch's own operators, and says why once).
+extension builder and cached beside the converted models; `kernels()` returns the module, or None where they cannot
+be built (the forward then runs PyTorch's own operators, and says why once).
 
-Set SPECPLAN_KERNELS=0 to run without them (the reference forward, for comparisons). `kernels(march)` builds for
-another instruction set than the host's (tests run the AVX2 and the portable paths on an AVX-512 host).
+Set SPECPLAN_KERNELS=0 to run without them (PyTorch's operators: the forward a GPU runs, for comparisons).
+`kernels(march)` builds for another instruction set than the host's (tests run the AVX2 and the portable paths on an
+AVX-512 host).
 """
 
 from __future__ import annotations
@@ -12,23 +13,27 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from core.models import cache_dir
+from specplan.core import progress
+from specplan.core.models import cache_dir
 
 SOURCE = Path(__file__).parent / "kernels" / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp"]
-# GGML's type ids of the weight formats `linear` runs (and what they are called in a GGUF file)
-WEIGHT_FORMATS = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-                  "BF16": 30}
 
 
 def enabled() -> bool:
     return os.environ.get("SPECPLAN_KERNELS", "1") != "0"
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's extension builder would call, if one is installed."""
+    return shutil.which(os.environ.get("CXX", "c++"))
 
 
 def _host_features() -> str:
@@ -51,6 +56,8 @@ def kernels(march: str = "native") -> ModuleType | None:
     build.mkdir(parents=True, exist_ok=True)
     from torch.utils.cpp_extension import load
 
+    if not any(build.glob("*.so")):
+        progress.say(f"building the CPU kernels for this host (-march={march}; once, about 30 s; cached in {build})")
     try:
         return load(name=f"specplan_cpu_{key}", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build), verbose=False)

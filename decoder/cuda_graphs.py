@@ -16,8 +16,8 @@ from collections.abc import Iterable
 
 import torch
 
-from core.errors import UserError
-from decoder.model import KVCache, LeanModel
+from specplan.core.errors import UserError
+from specplan.decoder.model import KVCache, LeanModel
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -51,8 +51,8 @@ def compile_forward(model: LeanModel) -> None:
 
 
 class GraphedForward:
-    """Drop-in for LeanModel.forward (dynamic layout) that replays a CUDA graph per (cache, graph_size(n), query
-    row or None).
+    """Drop-in for LeanModel.forward (dynamic layout) that replays a CUDA graph per (cache, graph_size(n), whether
+    it hands out the root's queries).
 
     The graphs are kept on the cache (KVCache.graphs), whose memory they read and write: a graph must not
     outlive it, nor be looked up by an id() that a later cache can reuse."""
@@ -64,14 +64,12 @@ class GraphedForward:
         self.warmup = warmup
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                 logits_rows: torch.Tensor | slice | None = None, queries: torch.Tensor | None = None,
-                 query_row: int = -1) -> torch.Tensor:
+                 logits_rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         n = tokens.shape[0]
         size = graph_size(n, cache.max_len - cache.length)
-        # A forward that also hands out a row's rotated queries (TriForce's top verify: the retrieval cache's next
-        # selection) has a graph of its own that copies them out; the row counts among the n real tokens.
-        row = None if queries is None else query_row % n
-        graph, buffers = self._graph(cache, size, row)
+        # A forward over a cache that hands out its root's rotated queries (TriForce's top verify: the retrieval
+        # cache's next selection) has a graph of its own that copies them out.
+        graph, buffers = self._graph(cache, size, cache.root_queries is not None)
         device = self.model.device
         buffers["tokens"][:n].copy_(tokens.to(device, non_blocking=True))
         buffers["positions"][:n].copy_(positions.to(device, non_blocking=True))
@@ -86,18 +84,18 @@ class GraphedForward:
         # every slot, so that no row is all -inf; their logits are never read.
         full_mask[n:, :cache.length + size] = 0
         graph.replay()
-        if queries is not None:
-            queries.copy_(buffers["queries"])
+        if cache.root_queries is not None:
+            cache.root_queries.copy_(buffers["queries"])
         logits = buffers["logits"][:n]
         return logits if logits_rows is None else logits[logits_rows]
 
     def capture(self, cache: KVCache, sizes: Iterable[int]) -> None:
         """Capture now, over an empty `cache`, the graphs that forwards of `sizes` tokens will replay."""
         for n in sizes:
-            self._graph(cache, graph_size(n, cache.max_len - cache.length), None)
+            self._graph(cache, graph_size(n, cache.max_len - cache.length), cache.root_queries is not None)
 
-    def _graph(self, cache: KVCache, n: int, query_row: int | None):
-        key = (n, query_row)
+    def _graph(self, cache: KVCache, n: int, hands_out_queries: bool):
+        key = (n, hands_out_queries)
         if key not in cache.graphs:
             device, dtype, shape = self.model.device, self.model.dtype, self.model.shape
             # Warm-up and capture write their keys where this call's keys go next.
@@ -107,20 +105,24 @@ class GraphedForward:
                 "slots": torch.arange(cache.length, cache.length + n, device=device),
                 "mask": torch.zeros(n, cache.max_len, dtype=dtype, device=device),
             }
-            query_arguments = {}
-            if query_row is not None:
+            # the graph writes the root's queries into a buffer of its own (the cache's may change between replays)
+            root_queries = cache.root_queries
+            if hands_out_queries:
                 buffers["queries"] = torch.zeros(shape.layers, shape.heads, shape.head_dim, dtype=dtype, device=device)
-                query_arguments = {"queries": buffers["queries"], "query_row": query_row}
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(self.warmup):
-                    self.model.forward(buffers["tokens"], buffers["positions"], cache, buffers["mask"],
-                                       slots=buffers["slots"], **query_arguments)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                buffers["logits"] = self.model.forward(buffers["tokens"], buffers["positions"], cache,
-                                                       buffers["mask"], slots=buffers["slots"], **query_arguments)
+            cache.root_queries = buffers.get("queries")
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(self.warmup):
+                        self.model.forward(buffers["tokens"], buffers["positions"], cache, buffers["mask"],
+                                           slots=buffers["slots"])
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    buffers["logits"] = self.model.forward(buffers["tokens"], buffers["positions"], cache,
+                                                           buffers["mask"], slots=buffers["slots"])
+            finally:
+                cache.root_queries = root_queries
             cache.graphs[key] = (graph, buffers)
         return cache.graphs[key]

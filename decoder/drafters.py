@@ -4,14 +4,13 @@ a trie (Lookahead) and a hierarchy (TriForce); verification is kept apart (decod
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 import numpy as np
 import torch
 
-from decoder.model import KVCache, LeanModel, causal_mask
-from decoder.sampling import SamplingParams, probabilities
-from decoder.tree import (
+from specplan.decoder.model import KVCache, LeanModel, causal_mask
+from specplan.decoder.sampling import SamplingParams, probabilities
+from specplan.decoder.tree import (
     DETERMINISTIC,
     WITH_REPLACEMENT,
     WITHOUT_REPLACEMENT,
@@ -19,7 +18,7 @@ from decoder.tree import (
     ancestor_matrix,
     tree_attention_mask,
 )
-from decoder.trie import Trie
+from specplan.decoder.trie import Trie
 
 
 class Drafter(ABC):
@@ -48,11 +47,6 @@ class Drafter(ABC):
         """The tree sizes the target verifies, whose CUDA graphs are captured with a new cache (before decoding
         starts) rather than on first use; () where that is not known ahead (captured on first use)."""
         return ()
-
-    def target_forward_arguments(self) -> dict[str, Any]:
-        """Extra keyword arguments for the target's verifying forward (LeanModel.forward): TriForce's drafter
-        asks for the root's rotated queries, which select its retrieval cache."""
-        return {}
 
     # A drafter used as the bottom of a hierarchy follows speculative tokens that the top may reject:
     def extend(self, tokens: list[int]) -> None:

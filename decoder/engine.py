@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.errors import UserError
-from decoder.drafters import Drafter, NoDrafter
-from decoder.model import KVCache, LeanModel
-from decoder.sampling import SamplingParams
-from decoder.tree import ancestor_matrix, tree_attention_mask
-from decoder.verify import VerificationRule, choose_rule
+from specplan.core.errors import UserError
+from specplan.decoder.drafters import Drafter, NoDrafter
+from specplan.decoder.model import KVCache, LeanModel
+from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.tree import ancestor_matrix, tree_attention_mask
+from specplan.decoder.verify import VerificationRule, choose_rule
 
 
 @dataclass
@@ -92,7 +92,6 @@ class SpeculativeEngine:
         # which one-token decoding does not pay: it counts as decoding time.
         self.drafter.reset(prompt, max_len)
         self.drafter.bind(cache)
-        forward_arguments = self.drafter.target_forward_arguments()
         out: list[int] = []
         accepted_per_step: list[int] = []
         root = prompt[-1]
@@ -102,7 +101,7 @@ class SpeculativeEngine:
             tokens = torch.tensor(tree.tokens)
             positions = cache.length + torch.tensor(tree.depths)
             mask = self._mask(tree.parents, cache.length) if tree.size > 1 else None
-            logits = target.forward(tokens, positions, cache, mask, **forward_arguments)
+            logits = target.forward(tokens, positions, cache, mask)
             path, next_token = rule.walk(tree, logits, params, generator)
             contiguous = path == list(range(len(path)))
             cache.commit(None if contiguous else torch.tensor(path), len(path))

@@ -9,11 +9,17 @@ arithmetic mirrors transformers' (RMSNorm in fp32, RoPE tables in fp32), so fp32
 Each family's differences from Llama are named options of this one forward (`Architecture`, read from the
 transformers config); RoPE variants live in decoder/rope.py.
 
-Two attention layouts:
-- dynamic (CPU default): attention over the first `length + n` cache slots only (in bf16, rounded up to a
-  multiple of KEY_BUCKET, the extra slots masked);
-- static (CUDA graphs): every tensor shape depends on `n` only; new keys go in with index_copy_ at slot
-  indices held in a tensor, attention runs over all `max_len` slots and the mask hides the unused ones.
+The same forward runs in one of two ways, chosen once per model:
+- on a CPU, the project's kernels (decoder/kernels/cpu_kernels.cpp): a few calls per layer, weights in fp32, bf16 or
+  a GGUF file's own blocks, attention over the first `length + n` cache slots;
+- elsewhere (a GPU; a CPU where the kernels cannot be built, or a model whose widths are not whole kernel blocks),
+  PyTorch's public operators. On a GPU they run in the static layout that CUDA graphs capture
+  (decoder/cuda_graphs.py): every tensor shape depends on `n` only, new keys go in with index_copy_ at slot indices
+  held in a tensor, attention runs over all `max_len` slots and the mask hides the unused ones.
+
+What a method needs from a forward beyond its logits hangs on the cache it runs over, so that it is per sequence:
+TriForce's retrieval cache reads the root's rotated queries (`KVCache.root_queries`); Phi-3's switch to its long
+RoPE factors re-encodes one cache (`LongRopeSwitch`, state in `KVCache.long_rope`).
 """
 
 from __future__ import annotations
@@ -26,40 +32,39 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from core.errors import UserError
-from core.gguf_weights import BlockWeight
-from decoder import cpu_kernels
-from decoder.rope import RotaryTables
+from specplan.core.errors import UserError
+from specplan.core.gguf_weights import BlockWeight
+from specplan.decoder import cpu_kernels
+from specplan.decoder.rope import RotaryTables
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 GEMMA_FAMILY = ("gemma2", "gemma3_text")
-KEY_BUCKET = 64  # bf16 CPU attention runs over a key length rounded up to this (see LeanModel._key_span)
-UPCAST_ROWS = 3  # on a CPU that emulates bf16, matmuls of this many rows or more run in fp32 (LeanModel._linear)
 GRAPH_CACHE_SLOTS = 512  # with CUDA graphs, cache sizes are rounded up to this (see LeanModel.cache_for)
 # With CUDA graphs, the caches (and the graphs captured over them) kept per role: prompts of mixed lengths
 # alternate among a few rounded sizes, and capturing a graph anew costs tens of its replays (two eager warm-up
 # forwards and the capture).
 KEPT_GRAPH_CACHES = 4
-KERNEL_BLOCK = 32  # the CPU kernels take fp32/bf16 weights whose rows are whole 32-element blocks
-KERNEL_FORMATS = {torch.float32: "F32", torch.bfloat16: "BF16"}
-
-
-def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
-    """x @ weight.T + bias, with `weight` in oneDNN's blocked layout where `packed`."""
-    if packed:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+# The CPU kernels' matmuls take inputs of whole blocks (fp32: 16-value vectors; bf16 and GGUF blocks: 32 values,
+# GGML's block size) and their norms and activations rows of whole 16-value vectors: a model whose widths are not
+# runs on PyTorch's operators.
+KERNEL_BLOCKS = {torch.float32: 16, torch.bfloat16: 32}
+KERNEL_VECTOR = 16
+KERNEL_FORMATS = {torch.float32: "F32", torch.bfloat16: "BF16"}  # the kernels' names (GGML's) of plain weights
+# From this many new tokens the kernels' forward attends through PyTorch's SDPA (its CPU flash attention), which beat
+# the kernels' own attention for every 2 to 512 rows over 256 to 4,096 keys on a 2-core AVX2 EPYC, fp32 and bf16; a
+# decoding step's one row stays on the kernels.
+SDPA_ROWS = 2
 
 
 class MatmulWeight(NamedTuple):
-    """A matmul weight [rows, cols] in the form its matmul runs fastest. Run by the CPU kernels, `narrow` is the
-    weight itself (fp32, bf16) or its GGUF blocks (uint8 [rows, bytes per row]) and `format` their GGML type id.
-    Otherwise `narrow` is in the model's dtype, packed where oneDNN packs it, and on a CPU that emulates bf16 `wide`
-    is an fp32 copy packed for matmuls of UPCAST_ROWS or more rows."""
-    narrow: torch.Tensor
-    wide: torch.Tensor | None = None
-    format: int | None = None
-    rows: int = 0
+    """A matmul weight [rows, cols] as the CPU kernels take it: the weight itself (fp32, bf16) or its GGUF blocks
+    (uint8 [rows, bytes per row]), and its format's GGML name."""
+    data: torch.Tensor
+    format: str
+    rows: int
+
+
+Weight = torch.Tensor | MatmulWeight | tuple[MatmulWeight, ...]  # as the forward's matmuls take it (LeanModel._linear)
 
 
 @dataclass(frozen=True)
@@ -166,9 +171,16 @@ class KVCache:
         # TriForce retrieval cache or a StreamingLLM cache of a model with sliding windows, whose masks need them);
         # None: slot i holds position i
         self.key_positions: torch.Tensor | None = None
-        # CUDA graphs captured over this cache's memory, by (number of new tokens, the row whose queries a graph
-        # hands out or None) (decoder/cuda_graphs.py); they live and die with it.
-        self.graphs: dict[tuple[int, int | None], tuple] = {}
+        # [layers, heads, head_dim] or None: where set, every forward over this cache writes here the rotated query
+        # of its first new token per layer (TriForce's retrieval cache selects its chunks by the root's query)
+        self.root_queries: torch.Tensor | None = None
+        # CUDA graphs captured over this cache's memory, by (number of new tokens, whether it hands out the root's
+        # queries) (decoder/cuda_graphs.py); they live and die with it.
+        self.graphs: dict[tuple[int, bool], tuple] = {}
+
+    def reset(self) -> None:
+        """Empty, for a new sequence (its memory and CUDA graphs kept)."""
+        self.length, self.prompt_length, self.long_rope, self.root_queries = 0, 0, False, None
 
     def commit(self, kept: torch.Tensor | None, count: int) -> None:
         """Keep `count` of the slots written after the prefix: `kept` lists them (slot offsets from `length`,
@@ -200,24 +212,26 @@ class KVCache:
 class LeanModel:
     backend = "lean"
 
-    def __init__(self, hf_model: Any, device: torch.device | str = "cpu", emulated_bf16: bool | None = None,
-                 release: bool = False, vocabulary: int | None = None, always: Iterable[int] = (),
+    def __init__(self, hf_model: Any, device: torch.device | str = "cpu", release: bool = False,
+                 vocabulary: int | None = None, always: Iterable[int] = (),
                  block_weights: dict[str, BlockWeight] | None = None, kernels: bool = True) -> None:
-        """`emulated_bf16` forces (True) or rules out (False) the path of a CPU without bf16 instructions; None
-        detects it. `release`: free each of `hf_model`'s weights once it is copied into this model's layout (fused,
-        packed, or on another device), layer by layer, so that no weight is held twice, and keep the output matrix
-        in its packed form only; `hf_model` is unusable after (core/models.py: LoadedModel.transformers_model
-        loads it again). `vocabulary`, `always`: see limit_vocabulary. `block_weights`: the matmul weights in GGUF
-        blocks, by parameter name (dtype gguf; run by the CPU kernels). `kernels`: on a CPU, run the forward with
-        the CPU kernels (decoder/cpu_kernels.py) where they are built; False runs PyTorch's operators only."""
+        """`release`: free each of `hf_model`'s weights once it is copied into this model's layout (fused, or on
+        another device), layer by layer, so that no weight is held twice; `hf_model` is unusable after
+        (core/models.py: LoadedModel.transformers_model loads it again). `vocabulary`, `always`: see
+        limit_vocabulary. `block_weights`: the matmul weights in GGUF blocks, by parameter name (dtype gguf; run by
+        the CPU kernels). `kernels`: on a CPU, run the CPU kernels (decoder/cpu_kernels.py) where they are built
+        and the model's widths suit them; False runs PyTorch's operators."""
         config = hf_model.config
         self.architecture = Architecture.from_config(config)
         self.shape = ModelShape.from_config(config)
         self.device = torch.device(device)
-        self.kernels = cpu_kernels.kernels() if kernels and self.device.type == "cpu" else None
+        block = KERNEL_BLOCKS.get(hf_model.get_input_embeddings().weight.dtype, 0) if block_weights is None else 32
+        whole_blocks = block > 0 and _kernel_widths_fit(self.shape, config.intermediate_size, self.architecture, block)
+        self.kernels = cpu_kernels.kernels() if kernels and self.device.type == "cpu" and whole_blocks else None
         if block_weights is not None and self.kernels is None:
-            raise UserError("dtype gguf runs on the CPU kernels, which are not available here "
-                            "(a CPU device and a C++ compiler are needed)")
+            raise UserError("dtype gguf runs on the CPU kernels, which " + (
+                "are not available here (a CPU device and a C++ compiler are needed)" if whole_blocks
+                else "take widths of whole 32-value blocks"))
         params = dict(hf_model.named_parameters())
         self.dtype = params["model.embed_tokens.weight"].dtype
         # released weights are copied even where the layout would allow sharing: transformers maps each
@@ -229,32 +243,6 @@ class LeanModel:
         self.lm_head = (self.block_weights.get("lm_head.weight") or take("lm_head.weight")
                         if "lm_head.weight" in params else self.embed)
         self.final_norm = take("model.norm.weight")
-        # Without the CPU kernels, every matmul weight is kept in oneDNN's blocked layout, packed once here: a pass
-        # over the weights costs 1.4x (bf16) to 3x (fp32) less than F.linear on this project's CPU
-        # (bench/matmul.py), and bf16 results are bit-identical to F.linear's. oneDNN packs bf16 only on CPUs with
-        # AVX-512 (or AVX-NE-CONVERT); elsewhere bf16 weights stay as they are.
-        native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        if emulated_bf16 is None:
-            emulated_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native_bf16
-        # the CPU kernels read bf16 on any host (widened in registers, or vdpbf16ps) and keep weights unpacked
-        self.emulated_bf16 = emulated_bf16 and self.kernels is None
-        self.can_pack = self.device.type == "cpu" and torch.backends.mkldnn.is_available() and self.kernels is None
-        self.packed = self.can_pack and (
-            self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and native_bf16 and not emulated_bf16))
-        # A CPU without bf16 instructions (AVX2 only) emulates bf16 matmuls row by row: attention over 7680 bf16
-        # keys costs 10 ms a layer there, against 1.1 ms in fp32. Such a CPU keeps a bf16 model's keys and
-        # values in fp32 (they are bf16 values, so nothing is lost) and runs attention in fp32, as a bf16 matmul
-        # with fp32 accumulation would, before rounding the output back to bf16. Its weight matmuls cost a pass
-        # over the weights per row as well, so it also keeps a packed fp32 copy of them and runs matmuls of
-        # UPCAST_ROWS rows or more over that copy: one pass over smollm2-135m's weights costs 43 ms in bf16
-        # against 36 ms over the copy at 3 rows, 110 against 46 at 8 (bench/matmul.py). One or two rows stay in
-        # bf16, whose pass reads half the bytes (29 against 37 ms at 2 rows).
-        self.cache_dtype = torch.float32 if self.emulated_bf16 else self.dtype
-        self.fused_rows = 0  # rows scored by the CPU kernels' fused forward (_forward_kernels), for tests
-        # the kernels' norms and activation take rows of whole 16-value vectors (every released model's are)
-        widths = [self.shape.hidden, config.intermediate_size] + [self.shape.head_dim] * self.architecture.qk_norm
-        self.kernel_widths = all(width % 16 == 0 for width in widths)
-        self.upcast_rows = UPCAST_ROWS
         self.layers = []
         for i in range(self.shape.layers):
             prefix = f"model.layers.{i}."
@@ -268,8 +256,6 @@ class LeanModel:
             self.output_weight = self._matmul_weight(self.lm_head)
         if release:
             _free(params, list(params))
-            if self.packed and self.lm_head is not self.embed:  # the packed copy is the one the forward reads
-                self.lm_head = None
         self.graphed = None  # a decoder.cuda_graphs.GraphedForward, set by cuda_graphs.enable_cuda_graphs
         self.kept_caches: dict[str, OrderedDict[int, KVCache]] = {}  # by role, then size (cache_for)
         self.compiled_forward = None  # _forward through torch.compile, set by cuda_graphs.compile_forward
@@ -281,7 +267,7 @@ class LeanModel:
         self.rotary = {kind: RotaryTables(config, kind, d, self.shape.max_context, self.dtype, self.device)
                        for kind in dict.fromkeys(arch.layer_rope)}
         self.position_dependent_rope = any(table.position_dependent for table in self.rotary.values())
-        self.long_rope_switch = self.rotary[None].original_max_position if arch.reencodes_long_rope else None
+        self.long_rope = LongRopeSwitch(self.rotary[None].original_max_position) if arch.reencodes_long_rope else None
 
     def _layer_weights(self, params: dict[str, torch.Tensor], prefix: str, take) -> dict[str, Any]:
         """One layer's weights, q/k/v and gate/up fused (Phi-3 checkpoints ship them fused)."""
@@ -311,7 +297,7 @@ class LeanModel:
             "w_down": self._fused_weight([mlp + "down_proj.weight"], take), "b_down": optional(mlp + "down_proj.bias"),
         }
 
-    def _fused_weight(self, names: list[str], take) -> MatmulWeight | tuple[MatmulWeight, ...]:
+    def _fused_weight(self, names: list[str], take) -> Weight:
         """The matmul weight of the parameters `names` stacked by rows (q/k/v, gate/up): one matrix, or, for GGUF
         blocks of different formats, one per run of a format (Q4_K_M: q and k in Q4_K, v in Q6_K)."""
         blocks = [self.block_weights.get(name) for name in names]
@@ -327,6 +313,14 @@ class LeanModel:
                                                       torch.cat([b.data for b in run]))) for run in runs)
         return parts[0] if len(parts) == 1 else parts
 
+    def _matmul_weight(self, weight: torch.Tensor | BlockWeight) -> torch.Tensor | MatmulWeight:
+        """A weight as this model's matmuls take it: named by its format for the CPU kernels, else the tensor."""
+        if isinstance(weight, BlockWeight):
+            return MatmulWeight(weight.data, weight.format, weight.rows)
+        if self.kernels is not None:
+            return MatmulWeight(weight.contiguous(), KERNEL_FORMATS[weight.dtype], weight.shape[0])
+        return weight
+
     def limit_vocabulary(self, size: int, always: Iterable[int] = ()) -> None:
         """Score only the token ids below `size`, plus `always` (the stop tokens); every other logit is -inf.
 
@@ -335,8 +329,6 @@ class LeanModel:
         vocabulary holds most of the tokens worth drafting. Speculation stays lossless: the target verifies."""
         if self.output_ids is not None:
             raise UserError("the vocabulary of this model is already limited")
-        if self.lm_head is None:
-            raise UserError("a released model's vocabulary is limited when it is built (LeanModel(vocabulary=...))")
         self.output_ids = torch.tensor(draft_vocabulary_ids(size, always, self.shape.vocab), device=self.device)
         self.lm_head = (self.lm_head.take_rows(self.output_ids) if isinstance(self.lm_head, BlockWeight)
                         else self.lm_head[self.output_ids].contiguous())
@@ -345,7 +337,7 @@ class LeanModel:
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.shape.max_context:
             raise UserError(f"a cache of {max_len} tokens exceeds the model's maximum context {self.shape.max_context}")
-        return KVCache(self.shape, max_len, self.cache_dtype, self.device)
+        return KVCache(self.shape, max_len, self.dtype, self.device)
 
     def cache_for(self, max_len: int, role: str, exact: bool = False) -> KVCache:
         """An empty cache of `max_len` slots for `role` (the engine's "target", a drafter's own): the one this
@@ -364,211 +356,59 @@ class LeanModel:
                 kept.clear()  # free the old cache before the new one takes its memory
             cache = self.new_cache(max_len)
         else:
-            cache.length, cache.long_rope = 0, False
+            cache.reset()
         kept[max_len] = cache
         while len(kept) > (KEPT_GRAPH_CACHES if self.graphed is not None else 1):
             kept.popitem(last=False)
         return cache
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps)
-        if self.architecture.gemma_norm:
-            return (h * (1.0 + weight.float())).to(x.dtype)
-        return weight * h.to(x.dtype)
-
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                   attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + mask) v for q [heads, n, d] over keys/values [kv_heads, L, d], computed in the
-        cache's dtype and returned in the model's.
-
-        Few query rows (decode steps, token trees) are computed with two grouped matmuls: on CPU, SDPA runs
-        one bf16 query row over 4096 keys about 10x slower than that, and its fp32 path gains nothing until
-        about 16 rows. On an H100 (bench/gpu_attention.py), with a mask and grouped KV heads, the matmuls score
-        2 to 64 rows 1.15-1.25x faster than SDPA at 4096 to 7680 keys in fp32 (1.0-1.07x below), and in bf16
-        1.15-1.4x faster at 7680 keys but 5-10% slower at 1024. Longer blocks (prefill) go to SDPA."""
-        n = q.shape[1]
-        q = q.to(keys.dtype)
-        softcap, scale = self.architecture.attention_softcap, self.architecture.attention_scale
-        if softcap is not None or self._grouped_attention(n, keys.shape[1]):
-            heads, d = q.shape[0], q.shape[2]
-            kv_heads, length = keys.shape[0], keys.shape[1]
-            group = heads // kv_heads
-            q = q.reshape(kv_heads, group * n, d)
-            if keys.dtype == torch.bfloat16 and length >= 1024 and self.device.type == "cpu":
-                # bf16 bmm against transposed keys slows down with the context (0.53 ms at 7680 keys on this
-                # CPU); one F.linear per KV head stays at 0.1 ms. Below 1024 keys bmm is as fast or faster.
-                scores = torch.stack([F.linear(q[h], keys[h]) for h in range(kv_heads)])
-            else:
-                scores = q @ keys.transpose(1, 2)
-            scores = scores.float() * scale
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            if mask is not None:  # [n, L], or [kv_heads, n, L] (one per KV head)
-                per_head = mask.float() if mask.dim() == 2 else mask.float()[:, None]
-                scores = (scores.view(kv_heads, group, n, length) + per_head).view(kv_heads, group * n, length)
-            weights = scores.softmax(-1).to(values.dtype)
-            return (weights @ values).view(heads, n, d).to(self.dtype)
-        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask, scale=scale,
-                                              enable_gqa=self.shape.kv_heads != self.shape.heads)[0].to(self.dtype)
-
-    def _grouped_attention(self, n: int, keys: int) -> bool:
-        if self.device.type == "cuda":
-            return cuda_grouped_attention(n, keys, self.dtype == torch.float32)
-        return self.device.type == "cpu" and n <= (32 if self.cache_dtype == torch.bfloat16 else 8)
-
-    def _key_span(self, cache: KVCache, n: int, end: int, static: bool) -> int:
-        """How many cache slots the new tokens attend over: `end`, or with a bf16 cache on the CPU `end` rounded
-        up to a multiple of KEY_BUCKET (the extra slots are masked). A CPU bf16 matmul JIT-compiles a kernel for each
-        new shape, about 0.5 ms; a key length that grows by a token per step would pay that on every step
-        (2 ms a step for smollm2-135m), a bucketed one once per KEY_BUCKET tokens."""
-        if static or self.cache_dtype != torch.bfloat16 or not self._grouped_attention(n, end):
-            return end
-        return min(-(-end // KEY_BUCKET) * KEY_BUCKET, cache.max_len)
-
-    def _matmul_weight(self, weight: torch.Tensor | BlockWeight) -> MatmulWeight:
-        if isinstance(weight, BlockWeight):
-            return MatmulWeight(weight.data, format=weight.format_id, rows=weight.rows)
-        if self.kernels is not None and weight.shape[1] % KERNEL_BLOCK == 0:
-            return MatmulWeight(weight.contiguous(), format=cpu_kernels.WEIGHT_FORMATS[KERNEL_FORMATS[weight.dtype]],
-                                rows=weight.shape[0])
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        narrow = pack(weight, None) if self.packed else weight
-        if not self.emulated_bf16:
-            return MatmulWeight(narrow)
-        return MatmulWeight(narrow, pack(weight.float(), None) if self.can_pack else weight.float())
-
-    def _linear(self, x: torch.Tensor, weight: MatmulWeight | tuple[MatmulWeight, ...],
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(weight, MatmulWeight):  # parts: one matmul each, outputs side by side
-            out = torch.cat([self._linear(x, part) for part in weight], dim=-1)
-            return out if bias is None else out + bias
-        if weight.format is not None:
-            return self.kernels.linear(x.contiguous(), weight.format, weight.narrow, bias, weight.rows)
-        if weight.wide is not None and x.shape[0] >= self.upcast_rows:
-            # The output is rounded to bf16, as a bf16 matmul's fp32 accumulator is.
-            wide_bias = None if bias is None else bias.float()
-            return _matmul(x.float(), weight.wide, wide_bias, self.can_pack).to(self.dtype)
-        return _matmul(x, weight.narrow, bias, self.packed)
-
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed, BlockWeight):
-            x = self.kernels.dequantize_rows(self.embed.format_id, self.embed.data, self.embed.cols, tokens)
-            x = x.to(self.dtype)
-        else:
-            x = F.embedding(tokens, self.embed)
-        return x if self.embed_scale is None else x * self.embed_scale
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rotary_dim = cos.shape[-1]
-        if rotary_dim < x.shape[-1]:  # partial rotary: the rest of each head passes through
-            return torch.cat([self._rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
-        half = rotary_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
     @property
     def has_windows(self) -> bool:
         return any(window is not None for window in self.architecture.layer_windows)
 
-    def _layer_masks(self, mask: torch.Tensor | None, positions: torch.Tensor, cache: KVCache, span: int,
-                     slots: torch.Tensor | None) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """Per layer, its additive mask ([n, span], or [kv_heads, n, span] where the cache keeps each slot's
-        position per head) and the same as SDPA takes it: `mask` for full attention, and for a sliding window W
-        `mask` with every key at W or more positions before the query hidden (transformers: kv > q - W). A slot
-        holds the token of its own position unless the cache keeps `key_positions` (the forward wrote the new
-        tokens' there); the new tokens sit at `positions`."""
-        windows = self.architecture.layer_windows
-        if not self.has_windows:
-            return [_with_sdpa_form(mask, self)] * len(windows)
-        if cache.key_positions is None:
-            key_positions = torch.arange(span, device=self.device)
-            if slots is None:
-                key_positions[cache.length:cache.length + positions.shape[0]] = positions
-            else:
-                key_positions = key_positions.index_copy(0, slots, positions)
-            distance = positions[:, None] - key_positions[None, :]  # [n, span]
-        else:
-            distance = positions[None, None, :, None] - cache.key_positions[:, :, None, :span]  # [layers, kv, n, span]
-        base = mask if mask is not None else torch.zeros(distance.shape[-2:], dtype=self.dtype, device=self.device)
-        by_window = {None: _with_sdpa_form(mask, self)}
-        layer_masks = []
-        for i, window in enumerate(windows):
-            if window is not None and cache.key_positions is not None:
-                layer_masks.append(_with_sdpa_form(base.masked_fill(distance[i] >= window, float("-inf")), self))
-                continue
-            if window not in by_window:
-                by_window[window] = _with_sdpa_form(base.masked_fill(distance >= window, float("-inf")), self)
-            layer_masks.append(by_window[window])
-        return layer_masks
-
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None,
-                queries: torch.Tensor | None = None, query_row: int = -1) -> torch.Tensor:
+                logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Score `tokens` ([n]) at `positions` ([n]); returns logits [rows, vocab] for `logits_rows` (all by default).
 
         Dynamic layout (slots None): new keys go to cache slots length..length+n-1 and `mask` is an additive
-        [n, length+n] mask, or None when every new token may see every slot (n = 1). Static layout: `slots`
-        ([n]) are the cache slots to write and `mask` is [n, max_len]. The cache length is not advanced.
-        `queries` ([layers, heads, head_dim]), if given, receives the rotated query of row `query_row` per layer
-        (a retrieval cache scores its chunks with it).
+        [n, length+n] mask, or None when every new token may see every slot (n = 1). Static layout (PyTorch's
+        operators; CUDA graphs capture it): `slots` ([n]) are the cache slots to write and `mask` is [n, max_len].
+        The cache length is not advanced.
         """
         if self.graphed is not None and slots is None and cache.key_positions is None:
-            return self.graphed(tokens, positions, cache, mask, logits_rows, queries, query_row)
-        if self.compiled_forward is not None and slots is not None and queries is None:
+            return self.graphed(tokens, positions, cache, mask, logits_rows)
+        if self.compiled_forward is not None and slots is not None and cache.root_queries is None:
             return self.compiled_forward(tokens, positions, cache, mask, logits_rows, slots)
-        if self.long_rope_switch is not None and not cache.long_rope:
-            lengths = torch.clamp(positions.to(self.device) + 1, min=cache.prompt_length)
-            if bool((lengths > self.long_rope_switch).any()):
-                return self._switch_to_long_rope(tokens, positions, lengths, cache, mask, logits_rows, slots, queries,
-                                                 query_row)
-        return self._forward(tokens, positions, cache, mask, logits_rows, slots, queries, query_row)
-
-    def _switch_to_long_rope(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
-                             cache: KVCache, mask: torch.Tensor | None, logits_rows: torch.Tensor | slice | None,
-                             slots: torch.Tensor | None, queries: torch.Tensor | None, query_row: int) -> torch.Tensor:
-        """Phi-3's switch to the long RoPE factors, as its generate makes it: rows whose sequence still fits the
-        original context are scored with the short factors; then the committed tokens are encoded again with the
-        long factors, and the other rows are scored over them (the long-factor keys stay in the cache)."""
-        within = lengths <= self.long_rope_switch
-        short = self._forward(tokens, positions, cache, mask) if bool(within.any()) else None
-        cache.long_rope = True
-        if cache.length:
-            committed, length = cache.tokens[:cache.length].clone(), cache.length
-            cache.length = 0
-            self._prefill(committed, cache, 512, logits=False)
-            assert cache.length == length
-        logits = self._forward(tokens, positions, cache, mask, None, slots, queries, query_row)
-        if short is not None:
-            logits[within] = short[within]
-        return logits if logits_rows is None else logits[logits_rows]
+        if self.long_rope is not None and self.long_rope.due(positions, cache):
+            return self.long_rope.forward(self, tokens, positions, cache, mask, logits_rows, slots)
+        return self._forward(tokens, positions, cache, mask, logits_rows, slots)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                 logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None,
-                 queries: torch.Tensor | None = None, query_row: int = -1) -> torch.Tensor:
-        if self._runs_fused(cache, slots):
-            return self._forward_kernels(tokens, positions, cache, mask, logits_rows, queries, query_row)
-        shape = self.shape
+                 logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernels is not None and slots is None:
+            return self._forward_kernels(tokens, positions, cache, mask, logits_rows)
+        return self._forward_operators(tokens, positions, cache, mask, logits_rows, slots)
+
+    def _forward_operators(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                           mask: torch.Tensor | None, logits_rows: torch.Tensor | slice | None,
+                           slots: torch.Tensor | None) -> torch.Tensor:
+        """The forward on PyTorch's operators, in the dynamic layout or (given `slots`) the static one."""
+        shape, arch = self.shape, self.architecture
         n = tokens.shape[0]
         tokens, positions = tokens.to(self.device), positions.to(self.device)
-        mask = None if mask is None else mask.to(self.device)
-        arch = self.architecture
+        mask = None if mask is None else mask.to(self.device, self.dtype)
         x = self._embed(tokens)
         rope = {kind: table(positions, cache.prompt_length, cache.long_rope)  # [n, rotary_dim] each
                 for kind, table in self.rotary.items()}
         start = cache.length
         end = start + n
-        span = self._key_span(cache, n, end, slots is not None)
-        if span > end:
-            padded = torch.full((n, span), float("-inf"), dtype=self.dtype, device=self.device)
-            padded[:, :end] = 0 if mask is None else mask
-            mask = padded
         if cache.key_positions is not None:
             if slots is None:
                 cache.key_positions[:, :, start:end] = positions
             else:
                 cache.key_positions.index_copy_(2, slots, positions.expand(*cache.key_positions.shape[:2], n))
         layer_masks = self._layer_masks(mask, positions, cache, mask.shape[-1] if mask is not None else end, slots)
+        sdpa_masks = {id(layer_mask): _sdpa_form(layer_mask, self) for layer_mask in layer_masks}
         for i, layer in enumerate(self.layers):
             cos, sin = rope[arch.layer_rope[i]]
             h = self._rms_norm(x, layer["input_layernorm"])
@@ -580,21 +420,21 @@ class LeanModel:
             q = self._rope(q.transpose(0, 1), cos, sin)
             k = self._rope(k.transpose(0, 1), cos, sin)
             v = v.view(n, shape.kv_heads, shape.head_dim).transpose(0, 1)
-            if queries is not None:
-                queries[i] = q[:, query_row]
+            if cache.root_queries is not None:
+                cache.root_queries[i] = q[:, 0]
             if slots is None:
                 cache.k[i, :, start:end] = k
                 cache.v[i, :, start:end] = v
-                if i == 0 and self.long_rope_switch is not None:
+                if i == 0 and self.long_rope is not None:
                     cache.tokens[start:end] = tokens
-                keys, values = cache.k[i, :, :span], cache.v[i, :, :span]
+                keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
             else:
                 cache.k[i].index_copy_(1, slots, k)
                 cache.v[i].index_copy_(1, slots, v)
-                if i == 0 and self.long_rope_switch is not None:
+                if i == 0 and self.long_rope is not None:
                     cache.tokens.index_copy_(0, slots, tokens)
                 keys, values = cache.k[i], cache.v[i]
-            out = self._attention(q, keys, values, *layer_masks[i])
+            out = self._attention(q, keys, values, layer_masks[i], sdpa_masks[id(layer_masks[i])])
             out = self._linear(out.transpose(0, 1).reshape(n, self.q_size), layer["wo"], layer["bo"])
             if arch.sandwich_norms:
                 x = x + self._rms_norm(out, layer["post_attention_layernorm"])
@@ -608,40 +448,27 @@ class LeanModel:
             x = x + (self._rms_norm(out, layer["post_feedforward_layernorm"]) if arch.sandwich_norms else out)
         if logits_rows is not None:
             x = x[logits_rows]
-        logits = self._linear(self._rms_norm(x, self.final_norm), self.output_weight)
-        if arch.final_softcap is not None:
-            logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
-        if self.output_ids is None:
-            return logits
-        return logits.new_full((logits.shape[0], shape.vocab), float("-inf")).index_copy_(1, self.output_ids, logits)
-
-    def _runs_fused(self, cache: KVCache, slots: torch.Tensor | None) -> bool:
-        """Whether the CPU kernels' fused forward scores this call: the dynamic layout, and no per-head masks (a
-        sliding window over a cache that keeps slot positions) or attention soft cap (Gemma 2), which the kernels'
-        attention does not take."""
-        return (self.kernels is not None and slots is None and self.architecture.attention_softcap is None
-                and not (self.has_windows and cache.key_positions is not None) and self.kernel_widths)
+        return self._logits(self._rms_norm(x, self.final_norm))
 
     def _forward_kernels(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                         logits_rows: torch.Tensor | slice | None, queries: torch.Tensor | None,
-                         query_row: int) -> torch.Tensor:
-        """_forward's arithmetic in a few CPU kernel calls per layer (decoder/kernels/cpu_kernels.cpp): the residual
-        add fused into the next norm, RoPE fused with the cache writes, attention in one call over the first
-        length + n slots (no key bucketing), the gated activation in one."""
+                         logits_rows: torch.Tensor | slice | None) -> torch.Tensor:
+        """_forward_operators' arithmetic in a few CPU kernel calls per layer (decoder/kernels/cpu_kernels.cpp): the
+        residual add fused into the next norm, RoPE fused with the cache writes, attention in one call over the
+        first length + n slots (several rows: SDPA), the gated activation in one."""
         kernels, shape, arch = self.kernels, self.shape, self.architecture
         eps, gemma, gelu = shape.rms_eps, arch.gemma_norm, arch.activation != "silu"
+        softcap = arch.attention_softcap or 0.0
         n, start = tokens.shape[0], cache.length
         end = start + n
-        self.fused_rows += n
         x = self._embed(tokens)
         rope = {kind: table(positions, cache.prompt_length, cache.long_rope) for kind, table in self.rotary.items()}
         if cache.key_positions is not None:
             cache.key_positions[:, :, start:end] = positions
-        if self.long_rope_switch is not None:
+        if self.long_rope is not None:
             cache.tokens[start:end] = tokens
         mask = None if mask is None else mask.float()
-        # per layer [n, end] (a sliding window's hides old keys) or None: every key visible
-        layer_masks = [layer_mask for layer_mask, _ in self._layer_masks(mask, positions, cache, end, None)]
+        # per layer [n, end] or [kv_heads, n, end] (a sliding window hides old keys), or None: every key visible
+        layer_masks = self._layer_masks(mask, positions, cache, end, None)
         residual = None  # each block's output, added to x by the next norm
         for i, layer in enumerate(self.layers):
             keys, values = cache.layer_views[i]
@@ -650,10 +477,16 @@ class LeanModel:
             cos, sin = rope[arch.layer_rope[i]]
             q = kernels.rope_store(qkv, cos, sin, keys, values, start, shape.heads, shape.kv_heads, layer["q_norm"],
                                    layer["k_norm"], eps, gemma)  # [heads, n, head_dim]
-            if queries is not None:
-                queries[i] = q[:, query_row]
-            out = self._linear(kernels.attention(q, keys, values, end, layer_masks[i], arch.attention_scale),
-                               layer["wo"], layer["bo"])
+            if cache.root_queries is not None:
+                cache.root_queries[i] = q[:, 0]
+            if n >= SDPA_ROWS and not softcap:  # [heads, n, d] -> [n, heads * d]
+                attended = F.scaled_dot_product_attention(
+                    q[None], keys[None, :, :end], values[None, :, :end], attn_mask=_sdpa_form(layer_masks[i], self),
+                    scale=arch.attention_scale, enable_gqa=shape.kv_heads != shape.heads)[0]
+                attended = attended.transpose(0, 1).reshape(n, self.q_size)
+            else:
+                attended = kernels.attention(q, keys, values, end, layer_masks[i], arch.attention_scale, softcap)
+            out = self._linear(attended, layer["wo"], layer["bo"])
             if arch.sandwich_norms:
                 out = kernels.rms_norm(out, None, layer["post_attention_layernorm"], eps, gemma)
                 h = kernels.rms_norm(x, out, layer["pre_feedforward_layernorm"], eps, gemma)
@@ -664,14 +497,110 @@ class LeanModel:
             if arch.sandwich_norms:
                 residual = kernels.rms_norm(residual, None, layer["post_feedforward_layernorm"], eps, gemma)
         h = kernels.rms_norm(x, residual, self.final_norm, eps, gemma)
-        if logits_rows is not None:
-            h = h[logits_rows]
+        return self._logits(h if logits_rows is None else h[logits_rows])
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of the final-normed hidden rows `h`: the output matmul, Gemma's soft cap, and -inf
+        for the ids a limited vocabulary does not score."""
         logits = self._linear(h, self.output_weight)
-        if arch.final_softcap is not None:
-            logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
+        if self.architecture.final_softcap is not None:
+            cap = self.architecture.final_softcap
+            logits = torch.tanh(logits / cap) * cap
         if self.output_ids is None:
             return logits
-        return logits.new_full((logits.shape[0], shape.vocab), float("-inf")).index_copy_(1, self.output_ids, logits)
+        scored = logits.new_full((logits.shape[0], self.shape.vocab), float("-inf"))
+        return scored.index_copy_(1, self.output_ids, logits)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps)
+        if self.architecture.gemma_norm:
+            return (h * (1.0 + weight.float())).to(x.dtype)
+        return weight * h.to(x.dtype)
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                   sdpa_mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + mask) v for q [heads, n, d] over keys/values [kv_heads, L, d].
+
+        Few query rows (decode steps, token trees) are computed with two grouped matmuls: on a CPU, SDPA runs one
+        bf16 query row over long contexts several times slower, and its fp32 path gains nothing until about 16
+        rows; on a GPU, see cuda_grouped_attention. Longer blocks (prefill) go to SDPA."""
+        n = q.shape[1]
+        softcap, scale = self.architecture.attention_softcap, self.architecture.attention_scale
+        if softcap is not None or self._grouped_attention(n, keys.shape[1]):
+            heads, d = q.shape[0], q.shape[2]
+            kv_heads, length = keys.shape[0], keys.shape[1]
+            group = heads // kv_heads
+            scores = (q.reshape(kv_heads, group * n, d) @ keys.transpose(1, 2)).float() * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if mask is not None:  # [n, L], or [kv_heads, n, L] (one per KV head)
+                per_head = mask.float() if mask.dim() == 2 else mask.float()[:, None]
+                scores = (scores.view(kv_heads, group, n, length) + per_head).view(kv_heads, group * n, length)
+            weights = scores.softmax(-1).to(values.dtype)
+            return (weights @ values).view(heads, n, d)
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=sdpa_mask, scale=scale,
+                                              enable_gqa=self.shape.kv_heads != self.shape.heads)[0]
+
+    def _grouped_attention(self, n: int, keys: int) -> bool:
+        if self.device.type == "cuda":
+            return cuda_grouped_attention(n, keys, self.dtype == torch.float32)
+        return self.device.type == "cpu" and n <= (32 if self.dtype == torch.bfloat16 else 8)
+
+    def _linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, MatmulWeight):
+            return self.kernels.linear(x.contiguous(), weight.format, weight.data, bias, weight.rows)
+        if isinstance(weight, tuple):  # GGUF blocks of several formats: one matmul each, outputs side by side
+            out = torch.cat([self._linear(x, part) for part in weight], dim=-1)
+            return out if bias is None else out + bias
+        return F.linear(x, weight, bias)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, BlockWeight):
+            x = self.kernels.dequantize_rows(self.embed.format, self.embed.data, self.embed.cols, tokens)
+            x = x.to(self.dtype)
+        else:
+            x = F.embedding(tokens, self.embed)
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rotary_dim = cos.shape[-1]
+        if rotary_dim < x.shape[-1]:  # partial rotary: the rest of each head passes through
+            return torch.cat([self._rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+        half = rotary_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _layer_masks(self, mask: torch.Tensor | None, positions: torch.Tensor, cache: KVCache, span: int,
+                     slots: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Per layer, its additive mask ([n, span], or [kv_heads, n, span] where the cache keeps each slot's
+        position per head): `mask` for full attention, and for a sliding window W `mask` with every key at W or more
+        positions before the query hidden (transformers: kv > q - W). A slot holds the token of its own position
+        unless the cache keeps `key_positions` (the forward wrote the new tokens' there); the new tokens sit at
+        `positions`."""
+        windows = self.architecture.layer_windows
+        if not self.has_windows:
+            return [mask] * len(windows)
+        if cache.key_positions is None:
+            key_positions = torch.arange(span, device=self.device)
+            if slots is None:
+                key_positions[cache.length:cache.length + positions.shape[0]] = positions
+            else:
+                key_positions = key_positions.index_copy(0, slots, positions)
+            distance = positions[:, None] - key_positions[None, :]  # [n, span]
+        else:
+            distance = positions[None, None, :, None] - cache.key_positions[:, :, None, :span]  # [layers, kv, n, span]
+        base = mask if mask is not None else torch.zeros(distance.shape[-2:], dtype=self.dtype, device=self.device)
+        by_window: dict[int | None, torch.Tensor | None] = {None: mask}
+        layer_masks = []
+        for i, window in enumerate(windows):
+            if window is not None and cache.key_positions is not None:
+                layer_masks.append(base.masked_fill(distance[i] >= window, float("-inf")))
+                continue
+            if window not in by_window:
+                by_window[window] = base.masked_fill(distance >= window, float("-inf"))
+            layer_masks.append(by_window[window])
+        return layer_masks
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int = 512, logits: bool = True,
                 prompt_length: int | None = None) -> torch.Tensor | None:
@@ -684,12 +613,51 @@ class LeanModel:
             cache.prompt_length = prompt_length if prompt_length is not None else tokens.shape[0]
         graphed, self.graphed = self.graphed, None  # prefill chunks run eagerly: no graph per chunk size
         try:
-            return self._prefill(tokens, cache, chunk, logits)
+            return prefill_in_chunks(self, tokens, cache, chunk, logits)
         finally:
             self.graphed = graphed
 
-    def _prefill(self, tokens: torch.Tensor, cache: KVCache, chunk: int, logits: bool) -> torch.Tensor | None:
-        return prefill_in_chunks(self, tokens, cache, chunk, logits)
+
+class LongRopeSwitch:
+    """Phi-3 (longrope): once a sequence outgrows the original context, its generate re-encodes every token with the
+    long factors (transformers' Phi3ForCausalLM.prepare_inputs_for_generation drops the cache there). Per cache:
+    `KVCache.long_rope` says that its tokens are encoded with the long factors."""
+
+    def __init__(self, original_context: int) -> None:
+        self.original_context = original_context
+
+    def _lengths(self, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        return torch.clamp(positions + 1, min=cache.prompt_length)  # decoder/rope.py: each token's sequence length
+
+    def due(self, positions: torch.Tensor, cache: KVCache) -> bool:
+        return not cache.long_rope and bool((self._lengths(positions, cache) > self.original_context).any())
+
+    def forward(self, model: LeanModel, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None, logits_rows: torch.Tensor | slice | None,
+                slots: torch.Tensor | None) -> torch.Tensor:
+        """The forward that crosses the switch, as Phi-3's generate makes it: rows whose sequence still fits the
+        original context are scored with the short factors; then the committed tokens are encoded again with the
+        long factors, and the other rows are scored over them (the long-factor keys stay in the cache)."""
+        within = (self._lengths(positions, cache) <= self.original_context).to(model.device)
+        short = model._forward(tokens, positions, cache, mask, None, slots) if bool(within.any()) else None
+        cache.long_rope = True
+        if cache.length:
+            committed, length = cache.tokens[:cache.length].clone(), cache.length
+            cache.length = 0
+            prefill_in_chunks(model, committed, cache, 512, logits=False)
+            assert cache.length == length
+        logits = model._forward(tokens, positions, cache, mask, None, slots)
+        if short is not None:
+            logits[within] = short[within]
+        return logits if logits_rows is None else logits[logits_rows]
+
+
+def _kernel_widths_fit(shape: ModelShape, intermediate: int, architecture: Architecture, block: int) -> bool:
+    """Whether every matmul input is whole `block`s and every normed or activated row whole KERNEL_VECTORs (every
+    released model's are; tests' toy models need not be)."""
+    matmul_inputs = (shape.hidden, shape.heads * shape.head_dim, intermediate)
+    rows = (shape.hidden, intermediate) + ((shape.head_dim,) if architecture.qk_norm else ())
+    return all(w % block == 0 for w in matmul_inputs) and all(w % KERNEL_VECTOR == 0 for w in rows)
 
 
 def cuda_grouped_attention(n: int, keys: int, fp32: bool) -> bool:
@@ -698,15 +666,13 @@ def cuda_grouped_attention(n: int, keys: int, fp32: bool) -> bool:
     return 2 <= n <= 64 and (fp32 or keys >= 4096)
 
 
-def _with_sdpa_form(mask: torch.Tensor | None, model: LeanModel) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(mask, the mask as SDPA takes it: [1, 1 or heads, n, L] in the cache's dtype)."""
+def _sdpa_form(mask: torch.Tensor | None, model: LeanModel) -> torch.Tensor | None:
+    """A mask as SDPA takes it: [1, 1 or heads, n, L] in the model's dtype."""
     if mask is None:
-        return None, None
+        return None
     if mask.dim() == 3:  # one per KV head: repeated over each head's query group
-        sdpa = mask.repeat_interleave(model.shape.heads // model.shape.kv_heads, dim=0)[None]
-    else:
-        sdpa = mask[None, None]
-    return mask, sdpa.to(model.cache_dtype)
+        return mask.repeat_interleave(model.shape.heads // model.shape.kv_heads, dim=0)[None].to(model.dtype)
+    return mask[None, None].to(model.dtype)
 
 
 def _free(params: dict[str, torch.Tensor], names: Iterable[str]) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.errors import UserError
+from specplan.core.errors import UserError
 
 
 @dataclass(frozen=True)

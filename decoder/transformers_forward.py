@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from core.errors import UserError
-from decoder.model import ModelShape, causal_mask, draft_vocabulary_ids, prefill_in_chunks
+from specplan.core.errors import UserError
+from specplan.decoder.model import ModelShape, causal_mask, draft_vocabulary_ids, prefill_in_chunks
 
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}  # a probe row's max logit error
 
@@ -121,13 +121,12 @@ class TransformersForward:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: TransformersCache,
                 mask: torch.Tensor | None, logits_rows: torch.Tensor | slice | None = None,
-                slots: torch.Tensor | None = None, queries: torch.Tensor | None = None,
-                query_row: int = -1) -> torch.Tensor:
+                slots: torch.Tensor | None = None) -> torch.Tensor:
         """Score `tokens` ([n]) at `positions` ([n]) after the cache's `length` tokens, `mask` an additive
         [n, length + n] mask (None: each new token sees everything before it, as for n = 1); logits [rows, vocab]
         for `logits_rows` (all by default). The new tokens' keys stay in the cache until the next forward."""
-        if slots is not None or queries is not None:
-            raise UserError("TriForce's retrieval cache needs the lean decoder; this model runs on the "
+        if slots is not None:
+            raise UserError("the static cache layout (CUDA graphs) is the lean decoder's; this model runs on the "
                             "transformers backend")
         n = tokens.shape[0]
         cache.drop_uncommitted()

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, types
 from numba.typed import Dict
 
-from core.method_settings import TrieSettings
+from specplan.core.method_settings import TrieSettings
 
 KEY_TYPE = types.int64
 _EMPTY = -1

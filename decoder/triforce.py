@@ -19,18 +19,23 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from core.errors import UserError
-from core.method_settings import MAX_PREFIX, STREAMING_SINKS, STREAMING_WINDOW, TrieSettings
-from decoder.drafters import Drafter, choose_children
-from decoder.model import KVCache, LeanModel, causal_mask
-from decoder.sampling import probabilities
-from decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
-from decoder.verify import choose_rule
+from specplan.core.errors import UserError
+from specplan.core.method_settings import (
+    MAX_PREFIX,
+    STREAMING_SINKS,
+    STREAMING_WINDOW,
+    RetrievalSettings,
+    TrieSettings,
+    check_gammas,
+)
+from specplan.decoder.drafters import Drafter, choose_children
+from specplan.decoder.model import KVCache, LeanModel, causal_mask
+from specplan.decoder.sampling import probabilities
+from specplan.decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
+from specplan.decoder.verify import choose_rule
 
 
 def bottom_trie_settings(gamma1: int) -> TrieSettings:
@@ -139,25 +144,6 @@ class StreamingDrafter(Drafter):
         self.positions -= count
 
 
-@dataclass(frozen=True)
-class RetrievalSettings:
-    budget: int = 1024
-    chunk: int = 8
-    stride: int = 128  # rebuild after this many inserted tokens
-    rebuild_below: float = 0.0  # rebuild when the rolling top-level acceptance falls below this (0: never)
-
-    def check(self, context: int | None = None) -> RetrievalSettings:
-        if self.chunk < 1 or self.budget < 2 * self.chunk:
-            raise UserError(f"the budget ({self.budget}) must hold at least two chunks of {self.chunk}")
-        if self.budget % self.chunk:
-            raise UserError(f"the chunk size {self.chunk} does not divide the budget {self.budget}")
-        if context is not None and self.budget >= context:
-            raise UserError(f"the budget {self.budget} is not below the context ({context} tokens)")
-        if self.stride < 1:
-            raise UserError("the rebuild stride must be >= 1")
-        return self
-
-
 class RetrievalCache:
     def __init__(self, model: LeanModel, settings: RetrievalSettings, scratch: int) -> None:
         self.model = model
@@ -230,8 +216,7 @@ class HierarchicalDrafter(Drafter):
 
     def __init__(self, target: LeanModel, bottom: Drafter, gamma1: int, gamma2: int, retrieval: RetrievalSettings,
                  bottom_rule: str | None = None) -> None:
-        if gamma1 < 1 or gamma2 < gamma1:
-            raise UserError(f"need 1 <= gamma1 <= gamma2, got gamma1 = {gamma1}, gamma2 = {gamma2}")
+        check_gammas(gamma1, gamma2)
         retrieval.check()
         self.target, self.bottom = target, bottom
         self.gamma1, self.gamma2 = gamma1, gamma2
@@ -254,12 +239,11 @@ class HierarchicalDrafter(Drafter):
         self.rebuild_due = False
         self.recent.clear()
 
-    def target_forward_arguments(self) -> dict[str, Any]:
-        """The target's verifying forward writes its root's rotated queries here: the next build's selection."""
-        return {"queries": self.queries, "query_row": 0}
-
     def bind(self, target_cache: KVCache) -> None:
+        """The target's verifying forwards over its full cache write their root's rotated queries into
+        `self.queries`: the next build's selection."""
         self.full = target_cache
+        self.full.root_queries = self.queries
         self.built = False
 
     @torch.inference_mode()
@@ -267,7 +251,7 @@ class HierarchicalDrafter(Drafter):
         if not self.built:
             # Built at the end of prefill from the query of the prompt's last token (scored, not committed).
             self.target.forward(torch.tensor([root]), torch.tensor([self.full.length]), self.full, None,
-                                logits_rows=slice(0, 0), queries=self.queries, query_row=0)
+                                logits_rows=slice(0, 0))
             self.retrieval.build(self.full, self.queries)
             self.built = True
         elif self.rebuild_due:

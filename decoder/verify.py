@@ -19,9 +19,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from core.errors import UserError
-from decoder.sampling import SamplingParams, probabilities
-from decoder.tree import DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, DraftTree
+from specplan.core.errors import UserError
+from specplan.decoder.sampling import SamplingParams, probabilities
+from specplan.decoder.tree import DETERMINISTIC, WITH_REPLACEMENT, WITHOUT_REPLACEMENT, DraftTree
 
 
 class VerificationRule(ABC):

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -45,8 +46,9 @@ typedef float v4f __attribute__((vector_size(16)));
 // AVX-512's 32 registers. Up to direct_rows(format) rows (decoding, token trees) take passes of ROW_TILE rows
 // over each weight row, a block format's blocks decoded in registers once per pass; more (prefill chunks) read
 // TILE_W weight rows as fp32 (decoded once into a buffer) and run register tiles over them. The limits are
-// measured (bench/forward_anatomy.py's matmul passes on a 2-core EPYC, smollm2-135m): fp32 rows stream best in
-// tiles from 5 rows on, bf16 from 9, decoded blocks from 17 (from 32 rows, decoding once beats a pass per 8).
+// measured (matmul passes over smollm2-135m's layers on a 2-core EPYC, bench/kernel_variants.py): fp32 rows
+// stream best in tiles from 5 rows on, bf16 from 9, decoded blocks from 17 (from 32 rows, decoding once beats a
+// pass per 8).
 #ifdef __AVX512F__
 constexpr int ROW_TILE = 8;
 constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS = 16;
@@ -54,6 +56,19 @@ constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS 
 constexpr int ROW_TILE = 2;
 constexpr int64_t DIRECT_ROWS_F32 = 2, DIRECT_ROWS_BF16 = 2, DIRECT_ROWS_BLOCKS = 2;
 #endif
+// From this many activation rows a matmul of fp32, bf16 or (not K-quant) block weights runs as torch's own GEMM
+// (MKL or oneDNN) over the weight in fp32 panels (linear_gemm). With AVX2's 16 vector registers the register tiles
+// stay small and compute-bound: on a 2-core AVX2 EPYC the GEMM passes smollm2's layers from 6 rows on, and runs
+// prefill chunks several times faster (bench/kernel_variants.py gemm). With AVX-512 the tiles were measured best
+// for 8 to 64 rows; prefill chunks take the GEMM.
+#ifndef TORCH_GEMM_ROWS
+#ifdef __AVX512F__
+#define TORCH_GEMM_ROWS 65
+#else
+#define TORCH_GEMM_ROWS 6
+#endif
+#endif
+constexpr int64_t GEMM_PANEL_FLOATS = 1 << 22;  // a decoded panel of weight rows: 16 MB, whatever the matrix
 
 inline v16f load(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
@@ -128,11 +143,19 @@ inline v16f vexp(v16f x) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Weight formats: GGML's type ids, and for each block format its decoding into floats, written after ggml's
+// Weight formats, named as GGML names its types (Python passes the name; GGML's numeric ids stay in gguf-py's
+// GGMLQuantizationType), and for each block format its decoding into floats, written after ggml's
 // dequantize_row_* (ggml-quants.c) so that a block means exactly what llama.cpp reads from the same file.
 
-enum Format : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-                        BF16 = 30 };
+enum Format : int64_t { F32, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, FORMAT_COUNT };
+const char* const FORMAT_NAMES[FORMAT_COUNT] = {"F32", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K",
+                                                "Q5_K", "Q6_K"};
+
+int64_t format_named(const std::string& name) {
+  for (int64_t f = 0; f < FORMAT_COUNT; f++)
+    if (name == FORMAT_NAMES[f]) return f;
+  TORCH_CHECK(false, "unsupported weight format ", name);
+}
 
 const v16i LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -299,8 +322,8 @@ template <> struct Block<Q6_K> {  // 128 bytes of low nibbles, 64 of high bit pa
   }
 };
 
-template <> struct Block<F32> {
-  static constexpr int elems = 32, bytes = 128;
+template <> struct Block<F32> {  // fp32 rows need no blocks: one 16-float vector is the unit
+  static constexpr int elems = 16, bytes = 64;
   template <typename Emit>
   static void each(const uint8_t* b, Emit&& emit) {
     for (int e = 0; e < elems; e += 16) emit(e, load(reinterpret_cast<const float*>(b) + e));
@@ -897,6 +920,7 @@ void linear_q8k(const float* x, int64_t n, int64_t k, const uint8_t* weight, con
 
 int64_t block_elems(int64_t format) {
   switch (format) {
+    case F32: return Block<F32>::elems;
     case Q4_K: case Q5_K: case Q6_K: return 256;
     default: return 32;
   }
@@ -935,16 +959,48 @@ void with_format(int64_t format, Fn&& fn) {
   }
 }
 
+// out = xf W^T + bias for many activation rows: the weight in fp32 panels of rows (F32 as it is, other formats
+// decoded into a buffer, threads splitting the rows), each panel's product by torch's GEMM, written (and rounded to
+// out's dtype) into its columns. Each value is the same fp32 dot product as the register tiles', summed in another
+// order.
+template <int F>
+void linear_gemm(const torch::Tensor& xf, const uint8_t* weight, int64_t row_bytes, const torch::Tensor& bias,
+                 torch::Tensor& out, int64_t rows) {
+  const int64_t k = xf.size(1), panel = std::max<int64_t>(1, GEMM_PANEL_FLOATS / k);
+  torch::Tensor decoded;
+  if constexpr (F != F32) decoded = torch::empty({std::min(panel, rows), k}, torch::dtype(torch::kFloat32));
+  for (int64_t r0 = 0; r0 < rows; r0 += panel) {
+    const int64_t count = std::min(panel, rows - r0);
+    torch::Tensor w;
+    if constexpr (F == F32) {
+      w = torch::from_blob(const_cast<uint8_t*>(weight + r0 * row_bytes), {count, k}, torch::dtype(torch::kFloat32));
+    } else {
+      float* buffer = decoded.data_ptr<float>();
+      at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; r++) decode_row<F>(weight + (r0 + r) * row_bytes, k, buffer + r * k);
+      });
+      w = decoded.narrow(0, 0, count);
+    }
+    const auto panel_bias = bias.defined() ? c10::optional<torch::Tensor>(bias.narrow(0, r0, count)) : c10::nullopt;
+    if (count == rows && out.scalar_type() == torch::kFloat32) {
+      at::linear_out(out, xf, w, panel_bias);
+    } else {
+      out.narrow(1, r0, count).copy_(at::linear(xf, w, panel_bias));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Python entry points.
 
 // x [n, k] (fp32, or bf16 with bf16 weights) times weight [rows, k] in `format` (fp32/bf16 tensors, or uint8
 // [rows, row bytes] of GGUF blocks) plus bias [rows] (fp32 or x's dtype); returns [n, rows] in x's dtype.
-torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor weight, c10::optional<torch::Tensor> bias,
-                     int64_t rows) {
+torch::Tensor linear(torch::Tensor x, const std::string& format_name, torch::Tensor weight,
+                     c10::optional<torch::Tensor> bias, int64_t rows) {
+  const int64_t format = format_named(format_name);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "linear: contiguous 2-D x and weight");
   const int64_t n = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % block_elems(format) == 0, "linear: ", k, " inputs are not whole blocks of format ", format);
+  TORCH_CHECK(k % block_elems(format) == 0, "linear: ", k, " inputs are not whole blocks of format ", format_name);
   const int64_t row_bytes = k / block_elems(format) * block_bytes(format);
   TORCH_CHECK(weight.numel() * weight.element_size() == rows * row_bytes, "linear: weight size does not match");
   auto out = torch::empty({n, rows}, x.options());
@@ -970,13 +1026,16 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor weight, c10:
     return out;
   }
   with_format(format, [&](auto f) {
-    linear_rows<decltype(f)::value>(xf.data_ptr<float>(), n, k, w, row_bytes, b, out_f, out_h, rows);
+    constexpr int F = decltype(f)::value;
+    if (n >= TORCH_GEMM_ROWS) linear_gemm<F>(xf, w, row_bytes, bias_f, out, rows);
+    else linear_rows<F>(xf.data_ptr<float>(), n, k, w, row_bytes, b, out_f, out_h, rows);
   });
   return out;
 }
 
 // The rows `ids` of a weight in `format`, decoded to fp32 [len(ids), cols] (an embedding lookup).
-torch::Tensor dequantize_rows(int64_t format, torch::Tensor weight, int64_t cols, torch::Tensor ids) {
+torch::Tensor dequantize_rows(const std::string& format_name, torch::Tensor weight, int64_t cols, torch::Tensor ids) {
+  const int64_t format = format_named(format_name);
   const int64_t row_bytes = cols / block_elems(format) * block_bytes(format);
   const auto index = ids.to(torch::kInt64).contiguous();
   const int64_t n = index.numel(), rows = weight.numel() * weight.element_size() / row_bytes;
@@ -993,7 +1052,8 @@ torch::Tensor dequantize_rows(int64_t format, torch::Tensor weight, int64_t cols
   return out;
 }
 
-torch::Tensor dequantize(int64_t format, torch::Tensor weight, int64_t rows, int64_t cols) {
+torch::Tensor dequantize(const std::string& format_name, torch::Tensor weight, int64_t rows, int64_t cols) {
+  const int64_t format = format_named(format_name);
   const int64_t row_bytes = cols / block_elems(format) * block_bytes(format);
   TORCH_CHECK(weight.numel() * weight.element_size() == rows * row_bytes, "dequantize: weight size does not match");
   auto out = torch::empty({rows, cols}, torch::dtype(torch::kFloat32));
@@ -1234,12 +1294,13 @@ inline const float* cache_row(const torch::Tensor& cache, int64_t head, int64_t 
 constexpr int64_t ATTENTION_CHUNK = 256;
 constexpr int64_t MAX_SCORES = 1 << 18;  // a task's scores buffer: 1 MB
 
-// softmax(q k^T * scale + mask) v for q [heads, n, d] over the first `length` slots of k/v [kv_heads, slots, d]
-// (heads share a KV head in groups, as GQA); mask [n, >= length] additive or None (every key visible). Each
-// (KV head, chunk of keys) is a task holding its rows' running max, sum and weighted values; the chunks of a head
-// are merged at the end. Returns [n, heads * d] in q's dtype.
+// softmax(softcap(q k^T * scale) + mask) v for q [heads, n, d] over the first `length` slots of k/v
+// [kv_heads, slots, d] (heads share a KV head in groups, as GQA); mask additive, [n, >= length] or one per KV head
+// [kv_heads, n, >= length], or None (every key visible); softcap(s) = cap tanh(s / cap) where cap > 0 (Gemma 2),
+// else s. Each (KV head, chunk of keys) is a task holding its rows' running max, sum and weighted values; the
+// chunks of a head are merged at the end. Returns [n, heads * d] in q's dtype.
 torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t length,
-                        c10::optional<torch::Tensor> mask, double scale) {
+                        c10::optional<torch::Tensor> mask, double scale, double softcap) {
   const int64_t heads = q.size(0), n = q.size(1), d = q.size(2), kv_heads = k_cache.size(0);
   const int64_t group = heads / kv_heads, rows = group * n;
   TORCH_CHECK(q.is_contiguous() && k_cache.stride(2) == 1 && k_cache.stride(1) == d &&
@@ -1249,8 +1310,13 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   torch::Tensor m;
   if (mask) {
     m = mask->to(torch::kFloat32);
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == n && m.size(1) >= length && m.stride(1) == 1, "attention: mask shape");
+    const int64_t dims = m.dim();
+    TORCH_CHECK((dims == 2 || (dims == 3 && m.size(0) == kv_heads)) && m.size(dims - 2) == n &&
+                m.size(dims - 1) >= length && m.stride(dims - 1) == 1, "attention: mask shape");
   }
+  // the mask's row stride, and the offset of KV head kv's mask (0 where all heads share one)
+  const int64_t mask_row = mask ? m.stride(m.dim() - 2) : 0, mask_head = mask && m.dim() == 3 ? m.stride(0) : 0;
+  const float cap = static_cast<float>(softcap);
   const int64_t threads = at::get_num_threads();
   const int64_t per_head = std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads);
   // chunks of at least ATTENTION_CHUNK keys (below that a split costs more, a merge pass, than it spreads), and of
@@ -1271,12 +1337,14 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
       const int64_t kv = task / chunks, j0 = (task % chunks) * chunk, j1 = std::min(length, j0 + chunk);
       const int64_t span = j1 - j0;
       const float* qh = qp + kv * group * n * d;  // rows r = g * n + i: head kv * group + g, query i
+      const float* head_mask = mask ? m.data_ptr<float>() + kv * mask_head : nullptr;
       if (!gemm) {
         for (int64_t j = j0; j < j1; j++) {
           const float* kj = cache_row(k_cache, kv, j, d, cache_bf16, key.data());
           for (int64_t r = 0; r < rows; r++) {
             float score = dot_row(qh + r * d, kj, d) * fscale;
-            if (mask) score += m.data_ptr<float>()[(r % n) * m.stride(0) + j];
+            if (cap > 0.0f) score = cap * std::tanh(score / cap);
+            if (mask) score += head_mask[(r % n) * mask_row + j];
             scores[r * chunk + (j - j0)] = score;
           }
         }
@@ -1285,12 +1353,17 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
             at::linear(q_rows[kv], k_cache[kv].narrow(0, j0, span).to(torch::kFloat32)).contiguous();
         const float* product = products.data_ptr<float>();
         for (int64_t r = 0; r < rows; r++) {
-          const float* mask_row = mask ? m.data_ptr<float>() + (r % n) * m.stride(0) + j0 : nullptr;
+          const float* row_mask = mask ? head_mask + (r % n) * mask_row + j0 : nullptr;
           float* out = scores.data() + r * chunk;
+          if (cap > 0.0f) {
+            for (int64_t j = 0; j < span; j++)
+              out[j] = cap * std::tanh(product[r * span + j] * fscale / cap) + (row_mask ? row_mask[j] : 0.0f);
+            continue;
+          }
           int64_t j = 0;
           for (; j + 16 <= span; j += 16)
-            store(out + j, load(product + r * span + j) * fscale + (mask_row ? load(mask_row + j) : v16f{}));
-          for (; j < span; j++) out[j] = product[r * span + j] * fscale + (mask_row ? mask_row[j] : 0.0f);
+            store(out + j, load(product + r * span + j) * fscale + (row_mask ? load(row_mask + j) : v16f{}));
+          for (; j < span; j++) out[j] = product[r * span + j] * fscale + (row_mask ? row_mask[j] : 0.0f);
         }
       }
       float* acc_out = run_acc.data() + task * rows * d;
@@ -1373,6 +1446,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("formats", [] { return std::vector<std::string>(FORMAT_NAMES, FORMAT_NAMES + FORMAT_COUNT); });
   m.def("linear", &linear);
   m.def("dequantize", &dequantize);
   m.def("dequantize_rows", &dequantize_rows);
