@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from core.fileio import read_yaml
-from core.validate import MAX_VOCABULARY, Fields, check_number
+from specplan.core.fileio import read_yaml
+from specplan.core.validate import FORMAT_VERSION, MAX_VOCABULARY, Fields, check_number
 
 POSITIONAL_SUM_TOLERANCE = 1e-6
 
@@ -110,12 +110,12 @@ class SequoiaAcceptance:
             samples=f.integer("samples", required=False, low=0),
             chains=chains,
             extra={k: v for k, v in data.items()
-                   if k not in {"kind", "positional", "stderr", "models", "temperature", "top_p", "samples",
-                                "chains"}},
+                   if k not in {"kind", "version", "positional", "stderr", "models", "temperature", "top_p",
+                                "samples", "chains"}},
         )
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": "acceptance/sequoia"}
+        out: dict[str, Any] = {"kind": "acceptance/sequoia", "version": FORMAT_VERSION}
         if self.target or self.draft:
             out["models"] = {"target": self.target, "draft": self.draft}
         for key in ("temperature", "top_p", "samples"):
@@ -181,12 +181,14 @@ class LookaheadAcceptance:
                    decoded_with=(decoded.token_count("decoding_length"), decoded.token_count("branch_length"))
                    if decoded else None,
                    extra={k: v for k, v in data.items()
-                          if k not in {"kind", "models", "tokenizer", "records", "dtype", "decoded_with"}})
+                          if k not in {"kind", "version", "models", "tokenizer", "records", "dtype",
+                                       "decoded_with"}})
 
     def to_dict(self) -> dict[str, Any]:
         decoded = None if self.decoded_with is None else dict(zip(("decoding_length", "branch_length"),
                                                                   self.decoded_with))
-        return {"kind": "acceptance/lookahead", "models": {"target": self.target}, "tokenizer": self.tokenizer,
+        return {"kind": "acceptance/lookahead", "version": FORMAT_VERSION, "models": {"target": self.target},
+                "tokenizer": self.tokenizer,
                 **({"dtype": self.dtype} if self.dtype is not None else {}), "decoded_with": decoded, **self.extra,
                 "records": [{"id": r.id, "category": r.category, "prompt": r.prompt, "output": r.output}
                             for r in self.records]}
@@ -325,7 +327,7 @@ class TriForceAcceptance:
         if not isinstance(streaming, list):
             raise f.fail("'streaming' must be a list")
         cache = f.sub("bottom_cache", required=False)
-        known = {"kind", "models", "entries", "temperature", "streaming", "bottom_cache", "decoded_with"}
+        known = {"kind", "version", "models", "entries", "temperature", "streaming", "bottom_cache", "decoded_with"}
         return cls(
             target=models.string("target"), bottom=bottom,
             entries=[TriForceEntry.from_fields(Fields(item, f"{where}: entries[{i}]")) for i, item in enumerate(raw)],
@@ -337,7 +339,8 @@ class TriForceAcceptance:
             extra={k: v for k, v in data.items() if k not in known})
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": "acceptance/triforce", "models": {"target": self.target, "bottom": self.bottom},
+        out: dict[str, Any] = {"kind": "acceptance/triforce", "version": FORMAT_VERSION,
+                               "models": {"target": self.target, "bottom": self.bottom},
                                "temperature": self.temperature, **self.extra}
         out["bottom_cache"] = None if self.bottom_cache is None else dict(zip(("sinks", "window"), self.bottom_cache))
         out["decoded_with"] = self.decoded_with

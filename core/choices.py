@@ -1,6 +1,8 @@
 """The names the CLI offers as choices, importable without torch so that `plan --help` stays fast. Each is the
 key set of a registry in a heavier module (models.TORCH_DTYPES, verify.RULES), which tests hold equal."""
 
+PRESET_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")  # core/models.py: PRESETS
+TINY_MODEL_PREFIX = "tiny-random-"  # the tiny random-weight test models' names (core/models.py: TINY_MODELS)
 DTYPES = ("fp32", "bf16", "gguf")  # gguf: the GGUF file's own quantized blocks, fp32 activations
 MODELED_DTYPES = ("fp32", "bf16", "fp16")  # what `plan profile --gpu NAME` models (fp16: V100, T4; not decoded here)
 PROFILE_DTYPES = DTYPES + ("fp16",)  # what a profile or a plan may be for

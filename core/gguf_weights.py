@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.errors import UserError
+from specplan.core.errors import UserError
 
-# The block formats the CPU kernels decode, with GGML's type ids (elements and bytes per block are GGML's).
-BLOCK_FORMATS = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-                 "BF16": 30}
+# The GGML types the CPU kernels decode, by GGML's names (gguf-py's GGMLQuantizationType holds their ids; the
+# kernels' own list is held equal to this one by tests/test_cpu_kernels.py)
+BLOCK_FORMATS = ("F32", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # GGUF tensor names of the matmul weights of a decoder layer, and transformers' names for them
 LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -43,10 +43,6 @@ class BlockWeight:
     rows: int
     cols: int
     data: torch.Tensor
-
-    @property
-    def format_id(self) -> int:
-        return BLOCK_FORMATS[self.format]
 
     def take_rows(self, rows: torch.Tensor) -> BlockWeight:
         return BlockWeight(self.format, int(rows.numel()), self.cols, self.data[rows].contiguous())

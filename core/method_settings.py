@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from core.errors import UserError
-from core.fileio import plain
-from core.validate import Fields
+from specplan.core.errors import UserError
+from specplan.core.fileio import plain
+from specplan.core.validate import Fields
 
 MAX_PREFIX = 4  # longest context suffix matched
 PROMPT_WEIGHT = 4.0  # prompt branches weigh this many output windows
@@ -65,6 +65,35 @@ class TrieSettings:
 
 
 @dataclass(frozen=True)
+class RetrievalSettings:
+    """TriForce's retrieval cache (decoder/triforce.py: RetrievalCache): the target's KV cache reduced to `budget`
+    tokens in chunks of `chunk`, rebuilt every `stride` inserted tokens or when the rolling acceptance falls below
+    `rebuild_below`."""
+
+    budget: int = 1024
+    chunk: int = 8
+    stride: int = 128  # rebuild after this many inserted tokens
+    rebuild_below: float = 0.0  # rebuild when the rolling top-level acceptance falls below this (0: never)
+
+    def check(self, context: int | None = None) -> RetrievalSettings:
+        if self.chunk < 1 or self.budget < 2 * self.chunk:
+            raise UserError(f"the budget ({self.budget}) must hold at least two chunks of {self.chunk}")
+        if self.budget % self.chunk:
+            raise UserError(f"the chunk size {self.chunk} does not divide the budget {self.budget}")
+        if context is not None and self.budget >= context:
+            raise UserError(f"the budget {self.budget} is not below the context ({context} tokens)")
+        if self.stride < 1:
+            raise UserError("the rebuild stride must be >= 1")
+        return self
+
+
+def check_gammas(gamma1: int, gamma2: int) -> None:
+    """TriForce's draft lengths: gamma1 tokens per middle round from the bottom, gamma2 per chain to the top."""
+    if not 1 <= gamma1 <= gamma2 <= MAX_GAMMA:
+        raise UserError(f"need 1 <= gamma1 <= gamma2 <= {MAX_GAMMA}, got gamma1 = {gamma1}, gamma2 = {gamma2}")
+
+
+@dataclass(frozen=True)
 class TriForceSettings:
     """A TriForce plan's decoding: the bottom level (`trie`, `model`: the draft over a StreamingLLM cache of
     `sinks` + `window` tokens, `none`: the two-level variant, `streaming`: no middle level) drafting gamma1 tokens
@@ -87,15 +116,19 @@ class TriForceSettings:
 
     @classmethod
     def from_fields(cls, f: Fields) -> TriForceSettings:
-        gamma1, gamma2 = (f.integer(key, low=1, high=MAX_GAMMA) for key in ("gamma1", "gamma2"))
-        if gamma2 < gamma1:
-            raise f.fail("gamma2 must be >= gamma1")
-        budget, chunk = f.token_count("budget"), f.token_count("chunk")
-        if chunk >= budget or budget % chunk:
-            raise f.fail(f"the chunk ({chunk}) must divide the budget ({budget}) and be smaller")
-        return cls(gamma1, gamma2, budget, chunk, f.token_count("stride"), f.token_count("context"),
-                   f.string("bottom", choices=TRIFORCE_BOTTOMS), f.number("rebuild_below", low=0.0, high=1.0),
-                   f.token_count("sinks", low=0), f.token_count("window"), f.boolean("speculate", default=True))
+        settings = cls(f.integer("gamma1"), f.integer("gamma2"), f.token_count("budget"), f.token_count("chunk"),
+                       f.token_count("stride"), f.token_count("context"), f.string("bottom", choices=TRIFORCE_BOTTOMS),
+                       f.number("rebuild_below", low=0.0, high=1.0), f.token_count("sinks", low=0),
+                       f.token_count("window"), f.boolean("speculate", default=True))
+        try:
+            check_gammas(settings.gamma1, settings.gamma2)
+            settings.retrieval().check()
+        except UserError as exc:
+            raise f.fail(str(exc)) from None
+        return settings
+
+    def retrieval(self) -> RetrievalSettings:
+        return RetrievalSettings(self.budget, self.chunk, self.stride, self.rebuild_below)
 
     def check(self) -> TriForceSettings:
         """The loader's checks, for settings made in code (the solver's, before it writes them)."""

@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+import torch
 
-import torch  # noqa: E402
-
-from core.choices import DTYPES  # noqa: E402
-from core.errors import UserError  # noqa: E402
-from core.gguf_weights import BlockWeight, quantize_block_weights, read_block_weights  # noqa: E402
+from specplan.core import progress
+from specplan.core.choices import DTYPES, TINY_MODEL_PREFIX
+from specplan.core.errors import UserError
+from specplan.core.gguf_weights import BlockWeight, quantize_block_weights, read_block_weights
+from specplan.core.model_names import model_name
 
 # The dtype of the activations (and of the weights the checkpoint gives: at gguf, norms and biases; the matmul
 # weights stay in the file's blocks, core/gguf_weights.py).
@@ -140,7 +139,7 @@ def _tiny_config(family: str) -> Any:
 TINY_FAMILIES = ("llama", "qwen2", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "llama-longrope",
                  "qwen3", "mistral", "phi3", "gemma2", "gemma3")  # the lean forward's
 TINY_GENERIC_FAMILIES = ("gpt-neox", "olmo2")  # only the transformers backend runs these
-TINY_MODELS = tuple(f"tiny-random-{family}{suffix}" for suffix in ("", "-draft")
+TINY_MODELS = tuple(f"{TINY_MODEL_PREFIX}{family}{suffix}" for suffix in ("", "-draft")
                     for family in TINY_FAMILIES + TINY_GENERIC_FAMILIES)
 
 
@@ -233,8 +232,9 @@ def load_model_spec(source: str, dtype: str, log=None) -> ModelSpec:
         return ModelSpec(loaded.name, loaded.config, dtype, {**loaded.fingerprint, "dtype": dtype},
                          loaded.stop_token_ids)
     config = config_from_json(config_file)
-    file_name = config_file.parent.name if config_file.stem == "config" else config_file.stem
-    name = source if source in PRESETS else file_name
+    # a directory and its config.json name one model: the directory's (resolved) path
+    name = source if source in PRESETS else model_name(str(config_file.parent if config_file.name == "config.json"
+                                                           else config_file))
     parameters = config_parameter_count(config)
     eos = getattr(config, "eos_token_id", None)
     stops = frozenset(int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None)
@@ -289,10 +289,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECPLAN_CACHE", Path.home() / ".cache" / "specplan")).expanduser()
 
 
-def known_models() -> list[str]:
-    return sorted(PRESETS) + list(TINY_MODELS)
-
-
 def torch_dtype(dtype: str) -> torch.dtype:
     if dtype not in TORCH_DTYPES:
         raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(TORCH_DTYPES)})")
@@ -302,7 +298,7 @@ def torch_dtype(dtype: str) -> torch.dtype:
 def load_model(name: str, dtype: str = "fp32", log=None) -> LoadedModel:
     """Load a preset, a tiny test model, a local HF directory or a local .gguf file."""
     torch_dtype(dtype)
-    say = log or (lambda message: None)
+    say = log or progress.say
     if name in TINY_MODELS:
         return _tiny_model(name, dtype)
     if name in PRESETS:
@@ -318,18 +314,21 @@ def load_model(name: str, dtype: str = "fp32", log=None) -> LoadedModel:
         if not (directory / "specplan.json").is_file():  # converting holds the whole model in fp32
             check_fits_memory(path.name, gguf_parameter_count(path) * 4, "fp32 (converting the GGUF)")
         directory = _convert_gguf(path, directory, digest, say)
-        return _load_directory(path.name, directory, dtype, {"source": "gguf", "gguf_sha256": digest}, name)
+        return _load_directory(model_name(name), directory, dtype, {"source": "gguf", "gguf_sha256": digest},
+                               model_name(name))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{path}: not a Hugging Face model directory (no config.json)")
         if dtype == "gguf":
             raise UserError(f"{path}: dtype gguf runs a GGUF file's own quantized weights; a Hugging Face directory "
                             "has none (load a preset or a .gguf file, or choose fp32/bf16)")
-        return _load_directory(path.name, path, dtype, {"source": "hf-directory", "path": str(path.resolve())}, name)
+        return _load_directory(model_name(name), path, dtype, {"source": "hf-directory", "path": model_name(name)},
+                               model_name(name))
     if os.sep in name or path.suffix:
         raise UserError(f"{name}: no such model file or directory")
-    raise UserError(f"unknown model {name!r}: choose a preset ({', '.join(known_models())}), "
-                    "a local Hugging Face directory or a .gguf file")
+    raise UserError(f"unknown model {name!r}: choose a preset ({', '.join(sorted(PRESETS))}), a local Hugging Face "
+                    "directory or a .gguf file (or, for tests, tiny-random-FAMILY[-draft] with FAMILY one of "
+                    f"{', '.join(TINY_FAMILIES + TINY_GENERIC_FAMILIES)})")
 
 
 def _sha256(path: Path) -> str:
@@ -350,7 +349,7 @@ def _converted_preset(name: str, say) -> Path:
     return _convert_gguf(preset_gguf(name, say), target, preset.sha256, say)
 
 
-def preset_gguf(name: str, say=lambda message: None, verify: bool = True) -> Path:
+def preset_gguf(name: str, say=progress.say, verify: bool = True) -> Path:
     """The preset's GGUF file in the cache, fetched (and its sha256 checked) if missing."""
     preset = PRESETS[name]
     gguf = cache_dir() / "gguf" / preset.gguf_name
@@ -418,9 +417,11 @@ def _convert_gguf(gguf: Path, target: Path, digest: str, say) -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    say(f"converting {gguf.name} to safetensors (once; cached in {target})")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    say(f"converting {gguf.name} to safetensors (once, about a minute per GB; cached in {target})")
+    _quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     # The dequantized weights are plain tensors; drop the GGUF marker so they can be saved as safetensors.
     del model.config.quantization_config
     model.hf_quantizer = None
@@ -441,19 +442,25 @@ def _convert_gguf(gguf: Path, target: Path, digest: str, say) -> Path:
 
 def _load_directory(name: str, directory: Path, dtype: str, fingerprint: dict, source: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     check_fits_memory(name, safetensors_parameter_count(directory) * torch_dtype(dtype).itemsize, dtype)
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype(dtype))
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+    _quiet_transformers()
+    try:  # local files only: no model hub is asked, whatever the environment says
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype(dtype), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise UserError(f"{directory}: cannot load the model: {str(exc).splitlines()[0]}") from None
     model.eval()
     return LoadedModel(name, model, tokenizer, dtype, {**fingerprint, **model_fingerprint(name, model, dtype)},
                        source)
+
+
+def _quiet_transformers() -> None:
+    """transformers' progress bars and advice off: specplan's own progress lines say what it is doing."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def available_memory() -> int:

@@ -28,11 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from core.choices import ENGINES, LOOKUP_ENGINES, PROFILE_DTYPES, TIMED_FORWARDS
-from core.errors import UserError
-from core.fileio import check_plain_values, plain, read_yaml, write_yaml
-from core.method_settings import NgramTreeSettings, PromptLookupSettings, TrieSettings, TriForceSettings
-from core.validate import MAX_VOCABULARY, Fields
+from specplan.core.choices import ENGINES, LOOKUP_ENGINES, PROFILE_DTYPES, TIMED_FORWARDS
+from specplan.core.errors import UserError
+from specplan.core.fileio import check_plain_values, plain, read_yaml, write_yaml
+from specplan.core.method_settings import NgramTreeSettings, PromptLookupSettings, TrieSettings, TriForceSettings
+from specplan.core.model_names import same_model
+from specplan.core.validate import FORMAT_VERSION, MAX_VOCABULARY, Fields
 
 PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce", "plan/prompt-lookup")
 MAX_TREE_NODES = 1 << 16  # far above any tree a target verifies in one forward
@@ -276,7 +277,7 @@ class Plan:
         return plan
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, "models": self.models.to_dict()}
+        out: dict[str, Any] = {"kind": self.kind, "version": FORMAT_VERSION, "models": self.models.to_dict()}
         if self.engine != "specplan":
             out["engine"] = self.engine
         if self.sampling:
@@ -304,7 +305,7 @@ def load_decoding_plan(path: str | os.PathLike, method: str, target: str, dtype:
     plan = load_plan(path)
     if plan.method != method:
         raise UserError(f"{path}: decoding these outputs needs a {method} plan, not a {plan.method} plan")
-    if plan.models.target != target:
+    if not same_model(plan.models.target, target):
         raise UserError(f"{path}: the plan is for {plan.models.target!r}, not {target!r}")
     if (plan.models.dtype or dtype) != dtype:
         raise UserError(f"{path}: the plan is for {plan.models.dtype}, not {dtype}")

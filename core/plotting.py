@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from core.fileio import atomic_output
+from specplan.core.fileio import atomic_output
 
 
 def pyplot():

@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 from scipy.interpolate import PchipInterpolator
 
-from core.choices import FORWARDS, PROFILE_DTYPES, TIMED_FORWARDS
-from core.errors import UserError
-from core.fileio import check_plain_values, plain, read_yaml, shown, write_yaml
-from core.machine import machine_identity
-from core.validate import MAX_FORWARD_TOKENS, MAX_SECONDS, Fields
+from specplan.core.choices import FORWARDS, PROFILE_DTYPES, TIMED_FORWARDS
+from specplan.core.errors import UserError
+from specplan.core.fileio import check_plain_values, plain, read_yaml, shown, write_yaml
+from specplan.core.machine import machine_identity
+from specplan.core.validate import MAX_FORWARD_TOKENS, MAX_SECONDS, Fields
 
 
 class LatencyCurve:

@@ -3,13 +3,27 @@ decoding and the benchmarks."""
 
 from __future__ import annotations
 
-from core.errors import UserError
+from specplan.core import progress
+
+_said_no_template: set[str] = set()  # the tokenizers whose missing chat template was already announced
+
+
+def uses_chat_template(tokenizer, chat: bool) -> bool:
+    """Whether prompts asked for with `chat` get the chat template: a model without one (a base model) takes them as
+    given, and says so once."""
+    if not chat:
+        return False
+    if getattr(tokenizer, "chat_template", None):
+        return True
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if name not in _said_no_template:
+        _said_no_template.add(name)
+        progress.say("note: the model has no chat template: prompts are encoded as given")
+    return False
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UserError("the model's tokenizer has no chat template: encode the prompt as given, without one")
+    if uses_chat_template(tokenizer, chat):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
         return list(ids)

@@ -7,9 +7,9 @@ import os
 import platform
 from collections.abc import Iterable
 
-from core import __version__
-from core.errors import UserError
-from core.fileio import sha256_file
+from specplan import __version__
+from specplan.core.errors import UserError
+from specplan.core.fileio import sha256_file
 
 
 def provenance(inputs: Iterable[str | os.PathLike] = ()) -> dict:

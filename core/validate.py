@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from core.errors import UserError
-from core.fileio import shown
+from specplan.core.errors import UserError
+from specplan.core.fileio import shown
 
 # Ranges a specplan file's numbers must lie in. Token counts (tree sizes n, context lengths, budgets) stop at
 # 2^24, beyond any model's context; times at a day per forward; both keep every solver's loops and
@@ -16,6 +16,9 @@ MAX_FORWARD_TOKENS = 1 << 16  # new tokens n in one forward (a profile's t(n) ke
 MAX_SECONDS = 86_400.0
 MAX_VOCABULARY = 1 << 24  # token ids are int32 in every engine; the largest vocabularies hold ~262k
 MAX_NAME_CHARS = 4096  # a name, a dtype, a path: PATH_MAX
+# The version of specplan's file formats (plans, profiles, acceptance files), written as `version:` after `kind:`.
+# A change a reader of the current version cannot read raises it; the loaders read every older version.
+FORMAT_VERSION = 1
 
 
 class Fields:
@@ -41,11 +44,24 @@ class Fields:
         return Fields(self.data[key], f"{self.where}: {key}")
 
     def kind(self, expected: str | tuple[str, ...]) -> str:
+        """The file's kind, one of `expected`, after its format version (see `version`)."""
         kind = self.data.get("kind")
         allowed = (expected,) if isinstance(expected, str) else expected
         if kind not in allowed:
             raise self.fail(f"kind is {shown(kind)}, expected {' or '.join(repr(k) for k in allowed)}")
+        self.version()
         return kind
+
+    def version(self) -> int:
+        """The file format's version: every specplan file carries one; a file written before versions were recorded
+        reads as version 1, and one newer than FORMAT_VERSION (a newer specplan's) is refused."""
+        if not self.has("version"):
+            return 1
+        version = self.integer("version", low=1)
+        if version > FORMAT_VERSION:
+            raise self.fail(f"format version {version} is newer than this specplan reads ({FORMAT_VERSION}): "
+                            "upgrade specplan")
+        return version
 
     def number(self, key: str, *, required: bool = True, low: float | None = None, high: float | None = None,
                default: float | None = None) -> float | None:

@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from core.acceptance_schema import DraftChainTrace
-from core.errors import UserError
-from core.profile_schema import LatencyProfile
+from specplan.core.acceptance_schema import DraftChainTrace
+from specplan.core.errors import UserError
+from specplan.core.profile_schema import LatencyProfile
 
 CHAIN_KNOB_ENGINES = ("llama.cpp", "hf")
 P_MIN_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # llama.cpp's --draft-p-min: 0, 0.05, ..., 0.95

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.choices import ENGINES
-from core.errors import UserError
-from core.plan_schema import TokenTree
+from specplan.core.choices import ENGINES
+from specplan.core.errors import UserError
+from specplan.core.plan_schema import TokenTree
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,8 @@ RULES: dict[str, EngineRules] = {
                           depth_is_heads=True),
     "eagle1": EngineRules("eagle1", "ranked", (EAGLE1_UTILS,), max_rank=TOP_K_OF_DRAFT_HEADS, min_depth=2,
                           depth_is_heads=True,
-                          notes=("depth >= 2 as issue 34 read EAGLE-1's buffer builder; not re-derived here",)),
+                          notes=("depth >= 2 as EAGLE-1's buffer builder read when this rule was written; "
+                                 "not re-derived since",)),
     "trtllm": EngineRules("trtllm", "ranked", (TRTLLM_ARGS, TRTLLM_EAGLE_README), min_depth=1,
                           max_depth=TRTLLM_EAGLE_LAYERS, max_draft_tokens=TRTLLM_MAX_DRAFT_LEN,
                           max_non_leaves_per_level=TRTLLM_NON_LEAVES_PER_LAYER,

@@ -15,12 +15,12 @@ from typing import Any
 
 import yaml
 
-from core.choices import ENGINES
-from core.errors import UserError
-from core.plan_schema import Plan, TokenTree
-from core.validate import Fields
-from planner.draft_chain import HF_SCHEDULES
-from planner.engines import check_tree, engine_rules
+from specplan.core.choices import ENGINES
+from specplan.core.errors import UserError
+from specplan.core.plan_schema import Plan, TokenTree
+from specplan.core.validate import Fields
+from specplan.planner.draft_chain import HF_SCHEDULES
+from specplan.planner.engines import check_tree, engine_rules
 
 EXPORT_FORMATS = tuple(engine for engine in ENGINES if engine != "specplan")
 NEEDS_DRAFT_PATH = ("vllm", "vllm-draft", "trtllm", "trtllm-draft", "sglang", "llama.cpp", "hf")

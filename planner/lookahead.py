@@ -23,14 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-from core.acceptance_schema import LookaheadAcceptance, LookaheadRecord, load_lookahead_acceptance
-from core.errors import UserError
-from core.fileio import shown
-from core.method_settings import TrieSettings
-from core.plan_schema import Plan, PlanModels, Prediction
-from core.profile_schema import LatencyProfile, load_profile
-from core.provenance import provenance
-from decoder.trie import Trie, accepted_run
+from specplan.core.acceptance_schema import LookaheadAcceptance, LookaheadRecord, load_lookahead_acceptance
+from specplan.core.errors import UserError
+from specplan.core.fileio import shown
+from specplan.core.method_settings import TrieSettings
+from specplan.core.model_names import same_model
+from specplan.core.plan_schema import Plan, PlanModels, Prediction
+from specplan.core.profile_schema import LatencyProfile, load_profile
+from specplan.core.provenance import provenance
+from specplan.decoder.trie import Trie, accepted_run
 
 DECODING_LENGTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 BRANCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -112,7 +113,7 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
     profile = load_profile(profile_path) if profile_path is not None else None
     if profile is not None:
         measured = profile.models.get("target")
-        if measured and measured != acceptance.target:
+        if measured and not same_model(measured, acceptance.target):
             raise UserError(f"{acceptance_path} and {profile_path}: the outputs are from "
                             f"{shown(acceptance.target)} but the profile is for {shown(measured)}")
         max_n = min(max(curve) for curve in (profile.target_by_context or {0: profile.target_t_seconds}).values())

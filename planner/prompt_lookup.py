@@ -33,22 +33,23 @@ from pathlib import Path
 
 import numpy as np
 
-from core.acceptance_schema import LookaheadRecord, load_lookahead_acceptance
-from core.choices import FORWARDS
-from core.errors import UserError
-from core.fileio import shown
-from core.method_settings import (
+from specplan.core.acceptance_schema import LookaheadRecord, load_lookahead_acceptance
+from specplan.core.choices import FORWARDS
+from specplan.core.errors import UserError
+from specplan.core.fileio import shown
+from specplan.core.method_settings import (
     SGLANG_MATCH_TYPES,
     SGLANG_MAX_BFS_BREADTH,
     SGLANG_TRIE_DEPTH,
     NgramTreeSettings,
     PromptLookupSettings,
 )
-from core.plan_schema import Plan, PlanModels, Prediction
-from core.profile_schema import LatencyProfile, load_profile
-from core.provenance import provenance
-from planner.engines import HF_CANDIDATES, Source
-from planner.sglang_ngram import SGLANG_TRIE, SGLANG_WORKER, NgramTreeProposer
+from specplan.core.model_names import same_model
+from specplan.core.plan_schema import Plan, PlanModels, Prediction
+from specplan.core.profile_schema import LatencyProfile, load_profile
+from specplan.core.provenance import provenance
+from specplan.planner.engines import HF_CANDIDATES, Source
+from specplan.planner.sglang_ngram import SGLANG_TRIE, SGLANG_WORKER, NgramTreeProposer
 
 MAX_NGRAMS = (1, 2, 3, 4)
 DRAFT_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
@@ -233,7 +234,7 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
     profile = load_profile(profile_path, ENGINE_FORWARDS[engine]) if profile_path is not None else None
     if profile is not None:
         measured = profile.models.get("target")
-        if measured and measured != acceptance.target:
+        if measured and not same_model(measured, acceptance.target):
             raise UserError(f"{acceptance_path} and {profile_path}: the outputs are from "
                             f"{shown(acceptance.target)} but the profile is for {shown(measured)}")
         largest = profile.target_curve().max_n

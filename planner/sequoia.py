@@ -19,13 +19,12 @@ about 5x slower). Infeasible states are -inf and are never multiplied: sizes who
 are skipped, so 0 * -inf cannot produce a NaN.
 
 The choice. For a tree of n nodes (root included) and depth d, one decoding step costs d draft forwards and one
-target forward over B * n new tokens (B = batch), and yields G(n, d) tokens per sequence on average:
+target forward over n new tokens, and yields G(n, d) tokens on average:
 
-    speedup(n, d) = G(n, d) * (t(B) + o(B)) / (t(B * n) + o(B * n) + d * c_draft)
+    speedup(n, d) = G(n, d) * (t(1) + o(1)) / (t(n) + o(n) + d * c_draft)
 
-t(B) is one autoregressive step of the same batch, so B = 1 gives the paper's G * t(1) / (t(n) + d c), with
-o(n), the decoding engine's time per step outside the target's forward (mask, verification walk, commit),
-added where the profile measured it.
+the paper's G * t(1) / (t(n) + d c), with o(n), the decoding engine's time per step outside the target's forward
+(mask, verification walk, commit), added where the profile measured it.
 Without a profile the optimizer maximises G alone over n <= N, d <= D.
 """
 
@@ -38,15 +37,16 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from core.acceptance_schema import DraftChainTrace, SequoiaAcceptance, load_sequoia_acceptance
-from core.choices import FORWARDS, TIMED_FORWARDS
-from core.errors import UserError
-from core.fileio import shown
-from core.plan_schema import Plan, PlanModels, Prediction, TokenTree
-from core.profile_schema import LatencyProfile, load_profile
-from core.provenance import provenance
-from planner.draft_chain import CHAIN_KNOB_ENGINES, best_knobs
-from planner.engines import EngineRules, engine_rules
+from specplan.core.acceptance_schema import DraftChainTrace, SequoiaAcceptance, load_sequoia_acceptance
+from specplan.core.choices import FORWARDS, TIMED_FORWARDS
+from specplan.core.errors import UserError
+from specplan.core.fileio import shown
+from specplan.core.model_names import same_model
+from specplan.core.plan_schema import Plan, PlanModels, Prediction, TokenTree
+from specplan.core.profile_schema import LatencyProfile, load_profile
+from specplan.core.provenance import provenance
+from specplan.planner.draft_chain import CHAIN_KNOB_ENGINES, best_knobs
+from specplan.planner.engines import EngineRules, engine_rules
 
 NEG_INF = -np.inf
 
@@ -571,11 +571,10 @@ def replay_tree(parents: list[int] | np.ndarray, chains: list[DraftChainTrace]) 
     return tokens / steps
 
 
-def _seconds_per_token(step_seconds: float, tokens_per_step: float, prefill_per_token: float, batch: int = 1
-                      ) -> float:
-    """A tree step's time per token of each sequence of the batch, with the draft's prompt prefill spread over the
-    tokens (prompt_prefill_per_token): one-token decoding's step time over it is the speedup."""
-    return step_seconds / (batch * tokens_per_step) + prefill_per_token
+def _seconds_per_token(step_seconds: float, tokens_per_step: float, prefill_per_token: float) -> float:
+    """A tree step's time per token, with the draft's prompt prefill spread over the tokens
+    (prompt_prefill_per_token): one-token decoding's step time over it is the speedup."""
+    return step_seconds / tokens_per_step + prefill_per_token
 
 
 def _replayed(ranked: list[Candidate], tables: Tables, chains: list[DraftChainTrace],
@@ -590,7 +589,7 @@ def _replayed(ranked: list[Candidate], tables: Tables, chains: list[DraftChainTr
 
 
 def plan_speedup(plan: Plan, profile: LatencyProfile) -> float:
-    """A batch-1 plan's tree priced on `profile` as the solver priced it: its tokens/step (replayed or modeled)
+    """A plan's tree priced on `profile` as the solver priced it: its tokens/step (replayed or modeled)
     over one step, t(n) + o(n) + d draft steps at the plan's context, plus the draft's prefill per token the plan
     recorded, against one-token decoding's t(1) + o(1). `plan bench --reprice` prices it on re-timed points."""
     context = plan.inputs["profile"]["context"]
@@ -625,7 +624,7 @@ class Candidate:
 
 
 def rank_candidates(tables: Tables, profile: LatencyProfile | None = None,
-                    batch: int = 1, context: int | None = None, rules: EngineRules | None = None,
+                    context: int | None = None, rules: EngineRules | None = None,
                     prefill_per_token: float = 0.0) -> list[Candidate]:
     """Every non-dominated (n, d), best first: by speedup with a profile, by G without one. `prefill_per_token`:
     the draft's prompt prefill spread over the tokens of a continuation (prompt_prefill_per_token), added to each
@@ -651,24 +650,22 @@ def rank_candidates(tables: Tables, profile: LatencyProfile | None = None,
     c_draft = profile.draft_step(context)
     if c_draft is None:
         raise UserError("the profile has no draft.step_seconds: Sequoia needs the draft's per-step cost")
-    max_n = min(tables.max_size, curve.max_n // batch)
-    if max_n < 1:
-        raise UserError(f"the profile covers t(n) up to n = {curve.max_n}, less than the batch {batch}")
+    max_n = min(tables.max_size, curve.max_n)
     feasible[max_n + 1:, :] = False
-    t_batch = float(profile.step_seconds(batch, context))
+    t_one = float(profile.step_seconds(1, context))
     t_target = np.zeros(G.shape[0])
-    t_target[1:max_n + 1] = profile.step_seconds(sizes[1:max_n + 1] * batch, context)
+    t_target[1:max_n + 1] = profile.step_seconds(sizes[1:max_n + 1], context)
     out = []
     for n, d in zip(*np.nonzero(feasible)):
         step = t_target[n] + d * c_draft
         g = float(G[n, d])
-        per_token = _seconds_per_token(step, g, prefill_per_token, batch)
-        out.append(Candidate(int(n), int(d), g, step, t_batch / (batch * per_token), 1.0 / per_token))
+        per_token = _seconds_per_token(step, g, prefill_per_token)
+        out.append(Candidate(int(n), int(d), g, step, t_one / per_token, 1.0 / per_token))
     return sorted(out, key=lambda c: (-c.speedup, c.size, c.depth))
 
 
 def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, profile_path: str | Path | None = None,
-                  batch: int = 1, context: int | None = None, engine: str = "specplan",
+                  context: int | None = None, engine: str = "specplan",
                   heads: int | None = None) -> tuple[Plan, list[Candidate]]:
     """The best tree `engine` executes (planner/engines.py), and the ranked (n, d) it was chosen from. For another
     engine than our own decoder the plan also records the unconstrained optimum, what the engine's rules cost."""
@@ -676,8 +673,6 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         raise UserError(f"the largest tree size must be >= 1, got {max_size}")
     if max_depth < 0:
         raise UserError(f"the largest tree depth must be >= 0, got {max_depth}")
-    if batch < 1:
-        raise UserError(f"the batch size must be >= 1, got {batch}")
     acceptance = load_sequoia_acceptance(acceptance_path)
     # llama.cpp's plans are priced on its own forward and draft step (`plan profile --engine llama.cpp`)
     backends = TIMED_FORWARDS if engine == "llama.cpp" else FORWARDS
@@ -692,9 +687,9 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     dp_seconds = time.perf_counter() - start
 
     prefill = prompt_prefill_per_token(acceptance, profile) if profile is not None else None
-    ranked = rank_candidates(tables, profile, batch, context, rules, prefill or 0.0)
+    ranked = rank_candidates(tables, profile, context, rules, prefill or 0.0)
     # at T = 0 fixed trees replay exactly over the chain traces; SGLang's trees are grown anew each step
-    replayable = (profile is not None and batch == 1 and acceptance.temperature == 0 and bool(acceptance.chains)
+    replayable = (profile is not None and acceptance.temperature == 0 and bool(acceptance.chains)
                   and all(chain.ranks is not None for chain in acceptance.chains))
     exact = replayable and rules.shape != "sglang"
     one_token = float(profile.step_seconds(1, context)) if replayable else 0.0
@@ -704,7 +699,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     if not ranked:
         raise UserError(f"no tree that {engine} runs fits the given size, depth and profile range")
     plan = _assemble_plan(tables, ranked[0], ranked, acceptance, acceptance_path, profile, profile_path, models,
-                          max_size, max_depth, batch, context)
+                          max_size, max_depth, context)
     plan.solver["seconds"] = dp_seconds
     plan.prediction.details["draft_prefill_seconds_per_token"] = prefill  # None: unpriced
     if exact:
@@ -718,11 +713,11 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         steps, topk, draft_tokens = tables.settings(ranked[0].size, ranked[0].depth)
         plan.solver["algorithm"] = "SGLang's dynamic-tree selection over (num_steps, topk, num_draft_tokens)"
         plan.solver["sglang"] = {"num_steps": steps, "topk": topk, "num_draft_tokens": draft_tokens}
-    if engine in CHAIN_KNOB_ENGINES and acceptance.chains and profile is not None and batch == 1:
+    if engine in CHAIN_KNOB_ENGINES and acceptance.chains and profile is not None:
         _use_chain_knobs(plan, engine, acceptance, profile, max_depth, context)
     if engine != "specplan":
         free_tables = SequoiaTables(acceptance.positional, max_size, max_depth)
-        free = rank_candidates(free_tables, profile, batch, context, prefill_per_token=prefill or 0.0)
+        free = rank_candidates(free_tables, profile, context, prefill_per_token=prefill or 0.0)
         unconstrained = (_replayed(free, free_tables, acceptance.chains, one_token, prefill or 0.0) if replayable
                          else free)[0]
         plan.engine = engine
@@ -763,7 +758,7 @@ def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files
                             "with the same draft vocabulary")
         for role in ("target", "draft"):
             measured = profile.models.get(role)
-            if measured and models[role] and measured != models[role]:
+            if measured and models[role] and not same_model(measured, models[role]):
                 raise UserError(f"{files}: the acceptance file is for {role} {shown(models[role])} but the profile "
                                 f"for {shown(measured)}")
             models[role] = models[role] or measured
@@ -776,14 +771,14 @@ def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files
 def _assemble_plan(tables: Tables, best: Candidate, ranked: list[Candidate],
                    acceptance: SequoiaAcceptance,
                    acceptance_path: str | Path, profile: LatencyProfile | None, profile_path: str | Path | None,
-                   models: PlanModels, max_size: int, max_depth: int, batch: int, context: int | None) -> Plan:
+                   models: PlanModels, max_size: int, max_depth: int, context: int | None) -> Plan:
     """The plan file for the chosen (n, d): its tree, prediction, and the inputs `plan show` redraws it from."""
     tree = TokenTree.from_parents(tables.tree(best.size, best.depth))
     prediction = Prediction(best.tokens_per_step, best.speedup, best.step_seconds, best.tokens_per_second,
                             latency_source=profile.source if profile is not None else None)
     inputs: dict = {
         "acceptance": {"file": str(acceptance_path), "positional": [float(x) for x in acceptance.positional]},
-        "max_size": max_size, "max_depth": max_depth, "batch": batch,
+        "max_size": max_size, "max_depth": max_depth,
     }
     if profile is not None:
         curve = profile.target_curve(context)

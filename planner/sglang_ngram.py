@@ -27,9 +27,9 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-from core.errors import UserError
-from core.method_settings import NgramTreeSettings
-from planner.engines import Source
+from specplan.core.errors import UserError
+from specplan.core.method_settings import NgramTreeSettings
+from specplan.planner.engines import Source
 
 SGLANG_VERSION = "v0.5.23"  # the PyPI release whose sources these rules were read from
 SGLANG_TRIE = Source(

@@ -11,20 +11,21 @@ from pathlib import Path
 
 import numpy as np
 
-from core.acceptance_schema import (
+from specplan.core.acceptance_schema import (
     TRIFORCE_DECODED_SETTINGS,
     StreamingRecord,
     TriForceAcceptance,
     TriForceEntry,
     load_triforce_acceptance,
 )
-from core.errors import UserError
-from core.fileio import shown
-from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, TriForceSettings
-from core.plan_schema import Plan, PlanModels, Prediction
-from core.profile_schema import LatencyProfile, load_profile
-from core.provenance import provenance
-from planner.triforce_cost import (
+from specplan.core.errors import UserError
+from specplan.core.fileio import shown
+from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, TriForceSettings
+from specplan.core.model_names import same_model
+from specplan.core.plan_schema import Plan, PlanModels, Prediction
+from specplan.core.profile_schema import LatencyProfile, load_profile
+from specplan.core.provenance import provenance
+from specplan.planner.triforce_cost import (
     GAMMA1,
     GAMMA2,
     TriForceCandidate,
@@ -61,7 +62,7 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     if not entries:
         raise UserError(f"{acceptance_path} has no measurements at context {context} (it has {contexts})")
     measured = profile.models.get("target")
-    if measured and measured != acceptance.target:
+    if measured and not same_model(measured, acceptance.target):
         raise UserError(f"{acceptance_path} and {profile_path}: the acceptance is for {shown(acceptance.target)} but "
                         f"the profile for {shown(measured)}")
     bottom = "none" if two_level else ("trie" if acceptance.bottom == "trie" else "model")

@@ -85,9 +85,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from core.acceptance_schema import TRIFORCE_GAMMA1, StreamingRecord, TriForceEntry
-from core.errors import UserError
-from core.profile_schema import LatencyProfile
+from specplan.core.acceptance_schema import TRIFORCE_GAMMA1, StreamingRecord, TriForceEntry
+from specplan.core.errors import UserError
+from specplan.core.profile_schema import LatencyProfile
 
 GAMMA1 = TRIFORCE_GAMMA1
 GAMMA2 = tuple(range(1, 17))

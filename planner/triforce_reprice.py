@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.acceptance_schema import StreamingRecord, TriForceEntry, load_triforce_acceptance
-from core.errors import UserError
-from core.plan_schema import Plan
-from core.profile_schema import LatencyProfile, covering
-from core.provenance import check_unchanged
-from planner.triforce_cost import (
+from specplan.core.acceptance_schema import StreamingRecord, TriForceEntry, load_triforce_acceptance
+from specplan.core.errors import UserError
+from specplan.core.plan_schema import Plan
+from specplan.core.profile_schema import LatencyProfile, covering
+from specplan.core.provenance import check_unchanged
+from specplan.planner.triforce_cost import (
     TriForceCandidate,
     bottom_draft_seconds,
     evaluate,

@@ -28,9 +28,10 @@ import numpy as np
 import torch
 from numba import njit
 
-from core.acceptance_schema import DRAFT_SAMPLER_TOP_K, DraftChainTrace
-from decoder.api import Forward
-from decoder.sampling import SamplingParams, probabilities, sample
+from specplan.core import progress
+from specplan.core.acceptance_schema import DRAFT_SAMPLER_TOP_K, DraftChainTrace
+from specplan.decoder.api import Forward
+from specplan.decoder.sampling import SamplingParams, probabilities, sample
 
 TAIL_MASS = 1e-6
 EXACT_SUPPORT = 6
@@ -237,7 +238,7 @@ def continuation(model: Forward, prompt: list[int], max_new_tokens: int, params:
 @torch.inference_mode()
 def sequence_logits(model: Forward, tokens: list[int], first: int, chunk: int = 256) -> torch.Tensor:
     """Logits predicting tokens[first:] (rows first-1 .. len-2), from one chunked causal pass."""
-    from decoder.model import causal_mask
+    from specplan.decoder.model import causal_mask
 
     cache = model.new_cache(len(tokens))
     ids = torch.tensor(tokens)
@@ -256,7 +257,7 @@ def sequence_logits(model: Forward, tokens: list[int], first: int, chunk: int = 
 
 def measure_sequoia(target: Forward, draft: Forward, prompts: list[list[int]], params: SamplingParams,
                     width: int, max_new_tokens: int, stop_ids: Collection[int], seed: int = 0, paths: int = 64,
-                    progress=None) -> AcceptanceRun:
+                    on_prompt=None) -> AcceptanceRun:
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     blocks = []
@@ -275,8 +276,8 @@ def measure_sequoia(target: Forward, draft: Forward, prompts: list[list[int]], p
             blocks.append(positional_sampled(P, Q, width, paths, seed + index))
         run.prompt_tokens.append(len(prompt))
         run.generated_tokens.append(len(generated))
-        if progress is not None:
-            progress(len(generated))
+        if on_prompt is not None:
+            on_prompt(len(generated))
     run.per_position = np.concatenate(blocks) if blocks else np.zeros((0, width))
     run.seconds = time.perf_counter() - start
     return run
@@ -284,20 +285,18 @@ def measure_sequoia(target: Forward, draft: Forward, prompts: list[list[int]], p
 
 def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samples: int | None,
                            params: SamplingParams, width: int, max_new_tokens: int, dtype: str, chat: bool,
-                           seed: int, paths: int, output: str, log=print, progress: bool = True,
+                           seed: int, paths: int, output: str, log=progress.say,
                            draft_dtype: str | None = None, draft_vocab: int | None = None,
                            backend: str = "auto") -> dict:
     """Measure and write an acceptance/sequoia file; returns its document."""
-    from tqdm import tqdm
-
-    from core.acceptance_schema import SequoiaAcceptance
-    from core.errors import UserError
-    from core.fileio import write_yaml
-    from core.models import check_same_vocabulary, load_model
-    from core.prompts import encode_prompt
-    from core.provenance import provenance
-    from decoder.api import load_forward
-    from profiler.datasets import read_dataset, spread_sample
+    from specplan.core.acceptance_schema import SequoiaAcceptance
+    from specplan.core.errors import UserError
+    from specplan.core.fileio import write_yaml
+    from specplan.core.models import check_same_vocabulary, load_model
+    from specplan.core.prompts import encode_prompt, uses_chat_template
+    from specplan.core.provenance import provenance
+    from specplan.decoder.api import load_forward
+    from specplan.profiler.datasets import read_dataset, spread_sample
 
     if width < 1:
         raise UserError(f"the width (child ranks measured) must be >= 1, got {width}")
@@ -316,16 +315,15 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
     too_long = [p.id for p, ids in zip(prompts, encoded) if len(ids) + max_new_tokens > limit]
     if too_long:
         raise UserError(f"prompt {too_long[0]} plus {max_new_tokens} new tokens exceeds the context of {limit}")
-    bar = tqdm(total=len(prompts) * max_new_tokens, desc="accept", unit="tok", disable=None if progress else True,
-               leave=False)
+    bar = progress.Steps(len(prompts), "accept", "prompts")
     target_forward = load_forward(target, "cpu", backend=backend)
     log(f"backend: {target_forward.backend}")
     run = measure_sequoia(target_forward, load_forward(draft, "cpu", draft_vocab, backend), encoded, params, width,
                           max_new_tokens, target.stop_token_ids, seed, paths,
-                          progress=lambda n: bar.update(max_new_tokens))
+                          on_prompt=lambda n: bar.update())
     bar.close()
     acceptance = SequoiaAcceptance(
-        positional=run.positional, stderr=run.stderr, target=target_name, draft=draft_name,
+        positional=run.positional, stderr=run.stderr, target=target.name, draft=draft.name,
         temperature=params.temperature, top_p=params.top_p, samples=int(run.per_position.shape[0]),
         chains=run.chains,
         extra={
@@ -336,7 +334,8 @@ def run_sequoia_acceptance(target_name: str, draft_name: str, dataset: str, samp
             "method": "greedy top-k match" if params.greedy else
                       f"Algorithm 1 without replacement (exact for supports <= {EXACT_SUPPORT}, "
                       f"else {paths} rejection paths; tail mass {TAIL_MASS})",
-            "dataset": {"spec": dataset, "prompts": len(prompts), "chat_template": chat,
+            "dataset": {"spec": dataset, "prompts": len(prompts),
+                        "chat_template": uses_chat_template(target.tokenizer, chat),
                         "categories": sorted({p.category for p in prompts})},
             "max_new_tokens": max_new_tokens,
             "generated_tokens": int(sum(run.generated_tokens)),

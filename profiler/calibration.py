@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import UserError
-from core.profile_schema import LatencyProfile, load_profile
-from decoder.model import ModelShape
-from profiler import roofline
-from profiler.operators import gpu_operators
+from specplan.core.errors import UserError
+from specplan.core.profile_schema import LatencyProfile, load_profile
+from specplan.decoder.model import ModelShape
+from specplan.profiler import roofline
+from specplan.profiler.operators import gpu_operators
 
 # the parameters a calibration fits (eager_op_seconds needs profiles of an eager forward, which this decoder
 # does not measure on a GPU), each within bounds that keep it physical

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
-from core.errors import UserError
+from specplan.core.errors import UserError
 
-_ROOT = Path(__file__).resolve().parent.parent
-DEMO_PROMPTS = _ROOT / "specplan" / "prompts" / "demo.jsonl"
-# The carried data: data/ in a checkout (and an editable install); a wheel installs it as specplan_data/.
-DATA_DIR = next((d for d in (_ROOT / "data", _ROOT / "specplan_data") if (d / "README.md").is_file()), _ROOT / "data")
+DEMO_PROMPTS = Path(str(resources.files("specplan") / "prompts" / "demo.jsonl"))
+DATA_DIR = Path(str(resources.files("specplan.data")))  # data/ in a checkout, specplan/data in a wheel
 DATASETS = {"specbench": DATA_DIR / "specbench" / "question.jsonl", "haystack": DATA_DIR / "haystack"}
 
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from core.machine import cpu_info
+from specplan.core.machine import cpu_info
 
 
 def fingerprint(device: torch.device, dtype: str, threads: int) -> dict:

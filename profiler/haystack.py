@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.errors import UserError
-from core.prompts import encode_prompt
-from profiler.datasets import resolve_dataset
+from specplan.core.errors import UserError
+from specplan.core.prompts import encode_prompt
+from specplan.profiler.datasets import resolve_dataset
 
 NEEDLES = [
     ("The secret ingredient in Grandma Ola's lemon cake is a spoonful of cardamom.",

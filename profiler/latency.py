@@ -27,30 +27,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.choices import MODELED_DTYPES
-from core.errors import UserError
-from core.fileio import atomic_output
-from core.models import LoadedModel, ModelSpec, load_model, load_model_spec, torch_dtype
-from core.profile_schema import LatencyProfile, save_profile
-from core.provenance import provenance
-from decoder.api import Forward, load_forward
-from decoder.drafters import Drafter
-from decoder.engine import SpeculativeEngine
-from decoder.model import KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
-from decoder.sampling import SamplingParams
-from decoder.transformers_forward import TransformersCache
-from decoder.tree import DraftTree
-from decoder.triforce import RetrievalCache, RetrievalSettings, StreamingDrafter
-from profiler import hardware, roofline
-from profiler.calibration import CALIBRATION_PRIOR_WEIGHT, calibrate
-from profiler.operators import count_forward, gpu_operators
+from specplan.core import progress
+from specplan.core.choices import MODELED_DTYPES
+from specplan.core.errors import UserError
+from specplan.core.fileio import atomic_output
+from specplan.core.method_settings import RetrievalSettings
+from specplan.core.models import LoadedModel, ModelSpec, load_model, load_model_spec, torch_dtype
+from specplan.core.profile_schema import LatencyProfile, save_profile
+from specplan.core.provenance import provenance
+from specplan.core.validate import FORMAT_VERSION
+from specplan.decoder.api import Forward, load_forward
+from specplan.decoder.drafters import Drafter
+from specplan.decoder.engine import SpeculativeEngine
+from specplan.decoder.model import KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
+from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.transformers_forward import TransformersCache
+from specplan.decoder.tree import DraftTree
+from specplan.decoder.triforce import RetrievalCache, StreamingDrafter
+from specplan.profiler import hardware, roofline
+from specplan.profiler.calibration import CALIBRATION_PRIOR_WEIGHT, calibrate
+from specplan.profiler.operators import count_forward, gpu_operators
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_CONTEXTS = (128, 1024, 4096)
 RETRIEVAL_BUDGETS = (256, 512, 1024, 2048, 4096)
 RETRIEVAL_CHUNK = 16  # a build's cost barely depends on the chunk size: it reads every key either way
-OVERHEAD_STEPS = 8  # decoding steps per timed round for the engine's overhead (3 rounds per tree size)
+OVERHEAD_STEPS = 4  # decoding steps per timed run for the engine's overhead (3 runs per tree size)
 
 
 @dataclass
@@ -78,8 +81,8 @@ class ProfileRequest:
         return target + ([("draft", self.draft, self.draft_dtype or self.dtype)] if self.draft else [])
 
 
-def run_profile(request: ProfileRequest, output: Path, resume: bool = False, log: Callable[[str], None] = print,
-                progress: bool = True) -> LatencyProfile:
+def run_profile(request: ProfileRequest, output: Path, resume: bool = False,
+                log: Callable[[str], None] = progress.say) -> LatencyProfile:
     if request.gpu not in (None, "cpu"):
         request = replace(request, gpu=roofline.accelerator(request.gpu).name)
     modeled_gpu = request.gpu not in (None, "cpu", _local_gpu_name())
@@ -100,7 +103,7 @@ def run_profile(request: ProfileRequest, output: Path, resume: bool = False, log
     local_gpu = _local_gpu_name()
     if request.gpu is None or (request.gpu != "cpu" and request.gpu == local_gpu):
         device = torch.device("cuda" if request.gpu else "cpu")
-        document = _measure(request, device, output, resume, log, progress)
+        document = _measure(request, device, output, resume, log)
     else:
         document = _model(request, log)
     return save_profile(document, output)
@@ -152,14 +155,12 @@ WINDOW_PREFILL = "window_prefill"  # the call timing a StreamingLLM drafter's pr
 DRAFT_PREFILL = "draft_prefill"  # the calls ("draft_prefill|L") timing a draft's prefill of an L-token prompt
 
 
-def _measure(request: ProfileRequest, device: torch.device, output: Path, resume: bool, log, progress: bool) -> dict:
+def _measure(request: ProfileRequest, device: torch.device, output: Path, resume: bool, log) -> dict:
     """Every point (model, context, n, and the target's builds per budget) is timed once per pass, round-robin,
     so that a slow spell of the machine spreads over all of them: a plan rests on ratios between points, the
     middle level of TriForce at one context against the target at another, or the draft against the target.
     Timed one context after another instead, a profile on a noisy VM gave t(1) at 7680 tokens below t(1) at
     4096: the machine had slowed down while the shorter contexts were timed."""
-    from tqdm import tqdm
-
     started = time.perf_counter()
     machine = hardware.fingerprint(device, request.dtype, request.threads)
     models = {role: _load(name, dtype, log) for role, name, dtype in request.roles()}
@@ -191,7 +192,7 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     if done:
         log(f"resuming: {done} of {request.repeats} timed passes already measured")
     passes = request.warmup + max(request.repeats - done, 0)
-    bar = tqdm(total=passes, desc="profile", unit="pass", disable=None if progress else True, leave=False)
+    bar = progress.Steps(passes, "profile", "timing passes")
     for rep in range(passes):
         timed = _time_pass(calls)
         if rep >= request.warmup:
@@ -349,7 +350,7 @@ class _ForwardTimer:
 
 class _ChainDrafter(Drafter):
     """Proposes the root and fixed random tokens after it, a chain the target rejects as a rule; clears the
-    forward timer when decoding starts (after the prefill)."""
+    forward timer when decoding starts (after the prefill), and notes the time."""
 
     def __init__(self, tokens: list[int], timer: _ForwardTimer) -> None:
         self.tokens = tokens
@@ -358,9 +359,24 @@ class _ChainDrafter(Drafter):
 
     def reset(self, prompt: list[int], max_len: int) -> None:
         self.timer.clear()
+        self.started = time.perf_counter()
 
     def propose(self, root, params, draw, generator):
         return DraftTree([root] + self.tokens, list(range(-1, len(self.tokens))))
+
+
+class _RunMarks:
+    """The engine's `on_tokens`: (wall clock, forward seconds so far) at the end of every `steps` decoding steps."""
+
+    def __init__(self, steps: int, timer: _ForwardTimer) -> None:
+        self.steps, self.timer = steps, timer
+        self.done = 0
+        self.marks: list[tuple[float, float]] = []
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.done += 1
+        if self.done % self.steps == 0:
+            self.marks.append((time.perf_counter(), self.timer.seconds()))
 
 
 @torch.inference_mode()
@@ -368,22 +384,23 @@ def engine_overhead(model: Forward, context: int, sizes: list[int], steps: int =
                     rounds: int = 3, seed: int = 0) -> dict[int, float]:
     """{n: seconds}: a greedy decoding step's time outside the target's forward, for a draft of n tokens (root
     included) after a prompt of `context` random tokens, by the decoder's own engine: the steps' wall time
-    minus their forwards'. The median of `rounds` generations of `steps` steps each, after a warm-up
-    generation on the same engine (masks, CUDA graphs)."""
+    minus their forwards'. The median over `rounds` runs of `steps` steps, all in one generation (one prefill)
+    after a warm-up generation on the same engine (masks, CUDA graphs)."""
     generator = torch.Generator().manual_seed(seed)
     vocab = model.shape.vocab
     prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
     overhead = {}
     for n in sizes:
         timer = _ForwardTimer(model)
-        engine = SpeculativeEngine(model, _ChainDrafter(torch.randint(0, vocab, (n - 1,), generator=generator)
-                                                        .tolist(), timer))
+        drafter = _ChainDrafter(torch.randint(0, vocab, (n - 1,), generator=generator).tolist(), timer)
+        engine = SpeculativeEngine(model, drafter)
         engine.generate(prompt, 2, SamplingParams())
-        per_step = []
+        runs = _RunMarks(steps, timer)
         with timer:
-            for _ in range(rounds):
-                result = engine.generate(prompt, steps, SamplingParams())
-                per_step.append((result.decode_seconds - timer.seconds()) / result.steps)
+            engine.generate(prompt, rounds * steps, SamplingParams(), on_tokens=runs)
+        marks = [(drafter.started, 0.0)] + runs.marks
+        per_step = [((wall - last_wall) - (forward - last_forward)) / steps
+                    for (last_wall, last_forward), (wall, forward) in zip(marks, marks[1:])]
         overhead[n] = max(0.0, float(np.median(per_step)))
     return overhead
 
@@ -630,6 +647,7 @@ def profile_document(request: ProfileRequest, source: str, machine: dict, models
 
     document = {
         "kind": "profile/latency",
+        "version": FORMAT_VERSION,
         "source": source,
         "models": {role: m.name for role, m in models.items()},
         "dtype": request.dtype,

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core.errors import UserError
-from core.models import TORCH_DTYPES
-from decoder.model import LeanModel, causal_mask, cuda_grouped_attention
+from specplan.core.errors import UserError
+from specplan.core.models import TORCH_DTYPES
+from specplan.decoder.model import LeanModel, causal_mask, cuda_grouped_attention
 
 # A GPU forward's attention path for each probe (n new tokens over L keys): one row, grouped matmuls, masked SDPA
 # (decoder/model.py: cuda_grouped_attention picks between the last two)
@@ -84,7 +84,7 @@ def gpu_operators(config: Any, dtype: str) -> dict[str, int]:
         try:
             with torch.device("cpu"):
                 hf = AutoModelForCausalLM.from_config(_shrunk(config, layers), dtype=torch_dtype)
-            model = LeanModel(hf, "cpu", emulated_bf16=False, kernels=False)
+            model = LeanModel(hf, "cpu", kernels=False)
         except UserError:
             raise
         except Exception as error:  # a config transformers or the lean decoder cannot build

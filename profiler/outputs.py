@@ -5,16 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from core.acceptance_schema import LookaheadAcceptance, LookaheadRecord
-from core.errors import UserError
-from core.fileio import write_yaml
-from core.models import LoadedModel, tokenizer_fingerprint
-from core.plan_schema import load_decoding_plan
-from core.prompts import encode_prompt
-from core.provenance import provenance
-from decoder.api import load_decoder
-from decoder.sampling import SamplingParams
-from profiler.datasets import read_dataset, spread_sample
+from specplan.core import progress
+from specplan.core.acceptance_schema import LookaheadAcceptance, LookaheadRecord
+from specplan.core.errors import UserError
+from specplan.core.fileio import write_yaml
+from specplan.core.models import LoadedModel, tokenizer_fingerprint
+from specplan.core.plan_schema import load_decoding_plan
+from specplan.core.prompts import encode_prompt, uses_chat_template
+from specplan.core.provenance import provenance
+from specplan.decoder.api import load_decoder
+from specplan.decoder.sampling import SamplingParams
+from specplan.profiler.datasets import read_dataset, spread_sample
 
 # Another engine's greedy decoding of the target (`plan accept lookahead --engine llama.cpp`): given the loaded
 # target and the longest context, a function from prompt ids and a token budget to the new tokens, and its name.
@@ -22,7 +23,7 @@ EngineOutputs = Callable[[LoadedModel, int], tuple[Callable[[list[int], int], li
 
 
 def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None, max_new_tokens: int, dtype: str,
-                             chat: bool, output: str, log: Callable[[str], None] = print,
+                             chat: bool, output: str, log: Callable[[str], None] = progress.say,
                              decode_with: str | None = None,
                              engine_outputs: EngineOutputs | None = None) -> LookaheadAcceptance:
     """Greedy outputs of the target alone, or, with `decode_with` (a Lookahead plan), of that plan's decoder, or,
@@ -61,14 +62,15 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
         log(f"[{index + 1}/{len(prompts)}] {prompt.category} {prompt.id}: {len(ids)} prompt tokens, "
             f"{len(records[-1].output)} generated")
     acceptance = LookaheadAcceptance(
-        target=target_name, tokenizer=tokenizer_fingerprint(target.tokenizer), records=records,
+        target=target.name, tokenizer=tokenizer_fingerprint(target.tokenizer), records=records,
         dtype=dtype,
         decoded_with=None if decoder.plan is None else (decoder.plan.settings.decoding_length,
                                                         decoder.plan.settings.branch_length),
         extra={"decoding": decoding,
                "max_new_tokens": max_new_tokens,
                "stop_tokens": sorted(target.stop_token_ids),  # engines' prompt lookup cuts drafts at them
-               "dataset": {"spec": dataset, "prompts": len(prompts), "chat_template": chat,
+               "dataset": {"spec": dataset, "prompts": len(prompts),
+                           "chat_template": uses_chat_template(target.tokenizer, chat),
                            "categories": sorted({p.category for p in prompts})},
                "seconds": round(time.perf_counter() - start, 1), "provenance": provenance()})
     write_yaml(output, acceptance.to_dict())

@@ -63,8 +63,8 @@ import math
 import re
 from dataclasses import dataclass, fields
 
-from core.errors import UserError
-from decoder.model import ModelShape, cuda_grouped_attention
+from specplan.core.errors import UserError
+from specplan.decoder.model import ModelShape, cuda_grouped_attention
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 TILE_ROWS, TILE_COLUMNS = 32, 128  # a typical cuBLAS/CUTLASS tile for skinny GEMMs: sets how many SMs n rows fill
@@ -222,8 +222,8 @@ def gemm_rows(n: int) -> int:
 
 
 PARAMETER_NAMES = tuple(f.name for f in fields(GpuParameters))
-# Fitted to the H100 profiles measured with this decoder (bench/modeled_vs_measured.py --fit, 2026-11-26: ten
-# profiles of five model shapes, fp32 and bf16; rms log error 0.045, worst point 15%): the
+# Fitted to the H100 profiles measured with this decoder (bench/modeled_vs_measured.py --fit; the fit's errors are
+# in docs/benchmark-log.md): the
 # per-kernel cost and the attention terms are properties of the kernels and of a GPU of this generation; the
 # datasheet figures scale the rest to other GPUs. eager_op_seconds is PyTorch's eager dispatch cost per operator,
 # about 8 us on a server CPU (not measured here).

@@ -31,21 +31,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.acceptance_schema import (
+from specplan.core import progress
+from specplan.core.acceptance_schema import (
     TRIFORCE_DECODED_SETTINGS,
     TRIFORCE_GAMMA1,
     StreamingRecord,
     TriForceEntry,
     TriForceTrace,
 )
-from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, TrieSettings
-from decoder.drafters import TrieDrafter
-from decoder.model import LeanModel, causal_mask
-from decoder.sampling import SamplingParams, probabilities, sample
-from decoder.tree import DETERMINISTIC
-from decoder.trie import Trie, accepted_run
-from decoder.triforce import RetrievalCache, RetrievalSettings, bottom_trie_settings
-from profiler.haystack import LongPrompt
+from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, RetrievalSettings, TrieSettings
+from specplan.core.model_names import model_name
+from specplan.decoder.drafters import TrieDrafter
+from specplan.decoder.model import LeanModel, causal_mask
+from specplan.decoder.sampling import SamplingParams, probabilities, sample
+from specplan.decoder.tree import DETERMINISTIC
+from specplan.decoder.trie import Trie, accepted_run
+from specplan.decoder.triforce import RetrievalCache, bottom_trie_settings
+from specplan.profiler.haystack import LongPrompt
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,8 @@ def _continuation(target: LeanModel, prompt: list[int], max_new_tokens: int, par
     queries = torch.zeros(steps, target.shape.layers, target.shape.heads, target.shape.head_dim, dtype=target.dtype)
     root, rows, tokens = prompt[-1], [], []
     for step in range(steps):
-        logits = target.forward(torch.tensor([root]), torch.tensor([full.length]), full, None,
-                                queries=queries[step], query_row=0)[0]
+        full.root_queries = queries[step]
+        logits = target.forward(torch.tensor([root]), torch.tensor([full.length]), full, None)[0]
         full.commit(None, 1)
         rows.append(logits.float())
         if given is not None:
@@ -88,6 +90,7 @@ def _continuation(target: LeanModel, prompt: list[int], max_new_tokens: int, par
         tokens.append(root)
         if given is None and root in stop_ids:
             break
+    full.root_queries = None
     return full, torch.stack(rows), tokens, queries[:len(tokens)]
 
 
@@ -183,7 +186,7 @@ def _trie_runs(drafts: list[tuple[np.ndarray, np.ndarray]], middle_choice: np.nd
 
 def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tuple[int, int, int]],
                      bottom: BottomSpec, max_new_tokens: int, params: SamplingParams, stop_ids: Collection[int],
-                     segment: int = 8, seed: int = 0, log: Callable[[str], None] = print,
+                     segment: int = 8, seed: int = 0, log: Callable[[str], None] = progress.say,
                      decode: Callable[[list[int]], tuple[list[int], list[int]]] | None = None
                      ) -> tuple[list[TriForceEntry], list[StreamingRecord]]:
     """Acceptance entries per (context, budget, chunk, stride), and per context the StreamingLLM-only draft's
@@ -275,19 +278,19 @@ def _trace(values: np.ndarray, params: SamplingParams) -> np.ndarray:
 def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kind: str, dataset: str,
                             contexts: list[int], samples: int, grid: list[tuple[int, int, int]], max_new_tokens: int,
                             params: SamplingParams, dtype: str, sinks: int, window: int, output: str,
-                            log: Callable[[str], None] = print, decode_with: str | None = None) -> dict:
+                            log: Callable[[str], None] = progress.say, decode_with: str | None = None) -> dict:
     """With `decode_with` (a greedy TriForce plan), the continuations are that plan's decoded outputs: outside
     fp32 the text depends on the forward's size, and a replay over the target's one-token text predicts
     another text than the plan emits. The middle level then runs in the plan's own steps, so that its cache
     holds what the decoder's held at each position. The prompts are decoded as `plan bench` does (in order,
     one decoder)."""
-    from core.acceptance_schema import TriForceAcceptance
-    from core.errors import UserError
-    from core.fileio import write_yaml
-    from core.models import check_same_vocabulary, load_model
-    from core.provenance import provenance
-    from decoder.api import load_decoder, load_forward
-    from profiler.haystack import build_prompts
+    from specplan.core.acceptance_schema import TriForceAcceptance
+    from specplan.core.errors import UserError
+    from specplan.core.fileio import write_yaml
+    from specplan.core.models import check_same_vocabulary, load_model
+    from specplan.core.provenance import provenance
+    from specplan.decoder.api import load_decoder, load_forward
+    from specplan.profiler.haystack import build_prompts
 
     if bottom_kind == "model" and not draft_name:
         raise UserError("a model bottom needs a draft model")
@@ -329,7 +332,8 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
         entries += measured[0]
         streaming += measured[1]
     acceptance = TriForceAcceptance(
-        target=target_name, bottom=draft_name if bottom_kind == "model" else bottom_kind, entries=entries,
+        target=target.name, bottom=model_name(draft_name) if bottom_kind == "model" else bottom_kind,
+        entries=entries,
         temperature=params.temperature, streaming=streaming, bottom_cache=(sinks, window),
         decoded_with=None if decoder is None else {"plan": decode_with, **plan_settings},
         extra={"dtype": dtype, "top_p": params.top_p, "max_new_tokens": max_new_tokens,
@@ -343,9 +347,8 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
 def _check_triforce_plan(plan_path: str, target_name: str, dtype: str, params: SamplingParams,
                          contexts: list[int]) -> dict:
     """The plan's decoding settings, after checking it can decode these prompts greedily."""
-    from core.errors import UserError
-    from core.plan_schema import load_decoding_plan
-    from decoder.triforce import RetrievalSettings
+    from specplan.core.errors import UserError
+    from specplan.core.plan_schema import load_decoding_plan
 
     plan = load_decoding_plan(plan_path, "triforce", target_name, dtype)
     if not params.greedy or float(plan.sampling.get("temperature", 0.0)) != 0.0:
@@ -355,5 +358,5 @@ def _check_triforce_plan(plan_path: str, target_name: str, dtype: str, params: S
         raise UserError(f"{plan_path} decodes one token per step (speculate: false): no speculative decoding to "
                         "replay")
     for context in contexts:
-        RetrievalSettings(settings.budget, settings.chunk, settings.stride).check(context)
+        settings.retrieval().check(context)
     return {key: getattr(settings, key) for key in TRIFORCE_DECODED_SETTINGS}

@@ -31,23 +31,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.choices import BASELINES, TIMED_FORWARDS
-from core.errors import UserError
-from core.fileio import atomic_output, read_json, write_json
-from core.machine import cpu_info, machine_difference, machine_label, this_machine
-from core.method_settings import PromptLookupSettings
-from core.plan_schema import Plan
-from core.plotting import pyplot, save_png
-from core.profile_schema import LatencyProfile, load_profile
-from core.prompts import encode_prompt
-from core.provenance import check_unchanged
-from core.validate import Fields
-from decoder.api import Decoder
-from decoder.engine import SpeculativeEngine
-from decoder.sampling import SamplingParams
-from profiler.datasets import Prompt, read_dataset, spread_sample
-from profiler.haystack import build_prompts
+from specplan.core import progress
+from specplan.core.choices import BASELINES, TIMED_FORWARDS
+from specplan.core.errors import UserError
+from specplan.core.fileio import atomic_output, read_json, write_json
+from specplan.core.machine import cpu_info, machine_difference, machine_label, this_machine
+from specplan.core.method_settings import PromptLookupSettings
+from specplan.core.plan_schema import Plan
+from specplan.core.plotting import pyplot, save_png
+from specplan.core.profile_schema import LatencyProfile, load_profile
+from specplan.core.prompts import encode_prompt
+from specplan.core.provenance import check_unchanged
+from specplan.core.validate import FORMAT_VERSION, Fields
+from specplan.decoder.api import Decoder
+from specplan.decoder.engine import SpeculativeEngine
+from specplan.decoder.sampling import SamplingParams
 from specplan.llamacpp import DraftChainSettings, LlamaCpp
+from specplan.profiler.datasets import Prompt, read_dataset, spread_sample
+from specplan.profiler.haystack import build_prompts
 
 TRIFORCE_BASELINES = ("two-level", "streaming")
 NEAR_TIE = 1e-4
@@ -71,7 +72,7 @@ class BenchRequest:
     reprice: bool = False  # re-time the forwards the plan's prediction priced, between the prompts
 
 
-def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callable[[str], None] = print) -> dict:
+def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callable[[str], None] = progress.say) -> dict:
     unknown = set(request.baselines) - set(BASELINES)
     if unknown:
         raise UserError(f"unknown baseline {', '.join(sorted(unknown))} (choose from {', '.join(BASELINES)})")
@@ -194,8 +195,9 @@ def _methods(decoder: Decoder, request: BenchRequest, context: int
     engines = {"ours": decoder.engine, "ours-ar": ar_engine}
     triforce = {}
     if decoder.plan is not None and decoder.plan.method == "triforce":
-        from decoder.drafters import NoDrafter
-        from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
+        from specplan.core.method_settings import RetrievalSettings
+        from specplan.decoder.drafters import NoDrafter
+        from specplan.decoder.triforce import HierarchicalDrafter, StreamingDrafter
 
         s = decoder.plan.settings
         # The two-level variant at its own best settings where the planner recorded them, else at the plan's.
@@ -370,6 +372,7 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
                 prediction["measured_over_predicted"] = measured / prediction["plan_speedup"]
     return {
         "kind": "bench/report",
+        "version": FORMAT_VERSION,
         "machine": {**cpu_info(), **this_machine(str(decoder.target_forward.device)), "torch": torch.__version__,
                     "platform": platform.platform()},
         "models": {"target": decoder.target.name, "draft": decoder.draft.name if decoder.draft else None,
@@ -432,9 +435,9 @@ class _LookaheadRepricing:
     plan recorded)."""
 
     def __init__(self, decoder: Decoder) -> None:
-        from core.acceptance_schema import load_lookahead_acceptance
-        from planner.lookahead import replay
-        from profiler.latency import PointTimer
+        from specplan.core.acceptance_schema import load_lookahead_acceptance
+        from specplan.planner.lookahead import replay
+        from specplan.profiler.latency import PointTimer
 
         plan = decoder.plan
         self.plan = plan
@@ -454,7 +457,7 @@ class _LookaheadRepricing:
         self.timer = PointTimer(decoder.target_forward, None, self.sizes, {}, [])
 
     def report(self, summary: dict) -> dict:
-        from planner.lookahead import predicted_speedup
+        from specplan.planner.lookahead import predicted_speedup
 
         fresh = self.profile.with_points(*self.timer.medians())
         L = min(self.sizes)
@@ -473,11 +476,11 @@ class _SequoiaRepricing:
     cost more than the rest)."""
 
     def __init__(self, decoder: Decoder) -> None:
-        from profiler.latency import PointTimer
+        from specplan.profiler.latency import PointTimer
 
         plan = decoder.plan
-        if plan.engine != "specplan" or plan.inputs.get("batch", 1) != 1:
-            raise UserError("--reprice prices a batch-1 tree our decoder runs (solved with --engine specplan)")
+        if plan.engine != "specplan":
+            raise UserError("--reprice prices a tree our decoder runs (solved with --engine specplan)")
         if plan.tree.size < 2:
             raise UserError("--reprice: this plan decodes one token per step, its price is one-token decoding's")
         self.plan = plan
@@ -489,7 +492,7 @@ class _SequoiaRepricing:
                                 {}, [self.context])
 
     def report(self, summary: dict) -> dict:
-        from planner.sequoia import plan_speedup
+        from specplan.planner.sequoia import plan_speedup
 
         fresh = self.profile.with_points(*self.timer.medians())
         L, n = self.context, self.plan.tree.size
@@ -508,8 +511,8 @@ class _TriForceRepricing:
     model error from a machine that runs slower or faster than when it was profiled."""
 
     def __init__(self, decoder: Decoder) -> None:
-        from planner.triforce_reprice import priced_points
-        from profiler.latency import PointTimer
+        from specplan.planner.triforce_reprice import priced_points
+        from specplan.profiler.latency import PointTimer
 
         plan = decoder.plan
         self.plan = plan
@@ -523,7 +526,7 @@ class _TriForceRepricing:
                                 window_prefill)
 
     def report(self, summary: dict) -> dict:
-        from planner.triforce_reprice import reprice
+        from specplan.planner.triforce_reprice import reprice
 
         fresh = self.profile.with_points(*self.timer.medians())
         profiled, profiled_two = reprice(self.plan, self.profile)
@@ -673,6 +676,7 @@ def load_report(path: str | Path) -> dict:
     report = read_json(path)
     if report.get("kind") != "bench/report":
         raise UserError(f"{path}: not a plan bench report (kind {report.get('kind')!r})")
+    Fields(report, str(path)).version()
     summary, models = report.get("summary"), report.get("models")
     if not (isinstance(summary, dict) and summary and isinstance(models, dict) and "target" in models
             and all(isinstance(m, dict) and isinstance(m.get("decode_tokens_per_second"), (int, float))

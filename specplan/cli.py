@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from core.choices import (
+from specplan.core.choices import (
     BACKENDS,
     BASELINES,
     DEVICES,
@@ -20,22 +22,47 @@ from core.choices import (
     PROFILE_DTYPES,
     VERIFICATION_RULES,
 )
-from core.errors import UserError
-from core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
-from core.plan_schema import Plan
-from planner.export import EXPORT_FORMATS, VLLM_TREE_METHODS
-from profiler.datasets import DATASETS
+from specplan.core.errors import UserError
+from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
+from specplan.core.plan_schema import Plan
+from specplan.planner.export import EXPORT_FORMATS, VLLM_TREE_METHODS
+from specplan.profiler.datasets import DATASETS
 
 PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
                 + ") or PATH[:category[,...]]: a Spec-Bench-style .jsonl, a .txt file or a folder of them")
+TRIFORCE_PROMPTS = 2  # long prompts per context `plan accept triforce` builds by default
 ESSAYS_HELP = "haystack (the carried essays) or a folder of .txt essays to build long prompts from"
+
+
+def _set_quiet(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    from specplan.core import progress
+
+    progress.set_quiet(value)
+    return value
+
+
+QUIET = click.Option(["--quiet", "-q"], is_flag=True, expose_value=False, is_eager=True, callback=_set_quiet,
+                     help="no progress lines on stderr (results and errors still print)")
+
+
+class Command(click.Command):
+    """Every command takes --quiet."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.append(QUIET)
 
 
 class InPipelineOrder(click.Group):
     """Lists its commands in the order they are defined (the pipeline's), not alphabetically."""
 
+    command_class = Command
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(self.commands)
+
+
+InPipelineOrder.group_class = InPipelineOrder
 
 
 @click.group(cls=InPipelineOrder, context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,9 +72,54 @@ def cli() -> None:
 
 
 def _progress(message: str) -> None:
-    """Progress notes go to an interactive stderr only, so that a failure prints exactly one line."""
-    if sys.stderr.isatty():
-        click.echo(message, err=True)
+    """Progress notes: on stderr, whatever it is attached to (--quiet silences them; an error is still one line)."""
+    from specplan.core import progress
+
+    progress.say(message)
+
+
+def _writable(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
+    """An output path, checked before any work: not a directory, and a file can be made where it goes (in its
+    folder, or in the nearest existing folder above it when the folders are still to be made)."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory; give a file name to write")
+    folder = next((p for p in (path.parent.resolve(), *path.parent.resolve().parents) if p.exists()), Path("/"))
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is not a directory")
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError("the file is read-only")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be written ({exc.strerror or exc})") from None
+    return path
+
+
+def _chat_option():
+    return click.option("--chat/--no-chat", default=True, show_default=True,
+                        help="apply the target's chat template to prompts (a model without one takes them as given)")
+
+
+def _output(required: bool = True, help: str | None = None):
+    return click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=required,
+                        callback=_writable, help=help)
+
+
+def _renamed(value: Any, old_value: Any, old: str, new: str, required: bool = False) -> Any:
+    """A flag renamed in this release: the old name still works for one release, hidden, and says the new one."""
+    if old_value is not None:
+        click.echo(f"plan: note: {old} is deprecated; use {new}", err=True)
+        value = old_value if value is None else value
+    if value is None and required:
+        raise UserError(f"missing option {new}")
+    return value
+
+
+def _old_name(name: str, **kwargs: Any):
+    return click.option(name, name.lstrip("-").replace("-", "_") + "_old", hidden=True, **kwargs)
 
 
 DRAFT_VOCAB_HELP = ("the draft scores only the token ids below this (plus the stop tokens): a cheaper draft "
@@ -74,8 +146,9 @@ def _int_list(text: str | None) -> list[int] | None:
 
 
 @cli.command()
-@click.option("--model", "target", required=True,
-              help="target: preset, HF directory or .gguf; with --gpu NAME also a config.json (no weights read)")
+@click.option("--target", help="the target model: a preset, HF directory or .gguf; with --gpu NAME also a config.json "
+                               "(no weights read)  [required]")
+@_old_name("--model")
 @click.option("--draft", help="draft model (its per-step cost is profiled too)")
 @click.option("--dtype", type=click.Choice(PROFILE_DTYPES), default="fp32", show_default=True,
               help="fp16: modeled GPUs only")
@@ -99,13 +172,14 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--engine", type=click.Choice(("specplan", "llama.cpp")), default="specplan", show_default=True,
               help="llama.cpp: time llama.cpp's own forward of the model's GGUF (the llamacpp extra), and with "
                    "--draft the draft's step, for `plan solve lookahead|sequoia --engine llama.cpp`")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
-            contexts: str | None, sizes: str | None, budgets: str | None, window_prefill: str | None,
-            gpu: str | None, calibrate: tuple[str, ...], threads: int | None, repeats: int | None, quick: bool,
-            resume: bool, backend: str, engine: str, output: Path) -> None:
+@_output()
+def profile(target: str | None, model_old: str | None, draft: str | None, dtype: str, draft_dtype: str | None,
+            draft_vocab: int | None, contexts: str | None, sizes: str | None, budgets: str | None,
+            window_prefill: str | None, gpu: str | None, calibrate: tuple[str, ...], threads: int | None,
+            repeats: int | None, quick: bool, resume: bool, backend: str, engine: str, output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
-    from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
+    target = _renamed(target, model_old, "--model", "--target", required=True)
+    from specplan.profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
     from specplan.show import describe_profile
 
     request = ProfileRequest(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype,
@@ -123,7 +197,7 @@ def profile(target: str, draft: str | None, dtype: str, draft_dtype: str | None,
             raise UserError(f"--window-prefill takes SINKS,WINDOW (sinks >= 0, window >= 1), got {window_prefill!r}")
         request.window_prefill = (sinks_window[0], sinks_window[1])
     if engine == "llama.cpp":
-        from core.profile_schema import save_profile
+        from specplan.core.profile_schema import save_profile
         from specplan.llamacpp import profile_llamacpp
 
         profiled = save_profile(profile_llamacpp(request, log=_progress), output)
@@ -142,8 +216,9 @@ def accept() -> None:
 @click.option("--target", required=True)
 @click.option("--draft", required=True)
 @click.option("--dataset", required=True, help=PROMPTS_HELP)
-@click.option("--samples", type=click.IntRange(min=1), help="number of prompts (spread across categories)")
-@click.option("--temperature", type=float, required=True)
+@click.option("--prompts", type=click.IntRange(min=1), help="number of prompts (spread across categories) [all]")
+@_old_name("--samples", type=click.IntRange(min=1))
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--width", type=click.IntRange(min=1), default=16, show_default=True, help="K: children ranks measured")
 @click.option("--max-new-tokens", type=click.IntRange(min=1),
@@ -151,18 +226,20 @@ def accept() -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
 @click.option("--draft-dtype", type=click.Choice(DTYPES), help="default: --dtype")
 @click.option("--draft-vocab", type=click.IntRange(min=1), help=DRAFT_VOCAB_HELP)
-@click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
+@_chat_option()
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--paths", type=click.IntRange(min=1),
               default=64, show_default=True, help="simulated rejection paths per position")
 @_backend_option("auto")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, temperature: float, top_p: float,
-                   width: int, max_new_tokens: int, dtype: str, draft_dtype: str | None, draft_vocab: int | None,
-                   chat: bool, seed: int, paths: int, backend: str, output: Path) -> None:
+@_output()
+def accept_sequoia(target: str, draft: str, dataset: str, prompts: int | None, samples_old: int | None,
+                   temperature: float, top_p: float, width: int, max_new_tokens: int, dtype: str,
+                   draft_dtype: str | None, draft_vocab: int | None, chat: bool, seed: int, paths: int, backend: str,
+                   output: Path) -> None:
     """Sequoia's positional acceptance vector, by teacher forcing on the target's own continuations."""
-    from decoder.sampling import SamplingParams
-    from profiler.acceptance import run_sequoia_acceptance
+    samples = _renamed(prompts, samples_old, "--samples", "--prompts")
+    from specplan.decoder.sampling import SamplingParams
+    from specplan.profiler.acceptance import run_sequoia_acceptance
     from specplan.show import describe_acceptance
 
     params = SamplingParams(temperature=temperature, top_p=top_p)
@@ -176,19 +253,21 @@ def accept_sequoia(target: str, draft: str, dataset: str, samples: int | None, t
 @accept.command("lookahead")
 @click.option("--target", required=True)
 @click.option("--dataset", required=True, help=PROMPTS_HELP)
-@click.option("--samples", type=click.IntRange(min=1), help="number of prompts (spread across categories)")
+@click.option("--prompts", type=click.IntRange(min=1), help="number of prompts (spread across categories) [all]")
+@_old_name("--samples", type=click.IntRange(min=1))
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
-@click.option("--chat/--no-chat", default=True, show_default=True, help="apply the target's chat template")
+@_chat_option()
 @click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
               help="store the outputs of this Lookahead plan's decoder (bf16: the text speculative decoding emits)")
 @click.option("--engine", type=click.Choice(("specplan", "llama.cpp")), default="specplan", show_default=True,
               help="llama.cpp: store llama.cpp's own greedy outputs (the llamacpp extra), for its prompt-lookup plans")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def accept_lookahead(target: str, dataset: str, samples: int | None, max_new_tokens: int, dtype: str, chat: bool,
-                     decode_with: str | None, engine: str, output: Path) -> None:
+@_output()
+def accept_lookahead(target: str, dataset: str, prompts: int | None, samples_old: int | None, max_new_tokens: int,
+                     dtype: str, chat: bool, decode_with: str | None, engine: str, output: Path) -> None:
     """The target's own greedy outputs on a dataset, for the offline trie replay (and engines' prompt lookup)."""
-    from profiler.outputs import run_lookahead_acceptance
+    samples = _renamed(prompts, samples_old, "--samples", "--prompts")
+    from specplan.profiler.outputs import run_lookahead_acceptance
 
     engine_outputs = None
     if engine == "llama.cpp":
@@ -204,8 +283,9 @@ def accept_lookahead(target: str, dataset: str, samples: int | None, max_new_tok
 @click.option("--draft", help="bottom draft model (with a StreamingLLM cache); without it, a Lookahead trie")
 @click.option("--dataset", required=True, help=ESSAYS_HELP)
 @click.option("--contexts", default="4096,8192", show_default=True, help="prompt lengths in tokens")
-@click.option("--samples", type=click.IntRange(min=1),
-              default=2, show_default=True, help="prompts per context (needle, summary, ...)")
+@click.option("--prompts", type=click.IntRange(min=1), help="prompts at each context length (needle, summary, ...) "
+                                                             "[2]")
+@_old_name("--samples", type=click.IntRange(min=1))
 @click.option("--budgets", default="256,512,1024,2048", show_default=True)
 @click.option("--chunks", default="8,16", show_default=True)
 @click.option("--strides", default="64,256", show_default=True, help="retrieval-cache rebuild strides")
@@ -220,13 +300,15 @@ def accept_lookahead(target: str, dataset: str, samples: int | None, max_new_tok
 @click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
               help="a greedy TriForce plan: measure along the text it decodes (outside fp32 it differs from the "
                    "target's one-token text)")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str, samples: int, budgets: str,
-                    chunks: str, strides: str, max_new_tokens: int, temperature: float, top_p: float, dtype: str,
-                    sinks: int, window: int, decode_with: str | None, output: Path) -> None:
+@_output()
+def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str, prompts: int | None,
+                    samples_old: int | None, budgets: str, chunks: str, strides: str, max_new_tokens: int,
+                    temperature: float, top_p: float, dtype: str, sinks: int, window: int, decode_with: str | None,
+                    output: Path) -> None:
     """Acceptance of the retrieval-cache target (per budget/chunk/stride) and of the bottom drafter."""
-    from decoder.sampling import SamplingParams
-    from profiler.triforce_acceptance import run_triforce_acceptance
+    samples = _renamed(prompts, samples_old, "--samples", "--prompts") or TRIFORCE_PROMPTS
+    from specplan.decoder.sampling import SamplingParams
+    from specplan.profiler.triforce_acceptance import run_triforce_acceptance
 
     grid = [(b, c, r) for b in _int_list(budgets) for c in _int_list(chunks) for r in _int_list(strides)]
     document = run_triforce_acceptance(target, draft, "model" if draft else "trie", dataset, _int_list(contexts),
@@ -252,8 +334,6 @@ def solve() -> None:
 @click.option("--max-size", type=click.IntRange(min=1),
               required=True, help="largest tree size n (nodes, root included)")
 @click.option("--max-depth", type=click.IntRange(min=0), required=True, help="largest tree depth d (draft steps)")
-@click.option("--batch", type=click.IntRange(min=1),
-              default=1, show_default=True, help="sequences per batch: cost uses t(batch * n)")
 @click.option("--context", type=int, default=None, help="use the profile's t(n) at this context length")
 @click.option("--top", type=click.IntRange(min=0),
               default=10, show_default=True, help="rows of the ranked table to print")
@@ -261,15 +341,15 @@ def solve() -> None:
               help="the best tree this serving engine runs (its rules: planner/engines.py)")
 @click.option("--heads", type=click.IntRange(min=1),
               help="medusa, eagle1: the draft heads of your model (its deepest level)")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int, batch: int,
+@_output()
+def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int,
                       context: int | None, top: int, engine: str, heads: int | None, output: Path) -> None:
     """Sequoia: the optimal token tree and its size/depth for this hardware (and a serving engine's rules)."""
-    from core.plan_schema import save_plan
-    from planner.sequoia import solve_sequoia
+    from specplan.core.plan_schema import save_plan
+    from specplan.planner.sequoia import solve_sequoia
     from specplan.show import describe_engine_cost
 
-    plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, batch, context, engine, heads)
+    plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, context, engine, heads)
     header = f"{'n':>5} {'d':>3} {'G(n,d)':>8}"
     if profile_path is not None:
         header += f" {'step ms':>9} {'speedup':>8} {'tok/s':>8}"
@@ -305,15 +385,15 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
 @click.option("--match-types", help="sglang: BFS, PROB or both, comma-separated (default both)")
 @click.option("--stop-tokens", help="prompt lookup (hf): the target's stop token ids, where the acceptance file "
                                     "does not record them")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@_output()
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
                         branch_lengths: str | None, top: int, engine: str, max_ngrams: str | None,
                         draft_lengths: str | None, trie_depths: str | None, bfs_breadths: str | None,
                         match_types: str | None, stop_tokens: str | None, output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
     --engine, a serving engine's n-gram knobs by exact replay of its rule."""
-    from core.plan_schema import save_plan
-    from planner.lookahead import BRANCH_LENGTHS, DECODING_LENGTHS, solve_lookahead
+    from specplan.core.plan_schema import save_plan
+    from specplan.planner.lookahead import BRANCH_LENGTHS, DECODING_LENGTHS, solve_lookahead
 
     if engine != "specplan":
         grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths, match_types)
@@ -349,8 +429,15 @@ def _echo_ranked(rows: list, knobs: list[tuple[str, Callable[[Any], Any]]], pric
 
 def _lookup_grid(engine: str, max_ngrams: str | None, draft_lengths: str | None, trie_depths: str | None,
                  bfs_breadths: str | None, match_types: str | None) -> list:
-    from core.method_settings import SGLANG_MATCH_TYPES
-    from planner.prompt_lookup import BFS_BREADTHS, DRAFT_LENGTHS, MAX_NGRAMS, TRIE_DEPTHS, lookup_grid, ngram_tree_grid
+    from specplan.core.method_settings import SGLANG_MATCH_TYPES
+    from specplan.planner.prompt_lookup import (
+        BFS_BREADTHS,
+        DRAFT_LENGTHS,
+        MAX_NGRAMS,
+        TRIE_DEPTHS,
+        lookup_grid,
+        ngram_tree_grid,
+    )
 
     draft_grid = tuple(_int_list(draft_lengths) or DRAFT_LENGTHS)
     if engine == "sglang":
@@ -370,8 +457,8 @@ def _lookup_grid(engine: str, max_ngrams: str | None, draft_lengths: str | None,
 
 def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engine: str, grid: list,
                          stop_tokens: str | None, top: int, output: Path) -> None:
-    from core.plan_schema import save_plan
-    from planner.prompt_lookup import LOOKUP_NAMES, solve_prompt_lookup
+    from specplan.core.plan_schema import save_plan
+    from specplan.planner.prompt_lookup import LOOKUP_NAMES, solve_prompt_lookup
 
     stops = tuple(_int_list(stop_tokens)) if stop_tokens else None
     plan, ranked = solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stops)
@@ -404,12 +491,12 @@ def _note_inexact_replay(plan: Plan) -> None:
 @click.option("--min-speedup", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="speculate only if predicted faster than this times one-token decoding")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@_output()
 def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int | None, two_level: bool,
                        rebuild_below: float, min_speedup: float, top: int, output: Path) -> None:
     """TriForce: gamma1, gamma2, budget, chunk and rebuild stride by an expected-time-per-token model."""
-    from core.plan_schema import save_plan
-    from planner.triforce import solve_triforce
+    from specplan.core.plan_schema import save_plan
+    from specplan.planner.triforce import solve_triforce
 
     if not math.isfinite(min_speedup):
         raise UserError(f"--min-speedup must be a positive number, got {min_speedup}")
@@ -457,14 +544,13 @@ def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> No
 @click.option("--heads", type=click.IntRange(min=1), help="medusa, eagle1: the draft heads of your model")
 @click.option("--method", type=click.Choice(VLLM_TREE_METHODS), default="eagle", show_default=True,
               help="vllm: the speculative method that drafts the tree")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="write here instead of stdout (required for sequoia's .pt)")
+@_output(required=False, help="write here instead of stdout (required for sequoia's .pt)")
 def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None, method: str,
            output: Path | None) -> None:
     """Export a Sequoia plan's tree as a serving engine takes it; how to run it goes to stderr."""
-    from core.fileio import atomic_output
-    from core.plan_schema import load_plan
-    from planner.export import export_plan
+    from specplan.core.fileio import atomic_output
+    from specplan.core.plan_schema import load_plan
+    from specplan.planner.export import export_plan
 
     exported = export_plan(load_plan(plan_file), fmt, draft_path, heads, method)
     if isinstance(exported.content, bytes):
@@ -483,7 +569,7 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
 @cli.command()
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
               help="a plan file; without one, plain autoregressive decoding of --target")
-@click.option("--prompt", help="the prompt text, used as given (see --chat)")
+@click.option("--prompt", help="the prompt text (see --chat)")
 @click.option("--prompt-file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
@@ -496,7 +582,7 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--verify", type=click.Choice(VERIFICATION_RULES),
               help="verification rule (default: greedy at T = 0, else Sequoia's)")
-@click.option("--chat", is_flag=True, help="apply the target's chat template to the prompt")
+@_chat_option()
 @click.option("--device", type=click.Choice(DEVICES), help="default: cuda when available")
 @click.option("--stream", is_flag=True, help="print tokens as they are accepted")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
@@ -508,8 +594,8 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
     """Generate with a plan (Sequoia, Lookahead, TriForce) or autoregressively: lossless either way."""
     import json
 
-    from decoder.api import load_decoder
-    from decoder.sampling import SamplingParams
+    from specplan.decoder.api import load_decoder
+    from specplan.decoder.sampling import SamplingParams
 
     if (prompt is None) == (prompt_file is None):
         raise UserError("give exactly one of --prompt and --prompt-file")
@@ -563,24 +649,23 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--top-p", type=float)
 @click.option("--verify", type=click.Choice(VERIFICATION_RULES))
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--chat/--no-chat", default=True, show_default=True)
+@_chat_option()
 @click.option("--context", type=int, help="long prompts of this many tokens built from --dataset (" + ESSAYS_HELP + ")")
 @click.option("--device", type=click.Choice(DEVICES), help="default: cuda when available")
 @click.option("--reprice", is_flag=True,
               help="re-time the forwards (and builds) the plan's prediction priced, between the prompts, and report "
                    "the prediction re-priced with them (TriForce, Sequoia and Lookahead plans)")
 @_backend_option(None)
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="report.json (a .md table and a .png plot are written beside it)")
+@_output(help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
           reprice: bool, backend: str | None, output: Path) -> None:
     """Our decoder against transformers and llama.cpp baselines on the same prompts, in one run."""
-    from core.plan_schema import load_plan
-    from decoder.api import load_decoder
-    from decoder.sampling import SamplingParams
     from specplan.bench import LOOKUP_BASELINES, BenchRequest, markdown_table, run_bench
+    from specplan.core.plan_schema import load_plan
+    from specplan.decoder.api import load_decoder
+    from specplan.decoder.sampling import SamplingParams
 
     lookup_plan = load_plan(plan_path) if plan_path is not None else None
     if lookup_plan is not None and lookup_plan.method != "prompt-lookup":
@@ -628,6 +713,10 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except click.ClickException as exc:
         click.echo(ERROR_PREFIX + _one_line(exc.format_message()), err=True)
+        return 2
+    except OSError as exc:  # a full disk, a file removed under us: after the work, still one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(ERROR_PREFIX + _one_line(f"{where}{exc.strerror or exc}"), err=True)
         return 2
     except (KeyboardInterrupt, click.exceptions.Abort):
         click.echo("plan: interrupted", err=True)

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import torch
 
-from core.errors import UserError
-from core.plan_schema import save_plan
-from core.prompts import encode_prompt
-from decoder.api import load_decoder
-from decoder.sampling import SamplingParams
-from planner.lookahead import solve_lookahead
-from profiler.datasets import DEMO_PROMPTS, read_dataset
-from profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
-from profiler.outputs import run_lookahead_acceptance
+from specplan.core.errors import UserError
+from specplan.core.plan_schema import save_plan
+from specplan.core.prompts import encode_prompt
+from specplan.decoder.api import load_decoder
+from specplan.decoder.sampling import SamplingParams
+from specplan.planner.lookahead import solve_lookahead
+from specplan.profiler.datasets import DEMO_PROMPTS, read_dataset
+from specplan.profiler.latency import QUICK_SIZES, ProfileRequest, run_profile
+from specplan.profiler.outputs import run_lookahead_acceptance
 
 MODEL = "smollm2-135m"
 OUT = Path("demo-output")
@@ -38,7 +38,7 @@ def main() -> int:
     profile_path = OUT / f"{MODEL}.{dtype}.profile.yaml"
     request = ProfileRequest(target=MODEL, dtype=dtype, contexts=[256, 1024], sizes=list(QUICK_SIZES), repeats=3,
                              warmup=1)
-    profile = run_profile(request, profile_path, log=say, progress=False)
+    profile = run_profile(request, profile_path, log=say)
     curve = profile.target_by_context[256]
     say("   t(n) at 256 tokens of context: " + ", ".join(f"n={n}: {t * 1e3:.1f} ms" for n, t in curve.items()))
 

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.acceptance_schema import DRAFT_SAMPLER_TOP_K
-from core.errors import UserError
-from core.method_settings import PromptLookupSettings
-from core.models import LoadedModel, cache_dir, load_model
-from decoder.sampling import SamplingParams
-from profiler import hardware
-from profiler.latency import ProfileRequest, profile_document
+from specplan.core.acceptance_schema import DRAFT_SAMPLER_TOP_K
+from specplan.core.errors import UserError
+from specplan.core.method_settings import PromptLookupSettings
+from specplan.core.models import LoadedModel, cache_dir, load_model
+from specplan.decoder.sampling import SamplingParams
+from specplan.profiler import hardware
+from specplan.profiler.latency import ProfileRequest, profile_document
 
 # llama.cpp's file types (llama.h: LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_BF16) for our dtypes; gguf: as shipped
 FILE_TYPES = {"fp32": ("F32", 0), "bf16": ("BF16", 32)}

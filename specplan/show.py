@@ -8,14 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from core.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance, TriForceAcceptance
-from core.errors import UserError
-from core.fileio import read_yaml, shown
-from core.machine import machine_label
-from core.plan_schema import Plan, TokenTree
-from core.plotting import pyplot, save_png
-from core.profile_schema import LatencyProfile
-from core.validate import Fields
+from specplan.core.acceptance_schema import LookaheadAcceptance, SequoiaAcceptance, TriForceAcceptance
+from specplan.core.errors import UserError
+from specplan.core.fileio import read_yaml, shown
+from specplan.core.machine import machine_label
+from specplan.core.plan_schema import Plan, TokenTree
+from specplan.core.plotting import pyplot, save_png
+from specplan.core.profile_schema import LatencyProfile
+from specplan.core.validate import Fields
 
 
 def show_files(paths: list[str | os.PathLike], plot: str | os.PathLike | None = None,
@@ -302,7 +302,7 @@ def _recorded_acceptance(plan: Plan, required: bool) -> list[float] | None:
 def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
     if plan.method != "sequoia":
         raise UserError(f"--plot is not available for {plan.kind}")
-    from planner.sequoia import SequoiaTables, rank_candidates
+    from specplan.planner.sequoia import SequoiaTables, rank_candidates
     positional = np.asarray(_recorded_acceptance(plan, required=True))
     inputs = Fields(plan.inputs, f"{plan.source}: inputs")
     # The DP is redrawn over the plan's own search space, bounded so that a file cannot ask for hours of it.
@@ -331,8 +331,7 @@ def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
             "draft": {"step_seconds": recorded.data.get("draft_step_seconds")},
         }, recorded.where)
         prefill = plan.prediction.details.get("draft_prefill_seconds_per_token")
-        ranked = rank_candidates(tables, profile, inputs.integer("batch", required=False, low=1, high=max_size,
-                                                                  default=1),
+        ranked = rank_candidates(tables, profile,
                                  prefill_per_token=float(prefill) if isinstance(prefill, (int, float)) else 0.0)
         best_per_n: dict[int, float] = {}
         for c in ranked:
