@@ -12,8 +12,8 @@ import argparse
 import numpy as np
 from modeled_vs_measured import data_key, measured_gpu_profiles
 
-from profiler import roofline
-from profiler.calibration import MeasuredGpuProfile, fit, read_measured
+from specplan.profiler import roofline
+from specplan.profiler.calibration import MeasuredGpuProfile, fit, read_measured
 
 
 def rms_log_error(profile: MeasuredGpuProfile, parameters: roofline.GpuParameters) -> float:

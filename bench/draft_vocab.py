@@ -1,6 +1,6 @@
-"""What does limiting a draft's vocabulary buy? The draft step with the whole output matrix against steps that
-score only the ids below K (plus the stop tokens), timed interleaved, and the share of a bench report's target
-tokens that such a draft could propose at all.
+"""Backs `--draft-vocab` (decoder/model.py: LeanModel.limit_vocabulary; the plans' draft_vocab 65536): the draft step
+with the whole output matrix against steps that score only the ids below K (plus the stop tokens), timed interleaved,
+and the share of a bench report's target tokens that such a draft could propose at all.
 
     .venv/bin/python bench/draft_vocab.py --model qwen2.5-coder-0.5b --dtype bf16 --limits 65536,32768 \
         --report reports/qwen2.5-coder-1.5b.sequoia.bf16.40.json
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from timing import interleaved_medians
 
-from core.machine import cpu_info
-from core.models import load_model
-from decoder.model import LeanModel, causal_mask
+from specplan.core.machine import cpu_info
+from specplan.core.models import load_model
+from specplan.decoder.model import LeanModel, causal_mask
 
 
 @torch.inference_mode()
@@ -42,26 +41,22 @@ def main() -> None:
     cache.k.normal_(0, 0.1)
     cache.v.normal_(0, 0.1)
     cache.length = args.context
-    samples: dict[tuple[str, int], list[float]] = {(name, n): [] for name in models for n in sizes}
-    for repeat in range(args.repeats + 2):  # interleaved, so a slow spell of the machine hits every variant
-        for name, model in models.items():
-            for n in sizes:
-                tokens = torch.arange(7, 7 + n)
-                positions = torch.arange(args.context, args.context + n)
-                mask = causal_mask(args.context, n, model.dtype, model.device) if n > 1 else None
-                start = time.perf_counter()
-                model.forward(tokens, positions, cache, mask)
-                if repeat >= 2:
-                    samples[(name, n)].append(time.perf_counter() - start)
+    calls = {}
+    for name, model in models.items():
+        for n in sizes:
+            mask = causal_mask(args.context, n, model.dtype, model.device) if n > 1 else None
+            calls[(name, n)] = (lambda model=model, n=n, mask=mask: model.forward(
+                torch.arange(7, 7 + n), torch.arange(args.context, args.context + n), cache, mask))
+    medians = interleaved_medians(calls, args.repeats)
     print(f"machine: {cpu_info()['cpu']}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{args.model} {args.dtype}, context {args.context}, median of {args.repeats} interleaved forwards")
     print("| draft scores | output rows | " + " | ".join(f"n = {n} ms" for n in sizes) + " | vs all |")
     print("|---|---|" + "---|" * len(sizes) + "---|")
-    base = statistics.median(samples[("all", sizes[0])])
+    base = medians[("all", sizes[0])]
     for name, model in models.items():
-        medians = [statistics.median(samples[(name, n)]) for n in sizes]
-        print(f"| {name} | {model.lm_head.shape[0]} | " + " | ".join(f"{m * 1e3:.1f}" for m in medians)
-              + f" | {medians[0] / base:.2f}x |")
+        row = [medians[(name, n)] for n in sizes]
+        print(f"| {name} | {model.lm_head.shape[0]} | " + " | ".join(f"{m * 1e3:.1f}" for m in row)
+              + f" | {row[0] / base:.2f}x |")
     if args.report:
         rows = json.load(open(args.report))["per_prompt"]
         tokens = [t for row in rows for t in row["methods"]["hf"]["tokens"]]

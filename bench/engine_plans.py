@@ -1,5 +1,5 @@
 """What each serving engine's rules cost: from one acceptance file and one profile, the best plan every engine runs
-(`plan solve sequoia --engine E`) beside the unconstrained tree, as a Markdown table (issue 34).
+(`plan solve sequoia --engine E`) beside the unconstrained tree, as a Markdown table (BENCHMARKS.md's engine table).
 
     .venv/bin/python bench/engine_plans.py --acceptance A.yaml --profile P.yaml [--max-size 64 --max-depth 12]
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from core.choices import ENGINES
-from planner.sequoia import solve_sequoia
+from specplan.core.choices import ENGINES
+from specplan.planner.sequoia import solve_sequoia
 
 HEADS = 4  # Medusa's and EAGLE-1's draft heads for the table: the depth a 4-head model drafts
 

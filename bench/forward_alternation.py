@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from core.errors import UserError
-from core.profile_schema import load_profile
-from decoder.api import load_decoder
-from decoder.model import KVCache, LeanModel, causal_mask
-from profiler.latency import random_cache
+from specplan.core.errors import UserError
+from specplan.core.profile_schema import load_profile
+from specplan.decoder.api import load_decoder
+from specplan.decoder.model import KVCache, LeanModel, causal_mask
+from specplan.profiler.latency import random_cache
 
 Pattern = list[tuple[str | None, KVCache, int]]  # (label of a timed forward or None, cache, rows)
 

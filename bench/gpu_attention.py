@@ -12,9 +12,9 @@ import statistics
 
 import torch
 
-from core.models import load_model
-from decoder.model import LeanModel
-from profiler.latency import _cuda_graph_call
+from specplan.core.models import load_model
+from specplan.decoder.model import LeanModel
+from specplan.profiler.latency import _cuda_graph_call
 
 
 @torch.inference_mode()

@@ -19,9 +19,9 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from decoder.cuda_graphs import compile_forward
-from decoder.model import LeanModel, causal_mask
-from profiler.latency import _cuda_graph_call, random_cache
+from specplan.decoder.cuda_graphs import compile_forward
+from specplan.decoder.model import LeanModel, causal_mask
+from specplan.profiler.latency import _cuda_graph_call, random_cache
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -19,9 +19,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from decoder.model import LeanModel, causal_mask
-from profiler import roofline
-from profiler.latency import random_cache
+from specplan.decoder.model import LeanModel, causal_mask
+from specplan.profiler import roofline
+from specplan.profiler.latency import random_cache
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # aten::linear's inputs are (x [n, k], weight [m, k], bias); its time holds its mm/addmm kernel and the bias's

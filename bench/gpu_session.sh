@@ -5,16 +5,19 @@
 # configs, which time the same as the real ones. smollm2-135m's real GGUF (98 MB) comes in two carried halves,
 # .gpuw1/part1 with the first call and .gpuw2/part2 with the second, sent back to back while the machine is warm
 # (bench/gpu_carry.sh assembles all four carried folders from the local model cache).
+# The package is installed into /tmp/site first (pip, offline, no dependencies: the image has torch and transformers),
+# so that `specplan.` resolves as a wheel installs it.
 #   device run: bash bench/gpu_session.sh profiles   (carry .gpu .whl .gpuw1: test_cuda, then held-out profiles)
 #          or: bash bench/gpu_session.sh tests      (carry .whl .gpuw1: test_cuda alone)
 #   device run: bash bench/gpu_session.sh triforce   (carry .gpuw2; the same machine, within its 30 s warm time)
 #          or: bash bench/gpu_session.sh diagnose   (carry .gpu .whl: grouped matmuls against SDPA for many heads;
 #                                                   where a one- and a two-row forward's time goes, fp32 and bf16)
 set -u
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
 OUT=${OUT:-/tmp/gpu-out}
 LOG="$OUT/session-$1.log"
 mkdir -p "$OUT" /tmp/models /tmp/halves "$SPECPLAN_CACHE/gguf"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . 2>&1 | tail -1
 plan="python3 -m specplan.cli"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -27,16 +30,16 @@ profiles|tests)
   cp .gpuw1/part1 /tmp/halves/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1
   # The GPU path's own tests first.
-  timeout 300 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG"
+  timeout 300 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider -o addopts= 2>&1 | tail -15 | tee -a "$LOG"
   [ "$1" = tests ] && exit 0
-  # Issue 35 item 5: measured t(n) of random-weight copies of configs (held-out data for the modeled profiles).
+  # Measured t(n) of random-weight copies of configs (held-out data for the modeled profiles).
   cp .gpu/qwen2.5-coder-1.5b/tokenizer.json .gpu/qwen2.5-coder-0.5b/
   cp .gpu/qwen2.5-coder-1.5b/tokenizer*.json .gpu/qwen3-0.6b/
   cp .gpu/smollm2-135m/tokenizer*.json .gpu/llama-3.2-1b/
   for m in qwen2.5-coder-0.5b llama-3.2-1b qwen3-0.6b; do
     timeout 40 python3 bench/random_weights.py .gpu/$m /tmp/models/$m 2>&1 | tail -1 | tee -a "$LOG"
     for dtype in fp32 bf16; do
-      timeout 60 $plan profile --model /tmp/models/$m --gpu h100 --dtype $dtype --contexts 256,1024,4096 \
+      timeout 60 $plan profile --target /tmp/models/$m --gpu h100 --dtype $dtype --contexts 256,1024,4096 \
         --sizes 1,2,4,8,16,32,64,128 --repeats 7 -o "$OUT/$m.h100.$dtype.yaml" 2>&1 | tail -14 | tee -a "$LOG"
     done
   done
@@ -61,18 +64,18 @@ diagnose)
   done
   ;;
 triforce)
-  # Issue 35 item 5 (G2): a TriForce plan solved on a measured H100 profile and run there with real weights.
+  # A TriForce plan solved on a measured H100 profile and run there with real weights.
   gguf="$SPECPLAN_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
   cat /tmp/halves/part1 .gpuw2/part2 > "$gguf" && sha256sum "$gguf" | tee -a "$LOG"
   profile="$OUT/smollm2-135m.h100.fp32-7680.yaml"
   plan_file="$OUT/smollm2-135m.triforce-7680.h100.fp32.yaml"
-  timeout 200 $plan profile --model smollm2-135m --gpu h100 --dtype fp32 --contexts 256,1024,4096,7680,7936 \
+  timeout 200 $plan profile --target smollm2-135m --gpu h100 --dtype fp32 --contexts 256,1024,4096,7680,7936 \
     --sizes 1,2,3,4,5,6,8,12,16,24,32 --budgets 256,512,1024,2048 --repeats 7 -o "$profile" | tail -25 | tee -a "$LOG"
   timeout 60 $plan solve triforce --acceptance acceptance/smollm2-135m.triforce.haystack.cpu-2c-avx2.fp32.decoded-7680.yaml \
     --profile "$profile" --context 7680 -o "$plan_file" | head -20 | tee -a "$LOG"
   timeout 240 $plan bench --plan "$plan_file" --dataset haystack --context 7680 --prompts 4 --max-new-tokens 256 \
     --baselines ours-ar,two-level,streaming --reprice -o "$OUT/smollm2-135m.triforce-7680.h100.fp32.json" | tail -30 | tee -a "$LOG"
-  # G1 again (Lookahead, its 2026-11-24 plan) against our one-token decoding alone: what the decoder's changes since did.
+  # The committed H100 Lookahead plan against our one-token decoding alone: what the decoder's changes since did.
   timeout 150 $plan bench --plan plans/smollm2-135m.lookahead.h100.fp32.yaml --dataset specbench:summarization,rag,coding \
     --prompts 12 --max-new-tokens 256 --baselines ours-ar -o "$OUT/lookahead.h100.fp32.json" | tail -12 | tee -a "$LOG"
   ;;

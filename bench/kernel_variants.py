@@ -1,11 +1,13 @@
-"""The CPU kernels' tuning constants, measured: the kernels built with other -D values (TILE_W x TILE_X, the
-register tile for more than 4 rows; PREFETCH_BYTES, how far ahead a block-format row is requested; GEMM_ROWS, the
-query rows per KV head from which attention scores a chunk with one GEMM) timed on whole passes over real weights,
-against oneDNN's packed matmul, and on attention over a long cache.
+"""Backs the CPU kernels' tuning constants (decoder/kernels/cpu_kernels.cpp): TILE_W x TILE_X, the register tile for
+more than ROW_TILE activation rows; PREFETCH_BYTES, how far ahead a block-format row is requested; GEMM_ROWS, the query
+rows per KV head from which attention scores a chunk with one GEMM; TORCH_GEMM_ROWS, the activation rows from which a
+matmul runs as torch's GEMM over decoded weight panels. The kernels are built with other -D values and
+timed on whole passes over real weights, and on attention over a long cache.
 
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
     .venv/bin/python bench/kernel_variants.py attention 2 4 8                  # smollm2's and qwen's head groups
+    .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
 
 A pass runs every layer's matmul once (q/k/v fused, o, gate/up fused, down) for n activation rows: 540 MB of
 fp32 weights, more than the caches hold, so each pass streams from memory as a forward does.
@@ -13,30 +15,16 @@ fp32 weights, more than the caches hold, so each pass streams from memory as a f
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from functools import partial
 
 import numpy as np
 import torch
+from timing import interleaved_medians, median_seconds
 from torch.utils.cpp_extension import load
 
-from core.models import load_model, preset_gguf
-from decoder.cpu_kernels import FLAGS, SOURCE, WEIGHT_FORMATS
-
-REPEATS = 15
-
-
-def median_seconds(work) -> float:
-    for _ in range(3):
-        work()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from specplan.core.models import load_model, preset_gguf
+from specplan.decoder.cpu_kernels import FLAGS, SOURCE
 
 
 def build(defines: dict[str, str]):
@@ -61,31 +49,32 @@ def layer_matrices() -> list[torch.Tensor]:
 
 def pass_seconds(matmul, weights: list, inputs: dict) -> float:
     """Median seconds of one pass: matmul(x, weight) for every weight, x the input of its width."""
-    return median_seconds(lambda: [matmul(inputs[w.shape[-1]], w) for w in weights])
+    return median_seconds(partial(one_pass, matmul, weights, inputs))
+
+
+def one_pass(matmul, weights: list, inputs: dict) -> None:
+    """One pass: matmul(x, weight) for every weight, x the input of its width."""
+    for w in weights:
+        matmul(inputs[w.shape[-1]], w)
 
 
 def kernel_matmul(kernels, kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return kernels.linear(x, WEIGHT_FORMATS[kind], weight, None, weight.shape[0])
-
-
-def onednn_matmul(packed: dict, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed[id(weight)], None, "none", [], "")
+    return kernels.linear(x, kind, weight, None, weight.shape[0])
 
 
 def block_pass(kernels, kind: str, matrices: list[tuple[torch.Tensor, int]]) -> None:
     """One row through every (GGUF blocks [rows, bytes], columns) matrix."""
     for data, cols in matrices:
-        kernels.linear(torch.ones(1, cols), WEIGHT_FORMATS[kind], data, None, data.shape[0])
+        kernels.linear(torch.ones(1, cols), kind, data, None, data.shape[0])
 
 
 def tiles(shapes: list[str]) -> None:
     matrices = layer_matrices()
     for dtype, kind in ((torch.float32, "F32"), (torch.bfloat16, "BF16")):
         weights = [m.to(dtype) for m in matrices]
-        packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights}
         variants = {shape: build(dict(zip(("TILE_W", "TILE_X"), shape.split("x")))) for shape in shapes}
         matmuls = {shape: partial(kernel_matmul, run, kind) for shape, run in variants.items()}
-        matmuls["oneDNN packed"] = partial(onednn_matmul, packed)
+        matmuls["torch F.linear"] = lambda x, weight: torch.nn.functional.linear(x, weight)
         for label, matmul in matmuls.items():
             cells = []
             for n in (1, 8, 16, 64):
@@ -125,11 +114,23 @@ def attention(thresholds: list[str]) -> None:
                 q = torch.randn(heads, n, 64)
                 keys, values = torch.randn(kv_heads, 8192, 64), torch.randn(kv_heads, 8192, 64)
                 mask = torch.zeros(n, length) if n > 1 else None
-                seconds = median_seconds(partial(kernels.attention, q, keys, values, length, mask, 0.125))
+                seconds = median_seconds(partial(kernels.attention, q, keys, values, length, mask, 0.125, 0.0))
                 cells.append(f"{heads}/{kv_heads} n={n} L={length} {seconds * 1e3:.3f}")
         print(f"GEMM_ROWS={threshold}: {', '.join(cells)} (ms)", flush=True)
 
 
+def gemm(thresholds: list[str]) -> None:
+    """Every layer's matmuls of smollm2-135m (fp32) for 3 to 512 rows, each variant of TORCH_GEMM_ROWS interleaved."""
+    weights = layer_matrices()
+    variants = {threshold: build({"TORCH_GEMM_ROWS": threshold}) for threshold in thresholds}
+    for n in (3, 4, 6, 8, 12, 16, 32, 64, 512):
+        inputs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
+        calls = {threshold: partial(one_pass, partial(kernel_matmul, run, "F32"), weights, inputs)
+                 for threshold, run in variants.items()}
+        medians = interleaved_medians(calls, repeats=5, warmup=1)
+        print(f"n={n}: " + ", ".join(f"TORCH_GEMM_ROWS={t} {s * 1e3:.1f} ms" for t, s in medians.items()), flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    {"tiles": tiles, "prefetch": prefetch, "attention": attention}[sys.argv[1]](sys.argv[2:])
+    {"tiles": tiles, "prefetch": prefetch, "attention": attention, "gemm": gemm}[sys.argv[1]](sys.argv[2:])

@@ -1,4 +1,4 @@
-"""Forward-only: t(n) of our lean forward and of llama.cpp on the same GGUF, same threads (issue 33).
+"""Forward-only: t(n) of our lean forward and of llama.cpp on the same GGUF, same threads.
 
 For each (n, context): the median time of a forward of n new tokens after `context` committed ones, every row's
 logits computed (llama.cpp with logits_all, as a verification forward needs), ours and llama.cpp interleaved
@@ -11,28 +11,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from timing import interleaved_medians
 
-from core.models import load_model
-from decoder.api import load_forward
-from decoder.model import causal_mask
+from specplan.core.models import load_model
+from specplan.decoder.api import load_forward
+from specplan.decoder.model import causal_mask
 from specplan.llamacpp import gguf_for, llama_cpp
 
 ROWS = (1, 4, 16)
 CONTEXTS = (256, 4096)
 REPEATS = 15
-
-
-def median_seconds(work, repeats: int = REPEATS) -> float:
-    work()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def time_point(ours, llama, cache, ids: torch.Tensor, context: int, n: int, rounds: int) -> tuple[float, float]:
@@ -49,8 +39,10 @@ def time_point(ours, llama, cache, ids: torch.Tensor, context: int, n: int, roun
 
     timings: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
     for _ in range(rounds):
-        timings["ours"].append(median_seconds(lambda: ours.forward(new, positions, cache, mask)))
-        timings["llama.cpp"].append(median_seconds(llama_forward))
+        medians = interleaved_medians({"ours": lambda: ours.forward(new, positions, cache, mask),
+                                       "llama.cpp": llama_forward}, REPEATS, warmup=1)
+        for name, seconds in medians.items():
+            timings[name].append(seconds)
     return statistics.median(timings["ours"]), statistics.median(timings["llama.cpp"])
 
 

@@ -1,5 +1,6 @@
-"""Benchmark: Sequoia's tree DP (the whole G(n, d) table), JIT excluded, against two baselines run side by side:
-a plain-Python implementation of the same recurrence and a straightforward numba loop (textbook loop order).
+"""Backs planner/sequoia.py's DP loop order (the inner loop over r with s fixed, which LLVM vectorises): the whole
+G(n, d) table, JIT excluded, against two baselines run side by side: a plain-Python implementation of the same
+recurrence and a straightforward numba loop (the textbook loop order).
 
     taskset -c 0 .venv/bin/python bench/sequoia_dp.py
 """
@@ -7,13 +8,14 @@ a plain-Python implementation of the same recurrence and a straightforward numba
 from __future__ import annotations
 
 import argparse
-import time
+from functools import partial
 
 import numpy as np
 from numba import njit
+from timing import median_seconds
 
-from core.machine import cpu_info
-from planner.sequoia import SequoiaTables
+from specplan.core.machine import cpu_info
+from specplan.planner.sequoia import SequoiaTables
 
 NEG = -np.inf
 
@@ -74,15 +76,6 @@ def numba_textbook(p: np.ndarray, max_size: int, max_levels: int) -> np.ndarray:
     return M
 
 
-def best_of(repeats: int, fn, *args) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--width", type=int, default=32)
@@ -92,7 +85,7 @@ def main() -> None:
     p = rng.random(args.width) ** 2
     p = p / p.sum() * 0.9
     print(f"machine: {cpu_info()['cpu']}, numpy {np.__version__}; K = {args.width}, "
-          f"D = {args.depth}; best of repeats, JIT excluded")
+          f"D = {args.depth}; median of repeats, JIT excluded")
     SequoiaTables(p, 4, 2)
     numba_textbook(p, 4, 3)
 
@@ -103,14 +96,14 @@ def main() -> None:
     assert np.allclose(ours.G[np.isfinite(ref_G)], ref_G[np.isfinite(ref_G)], rtol=0, atol=1e-12)
     assert np.allclose(textbook[1:, :].T, ref_G, rtol=0, atol=1e-12)
 
-    t_python = best_of(1, python_reference, list(p), 128, args.depth + 1)
-    t_textbook_128 = best_of(3, numba_textbook, p, 128, args.depth + 1)
-    t_ours_128 = best_of(5, SequoiaTables, p, 128, args.depth)
+    t_python = median_seconds(lambda: python_reference(list(p), 128, args.depth + 1), repeats=1, warmup=0)
+    t_textbook_128 = median_seconds(lambda: numba_textbook(p, 128, args.depth + 1), repeats=3, warmup=0)
+    t_ours_128 = median_seconds(lambda: SequoiaTables(p, 128, args.depth), repeats=5, warmup=0)
     print(f"N = 128:  plain Python {t_python:8.3f} s | numba textbook {t_textbook_128 * 1e3:8.2f} ms | "
           f"specplan {t_ours_128 * 1e3:8.2f} ms | specplan vs Python {t_python / t_ours_128:,.0f}x")
     for size in (1024, 2048):
-        t_textbook = best_of(1, numba_textbook, p, size, args.depth + 1)
-        t_ours = best_of(3, SequoiaTables, p, size, args.depth)
+        t_textbook = median_seconds(partial(numba_textbook, p, size, args.depth + 1), repeats=1, warmup=0)
+        t_ours = median_seconds(partial(SequoiaTables, p, size, args.depth), repeats=3, warmup=0)
         print(f"N = {size}: numba textbook {t_textbook:8.3f} s | specplan {t_ours:8.3f} s | "
               f"ratio {t_textbook / t_ours:5.1f}x")
 

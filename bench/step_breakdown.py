@@ -24,15 +24,15 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from core.profile_schema import load_profile
-from core.prompts import encode_prompt
-from decoder.api import Decoder, load_decoder
-from decoder.drafters import TrieDrafter
-from decoder.engine import SpeculativeEngine
-from decoder.sampling import SamplingParams
-from decoder.triforce import StreamingDrafter
-from profiler.datasets import read_dataset, spread_sample
-from profiler.haystack import LongPrompt, build_prompts
+from specplan.core.profile_schema import load_profile
+from specplan.core.prompts import encode_prompt
+from specplan.decoder.api import Decoder, load_decoder
+from specplan.decoder.drafters import TrieDrafter
+from specplan.decoder.engine import SpeculativeEngine
+from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.triforce import StreamingDrafter
+from specplan.profiler.datasets import read_dataset, spread_sample
+from specplan.profiler.haystack import LongPrompt, build_prompts
 
 
 class Ledger:

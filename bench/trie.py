@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from core.acceptance_schema import load_lookahead_acceptance
-from core.machine import cpu_info
-from core.method_settings import TrieSettings
-from decoder.trie import Trie, accepted_run
+from specplan.core.acceptance_schema import load_lookahead_acceptance
+from specplan.core.machine import cpu_info
+from specplan.core.method_settings import TrieSettings
+from specplan.decoder.trie import Trie, accepted_run
 
 
 def main() -> None:
