@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.fileio import plain
-from core.models import load_model
-from decoder.model import LeanModel
 from specplan.cli import main
+from specplan.core.fileio import plain
+from specplan.core.models import load_model
+from specplan.decoder.model import LeanModel
 
 from toy import toy_model
 
@@ -93,3 +93,17 @@ def toy_pair():
     target_hf, target = toy_model(10)
     _, draft = toy_model(10, noise=0.6)
     return target_hf, target, draft
+
+
+LOOKAHEAD_ACCEPTANCE = "acceptance/smollm2-135m.lookahead.specbench-sum-rag-code.fp32.yaml"
+
+
+@pytest.fixture(scope="session")
+def few_outputs(tmp_path_factory) -> Path:
+    """The committed smollm2 greedy outputs cut to their first 8 prompts: a solver's replay over every setting of an
+    engine's grid takes seconds instead of a minute, on the same real outputs."""
+    document = yaml.safe_load(Path(LOOKAHEAD_ACCEPTANCE).read_text())
+    document["records"] = document["records"][:8]
+    path = tmp_path_factory.mktemp("outputs") / "few-outputs.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import random
 import signal
 import sys
@@ -43,6 +44,9 @@ TRIFORCE_PROFILE = "profiles/smollm2-135m.cpu-2c.fp32-7680.yaml"
 SOLVE_SEQUOIA = ["solve", "sequoia", "--max-size", "32", "--max-depth", "8"]
 SOLVE_LOOKAHEAD = ["solve", "lookahead", "--decoding-lengths", "4,16", "--branch-lengths", "2,8"]
 SOLVE_TRIFORCE = ["solve", "triforce"]
+# an engine's n-gram knobs, a small grid each: the replays stay within the time limit on a slow 2-core host
+LOOKUP_GRIDS = {"sglang": ["--draft-lengths", "4", "--bfs-breadths", "2", "--trie-depths", "6", "--match-types", "BFS"],
+                **{engine: ["--max-ngrams", "2", "--draft-lengths", "4"] for engine in ("hf", "llama.cpp", "vllm")}}
 
 ODD_VALUES: list[Any] = [
     None, "4k", "", "null", -1, 0, 1, 2, 10**7, 2**63, 2**64, -(2**63) - 1, 1e308, -1e308, 1e-320, float("nan"),
@@ -118,8 +122,8 @@ TEXT_SNIPPETS = {
 }
 
 
-def mutate(text: str, rng: random.Random) -> tuple[str, str]:
-    """One mutation of a YAML document's text: (mutated text, its name)."""
+def mutate(text: str, rng: random.Random, as_json: bool = False) -> tuple[str, str]:
+    """One mutation of a YAML (or, `as_json`, JSON) document's text: (mutated text, its name)."""
     doc = yaml.safe_load(text)
     random.seed(rng.random())
     paths = _paths(doc)
@@ -146,7 +150,7 @@ def mutate(text: str, rng: random.Random) -> tuple[str, str]:
             key = rng.choice(ODD_KEYS)
             parent[key] = parent.pop(path[-1])
             label = f"rename@{_name(path)}->{key!r}"
-        return _dump(doc), label
+        return _dump(doc, as_json), label
     if choice < 0.50:
         numbers = [p for p in paths if p and isinstance(_get(doc, p), int) and not isinstance(_get(doc, p), bool)]
         siblings = [p for p in numbers if any(q != p and q[:-1] == p[:-1] for q in numbers)]
@@ -154,17 +158,19 @@ def mutate(text: str, rng: random.Random) -> tuple[str, str]:
             first = rng.choice(siblings)
             second = rng.choice([q for q in numbers if q != first and q[:-1] == first[:-1]])
             doc = _set(doc, first, _get(doc, second))
-            return _dump(doc), f"copy@{_name(second)}->{_name(first)}"
+            return _dump(doc, as_json), f"copy@{_name(second)}->{_name(first)}"
     if choice < 0.58:
         value = _get(doc, path)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             scaled = rng.choice([0, -value, value * 1000, value + 1, value - 1, value / 3])
-            return _dump(_set(doc, path, scaled)), f"scale@{_name(path)}={scaled!r}"
+            return _dump(_set(doc, path, scaled), as_json), f"scale@{_name(path)}={scaled!r}"
     value = rng.choice(ODD_VALUES)
-    return _dump(_set(doc, path, value)), f"set@{_name(path)}={_short(value)}"
+    return _dump(_set(doc, path, value), as_json), f"set@{_name(path)}={_short(value)}"
 
 
-def _dump(doc: Any) -> str:
+def _dump(doc: Any, as_json: bool = False) -> str:
+    if as_json:
+        return json.dumps(doc, allow_nan=True)
     return yaml.safe_dump(doc, sort_keys=False, width=120, allow_unicode=True)
 
 
@@ -183,29 +189,37 @@ def _kind_and_target(path: Path) -> tuple[str, str]:
     return doc["kind"], str(models.get("target"))
 
 
-def commands_for(original: Path, mutated: Path, out: Path) -> list[list[str]]:
-    """The commands that read a file of this format (the mutated file in the place of the original)."""
-    from planner.export import EXPORT_FORMATS
+def commands_for(original: Path, mutated: Path, out: Path, index: int = 0) -> list[list[str]]:
+    """The commands that read a file of this format (the mutated file in the place of the original). Every plan kind
+    goes through every export format; solves run with `--engine` cycled by `index` over every engine they take."""
+    from specplan.core.choices import ENGINES, LOOKUP_ENGINES
+    from specplan.planner.export import EXPORT_FORMATS
 
-    kind, target = _kind_and_target(original)
     m = str(mutated)
+    if original.suffix == ".json":  # a plan bench report
+        return [["show", m], ["show", m, "--plot", str(out / "show.png")]]
+    kind, target = _kind_and_target(original)
     runs: list[list[str]] = [["show", m], ["show", m, "--plot", str(out / "show.png")]]
+    sequoia_engine = ["--engine", ENGINES[index % len(ENGINES)], "--heads", "4"]
+    engine = (("specplan",) + LOOKUP_ENGINES)[index % (len(LOOKUP_ENGINES) + 1)]
+    lookup_engine = ["--engine", engine] + LOOKUP_GRIDS.get(engine, [])
     if kind.startswith("plan/"):
-        if kind == "plan/sequoia":
-            runs += [["export", m, "--format", fmt, "--draft-path", "draft", "--heads", "4",
-                      "-o", str(out / f"tree_{fmt}.out")] for fmt in EXPORT_FORMATS]
-    elif kind == "profile":
+        runs += [["export", m, "--format", fmt, "--draft-path", "draft", "--heads", "4",
+                  "-o", str(out / f"tree_{fmt}.out")] for fmt in EXPORT_FORMATS]
+    elif kind == "profile/latency":
         runs.append(["show", str(ROOT / LOOKAHEAD_PROFILE), "--compare", m])
         if target.startswith("qwen"):
-            runs.append(SOLVE_SEQUOIA + ["--acceptance", str(ROOT / SEQUOIA_ACCEPTANCE), "--profile", m])
+            runs.append(SOLVE_SEQUOIA + sequoia_engine + ["--acceptance", str(ROOT / SEQUOIA_ACCEPTANCE),
+                                                          "--profile", m])
         else:
-            runs.append(SOLVE_LOOKAHEAD + ["--acceptance", str(ROOT / LOOKAHEAD_ACCEPTANCE), "--profile", m])
+            runs.append(SOLVE_LOOKAHEAD + lookup_engine + ["--acceptance", str(ROOT / LOOKAHEAD_ACCEPTANCE),
+                                                           "--profile", m])
             runs.append(SOLVE_TRIFORCE + ["--acceptance", str(ROOT / TRIFORCE_ACCEPTANCE), "--profile", m])
     elif kind == "acceptance/sequoia":
-        runs.append(SOLVE_SEQUOIA + ["--acceptance", m, "--profile", str(ROOT / SEQUOIA_PROFILE)])
+        runs.append(SOLVE_SEQUOIA + sequoia_engine + ["--acceptance", m, "--profile", str(ROOT / SEQUOIA_PROFILE)])
         runs.append(SOLVE_SEQUOIA + ["--acceptance", m])
     elif kind == "acceptance/lookahead":
-        runs.append(SOLVE_LOOKAHEAD + ["--acceptance", m, "--profile", str(ROOT / LOOKAHEAD_PROFILE)])
+        runs.append(SOLVE_LOOKAHEAD + lookup_engine + ["--acceptance", m, "--profile", str(ROOT / LOOKAHEAD_PROFILE)])
     elif kind == "acceptance/triforce" and target.startswith("smollm2"):
         runs.append(SOLVE_TRIFORCE + ["--acceptance", m, "--profile", str(ROOT / TRIFORCE_PROFILE)])
     for run in runs:
@@ -247,10 +261,16 @@ def run_command(argv: list[str]) -> tuple[int | None, str, str, float]:
     return code, text, trace, seconds
 
 
+def _one_error_line(lines: list[str]) -> bool:
+    """A failure prints one short error line, the last (progress lines may precede it)."""
+    errors = [line for line in lines if line.startswith("plan: error:")]
+    return len(errors) == 1 and lines[-1] == errors[0] and len(errors[0]) <= MAX_ERROR_LINE
+
+
 def _check_outputs(out: Path) -> str:
     """'' when every file under `out` is whole and loads with the project's own loader; else what is wrong."""
-    from core.plan_schema import load_plan
-    from planner.export import import_tree
+    from specplan.core.plan_schema import load_plan
+    from specplan.planner.export import import_tree
 
     leftovers = [p.name for p in out.iterdir() if p.name.startswith(".")]
     if leftovers:
@@ -276,14 +296,14 @@ def fuzz(files: int, seed: int, sources: list[Path] | None = None, log: Any = No
     with tempfile.TemporaryDirectory(prefix="specplan-fuzz-") as scratch:
         for index in range(files):
             original = sources[index % len(sources)] if index < len(sources) else rng.choice(sources)
-            text, mutation = mutate(original.read_text(), rng)
+            text, mutation = mutate(original.read_text(), rng, as_json=original.suffix == ".json")
             work = Path(scratch) / f"{index:05d}"
             work.mkdir()
             mutated = work / original.name
             mutated.write_text(text, errors="surrogatepass")
             out = work / "out"
             out.mkdir()
-            for argv in commands_for(original, mutated, out):
+            for argv in commands_for(original, mutated, out, index):
                 code, stderr, trace, seconds = run_command(argv)
                 label = " ".join(a.replace(str(ROOT) + "/", "").replace(scratch + "/", "") for a in argv)
                 outcome = Outcome(label, original.name, mutation, "ok" if code == 0 else "rejected")
@@ -295,7 +315,7 @@ def fuzz(files: int, seed: int, sources: list[Path] | None = None, log: Any = No
                     outcome.detail = trace.strip().splitlines()[-1][:300]
                 elif code not in (0, 2):
                     outcome.verdict, outcome.detail = "crash", f"exit {code}: {stderr[-300:]}"
-                elif code == 2 and (len(lines) != 1 or len(lines[0]) > MAX_ERROR_LINE):
+                elif code == 2 and not _one_error_line(lines):
                     outcome.verdict = "bad-message"
                     outcome.detail = f"{len(lines)} lines, {len(stderr)} chars: {stderr[:200]!r}"
                 else:
@@ -303,7 +323,7 @@ def fuzz(files: int, seed: int, sources: list[Path] | None = None, log: Any = No
                     if problem:
                         outcome.verdict, outcome.detail = problem.split(":", 1)[0], problem
                     elif code == 2:
-                        outcome.detail = lines[0]
+                        outcome.detail = lines[-1]
                 outcomes.append(outcome)
                 if log is not None and outcome.verdict not in ("ok", "rejected"):
                     print(f"{outcome.verdict}: {outcome.command} [{outcome.mutation}] {outcome.detail}", file=log,
@@ -314,7 +334,9 @@ def fuzz(files: int, seed: int, sources: list[Path] | None = None, log: Any = No
 
 
 def committed_files() -> list[Path]:
-    return sorted(p for folder in ("plans", "profiles", "acceptance") for p in (ROOT / folder).glob("*.yaml"))
+    """Every committed plan, profile and acceptance file (every kind specplan reads) and the bench reports."""
+    files = sorted(p for folder in ("plans", "profiles", "acceptance") for p in (ROOT / folder).glob("*.yaml"))
+    return files + sorted((ROOT / "docs" / "reports").glob("*.json"))
 
 
 def summary(outcomes: list[Outcome], files: int, seconds: float) -> str:

@@ -12,18 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.method_settings import TrieSettings
-from core.models import TINY_FAMILIES, TINY_GENERIC_FAMILIES, TINY_ORIGINAL_CONTEXT, load_model
-from decoder.api import load_forward
-from decoder.drafters import SequoiaDrafter, TrieDrafter
-from decoder.engine import SpeculativeEngine
-from decoder.sampling import SamplingParams
-from decoder.trie import Trie
-from tests.test_lean_model import tree_mask
-from tests.toy import assert_sequoia_samples_follow_the_target, hf_greedy, toy_model
+from specplan.core.method_settings import TrieSettings
+from specplan.core.models import TINY_FAMILIES, TINY_GENERIC_FAMILIES, TINY_ORIGINAL_CONTEXT, load_model
+from specplan.decoder.api import load_forward
+from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
+from specplan.decoder.engine import SpeculativeEngine
+from specplan.decoder.model import LeanModel
+from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.trie import Trie
+
+from toy import assert_sequoia_samples_follow_the_target, hf_greedy, toy_model, tree_mask
 
 NEW_FAMILIES = [f for f in TINY_FAMILIES if f not in ("llama", "qwen2")]  # those two: tests/test_lean_model.py
-CASES = [(f, "lean") for f in NEW_FAMILIES] + [(f, "transformers") for f in TINY_GENERIC_FAMILIES + ("llama",)]
+# lean: the CPU kernels; operators: the lean forward on PyTorch's operators (a GPU's, and a CPU's without a compiler)
+CASES = ([(f, "lean") for f in NEW_FAMILIES] + [(f, "operators") for f in NEW_FAMILIES]
+         + [(f, "transformers") for f in TINY_GENERIC_FAMILIES + ("llama",)])
 PROMPT_LENGTH = TINY_ORIGINAL_CONTEXT - 4  # the tree and the steps cross the original context and the windows
 TREE_PROMPT_LENGTH = TINY_ORIGINAL_CONTEXT - 2  # the tree's deeper nodes lie past the original context
 ATOL = 1e-4
@@ -34,9 +37,17 @@ def family(request):
     """(family, loaded model, the forward under test)."""
     name, backend = request.param
     loaded = load_model(f"tiny-random-{name}")
+    return name, loaded, forward_on(loaded, backend)
+
+
+def forward_on(loaded, backend: str):
+    if backend == "operators":
+        forward = LeanModel(loaded.model, kernels=False)
+        assert forward.kernels is None
+        return forward
     forward = load_forward(loaded, "cpu", backend=backend)
-    assert forward.backend == backend
-    return name, loaded, forward
+    assert forward.backend == backend and (backend != "lean" or forward.kernels is not None)
+    return forward
 
 
 def random_ids(count: int, seed: int) -> torch.Tensor:
@@ -118,7 +129,8 @@ def test_greedy_speculation_equals_transformers_generate(family, drafter):
     prompt = random_ids(PROMPT_LENGTH, 4).tolist()
     expected = hf_greedy(loaded, prompt, 64)
     if drafter == "sequoia":
-        draft = load_forward(load_model(f"tiny-random-{name}-draft"), "cpu", backend=lean.backend)
+        backend = "operators" if isinstance(lean, LeanModel) and lean.kernels is None else lean.backend
+        draft = forward_on(load_model(f"tiny-random-{name}-draft"), backend)
         proposer = SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3, 5])
     else:
         proposer = TrieDrafter(Trie(TrieSettings.sized(8, 4)))
@@ -129,6 +141,7 @@ def test_greedy_speculation_equals_transformers_generate(family, drafter):
         assert sum(result.accepted_per_step) > len(result.accepted_per_step)  # it speculated, and was accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3", "gemma2"])
 @pytest.mark.parametrize("rule", ["sequoia", "specinfer"])
 def test_sampled_output_is_distributed_as_the_target(family, rule):

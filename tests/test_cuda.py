@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from core.method_settings import TrieSettings
-from core.models import load_model
-from decoder.api import load_forward
-from decoder.cuda_graphs import GRAPH_SIZES, enable_cuda_graphs, graph_size
-from decoder.drafters import SequoiaDrafter, TrieDrafter
-from decoder.engine import SpeculativeEngine
-from decoder.model import GRAPH_CACHE_SLOTS, LeanModel, causal_mask
-from decoder.sampling import SamplingParams
-from decoder.trie import Trie
-from decoder.triforce import HierarchicalDrafter, RetrievalSettings, StreamingDrafter
+from specplan.core.method_settings import RetrievalSettings, TrieSettings
+from specplan.core.models import load_model
+from specplan.decoder.api import load_forward
+from specplan.decoder.cuda_graphs import GRAPH_SIZES, enable_cuda_graphs, graph_size
+from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
+from specplan.decoder.engine import SpeculativeEngine
+from specplan.decoder.model import GRAPH_CACHE_SLOTS, LeanModel, causal_mask
+from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.trie import Trie
+from specplan.decoder.triforce import HierarchicalDrafter, StreamingDrafter
 
 from toy import (
     VOCAB,
@@ -32,7 +32,7 @@ from toy import (
     toy_model,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 @pytest.fixture(scope="module")
@@ -168,14 +168,14 @@ def test_sampling_on_the_gpu_is_distributed_as_the_target(hierarchy, gpu_toy_pai
 
 
 def test_measured_gpu_profile(run_cli, tmp_path):
-    from core.profile_schema import load_profile
-    from profiler.latency import _local_gpu_name
+    from specplan.core.profile_schema import load_profile
+    from specplan.profiler.latency import _local_gpu_name
 
     gpu = _local_gpu_name()
     if gpu is None:
         pytest.skip(f"{torch.cuda.get_device_name(0)} is not in the roofline catalogue")
     out = tmp_path / "gpu.yaml"
-    code, _, stderr = run_cli("profile", "--model", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
+    code, _, stderr = run_cli("profile", "--target", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
                               "--gpu", gpu, "--contexts", "16,256", "--sizes", "1,2,4,8", "--repeats", "3",
                               "--budgets", "64", "-o", out)
     assert code == 0, stderr

@@ -10,17 +10,17 @@ import pytest
 import torch
 import yaml
 
-from core.acceptance_schema import DraftChainTrace, SequoiaAcceptance, load_sequoia_acceptance
-from core.errors import UserError
-from core.plan_schema import load_plan
-from core.profile_schema import load_profile
-from decoder.drafters import SequoiaDrafter
-from decoder.engine import SpeculativeEngine
-from decoder.sampling import SamplingParams
-from planner.draft_chain import ChainKnobs, replay
-from planner.export import export_plan, import_tree
-from planner.sequoia import SequoiaTables, rank_candidates
-from profiler.acceptance import measure_sequoia
+from specplan.core.acceptance_schema import DraftChainTrace, SequoiaAcceptance, load_sequoia_acceptance
+from specplan.core.errors import UserError
+from specplan.core.plan_schema import load_plan
+from specplan.core.profile_schema import load_profile
+from specplan.decoder.drafters import SequoiaDrafter
+from specplan.decoder.engine import SpeculativeEngine
+from specplan.decoder.sampling import SamplingParams
+from specplan.planner.draft_chain import ChainKnobs, replay
+from specplan.planner.export import export_plan, import_tree
+from specplan.planner.sequoia import SequoiaTables, rank_candidates
+from specplan.profiler.acceptance import measure_sequoia
 
 from toy import VOCAB, toy_model
 
@@ -159,7 +159,7 @@ def test_llama_cpp_python_runs_the_draft_rule(p_min, most_per_step):
     drafting for itself: greedy output unchanged; draft-max 4 yields up to 5 tokens a step, and a p_min no
     probability reaches stops every draft after its first token (at most 2 a step)."""
     pytest.importorskip("llama_cpp")
-    from core.models import load_model
+    from specplan.core.models import load_model
     from specplan.llamacpp import DraftChainSettings, LlamaCpp
 
     model = load_model("smollm2-135m", "gguf")
@@ -195,14 +195,15 @@ def test_a_chain_plan_drafts_nothing_where_no_setting_pays(run_cli, write_yaml_f
     assert import_tree(export.content, "llama.cpp").size == 1  # the one-node tree the plan runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens, schedule", [(1, "constant"), (3, "constant"), (2, "heuristic")])
 def test_the_replay_counts_transformers_assisted_generation_forwards(tokens, schedule):
     """transformers' own assisted generation (the tiny pair, greedy, no confidence stop), its target's forwards
     counted by a hook: the replay of the chain traces takes exactly as many steps, the heuristic schedule's draft
     length carried from one generate call to the next as transformers carries it. The prompts hold no token 0 and
     the pad id is outside the vocabulary: transformers masks pad-valued tokens out of the assistant's inputs."""
-    from core.models import load_model
-    from decoder.api import load_forward
+    from specplan.core.models import load_model
+    from specplan.decoder.api import load_forward
 
     target_model, draft_model = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
     prompts = [torch.randint(1, 256, (12,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(6)]
@@ -244,7 +245,7 @@ def test_the_drafts_prompt_prefill_lowers_the_sequoia_speedups_not_their_order()
 def test_the_tree_replay_is_what_the_decoder_does_at_t0(parents):
     """Any tree (ranks below the traces' width) replayed over the chain traces' ranks takes exactly the steps our
     engine takes with it at T = 0."""
-    from planner.sequoia import replay_tree
+    from specplan.planner.sequoia import replay_tree
 
     _, target = toy_model(10)
     _, draft = toy_model(10, noise=0.5)
@@ -262,7 +263,7 @@ def test_the_tree_replay_is_what_the_decoder_does_at_t0(parents):
 
 
 def test_a_sequoia_plan_at_t0_carries_its_trees_replayed_tokens_per_step(run_cli, tmp_path):
-    from planner.sequoia import replay_tree
+    from specplan.planner.sequoia import replay_tree
 
     path = chain_acceptance(tmp_path, with_ranks=True)
     out = tmp_path / "plan.yaml"

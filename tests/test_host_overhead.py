@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from core.profile_schema import LatencyProfile
+from specplan.core.profile_schema import LatencyProfile
 
 OVERHEAD = 0.003
 BASE = {
@@ -41,7 +41,7 @@ def test_a_profile_without_overhead_prices_none():
 
 
 def test_sequoia_prices_overhead_as_forward_time():
-    from planner.sequoia import SequoiaTables, rank_candidates
+    from specplan.planner.sequoia import SequoiaTables, rank_candidates
 
     shifted, with_overhead = profiles()
     tables = SequoiaTables(np.array([0.6, 0.2, 0.1]), 16, 6)
@@ -52,8 +52,8 @@ def test_sequoia_prices_overhead_as_forward_time():
 
 
 def test_lookahead_prices_overhead_and_trie_time_per_step():
-    from core.method_settings import TrieSettings
-    from planner.lookahead import predicted_speedup, replay
+    from specplan.core.method_settings import TrieSettings
+    from specplan.planner.lookahead import predicted_speedup, replay
 
     shifted, with_overhead = profiles()
     text = [5, 6, 7, 8, 9] * 8
@@ -68,8 +68,8 @@ def test_lookahead_prices_overhead_and_trie_time_per_step():
 
 
 def test_triforce_prices_overhead_as_forward_time():
-    from core.acceptance_schema import TriForceEntry, TriForceTrace
-    from planner.triforce_cost import evaluate, evaluate_traces
+    from specplan.core.acceptance_schema import TriForceEntry, TriForceTrace
+    from specplan.planner.triforce_cost import evaluate, evaluate_traces
 
     shifted, with_overhead = profiles()
     entry = TriForceEntry(context=4096, budget=256, chunk=8, stride=64, middle=0.7, bottom=0.5,

@@ -5,16 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-import decoder.model as model_module
-from core.errors import UserError
-from core.models import load_model
-from decoder.model import LeanModel, causal_mask
+import specplan.decoder.model as model_module
+from specplan.core.errors import UserError
+from specplan.core.models import load_model
+from specplan.decoder.model import LeanModel, causal_mask
+
+from toy import tree_mask
 
 
-@pytest.fixture(scope="module", params=["tiny-random-llama", "tiny-random-qwen2"])
+@pytest.fixture(scope="module", params=[(name, kernels) for name in ("tiny-random-llama", "tiny-random-qwen2")
+                                        for kernels in (True, False)],
+                ids=lambda param: f"{param[0]}-{'kernels' if param[1] else 'operators'}")
 def models(request):
-    loaded = load_model(request.param)
-    return loaded, LeanModel(loaded.model)
+    """A tiny model on either CPU forward: the kernels, and PyTorch's operators (the GPU's forward)."""
+    name, kernels = request.param
+    loaded = load_model(name)
+    lean = LeanModel(loaded.model, kernels=kernels)
+    assert (lean.kernels is not None) == kernels
+    return loaded, lean
 
 
 def reference_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
@@ -34,20 +42,6 @@ def test_chunked_prefill_then_single_steps_match_transformers(models):
         logits = lean.forward(ids[t:t + 1], torch.tensor([cache.length]), cache, None)[0]
         cache.commit(None, 1)
         torch.testing.assert_close(logits, ref[t], atol=2e-5, rtol=1e-5)
-
-
-def tree_mask(parents: list[int], prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = len(parents)
-    depth = [0] * n
-    allowed = torch.zeros(n, n, dtype=torch.bool)
-    for v in range(n):
-        allowed[v, v] = True
-        if parents[v] >= 0:
-            depth[v] = depth[parents[v]] + 1
-            allowed[v] |= allowed[parents[v]]
-    mask = torch.zeros(n, prefix + n)
-    mask[:, prefix:] = torch.where(allowed, 0.0, float("-inf"))
-    return mask, torch.tensor(depth)
 
 
 @torch.inference_mode()
@@ -114,55 +108,26 @@ def test_limited_vocabulary_scores_only_the_kept_ids(models):
         LeanModel(loaded.model).limit_vocabulary(full.shape.vocab + 1)
 
 
-@pytest.mark.parametrize("name", ["tiny-random-llama", "tiny-random-qwen2"])
+@pytest.mark.parametrize("kernels", [False, True])
 @torch.inference_mode()
-def test_bf16_key_buckets_give_the_exact_span_logits(name, monkeypatch):
-    """bf16 attention over a key length rounded up to KEY_BUCKET (extra slots masked) is bit-identical to
-    attention over exactly the filled slots, for single steps (no mask) and for a masked block."""
-    lean = LeanModel(load_model(name, "bf16").model)
-    lean.cache_dtype = torch.bfloat16  # what a CPU with bf16 instructions keeps; an AVX2-only one keeps fp32
-    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(4))
-
-    def steps() -> torch.Tensor:
-        cache = lean.new_cache(80)
-        lean.prefill(ids[:40], cache, logits=False)
-        rows = []
-        for t in range(40, 55):
-            rows.append(lean.forward(ids[t:t + 1], torch.tensor([cache.length]), cache, None)[0])
-            cache.commit(None, 1)
-        rows += list(lean.forward(ids[55:], torch.arange(55, 60), cache, causal_mask(55, 5, lean.dtype, "cpu")))
-        return torch.stack(rows)
-
-    monkeypatch.setattr(model_module, "KEY_BUCKET", 1)
-    exact = steps()
-    monkeypatch.setattr(model_module, "KEY_BUCKET", 16)
-    assert lean._key_span(lean.new_cache(80), 1, 41, static=False) == 48
-    assert torch.equal(steps(), exact)
-
-
-@pytest.mark.parametrize("emulated, kernels", [(False, False), (True, False), (None, True)])
-@torch.inference_mode()
-def test_bf16_model_matches_transformers_as_a_cpu_with_or_without_bf16_instructions(emulated, kernels):
-    """On PyTorch's operators, with bf16 instructions a bf16 model keeps its keys and values in bf16; without them
-    (emulated bf16) in fp32, with attention and matmuls of three rows or more in fp32 (over an fp32 copy of the
-    weights). The CPU kernels read bf16 on any host: bf16 cache, no copy. Either way its logits are transformers'
-    bf16 logits up to bf16 rounding, for a prefill in 16-row chunks, single steps and a masked block."""
+def test_bf16_model_matches_transformers_on_either_cpu_forward(kernels):
+    """PyTorch's operators and the CPU kernels (which read bf16 on any host) both keep a bf16 model's keys and
+    values in bf16, and its logits are transformers' bf16 logits up to bf16 rounding, for a prefill in 16-row
+    chunks, single steps and a masked block."""
     loaded = load_model("tiny-random-llama", "bf16")
-    lean = LeanModel(loaded.model, emulated_bf16=emulated, kernels=kernels)
+    lean = LeanModel(loaded.model, kernels=kernels)
     assert (lean.kernels is not None) == kernels
-    cache_dtype = torch.float32 if emulated else torch.bfloat16
-    assert (lean.layers[0]["wqkv"].wide is not None) == bool(emulated)
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(5))
     ref = reference_logits(loaded, ids).float()
     cache = lean.new_cache(64)
-    assert cache.k.dtype == cache_dtype
+    assert cache.k.dtype == torch.bfloat16
     rows = [lean.prefill(ids[:30], cache, chunk=16)]
     for t in range(30, 40):
         rows.append(lean.forward(ids[t:t + 1], torch.tensor([cache.length]), cache, None)[0])
         cache.commit(None, 1)
     rows += list(lean.forward(ids[40:], torch.arange(40, 48), cache, causal_mask(40, 8, lean.dtype, "cpu")))
     logits = torch.stack(rows).float()
-    assert logits.dtype == torch.float32 and torch.stack(rows).dtype == torch.bfloat16
+    assert torch.stack(rows).dtype == torch.bfloat16
     torch.testing.assert_close(logits, ref[29:], atol=0.125, rtol=0.02)  # a few bf16 steps (1/32 at 4-8)
     assert (logits.argmax(-1) == ref[29:].argmax(-1)).float().mean() >= 0.9
 

@@ -8,8 +8,8 @@ import zipfile
 import pytest
 import torch
 
-from core.errors import UserError
-from core.models import LoadedModel, assemble_gguf, check_same_vocabulary, load_model
+from specplan.core.errors import UserError
+from specplan.core.models import LoadedModel, assemble_gguf, check_same_vocabulary, load_model
 
 
 def test_tiny_models_are_deterministic():
@@ -55,11 +55,25 @@ def test_a_draft_must_map_every_id_to_the_same_token():
 
 
 def test_cli_choices_are_the_registries_keys():
-    from core.choices import DTYPES, VERIFICATION_RULES
-    from core.models import TORCH_DTYPES
-    from decoder.verify import RULES
+    from specplan.core.choices import DTYPES, PRESET_MODELS, VERIFICATION_RULES
+    from specplan.core.models import PRESETS, TORCH_DTYPES
+    from specplan.decoder.verify import RULES
 
     assert set(RULES) == set(VERIFICATION_RULES) and tuple(TORCH_DTYPES) == DTYPES
+    assert tuple(PRESETS) == PRESET_MODELS
+
+
+def test_local_models_are_named_by_their_resolved_path(tmp_path, monkeypatch):
+    """A local file is named by its resolved path however it was typed; presets and test models by their names."""
+    from specplan.core.model_names import model_name, same_model
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "model.gguf").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    absolute = str(tmp_path.resolve() / "sub" / "model.gguf")
+    assert model_name("sub/model.gguf") == model_name("./sub/../sub/model.gguf") == absolute
+    assert same_model("sub/model.gguf", absolute) and not same_model("sub/model.gguf", "smollm2-135m")
+    assert model_name("smollm2-135m") == "smollm2-135m" and model_name("tiny-random-llama") == "tiny-random-llama"
 
 
 def test_bf16_dtype():
@@ -112,8 +126,8 @@ def test_assemble_reports_a_missing_member(tmp_path):
 def test_a_sharded_directory_loads_whole(tmp_path):
     """A Hugging Face directory whose safetensors are split into shards (with their index): every weight loads,
     the memory check counts every shard, and the lean forward gives the model's logits."""
-    from core.models import safetensors_parameter_count
-    from decoder.api import load_forward
+    from specplan.core.models import safetensors_parameter_count
+    from specplan.decoder.api import load_forward
 
     original = load_model("tiny-random-llama3")
     directory = tmp_path / "sharded"
@@ -134,7 +148,7 @@ def test_a_sharded_directory_loads_whole(tmp_path):
 def test_the_lean_forward_takes_the_weights_over():
     """Built for decoding, the lean forward frees transformers' copy of every weight (one copy in memory);
     transformers' module comes back, loaded again, only where a baseline asks for it."""
-    from decoder.api import load_forward
+    from specplan.decoder.api import load_forward
 
     loaded = load_model("tiny-random-qwen3")
     ids = torch.arange(20)[None]

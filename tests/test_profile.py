@@ -9,18 +9,20 @@ import numpy as np
 import pytest
 import yaml
 
-from core.errors import UserError
-from core.profile_schema import load_profile
-from decoder.model import ModelShape
-from profiler import latency, roofline
-from profiler.operators import gpu_operators
+from specplan.core.errors import UserError
+from specplan.core.profile_schema import load_profile
+from specplan.decoder.model import ModelShape
+from specplan.profiler import latency, roofline
+from specplan.profiler.operators import gpu_operators
+
+from toy import one_error
 
 QUICK = ["--contexts", "16,64", "--sizes", "1,2,4,8", "--repeats", "2"]
 
 
 def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
     out = tmp_path / "profiles" / "tiny.yaml"
-    code, stdout, stderr = run_cli("profile", "--model", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
+    code, stdout, stderr = run_cli("profile", "--target", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
                                    *QUICK, "--budgets", "32", "--window-prefill", "4,20", "-o", out)
     assert code == 0, stderr
     profile = load_profile(out)
@@ -50,22 +52,28 @@ def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
 
 
 def test_engine_overhead_is_the_time_outside_the_forwards(monkeypatch):
-    """A forward made 20 ms slower leaves the overhead alone; a verification walk made 5 ms slower adds 5 ms."""
+    """On a clock that only the model's forward (20 ms) and the verification walk (5 ms when slowed) advance, the
+    overhead is exactly the walk's time: the forwards' time is taken out, the rest of the step is kept."""
     import time
 
-    from decoder.verify import GreedyMatch
+    from specplan.decoder.verify import GreedyMatch
 
     from toy import toy_model
 
+    clock = {"seconds": 0.0}
+
+    def advance(seconds: float) -> None:
+        clock["seconds"] += seconds
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["seconds"])
     _, model = toy_model(0)
     forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda *a, **k: (time.sleep(0.02), forward(*a, **k))[1])
-    base = latency.engine_overhead(model, 8, [1, 4], steps=4)
-    assert all(seconds < 0.01 for seconds in base.values()), base
+    monkeypatch.setattr(model, "forward", lambda *a, **k: (advance(0.02), forward(*a, **k))[1])
+    assert latency.engine_overhead(model, 8, [1, 4], steps=4) == {1: 0.0, 4: 0.0}
     walk = GreedyMatch.walk
-    monkeypatch.setattr(GreedyMatch, "walk", lambda *a: (time.sleep(0.005), walk(*a))[1])
+    monkeypatch.setattr(GreedyMatch, "walk", lambda *a: (advance(0.005), walk(*a))[1])
     slow = latency.engine_overhead(model, 8, [1, 4], steps=4)
-    assert all(0.005 <= slow[n] < base[n] + 0.01 for n in (1, 4)), (base, slow)
+    assert slow == {1: pytest.approx(0.005), 4: pytest.approx(0.005)}
 
 
 def test_interrupted_profile_leaves_no_output_and_resumes(run_cli, tmp_path, monkeypatch):
@@ -83,12 +91,12 @@ def test_interrupted_profile_leaves_no_output_and_resumes(run_cli, tmp_path, mon
 
     monkeypatch.setattr(latency, "_time_pass", interrupt_in_the_second_timed_pass)
     # the window prefill's sizes are part of what a resume must match
-    code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "--window-prefill", "2,8", "-o", out)
+    code, _, stderr = run_cli("profile", "--target", "tiny-random-qwen2", *QUICK, "--window-prefill", "2,8", "-o", out)
     assert code == 130 and not out.exists()
 
     passes["n"] = 0
     monkeypatch.setattr(latency, "_time_pass", lambda calls: passes.update(n=passes["n"] + 1) or real(calls))
-    code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", *QUICK, "--window-prefill", "2,8",
+    code, _, stderr = run_cli("profile", "--target", "tiny-random-qwen2", *QUICK, "--window-prefill", "2,8",
                               "--resume", "-o", out)
     assert code == 0, stderr
     assert passes["n"] == 3
@@ -99,13 +107,13 @@ def test_interrupted_profile_leaves_no_output_and_resumes(run_cli, tmp_path, mon
 
 def test_draft_vocabulary_is_timed_and_recorded(run_cli, tmp_path):
     out = tmp_path / "tiny.yaml"
-    code, stdout, stderr = run_cli("profile", "--model", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
+    code, stdout, stderr = run_cli("profile", "--target", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
                                    "--draft-vocab", 64, "--contexts", "16", "--sizes", "1,2", "--repeats", 1, "-o", out)
     assert code == 0, stderr
     assert load_profile(out).draft_vocab == 64 and "draft scores ids < 64" in stdout
-    code, _, stderr = run_cli("profile", "--model", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
+    code, _, stderr = run_cli("profile", "--target", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
                               "--draft-vocab", 9999, "--contexts", "16", "--sizes", "1", "-o", tmp_path / "bad.yaml")
-    assert code == 2 and "outside 1..260" in stderr and len(stderr.strip().splitlines()) == 1
+    assert code == 2 and "outside 1..260" in stderr and one_error(stderr)
     assert not (tmp_path / "bad.yaml").exists()
 
 
@@ -173,28 +181,26 @@ def test_deep_tensor_core_gemms_split_over_the_gpu():
     assert gemm_seconds(16 * 1024, "fp32") / gemm_seconds(4 * 1024, "fp32") == pytest.approx(4, rel=0.01)
 
 
-def test_a_config_alone_models_llama2_7b_on_an_a100(run_cli, tmp_path):
-    """No weights: a config.json is enough, in seconds; t(1) within 20% of gpt-fast's (a compiled forward; ours in
-    graphs and compiled)."""
-    import time
-
+def test_a_config_alone_models_llama2_7b_on_an_a100(run_cli, tmp_path, monkeypatch):
+    """No weights: a config.json is enough; t(1) within 20% of gpt-fast's (a compiled forward; ours in graphs and
+    compiled)."""
     config = tmp_path / "llama-2-7b" / "config.json"
     config.parent.mkdir()
     config.write_text(json.dumps(LLAMA2_7B))
     out = tmp_path / "a100.yaml"
-    start = time.perf_counter()
-    code, _, stderr = run_cli("profile", "--model", config, "--gpu", "a100-80g", "--dtype", "fp16",
+    monkeypatch.setattr(latency, "load_model", lambda *a, **k: pytest.fail("a config alone loads no weights"))
+    code, _, stderr = run_cli("profile", "--target", config, "--gpu", "a100-80g", "--dtype", "fp16",
                               "--contexts", "256,1024", "-o", out)
     assert code == 0, stderr
-    assert time.perf_counter() - start < 10
     profile = load_profile(out)
-    assert profile.dtype == "fp16" and profile.source == "modeled" and profile.models["target"] == "llama-2-7b"
+    assert profile.dtype == "fp16" and profile.source == "modeled"
+    assert profile.models["target"] == str(config.parent.resolve())
     assert profile.target_by_context[256][1] == pytest.approx(GPT_FAST_LLAMA2_7B_A100_MS / 1e3, rel=0.20)
     assert profile.overhead_seconds  # modeled plans are charged the engine's work per step
     document = yaml.safe_load(out.read_text())
     assert document["settings"]["execution"] == "graphs"
     compiled = tmp_path / "compiled.yaml"
-    code, _, stderr = run_cli("profile", "--model", config.parent, "--gpu", "a100-80g", "--dtype", "fp16",
+    code, _, stderr = run_cli("profile", "--target", config.parent, "--gpu", "a100-80g", "--dtype", "fp16",
                               "--backend", "compiled", "--contexts", "256", "-o", compiled)
     assert code == 0, stderr
     t1 = load_profile(compiled, ("compiled",)).target_by_context[256][1]
@@ -217,7 +223,7 @@ def test_gemm_costs_go_by_bucket_of_rows():
 def test_larger_targets_choose_trees_no_larger_on_a_modeled_a100(tmp_path):
     """The Sequoia paper's observation: on one GPU, for one acceptance vector and one draft, a 13B or 33B target's
     optimal tree is not larger than a 7B's."""
-    from planner.sequoia import SequoiaTables, rank_candidates
+    from specplan.planner.sequoia import SequoiaTables, rank_candidates
 
     shapes = {"7b": LLAMA2_7B,
               "13b": {**LLAMA2_7B, "hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40,
@@ -243,14 +249,14 @@ def test_any_rope_variant_is_modeled(run_cli, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**LLAMA2_7B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                                 "original_max_position_embeddings": 4096}}))
-    code, _, stderr = run_cli("profile", "--model", config, "--gpu", "h100", "--dtype", "bf16", "--contexts", "256",
+    code, _, stderr = run_cli("profile", "--target", config, "--gpu", "h100", "--dtype", "bf16", "--contexts", "256",
                               "--sizes", "1,4", "-o", tmp_path / "yarn.yaml")
     assert code == 0, stderr
 
 
 def test_calibration_fits_the_gpu_to_measured_profiles(run_cli, tmp_path):
     out = tmp_path / "calibrated.yaml"
-    code, _, stderr = run_cli("profile", "--model", "tiny-random-qwen2", "--gpu", "h100", "--dtype", "bf16",
+    code, _, stderr = run_cli("profile", "--target", "tiny-random-qwen2", "--gpu", "h100", "--dtype", "bf16",
                               "--calibrate", "profiles/smollm2-135m.h100.bf16.yaml", "--contexts", "256",
                               "--sizes", "1,2,4", "-o", out)
     assert code == 0, stderr
@@ -260,11 +266,12 @@ def test_calibration_fits_the_gpu_to_measured_profiles(run_cli, tmp_path):
     assert set(calibration["parameters"]) == set(roofline.PARAMETER_NAMES)
 
 
+@pytest.mark.slow
 def test_one_profile_calibrates_what_it_can_tell_and_keeps_the_rest():
     """One small model's profile cannot tell the weight stream's bandwidth from the kernels' floors: unweighted, the
     fit trades one for the other (bandwidth 0.44 of the datasheet's for smollm2 bf16, its own points within 0.5%);
     the pull towards the catalogue keeps the bandwidth near the defaults' and the profile's points still fit."""
-    from profiler.calibration import calibrate, fit, read_measured
+    from specplan.profiler.calibration import calibrate, fit, read_measured
 
     path = "profiles/smollm2-135m.h100.bf16.yaml"
     unweighted = fit([read_measured(path, "h100")])
@@ -277,7 +284,7 @@ def test_one_profile_calibrates_what_it_can_tell_and_keeps_the_rest():
 
 def test_modeled_gpu_profile_is_labelled(run_cli, tmp_path):
     out = tmp_path / "a100.yaml"
-    code, _, stderr = run_cli("profile", "--model", "tiny-random-llama", "--gpu", "a100-80g", "--contexts", "128,1024",
+    code, _, stderr = run_cli("profile", "--target", "tiny-random-llama", "--gpu", "a100-80g", "--contexts", "128,1024",
                               "-o", out)
     assert code == 0, stderr
     profile = load_profile(out)
@@ -286,7 +293,7 @@ def test_modeled_gpu_profile_is_labelled(run_cli, tmp_path):
     assert curve(512) > curve(1) > 0
     assert yaml.safe_load(out.read_text())["hardware"]["gpu"] == "a100-80g"
     by_device_name = tmp_path / "by-device-name.yaml"  # as nvidia-smi prints it
-    code, _, stderr = run_cli("profile", "--model", "tiny-random-llama", "--gpu", "NVIDIA A100-SXM4-80GB",
+    code, _, stderr = run_cli("profile", "--target", "tiny-random-llama", "--gpu", "NVIDIA A100-SXM4-80GB",
                               "--contexts", "128,1024", "-o", by_device_name)
     assert code == 0, stderr
     assert load_profile(by_device_name).target_by_context == profile.target_by_context
@@ -358,12 +365,12 @@ def test_profile_bad_input(args, message, run_cli, tmp_path):
     defaults = {"--contexts": "64", "--sizes": "1,2"}
     extra = [x for key, value in defaults.items() if key not in args for x in (key, value)]
     code, _, stderr = run_cli("profile", *args, *extra, "-o", out)
-    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
+    assert code == 2 and message in stderr and one_error(stderr)
     assert not out.exists()
 
 
 def test_support_and_covering_are_the_points_an_interpolation_reads():
-    from core.profile_schema import LatencyCurve, covering
+    from specplan.core.profile_schema import LatencyCurve, covering
 
     points = {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 3.5, 32: 7.0, 64: 15.0}
     support = LatencyCurve(points).support(5)

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import pytest
 
-from planner.sequoia import SequoiaTables, depth_unbounded_values, tree_value
+from specplan.planner.sequoia import SequoiaTables, depth_unbounded_values, tree_value
 
 
 @functools.cache

@@ -1,23 +1,24 @@
 """SGLang's NGRAM replayed (planner/sglang_ngram.py): its trie's recency order and BFS breadths, when a step's
 tokens reach the trie, the padded verification, the solver's plan and its export; and the replay against SGLang's
-own trie code (bench/sglang_ngram_check.py), where its wheel can be fetched."""
+own trie code (tests/sglang_trie.py), where its wheel can be fetched."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
+import zipfile
 
 import pytest
 
-from core.acceptance_schema import LookaheadRecord
-from core.method_settings import NgramTreeSettings
-from core.plan_schema import load_plan
-from planner.prompt_lookup import replay_ngram_tree
-from planner.sglang_ngram import PADDING_TOKEN, NgramTreeProposer, token_paths
+from specplan.core.acceptance_schema import LookaheadRecord, load_lookahead_acceptance
+from specplan.core.method_settings import NgramTreeSettings
+from specplan.core.plan_schema import load_plan
+from specplan.planner.prompt_lookup import replay_ngram_tree
+from specplan.planner.sglang_ngram import PADDING_TOKEN, NgramTreeProposer, token_paths
+
+from toy import one_error
 
 ACCEPTANCE = "acceptance/smollm2-135m.lookahead.specbench-sum-rag-code.fp32.yaml"
 PROFILE = "profiles/smollm2-135m.cpu-2c.fp32.yaml"
-CHECK_UNAVAILABLE = 3  # bench/sglang_ngram_check.py: SGLang's sources could not be fetched or built
 
 
 @pytest.mark.parametrize("max_bfs_breadth, expected", [(2, {(4,)}), (10, {(4,), (3,)})])
@@ -71,22 +72,29 @@ def test_a_padding_slot_accepts_token_0_under_the_root():
     assert proposer.accepted(empty, [PADDING_TOKEN, 5]) == 1 and proposer.accepted(empty, [5]) == 0
 
 
+@pytest.mark.check
 def test_the_replay_is_sglangs_own_trie_step_by_step():
     """Every step's tree and accepted count equal those of SGLang's trie.cpp, built from its wheel (skipped where
-    the wheel cannot be fetched)."""
-    done = subprocess.run([sys.executable, "bench/sglang_ngram_check.py", "--acceptance", ACCEPTANCE,
-                           "--records", "4", "--quick"], capture_output=True, text=True, timeout=900)
-    if done.returncode == CHECK_UNAVAILABLE:
-        pytest.skip(done.stderr.strip())
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line.endswith("| yes |")]
-    assert len(rows) == 4 and all(int(row.split("|")[6]) > 100 for row in rows)  # steps compared per setting
-    assert {row.split("|")[1].strip() for row in rows} == {"BFS", "PROB"}
+    the wheel cannot be fetched or built), over a grid of settings of both match types; the solver's replay takes as
+    many steps."""
+    from sglang_trie import FULL_GRID, build_library, compare
+
+    try:
+        library = build_library()
+    except (OSError, subprocess.SubprocessError, zipfile.BadZipFile, IndexError) as exc:
+        pytest.skip(f"SGLang's NGRAM sources are not available here: {exc}")
+    records = load_lookahead_acceptance(ACCEPTANCE).records[:4]
+    assert {settings.match_type for settings in FULL_GRID} == {"BFS", "PROB"}
+    for settings in FULL_GRID:
+        steps, difference = compare(library, records, settings)
+        assert difference is None, f"{settings}: {difference}"
+        assert steps > 100 and replay_ngram_tree(records, settings).steps == steps
 
 
-def test_a_solved_plan_loads_exports_its_flags_and_runs_nowhere_else(run_cli, tmp_path):
+@pytest.mark.slow
+def test_a_solved_plan_loads_exports_its_flags_and_runs_nowhere_else(few_outputs, run_cli, tmp_path):
     plan = tmp_path / "sglang.yaml"
-    code, stdout, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--profile", PROFILE,
+    code, stdout, stderr = run_cli("solve", "lookahead", "--acceptance", few_outputs, "--profile", PROFILE,
                                    "--engine", "sglang", "--draft-lengths", "2,4,11", "--bfs-breadths", "1,10",
                                    "-o", plan)
     assert code == 0, stderr
@@ -111,14 +119,15 @@ def test_a_solved_plan_loads_exports_its_flags_and_runs_nowhere_else(run_cli, tm
     assert code == 2 and "cannot run here" in stderr
 
 
-def test_the_replay_prices_the_padded_tree(run_cli, write_yaml_file, tmp_path):
+@pytest.mark.slow
+def test_the_replay_prices_the_padded_tree(few_outputs, run_cli, write_yaml_file, tmp_path):
     """SGLang verifies num_draft_tokens every step: where each extra token costs a whole forward, no setting pays,
     and the plan turns NGRAM off."""
     steep = write_yaml_file("steep.yaml", {
         "kind": "profile/latency", "backend": "lean", "models": {"target": "smollm2-135m"},
         "target": {"t_seconds": {n: 0.01 * n for n in (1, 2, 3, 5, 9, 17)}}})
     out = tmp_path / "plan.yaml"
-    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--profile", steep,
+    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", few_outputs, "--profile", steep,
                               "--engine", "sglang", "--draft-lengths", "1,4", "--bfs-breadths", "10", "-o", out)
     assert code == 0, stderr
     assert "no setting beats sglang's one-token decoding" in stderr
@@ -131,8 +140,8 @@ def test_the_replay_prices_the_padded_tree(run_cli, write_yaml_file, tmp_path):
 @pytest.mark.parametrize("option, value, message", [("--trie-depths", "1", "trie depths >= 2"),
                                                    ("--bfs-breadths", "0", "BFS breadths must be >= 1"),
                                                    ("--match-types", "BFS,DFS", "unknown match type 'DFS'")])
-def test_bad_knobs_are_one_line(run_cli, tmp_path, option, value, message):
+def test_bad_knobs_are_one_line(few_outputs, run_cli, tmp_path, option, value, message):
     out = tmp_path / "plan.yaml"
-    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", ACCEPTANCE, "--engine", "sglang", option, value,
+    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", few_outputs, "--engine", "sglang", option, value,
                               "-o", out)
-    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1 and not out.exists()
+    assert code == 2 and message in stderr and one_error(stderr) and not out.exists()

@@ -7,9 +7,9 @@ import collections
 import numpy as np
 import pytest
 
-from core.errors import UserError
-from core.method_settings import TrieSettings
-from decoder.trie import Trie
+from specplan.core.errors import UserError
+from specplan.core.method_settings import TrieSettings
+from specplan.decoder.trie import Trie
 
 
 def reference_counts(sequence: list[int], window: int) -> collections.Counter:
@@ -48,9 +48,9 @@ def test_a_hierarchy_bottom_trie_holds_the_text_alone():
     """As a hierarchy's bottom, the trie drafter follows its middle level's tokens before the top verifies
     them: those the top rejects leave the trie, and the top's own tokens enter it, so that it ends as a trie
     fed the text alone (what `plan accept triforce` measures its runs with)."""
-    from decoder.drafters import TrieDrafter
-    from decoder.sampling import SamplingParams
-    from decoder.tree import DETERMINISTIC
+    from specplan.decoder.drafters import TrieDrafter
+    from specplan.decoder.sampling import SamplingParams
+    from specplan.decoder.tree import DETERMINISTIC
 
     prompt, settings = [1, 2, 3, 4, 1, 2, 3, 5], TrieSettings(decoding_length=4, branch_length=3, window=5)
 
@@ -136,7 +136,7 @@ def test_bad_settings():
     ("fp32", {"decoding_length": 2, "branch_length": 1}, None),  # fp32 text is the target's own: always exact
 ])
 def test_solver_says_whether_a_bf16_replay_is_exact(dtype, decoded_with, exact, write_yaml_file):
-    from planner.lookahead import solve_lookahead
+    from specplan.planner.lookahead import solve_lookahead
 
     repeated = [5, 6, 7, 8] * 6
     acceptance = write_yaml_file("acc.yaml", {

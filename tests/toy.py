@@ -7,8 +7,8 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, PretrainedConfig
 
-from decoder.model import LeanModel
-from decoder.sampling import SamplingParams, probabilities
+from specplan.decoder.model import LeanModel
+from specplan.decoder.sampling import SamplingParams
 
 
 def hf_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -29,12 +29,18 @@ def long_prompt(length: int, seed: int) -> list[int]:
 
 
 VOCAB = 6
+# Generations per distribution test: at this count the chi-square test tells the draft's distribution from the
+# target's at p < 1e-6 (test_decoder.py: test_chi_square_detects_a_wrong_distribution)
+SAMPLES = 3000
 
 
 def toy_config(family: str = "llama") -> PretrainedConfig:
+    """A one-layer model over VOCAB tokens. Its widths are not whole 32-value blocks, so it runs on PyTorch's
+    operators (the GPU's forward) on a CPU too; `llama-32`'s are: the CPU kernels run it, and its weights quantize to
+    GGUF block types."""
     common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False)
-    if family == "llama-32":  # rows of whole 32-value blocks: quantizable to GGUF block types
+    if family == "llama-32":
         return LlamaConfig(**dict(common, hidden_size=32, intermediate_size=64))
     if family == "llama3":  # Llama 3.1's RoPE scaling, from an original context of 8
         return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -61,13 +67,13 @@ def toy_model(seed: int, noise: float = 0.0, family: str = "llama") -> tuple[Aut
 def assert_sequoia_samples_follow_the_target(target_hf, target, draft, rule: str) -> None:
     """The first two sampled tokens of a small Sequoia tree, verified by `rule`, follow transformers'
     distribution of `target_hf` (chi-square), and the draft was accepted often enough to matter."""
-    from decoder.drafters import SequoiaDrafter
-    from decoder.engine import SpeculativeEngine
+    from specplan.decoder.drafters import SequoiaDrafter
+    from specplan.decoder.engine import SpeculativeEngine
 
     params = SamplingParams(temperature=0.8, top_p=0.95)
     prompt = [1, 4, 2, 5, 3]
     engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3]), rule=rule)
-    counts, accepted = sample_first_two(lambda: engine, prompt, params, 4000)
+    counts, accepted = sample_first_two(lambda: engine, prompt, params, SAMPLES)
     assert accepted > 0.2
     assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
 
@@ -90,14 +96,30 @@ def assert_distributed_as_target(counts: np.ndarray, expected: np.ndarray) -> No
     assert chi_square_p(counts, expected) > 1e-3  # the first two tokens
 
 
+def transformers_distribution(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    """The next-token distribution transformers' sampling draws from: its own warpers, in the order its generate
+    applies them (temperature, top-k, top-p), then a softmax. The reference of every distribution test, so that the
+    decoder's own warping (decoder/sampling.py) is checked against transformers', not against itself."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    scores = warpers(torch.zeros(1, 1, dtype=torch.long), logits.float().reshape(1, -1))
+    return torch.softmax(scores.double(), -1)[0].numpy()
+
+
 def first_two_distribution(model: AutoModelForCausalLM, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """The joint distribution of the first two sampled tokens, as transformers samples them from `model`."""
     with torch.inference_mode():
-        first = probabilities(model(torch.tensor([prompt])).logits[0, -1:], params)[0].double().numpy()
+        first = transformers_distribution(model(torch.tensor([prompt])).logits[0, -1], params)
         joint = np.zeros((VOCAB, VOCAB))
         for x in range(VOCAB):
             if first[x] > 0:
-                second = probabilities(model(torch.tensor([prompt + [x]])).logits[0, -1:], params)[0].double()
-                joint[x] = first[x] * second.numpy()
+                second = model(torch.tensor([prompt + [x]])).logits[0, -1]
+                joint[x] = first[x] * transformers_distribution(second, params)
     return joint
 
 
@@ -110,3 +132,25 @@ def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
     if wanted[-1] == 0:
         observed, wanted = observed[:-1], wanted[:-1]
     return float(chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue)
+
+
+def tree_mask(parents: list[int], prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(parents)
+    depth = [0] * n
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for v in range(n):
+        allowed[v, v] = True
+        if parents[v] >= 0:
+            depth[v] = depth[parents[v]] + 1
+            allowed[v] |= allowed[parents[v]]
+    mask = torch.zeros(n, prefix + n)
+    mask[:, prefix:] = torch.where(allowed, 0.0, float("-inf"))
+    return mask, torch.tensor(depth)
+
+
+def one_error(stderr: str) -> bool:
+    """A CLI failure as the CLI prints it: exactly one error line, the last, beginning `plan: error:` (progress lines
+    may precede it), and no traceback."""
+    lines = stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("plan: error:")]
+    return len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in stderr
