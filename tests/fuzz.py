@@ -204,8 +204,9 @@ def commands_for(original: Path, mutated: Path, out: Path, index: int = 0) -> li
     engine = (("specplan",) + LOOKUP_ENGINES)[index % (len(LOOKUP_ENGINES) + 1)]
     lookup_engine = ["--engine", engine] + LOOKUP_GRIDS.get(engine, [])
     if kind.startswith("plan/"):
+        written = "knobs" if kind == "plan/prompt-lookup" else "tree"  # an engine's n-gram knobs hold no tree
         runs += [["export", m, "--format", fmt, "--draft-path", "draft", "--heads", "4",
-                  "-o", str(out / f"tree_{fmt}.out")] for fmt in EXPORT_FORMATS]
+                  "-o", str(out / f"{written}_{fmt}.out")] for fmt in EXPORT_FORMATS]
     elif kind == "profile/latency":
         runs.append(["show", str(ROOT / LOOKAHEAD_PROFILE), "--compare", m])
         if target.startswith("qwen"):
@@ -286,6 +287,14 @@ def _check_outputs(out: Path) -> str:
             import_tree(tree.read_bytes(), tree.stem.split("_", 1)[1])
         except Exception as exc:  # noqa: BLE001
             return f"invalid-output: {exc}"[:300]
+    for knobs in out.glob("knobs_*.out"):
+        text = knobs.read_text(encoding="utf-8")
+        if knobs.stem != "knobs_sglang":  # SGLang takes flags, the others a JSON object
+            try:
+                if not isinstance(json.loads(text), dict):
+                    return f"invalid-output: {knobs.name} is not a JSON object"
+            except json.JSONDecodeError as exc:
+                return f"invalid-output: {knobs.name}: {exc}"[:300]
     return ""
 
 
