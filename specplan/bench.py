@@ -682,6 +682,18 @@ def load_report(path: str | Path) -> dict:
             and all(isinstance(m, dict) and isinstance(m.get("decode_tokens_per_second"), (int, float))
                     for m in summary.values())):
         raise UserError(f"{path}: a bench report needs models.target and a summary of decode tokens/s per method")
+    number = (int, float)
+    for method, rates in summary.items():
+        for key in ("tokens_per_second", "tokens_per_step", "identical_to_hf", "compared", "near_tie_divergences"):
+            if (key == "tokens_per_second" or key in rates) and (
+                    not isinstance(rates.get(key), number) or isinstance(rates.get(key), bool)):
+                raise UserError(f"{path}: summary.{method}.{key} must be a number")
+    sampling = report.get("sampling")
+    if not isinstance(sampling, dict) or not isinstance(sampling.get("temperature"), number):
+        raise UserError(f"{path}: a bench report needs sampling.temperature")
+    for key in ("prediction", "plan"):
+        if report.get(key) is not None and not isinstance(report[key], dict):
+            raise UserError(f"{path}: {key} must be a mapping")
     return report
 
 

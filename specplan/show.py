@@ -28,9 +28,15 @@ def show_files(paths: list[str | os.PathLike], plot: str | os.PathLike | None = 
         if compare is not None:
             raise UserError("--compare applies to profiles only")
         reports = [load_report(p) for p in paths]
-        if plot is not None:
-            plot_summary(reports, Path(plot))
-        return "\n\n".join(markdown_table(r) for r in reports)
+        try:
+            if plot is not None:
+                plot_summary(reports, Path(plot))
+            return "\n\n".join(markdown_table(r) for r in reports)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            # load_report checks the fields every report has; a method's optional sections (a plan's prediction,
+            # its re-pricing) are read as written, so one edited by hand fails here, in one line
+            raise UserError(f"a bench report with a malformed optional section ({exc.__class__.__name__}: "
+                            f"{str(exc)[:80]})") from None
     if len(paths) != 1:
         raise UserError("several files are shown together only when all are plan bench reports (.json)")
     return show_file(paths[0], plot, compare)

@@ -4,6 +4,7 @@ sample of the mutation fuzzer (tests/fuzz.py) runs clean; and each crash the fuz
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,7 @@ def test_fuzz_sample_is_clean():
 
 
 SEQUOIA_PLAN = "plans/qwen2.5-coder-1.5b.sequoia.cpu-2c.bf16.yaml"
+REPORT = "docs/reports/qwen2.5-coder-1.5b.sequoia.cpu-2c.fp32.json"
 SMOLLM_PROFILE = "profiles/smollm2-135m.cpu-2c.fp32-7680.yaml"
 TRIFORCE_ACCEPTANCE = "acceptance/smollm2-135m.triforce.haystack.fp32.yaml"
 LOOKAHEAD_ACCEPTANCE = "acceptance/smollm2-135m.lookahead.specbench-sum-rag-code.fp32.yaml"
@@ -71,7 +73,10 @@ def _edited(path: str, tmp_path: Path, edit) -> Path:
     document = yaml.load((ROOT / path).read_text(), Loader=yaml.CSafeLoader)
     edited = edit(document)
     out = tmp_path / Path(path).name
-    out.write_text(edited if isinstance(edited, str) else _dumped(document))
+    if isinstance(edited, str):
+        out.write_text(edited)
+    else:
+        out.write_text(json.dumps(document) if out.suffix == ".json" else _dumped(document))
     return out
 
 
@@ -145,6 +150,9 @@ REGRESSIONS = {
                                             ("not valid Unicode", "malformed YAML")),  # ours, or libyaml's
     "a date where a number belongs (TypeError)": (TRIFORCE_ACCEPTANCE, _text_at("bottom_cache", "{sinks: 2026-11-25}"),
                                                   "solve-triforce-acceptance", "a date is not a value"),
+    "a report's tokens/s a string (TypeError)": (REPORT, _set("summary", "ours", "tokens_per_second", ""),
+                                                  "show", "tokens_per_second must be a number"),
+    "a report's sampling null (TypeError)": (REPORT, _set("sampling", None), "show", "sampling.temperature"),
 }
 
 
