@@ -114,7 +114,8 @@ def attention(thresholds: list[str]) -> None:
                 q = torch.randn(heads, n, 64)
                 keys, values = torch.randn(kv_heads, 8192, 64), torch.randn(kv_heads, 8192, 64)
                 mask = torch.zeros(n, length) if n > 1 else None
-                seconds = median_seconds(partial(kernels.attention, q, keys, values, length, mask, 0.125, 0.0))
+                seconds = median_seconds(partial(kernels.attention, q.reshape(-1, 64), [keys], [values], [n], [length],
+                                                       [torch.empty(0) if mask is None else mask], 0.125, 0.0))
                 cells.append(f"{heads}/{kv_heads} n={n} L={length} {seconds * 1e3:.3f}")
         print(f"GEMM_ROWS={threshold}: {', '.join(cells)} (ms)", flush=True)
 

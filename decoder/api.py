@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from specplan.core.errors import UserError
 from specplan.core.models import LoadedModel, check_same_vocabulary, load_model
 from specplan.core.plan_schema import Plan, load_plan
 from specplan.core.prompts import encode_prompt
+from specplan.decoder.batching import Completion, Request, Scheduler
 from specplan.decoder.cuda_graphs import compile_forward, enable_cuda_graphs
 from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import GenerationResult, SpeculativeEngine
@@ -63,10 +64,46 @@ class Decoder:
         self.make_drafter = make_drafter
         self.target_forward = target_forward
         self.engine = SpeculativeEngine(self.target_forward, make_drafter(), target.stop_token_ids, verify)
+        self.slot_drafters: dict[int, Drafter] = {}  # a batch's slots beyond the first (slot 0: the engine's)
 
     def restart(self) -> None:
-        """A fresh drafter: forget what a trie learned (so a benchmark matches an offline replay)."""
+        """Fresh drafters: forget what a trie learned (so a benchmark matches an offline replay)."""
         self.engine.drafter = self.make_drafter() or self.engine.drafter
+        self.slot_drafters.clear()
+
+    def drafter_for_slot(self, slot: int) -> Drafter:
+        """The drafter of a batch's slot, kept across the requests the slot serves (a trie keeps learning)."""
+        if slot == 0:
+            return self.engine.drafter
+        drafter = self.slot_drafters.get(slot)
+        if drafter is None:
+            drafter = self.slot_drafters[slot] = self.make_drafter() or NoDrafter()
+            drafter.use_slot(slot)
+        return drafter
+
+    def scheduler(self, concurrency: int) -> Scheduler:
+        """A continuous-batching scheduler over this decoder's target and drafters (decoder/batching.py)."""
+        return Scheduler(self.engine, self.drafter_for_slot, concurrency)
+
+    def check_memory(self, concurrency: int, max_len: int) -> None:
+        """Refuse, before any work, a concurrency whose caches of `max_len` slots do not fit the free memory."""
+        needed = concurrency * sum(cache_bytes(forward, max_len) for forward in
+                                   (self.target_forward, self.draft_forward) if forward is not None)
+        free = free_memory(self.target_forward.device)
+        if free is not None and needed > free:
+            raise UserError(f"{concurrency} sequences of up to {max_len} tokens need {needed / 2**30:.1f} GiB of KV "
+                            f"cache; {free / 2**30:.1f} GiB is free")
+
+    def generate_many(self, requests: list[Request], concurrency: int) -> Iterator[Completion]:
+        """Decode `requests` (token ids; see `encode`) with up to `concurrency` in flight; completions in the order
+        they finish, each with the id of its place in `requests`."""
+        longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=0)
+        self.check_memory(min(concurrency, len(requests)), longest + self.engine.drafter.max_tree_size)
+        return self.scheduler(concurrency).run(requests)
+
+    def output(self, result: GenerationResult, prompt_tokens: int) -> GenerationOutput:
+        return GenerationOutput(result, self.tokenizer.decode(result.tokens, skip_special_tokens=True), prompt_tokens,
+                                self.target_forward.backend)
 
     @property
     def tokenizer(self) -> Any:
@@ -89,8 +126,26 @@ class Decoder:
             raise UserError(f"the number of new tokens must be >= 1, got {max_new_tokens}")
         ids = self.encode(prompt, chat)
         result = self.engine.generate(ids, max_new_tokens, params or self.default_params(), seed, on_tokens)
-        return GenerationOutput(result, self.tokenizer.decode(result.tokens, skip_special_tokens=True), len(ids),
-                                self.target_forward.backend)
+        return self.output(result, len(ids))
+
+
+def cache_bytes(forward: Forward, max_len: int) -> int:
+    """The bytes of one sequence's KV cache of `max_len` slots on `forward`'s model."""
+    shape = forward.shape
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * max_len * torch.finfo(forward.dtype).bits // 8
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new caches: the GPU's free memory, or the host's available memory (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def default_device() -> str:

@@ -24,6 +24,11 @@ from specplan.decoder.trie import Trie
 class Drafter(ABC):
     draws: tuple[str, ...] = (DETERMINISTIC,)  # the ways it can choose children
     max_tree_size: int = 1
+    role_suffix: str = ""  # appended to the roles of the caches it takes from a model (LeanModel.cache_for)
+
+    def use_slot(self, slot: int) -> None:
+        """Take its caches of a batch's slot `slot`: each sequence in flight has its own (decoder/batching.py)."""
+        self.role_suffix = f".{slot}" if slot else ""
 
     def reset(self, prompt: list[int], max_len: int) -> None:
         """Start a new sequence; the last prompt token is the first root."""
@@ -122,7 +127,7 @@ class SequoiaDrafter(Drafter):
         self.pending: list[int] = []
 
     def reset(self, prompt: list[int], max_len: int) -> None:
-        self.cache = self.model.cache_for(max_len, "draft")
+        self.cache = self.model.cache_for(max_len, "draft" + self.role_suffix)
         self.model.prefill(torch.tensor(prompt[:-1], dtype=torch.long), self.cache, logits=False)
         self.pending = []
 
@@ -130,7 +135,7 @@ class SequoiaDrafter(Drafter):
         return (self.max_tree_size,)
 
     def prepare(self, max_len):
-        cache = self.model.cache_for(max_len, "draft")
+        cache = self.model.cache_for(max_len, "draft" + self.role_suffix)
         if self.model.graphed is not None:  # the chain fed before the root (1 or 2 tokens), then each level
             self.model.graphed.capture(cache, {1, 2, *(len(level) for level in self.levels[1:])})
 

@@ -12,9 +12,9 @@ import torch
 
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter, NoDrafter
-from specplan.decoder.model import KVCache, LeanModel
+from specplan.decoder.model import ForwardItem, KVCache, LeanModel
 from specplan.decoder.sampling import SamplingParams
-from specplan.decoder.tree import ancestor_matrix, tree_attention_mask
+from specplan.decoder.tree import DraftTree, ancestor_matrix, tree_attention_mask
 from specplan.decoder.verify import VerificationRule, choose_rule
 
 
@@ -36,6 +36,95 @@ class GenerationResult:
         return len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+class TreeMasks:
+    """Additive attention masks of draft trees, their ancestor matrices kept by shape (a Lookahead trie retrieves a
+    few shapes over and over)."""
+
+    KEPT_SHAPES = 256
+
+    def __init__(self) -> None:
+        self._allowed: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def mask(self, parents: list[int], prefix: int, dtype: torch.dtype) -> torch.Tensor:
+        key = tuple(parents)
+        allowed = self._allowed.get(key)
+        if allowed is None:
+            allowed = self._allowed[key] = ancestor_matrix(parents)
+            if len(self._allowed) > self.KEPT_SHAPES:
+                self._allowed.clear()
+        return tree_attention_mask(allowed, prefix, dtype)
+
+
+class SequenceRun:
+    """One generation in flight: its target cache, drafter, random stream and output. Each step `propose` gives the
+    tree the target scores next (as a forward's item) and `advance` takes its logits: verification, commit, stop
+    handling and what the drafter learns, for this sequence alone, whoever shares the forward."""
+
+    def __init__(self, target: LeanModel, drafter: Drafter, cache: KVCache, rule: VerificationRule,
+                 params: SamplingParams, seed: int | None, max_new_tokens: int, stop_ids: set[int],
+                 masks: TreeMasks, on_tokens: Callable[[list[int]], None] | None = None) -> None:
+        self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
+        self.generator = torch.Generator(device=target.device).manual_seed(seed if seed is not None else 0)
+        self.max_new_tokens, self.stop_ids, self.masks, self.on_tokens = max_new_tokens, stop_ids, masks, on_tokens
+        self.out: list[int] = []
+        self.accepted_per_step: list[int] = []
+        self.stop_reason = "length"
+        self.root = -1
+        self.tree: DraftTree | None = None
+        self.prefill_seconds = 0.0
+        self.started = 0.0  # when decoding began (perf_counter)
+        self.first_token_at: float | None = None  # when the first token was emitted (perf_counter)
+
+    def prefill(self, prompt: list[int]) -> None:
+        """The prompt's tokens but the last into the target cache; the drafter starts the sequence."""
+        start = time.perf_counter()
+        self.target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), self.cache, logits=False,
+                            prompt_length=len(prompt))
+        self.started = time.perf_counter()
+        self.prefill_seconds = self.started - start
+        # The drafter's own prefill (a draft model's prompt, a StreamingLLM window) is a cost of speculating,
+        # which one-token decoding does not pay: it counts as decoding time.
+        self.drafter.reset(prompt, self.cache.max_len)
+        self.drafter.bind(self.cache)
+        self.root = prompt[-1]
+
+    def propose(self) -> ForwardItem:
+        tree = self.tree = self.drafter.propose(self.root, self.params, self.rule.draw, self.generator)
+        prefix = self.cache.length
+        positions = prefix + torch.tensor(tree.depths)
+        mask = self.masks.mask(tree.parents, prefix, self.target.dtype) if tree.size > 1 else None
+        return ForwardItem(torch.tensor(tree.tokens), positions, self.cache, mask)
+
+    def advance(self, logits: torch.Tensor) -> bool:
+        """Verify the proposed tree against the target's `logits` ([tree size, vocab]); True when finished."""
+        tree, cache = self.tree, self.cache
+        path, next_token = self.rule.walk(tree, logits, self.params, self.generator)
+        contiguous = path == list(range(len(path)))
+        cache.commit(None if contiguous else torch.tensor(path), len(path))
+        new = [tree.tokens[v] for v in path[1:]] + [next_token]
+        self.accepted_per_step.append(len(new))
+        keep = min(self.max_new_tokens - len(self.out),
+                   next((i + 1 for i, t in enumerate(new) if t in self.stop_ids), len(new)))
+        if any(t in self.stop_ids for t in new[:keep]):
+            self.stop_reason = "stop"
+        # The drafter learns exactly the emitted tokens (a trie must not see tokens past the end).
+        if keep < len(new):
+            self.drafter.update(tree, path[:keep + 1], None)
+        else:
+            self.drafter.update(tree, path, next_token)
+        self.out.extend(new[:keep])
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        if self.on_tokens is not None:
+            self.on_tokens(new[:keep])
+        self.root = next_token
+        return self.stop_reason == "stop" or len(self.out) >= self.max_new_tokens
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.out, self.prefill_seconds, time.perf_counter() - self.started,
+                                len(self.accepted_per_step), self.accepted_per_step, self.stop_reason)
+
+
 class SpeculativeEngine:
     def __init__(self, target: LeanModel, drafter: Drafter | None = None, stop_ids: Collection[int] | None = None,
                  rule: str | None = None) -> None:
@@ -43,11 +132,11 @@ class SpeculativeEngine:
         self.drafter = drafter or NoDrafter()
         self.stop_ids = set(stop_ids or ())
         self.rule_name = rule
-        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self.masks = TreeMasks()
         self.cache: KVCache | None = None  # the current generation's (LeanModel.cache_for keeps it for the next)
 
-    def rule_for(self, params: SamplingParams) -> VerificationRule:
-        return choose_rule(self.rule_name, params, self.drafter.draws)
+    def rule_for(self, params: SamplingParams, drafter: Drafter | None = None) -> VerificationRule:
+        return choose_rule(self.rule_name, params, (drafter or self.drafter).draws)
 
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> int:
         """The cache length a generation needs; an error if the model's context cannot hold it."""
@@ -64,72 +153,37 @@ class SpeculativeEngine:
         return needed
 
     @torch.inference_mode()
-    def prepare(self, prompt_length: int, max_new_tokens: int) -> KVCache:
+    def prepare(self, prompt_length: int, max_new_tokens: int, drafter: Drafter | None = None,
+                role: str = "target") -> KVCache:
         """The empty target cache a generation of this size runs on, with the CUDA graphs of the drafter's tree
         sizes captured over it (on a GPU) and the drafter's own prepared, so that decoding replays graphs from
         its first step. A server (or a benchmark's warm-up) calls it ahead for the sizes it expects; `generate`
-        calls it too."""
-        cache = self.target.cache_for(self.check_fits(prompt_length, max_new_tokens), "target")
+        calls it too. `drafter`, `role`: a batch's sequence, its own drafter and cache (decoder/batching.py)."""
+        drafter = drafter or self.drafter
+        cache = self.target.cache_for(self.check_fits(prompt_length, max_new_tokens), role)
         if self.target.graphed is not None:
-            self.target.graphed.capture(cache, self.drafter.target_tree_sizes())
-        self.drafter.prepare(cache.max_len)
+            self.target.graphed.capture(cache, drafter.target_tree_sizes())
+        drafter.prepare(cache.max_len)
         return cache
+
+    def start(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
+              on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter | None = None,
+              role: str = "target") -> SequenceRun:
+        """A sequence prefilled and ready to step (see `prepare` for `drafter` and `role`)."""
+        drafter = drafter or self.drafter
+        start = time.perf_counter()
+        cache = self.prepare(len(prompt), max_new_tokens, drafter, role)
+        run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
+                          self.stop_ids, self.masks, on_tokens)
+        run.prefill(prompt)
+        run.prefill_seconds = run.started - start
+        return run
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        rule = self.rule_for(params)
-        generator = torch.Generator(device=self.target.device).manual_seed(seed if seed is not None else 0)
-        target = self.target
-        start = time.perf_counter()
-        cache = self.cache = self.prepare(len(prompt), max_new_tokens)
-        max_len = cache.max_len
-        target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), cache, logits=False, prompt_length=len(prompt))
-        prefill_seconds = time.perf_counter() - start
-
-        start = time.perf_counter()
-        # The drafter's own prefill (a draft model's prompt, a StreamingLLM window) is a cost of speculating,
-        # which one-token decoding does not pay: it counts as decoding time.
-        self.drafter.reset(prompt, max_len)
-        self.drafter.bind(cache)
-        out: list[int] = []
-        accepted_per_step: list[int] = []
-        root = prompt[-1]
-        reason = "length"
-        while len(out) < max_new_tokens:
-            tree = self.drafter.propose(root, params, rule.draw, generator)
-            tokens = torch.tensor(tree.tokens)
-            positions = cache.length + torch.tensor(tree.depths)
-            mask = self._mask(tree.parents, cache.length) if tree.size > 1 else None
-            logits = target.forward(tokens, positions, cache, mask)
-            path, next_token = rule.walk(tree, logits, params, generator)
-            contiguous = path == list(range(len(path)))
-            cache.commit(None if contiguous else torch.tensor(path), len(path))
-            new = [tree.tokens[v] for v in path[1:]] + [next_token]
-            accepted_per_step.append(len(new))
-            keep = min(max_new_tokens - len(out), next((i + 1 for i, t in enumerate(new) if t in self.stop_ids),
-                                                       len(new)))
-            if any(t in self.stop_ids for t in new[:keep]):
-                reason = "stop"
-            # The drafter learns exactly the emitted tokens (a trie must not see tokens past the end).
-            if keep < len(new):
-                self.drafter.update(tree, path[:keep + 1], None)
-            else:
-                self.drafter.update(tree, path, next_token)
-            out.extend(new[:keep])
-            if on_tokens is not None:
-                on_tokens(new[:keep])
-            if reason == "stop" or len(out) >= max_new_tokens:
-                break
-            root = next_token
-        return GenerationResult(out, prefill_seconds, time.perf_counter() - start, len(accepted_per_step),
-                                accepted_per_step, reason)
-
-    def _mask(self, parents: list[int], prefix: int) -> torch.Tensor:
-        key = tuple(parents)
-        allowed = self._masks.get(key)
-        if allowed is None:
-            allowed = self._masks[key] = ancestor_matrix(parents)
-            if len(self._masks) > 256:
-                self._masks.clear()
-        return tree_attention_mask(allowed, prefix, self.target.dtype)
+        run = self.start(prompt, max_new_tokens, params, seed, on_tokens)
+        self.cache = run.cache
+        while not run.advance(self.target.forward(*run.propose())):
+            pass
+        return run.result()

@@ -209,6 +209,16 @@ class KVCache:
         self.length = length
 
 
+class ForwardItem(NamedTuple):
+    """One sequence's share of a batched forward (LeanModel.forward_many), as LeanModel.forward takes it."""
+
+    tokens: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+    cache: KVCache
+    mask: torch.Tensor | None  # [n, cache.length + n] additive, or None: every slot visible
+    logits_rows: torch.Tensor | slice | None = None  # the rows to score (all by default)
+
+
 class LeanModel:
     backend = "lean"
 
@@ -383,10 +393,20 @@ class LeanModel:
             return self.long_rope.forward(self, tokens, positions, cache, mask, logits_rows, slots)
         return self._forward(tokens, positions, cache, mask, logits_rows, slots)
 
+    def forward_many(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        """Score several sequences' new tokens in one forward, each over its own cache: logits per item, as
+        `forward` returns them. On the CPU kernels the rows share every matmul and one attention call; elsewhere
+        (PyTorch's operators, CUDA graphs) and for a forward that crosses Phi-3's long-RoPE switch, each item
+        runs its own forward."""
+        if len(items) == 1 or self.kernels is None or self.graphed is not None or (
+                self.long_rope is not None and any(self.long_rope.due(item.positions, item.cache) for item in items)):
+            return [self.forward(*item) for item in items]
+        return self._forward_kernels(items)
+
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                  logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernels is not None and slots is None:
-            return self._forward_kernels(tokens, positions, cache, mask, logits_rows)
+            return self._forward_kernels([ForwardItem(tokens, positions, cache, mask, logits_rows)])[0]
         return self._forward_operators(tokens, positions, cache, mask, logits_rows, slots)
 
     def _forward_operators(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -450,42 +470,62 @@ class LeanModel:
             x = x[logits_rows]
         return self._logits(self._rms_norm(x, self.final_norm))
 
-    def _forward_kernels(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                         logits_rows: torch.Tensor | slice | None) -> torch.Tensor:
-        """_forward_operators' arithmetic in a few CPU kernel calls per layer (decoder/kernels/cpu_kernels.cpp): the
-        residual add fused into the next norm, RoPE fused with the cache writes, attention in one call over the
-        first length + n slots (several rows: SDPA), the gated activation in one."""
+    def _forward_kernels(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        """_forward_operators' arithmetic in a few CPU kernel calls per layer (decoder/kernels/cpu_kernels.cpp), for
+        the rows of one or several sequences at once: the norms, projections and MLP over all their rows, RoPE fused
+        with each sequence's cache writes, attention per sequence over its own keys (one kernel call for the batch;
+        one sequence of several rows: SDPA), the residual add fused into the next norm. Logits per item."""
         kernels, shape, arch = self.kernels, self.shape, self.architecture
         eps, gemma, gelu = shape.rms_eps, arch.gemma_norm, arch.activation != "silu"
         softcap = arch.attention_softcap or 0.0
-        n, start = tokens.shape[0], cache.length
-        end = start + n
-        x = self._embed(tokens)
-        rope = {kind: table(positions, cache.prompt_length, cache.long_rope) for kind, table in self.rotary.items()}
-        if cache.key_positions is not None:
-            cache.key_positions[:, :, start:end] = positions
-        if self.long_rope is not None:
-            cache.tokens[start:end] = tokens
-        mask = None if mask is None else mask.float()
-        # per layer [n, end] or [kv_heads, n, end] (a sliding window hides old keys), or None: every key visible
-        layer_masks = self._layer_masks(mask, positions, cache, end, None)
+        counts = [item.tokens.shape[0] for item in items]
+        starts = [item.cache.length for item in items]
+        ends = [start + count for start, count in zip(starts, counts)]
+        x = self._embed(torch.cat([item.tokens for item in items]) if len(items) > 1 else items[0].tokens)
+        if len(items) == 1 or not self.position_dependent_rope:  # one table lookup for every row
+            positions = torch.cat([item.positions for item in items]) if len(items) > 1 else items[0].positions
+            cache = items[0].cache
+            rope = {kind: table(positions, cache.prompt_length, cache.long_rope) for kind, table in self.rotary.items()}
+        else:  # each sequence's own prompt length and long-RoPE state
+            tables = [{kind: table(item.positions, item.cache.prompt_length, item.cache.long_rope)
+                       for kind, table in self.rotary.items()} for item in items]
+            rope = {kind: tuple(torch.cat([t[kind][j] for t in tables]) for j in (0, 1)) for kind in self.rotary}
+        item_masks = []  # per item, per layer: [n, end] or [kv_heads, n, end] (a sliding window hides old keys)
+        for item, start, end in zip(items, starts, ends):
+            cache = item.cache
+            if cache.key_positions is not None:
+                cache.key_positions[:, :, start:end] = item.positions
+            if self.long_rope is not None:
+                cache.tokens[start:end] = item.tokens
+            mask = None if item.mask is None else item.mask.float()
+            item_masks.append(self._layer_masks(mask, item.positions, cache, end, None))
+        no_mask = torch.empty(0)
+        sdpa = len(items) == 1 and counts[0] >= SDPA_ROWS and not softcap
         residual = None  # each block's output, added to x by the next norm
         for i, layer in enumerate(self.layers):
-            keys, values = cache.layer_views[i]
+            views = [item.cache.layer_views[i] for item in items]
+            keys, values = [view[0] for view in views], [view[1] for view in views]
             h = kernels.rms_norm(x, residual, layer["input_layernorm"], eps, gemma)
             qkv = self._linear(h, layer["wqkv"], layer["bqkv"])
             cos, sin = rope[arch.layer_rope[i]]
-            q = kernels.rope_store(qkv, cos, sin, keys, values, start, shape.heads, shape.kv_heads, layer["q_norm"],
-                                   layer["k_norm"], eps, gemma)  # [heads, n, head_dim]
-            if cache.root_queries is not None:
-                cache.root_queries[i] = q[:, 0]
-            if n >= SDPA_ROWS and not softcap:  # [heads, n, d] -> [n, heads * d]
+            q = kernels.rope_store(qkv, cos, sin, keys, values, starts, counts, shape.heads, shape.kv_heads,
+                                   layer["q_norm"], layer["k_norm"], eps, gemma)  # [rows * heads, head_dim]
+            first = 0
+            for item, count in zip(items, counts):
+                if item.cache.root_queries is not None:  # the block [heads, n, d] of the item's rows
+                    item.cache.root_queries[i] = q[shape.heads * first:shape.heads * (first + count)].view(
+                        shape.heads, count, shape.head_dim)[:, 0]
+                first += count
+            if sdpa:  # [heads, n, d] -> [n, heads * d]
+                n, end = counts[0], ends[0]
                 attended = F.scaled_dot_product_attention(
-                    q[None], keys[None, :, :end], values[None, :, :end], attn_mask=_sdpa_form(layer_masks[i], self),
-                    scale=arch.attention_scale, enable_gqa=shape.kv_heads != shape.heads)[0]
+                    q.view(1, shape.heads, n, shape.head_dim), keys[0][None, :, :end], values[0][None, :, :end],
+                    attn_mask=_sdpa_form(item_masks[0][i], self), scale=arch.attention_scale,
+                    enable_gqa=shape.kv_heads != shape.heads)[0]
                 attended = attended.transpose(0, 1).reshape(n, self.q_size)
             else:
-                attended = kernels.attention(q, keys, values, end, layer_masks[i], arch.attention_scale, softcap)
+                masks = [no_mask if layer_masks[i] is None else layer_masks[i] for layer_masks in item_masks]
+                attended = kernels.attention(q, keys, values, counts, ends, masks, arch.attention_scale, softcap)
             out = self._linear(attended, layer["wo"], layer["bo"])
             if arch.sandwich_norms:
                 out = kernels.rms_norm(out, None, layer["post_attention_layernorm"], eps, gemma)
@@ -497,7 +537,16 @@ class LeanModel:
             if arch.sandwich_norms:
                 residual = kernels.rms_norm(residual, None, layer["post_feedforward_layernorm"], eps, gemma)
         h = kernels.rms_norm(x, residual, self.final_norm, eps, gemma)
-        return self._logits(h if logits_rows is None else h[logits_rows])
+        if len(items) == 1:
+            rows = items[0].logits_rows
+            return [self._logits(h if rows is None else h[rows])]
+        logits, first = [], 0
+        for item, count in zip(items, counts):
+            rows = h[first:first + count]
+            logits.append(rows if item.logits_rows is None else rows[item.logits_rows])
+            first += count
+        scored = self._logits(torch.cat(logits))  # one output matmul for the batch
+        return list(scored.split([row.shape[0] for row in logits]))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of the final-normed hidden rows `h`: the output matmul, Gemma's soft cap, and -inf

@@ -64,7 +64,8 @@ class StreamingDrafter(Drafter):
 
     def reset(self, prompt, max_len):
         size = min(self.sinks + self.window + 4 * self.max_tree_size + 8, max_len)
-        self.cache = self.model.cache_for(size, "streaming", exact=True)  # the window is what its size leaves
+        self.cache = self.model.cache_for(size, "streaming" + self.role_suffix,  # the window is what its size leaves
+                                          exact=True)
         if self.model.has_windows and self.cache.key_positions is None:
             self.cache.track_positions()  # evictions leave slots that are not positions: sliding windows need them
         self.pending = list(prompt[:-1])
@@ -231,6 +232,10 @@ class HierarchicalDrafter(Drafter):
         self.told = 0  # chain tokens the bottom holds as committed beyond the root, set by propose
         self.recent: deque[float] = deque(maxlen=8)
         self.stats = {"rounds": 0, "chains": 0, "chain_tokens": 0, "accepted": 0}
+
+    def use_slot(self, slot: int) -> None:
+        super().use_slot(slot)
+        self.bottom.use_slot(slot)
 
     def reset(self, prompt, max_len):
         self.retrieval.settings.check(len(prompt))

@@ -125,15 +125,60 @@ def test_attention_is_softmax_over_the_cache_with_grouped_heads_and_a_mask(cache
     for softcap in (0.0, 1.5):  # Gemma 2's soft cap bends the scores before the mask
         scores = softcap * torch.tanh(products / softcap) if softcap else products
         expected = ((scores + (0 if mask is None else mask)).softmax(-1) @ group_values).transpose(0, 1)
-        got = K.attention(q, keys, values, length, mask, 0.125, softcap)
+        got = attend(K, q, keys, values, length, mask, 0.125, softcap)
         torch.testing.assert_close(got, expected.reshape(n, heads * d), rtol=1e-4, atol=1e-5)
     if mask is not None:  # one mask per KV head (a sliding window over a cache whose slots keep their positions)
         per_head = mask.expand(kv_heads, n, length).clone()
         per_head[1, :, :600] = float("-inf")
-        got = K.attention(q, keys, values, length, per_head, 0.125, 0.0)
+        got = attend(K, q, keys, values, length, per_head, 0.125, 0.0)
         scores = products + per_head.repeat_interleave(heads // kv_heads, 0)
         expected = (scores.softmax(-1) @ group_values).transpose(0, 1).reshape(n, heads * d)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def attend(kernels, q, keys, values, length, mask, scale, softcap):
+    """The attention kernel over one sequence: q [heads, n, d]."""
+    mask = torch.empty(0) if mask is None else mask
+    return kernels.attention(q.reshape(-1, q.shape[-1]).contiguous(), [keys], [values], [q.shape[1]], [length],
+                             [mask], scale, softcap)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_ragged_attention_scores_each_sequence_over_its_own_keys(cache_dtype):
+    """Several sequences in one call (a batched step): rows, lengths and masks of their own, each equal to the
+    sequence attended alone; the RoPE store writes each sequence's keys into its own cache from its own start."""
+    heads, kv_heads, d = 6, 2, 32
+    gen = torch.Generator().manual_seed(3)
+    counts, lengths = [1, 4, 1, 3], [40, 700, 1300, 5]
+    caches = [(torch.randn(kv_heads, 1400, d, generator=gen).to(cache_dtype),
+               torch.randn(kv_heads, 1400, d, generator=gen).to(cache_dtype)) for _ in counts]
+    qs = [torch.randn(heads, n, d, generator=gen) for n in counts]
+    masks = [None if n == 1 else torch.zeros(n, length) for n, length in zip(counts, lengths)]
+    masks[1][2, :650] = float("-inf")
+    masks[3][:, 3:] = torch.full((3, 2), float("-inf")).triu(-1)[:, :2]
+    together = K.attention(torch.cat([q.reshape(-1, d) for q in qs]), [k for k, _ in caches], [v for _, v in caches],
+                           counts, lengths, [torch.empty(0) if m is None else m for m in masks], 0.2, 0.0)
+    alone = torch.cat([attend(K, q, k, v, length, m, 0.2, 0.0)
+                       for q, (k, v), length, m in zip(qs, caches, lengths, masks)])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+    for b in (0, 1):
+        k, v = caches[b]
+        expected = ((qs[b] @ k[:, :lengths[b]].float().repeat_interleave(3, 0).transpose(1, 2) * 0.2
+                     + (0 if masks[b] is None else masks[b])).softmax(-1)
+                    @ v[:, :lengths[b]].float().repeat_interleave(3, 0)).transpose(0, 1).reshape(counts[b], -1)
+        torch.testing.assert_close(together[sum(counts[:b]):sum(counts[:b + 1])], expected, rtol=1e-4, atol=1e-5)
+    qkv = torch.randn(sum(counts), (heads + 2 * kv_heads) * d, generator=gen).to(cache_dtype)
+    cos, sin = torch.ones(sum(counts), d, dtype=cache_dtype), torch.zeros(sum(counts), d, dtype=cache_dtype)
+    starts = [3, 0, 10, 1390]
+    q = K.rope_store(qkv, cos, sin, [k for k, _ in caches], [v for _, v in caches], starts, counts, heads, kv_heads,
+                     None, None, 1e-6, False)
+    first = 0
+    for (k, v), start, n in zip(caches, starts, counts):
+        rows = qkv[first:first + n].view(n, heads + 2 * kv_heads, d)
+        assert torch.equal(q[heads * first:heads * (first + n)].view(heads, n, d), rows[:, :heads].transpose(0, 1))
+        assert torch.equal(k[:, start:start + n], rows[:, heads:heads + kv_heads].transpose(0, 1))
+        assert torch.equal(v[:, start:start + n], rows[:, heads + kv_heads:].transpose(0, 1))
+        first += n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -160,7 +205,8 @@ def test_norm_activation_and_rope_round_as_the_eager_forward(dtype):
     angles = torch.rand(n, d // 2, generator=gen) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
     keys, values = torch.zeros(kv_heads, 10, d, dtype=dtype), torch.zeros(kv_heads, 10, d, dtype=dtype)
-    q = K.rope_store(qkv, cos, sin, keys, values, 5, heads, kv_heads, None, None, 1e-6, False)
+    q = K.rope_store(qkv, cos, sin, [keys], [values], [5], [n], heads, kv_heads, None, None, 1e-6, False)
+    q = q.view(heads, n, d)
 
     def rotate(t):  # [n, h, d]
         return t * cos[:, None] + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin[:, None]
@@ -280,8 +326,8 @@ def test_the_avx2_and_the_portable_builds_compute_as_this_hosts(march):
     q, keys, values = torch.randn(4, 3, 32), torch.randn(2, 300, 32).bfloat16(), torch.randn(2, 300, 32).bfloat16()
     mask = torch.zeros(3, 290)
     mask[:, 200:] = float("-inf")
-    torch.testing.assert_close(other.attention(q, keys, values, 290, mask, 0.2, 0.0),
-                               K.attention(q, keys, values, 290, mask, 0.2, 0.0), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(attend(other, q, keys, values, 290, mask, 0.2, 0.0),
+                               attend(K, q, keys, values, 290, mask, 0.2, 0.0), rtol=1e-4, atol=1e-5)
 
 
 @torch.inference_mode()

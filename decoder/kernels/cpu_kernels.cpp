@@ -1179,23 +1179,44 @@ torch::Tensor gated_activation(torch::Tensor gate_up, bool gelu) {
   return out;
 }
 
+// The rows of a batch of sequences scored in one forward: sequence b's n_b rows follow those of the sequences before
+// it, and its keys and values go to its own cache from slot starts[b].
+struct RaggedRows {
+  std::vector<int64_t> sequence, offset;  // per row: its sequence, and its index among that sequence's rows
+  std::vector<int64_t> first;             // per sequence: its first row (and the total at the end)
+  explicit RaggedRows(const std::vector<int64_t>& counts) : first(counts.size() + 1, 0) {
+    for (size_t b = 0; b < counts.size(); b++) {
+      first[b + 1] = first[b] + counts[b];
+      for (int64_t i = 0; i < counts[b]; i++) {
+        sequence.push_back(static_cast<int64_t>(b));
+        offset.push_back(i);
+      }
+    }
+  }
+  int64_t total() const { return first.back(); }
+  int64_t count(int64_t b) const { return first[b + 1] - first[b]; }
+};
+
 template <bool BF16>
 void rope_store_rows(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                     torch::Tensor& k_cache, torch::Tensor& v_cache, torch::Tensor& q, int64_t start, int64_t heads,
+                     const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                     const std::vector<int64_t>& starts, const RaggedRows& ragged, torch::Tensor& q, int64_t heads,
                      int64_t kv_heads, const c10::optional<torch::Tensor>& q_norm,
                      const c10::optional<torch::Tensor>& k_norm, double eps, bool gemma) {
-  const int64_t n = qkv.size(0), d = k_cache.size(2), rotary = cos.size(1), half = rotary / 2;
-  const int64_t width = qkv.size(1), kstride = k_cache.stride(0), vstride = v_cache.stride(0);
+  const int64_t n = qkv.size(0), d = k_caches[0].size(2), rotary = cos.size(1), half = rotary / 2;
+  const int64_t width = qkv.size(1);
   const bool vector_rotation = half % 16 == 0;  // whole 16-value vectors on both sides of the rotation
   at::parallel_for(0, n * (heads + 2 * kv_heads), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> x(d), y(d);
     for (int64_t task = begin; task < end; task++) {
       const int64_t t = task / (heads + 2 * kv_heads), h = task % (heads + 2 * kv_heads);
+      const int64_t b = ragged.sequence[t], i = ragged.offset[t], slot = starts[b] + i;
       const int64_t source = t * width + h * d;
       if (h >= heads + kv_heads) {  // v: stored as it is
-        void* slot = static_cast<char*>(v_cache.data_ptr()) +
-                     ((h - heads - kv_heads) * vstride + (start + t) * d) * v_cache.element_size();
-        std::memcpy(slot, static_cast<const char*>(qkv.data_ptr()) + source * qkv.element_size(),
+        const torch::Tensor& v_cache = v_caches[b];
+        void* target = static_cast<char*>(v_cache.data_ptr()) +
+                       ((h - heads - kv_heads) * v_cache.stride(0) + slot * d) * v_cache.element_size();
+        std::memcpy(target, static_cast<const char*>(qkv.data_ptr()) + source * qkv.element_size(),
                     d * qkv.element_size());
         continue;
       }
@@ -1226,8 +1247,10 @@ void rope_store_rows(const torch::Tensor& qkv, const torch::Tensor& cos, const t
           y[j + half] = x[j + half] * load_value(c, BF16, row + j + half) + x[j] * load_value(s, BF16, row + j + half);
         }
       }
-      void* target = is_q ? q.data_ptr() : k_cache.data_ptr();
-      const int64_t offset = is_q ? (h * n + t) * d : (h - heads) * kstride + (start + t) * d;
+      void* target = is_q ? q.data_ptr() : k_caches[b].data_ptr();
+      // q: sequence b's block [heads, n_b, d] starts at row heads * first[b]
+      const int64_t offset = is_q ? (heads * ragged.first[b] + h * ragged.count(b) + i) * d
+                                  : (h - heads) * k_caches[b].stride(0) + slot * d;
       if (d % 16 == 0) {
         for (int64_t j = 0; j < d; j += 16) store_row<BF16>(target, offset + j, load(y.data() + j));
       } else {
@@ -1237,26 +1260,46 @@ void rope_store_rows(const torch::Tensor& qkv, const torch::Tensor& cos, const t
   });
 }
 
-// q, k, v out of qkv [n, (heads + 2 kv_heads) * d]: q and k RMS-normed per head if given (Qwen3, Gemma 3), rotated
-// over their first `rotary` dims with cos/sin [n, rotary] (transformers' rotate_half), k and v written to cache
-// slots start..start+n-1 of k_cache/v_cache [kv_heads, slots, d] (in qkv's dtype); returns q [heads, n, d].
-torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                         torch::Tensor v_cache, int64_t start, int64_t heads, int64_t kv_heads,
-                         c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
-                         bool gemma) {
-  const int64_t n = qkv.size(0), d = k_cache.size(2);
+void check_caches(const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                  const std::vector<int64_t>& counts, torch::ScalarType dtype, int64_t d, const char* name) {
+  TORCH_CHECK(!k_caches.empty() && k_caches.size() == v_caches.size() && k_caches.size() == counts.size(), name,
+              ": one cache and one row count per sequence");
+  for (size_t b = 0; b < k_caches.size(); b++) {
+    const auto &k = k_caches[b], &v = v_caches[b];
+    TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(2) == d && v.size(2) == d && k.stride(2) == 1 &&
+                k.stride(1) == d && v.stride(1) == d && v.stride(2) == 1 && k.size(0) == k_caches[0].size(0),
+                name, ": cache layout");
+    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, name, ": caches in the rows' dtype");
+  }
+}
+
+// q, k, v out of qkv [n, (heads + 2 kv_heads) * d], the rows of several sequences one after another (`counts` rows
+// each): q and k RMS-normed per head if given (Qwen3, Gemma 3), rotated over their first `rotary` dims with cos/sin
+// [n, rotary] (transformers' rotate_half); sequence b's k and v written to slots starts[b].. of its caches
+// k_caches[b]/v_caches[b] [kv_heads, slots, d] (in qkv's dtype). Returns q [n * heads, d]: sequence b's block
+// [heads, n_b, d] from row heads * (the rows before it).
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
+                         std::vector<torch::Tensor> v_caches, std::vector<int64_t> starts, std::vector<int64_t> counts,
+                         int64_t heads, int64_t kv_heads, c10::optional<torch::Tensor> q_norm,
+                         c10::optional<torch::Tensor> k_norm, double eps, bool gemma) {
+  const int64_t n = qkv.size(0);
+  TORCH_CHECK(!k_caches.empty(), "rope_store: no cache");
+  const int64_t d = k_caches[0].size(2);
+  const RaggedRows ragged(counts);
+  check_caches(k_caches, v_caches, counts, qkv.scalar_type(), d, "rope_store");
+  TORCH_CHECK(starts.size() == counts.size() && ragged.total() == n, "rope_store: rows and counts");
   TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * d, "rope_store: qkv shape");
-  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == d && v_cache.stride(1) == d && v_cache.stride(2) == 1,
-              "rope_store: cache layout");
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
-              cos.scalar_type() == qkv.scalar_type() && cos.is_contiguous() && sin.is_contiguous(),
-              "rope_store: cache and tables in qkv's dtype");
-  TORCH_CHECK(start + n <= k_cache.size(1), "rope_store: cache overflow");
-  auto q = torch::empty({heads, n, d}, qkv.options());
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.size(0) == n, "rope_store: tables [n, rotary] in qkv's dtype");
+  for (size_t b = 0; b < counts.size(); b++)
+    TORCH_CHECK(starts[b] >= 0 && starts[b] + counts[b] <= k_caches[b].size(1), "rope_store: cache overflow");
+  auto q = torch::empty({n * heads, d}, qkv.options());
   if (qkv.scalar_type() == torch::kBFloat16)
-    rope_store_rows<true>(qkv, cos, sin, k_cache, v_cache, q, start, heads, kv_heads, q_norm, k_norm, eps, gemma);
+    rope_store_rows<true>(qkv, cos, sin, k_caches, v_caches, starts, ragged, q, heads, kv_heads, q_norm, k_norm, eps,
+                          gemma);
   else
-    rope_store_rows<false>(qkv, cos, sin, k_cache, v_cache, q, start, heads, kv_heads, q_norm, k_norm, eps, gemma);
+    rope_store_rows<false>(qkv, cos, sin, k_caches, v_caches, starts, ragged, q, heads, kv_heads, q_norm, k_norm, eps,
+                           gemma);
   return q;
 }
 
@@ -1294,66 +1337,105 @@ inline const float* cache_row(const torch::Tensor& cache, int64_t head, int64_t 
 constexpr int64_t ATTENTION_CHUNK = 256;
 constexpr int64_t MAX_SCORES = 1 << 18;  // a task's scores buffer: 1 MB
 
-// softmax(softcap(q k^T * scale) + mask) v for q [heads, n, d] over the first `length` slots of k/v
-// [kv_heads, slots, d] (heads share a KV head in groups, as GQA); mask additive, [n, >= length] or one per KV head
-// [kv_heads, n, >= length], or None (every key visible); softcap(s) = cap tanh(s / cap) where cap > 0 (Gemma 2),
-// else s. Each (KV head, chunk of keys) is a task holding its rows' running max, sum and weighted values; the
-// chunks of a head are merged at the end. Returns [n, heads * d] in q's dtype.
-torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t length,
-                        c10::optional<torch::Tensor> mask, double scale, double softcap) {
-  const int64_t heads = q.size(0), n = q.size(1), d = q.size(2), kv_heads = k_cache.size(0);
-  const int64_t group = heads / kv_heads, rows = group * n;
-  TORCH_CHECK(q.is_contiguous() && k_cache.stride(2) == 1 && k_cache.stride(1) == d &&
-              v_cache.stride(2) == 1 && v_cache.stride(1) == d && length <= k_cache.size(1), "attention: layout");
-  const bool cache_bf16 = k_cache.scalar_type() == torch::kBFloat16;
+// One sequence's share of a ragged attention call: its rows, keys, mask and where its tasks and running state sit.
+struct AttentionPart {
+  int64_t rows = 0;            // group * n_b: per KV head, row g * n_b + i is head kv * group + g, query i
+  int64_t length = 0;          // keys
+  int64_t chunk = 0, chunks = 0;
+  int64_t first_task = 0;      // its tasks: kv_heads * chunks from here
+  int64_t first_state = 0;     // its running max/sum entries: kv_heads * chunks * rows from here
+  const float* q = nullptr;    // [heads, n_b, d] in fp32
+  const float* mask = nullptr; // additive, or null: every key visible
+  int64_t mask_row = 0, mask_head = 0;  // the mask's row stride, and KV head kv's offset (0 where heads share one)
+};
+
+// softmax(softcap(q k^T * scale) + mask) v for each of several sequences over its own keys: q [n * heads, d] as
+// rope_store returns it (sequence b's block [heads, n_b, d], n_b = counts[b]) over the first lengths[b] slots of
+// k_caches[b]/v_caches[b] [kv_heads, slots, d] (heads share a KV head in groups, as GQA); masks[b] additive,
+// [n_b, >= length] or one per KV head [kv_heads, n_b, >= length], or an empty tensor (every key visible);
+// softcap(s) = cap tanh(s / cap) where cap > 0 (Gemma 2), else s. Each (sequence, KV head, chunk of keys) is a task
+// holding its rows' running max, sum and weighted values; the chunks of a head are merged at the end. Returns
+// [n, heads * d] in q's dtype, the sequences' rows one after another.
+torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                        std::vector<int64_t> counts, std::vector<int64_t> lengths, std::vector<torch::Tensor> masks,
+                        double scale, double softcap) {
+  const int64_t d = q.size(1), kv_heads = k_caches.empty() ? 1 : k_caches[0].size(0);
+  const RaggedRows ragged(counts);
+  const int64_t n = ragged.total(), sequences = static_cast<int64_t>(counts.size());
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.size(0) % std::max<int64_t>(n, 1) == 0, "attention: q layout");
+  const int64_t heads = n > 0 ? q.size(0) / n : 0, group = heads / kv_heads;
+  check_caches(k_caches, v_caches, counts, k_caches[0].scalar_type(), d, "attention");
+  TORCH_CHECK(lengths.size() == counts.size() && masks.size() == counts.size(), "attention: one length and mask each");
+  const bool cache_bf16 = k_caches[0].scalar_type() == torch::kBFloat16;
   const auto qf = q.to(torch::kFloat32).contiguous();
-  torch::Tensor m;
-  if (mask) {
-    m = mask->to(torch::kFloat32);
-    const int64_t dims = m.dim();
-    TORCH_CHECK((dims == 2 || (dims == 3 && m.size(0) == kv_heads)) && m.size(dims - 2) == n &&
-                m.size(dims - 1) >= length && m.stride(dims - 1) == 1, "attention: mask shape");
-  }
-  // the mask's row stride, and the offset of KV head kv's mask (0 where all heads share one)
-  const int64_t mask_row = mask ? m.stride(m.dim() - 2) : 0, mask_head = mask && m.dim() == 3 ? m.stride(0) : 0;
-  const float cap = static_cast<float>(softcap);
+  std::vector<torch::Tensor> float_masks(sequences);
+  std::vector<AttentionPart> parts(sequences);
   const int64_t threads = at::get_num_threads();
-  const int64_t per_head = std::max<int64_t>(1, (2 * threads + kv_heads - 1) / kv_heads);
   // chunks of at least ATTENTION_CHUNK keys (below that a split costs more, a merge pass, than it spreads), and of
-  // at most MAX_SCORES scores per task
-  const int64_t largest = std::max<int64_t>(ATTENTION_CHUNK, MAX_SCORES / rows);
-  int64_t chunk = std::min<int64_t>(largest, std::max<int64_t>(ATTENTION_CHUNK, (length + per_head - 1) / per_head));
-  chunk = (chunk + 15) / 16 * 16;
-  const int64_t chunks = (length + chunk - 1) / chunk, tasks = kv_heads * chunks;
-  std::vector<float> run_max(tasks * rows), run_sum(tasks * rows), run_acc(tasks * rows * d);
-  const float* qp = qf.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  const bool gemm = rows >= GEMM_ROWS;
-  const torch::Tensor q_rows = qf.view({kv_heads, rows, d});  // per KV head: row g * n + i is head kv * group + g
+  // at most MAX_SCORES scores per task; a batch spreads over its sequences before it splits their keys
+  const int64_t per_head = std::max<int64_t>(1, (2 * threads + kv_heads * sequences - 1) / (kv_heads * sequences));
+  int64_t tasks = 0, states = 0, widest = 0;
+  for (int64_t b = 0; b < sequences; b++) {
+    AttentionPart& part = parts[b];
+    part.rows = group * counts[b];
+    part.length = lengths[b];
+    TORCH_CHECK(part.length >= 0 && part.length <= k_caches[b].size(1), "attention: length beyond the cache");
+    part.q = qf.data_ptr<float>() + heads * ragged.first[b] * d;
+    if (masks[b].numel() > 0) {
+      float_masks[b] = masks[b].to(torch::kFloat32);
+      const torch::Tensor& m = float_masks[b];
+      const int64_t dims = m.dim();
+      TORCH_CHECK((dims == 2 || (dims == 3 && m.size(0) == kv_heads)) && m.size(dims - 2) == counts[b] &&
+                  m.size(dims - 1) >= part.length && m.stride(dims - 1) == 1, "attention: mask shape");
+      part.mask = m.data_ptr<float>();
+      part.mask_row = m.stride(dims - 2);
+      part.mask_head = dims == 3 ? m.stride(0) : 0;
+    }
+    const int64_t largest = std::max<int64_t>(ATTENTION_CHUNK, MAX_SCORES / std::max<int64_t>(part.rows, 1));
+    int64_t chunk = std::min<int64_t>(largest, std::max<int64_t>(ATTENTION_CHUNK, (part.length + per_head - 1) / per_head));
+    part.chunk = (chunk + 15) / 16 * 16;
+    part.chunks = (part.length + part.chunk - 1) / part.chunk;
+    part.first_task = tasks;
+    part.first_state = states;
+    tasks += kv_heads * part.chunks;
+    states += kv_heads * part.chunks * part.rows;
+    widest = std::max(widest, part.rows * part.chunk);
+  }
+  std::vector<int64_t> task_part(tasks);
+  for (int64_t b = 0; b < sequences; b++)
+    std::fill(task_part.begin() + parts[b].first_task,
+              task_part.begin() + parts[b].first_task + kv_heads * parts[b].chunks, b);
+  std::vector<float> run_max(states), run_sum(states), run_acc(states * d);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(rows * chunk), key(d);
+    std::vector<float> scores(widest), key(d);
     std::vector<float> value_block(16 * d);
     for (int64_t task = begin; task < end; task++) {
-      const int64_t kv = task / chunks, j0 = (task % chunks) * chunk, j1 = std::min(length, j0 + chunk);
-      const int64_t span = j1 - j0;
-      const float* qh = qp + kv * group * n * d;  // rows r = g * n + i: head kv * group + g, query i
-      const float* head_mask = mask ? m.data_ptr<float>() + kv * mask_head : nullptr;
-      if (!gemm) {
+      const int64_t b = task_part[task];
+      const AttentionPart& part = parts[b];
+      const torch::Tensor &k_cache = k_caches[b], &v_cache = v_caches[b];
+      const int64_t local = task - part.first_task, rows = part.rows, chunk = part.chunk, n_b = counts[b];
+      const int64_t kv = local / part.chunks, j0 = (local % part.chunks) * chunk;
+      const int64_t j1 = std::min(part.length, j0 + chunk), span = j1 - j0;
+      const float* qh = part.q + kv * rows * d;
+      const float* head_mask = part.mask ? part.mask + kv * part.mask_head : nullptr;
+      if (rows < GEMM_ROWS) {
         for (int64_t j = j0; j < j1; j++) {
           const float* kj = cache_row(k_cache, kv, j, d, cache_bf16, key.data());
           for (int64_t r = 0; r < rows; r++) {
             float score = dot_row(qh + r * d, kj, d) * fscale;
             if (cap > 0.0f) score = cap * std::tanh(score / cap);
-            if (mask) score += head_mask[(r % n) * mask_row + j];
+            if (head_mask) score += head_mask[(r % n_b) * part.mask_row + j];
             scores[r * chunk + (j - j0)] = score;
           }
         }
       } else {  // q [rows, d] times the chunk's keys [span, d]^T in fp32 (a bf16 cache's keys widened first)
+        const torch::Tensor q_rows = torch::from_blob(const_cast<float*>(qh), {rows, d}, torch::kFloat32);
         const torch::Tensor products =
-            at::linear(q_rows[kv], k_cache[kv].narrow(0, j0, span).to(torch::kFloat32)).contiguous();
+            at::linear(q_rows, k_cache[kv].narrow(0, j0, span).to(torch::kFloat32)).contiguous();
         const float* product = products.data_ptr<float>();
         for (int64_t r = 0; r < rows; r++) {
-          const float* row_mask = mask ? head_mask + (r % n) * mask_row + j0 : nullptr;
+          const float* row_mask = head_mask ? head_mask + (r % n_b) * part.mask_row + j0 : nullptr;
           float* out = scores.data() + r * chunk;
           if (cap > 0.0f) {
             for (int64_t j = 0; j < span; j++)
@@ -1366,7 +1448,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
           for (; j < span; j++) out[j] = product[r * span + j] * fscale + (row_mask ? row_mask[j] : 0.0f);
         }
       }
-      float* acc_out = run_acc.data() + task * rows * d;
+      const int64_t state = part.first_state + local * rows;
+      float* acc_out = run_acc.data() + state * d;
       std::fill(acc_out, acc_out + rows * d, 0.0f);
       for (int64_t r = 0; r < rows; r++) {
         float* row = scores.data() + r * chunk;
@@ -1388,8 +1471,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
         } else {
           std::fill(row, row + span, 0.0f);
         }
-        run_max[task * rows + r] = top;
-        run_sum[task * rows + r] = total;
+        run_max[state + r] = top;
+        run_sum[state + r] = total;
       }
       // acc_r += sum_j p_rj v_j, 16 keys at a time: each accumulator slice is loaded and stored once per block
       for (int64_t jb = j0; jb < j1; jb += 16) {
@@ -1419,25 +1502,29 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   });
   auto out = torch::empty({n, heads * d}, q.options());
   const bool out_bf16 = q.scalar_type() == torch::kBFloat16;
-  at::parallel_for(0, kv_heads * rows, 64, [&](int64_t begin, int64_t end) {  // a few rows: no fork
+  // every (query row, head): row t's heads in order; the merge reads each of its chunks' running state
+  at::parallel_for(0, n * heads, 64, [&](int64_t begin, int64_t end) {  // a few rows: no fork
     std::vector<float> merged(d);
-    for (int64_t hr = begin; hr < end; hr++) {
-      const int64_t kv = hr / rows, r = hr % rows, head = kv * group + r / n, i = r % n;
+    for (int64_t th = begin; th < end; th++) {
+      const int64_t t = th / heads, head = th % heads, b = ragged.sequence[t], i = ragged.offset[t];
+      const AttentionPart& part = parts[b];
+      const int64_t kv = head / group, r = (head % group) * counts[b] + i;
       float top = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; c++) top = std::max(top, run_max[(kv * chunks + c) * rows + r]);
+      for (int64_t c = 0; c < part.chunks; c++)
+        top = std::max(top, run_max[part.first_state + (kv * part.chunks + c) * part.rows + r]);
       std::fill(merged.begin(), merged.end(), 0.0f);
       float total = 0.0f;
-      for (int64_t c = 0; c < chunks; c++) {
-        const int64_t task = kv * chunks + c;
-        const float part_max = run_max[task * rows + r];
+      for (int64_t c = 0; c < part.chunks; c++) {
+        const int64_t state = part.first_state + (kv * part.chunks + c) * part.rows + r;
+        const float part_max = run_max[state];
         if (part_max == -std::numeric_limits<float>::infinity()) continue;
         const float weight = std::exp(part_max - top);
-        total += weight * run_sum[task * rows + r];
-        const float* acc = run_acc.data() + (task * rows + r) * d;
+        total += weight * run_sum[state];
+        const float* acc = run_acc.data() + state * d;
         for (int64_t e = 0; e < d; e++) merged[e] += weight * acc[e];
       }
       const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-      for (int64_t e = 0; e < d; e++) store_value(out.data_ptr(), out_bf16, i * heads * d + head * d + e, merged[e] * inv);
+      for (int64_t e = 0; e < d; e++) store_value(out.data_ptr(), out_bf16, t * heads * d + head * d + e, merged[e] * inv);
     }
   });
   return out;

@@ -1,0 +1,157 @@
+"""Continuous batching: many requests decoded together, one target forward per step for every sequence in flight.
+
+Each sequence has a slot: its own target cache (the model's "target.<slot>" cache), its own drafter (a draft
+model's cache, a Lookahead trie, TriForce's retrieval and StreamingLLM caches), its own random stream. A step
+collects every sequence's draft tree and scores them in one forward (LeanModel.forward_many: the projections and
+MLP over all the rows, attention per sequence over its own keys with its tree mask), then verifies, commits and
+stops each sequence alone (decoder/engine.py: SequenceRun). Between steps finished sequences leave and free their
+slots, and waiting requests are prefilled, each alone, and join. A request's tokens do not depend on who shares its
+steps: greedy output is its own one-request greedy output, and sampled output is drawn from its own seeded stream.
+
+A slot's drafter stays with the slot across the requests it serves, so a Lookahead trie keeps learning from the
+outputs of its slot (with one slot: exactly the one-request decoder and its offline replay).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specplan.core.errors import UserError
+from specplan.decoder.drafters import Drafter
+from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
+from specplan.decoder.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    on_tokens: Callable[[list[int]], None] | None = None  # called with each step's emitted tokens (streaming)
+
+
+@dataclass
+class Completion:
+    """A finished request: its result, or the one-line reason it failed (it failed alone)."""
+
+    id: int
+    result: GenerationResult | None
+    error: str | None = None
+    first_token_seconds: float | None = None  # from submission to the first emitted token (queueing included)
+    cancelled: bool = False
+
+
+@dataclass
+class _Waiting:
+    id: int
+    request: Request
+    submitted: float
+
+
+@dataclass
+class _Running:
+    id: int
+    slot: int
+    run: SequenceRun
+    submitted: float
+
+
+class Scheduler:
+    """Requests in, completions out: `submit` queues one, `step` admits waiting requests into free slots (prefilling
+    each) and advances every running sequence by one speculative step; `run` does both over a list."""
+
+    def __init__(self, engine: SpeculativeEngine, drafter_for_slot: Callable[[int], Drafter], concurrency: int) -> None:
+        if concurrency < 1:
+            raise UserError(f"the concurrency must be >= 1, got {concurrency}")
+        if concurrency > 1 and not hasattr(engine.target, "forward_many"):
+            raise UserError(f"the {engine.target.backend} backend decodes one sequence at a time; run the lean "
+                            "backend for a concurrency above 1")
+        self.engine = engine
+        self.drafter_for_slot = drafter_for_slot
+        self.concurrency = concurrency
+        self.waiting: deque[_Waiting] = deque()
+        self.running: list[_Running] = []
+        self.free_slots = list(range(concurrency))
+        self.cancelled: set[int] = set()
+        self.next_id = 0
+
+    def submit(self, request: Request) -> int:
+        self.waiting.append(_Waiting(self.next_id, request, time.perf_counter()))
+        self.next_id += 1
+        return self.next_id - 1
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a request (a client went away): waiting, it never starts; running, its slot is freed at the next
+        step."""
+        self.cancelled.add(request_id)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    @torch.inference_mode()
+    def step(self) -> list[Completion]:
+        done = self._admit()
+        running = [entry for entry in self.running if not self._drop_if_cancelled(entry, done)]
+        if not running:
+            self.running = []
+            return done
+        items = [entry.run.propose() for entry in running]
+        target = self.engine.target
+        logits = target.forward_many(items) if len(items) > 1 else [target.forward(*items[0])]
+        self.running = []
+        for entry, scored in zip(running, logits):
+            if entry.run.advance(scored):
+                done.append(self._complete(entry))
+            else:
+                self.running.append(entry)
+        return done
+
+    def run(self, requests: Iterable[Request]) -> Iterator[Completion]:
+        """Submit every request, then step until all are done; completions in the order they finish."""
+        for request in requests:
+            self.submit(request)
+        while not self.idle:
+            yield from self.step()
+
+    def _admit(self) -> list[Completion]:
+        failed = []
+        while self.waiting and self.free_slots:
+            waiting = self.waiting.popleft()
+            if waiting.id in self.cancelled:
+                self.cancelled.discard(waiting.id)
+                failed.append(Completion(waiting.id, None, "cancelled", cancelled=True))
+                continue
+            slot = self.free_slots.pop(0)
+            request = waiting.request
+            drafter = self.drafter_for_slot(slot)
+            try:
+                run = self.engine.start(request.prompt, request.max_new_tokens, request.params, request.seed,
+                                        request.on_tokens, drafter, "target" + (f".{slot}" if slot else ""))
+            except UserError as exc:  # this request fails alone
+                self.free_slots.insert(0, slot)
+                failed.append(Completion(waiting.id, None, str(exc)))
+                continue
+            self.running.append(_Running(waiting.id, slot, run, waiting.submitted))
+        return failed
+
+    def _drop_if_cancelled(self, entry: _Running, done: list[Completion]) -> bool:
+        if entry.id not in self.cancelled:
+            return False
+        self.cancelled.discard(entry.id)
+        self.free_slots.append(entry.slot)
+        done.append(Completion(entry.id, entry.run.result(), "cancelled", cancelled=True))
+        return True
+
+    def _complete(self, entry: _Running) -> Completion:
+        self.free_slots.append(entry.slot)
+        self.free_slots.sort()
+        run = entry.run
+        first = None if run.first_token_at is None else run.first_token_at - entry.submitted
+        return Completion(entry.id, run.result(), None, first)
