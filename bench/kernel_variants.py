@@ -8,6 +8,8 @@ timed on whole passes over real weights, and on attention over a long cache.
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
     .venv/bin/python bench/kernel_variants.py attention 2 4 8                  # smollm2's and qwen's head groups
     .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
+    .venv/bin/python bench/kernel_variants.py forward AVX2_ROW_TILE=2,AVX2_DIRECT_ROWS_F32=2,TORCH_GEMM_ROWS=6 \
+        AVX2_ROW_TILE=4,AVX2_DIRECT_ROWS_F32=4,TORCH_GEMM_ROWS=5             # whole smollm2 forwards of n rows
 
 A pass runs every layer's matmul once (q/k/v fused, o, gate/up fused, down) for n activation rows: 540 MB of
 fp32 weights, more than the caches hold, so each pass streams from memory as a forward does.
@@ -132,6 +134,29 @@ def gemm(thresholds: list[str]) -> None:
         print(f"n={n}: " + ", ".join(f"TORCH_GEMM_ROWS={t} {s * 1e3:.1f} ms" for t, s in medians.items()), flush=True)
 
 
+def forward(variants: list[str]) -> None:
+    """Whole smollm2-135m forwards (fp32, 300 cached tokens) of n new rows on each variant (NAME=VALUE,...),
+    interleaved: the measure the direct-row and GEMM limits are chosen by."""
+    from specplan.decoder.api import load_decoder
+    from specplan.decoder.model import causal_mask
+
+    model = load_decoder(None, target="smollm2-135m", device="cpu").target_forward
+    cache = model.cache_for(1024, "target")
+    model.prefill(torch.randint(0, 1000, (300,)), cache, logits=False)
+    built = {variant: build(dict(item.split("=") for item in variant.split(","))) for variant in variants}
+
+    def run(kernels, n: int) -> None:
+        model.kernels = kernels
+        mask = causal_mask(300, n, model.dtype, "cpu") if n > 1 else None
+        model.forward(torch.arange(n) + 5, 300 + torch.arange(n), cache, mask)
+
+    with torch.inference_mode():
+        for n in (1, 2, 3, 4, 6, 8, 12, 16):
+            medians = interleaved_medians({v: partial(run, kernels, n) for v, kernels in built.items()}, repeats=9)
+            print(f"n={n}: " + ", ".join(f"{v} {s * 1e3:.0f} ms" for v, s in medians.items()), flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    {"tiles": tiles, "prefetch": prefetch, "attention": attention, "gemm": gemm}[sys.argv[1]](sys.argv[2:])
+    {"tiles": tiles, "prefetch": prefetch, "attention": attention, "gemm": gemm,
+     "forward": forward}[sys.argv[1]](sys.argv[2:])

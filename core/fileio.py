@@ -26,7 +26,7 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path) -> str:
     try:
         return path.read_text()
     except FileNotFoundError:
@@ -146,7 +146,7 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     with contextlib.suppress(OSError):
         if path.stat().st_size > MAX_DOCUMENT_BYTES:
             raise UserError(f"{path}: larger than {MAX_DOCUMENT_BYTES >> 20} MiB; not a specplan file")
-    text = _read_text(path)
+    text = read_text(path)
     try:
         _check_events(text)
         data = yaml.load(text, Loader=_SAFE_LOADER)  # a safe loader: plain values only
@@ -218,7 +218,7 @@ def read_json(path: str | os.PathLike) -> dict[str, Any]:
     """Load a JSON object; every failure becomes a one-line UserError."""
     path = Path(path)
     try:
-        data = json.loads(_read_text(path))
+        data = json.loads(read_text(path))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: malformed JSON at line {exc.lineno}") from None
     except RecursionError:

@@ -97,10 +97,11 @@ class Scheduler:
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:
-        done = self._admit()
-        running = [entry for entry in self.running if not self._drop_if_cancelled(entry, done)]
+        done: list[Completion] = []
+        self.running = [entry for entry in self.running if not self._drop_if_cancelled(entry, done)]
+        done += self._admit()
+        running = self.running
         if not running:
-            self.running = []
             return done
         items = [entry.run.propose() for entry in running]
         target = self.engine.target

@@ -571,34 +571,58 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
               help="a plan file; without one, plain autoregressive decoding of --target")
 @click.option("--prompt", help="the prompt text (see --chat)")
 @click.option("--prompt-file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--requests", "requests_path", type=click.Path(dir_okay=False, path_type=Path),
+              help='many requests, decoded together: one JSON object per line with a "prompt" and optional '
+                   "max_new_tokens, temperature, top_p, top_k and seed (other fields are echoed back)")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="with --requests: the most requests in flight (continuous batching)")
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(DTYPES), help="default: the plan's, else fp32")
 @click.option("--draft-dtype", type=click.Choice(DTYPES), help="default: --dtype")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="(with --requests: for the requests that do not set theirs)")
 @click.option("--temperature", type=float, help="default: the plan's (0 = greedy)")
 @click.option("--top-p", type=float, help="default: the plan's, else 1")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="(with --requests: request i draws from seed + i unless it sets its own)")
 @click.option("--verify", type=click.Choice(VERIFICATION_RULES),
               help="verification rule (default: greedy at T = 0, else Sequoia's)")
 @_chat_option()
 @click.option("--device", type=click.Choice(DEVICES), help="default: cuda when available")
 @click.option("--stream", is_flag=True, help="print tokens as they are accepted")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--json", "as_json", is_flag=True,
+              help="print one JSON object (with --requests: one per request in input order, then a summary)")
 @_backend_option(None)
-def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, target: str | None,
-             draft: str | None, dtype: str | None, draft_dtype: str | None, max_new_tokens: int,
-             temperature: float | None, top_p: float | None, top_k: int, seed: int, verify: str | None, chat: bool,
-             device: str | None, stream: bool, as_json: bool, backend: str | None) -> None:
+def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, requests_path: Path | None,
+             concurrency: int, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
+             max_new_tokens: int, temperature: float | None, top_p: float | None, top_k: int, seed: int,
+             verify: str | None, chat: bool, device: str | None, stream: bool, as_json: bool,
+             backend: str | None) -> None:
     """Generate with a plan (Sequoia, Lookahead, TriForce) or autoregressively: lossless either way."""
     import json
 
     from specplan.decoder.api import load_decoder
     from specplan.decoder.sampling import SamplingParams
 
-    if (prompt is None) == (prompt_file is None):
-        raise UserError("give exactly one of --prompt and --prompt-file")
+    if sum(given is not None for given in (prompt, prompt_file, requests_path)) != 1:
+        raise UserError("give exactly one of --prompt, --prompt-file and --requests")
+    if requests_path is not None:
+        from specplan.core.request_file import load_requests
+
+        if stream:
+            raise UserError("--stream prints one request's tokens; with --requests, use --json or plan serve")
+        entries = load_requests(requests_path)
+        decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
+                               backend=backend)
+        failed = _generate_requests(decoder, entries, concurrency, max_new_tokens, temperature, top_p, top_k, seed,
+                                    chat, as_json)
+        if failed:
+            raise UserError(f"{failed} of {len(entries)} requests failed (said above); the others are printed")
+        return
+    if concurrency != 1:
+        raise UserError("--concurrency goes with --requests")
     if prompt_file is not None:
         try:
             prompt = prompt_file.read_text()
@@ -629,6 +653,72 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
     click.echo(f"[{len(result.tokens)} tokens, {result.steps} target steps, {result.tokens_per_step:.2f} tokens/step, "
                f"{result.tokens_per_second:.2f} tokens/s after a {result.prefill_seconds:.2f} s prefill; "
                f"stop: {result.stop_reason}; {output.backend} backend]", err=True)
+
+
+def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens: int, temperature: float | None,
+                       top_p: float | None, top_k: int, seed: int, chat: bool, as_json: bool) -> int:
+    """Decode a requests file's requests with continuous batching; print each (in input order) and a summary.
+    Returns how many failed: each failure is one line on stderr naming its line number."""
+    import json
+    import time
+
+    from specplan.core.request_file import BadLine
+    from specplan.decoder.batching import Request
+    from specplan.decoder.sampling import SamplingParams
+
+    defaults = decoder.default_params()
+    errors: dict[int, str] = {}
+    requests, places = [], []  # the valid requests, and each one's index among the entries
+    prompt_tokens: dict[int, int] = {}
+    for index, entry in enumerate(entries):
+        if isinstance(entry, BadLine):
+            errors[index] = entry.error
+            continue
+        try:
+            params = SamplingParams(
+                temperature=next(v for v in (entry.temperature, temperature, defaults.temperature) if v is not None),
+                top_p=next(v for v in (entry.top_p, top_p, defaults.top_p) if v is not None),
+                top_k=next(v for v in (entry.top_k, top_k or None, defaults.top_k) if v is not None))
+            ids = decoder.encode(entry.prompt, chat)
+        except UserError as exc:
+            errors[index] = str(exc)
+            continue
+        requests.append(Request(ids, entry.max_new_tokens or max_new_tokens, params,
+                                entry.seed if entry.seed is not None else seed + index))
+        places.append(index)
+        prompt_tokens[index] = len(ids)
+    start = time.perf_counter()
+    completions = {}
+    for completion in decoder.generate_many(requests, concurrency):
+        index = places[completion.id]
+        if completion.error is not None:
+            errors[index] = completion.error
+        else:
+            completions[index] = completion
+    wall = time.perf_counter() - start
+    output_tokens = 0
+    for index, entry in enumerate(entries):
+        if index in errors:
+            click.echo(f"error: line {entry.line}: {errors[index]}", err=True)
+            continue
+        completion = completions[index]
+        output = decoder.output(completion.result, prompt_tokens[index])
+        output_tokens += len(completion.result.tokens)
+        if as_json:
+            click.echo(json.dumps({**entry.extra, "line": entry.line, **output.to_json(),
+                                   "time_to_first_token": completion.first_token_seconds}))
+        else:
+            click.echo(f"--- line {entry.line} ---\n{output.text}")
+    summary = {"summary": True, "requests": len(entries), "failed": len(errors), "concurrency": concurrency,
+               "output_tokens": output_tokens, "wall_seconds": wall,
+               "output_tokens_per_second": output_tokens / wall if wall > 0 else 0.0,
+               "backend": decoder.target_forward.backend}
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(f"[{len(entries) - len(errors)} of {len(entries)} requests, {output_tokens} tokens in {wall:.2f} s: "
+                   f"{summary['output_tokens_per_second']:.2f} tokens/s at concurrency {concurrency}]", err=True)
+    return len(errors)
 
 
 @cli.command()

@@ -48,24 +48,31 @@ typedef float v4f __attribute__((vector_size(16)));
 // TILE_W weight rows as fp32 (decoded once into a buffer) and run register tiles over them. The limits are
 // measured (matmul passes over smollm2-135m's layers on a 2-core EPYC, bench/kernel_variants.py): fp32 rows
 // stream best in tiles from 5 rows on, bf16 from 9, decoded blocks from 17 (from 32 rows, decoding once beats a
-// pass per 8).
+// pass per 8). With AVX2's 16 registers fp32 takes passes of 4 rows (one accumulator of two registers per row):
+// whole smollm2 forwards of 3 and 4 rows ran 10-25% faster than in passes of 2 (bench/kernel_variants.py forward).
 #ifdef __AVX512F__
 constexpr int ROW_TILE = 8;
 constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS = 16;
 #else
-constexpr int ROW_TILE = 2;
-constexpr int64_t DIRECT_ROWS_F32 = 2, DIRECT_ROWS_BF16 = 2, DIRECT_ROWS_BLOCKS = 2;
+#ifndef AVX2_ROW_TILE
+#define AVX2_ROW_TILE 4
+#endif
+#ifndef AVX2_DIRECT_ROWS_F32
+#define AVX2_DIRECT_ROWS_F32 4
+#endif
+constexpr int ROW_TILE = AVX2_ROW_TILE;
+constexpr int64_t DIRECT_ROWS_F32 = AVX2_DIRECT_ROWS_F32, DIRECT_ROWS_BF16 = 2, DIRECT_ROWS_BLOCKS = 2;
 #endif
 // From this many activation rows a matmul of fp32, bf16 or (not K-quant) block weights runs as torch's own GEMM
 // (MKL or oneDNN) over the weight in fp32 panels (linear_gemm). With AVX2's 16 vector registers the register tiles
-// stay small and compute-bound: on a 2-core AVX2 EPYC the GEMM passes smollm2's layers from 6 rows on, and runs
+// stay small and compute-bound: on a 2-core AVX2 EPYC the GEMM passes smollm2's layers from 5 rows on, and runs
 // prefill chunks several times faster (bench/kernel_variants.py gemm). With AVX-512 the tiles were measured best
 // for 8 to 64 rows; prefill chunks take the GEMM.
 #ifndef TORCH_GEMM_ROWS
 #ifdef __AVX512F__
 #define TORCH_GEMM_ROWS 65
 #else
-#define TORCH_GEMM_ROWS 6
+#define TORCH_GEMM_ROWS 5
 #endif
 #endif
 constexpr int64_t GEMM_PANEL_FLOATS = 1 << 22;  // a decoded panel of weight rows: 16 MB, whatever the matrix
@@ -335,6 +342,22 @@ template <> struct Block<F32> {  // fp32 rows need no blocks: one 16-float vecto
 
 template <int NR>
 inline void dot_f32(const float* w, const float* x, int64_t ldx, int64_t k, float* out) {
+#ifndef __AVX512F__
+  if constexpr (NR > 2) {  // AVX2's 16 registers: one 16-float accumulator (two registers) per activation row
+    v16f acc[NR] = {};
+    int64_t c = 0;
+    for (; c + 16 <= k; c += 16) {
+      const v16f w0 = load(w + c);
+      for (int r = 0; r < NR; r++) acc[r] += w0 * load(x + r * ldx + c);
+    }
+    for (int r = 0; r < NR; r++) {
+      float s = hsum(acc[r]);
+      for (int64_t t = c; t < k; t++) s += w[t] * x[r * ldx + t];
+      out[r] = s;
+    }
+    return;
+  }
+#endif
   v16f acc[NR][2] = {};
   int64_t c = 0;
   for (; c + 32 <= k; c += 32) {
@@ -436,9 +459,9 @@ inline void with_tile(int nr, Fn&& fn) {
   switch (nr) {
     case 1: fn(std::integral_constant<int, 1>{}); break;
     case 2: fn(std::integral_constant<int, 2>{}); break;
-#ifdef __AVX512F__
     case 3: fn(std::integral_constant<int, 3>{}); break;
     case 4: fn(std::integral_constant<int, 4>{}); break;
+#ifdef __AVX512F__
     case 5: fn(std::integral_constant<int, 5>{}); break;
     case 6: fn(std::integral_constant<int, 6>{}); break;
     case 7: fn(std::integral_constant<int, 7>{}); break;

@@ -1,0 +1,259 @@
+"""Many requests at once: the batched forward, the continuous-batching scheduler, and a request's output not
+depending on who shares its steps (greedy identity, sampled distributions)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specplan.core.method_settings import RetrievalSettings, TrieSettings
+from specplan.decoder.batching import Request, Scheduler
+from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
+from specplan.decoder.engine import SpeculativeEngine
+from specplan.decoder.model import ForwardItem, LeanModel, causal_mask
+from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.trie import Trie
+from specplan.decoder.triforce import HierarchicalDrafter, StreamingDrafter
+
+from toy import (
+    SAMPLES,
+    VOCAB,
+    assert_distributed_as_target,
+    first_two_distribution,
+    hf_greedy,
+    long_prompt,
+    one_error,
+    toy_model,
+)
+
+PROMPT_LENGTHS = (5, 17, 40, 9, 23, 3, 60, 11)  # eight requests of different lengths and finish times
+NEW_TOKENS = (20, 7, 30, 15, 25, 12, 18, 9)
+
+
+def drafters(target, draft) -> dict:
+    return {
+        "one-token": NoDrafter,
+        "lookahead": lambda: TrieDrafter(Trie(TrieSettings(decoding_length=8, branch_length=3))),
+        "sequoia": lambda: SequoiaDrafter(draft, [-1, 0, 0, 1, 2, 3]),
+    }
+
+
+def slots(make) -> callable:
+    """A drafter per slot, kept across the requests the slot serves (as Decoder.drafter_for_slot keeps them)."""
+    made: dict[int, Drafter] = {}
+
+    def drafter_for_slot(slot: int) -> Drafter:
+        if slot not in made:
+            made[slot] = make()
+            made[slot].use_slot(slot)
+        return made[slot]
+
+    return drafter_for_slot
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 250, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+@torch.inference_mode()
+def test_a_batched_forward_scores_each_sequence_as_its_own_forward(tiny_pair):
+    """Sequences of 1 to 5 rows over caches of different lengths, one forward: each item's logits equal that item
+    scored alone (the CPU kernels: one ragged attention call; the rows share every matmul)."""
+    _, target, _ = tiny_pair
+    assert target.kernels is not None
+    items, alone = [], []
+    for b, (length, n) in enumerate([(30, 1), (7, 5), (120, 3), (64, 1)]):
+        for copy in (items, alone):
+            cache = target.cache_for(256, f"test.{len(items) + len(alone)}")
+            target.prefill(torch.randint(0, 250, (length,), generator=torch.Generator().manual_seed(b)), cache,
+                           logits=False)
+            tokens = torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(10 + b))
+            mask = causal_mask(length, n, target.dtype, "cpu") if n > 1 else None
+            copy.append(ForwardItem(tokens, length + torch.arange(n), cache, mask))
+    together = target.forward_many(items)
+    for item, scored, single in zip(items, together, alone):
+        torch.testing.assert_close(scored, target.forward(*single), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(item.cache.k[:, :, :item.cache.length + item.tokens.shape[0]],
+                                   single.cache.k[:, :, :single.cache.length + single.tokens.shape[0]])
+
+
+@pytest.mark.parametrize("method", ["one-token", "lookahead", "sequoia"])
+@pytest.mark.parametrize("concurrency", [3, 8])
+def test_every_request_gets_its_own_greedy_tokens_under_load(method, concurrency, tiny_pair):
+    """Eight requests of different lengths and finish times, three (or all eight) in flight, the rest joining as
+    others leave: each request's greedy tokens equal its own one-request greedy tokens and transformers'."""
+    loaded, target, draft = tiny_pair
+    make = drafters(target, draft)[method]
+    requests = [Request(p, n) for p, n in zip(prompts(), NEW_TOKENS)]
+    engine = SpeculativeEngine(target, make())
+    scheduler = Scheduler(engine, slots(make), concurrency)
+    order, results = [], {}
+    for completion in scheduler.run(requests):
+        assert completion.error is None
+        order.append(completion.id)
+        results[completion.id] = completion.result.tokens
+    assert order != sorted(order) or concurrency == 1  # requests finished out of order: they shared steps
+    for i, request in enumerate(requests):
+        assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
+                                                                        SamplingParams()).tokens
+    for i in (1, 6):
+        assert results[i] == hf_greedy(loaded, requests[i].prompt, requests[i].max_new_tokens)
+
+
+def test_triforce_requests_batched_keep_their_greedy_tokens(tiny_pair):
+    """Four long-context requests through TriForce's hierarchy (each its own retrieval cache and StreamingLLM
+    draft), two in flight: each equals transformers' greedy output."""
+    loaded, target, draft = tiny_pair
+
+    def make():
+        return HierarchicalDrafter(target, StreamingDrafter(draft, gamma=2, sinks=4, window=64), 2, 4,
+                                   RetrievalSettings(256, 8, 16))
+
+    requests = [Request(long_prompt(300 + 40 * i, i), 24 + 6 * i) for i in range(4)]
+    scheduler = Scheduler(SpeculativeEngine(target, make()), slots(make), 2)
+    results = {c.id: c.result.tokens for c in scheduler.run(requests)}
+    for i, request in enumerate(requests):
+        assert results[i] == hf_greedy(loaded, request.prompt, request.max_new_tokens)
+
+
+def test_the_operators_forward_batches_too():
+    """A model the kernels do not run (PyTorch's operators, a GPU's forward): the same identity."""
+    model, _ = toy_model(3)
+    target = LeanModel(model, kernels=False)
+    gen = torch.Generator().manual_seed(2)
+    requests = [Request(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), 10) for n in (3, 8, 5)]
+    scheduler = Scheduler(SpeculativeEngine(target, None), slots(NoDrafter), 2)
+    results = {c.id: c.result.tokens for c in scheduler.run(requests)}
+    for i, request in enumerate(requests):
+        ids = torch.tensor([request.prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(request.prompt):].tolist()
+        assert results[i] == expected
+
+
+def test_a_request_that_does_not_fit_fails_alone(tiny_pair):
+    _, target, _ = tiny_pair
+    requests = [Request(p, n) for p, n in zip(prompts()[:3], NEW_TOKENS)]
+    requests.insert(1, Request([5] * 4090, 20))  # beyond the 4,096-token context
+    scheduler = Scheduler(SpeculativeEngine(target, None), slots(NoDrafter), 2)
+    completions = {c.id: c for c in scheduler.run(requests)}
+    assert "exceeds the model's context of 4096" in completions[1].error and completions[1].result is None
+    for i in (0, 2, 3):
+        assert completions[i].error is None and len(completions[i].result.tokens) == requests[i].max_new_tokens
+
+
+def test_a_cancelled_request_frees_its_slot(tiny_pair):
+    _, target, _ = tiny_pair
+    scheduler = Scheduler(SpeculativeEngine(target, None), slots(NoDrafter), 1)
+    first = scheduler.submit(Request(prompts()[0], 500))
+    second = scheduler.submit(Request(prompts()[1], 5))
+    assert scheduler.step() == [] and [entry.id for entry in scheduler.running] == [first]
+    scheduler.cancel(first)
+    done = scheduler.step()
+    assert [(c.id, c.cancelled) for c in done] == [(first, True)]
+    assert [entry.id for entry in scheduler.running] == [second]
+    finished = [c for c in scheduler.run([])]
+    assert [(c.id, len(c.result.tokens)) for c in finished] == [(second, 5)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("concurrency", [2, 4])
+def test_sampled_requests_sharing_steps_are_distributed_as_the_target(concurrency):
+    """Sampled Sequoia requests (each its own seed) share their steps with each other and with requests of another
+    prompt and length: the first two tokens of the measured prompt follow transformers' distribution (chi-square),
+    at batch 2 and 4, on the CPU kernels' batched forward."""
+    target_hf, target = toy_model(20, family="llama-32")
+    _, draft = toy_model(20, noise=0.6, family="llama-32")
+    assert target.kernels is not None
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    measured, other = [1, 4, 2, 5, 3], [3, 3, 1, 0]
+
+    def make():
+        return SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3])
+
+    requests = []
+    for seed in range(SAMPLES):
+        requests.append(Request(measured, 2, params, seed))
+        if seed % 8 == 0:
+            requests.append(Request(other, 1 + seed % 3, params, SAMPLES + seed))
+    counts = np.zeros((VOCAB, VOCAB))
+    scheduler = Scheduler(SpeculativeEngine(target, make()), slots(make), concurrency)
+    for completion in scheduler.run(requests):
+        if requests[completion.id].prompt == measured:
+            tokens = completion.result.tokens
+            counts[tokens[0], tokens[1]] += 1
+    assert_distributed_as_target(counts, first_two_distribution(target_hf, measured, params))
+
+
+def write_requests(tmp_path, lines: list[str]):
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_plan_generate_requests_prints_each_in_input_order_and_fails_the_bad_ones_alone(run_cli, tmp_path):
+    """A malformed line and a request over the context fail alone, each named by its line number; the others are
+    decoded together and printed in input order with their timings, then a summary; the command exits 2."""
+    import json
+
+    path = write_requests(tmp_path, [
+        json.dumps({"prompt": "hello there", "max_new_tokens": 6, "tag": "first"}),
+        '{"prompt": 3}',
+        json.dumps({"prompt": "x" * 5000}),
+        "",
+        json.dumps({"prompt": "general kenobi", "max_new_tokens": 9, "seed": 4, "temperature": 0.9}),
+        "[1, 2]",
+    ])
+    code, out, err = run_cli("generate", "--target", "tiny-random-llama", "--requests", path, "--concurrency", 2,
+                             "--json")
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("error: line")]
+    assert errors[0] == 'error: line 2: no "prompt" string' and errors[2] == "error: line 6: not a JSON object"
+    assert errors[1].startswith("error: line 3: the prompt (") and "exceeds the model's context of 4096" in errors[1]
+    assert "3 of 5 requests failed" in err.splitlines()[-1]
+    printed = [json.loads(line) for line in out.splitlines()]
+    assert [p.get("line") for p in printed[:-1]] == [1, 5] and printed[0]["tag"] == "first"
+    assert [len(p["tokens"]) for p in printed[:-1]] == [6, 9]
+    assert all(p["time_to_first_token"] > 0 and p["decode_seconds"] > 0 for p in printed[:-1])
+    summary = printed[-1]
+    assert summary["summary"] and summary["output_tokens"] == 15 and summary["failed"] == 3
+    assert summary["output_tokens_per_second"] == pytest.approx(15 / summary["wall_seconds"])
+
+
+def test_greedy_requests_batched_equal_plan_generate(run_cli, tmp_path):
+    import json
+
+    prompts = ["the quick brown fox", "a", "lorem ipsum dolor sit amet, consectetur"]
+    path = write_requests(tmp_path, [json.dumps({"prompt": p, "max_new_tokens": 12}) for p in prompts])
+    code, out, err = run_cli("generate", "--target", "tiny-random-llama", "--requests", path, "--concurrency", 3,
+                             "--json")
+    assert code == 0, err
+    batched = [json.loads(line)["tokens"] for line in out.splitlines()[:-1]]
+    for prompt, tokens in zip(prompts, batched):
+        code, out, _ = run_cli("generate", "--target", "tiny-random-llama", "--prompt", prompt, "--max-new-tokens",
+                               12, "--json")
+        assert json.loads(out)["tokens"] == tokens
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "0"], "0 is not in the range x>=1"),
+    (["--concurrency", "4", "--prompt", "hi"], "--concurrency goes with --requests"),
+])
+def test_bad_concurrency_is_one_line(run_cli, tmp_path, args, message):
+    path = write_requests(tmp_path, ['{"prompt": "hi"}'])
+    if "--prompt" not in args:
+        args = ["--requests", str(path), *args]
+    code, _, err = run_cli("generate", "--target", "tiny-random-llama", *args)
+    assert code == 2 and message in err
+
+
+def test_a_concurrency_whose_caches_do_not_fit_is_refused_before_decoding(run_cli, tmp_path, monkeypatch):
+    from specplan.decoder import api
+
+    monkeypatch.setattr(api, "free_memory", lambda device: 3 << 20)  # 3 MiB: one 4K-token tiny cache fits, 4 do not
+    path = write_requests(tmp_path, ['{"prompt": "hi", "max_new_tokens": 3000}'] * 4)
+    code, out, err = run_cli("generate", "--target", "tiny-random-llama", "--requests", path, "--concurrency", 4)
+    assert code == 2 and out == ""
+    assert "4 sequences of up to" in err and "GiB of KV cache" in err and one_error(err)
