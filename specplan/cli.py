@@ -655,6 +655,39 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
                f"stop: {result.stop_reason}; {output.backend} backend]", err=True)
 
 
+@cli.command()
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="a plan file; without one, plain autoregressive decoding of --target")
+@click.option("--target", help="override the plan's target model")
+@click.option("--draft", help="override the plan's draft model")
+@click.option("--dtype", type=click.Choice(DTYPES), help="default: the plan's, else fp32")
+@click.option("--draft-dtype", type=click.Choice(DTYPES), help="default: --dtype")
+@click.option("--verify", type=click.Choice(VERIFICATION_RULES),
+              help="verification rule (default: greedy at T = 0, else Sequoia's)")
+@click.option("--device", type=click.Choice(DEVICES), help="default: cuda when available")
+@_backend_option(None)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
+              help="the most requests decoded together (continuous batching)")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="requests waiting beyond --concurrency before new ones get HTTP 503")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="for requests that do not set max_tokens")
+def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
+          verify: str | None, device: str | None, backend: str | None, host: str, port: int, concurrency: int,
+          max_queue: int, max_new_tokens: int) -> None:
+    """An OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions) over continuous batching."""
+    from specplan.decoder.api import load_decoder
+    from specplan.serve import serve_forever
+
+    decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
+                           backend=backend)
+    decoder.check_memory(concurrency, decoder.target_forward.shape.max_context)
+    name = target or (decoder.plan.models.target if decoder.plan else "model")
+    serve_forever(decoder, name, concurrency, max_queue, max_new_tokens, host, port, _progress)
+
+
 def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens: int, temperature: float | None,
                        top_p: float | None, top_k: int, seed: int, chat: bool, as_json: bool) -> int:
     """Decode a requests file's requests with continuous batching; print each (in input order) and a summary.

@@ -1,0 +1,89 @@
+"""plan serve: the openai client against our endpoint, greedy output equal to plan generate's, a malformed request
+refused alone, a client that leaves mid-stream freeing its sequence."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from urllib.parse import urlparse
+
+import pytest
+
+from specplan.decoder.api import load_decoder
+from specplan.serve import start_in_background
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def server():
+    decoder = load_decoder(None, target="tiny-random-llama", device="cpu")
+    running = start_in_background(decoder, "tiny-random-llama", concurrency=2, max_queue=4, max_new_tokens=16)
+    yield decoder, running
+    running.close()
+
+
+def client(running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_a_streamed_chat_completion_equals_plan_generate(server):
+    decoder, running = server
+    stream = client(running).chat.completions.create(
+        model="tiny-random-llama", messages=[{"role": "user", "content": "tell me a story"}], max_tokens=12,
+        temperature=0, stream=True)
+    pieces, finish = [], None
+    for chunk in stream:
+        pieces.append(chunk.choices[0].delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+    expected = decoder.generate("tell me a story", 12, chat=True)
+    assert "".join(pieces) == expected.text and finish == expected.result.stop_reason
+    assert len([p for p in pieces if p]) > 1  # it streamed, token by token
+
+
+def test_a_completion_streamed_and_whole_equals_plan_generate(server):
+    decoder, running = server
+    expected = decoder.generate("once upon a time", 10, chat=False)
+    whole = client(running).completions.create(model="m", prompt="once upon a time", max_tokens=10, temperature=0)
+    assert whole.choices[0].text == expected.text and whole.usage.completion_tokens == 10
+    streamed = client(running).completions.create(model="m", prompt="once upon a time", max_tokens=10,
+                                                  temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected.text
+
+
+@pytest.mark.parametrize("body, reason", [
+    ({"prompt": ""}, '"prompt" must be a non-empty string'),
+    ({"prompt": "hi", "temperature": -1}, "temperature must be in"),
+    ({"prompt": "hi", "max_tokens": 5000}, "exceeds the model's context of 4096"),
+    ({"prompt": "hi", "n": 3}, "n must be"),
+])
+def test_a_malformed_request_gets_400_and_the_server_keeps_serving(server, body, reason):
+    _, running = server
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(running).completions.create(model="m", **body)
+    assert reason in raised.value.body["message"]
+    url = urlparse(running.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    connection.request("POST", "/v1/chat/completions", body=b"{not json", headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 400 and json.loads(response.read())["error"]["message"] == "the body is not JSON"
+    assert client(running).completions.create(model="m", prompt="still there?", max_tokens=3).usage.completion_tokens
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
+    _, running = server
+    url = urlparse(running.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    body = json.dumps({"prompt": "a long one", "max_tokens": 3000, "temperature": 0, "stream": True})
+    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    response.fp.readline()  # the first event
+    connection.close()
+    scheduler = running.engine.scheduler
+    deadline = time.monotonic() + 30
+    while (scheduler.running or running.engine.tickets) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not scheduler.running and not running.engine.tickets
+    assert client(running).completions.create(model="m", prompt="next", max_tokens=2).usage.completion_tokens == 2
