@@ -17,6 +17,10 @@ forward for a draft tree of n nodes (at the context `target.engine_overhead_cont
 window, seconds}`: a StreamingLLM drafter's prefill of its window, paid once per prompt. `draft.prefill_seconds:
 {L: seconds}` (`plan profile --engine llama.cpp`): the draft's prefill of a prompt of L tokens, which a draft-model
 engine pays once per prompt before its first draft.
+
+Profiled with `--batches`, a context's entry also gives `batches: {B: {t_seconds: {n: seconds}}}` (the target's
+step of B sequences of n new tokens each, every sequence over its own cache of L tokens: t(B, n)) and the draft's
+`batches: {B: {step_seconds: seconds}}` (its one-token step of B sequences). A profile without them is B = 1.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class LatencyProfile:
     window_prefills: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # {role: (sinks, window, s)}
     draft_prefills: dict[int, float] = field(default_factory=dict)  # {prompt tokens: the draft's prefill seconds}
     overhead_context: int | None = None  # the context engine_overhead_seconds was timed at
+    target_batches: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # {L: {B: {n: s}}}
+    draft_batches: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {B: one-token step s}}
     models: dict[str, str] = field(default_factory=dict)  # {role: model name}
     backend: str = "lean"  # the forward timed (profiles from before the transformers backend timed the lean one)
     dtype: str | None = None
@@ -97,6 +103,7 @@ class LatencyProfile:
             raise target.fail("'t_seconds' must include n = 1 (speedups are relative to t(1))")
         by_context: dict[int, dict[int, float]] = {}
         builds: dict[int, dict[int, float]] = {}
+        target_batches: dict[int, dict[int, dict[int, float]]] = {}
         if target.has("contexts"):
             for context, entry in target.by_token_count("contexts").items():
                 by_context[context] = entry.int_keyed_numbers("t_seconds", seconds=True, max_key=MAX_FORWARD_TOKENS)
@@ -104,12 +111,20 @@ class LatencyProfile:
                     raise entry.fail("'t_seconds' must include n = 1 (speedups are relative to t(1))")
                 if entry.has("retrieval_build_seconds"):
                     builds[context] = entry.int_keyed_numbers("retrieval_build_seconds", seconds=True)
+                if entry.has("batches"):
+                    target_batches[context] = {
+                        B: batch.int_keyed_numbers("t_seconds", seconds=True, max_key=MAX_FORWARD_TOKENS)
+                        for B, batch in entry.by_token_count("batches").items()}
         draft = f.sub("draft", required=False)
         draft_step = draft.seconds("step_seconds", required=False) if draft else None
         draft_by_context: dict[int, float] = {}
+        draft_batches: dict[int, dict[int, float]] = {}
         if draft is not None and draft.has("contexts"):
-            draft_by_context = {context: entry.seconds("step_seconds")
-                                for context, entry in draft.by_token_count("contexts").items()}
+            for context, entry in draft.by_token_count("contexts").items():
+                draft_by_context[context] = entry.seconds("step_seconds")
+                if entry.has("batches"):
+                    draft_batches[context] = {B: batch.seconds("step_seconds")
+                                              for B, batch in entry.by_token_count("batches").items()}
         window_prefills = {}
         for role, section in (("target", target), ("draft", draft)):
             if section is not None and section.has("window_prefill"):
@@ -135,6 +150,8 @@ class LatencyProfile:
             draft_prefills=draft.int_keyed_numbers("prefill_seconds", seconds=True)
             if draft is not None and draft.has("prefill_seconds") else {},
             overhead_context=target.token_count("engine_overhead_context", required=False),
+            target_batches=target_batches,
+            draft_batches=draft_batches,
             models=_names(f.sub("models", required=False)),
             backend=f.string("backend", required=False, default="lean", choices=TIMED_FORWARDS),
             dtype=f.string("dtype", required=False, choices=PROFILE_DTYPES),
@@ -168,6 +185,54 @@ class LatencyProfile:
     def _curves(self) -> dict[int, LatencyCurve]:
         by_context = self.target_by_context or {self.target_context or 0: self.target_t_seconds}
         return {L: LatencyCurve(points) for L, points in by_context.items()}
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes B the target's step was profiled at (1: every profile)."""
+        return sorted({1} | {B for batches in self.target_batches.values() for B in batches})
+
+    def batch_latency(self, batch: int, n: int, contexts: float | list[float]) -> float:
+        """t(B, n): one step of `batch` sequences of n new tokens each. `contexts`: every sequence's context (a
+        step of sequences at different contexts costs the projections of all its rows plus each sequence's
+        attention over its own keys: linear in each context, so priced at their mean), or one for all. Linear in
+        B between profiled batch sizes and in the context between profiled contexts (clamped); PCHIP in n."""
+        context = float(np.mean(contexts))
+        if batch == 1:
+            return float(self.latency(n, context))
+        if not self.target_batches:
+            raise UserError("the profile has no batched steps (profile with --batches)")
+        largest = max(B for batches in self.target_batches.values() for B in batches)
+        if not 1 <= batch <= largest:
+            raise UserError(f"the profile's batched steps reach B = {largest}, not {batch}")
+        at_context = {L: self._batch_at(L, batch, n) for L in self.target_batches}
+        return _linear(at_context, context)
+
+    def _batch_at(self, context: int, batch: int, n: int) -> float:
+        curves = {1: LatencyCurve(self.target_by_context.get(context) or self.target_t_seconds)}
+        curves.update({B: LatencyCurve(points) for B, points in self.target_batches[context].items()
+                       if n <= max(points)})
+        sizes = sorted(curves)
+        if batch > sizes[-1]:
+            raise UserError(f"the profile's batched steps at context {context} reach B = {sizes[-1]} for n = {n}")
+        upper = next(B for B in sizes if B >= batch)
+        lower = max(B for B in sizes if B <= batch)
+        if upper == lower:
+            return float(curves[upper](n))
+        weight = (batch - lower) / (upper - lower)
+        return float((1 - weight) * curves[lower](n) + weight * curves[upper](n))
+
+    def draft_batch_step(self, batch: int, context: float | None = None) -> float | None:
+        """The draft's one-token step of `batch` sequences (linear in B and the context; None unless profiled)."""
+        if batch == 1:
+            return self.draft_step(context)
+        if not self.draft_batches:
+            return None
+        at_context = {}
+        for L, steps in self.draft_batches.items():
+            points = {1: self.draft_step(L), **steps}
+            if batch <= max(points):
+                at_context[L] = _linear(points, batch)
+        return _linear(at_context, context if context is not None else min(at_context)) if at_context else None
 
     def retrieval_build(self, context: float, budget: int) -> float | None:
         """Seconds per retrieval-cache build keeping `budget` of `context` tokens: linear in the budget at each

@@ -39,7 +39,7 @@ from specplan.core.validate import FORMAT_VERSION
 from specplan.decoder.api import Forward, load_forward
 from specplan.decoder.drafters import Drafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.model import KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
+from specplan.decoder.model import ForwardItem, KVCache, LeanModel, ModelShape, causal_mask, draft_vocabulary_ids
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.transformers_forward import TransformersCache
 from specplan.decoder.tree import DraftTree
@@ -54,6 +54,9 @@ DEFAULT_CONTEXTS = (128, 1024, 4096)
 RETRIEVAL_BUDGETS = (256, 512, 1024, 2048, 4096)
 RETRIEVAL_CHUNK = 16  # a build's cost barely depends on the chunk size: it reads every key either way
 OVERHEAD_STEPS = 4  # decoding steps per timed run for the engine's overhead (3 runs per tree size)
+# A batched step's rows (B sequences of n new tokens each) timed on a CPU at most: beyond them a step is prefill-sized
+# and no batch of trees is planned there.
+MAX_BATCH_ROWS = 256
 
 
 @dataclass
@@ -74,6 +77,7 @@ class ProfileRequest:
     calibrate: list[str] = field(default_factory=list)  # measured profiles of `gpu` to fit its cost model to
     calibration_prior_weight: float = CALIBRATION_PRIOR_WEIGHT  # their fit's pull towards the catalogue
     backend: str = "auto"  # the forward to time (decoder/api.py: choose_backend)
+    batches: list[int] = field(default_factory=lambda: [1])  # B: steps of B sequences at once, t(B, n)
 
     def roles(self) -> list[tuple[str, str, str]]:
         """(role, model, dtype) for each model to profile."""
@@ -99,6 +103,8 @@ def run_profile(request: ProfileRequest, output: Path, resume: bool = False,
         raise UserError("the sizes n must be positive and include 1")
     if not request.contexts or min(request.contexts) < 1:
         raise UserError("the context lengths must be positive")
+    if not request.batches or min(request.batches) < 1:
+        raise UserError("the batch sizes B must be positive")
     torch.set_num_threads(request.threads)
     local_gpu = _local_gpu_name()
     if request.gpu is None or (request.gpu != "cpu" and request.gpu == local_gpu):
@@ -181,6 +187,11 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     calls: dict[str, Callable[[], float]] = {}
     for L in request.contexts:
         calls.update(_calls_at(forwards, L, request.sizes, _budgets_below(request.budgets, L) if retrieval else []))
+    batches = [B for B in request.batches if B > 1]
+    if batches and not all(hasattr(model, "forward_many") for model in forwards.values()):
+        raise UserError(f"batched steps run on the lean backend; this target runs on the {backend} backend")
+    for L in request.contexts:
+        calls.update(_batch_calls_at(forwards, L, request.sizes, batches))
     streaming_role = "draft" if "draft" in forwards else "target"
     if request.window_prefill:
         calls[WINDOW_PREFILL] = _window_prefill_call(forwards[streaming_role], *request.window_prefill)
@@ -205,9 +216,17 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     window_prefill = samples.pop(WINDOW_PREFILL, None)
     draft_prefills = {int(name.split("|")[1]): float(np.median(samples.pop(name)))
                       for name in list(samples) if name.startswith(DRAFT_PREFILL)}
+    batch_samples = {name: samples.pop(name) for name in list(samples) if name.startswith(BATCH)}
     curves, builds = _summaries(samples)
     document = profile_document(request, "measured", machine, models, curves)
     document["backend"] = backend
+    for name, timed in sorted(batch_samples.items()):  # "batch|role|L|B|n"
+        _, role, L, B, n = name.split("|")
+        entry = document[role]["contexts"][int(L)].setdefault("batches", {}).setdefault(int(B), {})
+        if role == "draft":
+            entry["step_seconds"] = float(np.median(timed))
+        else:
+            entry.setdefault("t_seconds", {})[int(n)] = float(np.median(timed))
     if draft_prefills:
         document["draft"]["prefill_seconds"] = draft_prefills
     if window_prefill:
@@ -454,6 +473,48 @@ def _calls_at(models: dict[str, Forward], context: int, sizes: list[int], budget
     return calls
 
 
+BATCH = "batch"  # the calls ("batch|role|L|B|n") timing a step of B sequences of n new tokens each at context L
+
+
+@torch.inference_mode()
+def _batch_calls_at(models: dict[str, Forward], context: int, sizes: list[int], batches: list[int]
+                    ) -> dict[str, Callable[[], float]]:
+    """A timed call per batched step of B sequences, each over its own cache of `context` tokens, of n new tokens
+    each (the target for every n in `sizes` with B x n <= MAX_BATCH_ROWS; a draft's one-token step)."""
+    calls = {}
+    for role, model in models.items():
+        if not batches:
+            break
+        caches = [random_cache(model, context, max(sizes)) for _ in range(max(batches))]
+        for B in batches:
+            for n in sizes if role == "target" else [1]:
+                if B * n > MAX_BATCH_ROWS:
+                    continue
+                mask = causal_mask(context, n, model.dtype, model.device) if n > 1 else None
+                items = [ForwardItem(torch.randint(0, model.shape.vocab, (n,), device=model.device),
+                                     torch.arange(context, context + n, device=model.device), cache, mask)
+                         for cache in caches[:B]]
+                calls[f"{BATCH}|{role}|{context}|{B}|{n}"] = _timed_batch_call(model, items)
+    return calls
+
+
+def _timed_batch_call(model: LeanModel, items: list[ForwardItem]) -> Callable[[], float]:
+    def call() -> float:
+        model.forward_many(items)
+        _synchronize(model.device)
+        start = time.perf_counter()
+        model.forward_many(items)
+        _synchronize(model.device)
+        return time.perf_counter() - start
+
+    return call
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def random_cache(model: Forward, length: int, room: int) -> KVCache | TransformersCache:
     """A cache of `length` entries with `room` free slots after them: what a timed forward reads. The lean
     cache is filled with random values; transformers' cache, whose layout is the model's own, by a prefill of
@@ -590,6 +651,22 @@ def _model_gpu(request: ProfileRequest, log) -> dict:
     machine = {"gpu": gpu.name, "memory_gb": gpu.memory_gb, "bandwidth_gb_s": gpu.bandwidth_gb_s,
                "tflops": gpu.tflops[request.dtype], "sms": gpu.sms, "source": gpu.source, "dtype": request.dtype}
     document = profile_document(request, "modeled", machine, specs, curves)
+    for role, spec in specs.items():  # t(B, n): B x n GEMM rows, each sequence's own KV cache
+        shape = ModelShape.from_config(spec.config)
+        cost = roofline.gpu_model_cost(shape, spec.config.intermediate_size, spec.dtype,
+                                       gpu_operators(spec.config, spec.dtype))
+        for L in request.contexts:
+            for B in (B for B in request.batches if B > 1):
+                entry = {"fits_memory": roofline.fits(gpu, spec.fingerprint["parameters"], cost.kv_bytes_per_token,
+                                                      roofline.BYTES_PER_ELEMENT[spec.dtype],
+                                                      B * (L + max(request.sizes)))}
+                times = {n: roofline.gpu_forward_seconds(cost, gpu, parameters, n, L, mode, batch=B)
+                         for n in (request.sizes if role == "target" else [1])}
+                if role == "draft":
+                    entry["step_seconds"] = times[1]
+                else:
+                    entry["t_seconds"] = times
+                document[role]["contexts"][L].setdefault("batches", {})[B] = entry
     document["target"]["engine_overhead_seconds"] = (calibration.engine_overhead if calibration and
                                                      calibration.engine_overhead else roofline.DEFAULT_ENGINE_OVERHEAD)
     document["target"]["engine_overhead_context"] = min(request.contexts)

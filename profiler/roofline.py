@@ -285,31 +285,34 @@ def gpu_model_cost(shape: ModelShape, intermediate: int, dtype: str, operators: 
 
 
 def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, n: int, context: int,
-                        mode: str = "graphs") -> float:
-    """t(n) at `context` cached tokens (the module docstring's formula)."""
+                        mode: str = "graphs", batch: int = 1) -> float:
+    """t(n) at `context` cached tokens (the module docstring's formula); with `batch` > 1, t(B, n): a step of B
+    sequences of n new tokens each, every sequence over its own `context` cached tokens. The weights are read once
+    for the step, the GEMMs compute B x n rows, and attention reads and scores each sequence's own keys."""
     if cost.dtype not in gpu.tflops:
         raise UserError(f"{gpu.name} has no {cost.dtype} support")
     kind = dtype_class(cost.dtype)
     bandwidth = gpu.bandwidth_gb_s * 1e9 * p.bandwidth_efficiency
-    peak = gpu.tflops[cost.dtype] * 1e12 * p.gemm_efficiency(kind, n)
+    peak = gpu.tflops[cost.dtype] * 1e12 * p.gemm_efficiency(kind, batch * n)
     kernels = cost.kernels(n, context, mode)
     gemm_kernels = sum(count for count, _, _ in cost.gemms)
-    kernel_floor = p.op_seconds + p.op_row_seconds * n
+    rows_in_step = batch * n
+    kernel_floor = p.op_seconds + p.op_row_seconds * rows_in_step
     seconds = (kernels - gemm_kernels) * kernel_floor
     element = BYTES_PER_ELEMENT[cost.dtype]
-    rows = gemm_rows(n)
+    rows = gemm_rows(rows_in_step)
     row_tiles = max(1.0, rows / TILE_ROWS)
-    gemm_floor = p.gemm_floor(kind, n)
+    gemm_floor = p.gemm_floor(kind, rows_in_step)
     for count, k, m in cost.gemms:
         splits = max(1.0, k / getattr(p, f"gemm_split_depth_{kind}"))
         occupancy = min(1.0, row_tiles * math.ceil(m / TILE_COLUMNS) * splits / gpu.sms)
         stream = k * m * element / bandwidth
-        if n == 1:  # a GEMV: 2 FLOPs per weight read, never compute-bound
+        if rows_in_step == 1:  # a GEMV: 2 FLOPs per weight read, never compute-bound
             seconds += count * max(kernel_floor, stream)
         else:
             seconds += count * (gemm_floor + max(stream, 2.0 * rows * k * m / (peak * occupancy)))
-    attention_flops = 4.0 * cost.attention_width * n * (context + n)
-    seconds += cost.kv_bytes_per_token * (context + n) / bandwidth
+    attention_flops = 4.0 * cost.attention_width * n * (context + n) * batch
+    seconds += cost.kv_bytes_per_token * (context + n) * batch / bandwidth
     if n == 1:  # fp32 SDPA runs its math path; bf16/fp16 a flash kernel, bound by the KV bytes
         seconds += attention_flops / p.attention_flops_fp32 if kind == "fp32" else 0.0
     else:
@@ -319,7 +322,7 @@ def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, 
         if path == "masked":
             key_seconds += cost.head_dim * getattr(p, f"attention_key_dim_seconds_masked_{kind}")
         score_seconds = getattr(p, f"attention_score_seconds_{path}_{kind}")
-        seconds += cost.layers * (context + n) * (key_seconds + cost.heads * n * score_seconds)
+        seconds += cost.layers * (context + n) * batch * (key_seconds + cost.heads * n * score_seconds)
     # Eagerly, the host enqueues each kernel while the GPU runs the earlier ones: the slower of the two sets the pace.
     return max(seconds, kernels * p.eager_op_seconds) if mode == "eager" else seconds
 
@@ -374,6 +377,11 @@ def accelerator(name: str) -> Accelerator:
     if key is None:
         raise UserError(f"unknown GPU {name!r} (known: {', '.join(CATALOGUE)}, or cpu)")
     return CATALOGUE[key]
+
+
+def fits(gpu: Accelerator, total_params: int, kv_bytes_per_token: int, element: int, max_tokens: int) -> bool:
+    """Whether the weights and a KV cache of `max_tokens` tokens (all sequences') fit the GPU's memory."""
+    return total_params * element + kv_bytes_per_token * max_tokens <= gpu.memory_gb * 1e9
 
 
 def check_fits(gpu: Accelerator, model_name: str, total_params: int, kv_bytes_per_token: int, element: int,

@@ -156,6 +156,8 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--draft-vocab", type=click.IntRange(min=1), help=DRAFT_VOCAB_HELP)
 @click.option("--contexts", help="context lengths L, comma-separated [128,1024,4096]")
 @click.option("--sizes", help="new-token counts n, comma-separated [1,2,4,...,512]")
+@click.option("--batches", help="batch sizes B: also time steps of B sequences of n new tokens each, t(B, n), "
+                                "with B x n up to 256 rows, comma-separated [1]")
 @click.option("--budgets", help="TriForce retrieval budgets to time a cache build at, where below the context "
                                 "[256,512,1024,2048,4096]")
 @click.option("--window-prefill", help="SINKS,WINDOW: also time a StreamingLLM drafter's prefill of its window "
@@ -174,7 +176,8 @@ def _int_list(text: str | None) -> list[int] | None:
                    "--draft the draft's step, for `plan solve lookahead|sequoia --engine llama.cpp`")
 @_output()
 def profile(target: str | None, model_old: str | None, draft: str | None, dtype: str, draft_dtype: str | None,
-            draft_vocab: int | None, contexts: str | None, sizes: str | None, budgets: str | None,
+            draft_vocab: int | None, contexts: str | None, sizes: str | None, batches: str | None,
+            budgets: str | None,
             window_prefill: str | None, gpu: str | None, calibrate: tuple[str, ...], threads: int | None,
             repeats: int | None, quick: bool, resume: bool, backend: str, engine: str, output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
@@ -188,6 +191,7 @@ def profile(target: str | None, model_old: str | None, draft: str | None, dtype:
         request.sizes, request.repeats, request.warmup = list(QUICK_SIZES), 3, 1
     request.contexts = _int_list(contexts) or request.contexts
     request.sizes = _int_list(sizes) or request.sizes
+    request.batches = _int_list(batches) or request.batches
     request.budgets = _int_list(budgets) if budgets is not None else request.budgets
     request.threads = threads or request.threads
     request.repeats = repeats or request.repeats

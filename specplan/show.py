@@ -107,9 +107,17 @@ def describe_profile(profile: LatencyProfile) -> str:
     if profile.overhead_seconds:
         lines.append(f"  engine overhead per step at L={profile.overhead_context or '?'}: " + ", ".join(
             f"n={n} {seconds * 1e3:.2f} ms" for n, seconds in profile.overhead_seconds.items()))
+    for L, batches in profile.target_batches.items():
+        lines.append(f"  batched steps at L={L}: aggregate tokens/s (B x n / t(B, n)) and t(B, n) in ms")
+        for B, points in batches.items():
+            lines.append(f"    B={B:<4}" + ", ".join(f"n={n} {B * n / seconds:.0f}/s {seconds * 1e3:.1f}"
+                                                    for n, seconds in points.items()))
     if profile.draft_step_seconds is not None or profile.draft_by_context:
         steps = profile.draft_by_context or {profile.target_context or "?": profile.draft_step_seconds}
         lines.append("draft: step in ms " + ", ".join(f"L={L} {seconds * 1e3:.2f}" for L, seconds in steps.items()))
+    for L, batches in profile.draft_batches.items():
+        lines.append(f"  batched draft steps at L={L} in ms: " + ", ".join(
+            f"B={B} {seconds * 1e3:.2f}" for B, seconds in batches.items()))
     for role, (sinks, window, seconds) in profile.window_prefills.items():
         lines.append(f"  {role}'s StreamingLLM window prefill ({sinks} sinks + {window} recent tokens): "
                      f"{seconds:.3f} s")

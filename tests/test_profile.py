@@ -385,3 +385,44 @@ def test_support_and_covering_are_the_points_an_interpolation_reads():
     assert covering(contexts, 1024, 1024) == [1024]
     assert covering(contexts, 4096, 4351) == [4096]  # clamped above the last context
     assert covering(contexts, 100, 300) == [256, 1024]
+
+
+def test_a_batched_profile_prices_steps_of_many_sequences(run_cli, tmp_path):
+    """--batches: t(B, n) per context for B x n up to 256 rows, and the draft's batched step; B = 1 is the plain
+    t(n); between profiled batch sizes linear in B; sequences at mixed contexts priced at their mean context."""
+    out = tmp_path / "batched.yaml"
+    code, stdout, stderr = run_cli("profile", "--target", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
+                                   *QUICK, "--batches", "1,2,4,64", "--budgets", "", "-o", out)
+    assert code == 0, stderr
+    profile = load_profile(out)
+    assert set(profile.target_batches) == {16, 64}
+    assert set(profile.target_batches[64]) == {2, 4, 64}
+    assert set(profile.target_batches[64][4]) == {1, 2, 4, 8} and set(profile.target_batches[64][64]) == {1, 2, 4}
+    assert profile.batch_sizes == [1, 2, 4, 64]
+    assert profile.batch_latency(1, 4, 64) == pytest.approx(profile.target_by_context[64][4])
+    assert profile.batch_latency(4, 2, 64) == pytest.approx(profile.target_batches[64][4][2])
+    assert profile.batch_latency(3, 2, 64) == pytest.approx(
+        (profile.target_batches[64][2][2] + profile.target_batches[64][4][2]) / 2)
+    assert profile.batch_latency(2, 1, [16, 64]) == pytest.approx(
+        (profile.target_batches[16][2][1] + profile.target_batches[64][2][1]) / 2)
+    assert 0 < profile.draft_batch_step(4, 64) == profile.draft_batches[64][4]
+    assert "batched steps at L=64" in stdout
+    with pytest.raises(UserError, match="reach B = 64, not 128"):
+        profile.batch_latency(128, 1, 64)
+    with pytest.raises(UserError, match="for n = 8"):
+        profile.batch_latency(64, 8, 64)  # 512 rows: not timed
+
+
+def test_a_modeled_gpu_prices_batched_steps_and_marks_the_batch_that_does_not_fit(run_cli, tmp_path):
+    """t(B, n) on a GPU not at hand: the weights read once per step, so a batch of 8 one-token steps costs far less
+    than 8 steps; at a long context the KV caches of a large batch exceed the GPU's memory and are marked."""
+    out = tmp_path / "modeled.yaml"
+    code, _, stderr = run_cli("profile", "--target", "qwen2.5-coder-1.5b", "--gpu", "a100-80g", "--dtype", "bf16",
+                              "--contexts", "512,32000", "--sizes", "1,4,16", "--batches", "1,8,128", "-o", out)
+    assert code == 0, stderr
+    profile = load_profile(out)
+    one = profile.batch_latency(1, 1, 512)
+    assert one < profile.batch_latency(8, 1, 512) < 2 * one
+    assert profile.batch_latency(128, 16, 512) > profile.batch_latency(8, 16, 512)
+    raw = yaml.safe_load(out.read_text())["target"]["contexts"]
+    assert raw[512]["batches"][128]["fits_memory"] and not raw[32000]["batches"][128]["fits_memory"]
