@@ -25,6 +25,7 @@ from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.tree import DraftTree
 
 
 @dataclass
@@ -103,7 +104,7 @@ class Scheduler:
         running = self.running
         if not running:
             return done
-        items = [entry.run.propose() for entry in running]
+        items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
         target = self.engine.target
         logits = target.forward_many(items) if len(items) > 1 else [target.forward(*items[0])]
         self.running = []
@@ -156,3 +157,20 @@ class Scheduler:
         run = entry.run
         first = None if run.first_token_at is None else run.first_token_at - entry.submitted
         return Completion(entry.id, run.result(), None, first)
+
+
+def _draft(running: list[_Running]) -> list[DraftTree]:
+    """Every running sequence's next tree: drafters that batch together (a Sequoia draft model's sequences) propose
+    in one call, the others one by one."""
+    trees: list[DraftTree | None] = [None] * len(running)
+    left = list(range(len(running)))
+    while left:
+        lead = running[left[0]].run.drafter
+        group = [i for i in left if i == left[0] or lead.batches_with(running[i].run.drafter)]
+        runs = [running[i].run for i in group]
+        drafted = type(lead).propose_many([r.drafter for r in runs], [r.root for r in runs], [r.params for r in runs],
+                                          [r.rule.draw for r in runs], [r.generator for r in runs])
+        for i, tree in zip(group, drafted):
+            trees[i] = tree
+        left = [i for i in left if i not in group]
+    return trees

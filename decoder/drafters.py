@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-from specplan.decoder.model import KVCache, LeanModel, causal_mask
+from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask
 from specplan.decoder.sampling import SamplingParams, probabilities
 from specplan.decoder.tree import (
     DETERMINISTIC,
@@ -48,6 +48,17 @@ class Drafter(ABC):
     def bind(self, target_cache: KVCache) -> None:
         """The engine's target cache after prefill (a drafter built on the target's own cache reads it)."""
 
+    def batches_with(self, other: Drafter) -> bool:
+        """Whether `propose_many` drafts this drafter's sequence and `other`'s together (one model's batched
+        forwards); by default each drafter proposes alone."""
+        return False
+
+    @staticmethod
+    def propose_many(drafters: list[Drafter], roots: list[int], params: list[SamplingParams], draws: list[str],
+                     generators: list[torch.Generator | None]) -> list[DraftTree]:
+        """The trees of several sequences, each from its own drafter (drafters that batch with each other)."""
+        return [d.propose(*args) for d, *args in zip(drafters, roots, params, draws, generators)]
+
     def target_tree_sizes(self) -> tuple[int, ...]:
         """The tree sizes the target verifies, whose CUDA graphs are captured with a new cache (before decoding
         starts) rather than on first use; () where that is not known ahead (captured on first use)."""
@@ -61,6 +72,10 @@ class Drafter(ABC):
     def rollback(self, count: int) -> None:
         """Forget the last `count` committed tokens."""
         raise NotImplementedError(f"{type(self).__name__} cannot be the bottom of a hierarchy")
+
+
+def _forward_all(model: LeanModel, items: list[ForwardItem]) -> list[torch.Tensor]:
+    return model.forward_many(items) if len(items) > 1 else [model.forward(*items[0])]
 
 
 class NoDrafter(Drafter):
@@ -139,38 +154,58 @@ class SequoiaDrafter(Drafter):
         if self.model.graphed is not None:  # the chain fed before the root (1 or 2 tokens), then each level
             self.model.graphed.capture(cache, {1, 2, *(len(level) for level in self.levels[1:])})
 
-    @torch.inference_mode()
     def propose(self, root, params, draw, generator):
-        model, cache = self.model, self.cache
-        tokens = [root] + [0] * (len(self.parents) - 1)
-        tree = DraftTree(tokens, self.parents, DETERMINISTIC if params.greedy else draw)
-        if len(self.parents) == 1:
-            return tree
-        chain = self.pending + [root]
-        base = cache.length
-        positions = torch.arange(base, base + len(chain))
-        mask = causal_mask(base, len(chain), model.dtype, model.device) if len(chain) > 1 else None
-        logits = model.forward(torch.tensor(chain), positions, cache, mask, logits_rows=slice(len(chain) - 1, None))
-        cache.commit(None, len(self.pending))
-        self.pending = []
-        base = cache.length  # the root now sits, uncommitted, in slot `base`
-        for depth, level in enumerate(self.levels):
+        return SequoiaDrafter.propose_many([self], [root], [params], [draw], [generator])[0]
+
+    def batches_with(self, other: Drafter) -> bool:
+        return isinstance(other, SequoiaDrafter) and other.model is self.model and other.parents == self.parents
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(drafters: list[SequoiaDrafter], roots: list[int], params: list[SamplingParams],
+                     draws: list[str], generators: list[torch.Generator | None]) -> list[DraftTree]:
+        """The trees of several sequences (drafters of one model and tree shape, each over its own cache), grown
+        together: one batched draft forward for the chains fed before the roots, then one per level."""
+        first_drafter = drafters[0]
+        model, parents = first_drafter.model, first_drafter.parents
+        trees = [DraftTree([root] + [0] * (len(parents) - 1), parents, DETERMINISTIC if p.greedy else draw)
+                 for root, p, draw in zip(roots, params, draws)]
+        if len(parents) == 1:
+            return trees
+        items = []
+        for drafter, root in zip(drafters, roots):
+            chain, base = drafter.pending + [root], drafter.cache.length
+            mask = causal_mask(base, len(chain), model.dtype, model.device) if len(chain) > 1 else None
+            items.append(ForwardItem(torch.tensor(chain), torch.arange(base, base + len(chain)), drafter.cache, mask,
+                                     slice(len(chain) - 1, None)))
+        logits = _forward_all(model, items)
+        bases = []
+        for drafter in drafters:
+            drafter.cache.commit(None, len(drafter.pending))
+            drafter.pending = []
+            bases.append(drafter.cache.length)  # the root now sits, uncommitted, in slot `base`
+        for depth, level in enumerate(first_drafter.levels):
             if depth > 0:
-                first = self.slot[level[0]]
+                first = first_drafter.slot[level[0]]
                 rows = torch.arange(first, first + len(level))
-                cache.length = base + first  # the level's keys go to slots base + first ...
-                mask = tree_attention_mask(self.allowed[:, :first + len(level)], base, model.dtype, rows)
-                level_tokens = torch.tensor([tokens[v] for v in level])
-                logits = model.forward(level_tokens, torch.full((len(level),), base + depth), cache, mask)
-                cache.length = base
-            counts = [self.child_counts[v] for v in level]
-            picks, probs = choose_children(logits.float(), counts, params, tree.draw, generator)
-            for row, v in enumerate(level):
-                for child, token in zip(tree.children[v], picks[row]):
-                    tokens[child] = token
-                if probs is not None:
-                    tree.draft_probs[v] = probs[row]
-        return tree
+                items = []
+                for drafter, tree, base in zip(drafters, trees, bases):
+                    drafter.cache.length = base + first  # the level's keys go to slots base + first ...
+                    mask = tree_attention_mask(drafter.allowed[:, :first + len(level)], base, model.dtype, rows)
+                    items.append(ForwardItem(torch.tensor([tree.tokens[v] for v in level]),
+                                             torch.full((len(level),), base + depth), drafter.cache, mask))
+                logits = _forward_all(model, items)
+                for drafter, base in zip(drafters, bases):
+                    drafter.cache.length = base
+            counts = [first_drafter.child_counts[v] for v in level]
+            for tree, scored, p, generator in zip(trees, logits, params, generators):
+                picks, probs = choose_children(scored.float(), counts, p, tree.draw, generator)
+                for row, v in enumerate(level):
+                    for child, token in zip(tree.children[v], picks[row]):
+                        tree.tokens[child] = token
+                    if probs is not None:
+                        tree.draft_probs[v] = probs[row]
+        return trees
 
     def update(self, tree, accepted, next_token):
         kept = [v for v in accepted if v in self.slot]

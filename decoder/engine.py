@@ -88,8 +88,9 @@ class SequenceRun:
         self.drafter.bind(self.cache)
         self.root = prompt[-1]
 
-    def propose(self) -> ForwardItem:
-        tree = self.tree = self.drafter.propose(self.root, self.params, self.rule.draw, self.generator)
+    def propose(self, tree: DraftTree | None = None) -> ForwardItem:
+        """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
+        tree = self.tree = tree or self.drafter.propose(self.root, self.params, self.rule.draw, self.generator)
         prefix = self.cache.length
         positions = prefix + torch.tensor(tree.depths)
         mask = self.masks.mask(tree.parents, prefix, self.target.dtype) if tree.size > 1 else None
