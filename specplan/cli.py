@@ -20,6 +20,7 @@ from specplan.core.choices import (
     ENGINES,
     LOOKUP_ENGINES,
     PROFILE_DTYPES,
+    SERVING_BASELINES,
     VERIFICATION_RULES,
 )
 from specplan.core.errors import UserError
@@ -765,9 +766,13 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @click.option("--prompts", type=click.IntRange(min=1),
               default=8, show_default=True, help="prompts, spread across categories")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--baselines", default="hf,hf-assisted,ours-ar", show_default=True,
-              help=f"comma-separated, of {', '.join(BASELINES)} (two-level, streaming: TriForce plans; llama.cpp: "
-                   "the llamacpp extra)")
+@click.option("--baselines", help=f"comma-separated, of {', '.join(BASELINES)} (two-level, streaming: TriForce "
+                                  "plans; llama.cpp: the llamacpp extra) [hf,hf-assisted,ours-ar]; with --concurrency, "
+                                  f"of {', '.join(SERVING_BASELINES)} [ours-ar,llama-server]")
+@click.option("--concurrency", "levels",
+              help="the serving benchmark: closed-loop clients at each of these concurrencies (e.g. 1,2,4,8,16), "
+                   "every system a server driven over HTTP; results appended to -o (JSON lines) as they finish, a "
+                   "rerun skips those done")
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(DTYPES))
@@ -784,7 +789,8 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
                    "the prediction re-priced with them (TriForce, Sequoia and Lookahead plans)")
 @_backend_option(None)
 @_output(help="report.json (a .md table and a .png plot are written beside it)")
-def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str, target: str | None,
+def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
+          levels: str | None, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
           reprice: bool, backend: str | None, output: Path) -> None:
@@ -794,6 +800,11 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
     from specplan.decoder.api import load_decoder
     from specplan.decoder.sampling import SamplingParams
 
+    if levels is not None:
+        _serving_bench(plan_path, dataset, prompts, max_new_tokens, baselines, _int_list(levels), target, draft, dtype,
+                       chat, output)
+        return
+    baselines = baselines if baselines is not None else "hf,hf-assisted,ours-ar"
     lookup_plan = load_plan(plan_path) if plan_path is not None else None
     if lookup_plan is not None and lookup_plan.method != "prompt-lookup":
         lookup_plan = None
@@ -818,6 +829,62 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
     report = run_bench(decoder, request, output, log=_progress)
     click.echo(markdown_table(report))
     click.echo(f"wrote {output} (+ .md, .png)")
+
+
+def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
+                   levels: list[int], target: str | None, draft: str | None, dtype: str | None, chat: bool,
+                   output: Path) -> None:
+    """plan bench --concurrency: our server and llama.cpp's, closed loop, at each concurrency (specplan/serving.py)."""
+    import os
+
+    import torch
+
+    from specplan.core.models import cache_dir, load_model
+    from specplan.core.plan_schema import load_plan
+    from specplan.core.prompts import encode_prompt
+    from specplan.profiler import hardware
+    from specplan.profiler.datasets import read_dataset, spread_sample
+    from specplan.serving import System, llama_quantize, llama_server_command, plan_serve_command, run_serving_bench
+
+    if not levels or min(levels) < 1:
+        raise UserError("--concurrency takes positive integers, e.g. 1,2,4,8,16")
+    names = [b for b in (baselines or "ours-ar,llama-server").split(",") if b] + (["ours"] if plan_path else [])
+    unknown = [b for b in names if b not in SERVING_BASELINES]
+    if unknown:
+        raise UserError(f"unknown serving baseline {unknown[0]!r} (choose from {', '.join(SERVING_BASELINES)})")
+    plan = load_plan(plan_path) if plan_path is not None else None
+    target = target or (plan.models.target if plan else None)
+    if target is None:
+        raise UserError("name a --target (or give a --plan)")
+    dtype = dtype or (plan.models.dtype if plan else None) or "fp32"
+    loaded = load_model(target, dtype, log=_progress)
+    texts = [p.text for p in spread_sample(read_dataset(dataset), prompts)]
+    encoded = [encode_prompt(loaded.tokenizer, text, chat) for text in texts]
+    threads = os.cpu_count() or 1
+    systems = []
+    for name in dict.fromkeys(names):
+        if name == "ours-ar":
+            systems.append(System(name, plan_serve_command(["--target", target, "--dtype", dtype])))
+        elif name == "ours":
+            systems.append(System(name, plan_serve_command(["--plan", str(plan_path)])))
+        else:
+            source = loaded.gguf_file()
+            if source is None:
+                raise UserError(f"{target}: llama-server runs a GGUF file; this model has none")
+            gguf = source if dtype == "gguf" else llama_quantize(
+                source, cache_dir() / "llamacpp" / f"{source.stem}.{dtype.upper()}.gguf", dtype.upper())
+            extra = {"llama-server": [], "llama-server-ngram-simple": ["--spec-type", "ngram-simple"],
+                     "llama-server-ngram-map-k": ["--spec-type", "ngram-map-k"]}.get(name)
+            if name == "llama-server-draft":
+                if not draft:
+                    raise UserError("llama-server-draft needs a --draft model (its GGUF)")
+                draft_gguf = load_model(draft, "gguf", log=_progress).gguf_file()
+                extra = ["--model-draft", str(draft_gguf), "-td", str(threads)]
+            systems.append(System(name, llama_server_command(gguf, threads, extra)))
+    machine = hardware.fingerprint(torch.device("cpu"), dtype, threads).get("cpu", "cpu")
+    run_serving_bench(systems, encoded, levels, max_new_tokens, 2, output, lambda text: len(
+        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), str(machine), _progress)
+    click.echo(f"wrote {output}")
 
 
 MAX_ERROR_CHARS = 400  # an error is one readable line, whatever the user's file held

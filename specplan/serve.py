@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -128,7 +128,7 @@ class Parsed:
     seed: int | None
     stream: bool
     chat: bool
-    extra: dict[str, Any] = field(default_factory=dict)
+    usage: bool = False  # a streamed response ends with a chunk of token counts (stream_options.include_usage)
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float) -> Any:
@@ -184,11 +184,15 @@ class Server:
             text = body.get("prompt")
             if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
                 text = text[0]
-            if not isinstance(text, str) or not text:
-                raise UserError('"prompt" must be a non-empty string')
-            if len(text) > MAX_PROMPT_CHARS:
+            vocab = self.decoder.target_forward.shape.vocab
+            if isinstance(text, list) and text and all(type(t) is int and 0 <= t < vocab for t in text):
+                prompt = list(text)  # token ids, as OpenAI's API allows
+            elif not isinstance(text, str) or not text:
+                raise UserError(f'"prompt" must be a non-empty string or a list of token ids below {vocab}')
+            elif len(text) > MAX_PROMPT_CHARS:
                 raise UserError("the prompt is too long")
-            prompt = self.decoder.encode(text, chat=False)
+            else:
+                prompt = self.decoder.encode(text, chat=False)
         if _number(body, "n", int, 1, 1) not in (None, 1):
             raise UserError("n must be 1")
         defaults = self.decoder.default_params()
@@ -203,7 +207,11 @@ class Server:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise UserError("stream must be true or false")
-        return Parsed(prompt, max_new, params, _number(body, "seed", int, 0, 2**63 - 1), stream, chat)
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise UserError("stream_options must be an object")
+        return Parsed(prompt, max_new, params, _number(body, "seed", int, 0, 2**63 - 1), stream, chat,
+                      usage=options.get("include_usage") is True)
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         tokenizer = self.decoder.tokenizer
@@ -309,6 +317,12 @@ class Server:
                     return response
                 text = self.decoder.tokenizer.decode(tokens, skip_special_tokens=True)
                 await response.write(chunk(text[len(sent):], completion.result.stop_reason))
+                if parsed.usage:
+                    usage = {"prompt_tokens": len(parsed.prompt), "completion_tokens": len(tokens),
+                             "total_tokens": len(parsed.prompt) + len(tokens)}
+                    data = {"id": chunk_id, "object": kind, "created": created, "model": self.model_name,
+                            "choices": [], "usage": usage}
+                    await response.write(f"data: {json.dumps(data)}\n\n".encode())
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response

@@ -87,3 +87,20 @@ def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
         time.sleep(0.05)
     assert not scheduler.running and not running.engine.tickets
     assert client(running).completions.create(model="m", prompt="next", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_serving_benchmark_writes_each_level_as_it_finishes_and_resumes(run_cli, tmp_path):
+    """plan bench --concurrency: `plan serve` started as its own process per level, closed-loop clients over HTTP;
+    a rerun skips the levels already in the results file."""
+    out = tmp_path / "serving.jsonl"
+    args = ("bench", "--concurrency", "1,3", "--target", "tiny-random-llama", "--dataset", "specbench",
+            "--baselines", "ours-ar", "--max-new-tokens", 8, "--prompts", 6, "-o", out)
+    code, _, err = run_cli(*args)
+    assert code == 0, err
+    levels = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["system"], r["concurrency"], r["requests"]) for r in levels] == [("ours-ar", 1, 2), ("ours-ar", 3, 6)]
+    assert all(r["failed"] == 0 and r["output_tokens"] == 8 * r["requests"] and r["tokens_per_second"] > 0
+               for r in levels)
+    assert levels[1]["ttft_p50"] > 0 and levels[1]["tpot_p95"] >= levels[1]["tpot_p50"]
+    code, _, err = run_cli(*args)
+    assert code == 0 and "done before, skipped" in err and len(out.read_text().splitlines()) == 2

