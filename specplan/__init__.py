@@ -24,6 +24,8 @@ _PUBLIC = {
     "Decoder": "specplan.decoder.api",
     "GenerationOutput": "specplan.decoder.api",
     "SamplingParams": "specplan.decoder.sampling",
+    "Request": "specplan.decoder.batching",
+    "Completion": "specplan.decoder.batching",
     "load_plan": "specplan.core.plan_schema",
     "UserError": "specplan.core.errors",
 }
