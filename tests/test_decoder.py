@@ -26,6 +26,7 @@ from toy import (
     hf_greedy,
     one_error,
     sample_first_two,
+    sample_first_two_batched,
     toy_model,
 )
 
@@ -133,7 +134,8 @@ def test_context_overflow_is_a_user_error(tiny_pair):
 ])
 @pytest.mark.slow
 def test_sampled_output_is_distributed_as_the_target(rule, temperature, top_p, draft_vocab, toy_pair):
-    """draft_vocab: the draft never proposes id 4, the target's likeliest: it comes from the residuals."""
+    """draft_vocab: the draft never proposes id 4, the target's likeliest: it comes from the residuals. SpecInfer
+    and the limited vocabulary draw their samples four at a time through the batching scheduler."""
     target_hf, target, draft = toy_pair
     if draft_vocab is not None:
         _, draft = toy_model(10, noise=0.6)
@@ -142,7 +144,11 @@ def test_sampled_output_is_distributed_as_the_target(rule, temperature, top_p, d
     prompt = [1, 4, 2]
     parents = [-1, 0, 0, 1, 1, 2, 3]  # depth 3, width 2
     engine = SpeculativeEngine(target, SequoiaDrafter(draft, parents), rule=rule)
-    counts, accepted = sample_first_two(lambda: engine, prompt, params, SAMPLES)
+    if rule == "sequoia" and draft_vocab is None:  # one request at a time
+        counts, accepted = sample_first_two(lambda: engine, prompt, params, SAMPLES)
+    else:  # four at once, sharing their target and draft forwards
+        counts, accepted = sample_first_two_batched(engine, lambda: SequoiaDrafter(draft, parents), prompt, params,
+                                                    SAMPLES, concurrency=4)
     assert accepted > 0.2  # the tree path, not just the bonus token, is exercised
     assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
 

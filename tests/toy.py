@@ -91,6 +91,30 @@ def sample_first_two(make_engine, prompt: list[int], params: SamplingParams, sam
     return counts, accepted / samples
 
 
+def sample_first_two_batched(engine, make_drafter, prompt: list[int], params: SamplingParams, samples: int,
+                             concurrency: int) -> tuple[np.ndarray, float]:
+    """sample_first_two through the continuous-batching scheduler: `concurrency` samples share every step (each
+    its own seed, drafter and cache), as requests of a server do."""
+    from specplan.decoder.batching import Request, Scheduler
+
+    drafters = {0: engine.drafter}
+
+    def drafter_for_slot(slot: int):
+        if slot not in drafters:
+            drafters[slot] = make_drafter()
+            drafters[slot].use_slot(slot)
+        return drafters[slot]
+
+    counts = np.zeros((VOCAB, VOCAB))
+    accepted = 0
+    scheduler = Scheduler(engine, drafter_for_slot, concurrency)
+    for completion in scheduler.run([Request(prompt, 2, params, seed) for seed in range(samples)]):
+        result = completion.result
+        counts[result.tokens[0], result.tokens[1]] += 1
+        accepted += result.accepted_per_step[0] > 1
+    return counts, accepted / samples
+
+
 def assert_distributed_as_target(counts: np.ndarray, expected: np.ndarray) -> None:
     assert chi_square_p(counts.sum(1), expected.sum(1)) > 1e-3  # the first token
     assert chi_square_p(counts, expected) > 1e-3  # the first two tokens
