@@ -147,11 +147,13 @@ class Scheduler:
         if entry.id not in self.cancelled:
             return False
         self.cancelled.discard(entry.id)
+        entry.run.drafter.finish()
         self.free_slots.append(entry.slot)
         done.append(Completion(entry.id, entry.run.result(), "cancelled", cancelled=True))
         return True
 
     def _complete(self, entry: _Running) -> Completion:
+        entry.run.drafter.finish()
         self.free_slots.append(entry.slot)
         self.free_slots.sort()
         run = entry.run

@@ -45,6 +45,9 @@ class Drafter(ABC):
         """The target accepted `accepted` (node indices, root first); `next_token` is the next root, or None
         when generation ends inside the accepted path."""
 
+    def finish(self) -> None:
+        """The sequence is done (a batch's slot frees it): let go of what only it needed."""
+
     def bind(self, target_cache: KVCache) -> None:
         """The engine's target cache after prefill (a drafter built on the target's own cache reads it)."""
 
@@ -219,25 +222,39 @@ class TrieDrafter(Drafter):
     """Lookahead: drafts retrieved from a token trie of the prompt and of the output so far. The trie lives
     across requests (outputs of earlier requests keep helping); a request's prompt branches leave with it.
     `sequence[:length]` holds the committed tokens before the current root, which `propose` writes after them;
-    the windows of `sequence[:counted]` are in the trie: the text so far and the root."""
+    the windows of `sequence[:counted]` are in the trie: the text so far and the root.
 
-    def __init__(self, trie: Trie) -> None:
+    `shared`: the trie is shared by the drafters of a batch's slots (every output teaches it, the Ant reference's
+    design): a finished request withdraws its own prompt's windows, leaving the other live prompts' branches."""
+
+    def __init__(self, trie: Trie, shared: bool = False) -> None:
         self.trie = trie
+        self.shared = shared
         self.max_tree_size = trie.settings.decoding_length
         self.sequence = np.zeros(0, dtype=np.int64)
         self.length = 0
         self.counted = 0
+        self.prompt_length = 0
         self.live_request = False
 
     def reset(self, prompt, max_len):
-        if self.live_request:
-            self.trie.end_request()
+        self.finish()
         self.sequence = np.zeros(max_len + self.max_tree_size + 1, dtype=np.int64)
         self.sequence[:len(prompt)] = prompt
         self.length = len(prompt) - 1
+        self.prompt_length = len(prompt)
         self.trie.insert(self.sequence, 0, len(prompt), from_prompt=True)
         self.counted = len(prompt)
         self.live_request = True
+
+    def finish(self) -> None:
+        if not self.live_request:
+            return
+        if self.shared:
+            self.trie.end_prompt(self.sequence, self.prompt_length)
+        else:
+            self.trie.end_request()
+        self.live_request = False
 
     def target_tree_sizes(self):
         return tuple(range(1, self.max_tree_size + 1))  # a retrieved tree has any size up to decoding_length

@@ -278,6 +278,13 @@ class Trie:
         self._rebuild(_surviving(self.state, 1.0, True))
         self.prompt_floor = 0
 
+    def end_prompt(self, sequence: np.ndarray, length: int) -> None:
+        """Branch eliminating in a trie shared by requests in flight: withdraw one finished prompt's windows
+        (sequence[:length]), keeping the other live prompts' branches."""
+        _count_windows(self.state, self.children, sequence, 0, length, self.settings.window, True, -1.0)
+        self._rebuild(_surviving(self.state, 1.0, False))
+        self.prompt_floor = int(np.count_nonzero(self.state.prompt_count[:self.size] > 0))
+
     def _rebuild(self, keep: np.ndarray, room: int = 0) -> None:
         """Copy the kept nodes (parents always precede children) into fresh arrays with `room` to spare."""
         tokens, parents, _, _, output_count, prompt_count, _ = self.state

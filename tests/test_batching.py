@@ -32,9 +32,11 @@ NEW_TOKENS = (20, 7, 30, 15, 25, 12, 18, 9)
 
 
 def drafters(target, draft) -> dict:
+    shared = Trie(TrieSettings(decoding_length=8, branch_length=3))
     return {
         "one-token": NoDrafter,
         "lookahead": lambda: TrieDrafter(Trie(TrieSettings(decoding_length=8, branch_length=3))),
+        "lookahead-shared": lambda: TrieDrafter(shared, shared=True),
         "sequoia": lambda: SequoiaDrafter(draft, [-1, 0, 0, 1, 2, 3]),
     }
 
@@ -79,7 +81,7 @@ def test_a_batched_forward_scores_each_sequence_as_its_own_forward(tiny_pair):
                                    single.cache.k[:, :, :single.cache.length + single.tokens.shape[0]])
 
 
-@pytest.mark.parametrize("method", ["one-token", "lookahead", "sequoia"])
+@pytest.mark.parametrize("method", ["one-token", "lookahead", "lookahead-shared", "sequoia"])
 @pytest.mark.parametrize("concurrency", [3, 8])
 def test_every_request_gets_its_own_greedy_tokens_under_load(method, concurrency, tiny_pair):
     """Eight requests of different lengths and finish times, three (or all eight) in flight, the rest joining as
@@ -257,3 +259,21 @@ def test_a_concurrency_whose_caches_do_not_fit_is_refused_before_decoding(run_cl
     code, out, err = run_cli("generate", "--target", "tiny-random-llama", "--requests", path, "--concurrency", 4)
     assert code == 2 and out == ""
     assert "4 sequences of up to" in err and "GiB of KV cache" in err and one_error(err)
+
+
+def test_a_shared_trie_keeps_the_live_prompts_when_one_request_ends():
+    """Two requests share a trie: the one that ends withdraws its prompt's windows; the other's stay, and so do the
+    outputs both taught it."""
+    trie = Trie(TrieSettings(decoding_length=6, branch_length=3, window=3))
+    first, second = TrieDrafter(trie, shared=True), TrieDrafter(trie, shared=True)
+    first.reset([1, 2, 3, 4], 32)
+    second.reset([7, 8, 9, 7, 8], 32)
+    tokens, _ = trie.retrieve(np.array([5, 7], dtype=np.int64), 2)
+    assert 8 in tokens.tolist()  # the second prompt's 7 -> 8
+    tokens, _ = trie.retrieve(np.array([5, 2], dtype=np.int64), 2)
+    assert 3 in tokens.tolist()  # the first prompt's 2 -> 3
+    first.finish()
+    assert 3 not in trie.retrieve(np.array([5, 2], dtype=np.int64), 2)[0].tolist()  # withdrawn
+    assert 8 in trie.retrieve(np.array([5, 7], dtype=np.int64), 2)[0].tolist()  # still live
+    second.finish()
+    assert trie.size == 1 and trie.prompt_floor == 0
