@@ -844,6 +844,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     from specplan.core.prompts import encode_prompt
     from specplan.profiler import hardware
     from specplan.profiler.datasets import read_dataset, spread_sample
+    from specplan.llamacpp import FILE_TYPES
     from specplan.serving import System, llama_quantize, llama_server_command, plan_serve_command, run_serving_bench
 
     if not levels or min(levels) < 1:
@@ -871,8 +872,9 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
             source = loaded.gguf_file()
             if source is None:
                 raise UserError(f"{target}: llama-server runs a GGUF file; this model has none")
-            gguf = source if dtype == "gguf" else llama_quantize(
-                source, cache_dir() / "llamacpp" / f"{source.stem}.{dtype.upper()}.gguf", dtype.upper())
+            kind = FILE_TYPES[dtype][0] if dtype != "gguf" else None  # llama.cpp's name of the dtype
+            gguf = source if kind is None else llama_quantize(
+                source, cache_dir() / "llamacpp" / f"{source.stem}.{kind}.gguf", kind)
             extra = {"llama-server": [], "llama-server-ngram-simple": ["--spec-type", "ngram-simple"],
                      "llama-server-ngram-map-k": ["--spec-type", "ngram-map-k"]}.get(name)
             if name == "llama-server-draft":

@@ -173,8 +173,9 @@ async def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_
     queue = list(reversed(prompts))
     timings: list[RequestTiming] = []
     failures = 0
+    errors: list[str] = []
     timeout = aiohttp.ClientTimeout(total=3600)
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)  # llama-server closes streams
 
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal failures
@@ -182,11 +183,14 @@ async def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_
             prompt = queue.pop()
             try:
                 timings.append(await _one_request(session, url, prompt, max_tokens, count_tokens))
-            except (UserError, aiohttp.ClientError, asyncio.TimeoutError):
+            except (UserError, aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
                 failures += 1
+                errors.append(f"{type(exc).__name__}: {exc}"[:300])
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    if errors:
+        print(f"{failures} requests failed; the first: {errors[0]}", file=sys.stderr)
     return timings, failures
 
 
@@ -286,7 +290,8 @@ def llama_quantize(source: Path, target: Path, kind: str) -> Path:
     binary = llama_server_binary().parent / "llama-quantize"
     if not binary.is_file() or not shutil.which(str(binary)):
         raise UserError(f"no llama-quantize beside llama-server ({binary})")
-    staging = target.with_name(f".{target.name}.partial")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".partial.{target.name}")  # llama-quantize takes a .gguf name
     result = subprocess.run([str(binary), "--allow-requantize", str(source), str(staging), kind],
                             capture_output=True, text=True)
     if result.returncode != 0:
