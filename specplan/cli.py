@@ -842,9 +842,9 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     from specplan.core.models import cache_dir, load_model
     from specplan.core.plan_schema import load_plan
     from specplan.core.prompts import encode_prompt
+    from specplan.llamacpp import FILE_TYPES
     from specplan.profiler import hardware
     from specplan.profiler.datasets import read_dataset, spread_sample
-    from specplan.llamacpp import FILE_TYPES
     from specplan.serving import System, llama_quantize, llama_server_command, plan_serve_command, run_serving_bench
 
     if not levels or min(levels) < 1:

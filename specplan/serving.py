@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import aiohttp
@@ -192,6 +192,64 @@ async def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_
     if errors:
         print(f"{failures} requests failed; the first: {errors[0]}", file=sys.stderr)
     return timings, failures
+
+
+def load_levels(path: str | os.PathLike) -> list[LevelResult]:
+    """A serving benchmark's results file, each line checked (one bad line is an error naming it)."""
+    from specplan.core.fileio import read_text
+
+    names = [f.name for f in fields(LevelResult)]
+    levels = []
+    for number, line in enumerate(read_text(Path(path)).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            level = LevelResult(**{name: entry[name] for name in names})
+            if not (isinstance(level.system, str) and isinstance(level.concurrency, int) and level.concurrency >= 1
+                    and isinstance(level.tokens_per_second, (int, float)) and level.tokens_per_second >= 0):
+                raise ValueError
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise UserError(f"{path}: line {number} is not a serving benchmark result") from None
+        levels.append(level)
+    if not levels:
+        raise UserError(f"{path}: no serving benchmark results")
+    return levels
+
+
+def serving_table(levels: list[LevelResult]) -> str:
+    """Aggregate tokens/s per system and concurrency, each with its ratio to ours-ar's at that concurrency, and
+    the latencies (ms): time per output token and time to first token, p50/p95."""
+    baseline = {r.concurrency: r.tokens_per_second for r in levels if r.system == "ours-ar"}
+    lines = ["| system | concurrency | tokens/s | vs ours-ar | TPOT p50/p95 ms | TTFT p50/p95 ms | requests |",
+             "|---|---|---|---|---|---|---|"]
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1e3:.0f}"
+
+    for r in sorted(levels, key=lambda r: (r.concurrency, r.system)):
+        ratio = f"{r.tokens_per_second / baseline[r.concurrency]:.2f}" if baseline.get(r.concurrency) else "-"
+        lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_second:.1f} | {ratio} | "
+                     f"{ms(r.tpot_p50)}/{ms(r.tpot_p95)} | {ms(r.ttft_p50)}/{ms(r.ttft_p95)} | "
+                     f"{r.requests}{f' ({r.failed} failed)' if r.failed else ''} |")
+    return "\n".join(lines)
+
+
+def plot_levels(levels: list[LevelResult], png: str | os.PathLike, title: str) -> None:
+    from specplan.core.plotting import pyplot, save_png
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in dict.fromkeys(r.system for r in levels):
+        points = sorted((r.concurrency, r.tokens_per_second) for r in levels if r.system == system)
+        ax.plot([c for c, _ in points], [t for _, t in points], marker="o", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests (closed loop)")
+    ax.set_ylabel("aggregate output tokens/s")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    save_png(fig, png)
 
 
 def done_levels(path: Path) -> set[tuple[str, int]]:

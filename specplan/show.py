@@ -22,6 +22,15 @@ def show_files(paths: list[str | os.PathLike], plot: str | os.PathLike | None = 
                compare: str | os.PathLike | None = None) -> str:
     """One plan, profile or acceptance file; or one or more `plan bench` reports (.json), whose plot is the
     summary of all of them."""
+    if paths and all(Path(p).suffix == ".jsonl" for p in paths):  # plan bench --concurrency results
+        from specplan.serving import load_levels, plot_levels, serving_table
+
+        if compare is not None:
+            raise UserError("--compare applies to profiles only")
+        levels = [level for p in paths for level in load_levels(p)]
+        if plot is not None:
+            plot_levels(levels, plot, ", ".join(Path(p).stem for p in paths))
+        return serving_table(levels)
     if paths and all(Path(p).suffix == ".json" for p in paths):
         from specplan.bench import load_report, markdown_table, plot_summary
 
