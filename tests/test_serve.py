@@ -105,7 +105,8 @@ def test_the_serving_benchmark_writes_each_level_as_it_finishes_and_resumes(run_
     code, _, err = run_cli(*args)
     assert code == 0 and "done before, skipped" in err and len(out.read_text().splitlines()) == 2
     code, table, _ = run_cli("show", out, "--plot", tmp_path / "serving.png")
-    assert code == 0 and "| ours-ar | 3 |" in table and "| 1.00 |" in table and (tmp_path / "serving.png").stat().st_size
+    assert code == 0 and "| ours-ar | 3 |" in table and "| 1.00 |" in table
+    assert (tmp_path / "serving.png").stat().st_size > 0
     out.write_text(out.read_text() + '{"system": "x"}\n')
     code, _, err = run_cli("show", out)
     assert code == 2 and "line 3 is not a serving benchmark result" in err
