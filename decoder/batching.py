@@ -5,8 +5,10 @@ model's cache, a Lookahead trie, TriForce's retrieval and StreamingLLM caches), 
 collects every sequence's draft tree and scores them in one forward (LeanModel.forward_many: the projections and
 MLP over all the rows, attention per sequence over its own keys with its tree mask), then verifies, commits and
 stops each sequence alone (decoder/engine.py: SequenceRun). Between steps finished sequences leave and free their
-slots, and waiting requests are prefilled, each alone, and join. A request's tokens do not depend on who shares its
-steps: greedy output is its own one-request greedy output, and sampled output is drawn from its own seeded stream.
+slots, and waiting requests join: the prompts admitted together are prefilled together in one batched forward
+(each prompt over its own cache; a prompt longer than a prefill chunk alone, in chunks), before the next step.
+A request's tokens do not depend on who shares its steps: greedy output is its own one-request greedy output, and
+sampled output is drawn from its own seeded stream.
 
 A slot's drafter stays with the slot across the requests it serves, so a Lookahead trie keeps learning from the
 outputs of its slot (with one slot: exactly the one-request decoder and its offline replay).
@@ -24,8 +26,13 @@ import torch
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
+from specplan.decoder.model import prefill_together
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree
+
+# Prompts up to this many tokens join one batched prefill when several requests are admitted at once; longer ones are
+# prefilled alone in chunks (LeanModel.prefill), as one request's prompt always is.
+PREFILL_TOGETHER_TOKENS = 512
 
 
 @dataclass
@@ -55,12 +62,13 @@ class _Waiting:
     submitted: float
 
 
-@dataclass
+@dataclass(eq=False)
 class _Running:
     id: int
     slot: int
     run: SequenceRun
     submitted: float
+    prompt: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -123,7 +131,9 @@ class Scheduler:
             yield from self.step()
 
     def _admit(self) -> list[Completion]:
-        failed = []
+        """Waiting requests into free slots: each one's cache and drafter readied, the prompts that fit one prefill
+        chunk prefilled together in one batched forward (the others alone), then each drafter started."""
+        failed, joining = [], []
         while self.waiting and self.free_slots:
             waiting = self.waiting.popleft()
             if waiting.id in self.cancelled:
@@ -132,15 +142,30 @@ class Scheduler:
                 continue
             slot = self.free_slots.pop(0)
             request = waiting.request
-            drafter = self.drafter_for_slot(slot)
             try:
                 run = self.engine.start(request.prompt, request.max_new_tokens, request.params, request.seed,
-                                        request.on_tokens, drafter, "target" + (f".{slot}" if slot else ""))
+                                        request.on_tokens, self.drafter_for_slot(slot),
+                                        "target" + (f".{slot}" if slot else ""), prefill=False)
             except UserError as exc:  # this request fails alone
                 self.free_slots.insert(0, slot)
                 failed.append(Completion(waiting.id, None, str(exc)))
                 continue
-            self.running.append(_Running(waiting.id, slot, run, waiting.submitted))
+            joining.append(_Running(waiting.id, slot, run, waiting.submitted, request.prompt))
+        together = [entry for entry in joining if 1 < len(entry.prompt) <= PREFILL_TOGETHER_TOKENS]
+        if len(together) > 1 and hasattr(self.engine.target, "forward_many"):
+            start = time.perf_counter()
+            prefill_together(self.engine.target, [torch.tensor(e.prompt[:-1]) for e in together],
+                             [e.run.cache for e in together], [len(e.prompt) for e in together])
+            seconds = time.perf_counter() - start
+            for entry in together:
+                entry.run.prefill(entry.prompt, prefilled=True)
+                entry.run.prefill_seconds = seconds
+        else:
+            together = []
+        for entry in joining:
+            if entry not in together:
+                entry.run.prefill(entry.prompt)
+        self.running.extend(joining)
         return failed
 
     def _drop_if_cancelled(self, entry: _Running, done: list[Completion]) -> bool:

@@ -75,11 +75,13 @@ class SequenceRun:
         self.started = 0.0  # when decoding began (perf_counter)
         self.first_token_at: float | None = None  # when the first token was emitted (perf_counter)
 
-    def prefill(self, prompt: list[int]) -> None:
-        """The prompt's tokens but the last into the target cache; the drafter starts the sequence."""
+    def prefill(self, prompt: list[int], prefilled: bool = False) -> None:
+        """The prompt's tokens but the last into the target cache (unless `prefilled`: a batch prefilled them
+        together, decoder/batching.py); the drafter starts the sequence."""
         start = time.perf_counter()
-        self.target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), self.cache, logits=False,
-                            prompt_length=len(prompt))
+        if not prefilled:
+            self.target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), self.cache, logits=False,
+                                prompt_length=len(prompt))
         self.started = time.perf_counter()
         self.prefill_seconds = self.started - start
         # The drafter's own prefill (a draft model's prompt, a StreamingLLM window) is a cost of speculating,
@@ -169,15 +171,17 @@ class SpeculativeEngine:
 
     def start(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
               on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter | None = None,
-              role: str = "target") -> SequenceRun:
-        """A sequence prefilled and ready to step (see `prepare` for `drafter` and `role`)."""
+              role: str = "target", prefill: bool = True) -> SequenceRun:
+        """A sequence prefilled and ready to step (see `prepare` for `drafter` and `role`); without `prefill`, its
+        cache prepared and empty (a batch prefills several together, then calls SequenceRun.prefill)."""
         drafter = drafter or self.drafter
         start = time.perf_counter()
         cache = self.prepare(len(prompt), max_new_tokens, drafter, role)
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
                           self.stop_ids, self.masks, on_tokens)
-        run.prefill(prompt)
-        run.prefill_seconds = run.started - start
+        if prefill:
+            run.prefill(prompt)
+            run.prefill_seconds = run.started - start
         return run
 
     @torch.inference_mode()

@@ -746,6 +746,22 @@ def prefill_in_chunks(model: Any, tokens: torch.Tensor, cache: Any, chunk: int, 
     return last[0] if logits and last is not None else None
 
 
+def prefill_together(model: LeanModel, prompts: list[torch.Tensor], caches: list[KVCache],
+                     prompt_lengths: list[int]) -> None:
+    """Several sequences' prompt tokens (each at most a prefill chunk) into their own empty caches in one batched
+    forward (LeanModel.forward_many), each causal over its own tokens; `prompt_lengths`: each whole prompt's."""
+    items = []
+    for tokens, cache, length in zip(prompts, caches, prompt_lengths):
+        cache.prompt_length = length
+        n = tokens.shape[0]
+        mask = causal_mask(0, n, model.dtype, model.device) if n > 1 else None
+        items.append(ForwardItem(tokens.to(model.device), torch.arange(n, device=model.device), cache, mask,
+                                 slice(0, 0)))
+    model.forward_many(items)
+    for tokens, cache in zip(prompts, caches):
+        cache.commit(None, tokens.shape[0])
+
+
 def draft_vocabulary_ids(size: int, always: Iterable[int], vocab: int) -> list[int]:
     """The token ids a draft limited to `size` scores: those below `size` and the `always` ones."""
     if not 0 < size <= vocab:

@@ -11,7 +11,7 @@ from specplan.core.method_settings import RetrievalSettings, TrieSettings
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.model import ForwardItem, LeanModel, causal_mask
+from specplan.decoder.model import ForwardItem, LeanModel, causal_mask, prefill_together
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 from specplan.decoder.triforce import HierarchicalDrafter, StreamingDrafter
@@ -79,6 +79,20 @@ def test_a_batched_forward_scores_each_sequence_as_its_own_forward(tiny_pair):
         torch.testing.assert_close(scored, target.forward(*single), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(item.cache.k[:, :, :item.cache.length + item.tokens.shape[0]],
                                    single.cache.k[:, :, :single.cache.length + single.tokens.shape[0]])
+
+
+@torch.inference_mode()
+def test_prompts_prefilled_together_fill_each_cache_as_a_prefill_alone(tiny_pair):
+    _, target, _ = tiny_pair
+    pieces = [torch.tensor(p[:-1]) for p in prompts()[:4]]
+    together = [target.cache_for(256, f"together.{i}") for i in range(4)]
+    prefill_together(target, pieces, together, [len(p) + 1 for p in pieces])
+    for i, (tokens, cache) in enumerate(zip(pieces, together)):
+        alone = target.cache_for(256, f"alone.{i}")
+        target.prefill(tokens, alone, logits=False, prompt_length=len(tokens) + 1)
+        assert cache.length == alone.length == len(tokens) and cache.prompt_length == alone.prompt_length
+        torch.testing.assert_close(cache.k[:, :, :cache.length], alone.k[:, :, :alone.length], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.v[:, :, :cache.length], alone.v[:, :, :alone.length], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["one-token", "lookahead", "lookahead-shared", "sequoia"])
