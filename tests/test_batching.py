@@ -9,7 +9,7 @@ import torch
 
 from specplan.core.method_settings import RetrievalSettings, TrieSettings
 from specplan.decoder.batching import Request, Scheduler
-from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
+from specplan.decoder.drafters import NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.model import ForwardItem, LeanModel, causal_mask, prefill_together
 from specplan.decoder.sampling import SamplingParams
@@ -20,6 +20,7 @@ from toy import (
     SAMPLES,
     VOCAB,
     assert_distributed_as_target,
+    drafters_per_slot,
     first_two_distribution,
     hf_greedy,
     long_prompt,
@@ -39,19 +40,6 @@ def drafters(target, draft) -> dict:
         "lookahead-shared": lambda: TrieDrafter(shared, shared=True),
         "sequoia": lambda: SequoiaDrafter(draft, [-1, 0, 0, 1, 2, 3]),
     }
-
-
-def slots(make) -> callable:
-    """A drafter per slot, kept across the requests the slot serves (as Decoder.drafter_for_slot keeps them)."""
-    made: dict[int, Drafter] = {}
-
-    def drafter_for_slot(slot: int) -> Drafter:
-        if slot not in made:
-            made[slot] = make()
-            made[slot].use_slot(slot)
-        return made[slot]
-
-    return drafter_for_slot
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -104,7 +92,7 @@ def test_every_request_gets_its_own_greedy_tokens_under_load(method, concurrency
     make = drafters(target, draft)[method]
     requests = [Request(p, n) for p, n in zip(prompts(), NEW_TOKENS)]
     engine = SpeculativeEngine(target, make())
-    scheduler = Scheduler(engine, slots(make), concurrency)
+    scheduler = Scheduler(engine, drafters_per_slot(make), concurrency)
     order, results = [], {}
     for completion in scheduler.run(requests):
         assert completion.error is None
@@ -128,7 +116,7 @@ def test_triforce_requests_batched_keep_their_greedy_tokens(tiny_pair):
                                    RetrievalSettings(256, 8, 16))
 
     requests = [Request(long_prompt(300 + 40 * i, i), 24 + 6 * i) for i in range(4)]
-    scheduler = Scheduler(SpeculativeEngine(target, make()), slots(make), 2)
+    scheduler = Scheduler(SpeculativeEngine(target, make()), drafters_per_slot(make), 2)
     results = {c.id: c.result.tokens for c in scheduler.run(requests)}
     for i, request in enumerate(requests):
         assert results[i] == hf_greedy(loaded, request.prompt, request.max_new_tokens)
@@ -140,7 +128,7 @@ def test_the_operators_forward_batches_too():
     target = LeanModel(model, kernels=False)
     gen = torch.Generator().manual_seed(2)
     requests = [Request(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), 10) for n in (3, 8, 5)]
-    scheduler = Scheduler(SpeculativeEngine(target, None), slots(NoDrafter), 2)
+    scheduler = Scheduler(SpeculativeEngine(target, None), drafters_per_slot(NoDrafter), 2)
     results = {c.id: c.result.tokens for c in scheduler.run(requests)}
     for i, request in enumerate(requests):
         ids = torch.tensor([request.prompt])
@@ -153,7 +141,7 @@ def test_a_request_that_does_not_fit_fails_alone(tiny_pair):
     _, target, _ = tiny_pair
     requests = [Request(p, n) for p, n in zip(prompts()[:3], NEW_TOKENS)]
     requests.insert(1, Request([5] * 4090, 20))  # beyond the 4,096-token context
-    scheduler = Scheduler(SpeculativeEngine(target, None), slots(NoDrafter), 2)
+    scheduler = Scheduler(SpeculativeEngine(target, None), drafters_per_slot(NoDrafter), 2)
     completions = {c.id: c for c in scheduler.run(requests)}
     assert "exceeds the model's context of 4096" in completions[1].error and completions[1].result is None
     for i in (0, 2, 3):
@@ -162,7 +150,7 @@ def test_a_request_that_does_not_fit_fails_alone(tiny_pair):
 
 def test_a_cancelled_request_frees_its_slot(tiny_pair):
     _, target, _ = tiny_pair
-    scheduler = Scheduler(SpeculativeEngine(target, None), slots(NoDrafter), 1)
+    scheduler = Scheduler(SpeculativeEngine(target, None), drafters_per_slot(NoDrafter), 1)
     first = scheduler.submit(Request(prompts()[0], 500))
     second = scheduler.submit(Request(prompts()[1], 5))
     assert scheduler.step() == [] and [entry.id for entry in scheduler.running] == [first]
@@ -195,7 +183,7 @@ def test_sampled_requests_sharing_steps_are_distributed_as_the_target(concurrenc
         if seed % 8 == 0:
             requests.append(Request(other, 1 + seed % 3, params, SAMPLES + seed))
     counts = np.zeros((VOCAB, VOCAB))
-    scheduler = Scheduler(SpeculativeEngine(target, make()), slots(make), concurrency)
+    scheduler = Scheduler(SpeculativeEngine(target, make()), drafters_per_slot(make), concurrency)
     for completion in scheduler.run(requests):
         if requests[completion.id].prompt == measured:
             tokens = completion.result.tokens

@@ -91,23 +91,29 @@ def sample_first_two(make_engine, prompt: list[int], params: SamplingParams, sam
     return counts, accepted / samples
 
 
+def drafters_per_slot(make_drafter, first=None):
+    """A drafter per batch slot (`first` for slot 0 if given), kept across the requests the slot serves, as
+    Decoder.drafter_for_slot keeps them."""
+    made = {} if first is None else {0: first}
+
+    def drafter_for_slot(slot: int):
+        if slot not in made:
+            made[slot] = make_drafter()
+            made[slot].use_slot(slot)
+        return made[slot]
+
+    return drafter_for_slot
+
+
 def sample_first_two_batched(engine, make_drafter, prompt: list[int], params: SamplingParams, samples: int,
                              concurrency: int) -> tuple[np.ndarray, float]:
     """sample_first_two through the continuous-batching scheduler: `concurrency` samples share every step (each
     its own seed, drafter and cache), as requests of a server do."""
     from specplan.decoder.batching import Request, Scheduler
 
-    drafters = {0: engine.drafter}
-
-    def drafter_for_slot(slot: int):
-        if slot not in drafters:
-            drafters[slot] = make_drafter()
-            drafters[slot].use_slot(slot)
-        return drafters[slot]
-
     counts = np.zeros((VOCAB, VOCAB))
     accepted = 0
-    scheduler = Scheduler(engine, drafter_for_slot, concurrency)
+    scheduler = Scheduler(engine, drafters_per_slot(make_drafter, engine.drafter), concurrency)
     for completion in scheduler.run([Request(prompt, 2, params, seed) for seed in range(samples)]):
         result = completion.result
         counts[result.tokens[0], result.tokens[1]] += 1
