@@ -34,7 +34,7 @@ import torch
 from specplan.core import progress
 from specplan.core.choices import DTYPES, TINY_MODEL_PREFIX
 from specplan.core.errors import UserError
-from specplan.core.gguf_weights import BlockWeight, quantize_block_weights, read_block_weights
+from specplan.core.gguf_weights import BlockWeight, quantize_block_weights, read_block_weights, read_gguf
 from specplan.core.model_names import model_name
 
 # The dtype of the activations (and of the weights the checkpoint gives: at gguf, norms and biases; the matmul
@@ -501,11 +501,9 @@ def safetensors_parameter_count(directory: Path) -> int:
 
 def gguf_parameter_count(path: Path) -> int:
     """The number of weights in a GGUF file, from its tensor table (the data stays on disk)."""
-    from gguf import GGUFReader
-
     try:
-        return sum(int(tensor.n_elements) for tensor in GGUFReader(path).tensors)
-    except (ValueError, OSError) as exc:
+        return sum(tensor.n_elements for tensor in read_gguf(path)[1].values())
+    except OSError as exc:
         raise UserError(f"{path}: not a readable GGUF file ({exc})") from None
 
 
