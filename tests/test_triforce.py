@@ -29,7 +29,7 @@ from toy import (
     hf_greedy,
     long_prompt,
     one_error,
-    sample_first_two,
+    sample_first_two_batched,
 )
 
 
@@ -170,25 +170,35 @@ def test_streaming_only_drafter_is_lossless(tiny_pair):
     assert result.tokens == hf_greedy(loaded, prompt, 50)
 
 
+class _RoundsPerRequest(HierarchicalDrafter):
+    """Notes its round count at the start of every request it serves."""
+
+    def reset(self, prompt, max_len):
+        self.round_marks = getattr(self, "round_marks", []) + [self.stats["rounds"]]
+        super().reset(prompt, max_len)
+
+    def rounds_per_request(self) -> np.ndarray:
+        return np.diff(self.round_marks + [self.stats["rounds"]])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.5, 0.8)])
 def test_hierarchy_sampling_is_distributed_as_the_target(temperature, top_p, toy_pair):
+    """The samples share their steps through the batching scheduler; each slot's drafter serves one sample after
+    another, as a server keeps it: a request's reset must leave nothing of the last one."""
     target_hf, target, draft = toy_pair
     params = SamplingParams(temperature=temperature, top_p=top_p)
     prompt = [int(x) for x in np.random.default_rng(32).integers(0, VOCAB, 40)]  # two uncertain tokens
-    # One engine for every sample, as a server keeps it: a generation's reset must leave nothing of the last one.
-    drafter = HierarchicalDrafter(target, StreamingDrafter(draft, gamma=2, sinks=2, window=8), 2, 4,
-                                  RetrievalSettings(budget=16, chunk=4, stride=8))
-    engine = SpeculativeEngine(target, drafter)
-    rounds = [0]  # the drafter's cumulative round count before each sample
+    drafters = []
 
-    def make_engine() -> SpeculativeEngine:
-        rounds.append(drafter.stats["rounds"])
-        return engine
+    def make() -> _RoundsPerRequest:
+        drafters.append(_RoundsPerRequest(target, StreamingDrafter(draft, gamma=2, sinks=2, window=8), 2, 4,
+                                          RetrievalSettings(budget=16, chunk=4, stride=8)))
+        return drafters[-1]
 
-    counts, accepted = sample_first_two(make_engine, prompt, params, SAMPLES)
-    rounds.append(drafter.stats["rounds"])
-    per_sample = np.diff(rounds[1:])
+    counts, accepted = sample_first_two_batched(SpeculativeEngine(target, make()), make, prompt, params, SAMPLES)
+    per_sample = np.concatenate([drafter.rounds_per_request() for drafter in drafters if drafter.stats["rounds"]])
+    assert len(per_sample) == SAMPLES
     middle_corrections = np.mean(per_sample > 2)  # a middle rejection cut a round
     assert accepted > 0.2 and middle_corrections > 0.1
     assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
