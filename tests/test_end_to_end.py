@@ -38,7 +38,7 @@ def test_lookahead_workflow_is_lossless(run_cli, tmp_path, smollm2):
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("\n".join(DEMO_PROMPTS.read_text().splitlines()[:2]))
     profile, acceptance, plan = tmp_path / "p.yaml", tmp_path / "a.yaml", tmp_path / "plan.yaml"
-    assert run_cli("profile", "--target", MODEL, "--contexts", "256", "--sizes", "1,2,4,8", "--repeats", "2",
+    assert run_cli("profile", "--target", MODEL, "--contexts", "128", "--sizes", "1,2,4,8", "--repeats", "2",
                    "-o", profile)[0] == 0
     assert run_cli("accept", "lookahead", "--target", MODEL, "--dataset", dataset, "--max-new-tokens", 32,
                    "-o", acceptance)[0] == 0
@@ -72,7 +72,7 @@ def test_lookahead_workflow_is_lossless(run_cli, tmp_path, smollm2):
     # `plan bench --reprice`: the plan's forwards re-timed between the prompts price its replay again; on the
     # profile's own times that price is the plan's prediction
     report_path = tmp_path / "report.json"
-    code, stdout, stderr = run_cli("bench", "--plan", plan, "--dataset", dataset, "--prompts", 2,
+    code, stdout, stderr = run_cli("bench", "--plan", plan, "--dataset", dataset, "--prompts", 1,
                                    "--max-new-tokens", 16, "--baselines", "ours-ar", "--reprice", "-o", report_path)
     assert code == 0, stderr
     repriced = json.loads(report_path.read_text())["prediction"]["repriced"]
@@ -139,7 +139,7 @@ def test_the_shipped_quantized_weights_decode_as_the_fp32_model(run_cli, tmp_pat
     Lookahead plan, equals transformers' fp32 greedy output (the same weights, decoded); the profile records the
     dtype."""
     profile = tmp_path / "p.gguf.yaml"
-    code, _, stderr = run_cli("profile", "--target", MODEL, "--dtype", "gguf", "--contexts", "256", "--sizes", "1,4",
+    code, _, stderr = run_cli("profile", "--target", MODEL, "--dtype", "gguf", "--contexts", "128", "--sizes", "1,4",
                               "--repeats", "2", "-o", profile)
     assert code == 0, stderr
     assert yaml_load(profile)["dtype"] == "gguf"
@@ -196,7 +196,7 @@ def test_the_replay_of_transformers_prompt_lookup_counts_its_forwards(smollm2, m
             forwards.clear()
             tensor = torch.tensor([ids])
             with torch.inference_mode():
-                out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=48,
+                out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=32,
                                      do_sample=False, prompt_lookup_num_tokens=num_tokens,
                                      max_matching_ngram_size=max_ngram, pad_token_id=smollm2.tokenizer.pad_token_id)
             records.append(LookaheadRecord(prompt.id, prompt.category, ids, out[0, len(ids):].tolist()))
