@@ -13,10 +13,12 @@ setup: $(STAMP)
 # of torch's and transformers' (about a minute of a fresh set-up on 2 cores)
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile
 
+# torch from pip (the CPU wheel on this disk, which uv does not look at), then uv for the rest: it keeps that torch
+# and installs the other packages in seconds where pip takes most of a minute
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) $(TORCH)
-	$(PIP) -e '.[dev]'
+	$(PIP) $(TORCH) uv
+	$(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[dev]'
 	touch $(STAMP)
 
 # ruff, then import-linter over the package as the wheel installs it (build/lint: the one `specplan` namespace)
@@ -34,8 +36,8 @@ test: lint
 test-fast: setup
 	$(VENV)/bin/pytest tests -m "not slow and not e2e and not check" --durations=15
 
-# checks against other implementations (SGLang's trie, TensorRT-LLM's limit, measured GPU profiles, a decoded
-# TriForce plan); each skips where its inputs cannot be had
+# checks against other implementations (SGLang's trie, TensorRT-LLM's limit, transformers' prompt lookup and assisted
+# generation, measured GPU profiles, a decoded TriForce plan); each skips where its inputs cannot be had
 test-checks: setup
 	$(VENV)/bin/pytest tests -m check --durations=15
 

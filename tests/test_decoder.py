@@ -30,6 +30,9 @@ from toy import (
     toy_model,
 )
 
+# the Qwen pair (biases, tied embeddings) in the full tier; the edit loop runs the Llama pair
+PAIRS = ["tiny_pair", pytest.param("tiny_qwen_pair", marks=pytest.mark.slow)]
+
 
 def random_tree(rng: np.random.Generator, size: int, max_children: int) -> list[int]:
     """A random BFS-ordered tree: each new node hangs off one of the open nodes."""
@@ -52,7 +55,7 @@ TREES = [[-1], [-1, 0], [-1, 0, 1, 2, 3], [-1, 0, 0, 1, 1, 2, 3, 4, 5]] + [
     random_tree(np.random.default_rng(seed), size, 3) for seed, size in enumerate([6, 12, 20, 33])]
 
 
-@pytest.mark.parametrize("pair", ["tiny_pair", "tiny_qwen_pair"])
+@pytest.mark.parametrize("pair", PAIRS)
 @pytest.mark.parametrize("parents", TREES, ids=lambda p: f"n{len(p)}")
 def test_greedy_output_equals_transformers_greedy(pair, parents, request):
     loaded, target, draft = request.getfixturevalue(pair)
@@ -215,7 +218,7 @@ def trie_engine(target: LeanModel, **settings) -> SpeculativeEngine:
     return SpeculativeEngine(target, TrieDrafter(Trie(TrieSettings(**settings))))
 
 
-@pytest.mark.parametrize("pair", ["tiny_pair", "tiny_qwen_pair"])
+@pytest.mark.parametrize("pair", PAIRS)
 @pytest.mark.parametrize("decoding_length, branch_length", [(2, 1), (8, 4), (24, 6)])
 def test_trie_greedy_output_equals_transformers_greedy(pair, decoding_length, branch_length, request):
     loaded, target, _ = request.getfixturevalue(pair)

@@ -195,7 +195,7 @@ def test_a_chain_plan_drafts_nothing_where_no_setting_pays(run_cli, write_yaml_f
     assert import_tree(export.content, "llama.cpp").size == 1  # the one-node tree the plan runs
 
 
-@pytest.mark.slow
+@pytest.mark.check  # against transformers' own assisted generation
 @pytest.mark.parametrize("tokens, schedule", [(1, "constant"), (3, "constant"), (2, "heuristic")])
 def test_the_replay_counts_transformers_assisted_generation_forwards(tokens, schedule):
     """transformers' own assisted generation (the tiny pair, greedy, no confidence stop), its target's forwards

@@ -178,6 +178,7 @@ def test_llama_cpp_baselines_run_the_same_gguf(run_cli, tmp_path):
         assert summary[method]["new_tokens"] > 0 and summary[method]["decode_tokens_per_second"] > 0
 
 
+@pytest.mark.check  # against transformers' own prompt lookup
 @pytest.mark.parametrize("max_ngram, num_tokens", [(2, 10), (3, 4)])
 def test_the_replay_of_transformers_prompt_lookup_counts_its_forwards(smollm2, max_ngram, num_tokens):
     """planner/prompt_lookup.py's replay of transformers' rule, over the very outputs transformers' prompt lookup

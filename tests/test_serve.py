@@ -89,6 +89,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
     assert client(running).completions.create(model="m", prompt="next", max_tokens=2).usage.completion_tokens == 2
 
 
+@pytest.mark.slow  # a `plan serve` process per level
 def test_the_serving_benchmark_writes_each_level_as_it_finishes_and_resumes(run_cli, tmp_path):
     """plan bench --concurrency: `plan serve` started as its own process per level, closed-loop clients over HTTP;
     a rerun skips the levels already in the results file."""
