@@ -1,6 +1,6 @@
-"""The chain engines' own knobs, replayed: llama.cpp's `--draft-max/--draft-min/--draft-p-min` and transformers'
-`num_assistant_tokens` with its schedule, searched over the acceptance file's chain traces (T = 0) and priced on a
-profile.
+"""The chain engines' own knobs, replayed: llama-server's `--spec-draft-n-max/-n-min/-p-min` (before build 11434:
+`--draft-max/--draft-min/--draft-p-min`) and transformers' `num_assistant_tokens` with its schedule, searched over
+the acceptance file's chain traces (T = 0) and priced on a profile.
 
 Each engine's drafting rule, as its source has it (planner/engines.py cites both files):
 - llama.cpp (common/speculative.cpp, the draft-model implementation): draft up to draft-max tokens, each the draft
@@ -36,8 +36,8 @@ from specplan.core.errors import UserError
 from specplan.core.profile_schema import LatencyProfile
 
 CHAIN_KNOB_ENGINES = ("llama.cpp", "hf")
-P_MIN_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # llama.cpp's --draft-p-min: 0, 0.05, ..., 0.95
-DRAFT_MIN_GRID = (0, 1, 2, 3)  # llama.cpp's --draft-min
+P_MIN_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # llama-server's --spec-draft-p-min: 0, 0.05, ..., 0.95
+DRAFT_MIN_GRID = (0, 1, 2, 3)  # llama-server's --spec-draft-n-min
 HF_SCHEDULES = ("constant", "heuristic")
 HEURISTIC_GROWTH, HEURISTIC_SHRINK = 2, 1  # transformers' heuristic schedule: +2 on a fully accepted draft, else -1
 
@@ -47,7 +47,7 @@ class ChainKnobs:
     """One engine setting and what its replay predicts."""
 
     engine: str
-    draft_max: int  # llama.cpp's --draft-max; transformers' (initial) num_assistant_tokens
+    draft_max: int  # llama-server's --spec-draft-n-max; transformers' (initial) num_assistant_tokens
     draft_min: int = 0  # llama.cpp
     p_min: float = 0.0  # llama.cpp
     schedule: str = "constant"  # transformers

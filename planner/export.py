@@ -136,7 +136,10 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
     if fmt == "llama.cpp":
         draft_min, p_min = (best.integer("draft_min", low=0), best.number("p_min", low=0.0, high=1.0)) \
             if best is not None else (0, 0.0)
-        return Export(f"--model-draft {draft_path} --draft-max {depth} --draft-min {draft_min} --draft-p-min {p_min}",
+        # llama-server's flags at build 11434: --draft-max/--draft-min are removed there, and a draft model alone
+        # (--model-draft) is loaded but not drafted with unless --spec-type names draft-simple
+        return Export(f"--spec-type draft-simple --spec-draft-model {draft_path} --spec-draft-n-max {depth} "
+                      f"--spec-draft-n-min {draft_min} --spec-draft-p-min {p_min}",
                       "llama-server -m TARGET.gguf <these flags>" + (
                           "" if best is not None else " (draft-p-min 0: every step drafts the full chain the plan "
                                                       "priced)"))
@@ -193,7 +196,7 @@ def _chain_length(text: str, fmt: str) -> int:
         config = json.loads(text)
         return int(config["assistant_generation_config"]["num_assistant_tokens"]) if config else 0
     flags = text.split()  # no flags (no draft model) where the plan drafts nothing
-    return int(flags[flags.index("--draft-max") + 1]) if flags else 0
+    return int(flags[flags.index("--spec-draft-n-max") + 1]) if flags else 0
 
 
 def _export_prompt_lookup(plan: Plan, fmt: str) -> Export:

@@ -881,7 +881,8 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
                 if not draft:
                     raise UserError("llama-server-draft needs a --draft model (its GGUF)")
                 draft_gguf = load_model(draft, "gguf", log=_progress).gguf_file()
-                extra = ["--model-draft", str(draft_gguf), "-td", str(threads)]
+                # a draft model alone is loaded but not drafted with: --spec-type draft-simple turns it on
+                extra = ["--spec-type", "draft-simple", "--spec-draft-model", str(draft_gguf), "-td", str(threads)]
             systems.append(System(name, llama_server_command(gguf, threads, extra)))
     machine = hardware.fingerprint(torch.device("cpu"), dtype, threads).get("cpu", "cpu")
     run_serving_bench(systems, encoded, levels, max_new_tokens, 2, output, lambda text: len(

@@ -144,8 +144,9 @@ def test_a_chain_engine_plan_carries_and_exports_its_knobs(engine, run_cli, tmp_
     exported = export_plan(plan, engine, draft_path="draft.gguf").content
     if engine == "llama.cpp":
         assert 0 < knobs["p_min"] < 1  # misses come with low confidence here: a stop pays
-        assert f"--draft-max {knobs['draft_max']} --draft-min {knobs['draft_min']} --draft-p-min {knobs['p_min']}" \
-            in exported
+        assert exported == (f"--spec-type draft-simple --spec-draft-model draft.gguf --spec-draft-n-max "
+                            f"{knobs['draft_max']} --spec-draft-n-min {knobs['draft_min']} --spec-draft-p-min "
+                            f"{knobs['p_min']}")
     else:
         config = json.loads(exported)["assistant_generation_config"]
         assert config["num_assistant_tokens"] == knobs["draft_max"]
