@@ -158,3 +158,46 @@ def test_the_lean_forward_takes_the_weights_over():
     torch.testing.assert_close(forward.prefill(ids[0], forward.new_cache(20)), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(loaded.transformers_model()(ids).logits[0, -1], expected)
     assert not loaded.released
+
+
+def test_the_gguf_table_reader_agrees_with_gguf_py_and_refuses_a_cut_file_in_one_line(tmp_path):
+    """read_gguf reads past the metadata arrays that gguf-py's reader builds item by item: on a file with string and
+    number arrays, scalars and quantized and float tensors, its tensors (names, types, shapes, bytes) and scalar
+    metadata equal gguf-py's; the same file cut short is one UserError naming it."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf.quants import quantize
+
+    from specplan.core.gguf_weights import read_gguf
+
+    path = tmp_path / "model.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.count", 7)
+    writer.add_float32("test.scale", 0.5)
+    writer.add_string("test.name", "tiny")
+    writer.add_array("test.tokens", [f"token{i}" for i in range(300)])
+    writer.add_array("test.scores", [float(i) for i in range(300)])
+    writer.add_tensor("blk.0.attn_q.weight", quantize(np.linspace(-1, 1, 8 * 64, dtype=np.float32).reshape(8, 64),
+                                                      GGMLQuantizationType.Q4_1), raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.add_tensor("output_norm.weight", np.arange(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    fields, tensors = read_gguf(path)
+    reference = GGUFReader(str(path))
+    assert fields["general.architecture"] == "llama" and fields["test.name"] == "tiny"
+    assert fields["test.count"] == 7 and fields["test.scale"] == 0.5 and fields["test.tokens"] is None
+    assert sorted(tensors) == sorted(t.name for t in reference.tensors)
+    for expected in reference.tensors:
+        tensor = tensors[expected.name]
+        assert tensor.type == expected.tensor_type and tensor.shape == tuple(int(n) for n in expected.shape)
+        assert np.array_equal(tensor.data, np.asarray(expected.data).view(np.uint8).ravel())
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(UserError, match="cut.gguf: not a readable GGUF file"):
+        read_gguf(cut)
+    cut.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(UserError, match="not a readable GGUF file"):
+        read_gguf(cut)
