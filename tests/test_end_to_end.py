@@ -96,10 +96,10 @@ def test_triforce_on_a_long_prompt_is_lossless(smollm2):
     from specplan.decoder.trie import Trie
     from specplan.decoder.triforce import HierarchicalDrafter
 
-    prompt = build_prompts("haystack", smollm2.tokenizer, 2048, 1)[0]
+    prompt = build_prompts("haystack", smollm2.tokenizer, 1024, 1)[0]
     lean = LeanModel(smollm2.model)
     drafter = HierarchicalDrafter(lean, TrieDrafter(Trie(TrieSettings(decoding_length=4, branch_length=3))), 2, 6,
-                                  RetrievalSettings(budget=512, chunk=8, stride=64))
+                                  RetrievalSettings(budget=256, chunk=8, stride=64))
     result = SpeculativeEngine(lean, drafter, smollm2.stop_token_ids).generate(prompt.ids, 48,
                                                                                          SamplingParams())
     assert result.tokens == hf_greedy(smollm2, prompt.ids, 48)[:len(result.tokens)]
