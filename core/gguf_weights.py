@@ -105,11 +105,13 @@ class _Cursor:
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     """A GGUF file's scalar and string metadata, and its tensors by name. gguf-py's GGUFReader builds every
     metadata array item by item, seconds for a tokenizer's vocabulary; this reads past the arrays."""
-    with open(path, "rb") as handle:
-        try:
+    try:
+        with open(path, "rb") as handle:
             buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:  # an empty file
-            raise UserError(f"{path}: not a GGUF file (empty)") from None
+    except ValueError:  # an empty file
+        raise UserError(f"{path}: not a GGUF file (empty)") from None
+    except OSError as exc:
+        raise UserError(f"{path}: not a readable GGUF file ({exc})") from None
     try:
         cursor = _Cursor(buffer)
         if cursor.take("I") != GGUF_MAGIC:
