@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specplan.core.errors import UserError
-from specplan.decoder.drafters import Drafter
+from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
 from specplan.decoder.model import prefill_together
 from specplan.decoder.sampling import SamplingParams
@@ -187,17 +187,6 @@ class Scheduler:
 
 
 def _draft(running: list[_Running]) -> list[DraftTree]:
-    """Every running sequence's next tree: drafters that batch together (a Sequoia draft model's sequences) propose
-    in one call, the others one by one."""
-    trees: list[DraftTree | None] = [None] * len(running)
-    left = list(range(len(running)))
-    while left:
-        lead = running[left[0]].run.drafter
-        group = [i for i in left if i == left[0] or lead.batches_with(running[i].run.drafter)]
-        runs = [running[i].run for i in group]
-        drafted = type(lead).propose_many([r.drafter for r in runs], [r.root for r in runs], [r.params for r in runs],
-                                          [r.rule.draw for r in runs], [r.generator for r in runs])
-        for i, tree in zip(group, drafted):
-            trees[i] = tree
-        left = [i for i in left if i not in group]
-    return trees
+    runs = [entry.run for entry in running]
+    return propose_all([r.drafter for r in runs], [r.root for r in runs], [r.params for r in runs],
+                       [r.rule.draw for r in runs], [r.generator for r in runs])

@@ -77,8 +77,26 @@ class Drafter(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot be the bottom of a hierarchy")
 
 
-def _forward_all(model: LeanModel, items: list[ForwardItem]) -> list[torch.Tensor]:
+def forward_all(model: LeanModel, items: list[ForwardItem]) -> list[torch.Tensor]:
     return model.forward_many(items) if len(items) > 1 else [model.forward(*items[0])]
+
+
+def propose_all(drafters: list[Drafter], roots: list[int], params: list[SamplingParams], draws: list[str],
+                generators: list[torch.Generator | None]) -> list[DraftTree]:
+    """Every sequence's next tree, each from its own drafter: drafters that batch together (one draft model's
+    sequences) propose in one call, the others one by one."""
+    trees: list[DraftTree | None] = [None] * len(drafters)
+    left = list(range(len(drafters)))
+    while left:
+        lead = drafters[left[0]]
+        group = [i for i in left if i == left[0] or lead.batches_with(drafters[i])]
+        drafted = type(lead).propose_many([drafters[i] for i in group], [roots[i] for i in group],
+                                          [params[i] for i in group], [draws[i] for i in group],
+                                          [generators[i] for i in group])
+        for i, tree in zip(group, drafted):
+            trees[i] = tree
+        left = [i for i in left if i not in group]
+    return trees
 
 
 class NoDrafter(Drafter):
@@ -181,7 +199,7 @@ class SequoiaDrafter(Drafter):
             mask = causal_mask(base, len(chain), model.dtype, model.device) if len(chain) > 1 else None
             items.append(ForwardItem(torch.tensor(chain), torch.arange(base, base + len(chain)), drafter.cache, mask,
                                      slice(len(chain) - 1, None)))
-        logits = _forward_all(model, items)
+        logits = forward_all(model, items)
         bases = []
         for drafter in drafters:
             drafter.cache.commit(None, len(drafter.pending))
@@ -197,7 +215,7 @@ class SequoiaDrafter(Drafter):
                     mask = tree_attention_mask(drafter.allowed[:, :first + len(level)], base, model.dtype, rows)
                     items.append(ForwardItem(torch.tensor([tree.tokens[v] for v in level]),
                                              torch.full((len(level),), base + depth), drafter.cache, mask))
-                logits = _forward_all(model, items)
+                logits = forward_all(model, items)
                 for drafter, base in zip(drafters, bases):
                     drafter.cache.length = base
             counts = [first_drafter.child_counts[v] for v in level]

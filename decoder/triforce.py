@@ -31,9 +31,9 @@ from specplan.core.method_settings import (
     TrieSettings,
     check_gammas,
 )
-from specplan.decoder.drafters import Drafter, choose_children
-from specplan.decoder.model import KVCache, LeanModel, causal_mask
-from specplan.decoder.sampling import probabilities
+from specplan.decoder.drafters import Drafter, choose_children, forward_all, propose_all
+from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask
+from specplan.decoder.sampling import SamplingParams, probabilities
 from specplan.decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
 from specplan.decoder.verify import choose_rule
 
@@ -99,33 +99,56 @@ class StreamingDrafter(Drafter):
             cache.move(slice(self.sinks + excess, cache.length), slice(self.sinks, cache.length - excess))
             cache.length -= excess
 
-    @torch.inference_mode()
     def propose(self, root, params, draw, generator):
-        chain = self.pending + [root]
-        self.pending = []
-        self._make_room(len(chain) + self.gamma)
-        first = self.positions - (len(chain) - 1)
-        mask = causal_mask(self.cache.length, len(chain), self.model.dtype, self.model.device) \
-            if len(chain) > 1 else None
-        logits = self.model.forward(torch.tensor(chain), torch.arange(first, first + len(chain)), self.cache, mask,
-                                    logits_rows=slice(len(chain) - 1, None))
-        self.cache.commit(None, len(chain) - 1)
-        scratch = self.cache.length  # the root's slot; draft tokens follow it
-        draw = DETERMINISTIC if params.greedy else draw
-        tokens, probs = [root], {}
-        for depth in range(self.gamma):
-            picks, distribution = choose_children(logits.float(), [1], params, draw, generator)
-            if distribution is not None:
-                probs[depth] = distribution[0]
-            tokens.append(picks[0][0])
-            if depth < self.gamma - 1:
-                self.cache.length = scratch + depth + 1
-                logits = self.model.forward(torch.tensor([tokens[-1]]), torch.tensor([self.positions + depth + 1]),
-                                            self.cache, None)
-                self.cache.length = scratch
-        tree = chain_tree(tokens, draw)
-        tree.draft_probs = probs
-        return tree
+        return StreamingDrafter.propose_many([self], [root], [params], [draw], [generator])[0]
+
+    def batches_with(self, other: Drafter) -> bool:
+        return isinstance(other, StreamingDrafter) and other.model is self.model and other.gamma == self.gamma
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(drafters: list[StreamingDrafter], roots: list[int], params: list[SamplingParams],
+                     draws: list[str], generators: list[torch.Generator | None]) -> list[DraftTree]:
+        """The chains of several sequences (one model and gamma, each over its own streaming cache), drafted
+        together: one batched forward of the tokens fed before the roots and the roots, then one per depth."""
+        model, gamma = drafters[0].model, drafters[0].gamma
+        items = []
+        for drafter, root in zip(drafters, roots):
+            chain = drafter.pending + [root]
+            drafter.pending = []
+            drafter._make_room(len(chain) + gamma)
+            first = drafter.positions - (len(chain) - 1)
+            mask = causal_mask(drafter.cache.length, len(chain), model.dtype, model.device) if len(chain) > 1 else None
+            items.append(ForwardItem(torch.tensor(chain), torch.arange(first, first + len(chain)), drafter.cache,
+                                     mask, slice(len(chain) - 1, None)))
+        logits = forward_all(model, items)
+        scratches = []  # each root's slot; draft tokens follow it
+        for drafter, item in zip(drafters, items):
+            drafter.cache.commit(None, len(item.tokens) - 1)
+            scratches.append(drafter.cache.length)
+        draws = [DETERMINISTIC if p.greedy else draw for p, draw in zip(params, draws)]
+        chains = [[root] for root in roots]
+        probs: list[dict[int, torch.Tensor]] = [{} for _ in drafters]
+        for depth in range(gamma):
+            for i, scored in enumerate(logits):
+                picks, distribution = choose_children(scored.float(), [1], params[i], draws[i], generators[i])
+                if distribution is not None:
+                    probs[i][depth] = distribution[0]
+                chains[i].append(picks[0][0])
+            if depth < gamma - 1:
+                items = []
+                for drafter, chain, scratch in zip(drafters, chains, scratches):
+                    drafter.cache.length = scratch + depth + 1
+                    items.append(ForwardItem(torch.tensor([chain[-1]]), torch.tensor([drafter.positions + depth + 1]),
+                                             drafter.cache, None))
+                logits = forward_all(model, items)
+                for drafter, scratch in zip(drafters, scratches):
+                    drafter.cache.length = scratch
+        trees = []
+        for chain, chain_probs, draw in zip(chains, probs, draws):
+            trees.append(chain_tree(chain, draw))
+            trees[-1].draft_probs = chain_probs
+        return trees
 
     def update(self, tree, accepted, next_token):
         # The root and the first gamma - 1 draft tokens were forwarded into slots after the prefix.
@@ -251,54 +274,47 @@ class HierarchicalDrafter(Drafter):
         self.full.root_queries = self.queries
         self.built = False
 
+    @staticmethod
     @torch.inference_mode()
-    def _ensure_retrieval(self, root: int) -> None:
-        if not self.built:
-            # Built at the end of prefill from the query of the prompt's last token (scored, not committed).
-            self.target.forward(torch.tensor([root]), torch.tensor([self.full.length]), self.full, None,
-                                logits_rows=slice(0, 0))
-            self.retrieval.build(self.full, self.queries)
-            self.built = True
-        elif self.rebuild_due:
-            # Due since the last step's update, scored with that step root's query; built only now, so that
-            # a generation's last step pays for none.
-            self.retrieval.build(self.full, self.queries)
-            self.rebuild_due = False
-            self.recent.clear()
+    def _ensure_retrieval(drafters: list[HierarchicalDrafter], roots: list[int]) -> None:
+        """Each drafter's retrieval cache ready for its next round: built at the end of prefill from the query of
+        the prompt's last token (scored, not committed; one batched forward for the sequences that start), or
+        rebuilt when due since the last step's update, scored with that step root's query (built only now, so
+        that a generation's last step pays for none)."""
+        starting = [(drafter, root) for drafter, root in zip(drafters, roots) if not drafter.built]
+        if starting:
+            forward_all(drafters[0].target, [
+                ForwardItem(torch.tensor([root]), torch.tensor([drafter.full.length]), drafter.full, None, slice(0, 0))
+                for drafter, root in starting])
+        for drafter in drafters:
+            if not drafter.built or drafter.rebuild_due:
+                drafter.retrieval.build(drafter.full, drafter.queries)
+                drafter.built, drafter.rebuild_due = True, False
+                drafter.recent.clear()
 
-    @torch.inference_mode()
     def propose(self, root, params, draw, generator):
-        self._ensure_retrieval(root)
-        middle = self.retrieval.cache
-        base = middle.length
-        rule = choose_rule(self.bottom_rule, params, self.bottom.draws)
-        greedy = params.greedy
-        tokens, probs = [root], {}
-        mid_root = root
-        position = self.full.length  # the root's true position
-        while len(tokens) - 1 < self.gamma2:
-            proposal = self.bottom.propose(mid_root, params, rule.draw, generator)
-            n = proposal.size
-            offset = len(tokens) - 1
-            mask = tree_attention_mask(ancestor_matrix(proposal.parents), middle.length, self.target.dtype) \
-                if n > 1 else None
-            positions = position + offset + torch.tensor(proposal.depths)
-            logits = self.target.forward(torch.tensor(proposal.tokens), positions, middle, mask)
-            path, next_token = rule.walk(proposal, logits, params, generator)
-            middle.commit(None if path == list(range(len(path))) else torch.tensor(path), len(path))
-            self.bottom.update(proposal, path, next_token)
-            for i, node in enumerate(path[1:] + [None]):
-                parent = path[i]
-                if not greedy:
-                    probs[len(tokens) - 1] = probabilities(logits[parent][None], params)[0]
-                tokens.append(proposal.tokens[node] if node is not None else next_token)
-            mid_root = next_token
-            self.stats["rounds"] += 1
-        middle.length = base
-        tree = chain_tree(tokens, DETERMINISTIC if greedy else WITHOUT_REPLACEMENT)
-        tree.draft_probs = probs
-        self.told = len(tokens) - 2
-        return tree
+        return HierarchicalDrafter.propose_many([self], [root], [params], [draw], [generator])[0]
+
+    def batches_with(self, other: Drafter) -> bool:
+        return isinstance(other, HierarchicalDrafter) and other.target is self.target
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(drafters: list[HierarchicalDrafter], roots: list[int], params: list[SamplingParams],
+                     draws: list[str], generators: list[torch.Generator | None]) -> list[DraftTree]:
+        """The chains of several sequences, their rounds in step: each round, the bottoms draft (together where
+        they batch), then one batched middle forward scores every sequence's proposal over its own retrieval
+        cache; a sequence leaves the rounds once it holds gamma2 tokens."""
+        HierarchicalDrafter._ensure_retrieval(drafters, roots)
+        chains = [_MiddleChain(*args) for args in zip(drafters, roots, params, generators)]
+        while active := [chain for chain in chains if not chain.done]:
+            proposals = propose_all([c.drafter.bottom for c in active], [c.mid_root for c in active],
+                                    [c.params for c in active], [c.rule.draw for c in active],
+                                    [c.generator for c in active])
+            items = [chain.middle_item(proposal) for chain, proposal in zip(active, proposals)]
+            for chain, proposal, scored in zip(active, proposals, forward_all(drafters[0].target, items)):
+                chain.take(proposal, scored)
+        return [chain.finish() for chain in chains]
 
     def update(self, tree, accepted, next_token):
         accepted_drafts = len(accepted) - 1
@@ -317,3 +333,47 @@ class HierarchicalDrafter(Drafter):
         low = self.retrieval.settings.rebuild_below
         self.rebuild_due = not self.retrieval.insert(self.full, start, end) or (
             low > 0 and len(self.recent) == self.recent.maxlen and sum(self.recent) / len(self.recent) < low)
+
+
+class _MiddleChain:
+    """One sequence's chain while a HierarchicalDrafter's rounds build it: the bottom drafts from `mid_root`, the
+    target over the retrieval cache verifies, and the accepted tokens and the correction join the chain."""
+
+    def __init__(self, drafter: HierarchicalDrafter, root: int, params: SamplingParams,
+                 generator: torch.Generator | None) -> None:
+        self.drafter, self.params, self.generator = drafter, params, generator
+        self.rule = choose_rule(drafter.bottom_rule, params, drafter.bottom.draws)
+        self.middle = drafter.retrieval.cache
+        self.base = self.middle.length
+        self.position = drafter.full.length  # the root's true position
+        self.tokens, self.probs = [root], {}
+        self.mid_root = root
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) - 1 >= self.drafter.gamma2
+
+    def middle_item(self, proposal: DraftTree) -> ForwardItem:
+        target = self.drafter.target
+        mask = tree_attention_mask(ancestor_matrix(proposal.parents), self.middle.length, target.dtype) \
+            if proposal.size > 1 else None
+        positions = self.position + len(self.tokens) - 1 + torch.tensor(proposal.depths)
+        return ForwardItem(torch.tensor(proposal.tokens), positions, self.middle, mask)
+
+    def take(self, proposal: DraftTree, logits: torch.Tensor) -> None:
+        path, next_token = self.rule.walk(proposal, logits, self.params, self.generator)
+        self.middle.commit(None if path == list(range(len(path))) else torch.tensor(path), len(path))
+        self.drafter.bottom.update(proposal, path, next_token)
+        for i, node in enumerate(path[1:] + [None]):
+            if not self.params.greedy:
+                self.probs[len(self.tokens) - 1] = probabilities(logits[path[i]][None], self.params)[0]
+            self.tokens.append(proposal.tokens[node] if node is not None else next_token)
+        self.mid_root = next_token
+        self.drafter.stats["rounds"] += 1
+
+    def finish(self) -> DraftTree:
+        self.middle.length = self.base
+        tree = chain_tree(self.tokens, DETERMINISTIC if self.params.greedy else WITHOUT_REPLACEMENT)
+        tree.draft_probs = self.probs
+        self.drafter.told = len(self.tokens) - 2
+        return tree
