@@ -331,10 +331,6 @@ class _ForwardTimer:
         self.cpu_seconds = 0.0
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def clear(self) -> None:
-        self.cpu_seconds = 0.0
-        self.events = []
-
     def __enter__(self) -> _ForwardTimer:
         self.replaced = self.model.__dict__.get("forward")  # an instance's own forward, put back on exit
         forward = self.model.forward
@@ -368,17 +364,11 @@ class _ForwardTimer:
 
 
 class _ChainDrafter(Drafter):
-    """Proposes the root and fixed random tokens after it, a chain the target rejects as a rule; clears the
-    forward timer when decoding starts (after the prefill), and notes the time."""
+    """Proposes the root and fixed random tokens after it, a chain the target rejects as a rule."""
 
-    def __init__(self, tokens: list[int], timer: _ForwardTimer) -> None:
+    def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
-        self.timer = timer
         self.max_tree_size = len(tokens) + 1
-
-    def reset(self, prompt: list[int], max_len: int) -> None:
-        self.timer.clear()
-        self.started = time.perf_counter()
 
     def propose(self, root, params, draw, generator):
         return DraftTree([root] + self.tokens, list(range(-1, len(self.tokens))))
@@ -404,22 +394,20 @@ def engine_overhead(model: Forward, context: int, sizes: list[int], steps: int =
     """{n: seconds}: a greedy decoding step's time outside the target's forward, for a draft of n tokens (root
     included) after a prompt of `context` random tokens, by the decoder's own engine: the steps' wall time
     minus their forwards'. The median over `rounds` runs of `steps` steps, all in one generation (one prefill)
-    after a warm-up generation on the same engine (masks, CUDA graphs)."""
+    after a first run of `steps` steps that warms the engine up (masks, CUDA graphs)."""
     generator = torch.Generator().manual_seed(seed)
     vocab = model.shape.vocab
     prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
     overhead = {}
     for n in sizes:
         timer = _ForwardTimer(model)
-        drafter = _ChainDrafter(torch.randint(0, vocab, (n - 1,), generator=generator).tolist(), timer)
-        engine = SpeculativeEngine(model, drafter)
-        engine.generate(prompt, 2, SamplingParams())
+        chain = torch.randint(0, vocab, (n - 1,), generator=generator).tolist()
+        engine = SpeculativeEngine(model, _ChainDrafter(chain))
         runs = _RunMarks(steps, timer)
         with timer:
-            engine.generate(prompt, rounds * steps, SamplingParams(), on_tokens=runs)
-        marks = [(drafter.started, 0.0)] + runs.marks
+            engine.generate(prompt, (rounds + 1) * steps, SamplingParams(), on_tokens=runs)
         per_step = [((wall - last_wall) - (forward - last_forward)) / steps
-                    for (last_wall, last_forward), (wall, forward) in zip(marks, marks[1:])]
+                    for (last_wall, last_forward), (wall, forward) in zip(runs.marks, runs.marks[1:])]
         overhead[n] = max(0.0, float(np.median(per_step)))
     return overhead
 
