@@ -26,12 +26,12 @@ from timing import interleaved_medians, median_seconds
 from torch.utils.cpp_extension import load
 
 from specplan.core.models import load_model, preset_gguf
-from specplan.decoder.cpu_kernels import FLAGS, SOURCE
+from specplan.decoder.cpu_kernels import FLAGS, SOURCE_DIR, SOURCES
 
 
 def build(defines: dict[str, str]):
     name = "variant_" + "_".join(f"{key}{value}" for key, value in defines.items())
-    return load(name=name, sources=[str(SOURCE)],
+    return load(name=name, sources=[str(SOURCE_DIR / source) for source in SOURCES],
                 extra_cflags=FLAGS + ["-march=native"] + [f"-D{k}={v}" for k, v in defines.items()],
                 extra_ldflags=["-fopenmp"], verbose=False)
 

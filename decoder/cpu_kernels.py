@@ -1,6 +1,7 @@
-"""The CPU kernels of decoder/kernels/cpu_kernels.cpp, compiled once per host (gcc -O3 -march=native) with torch's
-extension builder and cached beside the converted models; `kernels()` returns the module, or None where they cannot
-be built (the forward then runs PyTorch's own operators, and says why once).
+"""The CPU kernels of decoder/kernels/ (two translation units, compiled in parallel), built once per host (gcc -O3
+-march=native) with torch's extension builder and cached beside the converted models, from a copy of the sources in
+the cache (so that another checkout of the same sources reuses the build); `kernels()` returns the module, or None
+where they cannot be built (the forward then runs PyTorch's own operators, and says why once).
 
 Set SPECPLAN_KERNELS=0 to run without them (PyTorch's operators: the forward a GPU runs, for comparisons).
 `kernels(march)` builds for another instruction set than the host's (tests run the AVX2 and the portable paths on an
@@ -21,9 +22,11 @@ from types import ModuleType
 import torch
 
 from specplan.core import progress
+from specplan.core.fileio import atomic_output
 from specplan.core.models import cache_dir
 
-SOURCE = Path(__file__).parent / "kernels" / "cpu_kernels.cpp"
+SOURCE_DIR = Path(__file__).parent / "kernels"
+SOURCES = ["cpu_kernels.cpp", "linear.cpp"]  # compiled; they include the headers beside them
 FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp"]
 
 
@@ -50,17 +53,23 @@ def kernels(march: str = "native") -> ModuleType | None:
     if not enabled():
         return None
     flags = FLAGS + [f"-march={march}"]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), torch.__version__, sys.version,
+    texts = {path.name: path.read_text() for path in sorted(SOURCE_DIR.glob("*.[ch]*"))}
+    key = hashlib.sha256("\n".join([*texts.values(), " ".join(flags), torch.__version__, sys.version,
                                     _host_features()]).encode()).hexdigest()[:16]
     build = cache_dir() / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():  # the same key means the same text: a copy is written once, its time kept
+        if not (build / name).exists():
+            with atomic_output(build / name) as handle:
+                handle.write(text)
     from torch.utils.cpp_extension import load
 
     if not any(build.glob("*.so")):
-        progress.say(f"building the CPU kernels for this host (-march={march}; once, about 30 s; cached in {build})")
+        progress.say(f"building the CPU kernels for this host (-march={march}; once, about a minute; cached in "
+                     f"{build})")
     try:
-        return load(name=f"specplan_cpu_{key}", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                    build_directory=str(build), verbose=False)
+        return load(name=f"specplan_cpu_{key}", sources=[str(build / name) for name in SOURCES], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
         print(f"specplan: CPU kernels unavailable ({str(exc).splitlines()[0][:200]}); running PyTorch's operators",
               file=sys.stderr)

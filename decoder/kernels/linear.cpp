@@ -1,0 +1,902 @@
+// The matmul kernels of decoder/kernels/linear.h: every weight format's blocks decoded in registers as they stream
+// (written after ggml's dequantize_row_*, so that a block means exactly what llama.cpp reads from the same file),
+// dotted with a few activation rows per pass, or with register tiles for more; K-quants against 8-bit activations.
+
+#include "linear.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "simd.h"
+
+namespace specplan_kernels {
+namespace {
+
+// Rows of activations dotted with a weight row per pass over it, their accumulators in registers: 8 x 2 fit
+// AVX-512's 32 registers. Up to direct_rows(format) rows (decoding, token trees) take passes of ROW_TILE rows
+// over each weight row, a block format's blocks decoded in registers once per pass; more (prefill chunks) read
+// TILE_W weight rows as fp32 (decoded once into a buffer) and run register tiles over them. The limits are
+// measured (matmul passes over smollm2-135m's layers on a 2-core EPYC, bench/kernel_variants.py): fp32 rows
+// stream best in tiles from 5 rows on, bf16 from 9, decoded blocks from 17 (from 32 rows, decoding once beats a
+// pass per 8). With AVX2's 16 registers fp32 takes passes of 4 rows (one accumulator of two registers per row):
+// whole smollm2 forwards of 3 and 4 rows ran 10-25% faster than in passes of 2 (bench/kernel_variants.py forward).
+#ifdef __AVX512F__
+constexpr int ROW_TILE = 8;
+constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS = 16;
+#else
+#ifndef AVX2_ROW_TILE
+#define AVX2_ROW_TILE 4
+#endif
+#ifndef AVX2_DIRECT_ROWS_F32
+#define AVX2_DIRECT_ROWS_F32 4
+#endif
+constexpr int ROW_TILE = AVX2_ROW_TILE;
+constexpr int64_t DIRECT_ROWS_F32 = AVX2_DIRECT_ROWS_F32, DIRECT_ROWS_BF16 = 2, DIRECT_ROWS_BLOCKS = 2;
+#endif
+
+const v16i LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+template <int F> struct Block;
+
+template <> struct Block<BF16> {
+  static constexpr int elems = 32, bytes = 64;
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(b);
+    emit(0, widen_bf16(h));
+    emit(16, widen_bf16(h + 16));
+  }
+};
+
+template <> struct Block<Q4_0> {  // d (fp16), 16 bytes: element j in the low nibble of byte j, j + 16 in the high
+  static constexpr int elems = 32, bytes = 18;
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    const float d = half_at(b);
+    const v16i q = bytes_to_int<false>(b + 2);
+    emit(0, ints_to_float((q & 15) - 8) * d);
+    emit(16, ints_to_float((q >> 4) - 8) * d);
+  }
+};
+
+template <> struct Block<Q4_1> {  // d, m (fp16), 16 bytes of nibbles: y = d q + m
+  static constexpr int elems = 32, bytes = 20;
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    const float d = half_at(b), m = half_at(b + 2);
+    const v16i q = bytes_to_int<false>(b + 4);
+    emit(0, ints_to_float(q & 15) * d + m);
+    emit(16, ints_to_float(q >> 4) * d + m);
+  }
+};
+
+inline void high_bits(uint32_t qh, v16i& low_half, v16i& high_half) {  // bit j of qh is the fifth bit of element j
+  const v16i bits = v16i{} + static_cast<int32_t>(qh);
+  low_half = ((bits >> LANE) << 4) & 0x10;
+  high_half = (bits >> (LANE + 12)) & 0x10;
+}
+
+template <> struct Block<Q5_0> {  // d, qh (32 bits), 16 bytes of nibbles: y = d (q - 16)
+  static constexpr int elems = 32, bytes = 22;
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    const float d = half_at(b);
+    uint32_t qh; std::memcpy(&qh, b + 2, 4);
+    v16i h0, h1; high_bits(qh, h0, h1);
+    const v16i q = bytes_to_int<false>(b + 6);
+    emit(0, ints_to_float(((q & 15) | h0) - 16) * d);
+    emit(16, ints_to_float(((q >> 4) | h1) - 16) * d);
+  }
+};
+
+template <> struct Block<Q5_1> {  // d, m, qh, 16 bytes of nibbles: y = d q + m
+  static constexpr int elems = 32, bytes = 24;
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    const float d = half_at(b), m = half_at(b + 2);
+    uint32_t qh; std::memcpy(&qh, b + 4, 4);
+    v16i h0, h1; high_bits(qh, h0, h1);
+    const v16i q = bytes_to_int<false>(b + 8);
+    emit(0, ints_to_float((q & 15) | h0) * d + m);
+    emit(16, ints_to_float((q >> 4) | h1) * d + m);
+  }
+};
+
+template <> struct Block<Q8_0> {  // d, 32 int8: y = d q
+  static constexpr int elems = 32, bytes = 34;
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    const float d = half_at(b);
+    emit(0, ints_to_float(bytes_to_int<true>(b + 2)) * d);
+    emit(16, ints_to_float(bytes_to_int<true>(b + 18)) * d);
+  }
+};
+
+// K-quants: 256-element super-blocks of 8 sub-blocks with 6-bit scales and mins packed in 12 bytes; unpacked
+// all at once with ggml's masks (ggml-quants.c, ggml_vec_dot_q4_K_q8_K): bytes 0-7 the scales, 8-15 the mins.
+inline void scales_mins_k4(const uint8_t* packed, uint8_t out[16]) {
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  const uint32_t mins_low = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  u[2] = mins_low;
+  u[0] &= low6;
+  std::memcpy(out, u, 16);
+}
+
+template <> struct Block<Q4_K> {  // d, dmin, 12 bytes of scales, 128 bytes: 32 bytes per 64 elements
+  static constexpr int elems = 256, bytes = 144;
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    uint8_t sm[16];
+    scales_mins_k4(b + 4, sm);
+    const uint8_t* qs = b + 16;
+#pragma GCC unroll 4
+    for (int c = 0, base = 0; c < 4; c++, qs += 32, base += 64) {
+      const float d0 = d * sm[2 * c], n0 = dmin * sm[8 + 2 * c], d1 = d * sm[2 * c + 1], n1 = dmin * sm[9 + 2 * c];
+#pragma GCC unroll 2
+      for (int h = 0; h < 32; h += 16) {
+        const v16i q = bytes_to_int<false>(qs + h);
+        emit(base + h, ints_to_float(q & 15) * d0 - n0);
+        emit(base + 32 + h, ints_to_float(q >> 4) * d1 - n1);
+      }
+    }
+  }
+};
+
+template <> struct Block<Q5_K> {  // d, dmin, scales, 32 bytes of fifth bits, 128 bytes of nibbles
+  static constexpr int elems = 256, bytes = 176;
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    uint8_t sm[16];
+    scales_mins_k4(b + 4, sm);
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+#pragma GCC unroll 4
+    for (int c = 0, base = 0; c < 4; c++, qs += 32, base += 64) {
+      const float d0 = d * sm[2 * c], n0 = dmin * sm[8 + 2 * c], d1 = d * sm[2 * c + 1], n1 = dmin * sm[9 + 2 * c];
+#pragma GCC unroll 2
+      for (int h = 0; h < 32; h += 16) {
+        const v16i q = bytes_to_int<false>(qs + h);
+        const v16i high = bytes_to_int<false>(qh + h);
+        const v16i h0 = ((high >> (2 * c)) & 1) << 4, h1 = ((high >> (2 * c + 1)) & 1) << 4;
+        emit(base + h, ints_to_float((q & 15) | h0) * d0 - n0);
+        emit(base + 32 + h, ints_to_float((q >> 4) | h1) * d1 - n1);
+      }
+    }
+  }
+};
+
+template <> struct Block<Q6_K> {  // 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d: y = d s (q - 32)
+  static constexpr int elems = 256, bytes = 210;
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    const float d = half_at(b + 208);
+    float scale[16], offset[16];  // y = scale q + offset, offset = -32 scale
+    for (int i = 0; i < 16; i++) {
+      scale[i] = d * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[i]);
+      offset[i] = -32.0f * scale[i];
+    }
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+#pragma GCC unroll 2
+    for (int half = 0, base = 0, is = 0; half < 2; half++, ql += 64, qh += 32, base += 128, is += 8) {
+#pragma GCC unroll 2
+      for (int l = 0; l < 32; l += 16, is++) {
+        const v16i a = bytes_to_int<false>(ql + l), c = bytes_to_int<false>(ql + l + 32);
+        const v16i h = bytes_to_int<false>(qh + l);
+        emit(base + l, ints_to_float((a & 15) | ((h << 4) & 0x30)) * scale[is] + offset[is]);
+        emit(base + l + 32, ints_to_float((c & 15) | ((h << 2) & 0x30)) * scale[is + 2] + offset[is + 2]);
+        emit(base + l + 64, ints_to_float((a >> 4) | (h & 0x30)) * scale[is + 4] + offset[is + 4]);
+        emit(base + l + 96, ints_to_float((c >> 4) | ((h >> 2) & 0x30)) * scale[is + 6] + offset[is + 6]);
+      }
+      is -= 2;
+    }
+  }
+};
+
+template <> struct Block<F32> {  // fp32 rows need no blocks: one 16-float vector is the unit
+  static constexpr int elems = 16, bytes = 64;
+  template <typename Emit>
+  static void each(const uint8_t* b, Emit&& emit) {
+    for (int e = 0; e < elems; e += 16) emit(e, load(reinterpret_cast<const float*>(b) + e));
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dot products of one weight row with up to ROW_TILE activation rows (fp32, leading dimension ldx).
+
+template <int NR>
+inline void dot_f32(const float* w, const float* x, int64_t ldx, int64_t k, float* out) {
+#ifndef __AVX512F__
+  if constexpr (NR > 2) {  // AVX2's 16 registers: one 16-float accumulator (two registers) per activation row
+    v16f acc[NR] = {};
+    int64_t c = 0;
+    for (; c + 16 <= k; c += 16) {
+      const v16f w0 = load(w + c);
+      for (int r = 0; r < NR; r++) acc[r] += w0 * load(x + r * ldx + c);
+    }
+    for (int r = 0; r < NR; r++) {
+      float s = hsum(acc[r]);
+      for (int64_t t = c; t < k; t++) s += w[t] * x[r * ldx + t];
+      out[r] = s;
+    }
+    return;
+  }
+#endif
+  v16f acc[NR][2] = {};
+  int64_t c = 0;
+  for (; c + 32 <= k; c += 32) {
+    const v16f w0 = load(w + c), w1 = load(w + c + 16);
+    for (int r = 0; r < NR; r++) {
+      acc[r][0] += w0 * load(x + r * ldx + c);
+      acc[r][1] += w1 * load(x + r * ldx + c + 16);
+    }
+  }
+  for (int r = 0; r < NR; r++) {
+    float s = hsum(acc[r][0] + acc[r][1]);
+    for (int64_t t = c; t < k; t++) s += w[t] * x[r * ldx + t];
+    out[r] = s;
+  }
+}
+
+// A WT x XT tile of outputs: WT weight rows (fp32, leading dimension k) against XT activation rows, with every
+// loaded vector used WT or XT times (for more activation rows than ROW_TILE: tree forwards, prefill chunks).
+template <int WT, int XT>
+inline void dot_tile(const float* w, const float* x, int64_t k, float out[WT][XT]) {
+  v16f acc[WT][XT] = {};
+  int64_t c = 0;
+  for (; c + 16 <= k; c += 16) {
+    v16f wv[WT], xv[XT];
+    for (int a = 0; a < WT; a++) wv[a] = load(w + a * k + c);
+    for (int b = 0; b < XT; b++) xv[b] = load(x + b * k + c);
+    for (int a = 0; a < WT; a++)
+      for (int b = 0; b < XT; b++) acc[a][b] += wv[a] * xv[b];
+  }
+  for (int a = 0; a < WT; a++)
+    for (int b = 0; b < XT; b++) {
+      float s = hsum(acc[a][b]);
+      for (int64_t t = c; t < k; t++) s += w[a * k + t] * x[b * k + t];
+      out[a][b] = s;
+    }
+}
+
+// Block formats decode slowly enough that the hardware prefetcher alone leaves DRAM bandwidth unused (Q6_K streamed
+// at 14 GB/s without this); the decode loop asks for the bytes this far ahead.
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+// Each weight block is decoded in registers (Block<F>::each hands over 16 values at a time) and dotted at once,
+// into four accumulators per row (independent FMA chains: the 16-value pieces of 64 elements go to different
+// ones, so two 32-element blocks are taken per step). The blocks' loops are unrolled so that every offset, and
+// with it the accumulator, is known at compile time (a run-time index would keep the accumulators in memory).
+template <int F, int NR>
+inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
+  constexpr int E = Block<F>::elems, B = Block<F>::bytes, STEP = E >= 64 ? 1 : 64 / E;
+  constexpr int ACC = NR <= 4 ? 4 : 2;  // accumulators per row, as many as the registers hold
+  v16f acc[NR][ACC] = {};
+  const int64_t blocks = k / E;
+  auto one_block = [&](int64_t b, auto shift) {
+    const float* xb = x + b * E;
+    const uint8_t* block = row + b * B;
+    for (int line = 0; line < B; line += 64) __builtin_prefetch(block + PREFETCH_BYTES + line);
+    Block<F>::each(block, [&](int offset, v16f w) {
+      const int slot = ((offset + decltype(shift)::value) >> 4) & (ACC - 1);
+      for (int r = 0; r < NR; r++) acc[r][slot] += w * load(xb + r * ldx + offset);
+    });
+  };
+  int64_t b = 0;
+  for (; b + STEP <= blocks; b += STEP) {
+    one_block(b, std::integral_constant<int, 0>{});
+    if constexpr (STEP > 1) one_block(b + 1, std::integral_constant<int, E>{});
+  }
+  for (; b < blocks; b++) one_block(b, std::integral_constant<int, 0>{});
+  for (int r = 0; r < NR; r++) {
+    v16f total = acc[r][0];
+    for (int a = 1; a < ACC; a++) total += acc[r][a];
+    out[r] = hsum(total);
+  }
+}
+
+#ifdef __AVX512BF16__
+template <int NR>
+inline void dot_bf16(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, float* out) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + c);
+    for (int r = 0; r < NR; r++)
+      acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512(x + r * ldx + c));
+  }
+  for (int r = 0; r < NR; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
+template <int F>
+void decode_row(const uint8_t* row, int64_t k, float* y) {
+  for (int64_t b = 0; b < k / Block<F>::elems; b++, y += Block<F>::elems)
+    Block<F>::each(row + b * Block<F>::bytes, [&](int offset, v16f w) { store(y + offset, w); });
+}
+
+// Calls fn(std::integral_constant<int, NR>) for a tile of nr activation rows (1 <= nr <= ROW_TILE).
+template <typename Fn>
+inline void with_tile(int nr, Fn&& fn) {
+  switch (nr) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+#ifdef __AVX512F__
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
+#endif
+  }
+}
+
+inline void store_row_outputs(const float* part, int nr, float bias, int64_t i, int64_t r, int64_t rows, float* out_f,
+                              c10::BFloat16* out_h) {
+  for (int j = 0; j < nr; j++) {
+    const float v = part[j] + bias;
+    if (out_f) out_f[(i + j) * rows + r] = v; else out_h[(i + j) * rows + r] = c10::BFloat16(v);
+  }
+}
+
+// Weight rows x activation rows per register tile, for more than ROW_TILE activation rows.
+#ifndef TILE_W
+#ifdef __AVX512F__  // measured on a 2-core EPYC: 8 x 2 beat 4 x 4, 6 x 4, 2 x 8 and 12 x 2 for 8 to 64 rows
+#define TILE_W 8
+#define TILE_X 2
+#else
+#define TILE_W 2
+#define TILE_X 2
+#endif
+#endif
+
+// Calls fn(std::integral_constant<int, XT>) for an edge tile of xt < TILE_X activation rows.
+template <typename Fn>
+inline void with_edge(int xt, Fn&& fn) {
+  switch (xt) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+#if TILE_X > 2
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+#endif
+#if TILE_X > 3
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+#endif
+#if TILE_X > 4
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+#endif
+#if TILE_X > 5
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+#endif
+  }
+}
+
+// Runs tile(w rows r0.., x rows i.., part) over every (weight rows, activation rows) tile of the output, weight
+// row groups split across threads; `prepare(r0, wt)` readies a group's rows (decodes them) before its tiles.
+template <typename Prepare, typename Tile>
+void tiled(int64_t n, int64_t rows, const float* bias, float* out_f, c10::BFloat16* out_h, Prepare&& prepare,
+           Tile&& tile) {
+  at::parallel_for(0, (rows + TILE_W - 1) / TILE_W, 4, [&](int64_t begin, int64_t end) {
+    auto state = prepare.make();
+    float part[TILE_W][TILE_X];
+    for (int64_t group = begin; group < end; group++) {
+      const int64_t r0 = group * TILE_W;
+      const int wt = static_cast<int>(std::min<int64_t>(TILE_W, rows - r0));
+      prepare(state, r0, wt);
+      for (int64_t i = 0; i < n; i += TILE_X) {
+        const int xt = static_cast<int>(std::min<int64_t>(TILE_X, n - i));
+        tile(state, r0, wt, i, xt, part);
+        for (int a = 0; a < wt; a++) {
+          const float b = bias ? bias[r0 + a] : 0.0f;
+          for (int j = 0; j < xt; j++) {
+            const float v = part[a][j] + b;
+            if (out_f) out_f[(i + j) * rows + r0 + a] = v; else out_h[(i + j) * rows + r0 + a] = c10::BFloat16(v);
+          }
+        }
+      }
+    }
+  });
+}
+
+// out[i, r] = x[i] . W[r] + bias[r], weight rows split across threads: a few activation rows in passes of ROW_TILE
+// over each weight row (its blocks decoded in registers), more with register tiles (above).
+template <int F>
+void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, int64_t row_bytes, const float* bias,
+                 float* out_f, c10::BFloat16* out_h, int64_t rows) {
+  if (n <= (F == F32 ? DIRECT_ROWS_F32 : DIRECT_ROWS_BLOCKS)) {
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      float part[ROW_TILE];
+      for (int64_t r = begin; r < end; r++) {
+        const uint8_t* row = weight + r * row_bytes;
+        for (int64_t i = 0; i < n; i += ROW_TILE) {
+          const int nr = static_cast<int>(std::min<int64_t>(ROW_TILE, n - i));
+          with_tile(nr, [&](auto tile) {
+            constexpr int NR = decltype(tile)::value;
+            if constexpr (F == F32) dot_f32<NR>(reinterpret_cast<const float*>(row), x + i * k, k, k, part);
+            else dot_blocks<F, NR>(row, x + i * k, k, k, part);
+          });
+          store_row_outputs(part, nr, bias ? bias[r] : 0.0f, i, r, rows, out_f, out_h);
+        }
+      }
+    });
+    return;
+  }
+  struct Decoder {  // the fp32 rows of a group: the weight itself, or decoded into a per-thread buffer
+    int64_t k, row_bytes;
+    const uint8_t* weight;
+    std::vector<float> make() const { return std::vector<float>(F == F32 ? 0 : TILE_W * k); }
+    void operator()(std::vector<float>& buffer, int64_t r0, int wt) const {
+      if constexpr (F != F32)
+        for (int a = 0; a < wt; a++) decode_row<F>(weight + (r0 + a) * row_bytes, k, buffer.data() + a * k);
+    }
+  } decoder{k, row_bytes, weight};
+  tiled(n, rows, bias, out_f, out_h, decoder,
+        [&](std::vector<float>& buffer, int64_t r0, int wt, int64_t i, int xt, float (*part)[TILE_X]) {
+          const float* w = F == F32 ? reinterpret_cast<const float*>(weight + r0 * row_bytes) : buffer.data();
+          if (wt == TILE_W && xt == TILE_X) {
+            dot_tile<TILE_W, TILE_X>(w, x + i * k, k, part);
+            return;
+          }
+          if (wt == TILE_W) {
+            with_edge(xt, [&](auto edge) {
+              constexpr int XT = decltype(edge)::value;
+              float edge_part[TILE_W][XT];
+              dot_tile<TILE_W, XT>(w, x + i * k, k, edge_part);
+              for (int a = 0; a < TILE_W; a++) std::copy(edge_part[a], edge_part[a] + XT, part[a]);
+            });
+            return;
+          }
+          for (int a = 0; a < wt; a++)
+            for (int b = 0; b < xt; b++) {
+              float one[1][1];
+              dot_tile<1, 1>(w + a * k, x + (i + b) * k, k, one);
+              part[a][b] = one[0][0];
+            }
+        });
+}
+
+#ifdef __AVX512BF16__
+template <int WT, int XT>
+inline void dot_tile_bf16(const uint16_t* w, const uint16_t* x, int64_t k, float out[][TILE_X]) {
+  __m512 acc[WT][XT];
+  for (int a = 0; a < WT; a++)
+    for (int b = 0; b < XT; b++) acc[a][b] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 32) {
+    __m512bh wv[WT], xv[XT];
+    for (int a = 0; a < WT; a++) wv[a] = (__m512bh)_mm512_loadu_si512(w + a * k + c);
+    for (int b = 0; b < XT; b++) xv[b] = (__m512bh)_mm512_loadu_si512(x + b * k + c);
+    for (int a = 0; a < WT; a++)
+      for (int b = 0; b < XT; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[a], xv[b]);
+  }
+  for (int a = 0; a < WT; a++)
+    for (int b = 0; b < XT; b++) out[a][b] = _mm512_reduce_add_ps(acc[a][b]);
+}
+
+// bf16 weights and activations on a CPU with avx512_bf16: vdpbf16ps (pairs of bf16 products into fp32 lanes).
+void bf16_native_rows(const uint16_t* x, int64_t n, int64_t k, const uint16_t* weight, const float* bias,
+                        float* out_f, c10::BFloat16* out_h, int64_t rows) {
+  if (n <= DIRECT_ROWS_BF16) {
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      float part[ROW_TILE];
+      for (int64_t r = begin; r < end; r++) {
+        for (int64_t i = 0; i < n; i += ROW_TILE) {
+          const int nr = static_cast<int>(std::min<int64_t>(ROW_TILE, n - i));
+          with_tile(nr, [&](auto tile) { dot_bf16<decltype(tile)::value>(weight + r * k, x + i * k, k, k, part); });
+          store_row_outputs(part, nr, bias ? bias[r] : 0.0f, i, r, rows, out_f, out_h);
+        }
+      }
+    });
+    return;
+  }
+  struct NoPreparation {
+    int make() const { return 0; }
+    void operator()(int, int64_t, int) const {}
+  };
+  tiled(n, rows, bias, out_f, out_h, NoPreparation{},
+        [&](int, int64_t r0, int wt, int64_t i, int xt, float (*part)[TILE_X]) {
+          const uint16_t* w = weight + r0 * k;
+          if (wt == TILE_W && xt == TILE_X) {
+            dot_tile_bf16<TILE_W, TILE_X>(w, x + i * k, k, part);
+          } else if (wt == TILE_W) {
+            with_edge(xt, [&](auto edge) { dot_tile_bf16<TILE_W, decltype(edge)::value>(w, x + i * k, k, part); });
+          } else {
+            for (int a = 0; a < wt; a++)
+              with_tile(1, [&](auto) {
+                for (int b = 0; b < xt; b++) {
+                  float one[TILE_X];
+                  dot_bf16<1>(w + a * k, x + (i + b) * k, k, k, one);
+                  part[a][b] = one[0];
+                }
+              });
+          }
+        });
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// Q4_K weights against 8-bit activations (llama.cpp's Q4_K x Q8_K). A Q4_K block's values are 6-bit integer
+// sub-block scales times 4-bit integers: with the activations rounded to 8 bits in blocks of 256 (one scale each,
+// llama.cpp's Q8_K), a whole block's dot product is integer arithmetic (pairwise byte products, then the integer
+// scales) and one float scaling, about a third of the vector work of decoding to fp32. Every Q4_K matmul takes
+// this path, for any number of rows, so a row's result does not depend on how many rows a forward scores.
+
+constexpr int64_t Q8_BLOCK = 256;
+
+// 16 floats rounded to the nearest integers (ties to even), as int32.
+inline v16i round_to_int(v16f v) {
+#if defined(__AVX512F__)
+  return (v16i)_mm512_cvtps_epi32((__m512)v);
+#elif defined(__AVX2__)
+  v16i out;
+  __m256 halves[2];
+  std::memcpy(halves, &v, sizeof v);
+  const __m256i lo = _mm256_cvtps_epi32(halves[0]), hi = _mm256_cvtps_epi32(halves[1]);
+  std::memcpy(&out, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  return out;
+#else
+  v16i out;
+  for (int i = 0; i < 16; i++) out[i] = static_cast<int32_t>(std::nearbyint(v[i]));
+  return out;
+#endif
+}
+
+// x rounded to int8 per 256 values (llama.cpp's Q8_K): q = round(x * 127 / max|x|), d = max|x| / 127, and the
+// sums of each 16 quantized values (the K-quants' mins and offsets multiply them).
+struct Q8Rows {
+  int64_t k;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> sums;  // per 16 values (at most 16 * 127 in magnitude)
+
+  Q8Rows(const float* x, int64_t n, int64_t k) : k(k), q(n * k), d(n * k / Q8_BLOCK), sums(n * k / 16) {
+    for (int64_t block = 0; block < n * k / Q8_BLOCK; block++) {
+      const float* v = x + block * Q8_BLOCK;
+      v16f top = {};
+      for (int64_t i = 0; i < Q8_BLOCK; i += 16) {
+        const v16f a = load(v + i);
+        const v16f magnitude = a < 0.0f ? -a : a;
+        top = magnitude > top ? magnitude : top;
+      }
+      float largest = 0.0f;
+      for (int i = 0; i < 16; i++) largest = std::max(largest, top[i]);
+      const float scale = largest > 0.0f ? 127.0f / largest : 0.0f;
+      d[block] = largest / 127.0f;
+      for (int64_t i = 0; i < Q8_BLOCK; i += 16) {
+        const v16i rounded = round_to_int(load(v + i) * scale);  // within [-127, 127]
+        int32_t sum = 0;
+        for (int j = 0; j < 16; j++) {
+          q[block * Q8_BLOCK + i + j] = static_cast<int8_t>(rounded[j]);
+          sum += rounded[j];
+        }
+        sums[(block * Q8_BLOCK + i) / 16] = static_cast<int16_t>(sum);
+      }
+    }
+  }
+  const int8_t* row_block(int64_t row, int64_t block) const { return q.data() + row * k + block * Q8_BLOCK; }
+  float scale(int64_t row, int64_t block) const { return d[row * (k / Q8_BLOCK) + block]; }
+  const int16_t* block_sums(int64_t row, int64_t block) const { return sums.data() + row * (k / 16) + block * 16; }
+};
+
+// One activation row's sum over a weight row's blocks. With AVX-512 each block's integer lane sums are scaled into
+// fp32 lanes, reduced once per weight row (no horizontal sum per block).
+#if defined(__AVX512BW__)
+struct Q8Accumulator {
+  __m512 products = _mm512_setzero_ps();  // d dx (q . x) per lane
+  __m256 offsets = _mm256_setzero_ps();   // the K-quants' mins (Q4_K) or offsets (Q6_K) per lane
+  float total() const { return _mm512_reduce_add_ps(_mm512_add_ps(products, _mm512_zextps256_ps512(offsets))); }
+};
+#else
+struct Q8Accumulator {
+  float sum = 0.0f;
+  float total() const { return sum; }
+};
+#endif
+
+#if defined(__AVX2__)
+inline int32_t hsum_epi32(__m256i v) {
+  const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i quarter = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+  return _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 1)));
+}
+#endif
+
+// One Q4_K block (144 bytes) against rows 0..NR-1 of x's block `block`: adds d dx sum_j s_j (q_j . x_j) - dmin dx
+// sum_j m_j sum(x_j) to acc[r].
+template <int NR>
+inline void dot_q4k_block(const uint8_t* w, const Q8Rows& x, int64_t row0, int64_t block, Q8Accumulator* acc) {
+  const float d = half_at(w), dmin = half_at(w + 2);
+  uint8_t sm[16];
+  scales_mins_k4(w + 4, sm);
+  const uint8_t* qs = w + 16;
+#if defined(__AVX512BW__)
+  // 64 values per register: the low nibbles of 32 bytes (one sub-block) below their high nibbles (the next), the
+  // order of the activations
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i values[4], scale[4];
+  for (int c = 0; c < 4; c++) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    values[c] = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1), low4);
+    scale[c] = _mm512_inserti64x4(_mm512_set1_epi16(sm[2 * c]), _mm256_set1_epi16(sm[2 * c + 1]), 1);
+  }
+  alignas(32) int16_t mins_per_16[16];  // m_j for both halves of sub-block j, against the sums of 16 activations
+  for (int j = 0; j < 16; j++) mins_per_16[j] = sm[8 + j / 2];
+  const __m256i mins = _mm256_load_si256(reinterpret_cast<const __m256i*>(mins_per_16));
+  for (int r = 0; r < NR; r++) {
+    const int8_t* xq = x.row_block(row0 + r, block);
+    __m512i sum = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++)
+      sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(values[c], _mm512_loadu_si512(xq + 64 * c)),
+                                                    scale[c]));
+    const __m256i min_terms =
+        _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.block_sums(row0 + r, block))));
+    const float dx = x.scale(row0 + r, block);
+    acc[r].products = _mm512_fmadd_ps(_mm512_set1_ps(dx * d), _mm512_cvtepi32_ps(sum), acc[r].products);
+    acc[r].offsets = _mm256_fmadd_ps(_mm256_set1_ps(-dx * dmin), _mm256_cvtepi32_ps(min_terms), acc[r].offsets);
+  }
+#elif defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i low[4], high[4], scale[8];
+  for (int c = 0; c < 4; c++) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    low[c] = _mm256_and_si256(packed, low4);
+    high[c] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+  }
+  for (int j = 0; j < 8; j++) scale[j] = _mm256_set1_epi16(sm[j]);
+  for (int r = 0; r < NR; r++) {
+    const int8_t* xq = x.row_block(row0 + r, block);
+    __m256i sum = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {  // bytes: unsigned 4-bit weights times signed 8-bit activations, pairwise in int16
+      const __m256i a = _mm256_maddubs_epi16(low[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c)));
+      const __m256i b =
+          _mm256_maddubs_epi16(high[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c + 32)));
+      sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(a, scale[2 * c]), _mm256_madd_epi16(b, scale[2 * c + 1])));
+    }
+    const int32_t total = hsum_epi32(sum);
+    const int16_t* sums = x.block_sums(row0 + r, block);
+    int32_t mins = 0;
+    for (int j = 0; j < 8; j++) mins += sm[8 + j] * (sums[2 * j] + sums[2 * j + 1]);
+    const float dx = x.scale(row0 + r, block);
+    acc[r].sum += dx * (d * static_cast<float>(total) - dmin * static_cast<float>(mins));
+  }
+#else
+  for (int r = 0; r < NR; r++) {
+    const int8_t* xq = x.row_block(row0 + r, block);
+    const int16_t* sums = x.block_sums(row0 + r, block);
+    int32_t total = 0, mins = 0;
+    for (int c = 0; c < 4; c++) {
+      int32_t a = 0, b = 0;
+      for (int l = 0; l < 32; l++) {
+        a += (qs[32 * c + l] & 0xF) * xq[64 * c + l];
+        b += (qs[32 * c + l] >> 4) * xq[64 * c + 32 + l];
+      }
+      total += sm[2 * c] * a + sm[2 * c + 1] * b;
+    }
+    for (int j = 0; j < 8; j++) mins += sm[8 + j] * (sums[2 * j] + sums[2 * j + 1]);
+    acc[r].sum += x.scale(row0 + r, block) * (d * static_cast<float>(total) - dmin * static_cast<float>(mins));
+  }
+#endif
+}
+
+// One Q6_K block (210 bytes) against rows 0..NR-1 of x's block `block`: adds d dx sum_j s_j ((q_j - 32) . x_j) to
+// acc[r], s_j the int8 scale of the j-th 16 values.
+template <int NR>
+inline void dot_q6k_block(const uint8_t* w, const Q8Rows& x, int64_t row0, int64_t block, Q8Accumulator* acc) {
+  const float d = half_at(w + 208);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+#if defined(__AVX512BW__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  // values[2 half + p]: elements 64p..64p+63 of the half, in the order of the activations; its four 16-value
+  // groups have the scales sc[4 (2 half + p)] .. sc[4 (2 half + p) + 3], one per 128-bit lane
+  const __m512i scales16 = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
+  __m512i values[4], scale[4];
+  for (int half = 0; half < 2; half++) {
+    const uint8_t* ql = w + 64 * half;
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * half));
+    const __m256i v0 = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), bits45));
+    const __m256i v1 = _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), bits45));
+    const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(h, bits45));
+    const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4),
+                                       _mm256_and_si256(_mm256_srli_epi16(h, 2), bits45));
+    values[2 * half] = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
+    values[2 * half + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(v2), v3, 1);
+  }
+  for (int q = 0; q < 4; q++) {  // lane i of scale[q]: sc[4q + i / 8]
+    alignas(64) int16_t index[32];
+    for (int i = 0; i < 32; i++) index[i] = static_cast<int16_t>(4 * q + i / 8);
+    scale[q] = _mm512_permutexvar_epi16(_mm512_load_si512(index), scales16);
+  }
+  const __m256i offsets16 = _mm512_castsi512_si256(scales16);  // sc_j against the sums of 16 activations
+  for (int r = 0; r < NR; r++) {
+    const int8_t* xq = x.row_block(row0 + r, block);
+    __m512i sum = _mm512_setzero_si512();
+    for (int q = 0; q < 4; q++)
+      sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(values[q], _mm512_loadu_si512(xq + 64 * q)),
+                                                    scale[q]));
+    const __m256i offset_terms = _mm256_madd_epi16(
+        offsets16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.block_sums(row0 + r, block))));
+    const float dx_d = x.scale(row0 + r, block) * d;
+    acc[r].products = _mm512_fmadd_ps(_mm512_set1_ps(dx_d), _mm512_cvtepi32_ps(sum), acc[r].products);
+    acc[r].offsets = _mm256_fmadd_ps(_mm256_set1_ps(-32.0f * dx_d), _mm256_cvtepi32_ps(offset_terms), acc[r].offsets);
+  }
+#elif defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  __m256i values[8], scale[8];  // per half: the 6-bit values of elements 0-31, 32-63, 64-95, 96-127
+  for (int half = 0; half < 2; half++) {
+    const uint8_t* ql = w + 64 * half;
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * half));
+    __m256i* v = values + 4 * half;
+    v[0] = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), bits45));
+    v[1] = _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), bits45));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(h, bits45));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(h, 2), bits45));
+    for (int m = 0; m < 4; m++)  // elements 32m..32m+31 of the half: scales sc[8 half + 2m], sc[8 half + 2m + 1]
+      scale[4 * half + m] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * half + 2 * m + 1]), _mm_set1_epi16(sc[8 * half + 2 * m]));
+  }
+  for (int r = 0; r < NR; r++) {
+    const int8_t* xq = x.row_block(row0 + r, block);
+    __m256i sum = _mm256_setzero_si256();
+    for (int half = 0; half < 2; half++)
+      for (int m = 0; m < 4; m++) {
+        const __m256i products = _mm256_maddubs_epi16(
+            values[4 * half + m], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 128 * half + 32 * m)));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(products, scale[4 * half + m]));
+      }
+    const int16_t* sums = x.block_sums(row0 + r, block);
+    int32_t offsets = 0;
+    for (int j = 0; j < 16; j++) offsets += sc[j] * sums[j];
+    acc[r].sum += x.scale(row0 + r, block) * d * static_cast<float>(hsum_epi32(sum) - 32 * offsets);
+  }
+#else
+  for (int r = 0; r < NR; r++) {
+    const int8_t* xq = x.row_block(row0 + r, block);
+    int32_t total = 0;
+    for (int half = 0; half < 2; half++) {
+      const uint8_t* ql = w + 64 * half;
+      const uint8_t* qh = w + 128 + 32 * half;
+      for (int l = 0; l < 32; l++) {
+        const int g = 8 * half + l / 16;
+        const int8_t* xh = xq + 128 * half;
+        total += sc[g] * (((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32) * xh[l];
+        total += sc[g + 2] * (((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32) * xh[l + 32];
+        total += sc[g + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32) * xh[l + 64];
+        total += sc[g + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32) * xh[l + 96];
+      }
+    }
+    acc[r].sum += x.scale(row0 + r, block) * d * static_cast<float>(total);
+  }
+#endif
+}
+
+// out[i, r] = x[i] . W[r] + bias[r] for K-quant weights against 8-bit activations, weight rows split across
+// threads, ROW_TILE rows of x per pass over a weight row's blocks (each block unpacked once for them).
+template <int F>
+void linear_q8k(const float* x, int64_t n, int64_t k, const uint8_t* weight, const float* bias, float* out,
+                int64_t rows) {
+  const Q8Rows q8(x, n, k);
+  const int64_t blocks = k / Q8_BLOCK, row_bytes = blocks * Block<F>::bytes;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    Q8Accumulator acc[ROW_TILE];
+    for (int64_t r = begin; r < end; r++) {
+      const uint8_t* row = weight + r * row_bytes;
+      for (int64_t i = 0; i < n; i += ROW_TILE) {
+        const int nr = static_cast<int>(std::min<int64_t>(ROW_TILE, n - i));
+        std::fill(acc, acc + ROW_TILE, Q8Accumulator{});
+        with_tile(nr, [&](auto tile) {
+          constexpr int NR = decltype(tile)::value;
+          for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t* block = row + b * Block<F>::bytes;
+            for (int line = 0; line < Block<F>::bytes; line += 64) __builtin_prefetch(block + PREFETCH_BYTES + line);
+            if constexpr (F == Q4_K) dot_q4k_block<NR>(block, q8, i, b, acc);
+            else dot_q6k_block<NR>(block, q8, i, b, acc);
+          }
+        });
+        for (int j = 0; j < nr; j++) out[(i + j) * rows + r] = acc[j].total() + (bias ? bias[r] : 0.0f);
+      }
+    }
+  });
+}
+
+template <typename Fn>
+void with_format(int64_t format, Fn&& fn) {
+  switch (format) {
+    case F32: fn(std::integral_constant<int, F32>{}); break;
+    case BF16: fn(std::integral_constant<int, BF16>{}); break;
+    case Q4_0: fn(std::integral_constant<int, Q4_0>{}); break;
+    case Q4_1: fn(std::integral_constant<int, Q4_1>{}); break;
+    case Q5_0: fn(std::integral_constant<int, Q5_0>{}); break;
+    case Q5_1: fn(std::integral_constant<int, Q5_1>{}); break;
+    case Q8_0: fn(std::integral_constant<int, Q8_0>{}); break;
+    case Q4_K: fn(std::integral_constant<int, Q4_K>{}); break;
+    case Q5_K: fn(std::integral_constant<int, Q5_K>{}); break;
+    case Q6_K: fn(std::integral_constant<int, Q6_K>{}); break;
+    default: TORCH_CHECK(false, "unsupported weight format ", format);
+  }
+}
+
+}  // namespace
+
+int64_t format_named(const std::string& name) {
+  for (int64_t f = 0; f < FORMAT_COUNT; f++)
+    if (name == FORMAT_NAMES[f]) return f;
+  TORCH_CHECK(false, "unsupported weight format ", name);
+}
+
+int64_t block_elems(int64_t format) {
+  switch (format) {
+    case F32: return Block<F32>::elems;
+    case Q4_K: case Q5_K: case Q6_K: return 256;
+    default: return 32;
+  }
+}
+
+int64_t block_bytes(int64_t format) {
+  switch (format) {
+    case F32: return Block<F32>::bytes;
+    case BF16: return Block<BF16>::bytes;
+    case Q4_0: return Block<Q4_0>::bytes;
+    case Q4_1: return Block<Q4_1>::bytes;
+    case Q5_0: return Block<Q5_0>::bytes;
+    case Q5_1: return Block<Q5_1>::bytes;
+    case Q8_0: return Block<Q8_0>::bytes;
+    case Q4_K: return Block<Q4_K>::bytes;
+    case Q5_K: return Block<Q5_K>::bytes;
+    case Q6_K: return Block<Q6_K>::bytes;
+  }
+  TORCH_CHECK(false, "unsupported weight format ", format);
+}
+
+void linear_direct(int64_t format, const float* x, int64_t n, int64_t k, const uint8_t* weight, int64_t row_bytes,
+                   const float* bias, float* out_f, c10::BFloat16* out_h, int64_t rows) {
+  if (format == Q4_K || format == Q6_K) {
+    TORCH_CHECK(out_f, "linear: K-quant weights take fp32 activations");
+    if (format == Q4_K) linear_q8k<Q4_K>(x, n, k, weight, bias, out_f, rows);
+    else linear_q8k<Q6_K>(x, n, k, weight, bias, out_f, rows);
+    return;
+  }
+  with_format(format, [&](auto f) {
+    constexpr int F = decltype(f)::value;
+    if constexpr (F != Q4_K && F != Q6_K) linear_rows<F>(x, n, k, weight, row_bytes, bias, out_f, out_h, rows);
+  });
+}
+
+#ifdef __AVX512BF16__
+void linear_bf16_native(const uint16_t* x, int64_t n, int64_t k, const uint16_t* weight, const float* bias,
+                        float* out_f, c10::BFloat16* out_h, int64_t rows) {
+  bf16_native_rows(x, n, k, weight, bias, out_f, out_h, rows);
+}
+#endif
+
+void decode_rows(int64_t format, const uint8_t* weight, int64_t row_bytes, int64_t cols, const int64_t* ids, int64_t n,
+                 float* out) {
+  with_format(format, [&](auto f) {
+    at::parallel_for(0, n, ids ? 1 : 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++)
+        decode_row<decltype(f)::value>(weight + (ids ? ids[i] : i) * row_bytes, cols, out + i * cols);
+    });
+  });
+}
+
+}  // namespace specplan_kernels
