@@ -24,15 +24,18 @@ from specplan.decoder.trie import Trie
 from toy import assert_sequoia_samples_follow_the_target, hf_greedy, toy_model, tree_mask
 
 NEW_FAMILIES = [f for f in TINY_FAMILIES if f not in ("llama", "qwen2")]  # those two: tests/test_lean_model.py
-# lean: the CPU kernels; operators: the lean forward on PyTorch's operators (a GPU's, and a CPU's without a compiler)
-CASES = ([(f, "lean") for f in NEW_FAMILIES] + [(f, "operators") for f in NEW_FAMILIES]
-         + [(f, "transformers") for f in TINY_GENERIC_FAMILIES + ("llama",)])
+# lean: the CPU kernels; operators: the lean forward on PyTorch's operators (a GPU's, and a CPU's without a compiler).
+# The edit loop (make test-fast) runs every family on the kernels; the other backends' sweeps are `slow`.
+CASES = ([pytest.param((f, "lean"), id=f"{f}-lean") for f in NEW_FAMILIES]
+         + [pytest.param((f, "operators"), id=f"{f}-operators", marks=pytest.mark.slow) for f in NEW_FAMILIES]
+         + [pytest.param((f, "transformers"), id=f"{f}-transformers", marks=pytest.mark.slow)
+            for f in TINY_GENERIC_FAMILIES + ("llama",)])
 PROMPT_LENGTH = TINY_ORIGINAL_CONTEXT - 4  # the tree and the steps cross the original context and the windows
 TREE_PROMPT_LENGTH = TINY_ORIGINAL_CONTEXT - 2  # the tree's deeper nodes lie past the original context
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{b}" for f, b in CASES])
+@pytest.fixture(scope="module", params=CASES)
 def family(request):
     """(family, loaded model, the forward under test)."""
     name, backend = request.param

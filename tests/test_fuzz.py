@@ -38,8 +38,20 @@ def _as_written_today(document: dict) -> dict:
     return {"version": 1} | {key: value for key, value in document.items() if value is not None and value != []}
 
 
-@pytest.mark.parametrize("path", [p for p in committed_files() if p.suffix == ".yaml"],
-                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def _one_file_per_kind_in_the_edit_loop(paths: list[Path]) -> list:
+    """Every committed file; beyond the first of each folder (its kind), a `slow` sweep."""
+    seen: set[str] = set()
+    params = []
+    for path in paths:
+        first = path.parent.name not in seen
+        seen.add(path.parent.name)
+        params.append(pytest.param(path, id=f"{path.parent.name}/{path.name}",
+                                   marks=() if first else pytest.mark.slow))
+    return params
+
+
+@pytest.mark.parametrize("path", _one_file_per_kind_in_the_edit_loop([p for p in committed_files()
+                                                                       if p.suffix == ".yaml"]))
 def test_committed_file_loads_and_redumps_equivalently(path):
     document = read_yaml(path)
     assert _as_written_today(plain(_redumped(copy.deepcopy(document), str(path)))) == _as_written_today(document)
