@@ -6,9 +6,8 @@ Tree shapes, by how the engine drafts:
 - "tree": any tree, children in rank order (specplan's own decoder; the Sequoia reference's growmap).
 - "ranked": any tree whose ranks and depth fit a fixed top-k per drafted node (Medusa's heads, EAGLE-1, TensorRT-LLM's
   `eagle_choices`): the exact DP over the acceptance vector cut to the rank cap, with the depth cap.
-- "level-uniform": every node of a level has the same number of children, ranks 0..b-1 (vLLM's EAGLE tree drafter
-  takes top-(n_L / n_(L-1)) children of every node of the level above): a search over branching vectors.
-- "chain": one token per level (draft-model speculation in vLLM, TensorRT-LLM, llama.cpp, transformers).
+- "chain": one token per level (vLLM, whose tree attention is gone, with a draft model or an EAGLE head;
+  draft-model speculation in TensorRT-LLM, llama.cpp, transformers).
 - "sglang": no fixed tree; SGLang grows one per step from (num_steps, topk, num_draft_tokens), modelled in
   planner/sequoia.py (sglang_pool, sglang_selection) and searched over the triple.
 """
@@ -35,12 +34,12 @@ class Source:
         return f"{self.repo} {self.path} @ {self.commit[:12]}: {self.reads}"
 
 
-VLLM_EAGLE = Source(
-    "vllm-project/vllm", "vllm/v1/spec_decode/eagle.py", "008603a39fff2a383a293c62eec0c752c42199f2",
-    "EagleProposer parses speculative_token_tree with ast.literal_eval, takes the depth from the last path, and "
-    "drafts child_drafts_per_level[L] = n_L // n_(L-1) top-k children for every node of level L-1 (propose_tree, "
-    "only when the draft's attention metadata is TreeAttentionMetadata); otherwise a chain of "
-    "num_speculative_tokens argmax tokens")
+VLLM_SPECULATIVE_CONFIG = Source(
+    "vllm-project/vllm", "vllm/config/speculative.py", "002e77c1f0ef9b19cff8b9e21cfbd6feb3d6b443",
+    "SpeculativeConfig.method takes ngram, medusa, mlp_speculator, draft_model, suffix, custom_class, the EAGLE and "
+    "MTP types, ngram_gpu and dspark; it has no speculative_token_tree (tree attention was removed, PR #42121): every "
+    "method drafts a chain of num_speculative_tokens, and num_speculative_tokens_per_batch_size holds inclusive "
+    "(start, end, K) batch-size ranges")
 MEDUSA_UTILS = Source(
     "FasterDecoding/Medusa", "medusa/model/utils.py", "10a2697cd0c2169764f1edbe9797eacc51de41c1",
     "TOPK = 10; generate_medusa_buffers indexes candidate rank r at level i as r + TOPK * i + 1 into the heads' "
@@ -86,7 +85,7 @@ class EngineRules:
     number of draft heads the user's model has (Medusa, EAGLE-1)."""
 
     name: str
-    shape: str  # tree | ranked | level-uniform | chain
+    shape: str  # tree | ranked | chain | sglang
     sources: tuple[Source, ...]
     max_rank: int | None = None  # children of a node: ranks below this
     min_depth: int = 0
@@ -130,12 +129,6 @@ class EngineRules:
         depths, children, ranks = tree.depths, tree.children, tree.ranks
         if self.shape == "chain" and any(len(kids) > 1 for kids in children):
             return f"{self.name} drafts a chain (one token per level); this tree branches"
-        if self.shape == "level-uniform":
-            for level in range(tree.depth):
-                counts = {len(children[v]) for v in range(tree.size) if depths[v] == level}
-                if len(counts) > 1:
-                    return (f"{self.name} gives every node of a level the same number of children; level {level} "
-                            f"has nodes with {sorted(counts)}")
         if self.max_rank is not None and tree.size > 1 and max(ranks[1:]) >= self.max_rank:
             return f"{self.name} drafts the top {self.max_rank} children of a node; this tree has a child of rank " \
                    f"{max(ranks[1:]) + 1}"
@@ -162,12 +155,12 @@ TRTLLM_NON_LEAVES_PER_LAYER = 10
 RULES: dict[str, EngineRules] = {
     "specplan": EngineRules("specplan", "tree", ()),
     "sequoia": EngineRules("sequoia", "tree", (SEQUOIA_RUN,)),
-    "vllm": EngineRules("vllm", "level-uniform", (VLLM_EAGLE,),
-                        notes=("methods eagle and eagle3 (EagleProposer) with the tree attention backend "
-                               "(VLLM_ATTENTION_BACKEND=TREE_ATTN); other methods draft a chain: "
-                               "--engine vllm-draft",)),
-    "vllm-draft": EngineRules("vllm-draft", "chain", (VLLM_EAGLE,),
-                              notes=("method draft_model (a separate draft model) and the n-gram methods",)),
+    "vllm": EngineRules("vllm", "chain", (VLLM_SPECULATIVE_CONFIG,),
+                        notes=("no token trees (tree attention removed, PR #42121): a chain from a draft model "
+                               "(method draft_model) or an EAGLE head (plan export --method eagle or eagle3)",)),
+    "vllm-draft": EngineRules("vllm-draft", "chain", (VLLM_SPECULATIVE_CONFIG,),
+                              notes=("method draft_model (a separate draft model): --engine vllm's export with "
+                                     "--method draft_model",)),
     "medusa": EngineRules("medusa", "ranked", (MEDUSA_UTILS,), max_rank=TOP_K_OF_DRAFT_HEADS, min_depth=1,
                           depth_is_heads=True),
     "eagle1": EngineRules("eagle1", "ranked", (EAGLE1_UTILS,), max_rank=TOP_K_OF_DRAFT_HEADS, min_depth=2,

@@ -202,70 +202,6 @@ def depth_unbounded_values(positional: np.ndarray, max_size: int) -> np.ndarray:
     return _depth_unbounded(np.ascontiguousarray(positional, dtype=np.float64), max_size)
 
 
-LEVEL_UNIFORM_MAX_SIZE = 512  # the enumeration grows about 6x per doubling of the size: 6 s at 512 nodes
-
-
-class LevelUniformTables:
-    """The best level-uniform trees (vLLM's EAGLE tree drafter): branching b_1..b_d, every node of level L-1 with
-    b_L children of ranks 0..b_L-1. Level L holds B_L = b_1 ... b_L nodes, each scoring the product over its path,
-    so a level sums to S(b_1) ... S(b_L) with S(b) = p_1 + ... + p_b, and
-
-        n = 1 + sum_L B_L,    G = 1 + sum_L S(b_1) ... S(b_L).
-
-    Every vector with n <= max_size and d <= max_depth is enumerated (depth first, sizes pruned as they grow);
-    G[n, d] is the best over depth at most d, as SequoiaTables' G."""
-
-    def __init__(self, positional: np.ndarray, max_size: int, max_depth: int) -> None:
-        self.positional = np.ascontiguousarray(positional, dtype=np.float64)
-        self.max_size = max_size
-        self.max_depth = max_depth
-        prefix = np.concatenate([[0.0], np.cumsum(self.positional)])  # prefix[b] = S(b)
-        best = np.full((max_size + 1, max_depth + 1), NEG_INF)
-        branching: dict[tuple[int, int], tuple[int, ...]] = {}
-
-        def visit(vector: tuple[int, ...], size: int, nodes: int, level_value: float, value: float) -> None:
-            depth = len(vector)
-            if value > best[size, depth]:
-                best[size, depth] = value
-                branching[size, depth] = vector
-            if depth == max_depth:
-                return
-            for b in range(1, len(self.positional) + 1):
-                if size + nodes * b > max_size:
-                    break
-                visit(vector + (b,), size + nodes * b, nodes * b, level_value * prefix[b],
-                      value + level_value * prefix[b])
-
-        visit((), 1, 1, 1.0, 1.0)
-        self._best = best
-        # depth at most d: carry each size's best down the depth axis, keeping the vector that achieves it
-        self._G = np.maximum.accumulate(best, axis=1)
-        self._vector = {}
-        for n in range(1, max_size + 1):
-            for d in range(max_depth + 1):
-                if np.isfinite(self._G[n, d]):
-                    self._vector[n, d] = branching[n, int(np.argmax(best[n, :d + 1]))]
-
-    @property
-    def G(self) -> np.ndarray:
-        return self._G.copy()
-
-    def branching(self, size: int, depth: int) -> tuple[int, ...]:
-        return self._vector[size, depth]
-
-    def tree(self, size: int, depth: int) -> np.ndarray:
-        parents = [-1]
-        level = [0]
-        for b in self._vector[size, depth]:
-            nxt = []
-            for node in level:
-                for _ in range(b):
-                    parents.append(node)
-                    nxt.append(len(parents) - 1)
-            level = nxt
-        return np.array(parents, dtype=np.int64)
-
-
 LEVEL_LIMITED_MAX_DEPTH = 4  # the counted levels (2 and 3) a table carries; TensorRT-LLM's EAGLE engines: 4 layers
 
 
@@ -509,14 +445,13 @@ class SGLangTables:
         return np.array(TokenTree.from_paths([list(p) for p in paths]).parents, dtype=np.int64)
 
 
-Tables = SequoiaTables | LevelUniformTables | LevelLimitedTables | SGLangTables  # one engine's G(n, d) and trees
+Tables = SequoiaTables | LevelLimitedTables | SGLangTables  # one engine's G(n, d) and trees
 
 
 def engine_tables(positional: np.ndarray, max_size: int, max_depth: int,
                   rules: EngineRules) -> Tables:
     """The table of G(n, d) over the trees `rules` allow: the exact DP on the acceptance vector cut to the engine's
-    top-k (1 for a chain) with its depth cap, with its limit of expanded nodes per level, or the level-uniform
-    search."""
+    top-k (1 for a chain) with its depth cap, or with its limit of expanded nodes per level."""
     if rules.max_depth is not None:
         max_depth = min(max_depth, rules.max_depth)
     if rules.max_draft_tokens is not None:
@@ -526,11 +461,6 @@ def engine_tables(positional: np.ndarray, max_size: int, max_depth: int,
         return SGLangTables(positional, max_size, max_depth, width)
     if rules.max_non_leaves_per_level is not None:
         return LevelLimitedTables(positional[:width], max_size, max_depth, rules.max_non_leaves_per_level)
-    if rules.shape == "level-uniform":
-        if max_size > LEVEL_UNIFORM_MAX_SIZE:
-            raise UserError(f"--engine {rules.name}: the branching search takes --max-size up to "
-                            f"{LEVEL_UNIFORM_MAX_SIZE} (it enumerates every vector; 512 nodes take about 6 s)")
-        return LevelUniformTables(positional[:width], max_size, max_depth)
     return SequoiaTables(positional[:width], max_size, max_depth)
 
 
@@ -706,9 +636,6 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         plan.prediction = replace(plan.prediction, replay_exact=True)
         plan.solver["replayed"] = {"chains": len(acceptance.chains), "candidates": REPLAYED_CANDIDATES,
                                    "positional_model_best": asdict(model_best)}
-    if rules.shape == "level-uniform":
-        plan.solver["algorithm"] = "level-uniform branching search"
-        plan.solver["branching"] = list(tables.branching(ranked[0].size, ranked[0].depth))
     if rules.shape == "sglang":
         steps, topk, draft_tokens = tables.settings(ranked[0].size, ranked[0].depth)
         plan.solver["algorithm"] = "SGLang's dynamic-tree selection over (num_steps, topk, num_draft_tokens)"

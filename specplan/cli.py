@@ -26,7 +26,7 @@ from specplan.core.choices import (
 from specplan.core.errors import UserError
 from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
 from specplan.core.plan_schema import Plan
-from specplan.planner.export import EXPORT_FORMATS, VLLM_TREE_METHODS
+from specplan.planner.export import EXPORT_FORMATS, VLLM_METHODS
 from specplan.profiler.datasets import DATASETS
 
 PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
@@ -547,8 +547,8 @@ def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> No
               help="the engine: its rules are checked first (solve with --engine to fit them)")
 @click.option("--draft-path", help="the draft model as the engine loads it (vllm, trtllm, llama.cpp, hf)")
 @click.option("--heads", type=click.IntRange(min=1), help="medusa, eagle1: the draft heads of your model")
-@click.option("--method", type=click.Choice(VLLM_TREE_METHODS), default="eagle", show_default=True,
-              help="vllm: the speculative method that drafts the tree")
+@click.option("--method", type=click.Choice(VLLM_METHODS), default="draft_model", show_default=True,
+              help="vllm: what drafts the chain (draft_model: a separate draft model; eagle, eagle3: an EAGLE head)")
 @_output(required=False, help="write here instead of stdout (required for sequoia's .pt)")
 def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None, method: str,
            output: Path | None) -> None:

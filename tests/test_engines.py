@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import io
 import json
 
@@ -18,7 +17,6 @@ from specplan.planner.engines import RULES, EngineRules, engine_rules
 from specplan.planner.export import EXPORT_FORMATS, export_plan, import_tree
 from specplan.planner.sequoia import (
     LevelLimitedTables,
-    LevelUniformTables,
     SequoiaTables,
     engine_tables,
     solve_sequoia,
@@ -71,13 +69,10 @@ def test_the_rules_reject_the_counter_examples():
     eleven = TokenTree.from_parents([-1] + [0] * 11)
     assert "rank 11" in engine_rules("medusa", heads=4).broken_rule(eleven)
     assert engine_rules("medusa", heads=4).broken_rule(TokenTree.from_parents([-1] + [0] * 10)) is None
-    uneven = TokenTree.from_parents([-1, 0, 0, 1, 1])  # level 1: one node with two children, one with none
-    assert "same number of children" in engine_rules("vllm").broken_rule(uneven)
-    assert engine_rules("vllm").broken_rule(TokenTree.from_parents([-1, 0, 0, 1, 1, 2, 2])) is None
     assert "depth 2 or more" in engine_rules("eagle1", heads=4).broken_rule(TokenTree.from_parents([-1, 0, 0]))
     assert "at most 3 levels" in engine_rules("medusa", heads=3).broken_rule(TokenTree.from_parents([-1, 0, 1, 2, 3]))
     chain_breaker = TokenTree.from_parents([-1, 0, 0])
-    for name in ("llama.cpp", "hf", "vllm-draft", "trtllm-draft"):
+    for name in ("llama.cpp", "hf", "vllm", "vllm-draft", "trtllm-draft"):
         assert "chain" in engine_rules(name).broken_rule(chain_breaker)
     trtllm = engine_rules("trtllm")
     assert "at most 4 levels" in trtllm.broken_rule(TokenTree.from_parents([-1, 0, 1, 2, 3, 4]))
@@ -88,12 +83,6 @@ def test_the_rules_reject_the_counter_examples():
         engine_rules("medusa")
     with pytest.raises(UserError, match="unknown engine"):
         engine_rules("tgi")
-
-
-def test_level_uniform_search_equals_brute_force():
-    rules = engine_rules("vllm")
-    searched = LevelUniformTables(P, 10, 4).G
-    np.testing.assert_allclose(searched[1:], brute_force_G(rules, P, 10, 4)[1:])
 
 
 def test_capped_dp_equals_the_dp_on_the_cut_vector_with_the_depth_cap():
@@ -153,22 +142,16 @@ def test_a_plan_solved_for_an_engine_passes_its_rules(engine):
             free.prediction.speedup)
 
 
-def test_vllm_rebuilds_the_level_uniform_tree_from_the_export():
-    """vLLM's EagleProposer: child_drafts_per_level[L] = n_L // n_(L-1) top-k children for every node of level
-    L-1 (planner/engines.py: VLLM_EAGLE); expanding that way gives back the plan's tree, node for node."""
+def test_vllm_exports_a_chain_for_a_draft_model_or_an_eagle_head():
+    """vLLM drafts chains only (planner/engines.py: VLLM_SPECULATIVE_CONFIG): a standalone draft is method
+    draft_model, an EAGLE head eagle or eagle3 when the user says so; num_speculative_tokens is the chain's length."""
     plan, _ = solve_sequoia(ACCEPTANCE, 40, 6, PROFILE, engine="vllm")
-    config = json.loads(export_plan(plan, "vllm", draft_path="eagle-head").content)
-    assert config["method"] == "eagle" and config["model"] == "eagle-head"
-    choices = ast.literal_eval(config["speculative_token_tree"])
-    assert config["num_speculative_tokens"] == len(choices) == plan.tree.size - 1
-    per_level = [sum(1 for c in choices if len(c) == level) for level in range(1, len(choices[-1]) + 1)]
-    children = [per_level[0]] + [per_level[i] // per_level[i - 1] for i in range(1, len(per_level))]
-    rebuilt, level = [()], [()]
-    for k in children:
-        level = [node + (rank,) for node in level for rank in range(k)]
-        rebuilt += level
-    assert rebuilt[1:] == choices
-    assert TokenTree.from_paths(list(choices)) == plan.tree
+    assert all(len(kids) <= 1 for kids in plan.tree.children) and plan.tree.depth > 0
+    config = json.loads(export_plan(plan, "vllm", draft_path="qwen-0.5b").content)
+    assert config == {"method": "draft_model", "model": "qwen-0.5b", "num_speculative_tokens": plan.tree.depth}
+    assert json.loads(export_plan(plan, "vllm", draft_path="head", method="eagle3").content)["method"] == "eagle3"
+    with pytest.raises(UserError, match="vllm-draft: draft_model"):
+        export_plan(plan, "vllm-draft", draft_path="head", method="eagle")
 
 
 @pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.slow) if f == "llama.cpp" else f
@@ -209,10 +192,10 @@ def test_exports_that_break_the_engine_or_lack_a_draft_are_refused_in_one_line(r
                               "--max-depth", 6, "-o", plan_file)  # the most tokens per step: a 24-node tree
     assert code == 0, stderr
     tree = load_plan(plan_file).tree
-    assert engine_rules("vllm").broken_rule(tree) is not None  # the unconstrained tree is not level-uniform here
+    assert any(len(kids) > 1 for kids in tree.children)
     out = tmp_path / "tree.json"
     code, _, stderr = run_cli("export", plan_file, "--format", "vllm", "--draft-path", "x", "-o", out)
-    assert code == 2 and "same number of children" in stderr and "--engine vllm" in stderr
+    assert code == 2 and "no token trees" in stderr and "--engine vllm" in stderr
     assert one_error(stderr) and not out.exists()
     code, _, stderr = run_cli("export", plan_file, "--format", "llama.cpp", "-o", out)
     assert code == 2 and "chain" in stderr and not out.exists()
@@ -222,7 +205,7 @@ def test_exports_that_break_the_engine_or_lack_a_draft_are_refused_in_one_line(r
     code, _, stderr = run_cli("export", vllm_plan, "--format", "vllm", "-o", out)
     assert code == 2 and "--draft-path" in stderr and not out.exists()
     code, stdout, stderr = run_cli("export", vllm_plan, "--format", "vllm", "--draft-path", "x")
-    assert code == 0 and json.loads(stdout)["method"] == "eagle" and "TREE_ATTN" in stderr
+    assert code == 0 and json.loads(stdout)["method"] == "draft_model" and "002e77c1f0ef" in stderr
     code, _, stderr = run_cli("export", vllm_plan, "--format", "sequoia")
     assert code == 2 and "-o FILE" in stderr
     code, _, stderr = run_cli("solve", "sequoia", "--acceptance", ACCEPTANCE, "--max-size", 8, "--max-depth", 3,
