@@ -1,4 +1,4 @@
-"""Backs the CPU kernels' tuning constants (decoder/kernels/cpu_kernels.cpp): TILE_W x TILE_X, the register tile for
+"""Backs the CPU kernels' tuning constants (decoder/kernels/): TILE_W x TILE_X, the register tile for
 more than ROW_TILE activation rows; PREFETCH_BYTES, how far ahead a block-format row is requested; GEMM_ROWS, the query
 rows per KV head from which attention scores a chunk with one GEMM; TORCH_GEMM_ROWS, the activation rows from which a
 matmul runs as torch's GEMM over decoded weight panels. The kernels are built with other -D values and
@@ -8,8 +8,8 @@ timed on whole passes over real weights, and on attention over a long cache.
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
     .venv/bin/python bench/kernel_variants.py attention 2 4 8                  # smollm2's and qwen's head groups
     .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
-    .venv/bin/python bench/kernel_variants.py forward AVX2_ROW_TILE=2,AVX2_DIRECT_ROWS_F32=2,TORCH_GEMM_ROWS=6 \
-        AVX2_ROW_TILE=4,AVX2_DIRECT_ROWS_F32=4,TORCH_GEMM_ROWS=5             # whole smollm2 forwards of n rows
+    .venv/bin/python bench/kernel_variants.py forward AVX2_DIRECT_ROWS_F32=4,TORCH_GEMM_ROWS_F32=5 \
+        AVX2_DIRECT_ROWS_F32=16,TORCH_GEMM_ROWS_F32=17                       # whole smollm2 forwards of n rows
 
 A pass runs every layer's matmul once (q/k/v fused, o, gate/up fused, down) for n activation rows: 540 MB of
 fp32 weights, more than the caches hold, so each pass streams from memory as a forward does.
