@@ -38,8 +38,8 @@ using namespace specplan_kernels;
 // From this many activation rows a matmul of fp32, bf16 or (not K-quant) block weights runs as torch's own GEMM
 // (MKL or oneDNN) over the weight in fp32 panels (linear_gemm), which runs prefill chunks several times faster than
 // register tiles (bench/kernel_variants.py gemm); with AVX-512 the tiles were measured best for 8 to 64 rows. On a
-// 2-core AVX2 EPYC the GEMM passes the tiles from 5 rows on, and fp32 weights' direct passes (4 rows each) up to 16
-// rows (TORCH_GEMM_ROWS_F32; bench/kernel_variants.py forward).
+// 2-core AVX2 EPYC the GEMM passes the tiles from 5 rows on, and fp32's and Q4_1's direct passes (4 rows each) up to
+// 16 rows (TORCH_GEMM_ROWS_F32; bench/kernel_variants.py forward).
 #ifndef TORCH_GEMM_ROWS
 #ifdef __AVX512F__
 #define TORCH_GEMM_ROWS 65
@@ -112,7 +112,7 @@ torch::Tensor linear(torch::Tensor x, const std::string& format_name, torch::Ten
   }
 #endif
   const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
-  const int64_t gemm_rows = format == F32 ? TORCH_GEMM_ROWS_F32 : TORCH_GEMM_ROWS;
+  const int64_t gemm_rows = direct_up_to_f32_rows(format) ? TORCH_GEMM_ROWS_F32 : TORCH_GEMM_ROWS;
   if (n >= gemm_rows && format != Q4_K && format != Q6_K) linear_gemm(format, xf, w, row_bytes, bias_f, out, rows);
   else linear_direct(format, xf.data_ptr<float>(), n, k, w, row_bytes, b, out_f, out_h, rows);
   return out;

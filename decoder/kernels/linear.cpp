@@ -42,6 +42,13 @@ constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS 
 constexpr int ROW_TILE = AVX2_ROW_TILE;
 constexpr int64_t DIRECT_ROWS_F32 = AVX2_DIRECT_ROWS_F32, DIRECT_ROWS_BF16 = 2, DIRECT_ROWS_BLOCKS = 2;
 #endif
+// Q4_1 rows on AVX2 take dot_q4_1_avx2 in direct passes up to fp32's row limit
+constexpr bool NATIVE_Q4_1 =
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    true;
+#else
+    false;
+#endif
 
 const v16i LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -326,6 +333,42 @@ inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t 
   }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Q4_1 rows on AVX2's native ymm registers (dot_blocks' 16-float vectors compile to a slow loop there): each block's
+// 32 nibbles widened in four 8-lane pieces, y = d q + m as dot_blocks decodes it; four accumulators per row for one
+// or two rows, two for three or four (the 16 registers).
+template <int NR>
+inline void dot_q4_1_avx2(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
+  constexpr int ACC = NR <= 2 ? 4 : 2;
+  __m256 acc[NR][ACC];
+  for (int r = 0; r < NR; r++)
+    for (int a = 0; a < ACC; a++) acc[r][a] = _mm256_setzero_ps();
+  const __m128i low_nibbles = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < k / 32; b++) {
+    const uint8_t* block = row + b * Block<Q4_1>::bytes;
+    __builtin_prefetch(block + PREFETCH_BYTES);
+    const __m256 d = _mm256_set1_ps(half_at(block)), m = _mm256_set1_ps(half_at(block + 2));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i lo = _mm_and_si128(bytes, low_nibbles), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+    const __m256 w[4] = {
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m),
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m),
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m),
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m)};
+    for (int r = 0; r < NR; r++)
+      for (int a = 0; a < 4; a++)
+        acc[r][a % ACC] = _mm256_fmadd_ps(w[a], _mm256_loadu_ps(x + r * ldx + b * 32 + 8 * a), acc[r][a % ACC]);
+  }
+  for (int r = 0; r < NR; r++) {
+    __m256 sum = acc[r][0];
+    for (int a = 1; a < ACC; a++) sum = _mm256_add_ps(sum, acc[r][a]);
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    out[r] = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+  }
+}
+#endif
+
 #ifdef __AVX512BF16__
 template <int NR>
 inline void dot_bf16(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, float* out) {
@@ -434,7 +477,7 @@ void tiled(int64_t n, int64_t rows, const float* bias, float* out_f, c10::BFloat
 template <int F>
 void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, int64_t row_bytes, const float* bias,
                  float* out_f, c10::BFloat16* out_h, int64_t rows) {
-  if (n <= (F == F32 ? DIRECT_ROWS_F32 : DIRECT_ROWS_BLOCKS)) {
+  if (n <= (F == F32 || (F == Q4_1 && NATIVE_Q4_1) ? DIRECT_ROWS_F32 : DIRECT_ROWS_BLOCKS)) {
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       float part[ROW_TILE];
       for (int64_t r = begin; r < end; r++) {
@@ -444,6 +487,9 @@ void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, in
           with_tile(nr, [&](auto tile) {
             constexpr int NR = decltype(tile)::value;
             if constexpr (F == F32) dot_f32<NR>(reinterpret_cast<const float*>(row), x + i * k, k, k, part);
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+            else if constexpr (F == Q4_1) dot_q4_1_avx2<NR>(row, x + i * k, k, k, part);
+#endif
             else dot_blocks<F, NR>(row, x + i * k, k, k, part);
           });
           store_row_outputs(part, nr, bias ? bias[r] : 0.0f, i, r, rows, out_f, out_h);
@@ -882,6 +928,8 @@ int64_t block_bytes(int64_t format) {
   }
   TORCH_CHECK(false, "unsupported weight format ", format);
 }
+
+bool direct_up_to_f32_rows(int64_t format) { return format == F32 || (format == Q4_1 && NATIVE_Q4_1); }
 
 void linear_direct(int64_t format, const float* x, int64_t n, int64_t k, const uint8_t* weight, int64_t row_bytes,
                    const float* bias, float* out_f, c10::BFloat16* out_h, int64_t rows) {

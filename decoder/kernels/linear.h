@@ -20,6 +20,7 @@ inline constexpr const char* FORMAT_NAMES[FORMAT_COUNT] = {"F32", "BF16", "Q4_0"
 int64_t format_named(const std::string& name);
 int64_t block_elems(int64_t format);  // elements per block
 int64_t block_bytes(int64_t format);
+bool direct_up_to_f32_rows(int64_t format);  // its rows run linear_direct up to fp32's limit (before torch's GEMM)
 
 // out[i, r] = x[i] . W[r] + bias[r] (bias may be null) for x [n, k] in fp32 and W [rows] rows of row_bytes bytes in
 // `format`, into out_f (fp32) or out_h (bf16) [n, rows], by the kernels' own passes over the weight: for few rows
