@@ -255,9 +255,7 @@ inline void dot_f32(const float* w, const float* x, int64_t ldx, int64_t k, floa
   for (int r = 0; r < NR; r++) {
     __m256 sum = acc[r][0];
     for (int a = 1; a < ACC; a++) sum = _mm256_add_ps(sum, acc[r][a]);
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    float total = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+    float total = hsum8(sum);
     for (int64_t t = c; t < k; t++) total += w[t] * x[r * ldx + t];
     out[r] = total;
   }
@@ -362,9 +360,7 @@ inline void dot_q4_1_avx2(const uint8_t* row, const float* x, int64_t ldx, int64
   for (int r = 0; r < NR; r++) {
     __m256 sum = acc[r][0];
     for (int a = 1; a < ACC; a++) sum = _mm256_add_ps(sum, acc[r][a]);
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    out[r] = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+    out[r] = hsum8(sum);
   }
 }
 #endif

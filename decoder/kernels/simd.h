@@ -40,6 +40,13 @@ inline float hsum(v16f v) {
   v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
+#if defined(__AVX2__)
+inline float hsum8(__m256 v) {  // the sum of one ymm register's 8 floats
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+#endif
 inline float half_at(const uint8_t* p) {
   uint16_t bits; std::memcpy(&bits, p, 2);
 #ifdef __F16C__
