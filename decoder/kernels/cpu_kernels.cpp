@@ -403,6 +403,89 @@ inline const float* cache_row(const torch::Tensor& cache, int64_t head, int64_t 
   return buffer;
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 paths of the attention over an fp32 cache on native ymm registers (GCC's 16-float vectors compile to slow
+// loops there, and 16 of them held at once spill): a head's scores for a few query rows, KT keys at a time, and
+// the value accumulation, the probabilities broadcast over 16-float slices of each value row.
+// {sum of a, sum of b, sum of c, sum of d}: four ymm registers' lane sums in one xmm
+inline __m128 hsum8_four(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // per 128-bit half: a b c d partial sums
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// scores[r * stride + (j - j0)] = q_r . key_j for R rows q [R, d] and keys j0..j1 of a [slots, d] block; d % 8 == 0.
+// KT keys per pass share each query vector: R x KT accumulators + KT keys + 1 query of the 16 registers.
+template <int R>
+void head_scores_avx2(const float* q, const float* keys, int64_t d, int64_t j0, int64_t j1, float* scores,
+                      int64_t stride) {
+  constexpr int KT = R <= 2 ? 4 : 3;
+  int64_t j = j0;
+  for (; j + KT <= j1; j += KT) {
+    __m256 acc[R][4];
+    for (int r = 0; r < R; r++)
+      for (int t = 0; t < 4; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; e += 8) {
+      __m256 key[KT];
+      for (int t = 0; t < KT; t++) key[t] = _mm256_loadu_ps(keys + (j + t) * d + e);
+      for (int r = 0; r < R; r++) {
+        const __m256 qv = _mm256_loadu_ps(q + r * d + e);
+        for (int t = 0; t < KT; t++) acc[r][t] = _mm256_fmadd_ps(qv, key[t], acc[r][t]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, hsum8_four(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+      std::copy(sums, sums + KT, scores + r * stride + (j - j0));
+    }
+  }
+  for (; j < j1; j++)
+    for (int r = 0; r < R; r++) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t e = 0; e < d; e += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + e), _mm256_loadu_ps(keys + j * d + e), acc);
+      scores[r * stride + (j - j0)] = hsum8(acc);
+    }
+}
+
+// acc[r] += sum_j p[r * stride + (j - j0)] value_j for NR rows [NR, d] over values j0..j1 of a [slots, d] block;
+// d % 16 == 0. One 16-float slice at a time: 2 NR accumulators, the slice's two value vectors, the broadcast weight.
+template <int NR>
+void accumulate_values_avx2(const float* p, int64_t stride, const float* values, int64_t d, int64_t j0, int64_t j1,
+                            float* acc) {
+  for (int64_t e = 0; e < d; e += 16) {
+    __m256 lo[NR], hi[NR];
+    for (int r = 0; r < NR; r++) {
+      lo[r] = _mm256_loadu_ps(acc + r * d + e);
+      hi[r] = _mm256_loadu_ps(acc + r * d + e + 8);
+    }
+    for (int64_t j = j0; j < j1; j++) {
+      const __m256 v_lo = _mm256_loadu_ps(values + j * d + e), v_hi = _mm256_loadu_ps(values + j * d + e + 8);
+      for (int r = 0; r < NR; r++) {
+        const __m256 weight = _mm256_broadcast_ss(p + r * stride + (j - j0));
+        lo[r] = _mm256_fmadd_ps(weight, v_lo, lo[r]);
+        hi[r] = _mm256_fmadd_ps(weight, v_hi, hi[r]);
+      }
+    }
+    for (int r = 0; r < NR; r++) {
+      _mm256_storeu_ps(acc + r * d + e, lo[r]);
+      _mm256_storeu_ps(acc + r * d + e + 8, hi[r]);
+    }
+  }
+}
+
+// Calls fn(std::integral_constant<int, R>) for 1 <= r <= 4.
+template <typename Fn>
+inline void with_rows(int64_t r, Fn&& fn) {
+  switch (r) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
+#endif
+
 // From this many query rows per KV head (trees, prefill; GQA groups) a chunk's scores come from one matrix product
 // (torch's own GEMM, single-threaded inside the task) instead of a dot product per row and key. Measured on
 // smollm2 (3 KV heads of 3 query heads) at 7,680 keys: 6 rows 0.87 ms a layer by dot products, 0.42 by the GEMM;
@@ -496,7 +579,30 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
       const int64_t j1 = std::min(part.length, j0 + chunk), span = j1 - j0;
       const float* qh = part.q + kv * rows * d;
       const float* head_mask = part.mask ? part.mask + kv * part.mask_head : nullptr;
-      if (rows < GEMM_ROWS) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+      const bool native = !cache_bf16 && d % 16 == 0;
+#else
+      const bool native = false;
+#endif
+      if (rows < GEMM_ROWS && native) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        const float* head_keys = k_cache.data_ptr<float>() + kv * k_cache.stride(0);
+        for (int64_t r0 = 0; r0 < rows; r0 += 3)
+          with_rows(std::min<int64_t>(3, rows - r0), [&](auto r) {
+            head_scores_avx2<decltype(r)::value>(qh + r0 * d, head_keys, d, j0, j1, scores.data() + r0 * chunk,
+                                                 chunk);
+          });
+#endif
+        for (int64_t r = 0; r < rows; r++) {
+          float* out = scores.data() + r * chunk;
+          const float* row_mask = head_mask ? head_mask + (r % n_b) * part.mask_row + j0 : nullptr;
+          for (int64_t j = 0; j < span; j++) {
+            float score = out[j] * fscale;
+            if (cap > 0.0f) score = cap * std::tanh(score / cap);
+            out[j] = row_mask ? score + row_mask[j] : score;
+          }
+        }
+      } else if (rows < GEMM_ROWS) {
         for (int64_t j = j0; j < j1; j++) {
           const float* kj = cache_row(k_cache, kv, j, d, cache_bf16, key.data());
           for (int64_t r = 0; r < rows; r++) {
@@ -551,6 +657,17 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
         run_max[state + r] = top;
         run_sum[state + r] = total;
       }
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+      if (native) {
+        const float* head_values = v_cache.data_ptr<float>() + kv * v_cache.stride(0);
+        for (int64_t r0 = 0; r0 < rows; r0 += 4)
+          with_rows(std::min<int64_t>(4, rows - r0), [&](auto r) {
+            accumulate_values_avx2<decltype(r)::value>(scores.data() + r0 * chunk, chunk, head_values, d, j0, j1,
+                                                       acc_out + r0 * d);
+          });
+        continue;
+      }
+#endif
       // acc_r += sum_j p_rj v_j, 16 keys at a time: each accumulator slice is loaded and stored once per block
       for (int64_t jb = j0; jb < j1; jb += 16) {
         const int64_t count = std::min<int64_t>(16, j1 - jb);
