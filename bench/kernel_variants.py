@@ -1,11 +1,12 @@
 """Backs the CPU kernels' tuning constants (decoder/kernels/): TILE_W x TILE_X, the register tile for
-more than ROW_TILE activation rows; PREFETCH_BYTES, how far ahead a block-format row is requested; GEMM_ROWS, the query
-rows per KV head from which attention scores a chunk with one GEMM; TORCH_GEMM_ROWS, the activation rows from which a
-matmul runs as torch's GEMM over decoded weight panels. The kernels are built with other -D values and
-timed on whole passes over real weights, and on attention over a long cache.
+more than ROW_TILE activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how far ahead a block-format or fp32 row
+is requested; GEMM_ROWS, the query rows per KV head from which attention scores a chunk with one GEMM;
+TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels. The
+kernels are built with other -D values and timed on whole passes over real weights, and on attention over a long cache.
 
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
+    .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
     .venv/bin/python bench/kernel_variants.py attention 2 4 8                  # smollm2's and qwen's head groups
     .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
     .venv/bin/python bench/kernel_variants.py forward AVX2_DIRECT_ROWS_F32=4,TORCH_GEMM_ROWS_F32=5 \
@@ -85,6 +86,21 @@ def tiles(shapes: list[str]) -> None:
             print(f"{kind} {label}: {', '.join(cells)}", flush=True)
 
 
+def prefetch_f32(distances: list[str]) -> None:
+    """One-row passes over smollm2-135m's fp32 layers and output matrix for each F32_PREFETCH_BYTES, interleaved,
+    beside torch summing the same weights (the rate the memory gives one pass)."""
+    weights = layer_matrices() + [dict(load_model("smollm2-135m", "fp32").model.named_parameters())[
+        "model.embed_tokens.weight"].detach().contiguous()]
+    inputs = {cols: torch.randn(1, cols) for cols in {w.shape[1] for w in weights}}
+    size = sum(w.numel() * w.element_size() for w in weights)
+    calls = {f"F32_PREFETCH_BYTES={distance}": partial(one_pass, partial(kernel_matmul, build(
+        {"F32_PREFETCH_BYTES": distance}), "F32"), weights, inputs) for distance in distances}
+    calls["torch sum"] = lambda: [w.sum() for w in weights]
+    for _ in range(2):
+        medians = interleaved_medians(calls, repeats=9, warmup=1)
+        print(", ".join(f"{label} {size / s / 1e9:.1f} GB/s" for label, s in medians.items()), flush=True)
+
+
 def prefetch(distances: list[str]) -> None:
     from gguf import GGUFReader
 
@@ -158,5 +174,5 @@ def forward(variants: list[str]) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    {"tiles": tiles, "prefetch": prefetch, "attention": attention, "gemm": gemm,
+    {"tiles": tiles, "prefetch": prefetch, "prefetch-f32": prefetch_f32, "attention": attention, "gemm": gemm,
      "forward": forward}[sys.argv[1]](sys.argv[2:])

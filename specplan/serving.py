@@ -282,7 +282,9 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
             server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"))
             try:
                 server.wait_ready()
-                asyncio.run(closed_loop(server.url, level_prompts[:concurrency], concurrency, 8, count_tokens))
+                # warmed up on the prompts reversed: no measured prompt may sit in an engine's prompt cache already
+                warmup = [prompt[::-1] for prompt in level_prompts[:concurrency]]
+                asyncio.run(closed_loop(server.url, warmup, concurrency, 8, count_tokens))
                 timings, failed = asyncio.run(closed_loop(server.url, level_prompts, concurrency, max_tokens,
                                                           count_tokens))
             finally:

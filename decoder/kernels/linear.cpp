@@ -231,6 +231,12 @@ template <> struct Block<F32> {  // fp32 rows need no blocks: one 16-float vecto
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
+// fp32 rows stream with no decoding between the loads: on AVX2 a short distance streams one-row passes over
+// smollm2's weights 5-10% faster than 4096, at 90-100% of the rate torch sums them (bench/kernel_variants.py
+// prefetch-f32 256 512 4096)
+#ifndef F32_PREFETCH_BYTES
+#define F32_PREFETCH_BYTES 256
+#endif
 
 template <int NR>
 inline void dot_f32(const float* w, const float* x, int64_t ldx, int64_t k, float* out) {
@@ -245,7 +251,7 @@ inline void dot_f32(const float* w, const float* x, int64_t ldx, int64_t k, floa
   int64_t c = 0;
   for (; c + STEP <= k; c += STEP) {
     for (int line = 0; line < STEP * 4; line += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(w + c) + PREFETCH_BYTES + line);
+      __builtin_prefetch(reinterpret_cast<const char*>(w + c) + F32_PREFETCH_BYTES + line);
     __m256 wv[ACC];
     for (int a = 0; a < ACC; a++) wv[a] = _mm256_loadu_ps(w + c + 8 * a);
     for (int r = 0; r < NR; r++)
