@@ -42,8 +42,8 @@ constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS 
 constexpr int ROW_TILE = AVX2_ROW_TILE;
 constexpr int64_t DIRECT_ROWS_F32 = AVX2_DIRECT_ROWS_F32, DIRECT_ROWS_BF16 = 2, DIRECT_ROWS_BLOCKS = 2;
 #endif
-// Q4_1 rows on AVX2 take dot_q4_1_avx2 in direct passes up to fp32's row limit
-constexpr bool NATIVE_Q4_1 =
+// Q4_1 and Q8_0 rows on AVX2 take their native ymm dot products in direct passes up to fp32's row limit
+constexpr bool NATIVE_BLOCKS =
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     true;
 #else
@@ -371,6 +371,37 @@ inline void dot_q4_1_avx2(const uint8_t* row, const float* x, int64_t ldx, int64
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Q8_0 rows on AVX2's native ymm registers: each block's 32 int8 widened in four 8-lane pieces, y = d q.
+template <int NR>
+inline void dot_q8_0_avx2(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
+  constexpr int ACC = NR <= 2 ? 4 : 2;
+  __m256 acc[NR][ACC];
+  for (int r = 0; r < NR; r++)
+    for (int a = 0; a < ACC; a++) acc[r][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / 32; b++) {
+    const uint8_t* block = row + b * Block<Q8_0>::bytes;
+    __builtin_prefetch(block + PREFETCH_BYTES);
+    const __m256 d = _mm256_set1_ps(half_at(block));
+    const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
+    const __m256 w[4] = {
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(low)), d),
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(low, 8))), d),
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(high)), d),
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(high, 8))), d)};
+    for (int r = 0; r < NR; r++)
+      for (int a = 0; a < 4; a++)
+        acc[r][a % ACC] = _mm256_fmadd_ps(w[a], _mm256_loadu_ps(x + r * ldx + b * 32 + 8 * a), acc[r][a % ACC]);
+  }
+  for (int r = 0; r < NR; r++) {
+    __m256 sum = acc[r][0];
+    for (int a = 1; a < ACC; a++) sum = _mm256_add_ps(sum, acc[r][a]);
+    out[r] = hsum8(sum);
+  }
+}
+#endif
+
 #ifdef __AVX512BF16__
 template <int NR>
 inline void dot_bf16(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, float* out) {
@@ -425,6 +456,7 @@ inline void store_row_outputs(const float* part, int nr, float bias, int64_t i, 
 #define TILE_W 2
 #define TILE_X 2
 #endif
+
 #endif
 
 // Calls fn(std::integral_constant<int, XT>) for an edge tile of xt < TILE_X activation rows.
@@ -479,7 +511,7 @@ void tiled(int64_t n, int64_t rows, const float* bias, float* out_f, c10::BFloat
 template <int F>
 void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, int64_t row_bytes, const float* bias,
                  float* out_f, c10::BFloat16* out_h, int64_t rows) {
-  if (n <= (F == F32 || (F == Q4_1 && NATIVE_Q4_1) ? DIRECT_ROWS_F32 : DIRECT_ROWS_BLOCKS)) {
+  if (n <= (F == F32 || ((F == Q4_1 || F == Q8_0) && NATIVE_BLOCKS) ? DIRECT_ROWS_F32 : DIRECT_ROWS_BLOCKS)) {
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       float part[ROW_TILE];
       for (int64_t r = begin; r < end; r++) {
@@ -491,6 +523,7 @@ void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, in
             if constexpr (F == F32) dot_f32<NR>(reinterpret_cast<const float*>(row), x + i * k, k, k, part);
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
             else if constexpr (F == Q4_1) dot_q4_1_avx2<NR>(row, x + i * k, k, k, part);
+            else if constexpr (F == Q8_0) dot_q8_0_avx2<NR>(row, x + i * k, k, k, part);
 #endif
             else dot_blocks<F, NR>(row, x + i * k, k, k, part);
           });
@@ -931,7 +964,9 @@ int64_t block_bytes(int64_t format) {
   TORCH_CHECK(false, "unsupported weight format ", format);
 }
 
-bool direct_up_to_f32_rows(int64_t format) { return format == F32 || (format == Q4_1 && NATIVE_Q4_1); }
+bool direct_up_to_f32_rows(int64_t format) {
+  return format == F32 || ((format == Q4_1 || format == Q8_0) && NATIVE_BLOCKS);
+}
 
 void linear_direct(int64_t format, const float* x, int64_t n, int64_t k, const uint8_t* weight, int64_t row_bytes,
                    const float* bias, float* out_f, c10::BFloat16* out_h, int64_t rows) {
