@@ -10,7 +10,7 @@ kernels are built with other -D values and timed on whole passes over real weigh
     .venv/bin/python bench/kernel_variants.py attention 2 4 8                  # smollm2's and qwen's head groups
     .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
     .venv/bin/python bench/kernel_variants.py forward AVX2_DIRECT_ROWS_F32=4,TORCH_GEMM_ROWS_F32=5 \
-        AVX2_DIRECT_ROWS_F32=16,TORCH_GEMM_ROWS_F32=17                       # whole smollm2 forwards of n rows
+        AVX2_DIRECT_ROWS_F32=16,TORCH_GEMM_ROWS_F32=17 [dtype=gguf rows=16,32]   # whole smollm2 forwards of n rows
 
 A pass runs every layer's matmul once (q/k/v fused, o, gate/up fused, down) for n activation rows: 540 MB of
 fp32 weights, more than the caches hold, so each pass streams from memory as a forward does.
@@ -151,12 +151,16 @@ def gemm(thresholds: list[str]) -> None:
 
 
 def forward(variants: list[str]) -> None:
-    """Whole smollm2-135m forwards (fp32, 300 cached tokens) of n new rows on each variant (NAME=VALUE,...),
-    interleaved: the measure the direct-row and GEMM limits are chosen by."""
+    """Whole smollm2-135m forwards (300 cached tokens) of n new rows on each variant (NAME=VALUE,...), interleaved:
+    the measure the direct-row and GEMM limits are chosen by. Options among the variants: dtype=fp32|gguf (the
+    weights), rows=1,2,4 (the n to time; 1-16 by default)."""
     from specplan.decoder.api import load_decoder
     from specplan.decoder.model import causal_mask
 
-    model = load_decoder(None, target="smollm2-135m", device="cpu").target_forward
+    options = dict(item.split("=") for item in variants if item.split("=")[0] in ("dtype", "rows"))
+    variants = [v for v in variants if v.split("=")[0] not in options]
+    rows = [int(n) for n in options.get("rows", "1,2,3,4,6,8,12,16").split(",")]
+    model = load_decoder(None, target="smollm2-135m", dtype=options.get("dtype", "fp32"), device="cpu").target_forward
     cache = model.cache_for(1024, "target")
     model.prefill(torch.randint(0, 1000, (300,)), cache, logits=False)
     built = {variant: build(dict(item.split("=") for item in variant.split(","))) for variant in variants}
@@ -167,7 +171,7 @@ def forward(variants: list[str]) -> None:
         model.forward(torch.arange(n) + 5, 300 + torch.arange(n), cache, mask)
 
     with torch.inference_mode():
-        for n in (1, 2, 3, 4, 6, 8, 12, 16):
+        for n in rows:
             medians = interleaved_medians({v: partial(run, kernels, n) for v, kernels in built.items()}, repeats=9)
             print(f"n={n}: " + ", ".join(f"{v} {s * 1e3:.0f} ms" for v, s in medians.items()), flush=True)
 

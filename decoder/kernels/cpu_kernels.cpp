@@ -38,8 +38,10 @@ using namespace specplan_kernels;
 // From this many activation rows a matmul of fp32, bf16 or (not K-quant) block weights runs as torch's own GEMM
 // (MKL or oneDNN) over the weight in fp32 panels (linear_gemm), which runs prefill chunks several times faster than
 // register tiles (bench/kernel_variants.py gemm); with AVX-512 the tiles were measured best for 8 to 64 rows. On a
-// 2-core AVX2 EPYC the GEMM passes the tiles from 5 rows on, and fp32's and Q4_1's direct passes (4 rows each) up to
-// 16 rows (TORCH_GEMM_ROWS_F32; bench/kernel_variants.py forward).
+// 2-core AVX2 EPYC the GEMM passes the tiles from 5 rows on, and the direct passes (4 rows each) of fp32, Q4_1 and
+// Q8_0 up to 64 rows (TORCH_GEMM_ROWS_F32; bench/kernel_variants.py forward ... rows=16,24,32,48,64: smollm2's fp32
+// forward of 24-48 rows 15-22% faster in direct passes than through the GEMM, level at 64; its Q4_1 forward of 24-64
+// rows 1.2-2.3x faster, decoding no fp32 panels).
 #ifndef TORCH_GEMM_ROWS
 #ifdef __AVX512F__
 #define TORCH_GEMM_ROWS 65
@@ -51,7 +53,7 @@ using namespace specplan_kernels;
 #ifdef __AVX512F__
 #define TORCH_GEMM_ROWS_F32 TORCH_GEMM_ROWS
 #else
-#define TORCH_GEMM_ROWS_F32 17
+#define TORCH_GEMM_ROWS_F32 65
 #endif
 #endif
 constexpr int64_t GEMM_PANEL_FLOATS = 1 << 22;  // a decoded panel of weight rows: 16 MB, whatever the matrix

@@ -26,9 +26,9 @@ namespace {
 // TILE_W weight rows as fp32 (decoded once into a buffer) and run register tiles over them. The limits are
 // measured (matmul passes over smollm2-135m's layers on a 2-core EPYC, bench/kernel_variants.py): fp32 rows
 // stream best in tiles from 5 rows on, bf16 from 9, decoded blocks from 17 (from 32 rows, decoding once beats a
-// pass per 8). With AVX2's 16 registers fp32 takes passes of 4 rows (two ymm accumulators per row), up to 16 rows:
-// smollm2's matmul passes of 6-16 rows ran 2-3x faster so than in register tiles or torch's GEMM
-// (bench/kernel_variants.py forward).
+// pass per 8). With AVX2's 16 registers fp32 takes passes of 4 rows (two ymm accumulators per row), up to 64 rows:
+// smollm2's matmul passes of 6-16 rows ran 2-3x faster so than in register tiles or torch's GEMM, and its forwards
+// of 24-48 rows faster too (bench/kernel_variants.py forward; TORCH_GEMM_ROWS_F32 in cpu_kernels.cpp).
 #ifdef __AVX512F__
 constexpr int ROW_TILE = 8;
 constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS = 16;
@@ -37,7 +37,7 @@ constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS 
 #define AVX2_ROW_TILE 4
 #endif
 #ifndef AVX2_DIRECT_ROWS_F32
-#define AVX2_DIRECT_ROWS_F32 16
+#define AVX2_DIRECT_ROWS_F32 64
 #endif
 constexpr int ROW_TILE = AVX2_ROW_TILE;
 constexpr int64_t DIRECT_ROWS_F32 = AVX2_DIRECT_ROWS_F32, DIRECT_ROWS_BF16 = 2, DIRECT_ROWS_BLOCKS = 2;
