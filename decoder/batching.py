@@ -6,7 +6,9 @@ collects every sequence's draft tree and scores them in one forward (LeanModel.f
 MLP over all the rows, attention per sequence over its own keys with its tree mask), then verifies, commits and
 stops each sequence alone (decoder/engine.py: SequenceRun). Between steps finished sequences leave and free their
 slots, and waiting requests join: the prompts admitted together are prefilled together in one batched forward
-(each prompt over its own cache; a prompt longer than a prefill chunk alone, in chunks), before the next step.
+(each prompt over its own cache; a prompt longer than a prefill chunk alone, in chunks), before the next step. A
+slot's cache keeps what its last sequence left, so that a prompt sharing a prefix with it (a chat template's system
+turn, a conversation's earlier turns) prefills only the rest, as llama-server's slots reuse their prompt caches.
 A request's tokens do not depend on who shares its steps: greedy output is its own one-request greedy output, and
 sampled output is drawn from its own seeded stream.
 
@@ -89,6 +91,11 @@ class Scheduler:
         self.free_slots = list(range(concurrency))
         self.cancelled: set[int] = set()
         self.next_id = 0
+        target = engine.target
+        # prefixes kept in the slots' caches: on the CPU kernels only (CUDA graphs are captured per cache state),
+        # and where a prefix's keys do not depend on the whole prompt (RoPE scaled by the prompt's length; Phi-3)
+        self.keep_prefixes = (getattr(target, "kernels", None) is not None and target.graphed is None
+                              and target.long_rope is None and not target.position_dependent_rope)
 
     def submit(self, request: Request) -> int:
         self.waiting.append(_Waiting(self.next_id, request, time.perf_counter()))
@@ -145,16 +152,18 @@ class Scheduler:
             try:
                 run = self.engine.start(request.prompt, request.max_new_tokens, request.params, request.seed,
                                         request.on_tokens, self.drafter_for_slot(slot),
-                                        "target" + (f".{slot}" if slot else ""), prefill=False)
+                                        "target" + (f".{slot}" if slot else ""), prefill=False,
+                                        keep_prefix=self.keep_prefixes)
             except UserError as exc:  # this request fails alone
                 self.free_slots.insert(0, slot)
                 failed.append(Completion(waiting.id, None, str(exc)))
                 continue
             joining.append(_Running(waiting.id, slot, run, waiting.submitted, request.prompt))
-        together = [entry for entry in joining if 1 < len(entry.prompt) <= PREFILL_TOGETHER_TOKENS]
+        together = [entry for entry in joining
+                    if 0 < len(entry.prompt) - 1 - entry.run.cache.length <= PREFILL_TOGETHER_TOKENS]
         if len(together) > 1 and hasattr(self.engine.target, "forward_many"):
             start = time.perf_counter()
-            prefill_together(self.engine.target, [torch.tensor(e.prompt[:-1]) for e in together],
+            prefill_together(self.engine.target, [torch.tensor(e.prompt[e.run.cache.length:-1]) for e in together],
                              [e.run.cache for e in together], [len(e.prompt) for e in together])
             seconds = time.perf_counter() - start
             for entry in together:
@@ -172,18 +181,25 @@ class Scheduler:
         if entry.id not in self.cancelled:
             return False
         self.cancelled.discard(entry.id)
-        entry.run.drafter.finish()
-        self.free_slots.append(entry.slot)
+        self._leave(entry)
         done.append(Completion(entry.id, entry.run.result(), "cancelled", cancelled=True))
         return True
 
     def _complete(self, entry: _Running) -> Completion:
-        entry.run.drafter.finish()
-        self.free_slots.append(entry.slot)
+        self._leave(entry)
         self.free_slots.sort()
         run = entry.run
         first = None if run.first_token_at is None else run.first_token_at - entry.submitted
         return Completion(entry.id, run.result(), None, first)
+
+
+    def _leave(self, entry: _Running) -> None:
+        """A sequence out of its slot: its drafter finished, the slot free, its cache's tokens noted for the next."""
+        run = entry.run
+        run.drafter.finish()
+        if self.keep_prefixes:
+            run.cache.held = (entry.prompt + run.out)[:run.cache.length]
+        self.free_slots.append(entry.slot)
 
 
 def _draft(running: list[_Running]) -> list[DraftTree]:

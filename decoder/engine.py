@@ -79,9 +79,9 @@ class SequenceRun:
         """The prompt's tokens but the last into the target cache (unless `prefilled`: a batch prefilled them
         together, decoder/batching.py); the drafter starts the sequence."""
         start = time.perf_counter()
-        if not prefilled:
-            self.target.prefill(torch.tensor(prompt[:-1], dtype=torch.long), self.cache, logits=False,
-                                prompt_length=len(prompt))
+        if not prefilled:  # after any prefix the cache kept (SpeculativeEngine.start's `keep_prefix`)
+            self.target.prefill(torch.tensor(prompt[self.cache.length:-1], dtype=torch.long), self.cache,
+                                logits=False, prompt_length=len(prompt))
         self.started = time.perf_counter()
         self.prefill_seconds = self.started - start
         # The drafter's own prefill (a draft model's prompt, a StreamingLLM window) is a cost of speculating,
@@ -157,13 +157,14 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def prepare(self, prompt_length: int, max_new_tokens: int, drafter: Drafter | None = None,
-                role: str = "target") -> KVCache:
+                role: str = "target", keep: bool = False) -> KVCache:
         """The empty target cache a generation of this size runs on, with the CUDA graphs of the drafter's tree
         sizes captured over it (on a GPU) and the drafter's own prepared, so that decoding replays graphs from
         its first step. A server (or a benchmark's warm-up) calls it ahead for the sizes it expects; `generate`
-        calls it too. `drafter`, `role`: a batch's sequence, its own drafter and cache (decoder/batching.py)."""
+        calls it too. `drafter`, `role`: a batch's sequence, its own drafter and cache (decoder/batching.py);
+        `keep`: the role's cache as its last sequence left it, where it is large enough (LeanModel.cache_for)."""
         drafter = drafter or self.drafter
-        cache = self.target.cache_for(self.check_fits(prompt_length, max_new_tokens), role)
+        cache = self.target.cache_for(self.check_fits(prompt_length, max_new_tokens), role, keep=keep)
         if self.target.graphed is not None:
             self.target.graphed.capture(cache, drafter.target_tree_sizes())
         drafter.prepare(cache.max_len)
@@ -171,12 +172,16 @@ class SpeculativeEngine:
 
     def start(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
               on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter | None = None,
-              role: str = "target", prefill: bool = True) -> SequenceRun:
+              role: str = "target", prefill: bool = True, keep_prefix: bool = False) -> SequenceRun:
         """A sequence prefilled and ready to step (see `prepare` for `drafter` and `role`); without `prefill`, its
-        cache prepared and empty (a batch prefills several together, then calls SequenceRun.prefill)."""
+        cache prepared and empty but for a kept prefix (a batch prefills several together, then calls
+        SequenceRun.prefill). `keep_prefix`: the prefix the prompt shares with what the role's cache holds from its
+        last sequence (a server's slot) is kept instead of computed again (KVCache.keep_prefix)."""
         drafter = drafter or self.drafter
         start = time.perf_counter()
-        cache = self.prepare(len(prompt), max_new_tokens, drafter, role)
+        cache = self.prepare(len(prompt), max_new_tokens, drafter, role, keep=keep_prefix)
+        if keep_prefix:
+            cache.keep_prefix(prompt)
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
                           self.stop_ids, self.masks, on_tokens)
         if prefill:

@@ -177,10 +177,24 @@ class KVCache:
         # CUDA graphs captured over this cache's memory, by (number of new tokens, whether it hands out the root's
         # queries) (decoder/cuda_graphs.py); they live and die with it.
         self.graphs: dict[tuple[int, bool], tuple] = {}
+        # the token ids of slots 0..len-1, where a finished sequence left them for the next one to share a prefix
+        # with (a server's slot, decoder/batching.py); None: unknown. Emptied with the cache.
+        self.held: list[int] | None = None
 
     def reset(self) -> None:
         """Empty, for a new sequence (its memory and CUDA graphs kept)."""
-        self.length, self.prompt_length, self.long_rope, self.root_queries = 0, 0, False, None
+        self.length, self.prompt_length, self.long_rope, self.root_queries, self.held = 0, 0, False, None, None
+
+    def keep_prefix(self, prompt: list[int]) -> None:
+        """Start a sequence of `prompt` on what the last one left: the slots it shares with the prompt's tokens but
+        the last are kept (the last is the first step's root), the rest emptied; everything without `held`."""
+        shared = 0
+        if self.held is not None and self.key_positions is None:
+            limit = min(len(self.held), self.length, len(prompt) - 1)
+            while shared < limit and self.held[shared] == prompt[shared]:
+                shared += 1
+        self.reset()
+        self.length = shared
 
     def commit(self, kept: torch.Tensor | None, count: int) -> None:
         """Keep `count` of the slots written after the prefix: `kept` lists them (slot offsets from `length`,
@@ -349,9 +363,12 @@ class LeanModel:
             raise UserError(f"a cache of {max_len} tokens exceeds the model's maximum context {self.shape.max_context}")
         return KVCache(self.shape, max_len, self.dtype, self.device)
 
-    def cache_for(self, max_len: int, role: str, exact: bool = False) -> KVCache:
+    def cache_for(self, max_len: int, role: str, exact: bool = False, keep: bool = False) -> KVCache:
         """An empty cache of `max_len` slots for `role` (the engine's "target", a drafter's own): the one this
-        model kept for that role and size, emptied, else a new one (kept in its place).
+        model kept for that role and size, emptied, else a new one (kept in its place). With `keep` (no CUDA
+        graphs), the kept cache as it is, contents and all, where it holds `max_len` slots or more, else a larger
+        one holding its kept prefix (a server's slot: its next sequence may share a prefix with the last,
+        KVCache.keep_prefix).
 
         With CUDA graphs, `max_len` is rounded up to GRAPH_CACHE_SLOTS (unless `exact`) and up to
         KEPT_GRAPH_CACHES sizes are kept per role, least recently used first out, so that generations of mixed
@@ -360,6 +377,18 @@ class LeanModel:
         if self.graphed is not None and not exact:
             max_len = min(-(-max_len // GRAPH_CACHE_SLOTS) * GRAPH_CACHE_SLOTS, self.shape.max_context)
         kept = self.kept_caches.setdefault(role, OrderedDict())
+        if keep and self.graphed is None and kept:
+            last = next(iter(kept.values()))
+            if last.max_len >= max_len:
+                return last
+            if last.held is not None:  # a larger cache, the kept prefix copied along
+                cache = self.new_cache(max_len)
+                cache.k[:, :, :last.length] = last.k[:, :, :last.length]
+                cache.v[:, :, :last.length] = last.v[:, :, :last.length]
+                cache.length, cache.held = last.length, last.held
+                kept.clear()
+                kept[max_len] = cache
+                return cache
         cache = kept.pop(max_len, None)
         if cache is None:
             if self.graphed is None:
@@ -748,15 +777,16 @@ def prefill_in_chunks(model: Any, tokens: torch.Tensor, cache: Any, chunk: int, 
 
 def prefill_together(model: LeanModel, prompts: list[torch.Tensor], caches: list[KVCache],
                      prompt_lengths: list[int]) -> None:
-    """Several sequences' prompt tokens (each at most a prefill chunk) into their own empty caches in one batched
-    forward (LeanModel.forward_many), each causal over its own tokens; `prompt_lengths`: each whole prompt's."""
+    """Several sequences' prompt tokens (each at most a prefill chunk) appended to their own caches (empty, or
+    holding a prefix kept from the slot's last sequence) in one batched forward (LeanModel.forward_many), each
+    causal over its own cache; `prompt_lengths`: each whole prompt's."""
     items = []
     for tokens, cache, length in zip(prompts, caches, prompt_lengths):
         cache.prompt_length = length
-        n = tokens.shape[0]
-        mask = causal_mask(0, n, model.dtype, model.device) if n > 1 else None
-        items.append(ForwardItem(tokens.to(model.device), torch.arange(n, device=model.device), cache, mask,
-                                 slice(0, 0)))
+        n, start = tokens.shape[0], cache.length
+        mask = causal_mask(start, n, model.dtype, model.device) if n > 1 else None
+        items.append(ForwardItem(tokens.to(model.device), torch.arange(start, start + n, device=model.device), cache,
+                                 mask, slice(0, 0)))
     model.forward_many(items)
     for tokens, cache in zip(prompts, caches):
         cache.commit(None, tokens.shape[0])

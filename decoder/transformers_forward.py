@@ -110,7 +110,8 @@ class TransformersForward:
             raise UserError(f"a cache of {max_len} tokens exceeds the model's maximum context {self.shape.max_context}")
         return TransformersCache(max_len)
 
-    def cache_for(self, max_len: int, role: str, exact: bool = False) -> TransformersCache:
+    def cache_for(self, max_len: int, role: str, exact: bool = False, keep: bool = False) -> TransformersCache:
+        """A new cache each time: nothing is kept for a role here (`keep` asks for nothing more)."""
         return self.new_cache(max_len)
 
     def prefill(self, tokens: torch.Tensor, cache: TransformersCache, chunk: int = 512, logits: bool = True,

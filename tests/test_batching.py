@@ -106,6 +106,41 @@ def test_every_request_gets_its_own_greedy_tokens_under_load(method, concurrency
         assert results[i] == hf_greedy(loaded, requests[i].prompt, requests[i].max_new_tokens)
 
 
+@pytest.mark.parametrize("method", ["one-token", "lookahead", "sequoia"])
+def test_a_slot_keeps_the_prefix_a_next_prompt_shares_and_the_tokens_stay_its_own(method, tiny_pair, monkeypatch):
+    """Prompts sharing a 20-token head (a chat template's system turn), one repeating an earlier prompt exactly, one
+    continuing an earlier prompt and its output (a conversation's next turn), two slots: the slots prefill only
+    what their caches do not hold, and every request's greedy tokens equal its own one-request greedy tokens.
+    A one-request generation in between (slot 0's cache) leaves no stale prefix behind."""
+    import specplan.decoder.batching as batching
+
+    _, target, draft = tiny_pair
+    make = drafters(target, draft)[method]
+    gen = torch.Generator().manual_seed(7)
+    head = torch.randint(0, 250, (20,), generator=gen).tolist()
+    tails = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (6, 11, 3, 9)]
+    prefilled = []
+    alone, together = target.prefill, batching.prefill_together
+    monkeypatch.setattr(target, "prefill", lambda tokens, *a, **k: prefilled.append(len(tokens)) or alone(
+        tokens, *a, **k))
+    monkeypatch.setattr(batching, "prefill_together", lambda model, pieces, *a: prefilled.extend(
+        len(p) for p in pieces) or together(model, pieces, *a))
+    engine = SpeculativeEngine(target, make())
+    scheduler = Scheduler(engine, drafters_per_slot(make), 2)
+    requests = [Request(head + tail, 12) for tail in tails]
+    results = {c.id: c.result.tokens for c in scheduler.run(requests)}
+    requests += [Request(requests[3].prompt, 10), Request(requests[1].prompt + results[1] + tails[0], 12)]
+    results.update({c.id: c.result.tokens for c in scheduler.run(requests[4:])})
+    assert sum(prefilled) < sum(len(r.prompt) - 1 for r in requests) - 40  # the heads were not computed again
+    engine.generate(list(reversed(head)) + tails[2], 5, SamplingParams())  # slot 0's cache, taken and refilled
+    requests.append(Request(head + tails[2], 9))
+    results.update({c.id: c.result.tokens for c in scheduler.run(requests[6:])})
+    monkeypatch.undo()
+    for i, request in enumerate(requests):
+        assert results[i] == SpeculativeEngine(target, make()).generate(
+            request.prompt, request.max_new_tokens, SamplingParams()).tokens, i
+
+
 def test_triforce_requests_batched_keep_their_greedy_tokens(tiny_pair):
     """Four long-context requests through TriForce's hierarchy (each its own retrieval cache and StreamingLLM
     draft), two in flight: each equals transformers' greedy output."""
