@@ -1,8 +1,10 @@
 """`plan serve`: an OpenAI-compatible HTTP endpoint (/v1/completions, /v1/chat/completions, streaming or not) over
 the continuous-batching scheduler (decoder/batching.py), on aiohttp.
 
-The model runs in one engine thread, which owns the scheduler: the event loop hands it requests and cancellations
-through a queue, and it hands back each step's tokens and each completion with call_soon_threadsafe. A request
+The model runs in one engine loop, which owns the scheduler: the event loop hands it requests and cancellations
+through a queue, and it hands back each step's tokens and each completion with call_soon_threadsafe. `plan serve`
+runs the engine loop in the main thread and the event loop in a thread of its own: torch's kernels called from a
+thread other than the main one ran a one-token step about 8% slower (docs/benchmark-log.md). A request
 that cannot be decoded (malformed JSON, a bad field, a prompt over the context) gets HTTP 400 with a one-line
 reason and fails alone; a full queue gets 503; a client that goes away has its sequence cancelled, which frees its
 slot at the next step.
@@ -15,6 +17,7 @@ import itertools
 import json
 import math
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -45,8 +48,9 @@ class Ticket:
     loop: asyncio.AbstractEventLoop | None = None  # the event loop its events go to
 
 
-class EngineThread:
-    """The scheduler in a thread of its own; `submit` and `cancel` are safe to call from any thread."""
+class EngineLoop:
+    """The scheduler's loop, in a thread of its own (`start`) or the caller's (`run`); `submit` and `cancel` are
+    safe to call from any thread."""
 
     def __init__(self, decoder: Decoder, concurrency: int, max_queue: int) -> None:
         self.decoder = decoder
@@ -57,15 +61,17 @@ class EngineThread:
         self.in_flight = 0  # tickets submitted and not yet completed (event loop's count)
         self.tickets: dict[int, Ticket] = {}  # by scheduler id (engine thread's)
         self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name="specplan-engine", daemon=True)
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="specplan-engine", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
         self.stopping = True
         self.wake.set()
-        self.thread.join(timeout=30)
+        if self.thread is not None:
+            self.thread.join(timeout=30)
 
     def submit(self, ticket: Ticket, loop: asyncio.AbstractEventLoop) -> None:
         if self.in_flight >= self.capacity:
@@ -79,7 +85,8 @@ class EngineThread:
         self.inbox.put(("cancel", ticket, None))
         self.wake.set()
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """Step the scheduler until `stop`."""
         while not self.stopping:
             self._drain_inbox()
             if self.scheduler.idle:
@@ -144,7 +151,7 @@ def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float
 
 
 class Server:
-    def __init__(self, decoder: Decoder, engine: EngineThread, model_name: str, max_new_tokens: int) -> None:
+    def __init__(self, decoder: Decoder, engine: EngineLoop, model_name: str, max_new_tokens: int) -> None:
         self.decoder, self.engine, self.model_name = decoder, engine, model_name
         self.max_new_tokens = max_new_tokens
         self.ids = itertools.count()
@@ -347,7 +354,7 @@ class RunningServer:
     """A server started in a background thread (tests, benchmarks): its URL, and `close` to stop it."""
 
     url: str
-    engine: EngineThread
+    engine: EngineLoop
     loop: asyncio.AbstractEventLoop
     runner: web.AppRunner
     thread: threading.Thread
@@ -360,17 +367,21 @@ class RunningServer:
 
 
 def build(decoder: Decoder, model_name: str, concurrency: int, max_queue: int,
-          max_new_tokens: int) -> tuple[web.Application, EngineThread]:
+          max_new_tokens: int) -> tuple[web.Application, EngineLoop]:
     if max_queue < 0:
         raise UserError(f"the queue limit must be >= 0, got {max_queue}")
-    engine = EngineThread(decoder, concurrency, max_queue)
+    engine = EngineLoop(decoder, concurrency, max_queue)
     return Server(decoder, engine, model_name, max_new_tokens).app(), engine
 
 
 def start_in_background(decoder: Decoder, model_name: str, concurrency: int = 4, max_queue: int = 64,
-                        max_new_tokens: int = 256, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+                        max_new_tokens: int = 256, host: str = "127.0.0.1", port: int = 0,
+                        engine_thread: bool = True) -> RunningServer:
+    """The HTTP server's event loop in a background thread, and the engine's loop in another (unless not
+    `engine_thread`: then the caller runs `engine.run()`)."""
     app, engine = build(decoder, model_name, concurrency, max_queue, max_new_tokens)
-    engine.start()
+    if engine_thread:
+        engine.start()
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
@@ -384,11 +395,17 @@ def start_in_background(decoder: Decoder, model_name: str, concurrency: int = 4,
 
 def serve_forever(decoder: Decoder, model_name: str, concurrency: int, max_queue: int, max_new_tokens: int,
                   host: str, port: int, say: Callable[[str], None]) -> None:
-    app, engine = build(decoder, model_name, concurrency, max_queue, max_new_tokens)
-    engine.start()
+    """Serve until SIGINT or SIGTERM: the event loop in a background thread, the engine in this (the main) one."""
     try:
-        web.run_app(app, host=host, port=port, print=lambda message: say(message.strip().splitlines()[0]))
+        server = start_in_background(decoder, model_name, concurrency, max_queue, max_new_tokens, host, port,
+                                     engine_thread=False)
     except OSError as exc:
         raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    say(f"======== Running on {server.url} ========")
+    signal.signal(signal.SIGTERM, lambda *_: server.engine.stop())
+    try:
+        server.engine.run()
+    except KeyboardInterrupt:
+        pass
     finally:
-        engine.stop()
+        server.close()
