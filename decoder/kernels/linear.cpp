@@ -338,58 +338,40 @@ inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t 
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// Q4_1 rows on AVX2's native ymm registers (dot_blocks' 16-float vectors compile to a slow loop there): each block's
-// 32 nibbles widened in four 8-lane pieces, y = d q + m as dot_blocks decodes it; four accumulators per row for one
-// or two rows, two for three or four (the 16 registers).
-template <int NR>
-inline void dot_q4_1_avx2(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
-  constexpr int ACC = NR <= 2 ? 4 : 2;
-  __m256 acc[NR][ACC];
-  for (int r = 0; r < NR; r++)
-    for (int a = 0; a < ACC; a++) acc[r][a] = _mm256_setzero_ps();
-  const __m128i low_nibbles = _mm_set1_epi8(15);
-  for (int64_t b = 0; b < k / 32; b++) {
-    const uint8_t* block = row + b * Block<Q4_1>::bytes;
-    __builtin_prefetch(block + PREFETCH_BYTES);
-    const __m256 d = _mm256_set1_ps(half_at(block)), m = _mm256_set1_ps(half_at(block + 2));
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m128i lo = _mm_and_si128(bytes, low_nibbles), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-    const __m256 w[4] = {
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m)};
-    for (int r = 0; r < NR; r++)
-      for (int a = 0; a < 4; a++)
-        acc[r][a % ACC] = _mm256_fmadd_ps(w[a], _mm256_loadu_ps(x + r * ldx + b * 32 + 8 * a), acc[r][a % ACC]);
-  }
-  for (int r = 0; r < NR; r++) {
-    __m256 sum = acc[r][0];
-    for (int a = 1; a < ACC; a++) sum = _mm256_add_ps(sum, acc[r][a]);
-    out[r] = hsum8(sum);
-  }
-}
-#endif
+// Q4_1 and Q8_0 blocks widened into four 8-lane ymm pieces (dot_blocks' 16-float vectors compile to a slow loop on
+// AVX2), decoded as dot_blocks decodes them: Q4_1 y = d q + m, Q8_0 y = d q.
+template <int F> inline void widen_avx2(const uint8_t* block, __m256 w[4]);
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// Q8_0 rows on AVX2's native ymm registers: each block's 32 int8 widened in four 8-lane pieces, y = d q.
-template <int NR>
-inline void dot_q8_0_avx2(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
+template <> inline void widen_avx2<Q4_1>(const uint8_t* block, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(half_at(block)), m = _mm256_set1_ps(half_at(block + 2));
+  const __m128i low_nibbles = _mm_set1_epi8(15);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+  const __m128i lo = _mm_and_si128(bytes, low_nibbles), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+  const __m128i pieces[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int a = 0; a < 4; a++) w[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pieces[a])), d, m);
+}
+
+template <> inline void widen_avx2<Q8_0>(const uint8_t* block, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(half_at(block));
+  const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+  const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
+  const __m128i pieces[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+  for (int a = 0; a < 4; a++) w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pieces[a])), d);
+}
+
+// A Q4_1 or Q8_0 row against NR activation rows on native ymm registers: four accumulators per row for one or two
+// rows, two for three or four (the 16 registers).
+template <int F, int NR>
+inline void dot_blocks_avx2(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
   constexpr int ACC = NR <= 2 ? 4 : 2;
   __m256 acc[NR][ACC];
   for (int r = 0; r < NR; r++)
     for (int a = 0; a < ACC; a++) acc[r][a] = _mm256_setzero_ps();
   for (int64_t b = 0; b < k / 32; b++) {
-    const uint8_t* block = row + b * Block<Q8_0>::bytes;
+    const uint8_t* block = row + b * Block<F>::bytes;
     __builtin_prefetch(block + PREFETCH_BYTES);
-    const __m256 d = _mm256_set1_ps(half_at(block));
-    const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
-    const __m256 w[4] = {
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(low)), d),
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(low, 8))), d),
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(high)), d),
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(high, 8))), d)};
+    __m256 w[4];
+    widen_avx2<F>(block, w);
     for (int r = 0; r < NR; r++)
       for (int a = 0; a < 4; a++)
         acc[r][a % ACC] = _mm256_fmadd_ps(w[a], _mm256_loadu_ps(x + r * ldx + b * 32 + 8 * a), acc[r][a % ACC]);
@@ -522,8 +504,7 @@ void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, in
             constexpr int NR = decltype(tile)::value;
             if constexpr (F == F32) dot_f32<NR>(reinterpret_cast<const float*>(row), x + i * k, k, k, part);
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-            else if constexpr (F == Q4_1) dot_q4_1_avx2<NR>(row, x + i * k, k, k, part);
-            else if constexpr (F == Q8_0) dot_q8_0_avx2<NR>(row, x + i * k, k, k, part);
+            else if constexpr (F == Q4_1 || F == Q8_0) dot_blocks_avx2<F, NR>(row, x + i * k, k, k, part);
 #endif
             else dot_blocks<F, NR>(row, x + i * k, k, k, part);
           });
