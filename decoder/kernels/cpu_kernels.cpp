@@ -476,16 +476,6 @@ void accumulate_values_avx2(const float* p, int64_t stride, const float* values,
   }
 }
 
-// Calls fn(std::integral_constant<int, R>) for 1 <= r <= 4.
-template <typename Fn>
-inline void with_rows(int64_t r, Fn&& fn) {
-  switch (r) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    default: fn(std::integral_constant<int, 4>{}); break;
-  }
-}
 #endif
 
 // From this many query rows per KV head (trees, prefill; GQA groups) a chunk's scores come from one matrix product
@@ -590,7 +580,7 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
         const float* head_keys = k_cache.data_ptr<float>() + kv * k_cache.stride(0);
         for (int64_t r0 = 0; r0 < rows; r0 += 3)
-          with_rows(std::min<int64_t>(3, rows - r0), [&](auto r) {
+          with_count<3>(std::min<int64_t>(3, rows - r0), [&](auto r) {
             head_scores_avx2<decltype(r)::value>(qh + r0 * d, head_keys, d, j0, j1, scores.data() + r0 * chunk,
                                                  chunk);
           });
@@ -663,7 +653,7 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
       if (native) {
         const float* head_values = v_cache.data_ptr<float>() + kv * v_cache.stride(0);
         for (int64_t r0 = 0; r0 < rows; r0 += 4)
-          with_rows(std::min<int64_t>(4, rows - r0), [&](auto r) {
+          with_count<4>(std::min<int64_t>(4, rows - r0), [&](auto r) {
             accumulate_values_avx2<decltype(r)::value>(scores.data() + r0 * chunk, chunk, head_values, d, j0, j1,
                                                        acc_out + r0 * d);
           });

@@ -406,20 +406,7 @@ void decode_row(const uint8_t* row, int64_t k, float* y) {
 
 // Calls fn(std::integral_constant<int, NR>) for a tile of nr activation rows (1 <= nr <= ROW_TILE).
 template <typename Fn>
-inline void with_tile(int nr, Fn&& fn) {
-  switch (nr) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-#ifdef __AVX512F__
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    case 8: fn(std::integral_constant<int, 8>{}); break;
-#endif
-  }
-}
+inline void with_tile(int nr, Fn&& fn) { with_count<ROW_TILE>(nr, fn); }
 
 inline void store_row_outputs(const float* part, int nr, float bias, int64_t i, int64_t r, int64_t rows, float* out_f,
                               c10::BFloat16* out_h) {

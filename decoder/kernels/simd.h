@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -22,6 +23,23 @@ typedef int8_t v16c __attribute__((vector_size(16)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
+
+// Calls fn(std::integral_constant<int, N>) with N = n, for 1 <= n <= MAX <= 8: a run-time count of rows as the
+// compile-time one a kernel's register arrays are sized by.
+template <int MAX, typename Fn>
+inline void with_count(int64_t n, Fn&& fn) {
+  static_assert(MAX >= 1 && MAX <= 8);
+  switch (n) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (MAX >= 2) fn(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (MAX >= 3) fn(std::integral_constant<int, 3>{}); break;
+    case 4: if constexpr (MAX >= 4) fn(std::integral_constant<int, 4>{}); break;
+    case 5: if constexpr (MAX >= 5) fn(std::integral_constant<int, 5>{}); break;
+    case 6: if constexpr (MAX >= 6) fn(std::integral_constant<int, 6>{}); break;
+    case 7: if constexpr (MAX >= 7) fn(std::integral_constant<int, 7>{}); break;
+    case 8: if constexpr (MAX >= 8) fn(std::integral_constant<int, 8>{}); break;
+  }
+}
 
 inline v16f load(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
