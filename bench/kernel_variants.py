@@ -1,11 +1,13 @@
 """Backs the CPU kernels' tuning constants (decoder/kernels/): TILE_W x TILE_X, the register tile for
 more than ROW_TILE activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how far ahead a block-format or fp32 row
 is requested; GEMM_ROWS, the query rows per KV head from which attention scores a chunk with one GEMM;
-TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels. The
+TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
+Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row. The
 kernels are built with other -D values and timed on whole passes over real weights, and on attention over a long cache.
 
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
+    .venv/bin/python bench/kernel_variants.py q8k-tile 4 6 8                    # Q4_K/Q6_K rows per pass, the same
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
     .venv/bin/python bench/kernel_variants.py attention 2 4 8                  # smollm2's and qwen's head groups
     .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
@@ -101,15 +103,20 @@ def prefetch_f32(distances: list[str]) -> None:
         print(", ".join(f"{label} {size / s / 1e9:.1f} GB/s" for label, s in medians.items()), flush=True)
 
 
-def prefetch(distances: list[str]) -> None:
+def k_quant_matrices(kind: str, limit: int | None = None, name_part: str = "") -> list[tuple[torch.Tensor, int]]:
+    """qwen2.5-coder-1.5b's `kind` (Q4_K, Q6_K) layer matrices whose names contain `name_part`, as (GGUF blocks
+    [rows, bytes], columns), the first `limit` of them."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(preset_gguf("qwen2.5-coder-1.5b")))
-    streams = {}
-    for kind in ("Q4_K", "Q6_K"):
-        tensors = [t for t in reader.tensors if t.tensor_type.name == kind and ".ffn_" in t.name][:12]
-        streams[kind] = [(torch.from_numpy(np.array(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)),
-                          int(t.shape[0])) for t in tensors]
+    tensors = [t for t in reader.tensors if t.tensor_type.name == kind and t.name.startswith("blk.")
+               and name_part in t.name][:limit]
+    return [(torch.from_numpy(np.array(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)), int(t.shape[0]))
+            for t in tensors]
+
+
+def prefetch(distances: list[str]) -> None:
+    streams = {kind: k_quant_matrices(kind, 12, ".ffn_") for kind in ("Q4_K", "Q6_K")}
     for distance in distances:
         kernels = build({"PREFETCH_BYTES": distance})
         cells = []
@@ -117,6 +124,21 @@ def prefetch(distances: list[str]) -> None:
             seconds = median_seconds(partial(block_pass, kernels, kind, matrices))
             cells.append(f"{kind} {sum(d.numel() for d, _ in matrices) / seconds / 1e9:.1f} GB/s")
         print(f"PREFETCH_BYTES={distance}: {', '.join(cells)}", flush=True)
+
+
+def q8k_tile(tiles: list[str]) -> None:
+    """Every K-quant matrix of qwen2.5-coder-1.5b's layers against n activation rows, per Q8K_ROW_TILE, interleaved."""
+    matrices = [(kind, data, cols) for kind in ("Q4_K", "Q6_K") for data, cols in k_quant_matrices(kind)]
+    variants = {f"Q8K_ROW_TILE={tile}": build({"Q8K_ROW_TILE": tile}) for tile in tiles}
+
+    def run(kernels, inputs: dict) -> None:
+        for kind, data, cols in matrices:
+            kernels.linear(inputs[cols], kind, data, None, data.shape[0])
+
+    for n in (1, 2, 4, 8, 16, 64):
+        inputs = {cols: torch.randn(n, cols) for _, _, cols in matrices}
+        medians = interleaved_medians({t: partial(run, k, inputs) for t, k in variants.items()}, repeats=5, warmup=1)
+        print(f"n={n}: " + ", ".join(f"{t} {s * 1e3:.0f} ms" for t, s in medians.items()), flush=True)
 
 
 ATTENTION_SHAPES = ((9, 3, 1), (9, 3, 2), (9, 3, 3), (12, 2, 1), (12, 2, 2))  # (heads, KV heads, new tokens)
@@ -179,4 +201,4 @@ def forward(variants: list[str]) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     {"tiles": tiles, "prefetch": prefetch, "prefetch-f32": prefetch_f32, "attention": attention, "gemm": gemm,
-     "forward": forward}[sys.argv[1]](sys.argv[2:])
+     "forward": forward, "q8k-tile": q8k_tile}[sys.argv[1]](sys.argv[2:])

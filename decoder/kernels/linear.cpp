@@ -601,6 +601,11 @@ void bf16_native_rows(const uint16_t* x, int64_t n, int64_t k, const uint16_t* w
 // this path, for any number of rows, so a row's result does not depend on how many rows a forward scores.
 
 constexpr int64_t Q8_BLOCK = 256;
+// Activation rows per pass over a K-quant weight row: each row's integer sum takes one register while a chunk of the
+// block is unpacked once for all of them (qwen2.5-coder-1.5b's K-quant matrices, bench/kernel_variants.py q8k-tile)
+#ifndef Q8K_ROW_TILE
+#define Q8K_ROW_TILE 8
+#endif
 
 // 16 floats rounded to the nearest integers (ties to even), as int32.
 inline v16i round_to_int(v16f v) {
@@ -658,27 +663,25 @@ struct Q8Rows {
   const int16_t* block_sums(int64_t row, int64_t block) const { return sums.data() + row * (k / 16) + block * 16; }
 };
 
-// One activation row's sum over a weight row's blocks. With AVX-512 each block's integer lane sums are scaled into
-// fp32 lanes, reduced once per weight row (no horizontal sum per block).
+// One activation row's sum over a weight row's blocks. With AVX-512 or AVX2 each block's integer lane sums are
+// scaled into fp32 lanes, reduced once per weight row (no horizontal sum per block).
 #if defined(__AVX512BW__)
 struct Q8Accumulator {
   __m512 products = _mm512_setzero_ps();  // d dx (q . x) per lane
   __m256 offsets = _mm256_setzero_ps();   // the K-quants' mins (Q4_K) or offsets (Q6_K) per lane
   float total() const { return _mm512_reduce_add_ps(_mm512_add_ps(products, _mm512_zextps256_ps512(offsets))); }
 };
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Q8Accumulator {
+  __m256 products = _mm256_setzero_ps();
+  __m256 offsets = _mm256_setzero_ps();
+  float total() const { return hsum8(_mm256_add_ps(products, offsets)); }
+};
 #else
 struct Q8Accumulator {
   float sum = 0.0f;
   float total() const { return sum; }
 };
-#endif
-
-#if defined(__AVX2__)
-inline int32_t hsum_epi32(__m256i v) {
-  const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  const __m128i quarter = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
-  return _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 1)));
-}
 #endif
 
 // One Q4_K block (144 bytes) against rows 0..NR-1 of x's block `block`: adds d dx sum_j s_j (q_j . x_j) - dmin dx
@@ -715,30 +718,31 @@ inline void dot_q4k_block(const uint8_t* w, const Q8Rows& x, int64_t row0, int64
     acc[r].products = _mm512_fmadd_ps(_mm512_set1_ps(dx * d), _mm512_cvtepi32_ps(sum), acc[r].products);
     acc[r].offsets = _mm256_fmadd_ps(_mm256_set1_ps(-dx * dmin), _mm256_cvtepi32_ps(min_terms), acc[r].offsets);
   }
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
+  // 64 values a chunk, unpacked once for the NR rows, each row's integer sum in a register of its own
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256i low[4], high[4], scale[8];
-  for (int c = 0; c < 4; c++) {
+  __m256i sum[NR];
+  for (int r = 0; r < NR; r++) sum[r] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; c++) {  // bytes: unsigned 4-bit weights times signed 8-bit activations, pairwise in int16
     const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-    low[c] = _mm256_and_si256(packed, low4);
-    high[c] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-  }
-  for (int j = 0; j < 8; j++) scale[j] = _mm256_set1_epi16(sm[j]);
-  for (int r = 0; r < NR; r++) {
-    const int8_t* xq = x.row_block(row0 + r, block);
-    __m256i sum = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {  // bytes: unsigned 4-bit weights times signed 8-bit activations, pairwise in int16
-      const __m256i a = _mm256_maddubs_epi16(low[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c)));
-      const __m256i b =
-          _mm256_maddubs_epi16(high[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c + 32)));
-      sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(a, scale[2 * c]), _mm256_madd_epi16(b, scale[2 * c + 1])));
+    const __m256i low = _mm256_and_si256(packed, low4), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    const __m256i scale_low = _mm256_set1_epi16(sm[2 * c]), scale_high = _mm256_set1_epi16(sm[2 * c + 1]);
+    for (int r = 0; r < NR; r++) {
+      const int8_t* xq = x.row_block(row0 + r, block) + 64 * c;
+      const __m256i a = _mm256_maddubs_epi16(low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+      const __m256i b = _mm256_maddubs_epi16(high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32)));
+      sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_madd_epi16(a, scale_low), _mm256_madd_epi16(b, scale_high)));
     }
-    const int32_t total = hsum_epi32(sum);
-    const int16_t* sums = x.block_sums(row0 + r, block);
-    int32_t mins = 0;
-    for (int j = 0; j < 8; j++) mins += sm[8 + j] * (sums[2 * j] + sums[2 * j + 1]);
+  }
+  alignas(32) int16_t mins_per_16[16];  // m_j for both halves of sub-block j, against the sums of 16 activations
+  for (int j = 0; j < 16; j++) mins_per_16[j] = sm[8 + j / 2];
+  const __m256i mins = _mm256_load_si256(reinterpret_cast<const __m256i*>(mins_per_16));
+  for (int r = 0; r < NR; r++) {
+    const __m256i min_terms =
+        _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.block_sums(row0 + r, block))));
     const float dx = x.scale(row0 + r, block);
-    acc[r].sum += dx * (d * static_cast<float>(total) - dmin * static_cast<float>(mins));
+    acc[r].products = _mm256_fmadd_ps(_mm256_set1_ps(dx * d), _mm256_cvtepi32_ps(sum[r]), acc[r].products);
+    acc[r].offsets = _mm256_fmadd_ps(_mm256_set1_ps(-dx * dmin), _mm256_cvtepi32_ps(min_terms), acc[r].offsets);
   }
 #else
   for (int r = 0; r < NR; r++) {
@@ -802,36 +806,38 @@ inline void dot_q6k_block(const uint8_t* w, const Q8Rows& x, int64_t row0, int64
     acc[r].products = _mm512_fmadd_ps(_mm512_set1_ps(dx_d), _mm512_cvtepi32_ps(sum), acc[r].products);
     acc[r].offsets = _mm256_fmadd_ps(_mm256_set1_ps(-32.0f * dx_d), _mm256_cvtepi32_ps(offset_terms), acc[r].offsets);
   }
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
+  // 32 values a group, unpacked once for the NR rows, each row's integer sum in a register of its own
   const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
-  __m256i values[8], scale[8];  // per half: the 6-bit values of elements 0-31, 32-63, 64-95, 96-127
+  __m256i sum[NR];
+  for (int r = 0; r < NR; r++) sum[r] = _mm256_setzero_si256();
   for (int half = 0; half < 2; half++) {
     const uint8_t* ql = w + 64 * half;
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * half));
-    __m256i* v = values + 4 * half;
-    v[0] = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), bits45));
-    v[1] = _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), bits45));
-    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(h, bits45));
-    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4),
-                           _mm256_and_si256(_mm256_srli_epi16(h, 2), bits45));
-    for (int m = 0; m < 4; m++)  // elements 32m..32m+31 of the half: scales sc[8 half + 2m], sc[8 half + 2m + 1]
-      scale[4 * half + m] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * half + 2 * m + 1]), _mm_set1_epi16(sc[8 * half + 2 * m]));
-  }
-  for (int r = 0; r < NR; r++) {
-    const int8_t* xq = x.row_block(row0 + r, block);
-    __m256i sum = _mm256_setzero_si256();
-    for (int half = 0; half < 2; half++)
-      for (int m = 0; m < 4; m++) {
-        const __m256i products = _mm256_maddubs_epi16(
-            values[4 * half + m], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 128 * half + 32 * m)));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(products, scale[4 * half + m]));
+    for (int m = 0; m < 4; m++) {  // elements 32m..32m+31 of the half: scales sc[8 half + 2m], sc[8 half + 2m + 1]
+      const __m256i packed = m == 0 ? a : m == 1 ? c : m == 2 ? _mm256_srli_epi16(a, 4) : _mm256_srli_epi16(c, 4);
+      const __m256i high = m == 0 ? _mm256_slli_epi16(h, 4) : m == 1 ? _mm256_slli_epi16(h, 2)
+                         : m == 2 ? h : _mm256_srli_epi16(h, 2);
+      const __m256i values = _mm256_or_si256(_mm256_and_si256(packed, low4), _mm256_and_si256(high, bits45));
+      const __m256i scale =
+          _mm256_set_m128i(_mm_set1_epi16(sc[8 * half + 2 * m + 1]), _mm_set1_epi16(sc[8 * half + 2 * m]));
+      for (int r = 0; r < NR; r++) {
+        const int8_t* xq = x.row_block(row0 + r, block) + 128 * half + 32 * m;
+        const __m256i products = _mm256_maddubs_epi16(values, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(products, scale));
       }
-    const int16_t* sums = x.block_sums(row0 + r, block);
-    int32_t offsets = 0;
-    for (int j = 0; j < 16; j++) offsets += sc[j] * sums[j];
-    acc[r].sum += x.scale(row0 + r, block) * d * static_cast<float>(hsum_epi32(sum) - 32 * offsets);
+    }
+  }
+  // sc_j against the sums of 16 activations
+  const __m256i offsets16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  for (int r = 0; r < NR; r++) {
+    const __m256i offset_terms = _mm256_madd_epi16(
+        offsets16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.block_sums(row0 + r, block))));
+    const float dx_d = x.scale(row0 + r, block) * d;
+    acc[r].products = _mm256_fmadd_ps(_mm256_set1_ps(dx_d), _mm256_cvtepi32_ps(sum[r]), acc[r].products);
+    acc[r].offsets = _mm256_fmadd_ps(_mm256_set1_ps(-32.0f * dx_d), _mm256_cvtepi32_ps(offset_terms), acc[r].offsets);
   }
 #else
   for (int r = 0; r < NR; r++) {
@@ -855,20 +861,20 @@ inline void dot_q6k_block(const uint8_t* w, const Q8Rows& x, int64_t row0, int64
 }
 
 // out[i, r] = x[i] . W[r] + bias[r] for K-quant weights against 8-bit activations, weight rows split across
-// threads, ROW_TILE rows of x per pass over a weight row's blocks (each block unpacked once for them).
+// threads, Q8K_ROW_TILE rows of x per pass over a weight row's blocks (each block unpacked once for them).
 template <int F>
 void linear_q8k(const float* x, int64_t n, int64_t k, const uint8_t* weight, const float* bias, float* out,
                 int64_t rows) {
   const Q8Rows q8(x, n, k);
   const int64_t blocks = k / Q8_BLOCK, row_bytes = blocks * Block<F>::bytes;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    Q8Accumulator acc[ROW_TILE];
+    Q8Accumulator acc[Q8K_ROW_TILE];
     for (int64_t r = begin; r < end; r++) {
       const uint8_t* row = weight + r * row_bytes;
-      for (int64_t i = 0; i < n; i += ROW_TILE) {
-        const int nr = static_cast<int>(std::min<int64_t>(ROW_TILE, n - i));
-        std::fill(acc, acc + ROW_TILE, Q8Accumulator{});
-        with_tile(nr, [&](auto tile) {
+      for (int64_t i = 0; i < n; i += Q8K_ROW_TILE) {
+        const int nr = static_cast<int>(std::min<int64_t>(Q8K_ROW_TILE, n - i));
+        std::fill(acc, acc + Q8K_ROW_TILE, Q8Accumulator{});
+        with_count<Q8K_ROW_TILE>(nr, [&](auto tile) {
           constexpr int NR = decltype(tile)::value;
           for (int64_t b = 0; b < blocks; b++) {
             const uint8_t* block = row + b * Block<F>::bytes;
