@@ -81,9 +81,9 @@ class Decoder:
             drafter.use_slot(slot)
         return drafter
 
-    def scheduler(self, concurrency: int) -> Scheduler:
+    def scheduler(self, concurrency: int, prefill_chunk: int = 0) -> Scheduler:
         """A continuous-batching scheduler over this decoder's target and drafters (decoder/batching.py)."""
-        return Scheduler(self.engine, self.drafter_for_slot, concurrency)
+        return Scheduler(self.engine, self.drafter_for_slot, concurrency, prefill_chunk)
 
     def check_memory(self, concurrency: int, max_len: int) -> None:
         """Refuse, before any work, a concurrency whose caches of `max_len` slots do not fit the free memory."""
@@ -94,12 +94,13 @@ class Decoder:
             raise UserError(f"{concurrency} sequences of up to {max_len} tokens need {needed / 2**30:.1f} GiB of KV "
                             f"cache; {free / 2**30:.1f} GiB is free")
 
-    def generate_many(self, requests: list[Request], concurrency: int) -> Iterator[Completion]:
+    def generate_many(self, requests: list[Request], concurrency: int, prefill_chunk: int = 0
+                      ) -> Iterator[Completion]:
         """Decode `requests` (token ids; see `encode`) with up to `concurrency` in flight; completions in the order
         they finish, each with the id of its place in `requests`."""
         longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=0)
         self.check_memory(min(concurrency, len(requests)), longest + self.engine.drafter.max_tree_size)
-        return self.scheduler(concurrency).run(requests)
+        return self.scheduler(concurrency, prefill_chunk).run(requests)
 
     def output(self, result: GenerationResult, prompt_tokens: int) -> GenerationOutput:
         return GenerationOutput(result, self.tokenizer.decode(result.tokens, skip_special_tokens=True), prompt_tokens,

@@ -6,7 +6,9 @@ collects every sequence's draft tree and scores them in one forward (LeanModel.f
 MLP over all the rows, attention per sequence over its own keys with its tree mask), then verifies, commits and
 stops each sequence alone (decoder/engine.py: SequenceRun). Between steps finished sequences leave and free their
 slots, and waiting requests join: the prompts admitted together are prefilled together in one batched forward
-(each prompt over its own cache; a prompt longer than a prefill chunk alone, in chunks), before the next step. A
+(each prompt over its own cache; a prompt longer than a prefill chunk alone, in chunks), before the next step; or,
+with a `prefill_chunk`, their prompts ride along the decode steps, at most that many prompt tokens a step, so that
+the sequences in flight keep decoding while a request joins (vLLM's chunked prefill). A
 slot's cache keeps what its last sequence left, so that a prompt sharing a prefix with it (a chat template's system
 turn, a conversation's earlier turns) prefills only the rest, as llama-server's slots reuse their prompt caches.
 A request's tokens do not depend on who shares its steps: greedy output is its own one-request greedy output, and
@@ -28,7 +30,7 @@ import torch
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
-from specplan.decoder.model import prefill_together
+from specplan.decoder.model import ForwardItem, causal_mask, prefill_together
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree
 
@@ -71,15 +73,19 @@ class _Running:
     run: SequenceRun
     submitted: float
     prompt: list[int] = field(default_factory=list)
+    admitted: float = field(default_factory=time.perf_counter)
 
 
 class Scheduler:
     """Requests in, completions out: `submit` queues one, `step` admits waiting requests into free slots (prefilling
     each) and advances every running sequence by one speculative step; `run` does both over a list."""
 
-    def __init__(self, engine: SpeculativeEngine, drafter_for_slot: Callable[[int], Drafter], concurrency: int) -> None:
+    def __init__(self, engine: SpeculativeEngine, drafter_for_slot: Callable[[int], Drafter], concurrency: int,
+                 prefill_chunk: int = 0) -> None:
         if concurrency < 1:
             raise UserError(f"the concurrency must be >= 1, got {concurrency}")
+        if prefill_chunk < 0:
+            raise UserError(f"the prefill chunk must be >= 0 tokens (0: prefill on admission), got {prefill_chunk}")
         if concurrency > 1 and not hasattr(engine.target, "forward_many"):
             raise UserError(f"the {engine.target.backend} backend decodes one sequence at a time; run the lean "
                             "backend for a concurrency above 1")
@@ -88,6 +94,8 @@ class Scheduler:
         self.concurrency = concurrency
         self.waiting: deque[_Waiting] = deque()
         self.running: list[_Running] = []
+        self.prefill_chunk = prefill_chunk if hasattr(engine.target, "forward_many") else 0
+        self.prefilling: list[_Running] = []  # admitted, their prompts entering the cache along the steps (FIFO)
         self.free_slots = list(range(concurrency))
         self.cancelled: set[int] = set()
         self.next_id = 0
@@ -109,17 +117,21 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.prefilling
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:
         done: list[Completion] = []
         self.running = [entry for entry in self.running if not self._drop_if_cancelled(entry, done)]
+        self.prefilling = [entry for entry in self.prefilling if not self._drop_if_cancelled(entry, done)]
         done += self._admit()
+        self._prefilled([])  # prompts their slots' kept prefixes already hold
         running = self.running
-        if not running:
+        chunks = self._prompt_chunks()
+        if not running and not chunks:
             return done
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
+        items += [item for _, item in chunks]
         target = self.engine.target
         logits = target.forward_many(items) if len(items) > 1 else [target.forward(*items[0])]
         self.running = []
@@ -128,7 +140,40 @@ class Scheduler:
                 done.append(self._complete(entry))
             else:
                 self.running.append(entry)
+        self._prefilled(chunks)
         return done
+
+    def _prompt_chunks(self) -> list[tuple[_Running, ForwardItem]]:
+        """With a prefill chunk: the next prompt tokens of the sequences prefilling, oldest first, at most
+        `prefill_chunk` in all, each a causal item over its own cache (no logits: the prompt's last token is the
+        first step's root)."""
+        chunks, budget = [], self.prefill_chunk
+        target = self.engine.target
+        for entry in self.prefilling:
+            cache = entry.run.cache
+            n = min(budget, len(entry.prompt) - 1 - cache.length)
+            if n <= 0:
+                break  # the budget is spent (every entry here has prompt tokens left)
+            tokens = torch.tensor(entry.prompt[cache.length:cache.length + n], device=target.device)
+            mask = causal_mask(cache.length, n, target.dtype, target.device) if n > 1 else None
+            positions = torch.arange(cache.length, cache.length + n, device=target.device)
+            chunks.append((entry, ForwardItem(tokens, positions, cache, mask, slice(0, 0))))
+            budget -= n
+        return chunks
+
+    def _prefilled(self, chunks: list[tuple[_Running, ForwardItem]]) -> None:
+        """Commit the prompt chunks just scored; a sequence whose prompt is all in its cache starts decoding."""
+        for entry, item in chunks:
+            entry.run.cache.commit(None, item.tokens.shape[0])
+        still = []
+        for entry in self.prefilling:
+            if entry.run.cache.length == len(entry.prompt) - 1:
+                entry.run.prefill(entry.prompt, prefilled=True)
+                entry.run.prefill_seconds = entry.run.started - entry.admitted  # steps shared with others included
+                self.running.append(entry)
+            else:
+                still.append(entry)
+        self.prefilling = still
 
     def run(self, requests: Iterable[Request]) -> Iterator[Completion]:
         """Submit every request, then step until all are done; completions in the order they finish."""
@@ -159,6 +204,11 @@ class Scheduler:
                 failed.append(Completion(waiting.id, None, str(exc)))
                 continue
             joining.append(_Running(waiting.id, slot, run, waiting.submitted, request.prompt))
+        if self.prefill_chunk:
+            for entry in joining:
+                entry.run.cache.prompt_length = len(entry.prompt)
+            self.prefilling.extend(joining)
+            return failed
         together = [entry for entry in joining
                     if 0 < len(entry.prompt) - 1 - entry.run.cache.length <= PREFILL_TOGETHER_TOKENS]
         if len(together) > 1 and hasattr(self.engine.target, "forward_many"):
@@ -191,7 +241,6 @@ class Scheduler:
         run = entry.run
         first = None if run.first_token_at is None else run.first_token_at - entry.submitted
         return Completion(entry.id, run.result(), None, first)
-
 
     def _leave(self, entry: _Running) -> None:
         """A sequence out of its slot: its drafter finished, the slot free, its cache's tokens noted for the next."""

@@ -99,6 +99,12 @@ def _writable(ctx: click.Context, param: click.Parameter, path: Path | None) -> 
     return path
 
 
+def _prefill_chunk_option():
+    return click.option("--prefill-chunk", type=click.IntRange(min=0), default=0, show_default=True,
+                        help="prompt tokens a joining request adds to each decode step (chunked prefill); 0: "
+                             "prefill joining requests together before the next step")
+
+
 def _chat_option():
     return click.option("--chat/--no-chat", default=True, show_default=True,
                         help="apply the target's chat template to prompts (a model without one takes them as given)")
@@ -581,6 +587,7 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
                    "max_new_tokens, temperature, top_p, top_k and seed (other fields are echoed back)")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="with --requests: the most requests in flight (continuous batching)")
+@_prefill_chunk_option()
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(DTYPES), help="default: the plan's, else fp32")
@@ -601,9 +608,9 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
               help="print one JSON object (with --requests: one per request in input order, then a summary)")
 @_backend_option(None)
 def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, requests_path: Path | None,
-             concurrency: int, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
-             max_new_tokens: int, temperature: float | None, top_p: float | None, top_k: int, seed: int,
-             verify: str | None, chat: bool, device: str | None, stream: bool, as_json: bool,
+             concurrency: int, prefill_chunk: int, target: str | None, draft: str | None, dtype: str | None,
+             draft_dtype: str | None, max_new_tokens: int, temperature: float | None, top_p: float | None, top_k: int,
+             seed: int, verify: str | None, chat: bool, device: str | None, stream: bool, as_json: bool,
              backend: str | None) -> None:
     """Generate with a plan (Sequoia, Lookahead, TriForce) or autoregressively: lossless either way."""
     import json
@@ -622,12 +629,12 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
         decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
                                backend=backend)
         failed = _generate_requests(decoder, entries, concurrency, max_new_tokens, temperature, top_p, top_k, seed,
-                                    chat, as_json)
+                                    chat, as_json, prefill_chunk)
         if failed:
             raise UserError(f"{failed} of {len(entries)} requests failed (said above); the others are printed")
         return
-    if concurrency != 1:
-        raise UserError("--concurrency goes with --requests")
+    if concurrency != 1 or prefill_chunk:
+        raise UserError("--concurrency and --prefill-chunk go with --requests")
     if prompt_file is not None:
         try:
             prompt = prompt_file.read_text()
@@ -675,13 +682,14 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
               help="the most requests decoded together (continuous batching)")
+@_prefill_chunk_option()
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="requests waiting beyond --concurrency before new ones get HTTP 503")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="for requests that do not set max_tokens")
 def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
           verify: str | None, device: str | None, backend: str | None, host: str, port: int, concurrency: int,
-          max_queue: int, max_new_tokens: int) -> None:
+          prefill_chunk: int, max_queue: int, max_new_tokens: int) -> None:
     """An OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions) over continuous batching."""
     from specplan.decoder.api import load_decoder
     from specplan.serve import serve_forever
@@ -690,11 +698,12 @@ def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: 
                            backend=backend)
     decoder.check_memory(concurrency, decoder.target_forward.shape.max_context)
     name = target or (decoder.plan.models.target if decoder.plan else "model")
-    serve_forever(decoder, name, concurrency, max_queue, max_new_tokens, host, port, _progress)
+    serve_forever(decoder, name, concurrency, max_queue, max_new_tokens, host, port, _progress, prefill_chunk)
 
 
 def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens: int, temperature: float | None,
-                       top_p: float | None, top_k: int, seed: int, chat: bool, as_json: bool) -> int:
+                       top_p: float | None, top_k: int, seed: int, chat: bool, as_json: bool,
+                       prefill_chunk: int) -> int:
     """Decode a requests file's requests with continuous batching; print each (in input order) and a summary.
     Returns how many failed: each failure is one line on stderr naming its line number."""
     import json
@@ -727,7 +736,7 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
         prompt_tokens[index] = len(ids)
     start = time.perf_counter()
     completions = {}
-    for completion in decoder.generate_many(requests, concurrency):
+    for completion in decoder.generate_many(requests, concurrency, prefill_chunk):
         index = places[completion.id]
         if completion.error is not None:
             errors[index] = completion.error
@@ -845,7 +854,14 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     from specplan.llamacpp import FILE_TYPES
     from specplan.profiler import hardware
     from specplan.profiler.datasets import read_dataset, spread_sample
-    from specplan.serving import System, llama_quantize, llama_server_command, plan_serve_command, run_serving_bench
+    from specplan.serving import (
+        System,
+        llama_quantize,
+        llama_server_command,
+        plan_serve_command,
+        run_serving_bench,
+        transformers_static_batches,
+    )
 
     if not levels or min(levels) < 1:
         raise UserError("--concurrency takes positive integers, e.g. 1,2,4,8,16")
@@ -868,6 +884,14 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
             systems.append(System(name, plan_serve_command(["--target", target, "--dtype", dtype])))
         elif name == "ours":
             systems.append(System(name, plan_serve_command(["--plan", str(plan_path)])))
+        elif name == "hf-batch":
+            if dtype == "gguf":
+                raise UserError("hf-batch runs transformers on dequantized weights: give --dtype fp32 or bf16")
+            stops = sorted(loaded.stop_token_ids)
+            pad = loaded.tokenizer.pad_token_id
+            torch.set_num_threads(threads)  # the servers' threads
+            systems.append(System(name, in_process=transformers_static_batches(
+                loaded.model, stops[0] if pad is None else pad, stops)))
         else:
             source = loaded.gguf_file()
             if source is None:

@@ -52,9 +52,9 @@ class EngineLoop:
     """The scheduler's loop, in a thread of its own (`start`) or the caller's (`run`); `submit` and `cancel` are
     safe to call from any thread."""
 
-    def __init__(self, decoder: Decoder, concurrency: int, max_queue: int) -> None:
+    def __init__(self, decoder: Decoder, concurrency: int, max_queue: int, prefill_chunk: int = 0) -> None:
         self.decoder = decoder
-        self.scheduler = decoder.scheduler(concurrency)
+        self.scheduler = decoder.scheduler(concurrency, prefill_chunk)
         self.capacity = concurrency + max_queue
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -366,20 +366,20 @@ class RunningServer:
         self.engine.stop()
 
 
-def build(decoder: Decoder, model_name: str, concurrency: int, max_queue: int,
-          max_new_tokens: int) -> tuple[web.Application, EngineLoop]:
+def build(decoder: Decoder, model_name: str, concurrency: int, max_queue: int, max_new_tokens: int,
+          prefill_chunk: int = 0) -> tuple[web.Application, EngineLoop]:
     if max_queue < 0:
         raise UserError(f"the queue limit must be >= 0, got {max_queue}")
-    engine = EngineLoop(decoder, concurrency, max_queue)
+    engine = EngineLoop(decoder, concurrency, max_queue, prefill_chunk)
     return Server(decoder, engine, model_name, max_new_tokens).app(), engine
 
 
 def start_in_background(decoder: Decoder, model_name: str, concurrency: int = 4, max_queue: int = 64,
                         max_new_tokens: int = 256, host: str = "127.0.0.1", port: int = 0,
-                        engine_thread: bool = True) -> RunningServer:
+                        engine_thread: bool = True, prefill_chunk: int = 0) -> RunningServer:
     """The HTTP server's event loop in a background thread, and the engine's loop in another (unless not
     `engine_thread`: then the caller runs `engine.run()`)."""
-    app, engine = build(decoder, model_name, concurrency, max_queue, max_new_tokens)
+    app, engine = build(decoder, model_name, concurrency, max_queue, max_new_tokens, prefill_chunk)
     if engine_thread:
         engine.start()
     loop = asyncio.new_event_loop()
@@ -394,11 +394,11 @@ def start_in_background(decoder: Decoder, model_name: str, concurrency: int = 4,
 
 
 def serve_forever(decoder: Decoder, model_name: str, concurrency: int, max_queue: int, max_new_tokens: int,
-                  host: str, port: int, say: Callable[[str], None]) -> None:
+                  host: str, port: int, say: Callable[[str], None], prefill_chunk: int = 0) -> None:
     """Serve until SIGINT or SIGTERM: the event loop in a background thread, the engine in this (the main) one."""
     try:
         server = start_in_background(decoder, model_name, concurrency, max_queue, max_new_tokens, host, port,
-                                     engine_thread=False)
+                                     engine_thread=False, prefill_chunk=prefill_chunk)
     except OSError as exc:
         raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
     say(f"======== Running on {server.url} ========")

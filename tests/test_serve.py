@@ -95,19 +95,38 @@ def test_the_serving_benchmark_writes_each_level_as_it_finishes_and_resumes(run_
     a rerun skips the levels already in the results file."""
     out = tmp_path / "serving.jsonl"
     args = ("bench", "--concurrency", "3", "--target", "tiny-random-llama", "--dataset", "specbench",
-            "--baselines", "ours-ar", "--max-new-tokens", 8, "--prompts", 6, "-o", out)
+            "--baselines", "ours-ar,hf-batch", "--max-new-tokens", 8, "--prompts", 6, "-o", out)
     code, _, err = run_cli(*args)
     assert code == 0, err
     levels = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["system"], r["concurrency"], r["requests"]) for r in levels] == [("ours-ar", 3, 6)]
-    level = levels[0]
-    assert level["failed"] == 0 and level["output_tokens"] == 8 * 6 and level["tokens_per_second"] > 0
-    assert level["ttft_p50"] > 0 and level["tpot_p95"] >= level["tpot_p50"]
+    assert [(r["system"], r["concurrency"], r["requests"]) for r in levels] == [("ours-ar", 3, 6), ("hf-batch", 3, 6)]
+    for level in levels:  # the same greedy tokens, counted the same way (no end-of-sequence token in 8)
+        assert level["failed"] == 0 and level["output_tokens"] == 8 * 6 and level["tokens_per_second"] > 0
+        assert level["ttft_p50"] > 0 and level["tpot_p95"] >= level["tpot_p50"]
     code, _, err = run_cli(*args)
-    assert code == 0 and "done before, skipped" in err and len(out.read_text().splitlines()) == 1
+    assert code == 0 and "done before, skipped" in err and len(out.read_text().splitlines()) == 2
     code, table, _ = run_cli("show", out, "--plot", tmp_path / "serving.png")
     assert code == 0 and "| ours-ar | 3 |" in table and "| 1.00 |" in table
     assert (tmp_path / "serving.png").stat().st_size > 0
     out.write_text(out.read_text() + '{"system": "x"}\n')
     code, _, err = run_cli("show", out)
-    assert code == 2 and "line 2 is not a serving benchmark result" in err
+    assert code == 2 and "line 3 is not a serving benchmark result" in err
+
+
+def test_transformers_static_batches_send_each_batch_when_the_last_is_done():
+    """hf-batch: C prompts per padded batch, the next batch sent only when every row of the last has stopped; each
+    row's tokens counted up to its end-of-sequence token, its first token at the batch's first step."""
+    from specplan.core.models import load_model
+    from specplan.serving import transformers_static_batches
+
+    loaded = load_model("tiny-random-llama")
+    stops = sorted(loaded.stop_token_ids)
+    run = transformers_static_batches(loaded.model, stops[0], stops)
+    prompts = [[5, 6, 7], [8] * 9, [9, 10], [11] * 4, [12] * 6]
+    timings = run(prompts, 2, 6)
+    assert len(timings) == 5 and all(0 < t.tokens <= 6 and t.sent < t.first_token <= t.done for t in timings)
+    batches = [timings[0:2], timings[2:4], timings[4:]]
+    assert [len({t.sent for t in batch}) for batch in batches] == [1, 1, 1]
+    for earlier, later in zip(batches, batches[1:]):
+        assert later[0].sent >= max(t.done for t in earlier)
+    assert batches[0][0].first_token == batches[0][1].first_token  # one step makes both rows' first tokens
