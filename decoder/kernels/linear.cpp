@@ -42,13 +42,16 @@ constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS 
 constexpr int ROW_TILE = AVX2_ROW_TILE;
 constexpr int64_t DIRECT_ROWS_F32 = AVX2_DIRECT_ROWS_F32, DIRECT_ROWS_BF16 = 2, DIRECT_ROWS_BLOCKS = 2;
 #endif
-// Q4_1 and Q8_0 rows on AVX2 take their native ymm dot products in direct passes up to fp32's row limit
+// Q4_1, Q5_0 and Q8_0 rows on AVX2 take their native ymm dot products in direct passes up to fp32's row limit
 constexpr bool NATIVE_BLOCKS =
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     true;
 #else
     false;
 #endif
+constexpr bool native_avx2(int64_t format) {
+  return NATIVE_BLOCKS && (format == Q4_1 || format == Q5_0 || format == Q8_0);
+}
 
 const v16i LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -338,8 +341,8 @@ inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t 
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// Q4_1 and Q8_0 blocks widened into four 8-lane ymm pieces (dot_blocks' 16-float vectors compile to a slow loop on
-// AVX2), decoded as dot_blocks decodes them: Q4_1 y = d q + m, Q8_0 y = d q.
+// Q4_1, Q5_0 and Q8_0 blocks widened into four 8-lane ymm pieces (dot_blocks' 16-float vectors compile to a slow
+// loop on AVX2), decoded as dot_blocks decodes them: Q4_1 y = d q + m, Q5_0 y = d (q - 16), Q8_0 y = d q.
 template <int F> inline void widen_avx2(const uint8_t* block, __m256 w[4]);
 
 template <> inline void widen_avx2<Q4_1>(const uint8_t* block, __m256 w[4]) {
@@ -351,6 +354,23 @@ template <> inline void widen_avx2<Q4_1>(const uint8_t* block, __m256 w[4]) {
   for (int a = 0; a < 4; a++) w[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pieces[a])), d, m);
 }
 
+template <> inline void widen_avx2<Q5_0>(const uint8_t* block, __m256 w[4]) {
+  const float d = half_at(block);
+  uint32_t qh; std::memcpy(&qh, block + 2, 4);
+  const __m128i low_nibbles = _mm_set1_epi8(15);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 6));
+  const __m128i lo = _mm_and_si128(bytes, low_nibbles), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+  const __m128i pieces[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};  // elements 8a .. 8a + 7
+  const __m256i high_bits = _mm256_set1_epi32(static_cast<int32_t>(qh)), one = _mm256_set1_epi32(1);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int a = 0; a < 4; a++) {  // element j's fifth bit is bit j of qh
+    const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(high_bits, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * a))),
+                                           one);
+    const __m256i q = _mm256_or_si256(_mm256_cvtepu8_epi32(pieces[a]), _mm256_slli_epi32(fifth, 4));
+    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))), _mm256_set1_ps(d));
+  }
+}
+
 template <> inline void widen_avx2<Q8_0>(const uint8_t* block, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(block));
   const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
@@ -359,7 +379,7 @@ template <> inline void widen_avx2<Q8_0>(const uint8_t* block, __m256 w[4]) {
   for (int a = 0; a < 4; a++) w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pieces[a])), d);
 }
 
-// A Q4_1 or Q8_0 row against NR activation rows on native ymm registers: four accumulators per row for one or two
+// A Q4_1, Q5_0 or Q8_0 row against NR activation rows on native ymm registers: four accumulators per row for one or two
 // rows, two for three or four (the 16 registers).
 template <int F, int NR>
 inline void dot_blocks_avx2(const uint8_t* row, const float* x, int64_t ldx, int64_t k, float* out) {
@@ -480,7 +500,7 @@ void tiled(int64_t n, int64_t rows, const float* bias, float* out_f, c10::BFloat
 template <int F>
 void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, int64_t row_bytes, const float* bias,
                  float* out_f, c10::BFloat16* out_h, int64_t rows) {
-  if (n <= (F == F32 || ((F == Q4_1 || F == Q8_0) && NATIVE_BLOCKS) ? DIRECT_ROWS_F32 : DIRECT_ROWS_BLOCKS)) {
+  if (n <= (F == F32 || native_avx2(F) ? DIRECT_ROWS_F32 : DIRECT_ROWS_BLOCKS)) {
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       float part[ROW_TILE];
       for (int64_t r = begin; r < end; r++) {
@@ -491,7 +511,7 @@ void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, in
             constexpr int NR = decltype(tile)::value;
             if constexpr (F == F32) dot_f32<NR>(reinterpret_cast<const float*>(row), x + i * k, k, k, part);
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-            else if constexpr (F == Q4_1 || F == Q8_0) dot_blocks_avx2<F, NR>(row, x + i * k, k, k, part);
+            else if constexpr (native_avx2(F)) dot_blocks_avx2<F, NR>(row, x + i * k, k, k, part);
 #endif
             else dot_blocks<F, NR>(row, x + i * k, k, k, part);
           });
@@ -939,7 +959,7 @@ int64_t block_bytes(int64_t format) {
 }
 
 bool direct_up_to_f32_rows(int64_t format) {
-  return format == F32 || ((format == Q4_1 || format == Q8_0) && NATIVE_BLOCKS);
+  return format == F32 || native_avx2(format);
 }
 
 void linear_direct(int64_t format, const float* x, int64_t n, int64_t k, const uint8_t* weight, int64_t row_bytes,
