@@ -20,7 +20,9 @@ engine pays once per prompt before its first draft.
 
 Profiled with `--batches`, a context's entry also gives `batches: {B: {t_seconds: {n: seconds}}}` (the target's
 step of B sequences of n new tokens each, every sequence over its own cache of L tokens: t(B, n)) and the draft's
-`batches: {B: {step_seconds: seconds}}` (its one-token step of B sequences). A profile without them is B = 1.
+`batches: {B: {step_seconds: seconds}}` (its one-token step of B sequences), and the target's
+`engine_overhead_batches: {B: {n: seconds}}`: the continuous-batching engine's time per step outside the forward for B
+sequences of n-node trees. A profile without them is B = 1.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class LatencyProfile:
     overhead_context: int | None = None  # the context engine_overhead_seconds was timed at
     target_batches: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # {L: {B: {n: s}}}
     draft_batches: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {B: one-token step s}}
+    overhead_batches: dict[int, dict[int, float]] = field(default_factory=dict)  # {B: {n: engine seconds per step}}
     models: dict[str, str] = field(default_factory=dict)  # {role: model name}
     backend: str = "lean"  # the forward timed (profiles from before the transformers backend timed the lean one)
     dtype: str | None = None
@@ -152,6 +155,9 @@ class LatencyProfile:
             overhead_context=target.token_count("engine_overhead_context", required=False),
             target_batches=target_batches,
             draft_batches=draft_batches,
+            overhead_batches=target.by_token_count_numbers("engine_overhead_batches", low=0.0, high=MAX_SECONDS,
+                                                           max_key=MAX_FORWARD_TOKENS)
+            if target.has("engine_overhead_batches") else {},
             models=_names(f.sub("models", required=False)),
             backend=f.string("backend", required=False, default="lean", choices=TIMED_FORWARDS),
             dtype=f.string("dtype", required=False, choices=PROFILE_DTYPES),
@@ -242,13 +248,28 @@ class LatencyProfile:
         at_context = {L: _linear(points, budget) for L, points in self.builds_by_context.items()}
         return _linear(at_context, context)
 
-    def engine_overhead(self, n: int | np.ndarray) -> np.ndarray:
-        """The engine's seconds per step outside the target's forward for a tree of n nodes: linear between the
-        profiled sizes (clamped); 0 for a profile that has none (modeled, or older)."""
+    def engine_overhead(self, n: int | np.ndarray, batch: int = 1) -> np.ndarray:
+        """The engine's seconds per step outside the target's forward for `batch` sequences of trees of n nodes:
+        linear between the profiled sizes (clamped), then between the profiled batch sizes (B = 1: the one-request
+        engine's; beyond the largest profiled B, proportional to B); 0 for a profile that has none (modeled, or
+        older)."""
         if not self.overhead_seconds:
             return np.zeros_like(np.asarray(n, dtype=np.float64))
-        sizes = sorted(self.overhead_seconds)
-        return np.interp(np.asarray(n, dtype=np.float64), sizes, [self.overhead_seconds[k] for k in sizes])
+        by_batch = {1: self.overhead_seconds, **self.overhead_batches}
+
+        def at(B: int) -> np.ndarray:
+            sizes = sorted(by_batch[B])
+            return np.interp(np.asarray(n, dtype=np.float64), sizes, [by_batch[B][k] for k in sizes])
+
+        profiled = sorted(by_batch)
+        if batch in by_batch:
+            return at(batch)
+        if batch > profiled[-1]:
+            return at(profiled[-1]) * (batch / profiled[-1])
+        upper = next(B for B in profiled if B > batch)
+        lower = max(B for B in profiled if B < batch)
+        weight = (batch - lower) / (upper - lower)
+        return (1 - weight) * at(lower) + weight * at(upper)
 
     def step_seconds(self, n: int | np.ndarray, context: int | None = None) -> np.ndarray:
         """One decoding step's price for n tokens: t(n) on the curve of `context` (the base one by default) plus the

@@ -104,6 +104,13 @@ class Fields:
                    for k, v in section.data.items()}
         return dict(sorted(entries.items()))
 
+    def by_token_count_numbers(self, key: str, **checks) -> dict[int, dict[int, float]]:
+        """A mapping keyed by token counts whose values are `int_keyed_numbers` mappings ({4: {1: 0.002}}), in key
+        order; `checks` as int_keyed_numbers takes them."""
+        section = self.sub(key)
+        return dict(sorted((token_count_key(k, section.where), section.int_keyed_numbers(k, **checks))
+                           for k in section.data))
+
     def string(self, key: str, *, required: bool = True, default: str | None = None,
                choices: tuple[str, ...] | None = None) -> str | None:
         if not self.has(key):

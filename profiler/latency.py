@@ -241,6 +241,10 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     log(f"timing the decoding engine's overhead per step at context {overhead_context}")
     document["target"]["engine_overhead_seconds"] = engine_overhead(forwards["target"], overhead_context, request.sizes)
     document["target"]["engine_overhead_context"] = overhead_context
+    if batches:
+        log(f"timing the continuous-batching engine's overhead per step for B = {batches}")
+        document["target"]["engine_overhead_batches"] = engine_overhead_batched(
+            forwards["target"], overhead_context, request.sizes, batches)
     document["settings"] = {"engine": f"specplan, {backend} forward", "threads": request.threads,
                             "warmup": request.warmup, "timed_after_same_size": device.type == "cpu",
                             "round_robin": "all points per pass",
@@ -331,32 +335,46 @@ class _ForwardTimer:
         self.cpu_seconds = 0.0
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
+    METHODS = ("forward", "forward_many")  # a batched step calls forward_many, which may call forward per item
+
     def __enter__(self) -> _ForwardTimer:
-        self.replaced = self.model.__dict__.get("forward")  # an instance's own forward, put back on exit
-        forward = self.model.forward
+        # an instance's own methods, put back on exit
+        self.replaced = {name: self.model.__dict__.get(name) for name in self.METHODS if hasattr(self.model, name)}
         cuda = self.model.device.type == "cuda"
+        depth = 0  # forward_many's own forwards are inside its time already
 
-        def timed(*args, **kwargs):
-            if cuda:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                out = forward(*args, **kwargs)
-                end.record()
-                self.events.append((begin, end))
-                return out
-            start = time.perf_counter()
-            out = forward(*args, **kwargs)
-            self.cpu_seconds += time.perf_counter() - start
-            return out
+        def timing(method: Callable) -> Callable:
+            def timed(*args, **kwargs):
+                nonlocal depth
+                if depth:
+                    return method(*args, **kwargs)
+                depth += 1
+                try:
+                    if cuda:
+                        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        begin.record()
+                        out = method(*args, **kwargs)
+                        end.record()
+                        self.events.append((begin, end))
+                        return out
+                    start = time.perf_counter()
+                    out = method(*args, **kwargs)
+                    self.cpu_seconds += time.perf_counter() - start
+                    return out
+                finally:
+                    depth -= 1
+            return timed
 
-        self.model.forward = timed  # type: ignore[method-assign]
+        for name in self.replaced:
+            setattr(self.model, name, timing(getattr(self.model, name)))
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.replaced is None:
-            del self.model.forward
-        else:
-            self.model.forward = self.replaced  # type: ignore[method-assign]
+        for name, own in self.replaced.items():
+            if own is None:
+                delattr(self.model, name)
+            else:
+                setattr(self.model, name, own)
 
     def seconds(self) -> float:
         _synchronize(self.model.device)
@@ -409,6 +427,42 @@ def engine_overhead(model: Forward, context: int, sizes: list[int], steps: int =
         per_step = [((wall - last_wall) - (forward - last_forward)) / steps
                     for (last_wall, last_forward), (wall, forward) in zip(runs.marks, runs.marks[1:])]
         overhead[n] = max(0.0, float(np.median(per_step)))
+    return overhead
+
+
+@torch.inference_mode()
+def engine_overhead_batched(model: LeanModel, context: int, sizes: list[int], batches: list[int],
+                            steps: int = OVERHEAD_STEPS, rounds: int = 3, seed: int = 0) -> dict[int, dict[int, float]]:
+    """{B: {n: seconds}}: a continuous-batching step's time outside the target's forward (every sequence's drafting,
+    verification, commit and stop check; the scheduler's bookkeeping) with B sequences of a draft of n tokens each
+    (root included) after prompts of `context` random tokens, by the decoder's own Scheduler: the steps' wall time
+    minus their forwards'. As `engine_overhead`, the median over `rounds` runs of `steps` steps after a warm-up run
+    (the first step also admits and prefills every sequence); B x n above MAX_BATCH_ROWS is not timed."""
+    from specplan.decoder.batching import Request, Scheduler
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.shape.vocab
+    overhead: dict[int, dict[int, float]] = {}
+    for B in batches:
+        prompts = [torch.randint(0, vocab, (context,), generator=generator).tolist() for _ in range(B)]
+        for n in (n for n in sizes if B * n <= MAX_BATCH_ROWS):
+            chain = torch.randint(0, vocab, (n - 1,), generator=generator).tolist()
+            scheduler = Scheduler(SpeculativeEngine(model, _ChainDrafter(chain)),
+                                  lambda _, chain=chain: _ChainDrafter(chain), B)
+            for prompt in prompts:  # each step emits at least one token a sequence: none finishes before the end
+                scheduler.submit(Request(prompt, (rounds + 1) * steps + 1))
+            timer = _ForwardTimer(model)
+            marks = []
+            with timer:
+                for step in range((rounds + 1) * steps):
+                    scheduler.step()
+                    if (step + 1) % steps == 0:
+                        marks.append((time.perf_counter(), timer.seconds()))
+            while not scheduler.idle:  # the last tokens, untimed
+                scheduler.step()
+            per_step = [((wall - last_wall) - (forward - last_forward)) / steps
+                        for (last_wall, last_forward), (wall, forward) in zip(marks, marks[1:])]
+            overhead.setdefault(B, {})[n] = max(0.0, float(np.median(per_step)))
     return overhead
 
 

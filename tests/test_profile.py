@@ -407,6 +407,14 @@ def test_a_batched_profile_prices_steps_of_many_sequences(run_cli, tmp_path):
         (profile.target_batches[16][2][1] + profile.target_batches[64][2][1]) / 2)
     assert 0 < profile.draft_batch_step(4, 64) == profile.draft_batches[64][4]
     assert "batched steps at L=64" in stdout
+    # the continuous-batching engine's work per step around the forward, per B and tree size (B x n <= 256 rows)
+    overhead = profile.overhead_batches
+    assert set(overhead) == {2, 4, 64} and set(overhead[4]) == set(profile.overhead_seconds)
+    assert set(overhead[64]) == {n for n in profile.overhead_seconds if 64 * n <= 256}
+    assert all(seconds >= 0 for by_n in overhead.values() for seconds in by_n.values())
+    assert profile.engine_overhead(8, 4) == pytest.approx(overhead[4][8])
+    assert profile.engine_overhead(8, 3) == pytest.approx((overhead[2][8] + overhead[4][8]) / 2)
+    assert profile.engine_overhead(1, 128) == pytest.approx(2 * overhead[64][1])
     with pytest.raises(UserError, match="reach B = 64, not 128"):
         profile.batch_latency(128, 1, 64)
     with pytest.raises(UserError, match="for n = 8"):
