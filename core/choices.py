@@ -23,7 +23,7 @@ BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "s
              "llama.cpp-lookup", "llama.cpp-draft")
 # the engines a Sequoia plan is solved for and exported to (planner/engines.py: each one's rules, with sources);
 # specplan: our own decoder, any tree
-ENGINES = ("specplan", "sequoia", "vllm", "vllm-draft", "medusa", "eagle1", "trtllm", "trtllm-draft", "sglang",
+ENGINES = ("specplan", "sequoia", "vllm", "medusa", "eagle1", "trtllm", "trtllm-draft", "sglang",
            "llama.cpp", "hf")
 # the engines whose n-gram drafting `plan solve lookahead --engine` replays (planner/prompt_lookup.py; SGLang's trie:
 # planner/sglang_ngram.py)

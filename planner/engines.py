@@ -93,6 +93,7 @@ class EngineRules:
     max_draft_tokens: int | None = None  # nodes besides the root
     max_non_leaves_per_level: int | None = None
     depth_is_heads: bool = False
+    why_chain: str | None = None  # said when a tree is refused, where a chain engine once ran trees
     notes: tuple[str, ...] = field(default=())
 
     def with_heads(self, heads: int | None) -> EngineRules:
@@ -128,7 +129,8 @@ class EngineRules:
             return None  # its trees come from a (num_steps, topk, num_draft_tokens) triple: export checks the plan's
         depths, children, ranks = tree.depths, tree.children, tree.ranks
         if self.shape == "chain" and any(len(kids) > 1 for kids in children):
-            return f"{self.name} drafts a chain (one token per level); this tree branches"
+            why = f" ({self.why_chain})" if self.why_chain else ""
+            return f"{self.name} drafts a chain (one token per level){why}; this tree branches"
         if self.max_rank is not None and tree.size > 1 and max(ranks[1:]) >= self.max_rank:
             return f"{self.name} drafts the top {self.max_rank} children of a node; this tree has a child of rank " \
                    f"{max(ranks[1:]) + 1}"
@@ -156,11 +158,9 @@ RULES: dict[str, EngineRules] = {
     "specplan": EngineRules("specplan", "tree", ()),
     "sequoia": EngineRules("sequoia", "tree", (SEQUOIA_RUN,)),
     "vllm": EngineRules("vllm", "chain", (VLLM_SPECULATIVE_CONFIG,),
-                        notes=("no token trees (tree attention removed, PR #42121): a chain from a draft model "
-                               "(method draft_model) or an EAGLE head (plan export --method eagle or eagle3)",)),
-    "vllm-draft": EngineRules("vllm-draft", "chain", (VLLM_SPECULATIVE_CONFIG,),
-                              notes=("method draft_model (a separate draft model): --engine vllm's export with "
-                                     "--method draft_model",)),
+                        why_chain="no token trees since its tree attention was removed, PR #42121",
+                        notes=("a chain from a draft model (method draft_model, the export's default) or an EAGLE "
+                               "head (plan export --method eagle or eagle3)",)),
     "medusa": EngineRules("medusa", "ranked", (MEDUSA_UTILS,), max_rank=TOP_K_OF_DRAFT_HEADS, min_depth=1,
                           depth_is_heads=True),
     "eagle1": EngineRules("eagle1", "ranked", (EAGLE1_UTILS,), max_rank=TOP_K_OF_DRAFT_HEADS, min_depth=2,

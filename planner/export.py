@@ -22,7 +22,7 @@ from specplan.planner.draft_chain import HF_SCHEDULES
 from specplan.planner.engines import VLLM_SPECULATIVE_CONFIG, check_tree, engine_rules
 
 EXPORT_FORMATS = tuple(engine for engine in ENGINES if engine != "specplan")
-NEEDS_DRAFT_PATH = ("vllm", "vllm-draft", "trtllm", "trtllm-draft", "sglang", "llama.cpp", "hf")
+NEEDS_DRAFT_PATH = ("vllm", "trtllm", "trtllm-draft", "sglang", "llama.cpp", "hf")
 VLLM_METHODS = ("draft_model", "eagle", "eagle3")  # a chain: a draft model, or an EAGLE head
 GROWMAP_MAX_NODES = 4096  # the growmap holds a dense n x n mask: 16 M entries here
 
@@ -74,9 +74,6 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         recorded = plan.solver.get("engine")
         depth_cap = recorded.get("max_depth") if isinstance(recorded, dict) else None
         heads = depth_cap if isinstance(depth_cap, int) and not isinstance(depth_cap, bool) else None
-    if fmt == "vllm" and any(len(kids) > 1 for kids in tree.children):
-        raise UserError(f"{plan.source}: vLLM runs no token trees since its tree attention was removed (PR #42121); "
-                        "solve with --engine vllm for a chain, or export this tree --format trtllm or sequoia")
     check_tree(tree, engine_rules(fmt, heads), plan.source)
     if fmt == "sglang" and plan.engine != "sglang":
         raise UserError(f"{plan.source}: SGLang grows its own tree from (num_steps, topk, num_draft_tokens); this "
@@ -95,10 +92,9 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
     if fmt in ("medusa", "eagle1"):
         argument = "medusa_choices" if fmt == "medusa" else "tree_choices"
         return Export(json.dumps(choices), f"{fmt}: the model's {argument}")
-    if fmt in ("vllm", "vllm-draft"):
-        if method not in VLLM_METHODS or (fmt == "vllm-draft" and method != "draft_model"):
-            raise UserError(f"--method {method!r}: vLLM drafts a chain with {', '.join(VLLM_METHODS)}"
-                            + (" (vllm-draft: draft_model)" if fmt == "vllm-draft" else ""))
+    if fmt == "vllm":
+        if method not in VLLM_METHODS:
+            raise UserError(f"--method {method!r}: vLLM drafts a chain with {', '.join(VLLM_METHODS)}")
         config = {"method": method, "model": draft_path, "num_speculative_tokens": depth}
         return Export(json.dumps(config), f"vllm serve {target} --speculative-config '<this JSON>' (vLLM's "
                                           f"SpeculativeConfig at {VLLM_SPECULATIVE_CONFIG.commit[:12]})")
@@ -169,7 +165,7 @@ def import_tree(data: str | bytes, fmt: str) -> TokenTree:
             choices = json.loads(text)
         elif fmt == "trtllm":
             choices = yaml.safe_load(text)["speculative_config"]["eagle_choices"]
-        elif fmt in ("vllm", "vllm-draft", "trtllm-draft", "llama.cpp", "hf"):
+        elif fmt in ("vllm", "trtllm-draft", "llama.cpp", "hf"):
             return TokenTree.from_parents(list(range(-1, _chain_length(text, fmt))), fmt)
         elif fmt == "sglang":
             raise UserError("SGLang's flags hold no tree: it grows one from (num_steps, topk, num_draft_tokens)")
@@ -184,7 +180,7 @@ def import_tree(data: str | bytes, fmt: str) -> TokenTree:
 
 
 def _chain_length(text: str, fmt: str) -> int:
-    if fmt in ("vllm", "vllm-draft"):
+    if fmt == "vllm":
         return int(json.loads(text)["num_speculative_tokens"])
     if fmt == "trtllm-draft":
         return int(yaml.safe_load(text)["speculative_config"]["max_draft_len"])

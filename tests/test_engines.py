@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -72,8 +73,9 @@ def test_the_rules_reject_the_counter_examples():
     assert "depth 2 or more" in engine_rules("eagle1", heads=4).broken_rule(TokenTree.from_parents([-1, 0, 0]))
     assert "at most 3 levels" in engine_rules("medusa", heads=3).broken_rule(TokenTree.from_parents([-1, 0, 1, 2, 3]))
     chain_breaker = TokenTree.from_parents([-1, 0, 0])
-    for name in ("llama.cpp", "hf", "vllm", "vllm-draft", "trtllm-draft"):
+    for name in ("llama.cpp", "hf", "vllm", "trtllm-draft"):
         assert "chain" in engine_rules(name).broken_rule(chain_breaker)
+    assert "tree attention was removed, PR #42121" in engine_rules("vllm").broken_rule(chain_breaker)
     trtllm = engine_rules("trtllm")
     assert "at most 4 levels" in trtllm.broken_rule(TokenTree.from_parents([-1, 0, 1, 2, 3, 4]))
     assert "at most 63 draft tokens" in trtllm.broken_rule(TokenTree.from_parents([-1] + [0] * 8 + [1] * 56))
@@ -150,8 +152,11 @@ def test_vllm_exports_a_chain_for_a_draft_model_or_an_eagle_head():
     config = json.loads(export_plan(plan, "vllm", draft_path="qwen-0.5b").content)
     assert config == {"method": "draft_model", "model": "qwen-0.5b", "num_speculative_tokens": plan.tree.depth}
     assert json.loads(export_plan(plan, "vllm", draft_path="head", method="eagle3").content)["method"] == "eagle3"
-    with pytest.raises(UserError, match="vllm-draft: draft_model"):
-        export_plan(plan, "vllm-draft", draft_path="head", method="eagle")
+    with pytest.raises(UserError, match="vLLM drafts a chain with draft_model, eagle, eagle3"):
+        export_plan(plan, "vllm", draft_path="head", method="medusa")
+    branching = dataclasses.replace(plan, tree=TokenTree.from_parents([-1, 0, 0, 1]))
+    with pytest.raises(UserError, match="tree attention was removed, PR #42121.*; solve with --engine vllm"):
+        export_plan(branching, "vllm", draft_path="qwen-0.5b")
 
 
 @pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.slow) if f == "llama.cpp" else f
