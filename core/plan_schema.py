@@ -16,6 +16,14 @@ given), how it was solved (`solver`) and where it came from (`provenance`). Meth
   target over its full cache; budget, chunk and stride are then the best two-level setting's). `speculate: false`
   (written when no setting is predicted fast enough) decodes one token per step; the other settings are then
   the best speculative setting's, which `plan bench` runs its TriForce baselines with.
+
+A plan solved with `--batches` also carries `schedule: {context, entries: [{batches: [low, high], speculate,
+decoding_length, tokens_per_step, tokens_per_second, speedup}, ...]}`: for each range of batch sizes (the sequences a
+step decodes together, ranges contiguous from 1), the setting predicted to give the most output tokens per second
+over the whole batch at `context`, and that prediction (speedup: over no speculation at the same batch size). The
+decoder picks the entry of the sequences in flight at each step; beyond the last range, the last entry. Lookahead's
+entries vary the decoding length under the plan's own trie (`speculate: false`: the root alone, the trie still
+learning). A plan without a schedule is the batch-1 plan at every batch size.
 """
 
 from __future__ import annotations
@@ -208,6 +216,70 @@ class Prediction:
         return {**out, **self.details}
 
 
+@dataclass(frozen=True)
+class ScheduleEntry:
+    """The setting for steps of `low`..`high` sequences, and what it is predicted to give there."""
+
+    low: int
+    high: int
+    speculate: bool
+    decoding_length: int | None  # Lookahead: the draft's nodes per sequence, root included (None: off)
+    tokens_per_step: float  # per sequence
+    tokens_per_second: float  # over the whole batch, at `low` sequences
+    speedup: float  # over no speculation at `low` sequences
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> ScheduleEntry:
+        bounds = f.data.get("batches")
+        if (not isinstance(bounds, list) or len(bounds) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in bounds)
+                or bounds[0] > bounds[1]):
+            raise f.fail("'batches' must be [low, high], batch sizes with 1 <= low <= high")
+        speculate = f.boolean("speculate", default=True)
+        length = f.token_count("decoding_length", required=speculate, low=2) if speculate else None
+        return cls(bounds[0], bounds[1], bool(speculate), length, f.number("tokens_per_step", low=1.0),
+                   f.number("tokens_per_second", low=0.0), f.number("speedup", low=0.0))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"batches": [self.low, self.high], "speculate": self.speculate}
+        if self.decoding_length is not None:
+            out["decoding_length"] = self.decoding_length
+        return {**out, "tokens_per_step": self.tokens_per_step, "tokens_per_second": self.tokens_per_second,
+                "speedup": self.speedup}
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """A plan's setting per batch size (see the module's docstring), priced at `context` tokens."""
+
+    context: int | None
+    entries: tuple[ScheduleEntry, ...]
+
+    def entry_for(self, batch: int) -> ScheduleEntry:
+        """The entry whose range holds `batch` sequences (the last beyond the last range)."""
+        return next((e for e in self.entries if e.low <= batch <= e.high), self.entries[-1])
+
+    @classmethod
+    def from_fields(cls, f: Fields, largest_draft: int | None) -> BatchSchedule:
+        raw = f.data.get("entries")
+        if not isinstance(raw, list) or not raw:
+            raise f.fail("'entries' must be a non-empty list")
+        entries = tuple(ScheduleEntry.from_fields(Fields(e, f"{f.where}: entries[{i}]")) for i, e in enumerate(raw))
+        expected = 1
+        for entry in entries:
+            if entry.low != expected:
+                raise f.fail(f"the batch ranges must be contiguous from 1: expected a range from {expected}, got "
+                             f"[{entry.low}, {entry.high}]")
+            if largest_draft is not None and (entry.decoding_length or 0) > largest_draft:
+                raise f.fail(f"decoding length {entry.decoding_length} exceeds the plan's {largest_draft}")
+            expected = entry.high + 1
+        return cls(f.token_count("context", required=False), entries)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"context": self.context} if self.context is not None else {}
+        return {**out, "entries": [e.to_dict() for e in self.entries]}
+
+
 @dataclass
 class Plan:
     """A solved plan of any method; `params` holds the method-specific section (for Sequoia, the tree)."""
@@ -223,6 +295,7 @@ class Plan:
     settings: TrieSettings | TriForceSettings | PromptLookupSettings | NgramTreeSettings | None = None
     tokenizer: dict[str, Any] = field(default_factory=dict)
     engine: str = "specplan"  # the engine whose rules the tree was solved within (planner/engines.py)
+    schedule: BatchSchedule | None = None  # the setting per batch size (`--batches`); None: this one at every size
     source: str = field(default="plan", compare=False)  # the file it was read from, for error messages
 
     @property
@@ -274,6 +347,10 @@ class Plan:
             plan.settings = settings_type.from_fields(f.sub("prompt-lookup"))
             if tokens_per_step > plan.settings.max_draft_tokens + 1:
                 raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the draft length + 1")
+        if f.has("schedule"):
+            if method != "lookahead":
+                raise f.fail(f"a schedule per batch size is for Lookahead plans, not {method}")
+            plan.schedule = BatchSchedule.from_fields(f.sub("schedule"), plan.settings.decoding_length)
         return plan
 
     def to_dict(self) -> dict[str, Any]:
@@ -289,6 +366,8 @@ class Plan:
         if self.tokenizer:
             out["tokenizer"] = self.tokenizer
         out["prediction"] = self.prediction.to_dict()
+        if self.schedule is not None:
+            out["schedule"] = self.schedule.to_dict()
         out["inputs"] = self.inputs
         out["solver"] = self.solver
         out["provenance"] = self.provenance

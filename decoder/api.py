@@ -83,7 +83,8 @@ class Decoder:
 
     def scheduler(self, concurrency: int, prefill_chunk: int = 0) -> Scheduler:
         """A continuous-batching scheduler over this decoder's target and drafters (decoder/batching.py)."""
-        return Scheduler(self.engine, self.drafter_for_slot, concurrency, prefill_chunk)
+        return Scheduler(self.engine, self.drafter_for_slot, concurrency, prefill_chunk,
+                         self.plan.schedule if self.plan is not None else None)
 
     def check_memory(self, concurrency: int, max_len: int) -> None:
         """Refuse, before any work, a concurrency whose caches of `max_len` slots do not fit the free memory."""
@@ -225,7 +226,14 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
                             f"({plan.tokenizer.get('vocab_size')} tokens) than {target_name}'s "
                             f"({fingerprint['vocab_size']} tokens)")
         settings = plan.settings.check()
-        return Decoder(target_model, lambda: TrieDrafter(Trie(settings)), plan, verify, target_forward)
+
+        def trie_drafter() -> TrieDrafter:
+            drafter = TrieDrafter(Trie(settings))
+            if plan.schedule is not None:  # one request: the schedule's setting for one sequence
+                drafter.follow(plan.schedule.entry_for(1))
+            return drafter
+
+        return Decoder(target_model, trie_drafter, plan, verify, target_forward)
     if plan.method == "triforce":
         return _triforce_decoder(plan, target_model, target_forward, draft, draft_dtype or dtype, verify, log, device)
     if plan.method == "sequoia":

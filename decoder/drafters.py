@@ -8,6 +8,8 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
+from specplan.core.errors import UserError
+from specplan.core.plan_schema import ScheduleEntry
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask
 from specplan.decoder.sampling import SamplingParams, probabilities
 from specplan.decoder.tree import (
@@ -47,6 +49,10 @@ class Drafter(ABC):
 
     def finish(self) -> None:
         """The sequence is done (a batch's slot frees it): let go of what only it needed."""
+
+    def follow(self, entry: ScheduleEntry) -> None:
+        """Draft with a plan schedule's setting for the batch size of the coming step (core/plan_schema.py)."""
+        raise UserError(f"{type(self).__name__} does not follow a schedule per batch size")
 
     def bind(self, target_cache: KVCache) -> None:
         """The engine's target cache after prefill (a drafter built on the target's own cache reads it)."""
@@ -254,6 +260,10 @@ class TrieDrafter(Drafter):
         self.counted = 0
         self.prompt_length = 0
         self.live_request = False
+        self.decoding_length = trie.settings.decoding_length  # a schedule's, at most the trie's own; 1: off
+
+    def follow(self, entry):
+        self.decoding_length = entry.decoding_length if entry.speculate else 1
 
     def reset(self, prompt, max_len):
         self.finish()
@@ -282,7 +292,9 @@ class TrieDrafter(Drafter):
         if self.counted == self.length:  # a root the top level of a hierarchy chose: it enters the trie now
             self.trie.insert(self.sequence, self.length, self.length + 1)
             self.counted += 1
-        tokens, parents = self.trie.retrieve(self.sequence, self.length + 1)
+        if self.decoding_length == 1:  # the schedule's "off": the root alone, the trie still learning the text
+            return DraftTree([root], [-1])
+        tokens, parents = self.trie.retrieve(self.sequence, self.length + 1, self.decoding_length)
         return DraftTree(tokens.tolist(), parents.tolist())
 
     def update(self, tree, accepted, next_token):

@@ -13,12 +13,18 @@ on the machine that solves). So
 
 On a CPU the host's share is a few percent of a forward; on a GPU, where smollm2-135m's forward takes 3 ms,
 it was close to a forward's cost.
+
+With `batches` (a profile with t(B, n)), the plan also gets a schedule: for every batch size B up to the largest
+profiled, the decoding length under the chosen trie (or none) that gives the most output tokens per second over
+the batch, B x tokens/step / (t(B, n) + o(n, B) + B h) with n the replay's mean draft size and h its trie time per
+step, against B / (t(B, 1) + o(1, B)) without drafting; at the replays' mean context. Each decoding length is
+replayed exactly under the chosen trie with its retrieval capped there (the trie learns the same text either way).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +34,7 @@ from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.method_settings import TrieSettings
 from specplan.core.model_names import same_model
-from specplan.core.plan_schema import Plan, PlanModels, Prediction
+from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, ScheduleEntry
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
 from specplan.decoder.trie import Trie, accepted_run
@@ -53,8 +59,12 @@ class ReplayResult:
         return self.tokens / self.steps
 
 
-def replay(records: list[LookaheadRecord], settings: TrieSettings) -> ReplayResult:
+def replay(records: list[LookaheadRecord], settings: TrieSettings,
+           decoding_length: int | None = None) -> ReplayResult:
+    """The trie of `settings` run over the records as the decoder runs it; `decoding_length`: retrieval capped at
+    that many nodes (a schedule's setting under the plan's trie)."""
     trie = Trie(settings)
+    decoding_length = decoding_length or settings.decoding_length
     tokens = steps = 0
     sizes: list[int] = []
     contexts: list[int] = []
@@ -69,7 +79,7 @@ def replay(records: list[LookaheadRecord], settings: TrieSettings) -> ReplayResu
         trie.insert(sequence, 0, position, from_prompt=True)
         while position < end:
             started = time.perf_counter()
-            draft_tokens, draft_parents = trie.retrieve(sequence, position)
+            draft_tokens, draft_parents = trie.retrieve(sequence, position, decoding_length)
             trie_seconds += time.perf_counter() - started
             accepted = accepted_run(draft_tokens, draft_parents, sequence[position:end])
             emitted = min(accepted + 1, end - position)
@@ -82,7 +92,7 @@ def replay(records: list[LookaheadRecord], settings: TrieSettings) -> ReplayResu
             position += emitted
             tokens += emitted
             steps += 1
-    return ReplayResult(settings.decoding_length, settings.branch_length, tokens, steps, np.array(sizes),
+    return ReplayResult(decoding_length, settings.branch_length, tokens, steps, np.array(sizes),
                         np.array(contexts), np.array(emitted_per_step), trie_seconds)
 
 
@@ -108,7 +118,9 @@ class LookaheadCandidate:
 
 def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None,
                     decoding_lengths: tuple[int, ...] = DECODING_LENGTHS,
-                    branch_lengths: tuple[int, ...] = BRANCH_LENGTHS) -> tuple[Plan, list[LookaheadCandidate]]:
+                    branch_lengths: tuple[int, ...] = BRANCH_LENGTHS,
+                    largest_batch: int | None = None) -> tuple[Plan, list[LookaheadCandidate]]:
+    """The best (L_d, L_b) and the ranked grid; with `largest_batch`, the plan's schedule up to that batch size."""
     acceptance = load_lookahead_acceptance(acceptance_path)
     profile = load_profile(profile_path) if profile_path is not None else None
     if profile is not None:
@@ -128,7 +140,52 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
     plan = _assemble(candidates[0], replays, acceptance, acceptance_path, profile, profile_path, decoding_lengths,
                      branch_lengths)
     plan.solver.update(seconds=seconds, top=[asdict(c) for c in candidates[:10]])
+    if largest_batch is not None:
+        if profile is None:
+            raise UserError("a schedule per batch size is priced on a profile: give --profile")
+        plan.schedule, rates = lookahead_schedule(acceptance.records, plan.settings, profile, largest_batch,
+                                                  decoding_lengths)
+        plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, "
+                                                "each decoding length replayed under the plan's trie",
+                                   "tokens_per_second": rates}
     return plan, candidates
+
+
+def lookahead_schedule(records: list[LookaheadRecord], settings: TrieSettings, profile: LatencyProfile,
+                       largest_batch: int, decoding_lengths: tuple[int, ...]
+                       ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+    """The setting per batch size (see the module's docstring), ranges of equal settings merged; and every
+    setting's predicted tokens/s per batch size 1, 2, ... ({"off": [...], "L_d=4": [...]}; None: not priced)."""
+    largest = min(largest_batch, max(profile.batch_sizes))
+    lengths = sorted({d for d in decoding_lengths if 2 <= d < settings.decoding_length} | {settings.decoding_length})
+    replays = {d: replay(records, settings, d) for d in lengths}
+    context = int(round(float(np.mean(replays[settings.decoding_length].step_contexts))))
+    chosen: list[tuple[int | None, float, float, float]] = []  # per B: (length, tokens/step, tokens/s, speedup)
+    rates: dict[str, list[float | None]] = {"off": [], **{f"L_d={d}": [] for d in replays}}
+    for batch in range(1, largest + 1):
+        off = batch / (profile.batch_latency(batch, 1, context) + float(profile.engine_overhead(1, batch)))
+        rates["off"].append(off)
+        best: tuple[int | None, float, float] = (None, 1.0, off)
+        for length, result in replays.items():
+            n = float(np.mean(result.step_sizes))
+            try:
+                forward = profile.batch_latency(batch, n, context)
+            except (UserError, ValueError):  # B x n beyond the rows profiled at this batch size
+                rates[f"L_d={length}"].append(None)
+                continue
+            step = forward + float(profile.engine_overhead(n, batch)) + batch * result.trie_seconds / result.steps
+            rate = batch * result.tokens_per_step / step
+            rates[f"L_d={length}"].append(rate)
+            if rate > best[2]:
+                best = (length, result.tokens_per_step, rate)
+        chosen.append((best[0], best[1], best[2], best[2] / off))
+    entries: list[ScheduleEntry] = []
+    for batch, (length, per_step, rate, speedup) in enumerate(chosen, start=1):
+        if entries and entries[-1].decoding_length == length:
+            entries[-1] = replace(entries[-1], high=batch)  # its prediction stays that of the range's first size
+        else:
+            entries.append(ScheduleEntry(batch, batch, length is not None, length, per_step, rate, speedup))
+    return BatchSchedule(context, tuple(entries)), rates
 
 
 def _search(records: list[LookaheadRecord], grid: list[tuple[int, int]]) -> dict[tuple[int, int], ReplayResult]:

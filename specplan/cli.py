@@ -396,17 +396,23 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
 @click.option("--match-types", help="sglang: BFS, PROB or both, comma-separated (default both)")
 @click.option("--stop-tokens", help="prompt lookup (hf): the target's stop token ids, where the acceptance file "
                                     "does not record them")
+@click.option("--batches", type=click.IntRange(min=1),
+              help="also schedule the decoding length for every batch size up to this one (a profile with "
+                   "--batches): the setting giving the most output tokens/s over the batch, or none")
 @_output()
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
                         branch_lengths: str | None, top: int, engine: str, max_ngrams: str | None,
                         draft_lengths: str | None, trie_depths: str | None, bfs_breadths: str | None,
-                        match_types: str | None, stop_tokens: str | None, output: Path) -> None:
+                        match_types: str | None, stop_tokens: str | None, batches: int | None, output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
     --engine, a serving engine's n-gram knobs by exact replay of its rule."""
     from specplan.core.plan_schema import save_plan
     from specplan.planner.lookahead import BRANCH_LENGTHS, DECODING_LENGTHS, solve_lookahead
+    from specplan.show import describe_schedule
 
     if engine != "specplan":
+        if batches is not None:
+            raise UserError("--batches schedules our Lookahead trie; it does not go with --engine")
         grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths, match_types)
         _solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stop_tokens, top, output)
         return
@@ -415,10 +421,12 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     b_grid = tuple(_int_list(branch_lengths) or BRANCH_LENGTHS)
     if min(d_grid) < 1 or min(b_grid) < 1:
         raise UserError("decoding lengths L_d and branch lengths L_b must be >= 1")
-    plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid)
+    plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid, batches)
     _echo_ranked(ranked[:top], [("L_d", lambda c: c.decoding_length), ("L_b", lambda c: c.branch_length)],
                  profile_path is not None)
     save_plan(plan, output)
+    if plan.schedule is not None:
+        click.echo(describe_schedule(plan.schedule))
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
                f"{plan.settings.decoding_length}, L_b = {plan.settings.branch_length}; wrote {output}")
     _note_inexact_replay(plan)
@@ -687,18 +695,25 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
               help="requests waiting beyond --concurrency before new ones get HTTP 503")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="for requests that do not set max_tokens")
+@click.option("--context", type=click.IntRange(min=1),
+              help="the most tokens a request may hold, prompt and output (default: the model's context); the KV "
+                   "caches of --concurrency such requests must fit in memory")
 def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
           verify: str | None, device: str | None, backend: str | None, host: str, port: int, concurrency: int,
-          prefill_chunk: int, max_queue: int, max_new_tokens: int) -> None:
+          prefill_chunk: int, max_queue: int, max_new_tokens: int, context: int | None) -> None:
     """An OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions) over continuous batching."""
     from specplan.decoder.api import load_decoder
-    from specplan.serve import serve_forever
+    from specplan.serve import ServeOptions, serve_forever
 
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
                            backend=backend)
-    decoder.check_memory(concurrency, decoder.target_forward.shape.max_context)
+    longest = decoder.target_forward.shape.max_context
+    if context is not None and context > longest:
+        raise UserError(f"--context {context} exceeds the model's context of {longest}")
+    decoder.check_memory(concurrency, context or longest)
     name = target or (decoder.plan.models.target if decoder.plan else "model")
-    serve_forever(decoder, name, concurrency, max_queue, max_new_tokens, host, port, _progress, prefill_chunk)
+    serve_forever(decoder, name, ServeOptions(concurrency, max_queue, max_new_tokens, prefill_chunk, context), host,
+                  port, _progress)
 
 
 def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens: int, temperature: float | None,

@@ -37,6 +37,19 @@ DISCONNECT_POLL_SECONDS = 0.25
 MAX_PROMPT_CHARS = 8 << 20
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """How `plan serve` serves: sequences in flight, requests waiting beyond them, a request's default new tokens,
+    prompt tokens a step carries for joining requests (0: prefill them before the next step), and the most tokens a
+    request may hold, prompt and output (None: the model's context; llama-server's per-slot -c)."""
+
+    concurrency: int = 4
+    max_queue: int = 64
+    max_new_tokens: int = 256
+    prefill_chunk: int = 0
+    context: int | None = None
+
+
 @dataclass
 class Ticket:
     """One HTTP request's passage through the engine thread: its events arrive on `events` (the event loop's)."""
@@ -151,9 +164,10 @@ def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float
 
 
 class Server:
-    def __init__(self, decoder: Decoder, engine: EngineLoop, model_name: str, max_new_tokens: int) -> None:
+    def __init__(self, decoder: Decoder, engine: EngineLoop, model_name: str, options: ServeOptions) -> None:
         self.decoder, self.engine, self.model_name = decoder, engine, model_name
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = options.max_new_tokens
+        self.context = options.context
         self.ids = itertools.count()
 
     def app(self) -> web.Application:
@@ -239,6 +253,9 @@ class Server:
         try:
             parsed = self._parse(body, chat)
             self.decoder.engine.check_fits(len(parsed.prompt), parsed.max_new_tokens)
+            if self.context is not None and len(parsed.prompt) + parsed.max_new_tokens > self.context:
+                raise UserError(f"the prompt ({len(parsed.prompt)} tokens) plus {parsed.max_new_tokens} new tokens "
+                                f"exceeds the server's context of {self.context} (--context)")
         except UserError as exc:
             return _error(400, str(exc))
         loop = asyncio.get_running_loop()
@@ -366,20 +383,18 @@ class RunningServer:
         self.engine.stop()
 
 
-def build(decoder: Decoder, model_name: str, concurrency: int, max_queue: int, max_new_tokens: int,
-          prefill_chunk: int = 0) -> tuple[web.Application, EngineLoop]:
-    if max_queue < 0:
-        raise UserError(f"the queue limit must be >= 0, got {max_queue}")
-    engine = EngineLoop(decoder, concurrency, max_queue, prefill_chunk)
-    return Server(decoder, engine, model_name, max_new_tokens).app(), engine
+def build(decoder: Decoder, model_name: str, options: ServeOptions) -> tuple[web.Application, EngineLoop]:
+    if options.max_queue < 0:
+        raise UserError(f"the queue limit must be >= 0, got {options.max_queue}")
+    engine = EngineLoop(decoder, options.concurrency, options.max_queue, options.prefill_chunk)
+    return Server(decoder, engine, model_name, options).app(), engine
 
 
-def start_in_background(decoder: Decoder, model_name: str, concurrency: int = 4, max_queue: int = 64,
-                        max_new_tokens: int = 256, host: str = "127.0.0.1", port: int = 0,
-                        engine_thread: bool = True, prefill_chunk: int = 0) -> RunningServer:
+def start_in_background(decoder: Decoder, model_name: str, options: ServeOptions = ServeOptions(),
+                        host: str = "127.0.0.1", port: int = 0, engine_thread: bool = True) -> RunningServer:
     """The HTTP server's event loop in a background thread, and the engine's loop in another (unless not
     `engine_thread`: then the caller runs `engine.run()`)."""
-    app, engine = build(decoder, model_name, concurrency, max_queue, max_new_tokens, prefill_chunk)
+    app, engine = build(decoder, model_name, options)
     if engine_thread:
         engine.start()
     loop = asyncio.new_event_loop()
@@ -393,12 +408,11 @@ def start_in_background(decoder: Decoder, model_name: str, concurrency: int = 4,
     return RunningServer(f"http://{bound_host}:{bound_port}", engine, loop, runner, thread)
 
 
-def serve_forever(decoder: Decoder, model_name: str, concurrency: int, max_queue: int, max_new_tokens: int,
-                  host: str, port: int, say: Callable[[str], None], prefill_chunk: int = 0) -> None:
+def serve_forever(decoder: Decoder, model_name: str, options: ServeOptions, host: str, port: int,
+                  say: Callable[[str], None]) -> None:
     """Serve until SIGINT or SIGTERM: the event loop in a background thread, the engine in this (the main) one."""
     try:
-        server = start_in_background(decoder, model_name, concurrency, max_queue, max_new_tokens, host, port,
-                                     engine_thread=False, prefill_chunk=prefill_chunk)
+        server = start_in_background(decoder, model_name, options, host, port, engine_thread=False)
     except OSError as exc:
         raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
     say(f"======== Running on {server.url} ========")

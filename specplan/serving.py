@@ -32,7 +32,7 @@ import numpy as np
 from specplan.core.errors import UserError
 
 SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
-LLAMA_SERVER_CONTEXT = 4096  # tokens per parallel slot: the longest Spec-Bench prompt and its output fit
+SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-Bench prompt and its output fit
 
 
 @dataclass
@@ -314,7 +314,7 @@ def plan_serve_command(options: list[str]) -> Callable[[int, int], list[str]]:
 
     def command(port: int, concurrency: int) -> list[str]:
         return [plan, "serve", *options, "--device", "cpu", "--port", str(port), "--concurrency", str(concurrency),
-                "--max-queue", str(4 * concurrency)]
+                "--max-queue", str(4 * concurrency), "--context", str(SLOT_CONTEXT)]
 
     return command
 
@@ -395,7 +395,7 @@ def llama_server_command(gguf: Path, threads: int, extra: list[str]) -> Callable
 
     def command(port: int, concurrency: int) -> list[str]:
         return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
-                str(threads), "-np", str(concurrency), "-c", str(LLAMA_SERVER_CONTEXT * concurrency),
+                str(threads), "-np", str(concurrency), "-c", str(SLOT_CONTEXT * concurrency),
                 "--no-webui", *extra]
 
     return command

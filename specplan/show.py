@@ -12,7 +12,7 @@ from specplan.core.acceptance_schema import LookaheadAcceptance, SequoiaAcceptan
 from specplan.core.errors import UserError
 from specplan.core.fileio import read_yaml, shown
 from specplan.core.machine import machine_label
-from specplan.core.plan_schema import Plan, TokenTree
+from specplan.core.plan_schema import BatchSchedule, Plan, TokenTree
 from specplan.core.plotting import pyplot, save_png
 from specplan.core.profile_schema import LatencyProfile
 from specplan.core.validate import Fields
@@ -303,13 +303,48 @@ def describe_plan(plan: Plan) -> str:
     if plan.settings is not None:
         lines.append(f"{plan.method}:")
         lines.extend(_format_mapping(plan.settings.to_dict()))
+    if plan.schedule is not None:
+        lines.append(describe_schedule(plan.schedule))
     lines.append("inputs:")
     lines.extend(_format_mapping(plan.inputs))
     lines.append("solver:")
-    lines.extend(_format_mapping({k: v for k, v in plan.solver.items() if k != "top"}))
+    lines.extend(_format_mapping({k: v for k, v in plan.solver.items() if k not in ("top", "schedule")}))
     lines.append("provenance:")
     lines.extend(_format_mapping(plan.provenance))
     return "\n".join(lines)
+
+
+def describe_schedule(schedule: BatchSchedule) -> str:
+    """A plan's setting per batch size, one line a range, with its prediction at the range's first size."""
+    lines = [f"schedule per batch size (priced at context {schedule.context}):",
+             f"  {'batches':>9} {'setting':>10} {'tok/step':>9} {'tok/s':>8} {'vs off':>7}"]
+    for e in schedule.entries:
+        setting = f"L_d={e.decoding_length}" if e.speculate else "off"
+        span = f"{e.low}" if e.low == e.high else f"{e.low}-{e.high}"
+        lines.append(f"  {span:>9} {setting:>10} {e.tokens_per_step:>9.3f} {e.tokens_per_second:>8.1f} "
+                     f"{e.speedup:>7.3f}")
+    return "\n".join(lines)
+
+
+def plot_schedule(plan: Plan, png: str | os.PathLike) -> None:
+    """Predicted output tokens/s over the batch against batch size, per setting, and the schedule's envelope."""
+    rates = Fields(plan.solver, f"{plan.source}: solver").sub("schedule").data.get("tokens_per_second") or {}
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    batches = None
+    for name, values in rates.items():
+        batches = np.arange(1, len(values) + 1)
+        points = np.array([np.nan if v is None else v for v in values], dtype=float)
+        ax.plot(batches, points, linestyle="--" if name == "off" else "-", linewidth=1, label=name)
+    if batches is not None:
+        envelope = [max(v[b - 1] for v in rates.values() if v[b - 1] is not None) for b in batches]
+        ax.plot(batches, envelope, color="black", linewidth=2.5, alpha=0.5, label="schedule")
+    ax.set_xlabel("batch size (sequences per step)")
+    ax.set_ylabel("predicted output tokens/s over the batch")
+    ax.set_title(f"{plan.models.target} ({plan.models.dtype}): {plan.method} schedule", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    save_png(fig, png)
 
 
 PLOT_MAX_TREE_SIZE = 4096
@@ -323,6 +358,9 @@ def _recorded_acceptance(plan: Plan, required: bool) -> list[float] | None:
 
 
 def plot_plan(plan: Plan, png: str | os.PathLike) -> None:
+    if plan.schedule is not None:
+        plot_schedule(plan, png)
+        return
     if plan.method != "sequoia":
         raise UserError(f"--plot is not available for {plan.kind}")
     from specplan.planner.sequoia import SequoiaTables, rank_candidates

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 import pytest
 
 from specplan.decoder.api import load_decoder
-from specplan.serve import start_in_background
+from specplan.serve import ServeOptions, start_in_background
 
 openai = pytest.importorskip("openai")
 
@@ -19,7 +19,8 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def server():
     decoder = load_decoder(None, target="tiny-random-llama", device="cpu")
-    running = start_in_background(decoder, "tiny-random-llama", concurrency=2, max_queue=4, max_new_tokens=16)
+    running = start_in_background(decoder, "tiny-random-llama", ServeOptions(concurrency=2, max_queue=4,
+                                                                              max_new_tokens=16, context=3500))
     yield decoder, running
     running.close()
 
@@ -56,6 +57,7 @@ def test_a_completion_streamed_and_whole_equals_plan_generate(server):
     ({"prompt": ""}, '"prompt" must be a non-empty string'),
     ({"prompt": "hi", "temperature": -1}, "temperature must be in"),
     ({"prompt": "hi", "max_tokens": 5000}, "exceeds the model's context of 4096"),
+    ({"prompt": "hi", "max_tokens": 3600}, "exceeds the server's context of 3500 (--context)"),
     ({"prompt": "hi", "n": 3}, "n must be"),
 ])
 def test_a_malformed_request_gets_400_and_the_server_keeps_serving(server, body, reason):
