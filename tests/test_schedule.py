@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
-from specplan.core.acceptance_schema import LookaheadRecord
+from specplan.core.acceptance_schema import LookaheadAcceptance, LookaheadRecord
 from specplan.core.errors import UserError
 from specplan.core.method_settings import TrieSettings
-from specplan.core.plan_schema import BatchSchedule, Plan, ScheduleEntry
+from specplan.core.plan_schema import BatchSchedule, Plan, ScheduleEntry, load_plan
 from specplan.core.profile_schema import LatencyProfile
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.drafters import TrieDrafter
@@ -23,15 +24,17 @@ from toy import drafters_per_slot
 SIZES = (1, 2, 4, 8)
 
 
-def profile_where_drafting_pays_alone() -> LatencyProfile:
+def profile_document() -> dict:
     """A step of one sequence costs about the same for 1 to 8 rows (memory-bound); steps of several sequences cost
     in proportion to their rows (compute-bound), so drafting pays alone and not in a batch."""
     alone = {n: 0.010 + 0.0002 * n for n in SIZES}
     batches = {B: {"t_seconds": {n: 0.002 + 0.010 * B * n for n in SIZES}} for B in (2, 4, 8)}
-    return LatencyProfile.from_dict({
-        "kind": "profile/latency", "target": {"t_seconds": alone, "contexts": {64: {"t_seconds": alone,
-                                                                                    "batches": batches}}},
-    }, "synthetic")
+    return {"kind": "profile/latency", "models": {"target": "toy"},
+            "target": {"t_seconds": alone, "contexts": {64: {"t_seconds": dict(alone), "batches": batches}}}}
+
+
+def profile_where_drafting_pays_alone() -> LatencyProfile:
+    return LatencyProfile.from_dict(profile_document(), "synthetic")
 
 
 def repetitive_records() -> list[LookaheadRecord]:
@@ -54,6 +57,24 @@ def test_the_schedule_drafts_where_it_pays_and_turns_off_where_the_batch_is_comp
         name = f"L_d={entry.decoding_length}" if entry.speculate else "off"
         assert rates[name][batch - 1] == max(r[batch - 1] for r in rates.values() if r[batch - 1] is not None)
     assert len(rates["off"]) == 8 and set(rates) == {"off", "L_d=2", "L_d=4", "L_d=8"}
+
+
+def test_plan_solve_lookahead_batches_writes_the_schedule_and_plan_show_prints_and_plots_it(run_cli, tmp_path):
+    acceptance, profile, plan, png = (tmp_path / name for name in ("a.yaml", "p.yaml", "plan.yaml", "s.png"))
+    acceptance.write_text(yaml.safe_dump(LookaheadAcceptance(
+        "toy", {"vocab_size": 64, "sha256": "x"}, repetitive_records()).to_dict()))
+    profile.write_text(yaml.safe_dump(profile_document()))
+    code, stdout, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--profile", profile,
+                                   "--decoding-lengths", "4,8", "--branch-lengths", "2,4", "--batches", 8, "-o", plan)
+    assert code == 0, stderr
+    assert "schedule per batch size" in stdout
+    written = load_plan(plan)
+    assert written.schedule.entries[-1].high == 8 and not written.schedule.entry_for(8).speculate
+    code, shown, stderr = run_cli("show", plan, "--plot", png)
+    assert code == 0, stderr
+    assert "schedule per batch size" in shown and " off " in shown and png.stat().st_size > 0
+    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--batches", 8, "-o", tmp_path / "x")
+    assert code == 2 and "priced on a profile: give --profile" in stderr
 
 
 def lookahead_plan_with(schedule: dict) -> dict:
