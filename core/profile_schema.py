@@ -22,7 +22,8 @@ Profiled with `--batches`, a context's entry also gives `batches: {B: {t_seconds
 step of B sequences of n new tokens each, every sequence over its own cache of L tokens: t(B, n)) and the draft's
 `batches: {B: {step_seconds: seconds}}` (its one-token step of B sequences), and the target's
 `engine_overhead_batches: {B: {n: seconds}}`: the continuous-batching engine's time per step outside the forward for B
-sequences of n-node trees. A profile without them is B = 1.
+sequences of n-node trees (after short prompts: the host's work does not depend on the context). A profile without
+them is B = 1.
 """
 
 from __future__ import annotations

@@ -54,6 +54,10 @@ DEFAULT_CONTEXTS = (128, 1024, 4096)
 RETRIEVAL_BUDGETS = (256, 512, 1024, 2048, 4096)
 RETRIEVAL_CHUNK = 16  # a build's cost barely depends on the chunk size: it reads every key either way
 OVERHEAD_STEPS = 4  # decoding steps per timed run for the engine's overhead (3 runs per tree size)
+# the batched engine's overhead: prompts this long (the host's work per step does not depend on the context; the
+# forward's does, and is subtracted), and fewer steps, since every B x n runs its own batch of requests
+BATCHED_OVERHEAD_PROMPT = 16
+BATCHED_OVERHEAD_STEPS = 2
 # A batched step's rows (B sequences of n new tokens each) timed on a CPU at most: beyond them a step is prefill-sized
 # and no batch of trees is planned there.
 MAX_BATCH_ROWS = 256
@@ -202,7 +206,8 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     samples = {name: timed[:done] for name, timed in resumed.items()}
     if done:
         log(f"resuming: {done} of {request.repeats} timed passes already measured")
-    passes = request.warmup + max(request.repeats - done, 0)
+    left = max(request.repeats - done, 0)
+    passes = request.warmup + left if left else 0  # a resumed profile with every pass measured warms nothing up
     bar = progress.Steps(passes, "profile", "timing passes")
     for rep in range(passes):
         timed = _time_pass(calls)
@@ -242,9 +247,10 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     document["target"]["engine_overhead_seconds"] = engine_overhead(forwards["target"], overhead_context, request.sizes)
     document["target"]["engine_overhead_context"] = overhead_context
     if batches:
-        log(f"timing the continuous-batching engine's overhead per step for B = {batches}")
-        document["target"]["engine_overhead_batches"] = engine_overhead_batched(
-            forwards["target"], overhead_context, request.sizes, batches)
+        log(f"timing the continuous-batching engine's overhead per step for B = {batches} (prompts of "
+            f"{BATCHED_OVERHEAD_PROMPT} tokens)")
+        document["target"]["engine_overhead_batches"] = engine_overhead_batched(forwards["target"], request.sizes,
+                                                                                batches)
     document["settings"] = {"engine": f"specplan, {backend} forward", "threads": request.threads,
                             "warmup": request.warmup, "timed_after_same_size": device.type == "cpu",
                             "round_robin": "all points per pass",
@@ -431,8 +437,9 @@ def engine_overhead(model: Forward, context: int, sizes: list[int], steps: int =
 
 
 @torch.inference_mode()
-def engine_overhead_batched(model: LeanModel, context: int, sizes: list[int], batches: list[int],
-                            steps: int = OVERHEAD_STEPS, rounds: int = 3, seed: int = 0) -> dict[int, dict[int, float]]:
+def engine_overhead_batched(model: LeanModel, sizes: list[int], batches: list[int],
+                            context: int = BATCHED_OVERHEAD_PROMPT, steps: int = BATCHED_OVERHEAD_STEPS,
+                            rounds: int = 3, seed: int = 0) -> dict[int, dict[int, float]]:
     """{B: {n: seconds}}: a continuous-batching step's time outside the target's forward (every sequence's drafting,
     verification, commit and stop check; the scheduler's bookkeeping) with B sequences of a draft of n tokens each
     (root included) after prompts of `context` random tokens, by the decoder's own Scheduler: the steps' wall time
