@@ -31,7 +31,7 @@ from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
-from specplan.decoder.model import ForwardItem, causal_mask, prefill_together
+from specplan.decoder.model import ForwardItem, prefill_together, prompt_item
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree
 
@@ -154,16 +154,13 @@ class Scheduler:
         `prefill_chunk` in all, each a causal item over its own cache (no logits: the prompt's last token is the
         first step's root)."""
         chunks, budget = [], self.prefill_chunk
-        target = self.engine.target
         for entry in self.prefilling:
             cache = entry.run.cache
             n = min(budget, len(entry.prompt) - 1 - cache.length)
             if n <= 0:
                 break  # the budget is spent (every entry here has prompt tokens left)
-            tokens = torch.tensor(entry.prompt[cache.length:cache.length + n], device=target.device)
-            mask = causal_mask(cache.length, n, target.dtype, target.device) if n > 1 else None
-            positions = torch.arange(cache.length, cache.length + n, device=target.device)
-            chunks.append((entry, ForwardItem(tokens, positions, cache, mask, slice(0, 0))))
+            tokens = torch.tensor(entry.prompt[cache.length:cache.length + n])
+            chunks.append((entry, prompt_item(self.engine.target, tokens, cache)))
             budget -= n
         return chunks
 

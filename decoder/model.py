@@ -780,16 +780,20 @@ def prefill_together(model: LeanModel, prompts: list[torch.Tensor], caches: list
     """Several sequences' prompt tokens (each at most a prefill chunk) appended to their own caches (empty, or
     holding a prefix kept from the slot's last sequence) in one batched forward (LeanModel.forward_many), each
     causal over its own cache; `prompt_lengths`: each whole prompt's."""
-    items = []
-    for tokens, cache, length in zip(prompts, caches, prompt_lengths):
+    for cache, length in zip(caches, prompt_lengths):
         cache.prompt_length = length
-        n, start = tokens.shape[0], cache.length
-        mask = causal_mask(start, n, model.dtype, model.device) if n > 1 else None
-        items.append(ForwardItem(tokens.to(model.device), torch.arange(start, start + n, device=model.device), cache,
-                                 mask, slice(0, 0)))
-    model.forward_many(items)
+    model.forward_many([prompt_item(model, tokens, cache) for tokens, cache in zip(prompts, caches)])
     for tokens, cache in zip(prompts, caches):
         cache.commit(None, tokens.shape[0])
+
+
+def prompt_item(model: LeanModel, tokens: torch.Tensor, cache: KVCache) -> ForwardItem:
+    """Prompt tokens ([n]) appended after what `cache` holds, each seeing the cache and the tokens up to itself; no
+    logits (a batched forward's share of a prefill)."""
+    n, start = tokens.shape[0], cache.length
+    mask = causal_mask(start, n, model.dtype, model.device) if n > 1 else None
+    return ForwardItem(tokens.to(model.device), torch.arange(start, start + n, device=model.device), cache, mask,
+                       slice(0, 0))
 
 
 def draft_vocabulary_ids(size: int, always: Iterable[int], vocab: int) -> list[int]:
