@@ -2,12 +2,14 @@
 more than ROW_TILE activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how far ahead a block-format or fp32 row
 is requested; GEMM_ROWS, the query rows per KV head from which attention scores a chunk with one GEMM;
 TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
-Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row. The
+Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; X8_ACT_TILE, the same over 8 interleaved
+Q4_K rows (and whether to interleave at all). The
 kernels are built with other -D values and timed on whole passes over real weights, and on attention over a long cache.
 
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
     .venv/bin/python bench/kernel_variants.py q8k-tile 4 6 8                    # Q4_K/Q6_K rows per pass, the same
+    .venv/bin/python bench/kernel_variants.py q4k-x8 2 4 6                      # Q4_K: the file's rows or 8 interleaved
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
     .venv/bin/python bench/kernel_variants.py attention 2 4 8                  # smollm2's and qwen's head groups
     .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
@@ -141,6 +143,36 @@ def q8k_tile(tiles: list[str]) -> None:
         print(f"n={n}: " + ", ".join(f"{t} {s * 1e3:.0f} ms" for t, s in medians.items()), flush=True)
 
 
+def q4k_x8(tiles: list[str]) -> None:
+    """Every Q4_K matrix of qwen2.5-coder-1.5b's layers against n activation rows: in the file's layout (one row at a
+    time, Q8K_ROW_TILE activation rows a pass) and with 8 rows interleaved per X8_ACT_TILE, interleaved in time; the
+    largest difference of their outputs relative to the largest output."""
+    from specplan.decoder.cpu_kernels import kernels as host_kernels
+
+    plain = host_kernels()
+    matrices = k_quant_matrices("Q4_K")
+    packed = []
+    for data, cols in matrices:
+        interleaved = plain.interleave("Q4_K", data, data.shape[0], cols)
+        if interleaved is None:
+            raise SystemExit("this host's kernels keep Q4_K in the file's layout (AVX-512, or no AVX2)")
+        packed.append((interleaved[1], cols, data.shape[0]))
+    calls = {"file rows": lambda inputs: [plain.linear(inputs[cols], "Q4_K", data, None, data.shape[0])
+                                          for data, cols in matrices]}
+    for tile in tiles:
+        calls[f"X8_ACT_TILE={tile}"] = partial(lambda kernels, inputs: [
+            kernels.linear(inputs[cols], "Q4_Kx8", data, None, rows) for data, cols, rows in packed],
+            build({"X8_ACT_TILE": tile}))
+    for n in (1, 2, 4, 8, 16, 64):
+        inputs = {cols: torch.randn(n, cols) for _, cols in matrices}
+        reference = calls["file rows"](inputs)
+        error = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(
+            calls[list(calls)[-1]](inputs), reference))
+        medians = interleaved_medians({t: partial(call, inputs) for t, call in calls.items()}, repeats=5, warmup=1)
+        print(f"n={n}: " + ", ".join(f"{t} {s * 1e3:.0f} ms" for t, s in medians.items())
+              + f" (relative difference {error:.1e})", flush=True)
+
+
 ATTENTION_SHAPES = ((9, 3, 1), (9, 3, 2), (9, 3, 3), (12, 2, 1), (12, 2, 2))  # (heads, KV heads, new tokens)
 
 
@@ -201,4 +233,4 @@ def forward(variants: list[str]) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     {"tiles": tiles, "prefetch": prefetch, "prefetch-f32": prefetch_f32, "attention": attention, "gemm": gemm,
-     "forward": forward, "q8k-tile": q8k_tile}[sys.argv[1]](sys.argv[2:])
+     "forward": forward, "q8k-tile": q8k_tile, "q4k-x8": q4k_x8}[sys.argv[1]](sys.argv[2:])

@@ -90,6 +90,36 @@ def test_blocks_decode_exactly_as_gguf_py_and_multiply_as_the_decoded_matrix(kin
             assert torch.equal(got[-1:], row)
 
 
+def interleaved_q4k_linear(kernels, weight: BlockWeight):
+    """kernels.linear over `weight` in the layout that build interleaves Q4_K into, None where it keeps the file's."""
+    interleaved = kernels.interleave(weight.format, weight.data, weight.rows, weight.cols)
+    if interleaved is None:
+        return None
+    name, data = interleaved
+    return lambda x, bias: kernels.linear(x, name, data, bias, weight.rows)
+
+
+def test_interleaved_q4k_rows_multiply_as_the_files_rows():
+    """On AVX2 Q4_K matrices run with 8 rows interleaved: the same products as the file's layout (the same integer
+    sums, scaled and summed in another order), a row's result whatever the rows beside it; a row count that is
+    not a multiple of 8 keeps the file's layout."""
+    weight, values = random_blocks("Q4_K", 48, 768, seed=7)
+    linear = interleaved_q4k_linear(K, weight)
+    if linear is None:
+        pytest.skip("this host's kernels keep Q4_K in the file's layout (AVX-512 or no AVX2)")
+    assert K.interleave("Q4_K", weight.data[:44].contiguous(), 44, 768) is None
+    bias = torch.randn(48)
+    for n in (1, 3, 4, 5, 9, 70):
+        x = torch.randn(n, 768, generator=torch.Generator().manual_seed(n))
+        x[:, :5] *= 10
+        taken = rounded_to_q8k(x)
+        got = linear(x, bias)
+        assert_fp32_dot_products(got, taken.double() @ values.double().T + bias.double(),
+                                 taken.double().abs() @ values.double().abs().T)
+        for i in (0, n - 1):
+            assert torch.equal(got[i:i + 1], linear(x[i:i + 1].contiguous(), bias))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plain_weights_multiply_as_torch(dtype):
     weight, bias = torch.randn(70, 96).to(dtype), torch.randn(70).to(dtype)
@@ -319,6 +349,11 @@ def test_the_avx2_and_the_portable_builds_compute_as_this_hosts(march):
             torch.testing.assert_close(other.linear(x, weight.format, weight.data, None, weight.rows),
                                        K.linear(x, weight.format, weight.data, None, weight.rows),
                                        rtol=1e-5, atol=1e-4)
+    weight, _ = random_blocks("Q4_K", 24, 512, seed=1)
+    linear = interleaved_q4k_linear(other, weight)
+    if linear is not None:  # the AVX2 build's interleaved Q4_K rows
+        x = torch.randn(5, 512, generator=gen)
+        torch.testing.assert_close(linear(x, None), K.linear(x, "Q4_K", weight.data, None, 24), rtol=1e-5, atol=1e-4)
     for dtype, kind in ((torch.float32, "F32"), (torch.bfloat16, "BF16")):
         w, x = torch.randn(24, 96).to(dtype), torch.randn(3, 96, generator=gen).to(dtype)
         torch.testing.assert_close(other.linear(x, kind, w, None, 24).float(),

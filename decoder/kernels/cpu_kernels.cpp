@@ -92,6 +92,22 @@ void linear_gemm(int64_t format, const torch::Tensor& xf, const uint8_t* weight,
 // [rows, row bytes] of GGUF blocks) plus bias [rows] (fp32 or x's dtype); returns [n, rows] in x's dtype.
 torch::Tensor linear(torch::Tensor x, const std::string& format_name, torch::Tensor weight,
                      c10::optional<torch::Tensor> bias, int64_t rows) {
+#ifdef SPECPLAN_Q4K_X8
+  if (format_name == Q4K_X8_NAME) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && rows % Q4K_X8_ROWS == 0 &&
+                    x.size(1) % block_elems(Q4_K) == 0 &&
+                    weight.numel() == rows / Q4K_X8_ROWS * (x.size(1) / block_elems(Q4_K)) * Q4K_X8_BLOCK_BYTES,
+                "linear: the interleaved Q4_K weight does not match x");
+    const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+    auto out = torch::empty({x.size(0), rows}, torch::dtype(torch::kFloat32));
+    torch::Tensor bias_f;
+    if (bias) bias_f = bias->to(torch::kFloat32).contiguous();
+    if (x.size(0) > 0)
+      linear_q4k_x8(xf.data_ptr<float>(), x.size(0), x.size(1), static_cast<const uint8_t*>(weight.data_ptr()),
+                    bias ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(), rows);
+    return out.to(x.scalar_type());
+  }
+#endif
   const int64_t format = format_named(format_name);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "linear: contiguous 2-D x and weight");
   const int64_t n = x.size(0), k = x.size(1);
@@ -118,6 +134,20 @@ torch::Tensor linear(torch::Tensor x, const std::string& format_name, torch::Ten
   if (n >= gemm_rows && format != Q4_K && format != Q6_K) linear_gemm(format, xf, w, row_bytes, bias_f, out, rows);
   else linear_direct(format, xf.data_ptr<float>(), n, k, w, row_bytes, b, out_f, out_h, rows);
   return out;
+}
+
+// A weight in `format` ([rows, row bytes] uint8) in the layout this build's matmuls read fastest, and that layout's
+// name; nullopt where it is the file's own (Q4_K on AVX2 without AVX-512: 8 rows interleaved, linear.cpp).
+c10::optional<std::tuple<std::string, torch::Tensor>> interleave(const std::string& format_name, torch::Tensor weight,
+                                                                 int64_t rows, int64_t cols) {
+#ifdef SPECPLAN_Q4K_X8
+  if (format_named(format_name) == Q4_K && rows % Q4K_X8_ROWS == 0 && weight.is_contiguous()) {
+    auto out = torch::empty({rows / Q4K_X8_ROWS * (cols / block_elems(Q4_K)) * Q4K_X8_BLOCK_BYTES}, torch::kUInt8);
+    interleave_q4k(static_cast<const uint8_t*>(weight.data_ptr()), rows, cols, out.data_ptr<uint8_t>());
+    return std::make_tuple(std::string(Q4K_X8_NAME), out);
+  }
+#endif
+  return c10::nullopt;
 }
 
 // The rows `ids` of a weight in `format`, decoded to fp32 [len(ids), cols] (an embedding lookup).
@@ -721,6 +751,7 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("formats", [] { return std::vector<std::string>(FORMAT_NAMES, FORMAT_NAMES + FORMAT_COUNT); });
   m.def("linear", &linear);
+  m.def("interleave", &interleave);
   m.def("dequantize", &dequantize);
   m.def("dequantize_rows", &dequantize_rows);
   m.def("rms_norm", &rms_norm);

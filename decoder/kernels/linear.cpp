@@ -653,8 +653,10 @@ struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> sums;  // per 16 values (at most 16 * 127 in magnitude)
+  std::vector<int16_t> sums32;  // per 32 values (a Q4_K sub-block; at most 32 * 127)
 
-  Q8Rows(const float* x, int64_t n, int64_t k) : k(k), q(n * k), d(n * k / Q8_BLOCK), sums(n * k / 16) {
+  Q8Rows(const float* x, int64_t n, int64_t k)
+      : k(k), q(n * k), d(n * k / Q8_BLOCK), sums(n * k / 16), sums32(n * k / 32) {
     for (int64_t block = 0; block < n * k / Q8_BLOCK; block++) {
       const float* v = x + block * Q8_BLOCK;
       v16f top = {};
@@ -677,10 +679,12 @@ struct Q8Rows {
         sums[(block * Q8_BLOCK + i) / 16] = static_cast<int16_t>(sum);
       }
     }
+    for (size_t j = 0; j < sums32.size(); j++) sums32[j] = static_cast<int16_t>(sums[2 * j] + sums[2 * j + 1]);
   }
   const int8_t* row_block(int64_t row, int64_t block) const { return q.data() + row * k + block * Q8_BLOCK; }
   float scale(int64_t row, int64_t block) const { return d[row * (k / Q8_BLOCK) + block]; }
   const int16_t* block_sums(int64_t row, int64_t block) const { return sums.data() + row * (k / 16) + block * 16; }
+  const int16_t* block_sums32(int64_t row, int64_t block) const { return sums32.data() + row * (k / 32) + block * 8; }
 };
 
 // One activation row's sum over a weight row's blocks. With AVX-512 or AVX2 each block's integer lane sums are
@@ -908,6 +912,125 @@ void linear_q8k(const float* x, int64_t n, int64_t k, const uint8_t* weight, con
     }
   });
 }
+
+#ifdef SPECPLAN_Q4K_X8
+// ---------------------------------------------------------------------------------------------------------------
+// Q4_K with 8 weight rows interleaved (the layout llama.cpp's CPU backend repacks Q4_K into on AVX2, ggml-cpu
+// repack.cpp, block_q4_Kx8): 4 bytes of each of 8 rows side by side, so one vpmaddubsw multiplies 8 rows' values by
+// the same 4 broadcast activations and its int16 lanes stay per row. A sub-block's 8 products add up in int16
+// (8 x 2 x 15 x 127 < 2^15) before one vpmaddwd applies the 8 rows' scales: per 32 values and 8 rows, 8 multiplies
+// and one scaling instead of 8 multiplies and 8 scalings, and each row's float sum sits in a lane of its own (no
+// horizontal sum). Every row count takes this path, so a row's result does not depend on how many rows a forward
+// scores. Used where its measurement says so (cpu-2c-avx2: bench/kernel_variants.py q4k-x8); AVX-512 hosts keep
+// dot_q4k_block.
+//
+// One group block (Q4K_X8_BLOCK_BYTES): 8 rows' block `b`:
+//   d[8], dmin[8] (fp16) | scales[8 sub-blocks][8 rows] | mins[4 sub-block pairs][8 rows][2] | qs[4 chunks][8 groups
+//   of 4 bytes][8 rows][4 bytes], chunk c holding values 64c..64c+31 (low nibbles) and 64c+32..64c+63 (high).
+// Activation rows per pass over a group's blocks (their int16 sums and the unpacked weights fill the 16 ymm registers)
+#ifndef X8_ACT_TILE
+#define X8_ACT_TILE 4
+#endif
+
+template <int NC>
+inline void dot_q4k_x8_block(const uint8_t* w, const Q8Rows& x, int64_t row0, int64_t block, __m256* acc) {
+  const __m128i* header = reinterpret_cast<const __m128i*>(w);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(header)), dmin = _mm256_cvtph_ps(_mm_loadu_si128(header + 1));
+  __m256i scale[8];  // int16 lanes 2r, 2r + 1: row r's scale of sub-block j
+  for (int j = 0; j < 8; j++) {
+    const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 32 + 8 * j));
+    scale[j] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s, s));
+  }
+  const uint8_t* qs = w + 160;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const int8_t* xq[NC];
+  __m256i sum[NC];
+  for (int a = 0; a < NC; a++) xq[a] = x.row_block(row0 + a, block), sum[a] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; c++) {
+    __m256i low_sum[NC], high_sum[NC];  // int16 lanes 2r, 2r + 1: row r's pairwise products of sub-block 2c, 2c + 1
+    for (int a = 0; a < NC; a++) low_sum[a] = high_sum[a] = _mm256_setzero_si256();
+    for (int v = 0; v < 8; v++) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (8 * c + v)));
+      const __m256i low = _mm256_and_si256(packed, low4), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      for (int a = 0; a < NC; a++) {
+        int32_t x_low, x_high;
+        std::memcpy(&x_low, xq[a] + 64 * c + 4 * v, 4);
+        std::memcpy(&x_high, xq[a] + 64 * c + 32 + 4 * v, 4);
+        low_sum[a] = _mm256_add_epi16(low_sum[a], _mm256_maddubs_epi16(low, _mm256_set1_epi32(x_low)));
+        high_sum[a] = _mm256_add_epi16(high_sum[a], _mm256_maddubs_epi16(high, _mm256_set1_epi32(x_high)));
+      }
+    }
+    for (int a = 0; a < NC; a++)
+      sum[a] = _mm256_add_epi32(sum[a], _mm256_add_epi32(_mm256_madd_epi16(low_sum[a], scale[2 * c]),
+                                                         _mm256_madd_epi16(high_sum[a], scale[2 * c + 1])));
+  }
+  __m256i mins[4];  // int16 lanes 2r, 2r + 1: row r's mins of sub-blocks 2p, 2p + 1
+  for (int p = 0; p < 4; p++)
+    mins[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 96 + 16 * p)));
+  for (int a = 0; a < NC; a++) {
+    const int16_t* sums = x.block_sums32(row0 + a, block);
+    __m256i min_terms = _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++) {
+      int32_t pair;
+      std::memcpy(&pair, sums + 2 * p, 4);
+      min_terms = _mm256_add_epi32(min_terms, _mm256_madd_epi16(mins[p], _mm256_set1_epi32(pair)));
+    }
+    const __m256 dx = _mm256_set1_ps(x.scale(row0 + a, block));
+    acc[a] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sum[a]), acc[a]);
+    acc[a] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(min_terms), acc[a]);
+  }
+}
+
+}  // namespace
+
+void interleave_q4k(const uint8_t* data, int64_t rows, int64_t k, uint8_t* out) {
+  const int64_t blocks = k / Q8_BLOCK, row_bytes = blocks * Block<Q4_K>::bytes;
+  for (int64_t g = 0; g < rows / Q4K_X8_ROWS; g++)
+    for (int64_t b = 0; b < blocks; b++) {
+      uint8_t* o = out + (g * blocks + b) * Q4K_X8_BLOCK_BYTES;
+      for (int r = 0; r < Q4K_X8_ROWS; r++) {
+        const uint8_t* src = data + (g * Q4K_X8_ROWS + r) * row_bytes + b * Block<Q4_K>::bytes;
+        uint8_t sm[16];
+        scales_mins_k4(src + 4, sm);
+        std::memcpy(o + 2 * r, src, 2);
+        std::memcpy(o + 16 + 2 * r, src + 2, 2);
+        for (int j = 0; j < 8; j++) o[32 + 8 * j + r] = sm[j];
+        for (int p = 0; p < 4; p++) o[96 + 16 * p + 2 * r] = sm[8 + 2 * p], o[96 + 16 * p + 2 * r + 1] = sm[9 + 2 * p];
+        for (int c = 0; c < 4; c++)
+          for (int v = 0; v < 8; v++) std::memcpy(o + 160 + 32 * (8 * c + v) + 4 * r, src + 16 + 32 * c + 4 * v, 4);
+      }
+    }
+}
+
+void linear_q4k_x8(const float* x, int64_t n, int64_t k, const uint8_t* weight, const float* bias, float* out,
+                   int64_t rows) {
+  const Q8Rows q8(x, n, k);
+  const int64_t blocks = k / Q8_BLOCK, group_bytes = blocks * Q4K_X8_BLOCK_BYTES;
+  at::parallel_for(0, rows / Q4K_X8_ROWS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g++) {
+      const uint8_t* group = weight + g * group_bytes;
+      const __m256 group_bias = bias ? _mm256_loadu_ps(bias + Q4K_X8_ROWS * g) : _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; i += X8_ACT_TILE) {
+        with_count<X8_ACT_TILE>(std::min<int64_t>(X8_ACT_TILE, n - i), [&](auto tile) {
+          constexpr int NC = decltype(tile)::value;
+          __m256 acc[NC];
+          for (int a = 0; a < NC; a++) acc[a] = _mm256_setzero_ps();
+          for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t* block = group + b * Q4K_X8_BLOCK_BYTES;
+            for (int line = 0; line < Q4K_X8_BLOCK_BYTES; line += 64)
+              __builtin_prefetch(block + PREFETCH_BYTES + line);
+            dot_q4k_x8_block<NC>(block, q8, i, b, acc);
+          }
+          for (int a = 0; a < NC; a++)
+            _mm256_storeu_ps(out + (i + a) * rows + Q4K_X8_ROWS * g, _mm256_add_ps(acc[a], group_bias));
+        });
+      }
+    }
+  });
+}
+
+namespace {
+#endif
 
 template <typename Fn>
 void with_format(int64_t format, Fn&& fn) {

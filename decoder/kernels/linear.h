@@ -34,6 +34,19 @@ void linear_bf16_native(const uint16_t* x, int64_t n, int64_t k, const uint16_t*
                         float* out_f, c10::BFloat16* out_h, int64_t rows);
 #endif
 
+// Q4_K weights with 8 rows interleaved (linear.cpp), on AVX2 hosts without AVX-512
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512BW__)
+#define SPECPLAN_Q4K_X8 1
+inline constexpr int64_t Q4K_X8_ROWS = 8;
+inline constexpr int64_t Q4K_X8_BLOCK_BYTES = 160 + Q4K_X8_ROWS * 128;  // 8 rows' 256 values (linear.cpp)
+inline constexpr const char* Q4K_X8_NAME = "Q4_Kx8";
+// `rows` (a multiple of 8) rows of k values in Q4_K blocks, into `out` (as many bytes) in the interleaved layout.
+void interleave_q4k(const uint8_t* data, int64_t rows, int64_t k, uint8_t* out);
+// linear_direct's out_f for W in the interleaved layout.
+void linear_q4k_x8(const float* x, int64_t n, int64_t k, const uint8_t* weight, const float* bias, float* out,
+                   int64_t rows);
+#endif
+
 // out[i] = row ids[i] of W (row i where ids is null), decoded to fp32 [n, cols].
 void decode_rows(int64_t format, const uint8_t* weight, int64_t row_bytes, int64_t cols, const int64_t* ids, int64_t n,
                  float* out);
