@@ -14,11 +14,12 @@ FORWARDS = ("lean", "compiled", "transformers")
 BACKENDS = ("auto",) + FORWARDS  # auto: lean where it runs the architecture (decoder/api.py: choose_backend)
 # plan bench's baselines (specplan/bench.py): transformers', our one-token decoding, TriForce's own variants (TriForce
 # plans only), llama.cpp on the same GGUF (the llamacpp extra; llama.cpp-draft: a llama.cpp plan's draft-model knobs)
-# plan bench --concurrency: servers driven over HTTP (specplan/serving.py); ours: the plan given, ours-ar: our one-token
+# plan bench --concurrency: servers driven over HTTP (specplan/serving.py); ours: the plan given (ours-fixed: with
+# --fixed-drafting), ours-ar: our one-token
 # decoding; llama-server: llama.cpp's server, plain or with its speculative modes (-draft: --draft's GGUF); hf-batch:
 # transformers' generate on padded static batches, in process
-SERVING_BASELINES = ("ours", "ours-ar", "llama-server", "llama-server-ngram-simple", "llama-server-ngram-map-k",
-                     "llama-server-draft", "hf-batch")
+SERVING_BASELINES = ("ours", "ours-fixed", "ours-ar", "llama-server", "llama-server-ngram-simple",
+                     "llama-server-ngram-map-k", "llama-server-draft", "hf-batch")
 BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming", "llama.cpp",
              "llama.cpp-lookup", "llama.cpp-draft")
 # the engines a Sequoia plan is solved for and exported to (planner/engines.py: each one's rules, with sources);

@@ -302,6 +302,17 @@ class Plan:
     def kind(self) -> str:
         return f"plan/{self.method}"
 
+    def predicted_at(self, batch: int) -> tuple[float, float] | None:
+        """The tokens per step and the speedup over one-token decoding the plan predicts for its drafted steps at
+        `batch` sequences (its schedule's entry there, else its batch-1 prediction): the price a request's own
+        drafts are held to (decoder/gate.py). None where nothing is priced (no profile) or the schedule is off."""
+        if self.schedule is not None:
+            entry = self.schedule.entry_for(batch)
+            return (entry.tokens_per_step, entry.speedup) if entry.speculate else None
+        if self.prediction.speedup is None:
+            return None
+        return self.prediction.tokens_per_step, self.prediction.speedup
+
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str) -> Plan:
         f = Fields(data, where)

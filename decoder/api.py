@@ -63,8 +63,14 @@ class Decoder:
         self.plan = plan
         self.make_drafter = make_drafter
         self.target_forward = target_forward
-        self.engine = SpeculativeEngine(self.target_forward, make_drafter(), target.stop_token_ids, verify)
+        # each request drafts at a step only while its own drafts pay at the plan's price (decoder/gate.py)
+        self.engine = SpeculativeEngine(self.target_forward, make_drafter(), target.stop_token_ids, verify,
+                                        plan.predicted_at if plan is not None else None)
         self.slot_drafters: dict[int, Drafter] = {}  # a batch's slots beyond the first (slot 0: the engine's)
+
+    def draft_every_step(self) -> None:
+        """Draft at every step of every request, as the plan says, whatever the request's drafts yield."""
+        self.engine.pricing = None
 
     def restart(self) -> None:
         """Fresh drafters: forget what a trie learned (so a benchmark matches an offline replay)."""

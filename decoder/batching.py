@@ -136,6 +136,8 @@ class Scheduler:
             setting = self.schedule.entry_for(len(running))
             for entry in running:
                 entry.run.drafter.follow(setting)
+        for entry in running:
+            entry.run.decide(len(running))
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
         items += [item for _, item in chunks]
         target = self.engine.target

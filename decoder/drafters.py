@@ -27,6 +27,8 @@ class Drafter(ABC):
     draws: tuple[str, ...] = (DETERMINISTIC,)  # the ways it can choose children
     max_tree_size: int = 1
     role_suffix: str = ""  # appended to the roles of the caches it takes from a model (LeanModel.cache_for)
+    gated: bool = False  # whether its sequence may sit steps out (`idle`) by a per-request decision (decoder/gate.py)
+    drafting: bool = True  # the coming step's decision: False, `idle` gives the step's tree instead of `propose`
 
     def use_slot(self, slot: int) -> None:
         """Take its caches of a batch's slot `slot`: each sequence in flight has its own (decoder/batching.py)."""
@@ -42,6 +44,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, root: int, params: SamplingParams, draw: str, generator: torch.Generator | None) -> DraftTree:
         """A tree whose node 0 is `root`."""
+
+    def idle(self, root: int) -> DraftTree:
+        """The tree of a step this sequence does not draft: its root alone (a gated drafter keeps up with the text,
+        to draft from it at a later step)."""
+        return DraftTree([root], [-1])
 
     def update(self, tree: DraftTree, accepted: list[int], next_token: int | None) -> None:
         """The target accepted `accepted` (node indices, root first); `next_token` is the next root, or None
@@ -90,9 +97,12 @@ def forward_all(model: LeanModel, items: list[ForwardItem]) -> list[torch.Tensor
 def propose_all(drafters: list[Drafter], roots: list[int], params: list[SamplingParams], draws: list[str],
                 generators: list[torch.Generator | None]) -> list[DraftTree]:
     """Every sequence's next tree, each from its own drafter: drafters that batch together (one draft model's
-    sequences) propose in one call, the others one by one."""
+    sequences) propose in one call, the others one by one; a sequence sitting the step out, its root alone."""
     trees: list[DraftTree | None] = [None] * len(drafters)
-    left = list(range(len(drafters)))
+    for i, drafter in enumerate(drafters):
+        if not drafter.drafting:
+            trees[i] = drafter.idle(roots[i])
+    left = [i for i, drafter in enumerate(drafters) if drafter.drafting]
     while left:
         lead = drafters[left[0]]
         group = [i for i in left if i == left[0] or lead.batches_with(drafters[i])]
@@ -148,6 +158,7 @@ class SequoiaDrafter(Drafter):
     """A draft model grows a fixed tree shape level by level: one draft forward per level of expanded nodes."""
 
     draws = (DETERMINISTIC, WITHOUT_REPLACEMENT, WITH_REPLACEMENT)
+    gated = True
 
     def __init__(self, model: LeanModel, parents: list[int]) -> None:
         self.model = model
@@ -234,7 +245,13 @@ class SequoiaDrafter(Drafter):
                         tree.draft_probs[v] = probs[row]
         return trees
 
+    def idle(self, root):
+        self.pending.append(root)  # fed to the draft model, with what follows it, at the next drafted step
+        return super().idle(root)
+
     def update(self, tree, accepted, next_token):
+        if not self.drafting:  # the root sits in `pending`; the next root comes with the next step
+            return
         kept = [v for v in accepted if v in self.slot]
         slots = [self.slot[v] for v in kept]
         self.cache.commit(None if slots == list(range(len(slots))) else torch.tensor(slots), len(slots))
@@ -250,6 +267,8 @@ class TrieDrafter(Drafter):
 
     `shared`: the trie is shared by the drafters of a batch's slots (every output teaches it, the Ant reference's
     design): a finished request withdraws its own prompt's windows, leaving the other live prompts' branches."""
+
+    gated = True
 
     def __init__(self, trie: Trie, shared: bool = False) -> None:
         self.trie = trie
@@ -287,13 +306,20 @@ class TrieDrafter(Drafter):
     def target_tree_sizes(self):
         return tuple(range(1, self.max_tree_size + 1))  # a retrieved tree has any size up to decoding_length
 
-    def propose(self, root, params, draw, generator):
+    def idle(self, root):
+        self._enter(root)  # the trie still learns the text
+        return super().idle(root)
+
+    def _enter(self, root: int) -> None:
         self.sequence[self.length] = root
         if self.counted == self.length:  # a root the top level of a hierarchy chose: it enters the trie now
             self.trie.insert(self.sequence, self.length, self.length + 1)
             self.counted += 1
-        if self.decoding_length == 1:  # the schedule's "off": the root alone, the trie still learning the text
-            return DraftTree([root], [-1])
+
+    def propose(self, root, params, draw, generator):
+        if self.decoding_length == 1:  # the schedule's "off"
+            return self.idle(root)
+        self._enter(root)
         tokens, parents = self.trie.retrieve(self.sequence, self.length + 1, self.decoding_length)
         return DraftTree(tokens.tolist(), parents.tolist())
 

@@ -12,6 +12,7 @@ import torch
 
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter, NoDrafter
+from specplan.decoder.gate import DraftGate, Pricing
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree, ancestor_matrix, tree_attention_mask
@@ -62,8 +63,12 @@ class SequenceRun:
 
     def __init__(self, target: LeanModel, drafter: Drafter, cache: KVCache, rule: VerificationRule,
                  params: SamplingParams, seed: int | None, max_new_tokens: int, stop_ids: set[int],
-                 masks: TreeMasks, on_tokens: Callable[[list[int]], None] | None = None) -> None:
+                 masks: TreeMasks, on_tokens: Callable[[list[int]], None] | None = None,
+                 pricing: Pricing | None = None) -> None:
         self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
+        # whether to draft at each step, from this request's own drafts (decoder/gate.py)
+        self.gate = DraftGate(pricing) if pricing is not None and drafter.gated else None
+        drafter.drafting = True
         self.generator = torch.Generator(device=target.device).manual_seed(seed if seed is not None else 0)
         self.max_new_tokens, self.stop_ids, self.masks, self.on_tokens = max_new_tokens, stop_ids, masks, on_tokens
         self.out: list[int] = []
@@ -90,9 +95,17 @@ class SequenceRun:
         self.drafter.bind(self.cache)
         self.root = prompt[-1]
 
+    def decide(self, batch: int) -> None:
+        """Whether this request drafts at the coming step of `batch` sequences (always, without a gate)."""
+        if self.gate is not None:
+            self.drafter.drafting = self.gate.drafts(batch)
+
     def propose(self, tree: DraftTree | None = None) -> ForwardItem:
         """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
-        tree = self.tree = tree or self.drafter.propose(self.root, self.params, self.rule.draw, self.generator)
+        if tree is None:
+            tree = (self.drafter.propose(self.root, self.params, self.rule.draw, self.generator)
+                    if self.drafter.drafting else self.drafter.idle(self.root))
+        self.tree = tree
         prefix = self.cache.length
         positions = prefix + torch.tensor(tree.depths)
         mask = self.masks.mask(tree.parents, prefix, self.target.dtype) if tree.size > 1 else None
@@ -106,6 +119,8 @@ class SequenceRun:
         cache.commit(None if contiguous else torch.tensor(path), len(path))
         new = [tree.tokens[v] for v in path[1:]] + [next_token]
         self.accepted_per_step.append(len(new))
+        if self.gate is not None:
+            self.gate.observe(len(new))
         keep = min(self.max_new_tokens - len(self.out),
                    next((i + 1 for i, t in enumerate(new) if t in self.stop_ids), len(new)))
         if any(t in self.stop_ids for t in new[:keep]):
@@ -130,8 +145,11 @@ class SequenceRun:
 
 class SpeculativeEngine:
     def __init__(self, target: LeanModel, drafter: Drafter | None = None, stop_ids: Collection[int] | None = None,
-                 rule: str | None = None) -> None:
+                 rule: str | None = None, pricing: Pricing | None = None) -> None:
+        """`pricing`: the plan's predicted tokens per step and speedup per batch size (Plan.predicted_at), against
+        which each request decides step by step whether to draft (decoder/gate.py); None: every step drafts."""
         self.target = target
+        self.pricing = pricing
         self.drafter = drafter or NoDrafter()
         self.stop_ids = set(stop_ids or ())
         self.rule_name = rule
@@ -183,7 +201,7 @@ class SpeculativeEngine:
         if keep_prefix:
             cache.keep_prefix(prompt)
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
-                          self.stop_ids, self.masks, on_tokens)
+                          self.stop_ids, self.masks, on_tokens, self.pricing)
         if prefill:
             run.prefill(prompt)
             run.prefill_seconds = run.started - start
@@ -194,6 +212,7 @@ class SpeculativeEngine:
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         run = self.start(prompt, max_new_tokens, params, seed, on_tokens)
         self.cache = run.cache
-        while not run.advance(self.target.forward(*run.propose())):
-            pass
-        return run.result()
+        while True:
+            run.decide(1)
+            if run.advance(self.target.forward(*run.propose())):
+                return run.result()

@@ -105,6 +105,12 @@ def _prefill_chunk_option():
                              "prefill joining requests together before the next step")
 
 
+def _fixed_drafting_option():
+    return click.option("--fixed-drafting", is_flag=True,
+                        help="every request drafts at every step as the plan says (default: a request whose drafts "
+                             "yield too little to pay at the plan's price sits steps out; decoder/gate.py)")
+
+
 def _chat_option():
     return click.option("--chat/--no-chat", default=True, show_default=True,
                         help="apply the target's chat template to prompts (a model without one takes them as given)")
@@ -596,6 +602,7 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="with --requests: the most requests in flight (continuous batching)")
 @_prefill_chunk_option()
+@_fixed_drafting_option()
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(DTYPES), help="default: the plan's, else fp32")
@@ -616,10 +623,10 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
               help="print one JSON object (with --requests: one per request in input order, then a summary)")
 @_backend_option(None)
 def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, requests_path: Path | None,
-             concurrency: int, prefill_chunk: int, target: str | None, draft: str | None, dtype: str | None,
-             draft_dtype: str | None, max_new_tokens: int, temperature: float | None, top_p: float | None, top_k: int,
-             seed: int, verify: str | None, chat: bool, device: str | None, stream: bool, as_json: bool,
-             backend: str | None) -> None:
+             concurrency: int, prefill_chunk: int, fixed_drafting: bool, target: str | None, draft: str | None,
+             dtype: str | None, draft_dtype: str | None, max_new_tokens: int, temperature: float | None,
+             top_p: float | None, top_k: int, seed: int, verify: str | None, chat: bool, device: str | None,
+             stream: bool, as_json: bool, backend: str | None) -> None:
     """Generate with a plan (Sequoia, Lookahead, TriForce) or autoregressively: lossless either way."""
     import json
 
@@ -636,6 +643,8 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
         entries = load_requests(requests_path)
         decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
                                backend=backend)
+        if fixed_drafting:
+            decoder.draft_every_step()
         failed = _generate_requests(decoder, entries, concurrency, max_new_tokens, temperature, top_p, top_k, seed,
                                     chat, as_json, prefill_chunk)
         if failed:
@@ -650,6 +659,8 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
             raise UserError(f"{prompt_file}: cannot read: {exc.strerror}") from None
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
                            backend=backend)
+    if fixed_drafting:
+        decoder.draft_every_step()
     defaults = decoder.default_params()
     params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
                             top_p=defaults.top_p if top_p is None else top_p, top_k=top_k or defaults.top_k)
@@ -691,6 +702,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
               help="the most requests decoded together (continuous batching)")
 @_prefill_chunk_option()
+@_fixed_drafting_option()
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="requests waiting beyond --concurrency before new ones get HTTP 503")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
@@ -700,13 +712,15 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
                    "caches of --concurrency such requests must fit in memory")
 def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
           verify: str | None, device: str | None, backend: str | None, host: str, port: int, concurrency: int,
-          prefill_chunk: int, max_queue: int, max_new_tokens: int, context: int | None) -> None:
+          prefill_chunk: int, fixed_drafting: bool, max_queue: int, max_new_tokens: int, context: int | None) -> None:
     """An OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions) over continuous batching."""
     from specplan.decoder.api import load_decoder
     from specplan.serve import ServeOptions, serve_forever
 
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
                            backend=backend)
+    if fixed_drafting:
+        decoder.draft_every_step()
     longest = decoder.target_forward.shape.max_context
     if context is not None and context > longest:
         raise UserError(f"--context {context} exceeds the model's context of {longest}")
@@ -897,8 +911,11 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     for name in dict.fromkeys(names):
         if name == "ours-ar":
             systems.append(System(name, plan_serve_command(["--target", target, "--dtype", dtype])))
-        elif name == "ours":
-            systems.append(System(name, plan_serve_command(["--plan", str(plan_path)])))
+        elif name in ("ours", "ours-fixed"):
+            if plan_path is None:
+                raise UserError(f"{name} serves a --plan")
+            fixed = ["--fixed-drafting"] if name == "ours-fixed" else []
+            systems.append(System(name, plan_serve_command(["--plan", str(plan_path), *fixed])))
         elif name == "hf-batch":
             if dtype == "gguf":
                 raise UserError("hf-batch runs transformers on dequantized weights: give --dtype fp32 or bf16")

@@ -1,0 +1,82 @@
+"""Per-request drafting decisions (decoder/gate.py): a request whose drafts yield too little at the plan's price sits
+steps out, drafting again every PROBE_EVERY steps, and its tokens stay its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specplan.core.method_settings import TrieSettings
+from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, ScheduleEntry
+from specplan.decoder.batching import Request, Scheduler
+from specplan.decoder.drafters import Drafter, SequoiaDrafter, TrieDrafter
+from specplan.decoder.engine import SpeculativeEngine
+from specplan.decoder.gate import PROBE_EVERY, DraftGate
+from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.trie import Trie
+
+from toy import drafters_per_slot
+
+
+def test_a_request_stops_drafting_when_its_drafts_fail_and_probes_again():
+    """Predicted 3 tokens a step for 1.5x: a request emitting 1 token per drafted step falls below break-even
+    (yield 1/3 of the prediction, 0.5x) within a few steps, then drafts once every PROBE_EVERY steps; one whose drafts
+    land keeps drafting; where nothing is priced every step drafts."""
+    gate = DraftGate(lambda batch: (3.0, 1.5))
+    decisions = []
+    for _ in range(40):
+        decisions.append(gate.drafts(4))
+        gate.observe(1)
+    first_off = decisions.index(False)
+    assert 1 < first_off <= 5
+    assert not any(decisions[first_off:first_off + PROBE_EVERY - 1])
+    later = decisions[first_off:]
+    assert sum(later) == len(later) // PROBE_EVERY and decisions[first_off + PROBE_EVERY - 1]
+    landing = DraftGate(lambda batch: (3.0, 1.5))
+    for _ in range(20):
+        assert landing.drafts(1)
+        landing.observe(3)
+    unpriced = DraftGate(lambda batch: None)
+    for _ in range(10):
+        assert unpriced.drafts(8)
+        unpriced.observe(1)
+
+
+def test_the_plan_prices_drafted_steps_per_batch_size():
+    entries = (ScheduleEntry(1, 2, True, 5, 2.4, 100.0, 1.3), ScheduleEntry(3, 3, True, 3, 1.8, 120.0, 1.05),
+               ScheduleEntry(4, 16, False, None, 1.0, 130.0, 1.0))
+    plan = Plan("lookahead", PlanModels(target="t"), Prediction(2.4, speedup=1.3))
+    assert plan.predicted_at(1) == (2.4, 1.3)
+    plan.schedule = BatchSchedule(None, entries)
+    assert plan.predicted_at(2) == (2.4, 1.3) and plan.predicted_at(3) == (1.8, 1.05)
+    assert plan.predicted_at(4) is None and plan.predicted_at(64) is None
+    assert Plan("lookahead", PlanModels(target="t"), Prediction(2.4)).predicted_at(1) is None
+
+
+PRICE_RARELY_PAID = (6.0, 1.05)  # a request must yield 95% of 6 tokens a step: the tiny models' drafts do not
+
+
+@pytest.mark.parametrize("method", ["lookahead", "sequoia"])
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_requests_sitting_steps_out_keep_their_own_greedy_tokens(method, concurrency, tiny_pair, monkeypatch):
+    """At a price the drafts do not pay, every request soon drafts only every PROBE_EVERY-th step, its drafter
+    keeping up through the steps it sits out (a Sequoia draft model feeds them at the next drafted step); each
+    request's greedy tokens equal its own tokens drafted at every step."""
+    _, target, draft = tiny_pair
+    make = {"lookahead": lambda: TrieDrafter(Trie(TrieSettings(decoding_length=8, branch_length=3))),
+            "sequoia": lambda: SequoiaDrafter(draft, [-1, 0, 0, 1, 2, 3])}[method]
+    idle_steps = []
+    idle = Drafter.idle
+    monkeypatch.setattr(Drafter, "idle", lambda self, root: idle_steps.append(root) or idle(self, root))
+    gen = torch.Generator().manual_seed(3)
+    requests = [Request(torch.randint(0, 250, (n,), generator=gen).tolist(), m)
+                for n, m in ((7, 40), (30, 25), (12, 33), (50, 18), (4, 29))]
+    engine = SpeculativeEngine(target, make(), pricing=lambda batch: PRICE_RARELY_PAID)
+    results = {c.id: c.result.tokens for c in Scheduler(engine, drafters_per_slot(make), concurrency).run(requests)}
+    assert len(idle_steps) > 40
+    monkeypatch.setattr(Drafter, "idle", idle)
+    for i, request in enumerate(requests):
+        assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
+                                                                        SamplingParams()).tokens
+    alone = SpeculativeEngine(target, make(), pricing=lambda batch: PRICE_RARELY_PAID)
+    assert alone.generate(requests[0].prompt, 40, SamplingParams()).tokens == results[0]
