@@ -23,7 +23,9 @@ step decodes together, ranges contiguous from 1), the setting predicted to give 
 over the whole batch at `context`, and that prediction (speedup: over no speculation at the same batch size). The
 decoder picks the entry of the sequences in flight at each step; beyond the last range, the last entry. Lookahead's
 entries vary the decoding length under the plan's own trie (`speculate: false`: the root alone, the trie still
-learning). A plan without a schedule is the batch-1 plan at every batch size.
+learning); a draft-model chain's (a Sequoia plan whose tree is a chain, solved for a chain engine) vary the draft
+length, `decoding_length` - 1 tokens, at most the plan's chain. A plan without a schedule is the batch-1 plan at every
+batch size.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -52,6 +54,10 @@ class TokenTree:
     """A rooted ordered tree given by BFS-ordered parents; children of a node are in rank order."""
 
     parents: tuple[int, ...]
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, len(self.parents) - 1))
 
     @classmethod
     def from_parents(cls, parents: Any, where: str = "tree") -> TokenTree:
@@ -255,6 +261,18 @@ class BatchSchedule:
     context: int | None
     entries: tuple[ScheduleEntry, ...]
 
+    @classmethod
+    def merged(cls, context: int | None, per_batch: list[tuple[int | None, float, float, float]]) -> BatchSchedule:
+        """The schedule of a setting chosen for each batch size 1, 2, ...: (decoding length, None: off; tokens per
+        step, tokens/s, speedup), each range of equal settings one entry predicted at its first size."""
+        entries: list[ScheduleEntry] = []
+        for batch, (length, per_step, rate, speedup) in enumerate(per_batch, start=1):
+            if entries and entries[-1].decoding_length == length:
+                entries[-1] = replace(entries[-1], high=batch)
+            else:
+                entries.append(ScheduleEntry(batch, batch, length is not None, length, per_step, rate, speedup))
+        return cls(context, tuple(entries))
+
     def entry_for(self, batch: int) -> ScheduleEntry:
         """The entry whose range holds `batch` sequences (the last beyond the last range)."""
         return next((e for e in self.entries if e.low <= batch <= e.high), self.entries[-1])
@@ -359,9 +377,14 @@ class Plan:
             if tokens_per_step > plan.settings.max_draft_tokens + 1:
                 raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the draft length + 1")
         if f.has("schedule"):
-            if method != "lookahead":
-                raise f.fail(f"a schedule per batch size is for Lookahead plans, not {method}")
-            plan.schedule = BatchSchedule.from_fields(f.sub("schedule"), plan.settings.decoding_length)
+            if method == "lookahead":
+                largest = plan.settings.decoding_length
+            elif method == "sequoia" and plan.tree.is_chain:
+                largest = plan.tree.size
+            else:
+                raise f.fail(f"a schedule per batch size is for Lookahead plans and draft-model chains, not "
+                             f"{'a branching tree' if method == 'sequoia' else method}")
+            plan.schedule = BatchSchedule.from_fields(f.sub("schedule"), largest)
         return plan
 
     def to_dict(self) -> dict[str, Any]:

@@ -89,6 +89,7 @@ class LatencyProfile:
     target_batches: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # {L: {B: {n: s}}}
     draft_batches: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {B: one-token step s}}
     overhead_batches: dict[int, dict[int, float]] = field(default_factory=dict)  # {B: {n: engine seconds per step}}
+    unfit_batches: dict[int, set[int]] = field(default_factory=dict)  # {L: the modeled B whose caches do not fit}
     models: dict[str, str] = field(default_factory=dict)  # {role: model name}
     backend: str = "lean"  # the forward timed (profiles from before the transformers backend timed the lean one)
     dtype: str | None = None
@@ -108,6 +109,7 @@ class LatencyProfile:
         by_context: dict[int, dict[int, float]] = {}
         builds: dict[int, dict[int, float]] = {}
         target_batches: dict[int, dict[int, dict[int, float]]] = {}
+        unfit_batches: dict[int, set[int]] = {}
         if target.has("contexts"):
             for context, entry in target.by_token_count("contexts").items():
                 by_context[context] = entry.int_keyed_numbers("t_seconds", seconds=True, max_key=MAX_FORWARD_TOKENS)
@@ -116,9 +118,12 @@ class LatencyProfile:
                 if entry.has("retrieval_build_seconds"):
                     builds[context] = entry.int_keyed_numbers("retrieval_build_seconds", seconds=True)
                 if entry.has("batches"):
+                    batches = entry.by_token_count("batches")
                     target_batches[context] = {
                         B: batch.int_keyed_numbers("t_seconds", seconds=True, max_key=MAX_FORWARD_TOKENS)
-                        for B, batch in entry.by_token_count("batches").items()}
+                        for B, batch in batches.items()}
+                    unfit_batches[context] = {B for B, batch in batches.items()
+                                              if not batch.boolean("fits_memory", default=True)}
         draft = f.sub("draft", required=False)
         draft_step = draft.seconds("step_seconds", required=False) if draft else None
         draft_by_context: dict[int, float] = {}
@@ -156,6 +161,7 @@ class LatencyProfile:
             overhead_context=target.token_count("engine_overhead_context", required=False),
             target_batches=target_batches,
             draft_batches=draft_batches,
+            unfit_batches={L: unfit for L, unfit in unfit_batches.items() if unfit},
             overhead_batches=target.by_token_count_numbers("engine_overhead_batches", low=0.0, high=MAX_SECONDS,
                                                            max_key=MAX_FORWARD_TOKENS)
             if target.has("engine_overhead_batches") else {},
@@ -227,6 +233,17 @@ class LatencyProfile:
             return float(curves[upper](n))
         weight = (batch - lower) / (upper - lower)
         return float((1 - weight) * curves[lower](n) + weight * curves[upper](n))
+
+    def largest_fitting_batch(self, context: float) -> int | None:
+        """The largest profiled batch size whose KV caches fit the (modeled) device's memory at `context`, judged at
+        the nearest profiled context at or above it; None where every profiled batch size fits."""
+        if not self.unfit_batches:
+            return None
+        above = [L for L in sorted(self.target_batches) if L >= context] or [max(self.target_batches)]
+        unfit = self.unfit_batches.get(above[0], set())
+        if not unfit:
+            return None
+        return max([1] + [B for B in self.target_batches[above[0]] if B < min(unfit)])
 
     def draft_batch_step(self, batch: int, context: float | None = None) -> float | None:
         """The draft's one-token step of `batch` sequences (linear in B and the context; None unless profiled)."""

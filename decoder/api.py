@@ -233,13 +233,8 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
                             f"({fingerprint['vocab_size']} tokens)")
         settings = plan.settings.check()
 
-        def trie_drafter() -> TrieDrafter:
-            drafter = TrieDrafter(Trie(settings))
-            if plan.schedule is not None:  # one request: the schedule's setting for one sequence
-                drafter.follow(plan.schedule.entry_for(1))
-            return drafter
-
-        return Decoder(target_model, trie_drafter, plan, verify, target_forward)
+        return Decoder(target_model, lambda: _for_one_sequence(plan, TrieDrafter(Trie(settings))), plan, verify,
+                       target_forward)
     if plan.method == "triforce":
         return _triforce_decoder(plan, target_model, target_forward, draft, draft_dtype or dtype, verify, log, device)
     if plan.method == "sequoia":
@@ -251,9 +246,17 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target_model, draft_model)
         draft_forward = load_forward(draft_model, device, plan.models.draft_vocab, requested)
-        return Decoder(target_model, lambda: SequoiaDrafter(draft_forward, list(plan.tree.parents)), plan, verify,
-                       target_forward, draft_model, draft_forward)
+        return Decoder(target_model,
+                       lambda: _for_one_sequence(plan, SequoiaDrafter(draft_forward, list(plan.tree.parents))), plan,
+                       verify, target_forward, draft_model, draft_forward)
     raise UserError(f"{plan_path}: plans of kind {plan.kind} cannot be run yet")
+
+
+def _for_one_sequence(plan: Plan, drafter: Drafter) -> Drafter:
+    """`drafter` at the plan schedule's setting for one sequence (a batch's scheduler re-sets it every step)."""
+    if plan.schedule is not None:
+        drafter.follow(plan.schedule.entry_for(1))
+    return drafter
 
 
 def _triforce_decoder(plan: Plan, target: LoadedModel, target_forward: Forward, draft_name: str | None,

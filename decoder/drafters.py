@@ -4,6 +4,7 @@ a trie (Lookahead) and a hierarchy (TriForce); verification is kept apart (decod
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,6 +45,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, root: int, params: SamplingParams, draw: str, generator: torch.Generator | None) -> DraftTree:
         """A tree whose node 0 is `root`."""
+
+    def drafts_now(self) -> bool:
+        """Whether the coming step drafts: the per-request decision, and the setting the drafter follows (a
+        schedule's "off" drafts nothing)."""
+        return self.drafting
 
     def idle(self, root: int) -> DraftTree:
         """The tree of a step this sequence does not draft: its root alone (a gated drafter keeps up with the text,
@@ -100,9 +106,9 @@ def propose_all(drafters: list[Drafter], roots: list[int], params: list[Sampling
     sequences) propose in one call, the others one by one; a sequence sitting the step out, its root alone."""
     trees: list[DraftTree | None] = [None] * len(drafters)
     for i, drafter in enumerate(drafters):
-        if not drafter.drafting:
+        if not drafter.drafts_now():
             trees[i] = drafter.idle(roots[i])
-    left = [i for i, drafter in enumerate(drafters) if drafter.drafting]
+    left = [i for i in range(len(drafters)) if trees[i] is None]
     while left:
         lead = drafters[left[0]]
         group = [i for i in left if i == left[0] or lead.batches_with(drafters[i])]
@@ -154,8 +160,35 @@ def choose_children(logits: torch.Tensor, counts: list[int], params: SamplingPar
     return [top[i, :c].tolist() for i, c in enumerate(counts)], probs
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """A fixed tree's layout for drafting it level by level: expanded nodes (those with children) get draft-cache
+    slots in BFS order, root first; `levels[k]`: the expanded nodes at depth k."""
+
+    parents: tuple[int, ...]
+    child_counts: tuple[int, ...]
+    levels: tuple[tuple[int, ...], ...]
+    slot: dict[int, int]
+    allowed: torch.Tensor  # [expanded, expanded] bool: the ancestor matrix of the expanded nodes
+
+    @classmethod
+    def of(cls, parents: list[int]) -> TreeShape:
+        shape = DraftTree([0] * len(parents), parents)
+        child_counts = [len(c) for c in shape.children]
+        expanded = [v for v in range(len(parents)) if child_counts[v] > 0]
+        slot = {v: i for i, v in enumerate(expanded)}
+        levels: list[list[int]] = []
+        for v in expanded:
+            if shape.depths[v] == len(levels):
+                levels.append([])
+            levels[shape.depths[v]].append(v)
+        allowed = ancestor_matrix([slot.get(parents[v], -1) for v in expanded])
+        return cls(tuple(parents), tuple(child_counts), tuple(tuple(level) for level in levels), slot, allowed)
+
+
 class SequoiaDrafter(Drafter):
-    """A draft model grows a fixed tree shape level by level: one draft forward per level of expanded nodes."""
+    """A draft model grows a fixed tree shape level by level: one draft forward per level of expanded nodes. A
+    chain follows a schedule's draft length per batch size (`follow`): the chain cut to that many tokens, or none."""
 
     draws = (DETERMINISTIC, WITHOUT_REPLACEMENT, WITH_REPLACEMENT)
     gated = True
@@ -164,20 +197,23 @@ class SequoiaDrafter(Drafter):
         self.model = model
         self.parents = list(parents)
         self.max_tree_size = len(parents)
-        shape = DraftTree([0] * len(parents), self.parents)
-        self.child_counts = [len(c) for c in shape.children]
-        self.depths = shape.depths
-        # Expanded nodes (those with children) get draft-cache slots in BFS order, root first.
-        self.expanded = [v for v in range(len(parents)) if self.child_counts[v] > 0]
-        self.slot = {v: i for i, v in enumerate(self.expanded)}
-        self.levels: list[list[int]] = []
-        for v in self.expanded:
-            if self.depths[v] == len(self.levels):
-                self.levels.append([])
-            self.levels[self.depths[v]].append(v)
-        self.allowed = ancestor_matrix([self.slot.get(self.parents[v], -1) for v in self.expanded])
+        self.full_shape = self.shape = TreeShape.of(self.parents)
+        self.is_chain = self.parents == list(range(-1, len(parents) - 1))
         self.cache: KVCache | None = None
         self.pending: list[int] = []
+
+    def follow(self, entry):
+        if not entry.speculate:
+            size = 1
+        elif self.is_chain:
+            size = min(entry.decoding_length, self.max_tree_size)
+        else:
+            raise UserError("a schedule's draft lengths cut a chain; this plan's tree branches")
+        if size != len(self.shape.parents):
+            self.shape = self.full_shape if size == self.max_tree_size else TreeShape.of(self.parents[:size])
+
+    def drafts_now(self) -> bool:
+        return self.drafting and len(self.shape.parents) > 1
 
     def reset(self, prompt: list[int], max_len: int) -> None:
         self.cache = self.model.cache_for(max_len, "draft" + self.role_suffix)
@@ -190,13 +226,14 @@ class SequoiaDrafter(Drafter):
     def prepare(self, max_len):
         cache = self.model.cache_for(max_len, "draft" + self.role_suffix)
         if self.model.graphed is not None:  # the chain fed before the root (1 or 2 tokens), then each level
-            self.model.graphed.capture(cache, {1, 2, *(len(level) for level in self.levels[1:])})
+            self.model.graphed.capture(cache, {1, 2, *(len(level) for level in self.full_shape.levels[1:])})
 
     def propose(self, root, params, draw, generator):
         return SequoiaDrafter.propose_many([self], [root], [params], [draw], [generator])[0]
 
     def batches_with(self, other: Drafter) -> bool:
-        return isinstance(other, SequoiaDrafter) and other.model is self.model and other.parents == self.parents
+        return (isinstance(other, SequoiaDrafter) and other.model is self.model
+                and other.shape.parents == self.shape.parents)
 
     @staticmethod
     @torch.inference_mode()
@@ -204,8 +241,8 @@ class SequoiaDrafter(Drafter):
                      draws: list[str], generators: list[torch.Generator | None]) -> list[DraftTree]:
         """The trees of several sequences (drafters of one model and tree shape, each over its own cache), grown
         together: one batched draft forward for the chains fed before the roots, then one per level."""
-        first_drafter = drafters[0]
-        model, parents = first_drafter.model, first_drafter.parents
+        shape = drafters[0].shape
+        model, parents = drafters[0].model, list(shape.parents)
         trees = [DraftTree([root] + [0] * (len(parents) - 1), parents, DETERMINISTIC if p.greedy else draw)
                  for root, p, draw in zip(roots, params, draws)]
         if len(parents) == 1:
@@ -222,20 +259,20 @@ class SequoiaDrafter(Drafter):
             drafter.cache.commit(None, len(drafter.pending))
             drafter.pending = []
             bases.append(drafter.cache.length)  # the root now sits, uncommitted, in slot `base`
-        for depth, level in enumerate(first_drafter.levels):
+        for depth, level in enumerate(shape.levels):
             if depth > 0:
-                first = first_drafter.slot[level[0]]
+                first = shape.slot[level[0]]
                 rows = torch.arange(first, first + len(level))
                 items = []
                 for drafter, tree, base in zip(drafters, trees, bases):
                     drafter.cache.length = base + first  # the level's keys go to slots base + first ...
-                    mask = tree_attention_mask(drafter.allowed[:, :first + len(level)], base, model.dtype, rows)
+                    mask = tree_attention_mask(shape.allowed[:, :first + len(level)], base, model.dtype, rows)
                     items.append(ForwardItem(torch.tensor([tree.tokens[v] for v in level]),
                                              torch.full((len(level),), base + depth), drafter.cache, mask))
                 logits = forward_all(model, items)
                 for drafter, base in zip(drafters, bases):
                     drafter.cache.length = base
-            counts = [first_drafter.child_counts[v] for v in level]
+            counts = [shape.child_counts[v] for v in level]
             for tree, scored, p, generator in zip(trees, logits, params, generators):
                 picks, probs = choose_children(scored.float(), counts, p, tree.draw, generator)
                 for row, v in enumerate(level):
@@ -250,12 +287,13 @@ class SequoiaDrafter(Drafter):
         return super().idle(root)
 
     def update(self, tree, accepted, next_token):
-        if not self.drafting:  # the root sits in `pending`; the next root comes with the next step
+        if not self.drafts_now():  # the root sits in `pending`; the next root comes with the next step
             return
-        kept = [v for v in accepted if v in self.slot]
-        slots = [self.slot[v] for v in kept]
+        slot = self.shape.slot
+        kept = [v for v in accepted if v in slot]
+        slots = [slot[v] for v in kept]
         self.cache.commit(None if slots == list(range(len(slots))) else torch.tensor(slots), len(slots))
-        if accepted[-1] not in self.slot:  # a leaf the draft never ran: feed it with the next root
+        if accepted[-1] not in slot:  # a leaf the draft never ran: feed it with the next root
             self.pending = [tree.tokens[accepted[-1]]]
 
 
@@ -316,8 +354,11 @@ class TrieDrafter(Drafter):
             self.trie.insert(self.sequence, self.length, self.length + 1)
             self.counted += 1
 
+    def drafts_now(self) -> bool:
+        return self.drafting and self.decoding_length > 1  # 1: the schedule's "off"
+
     def propose(self, root, params, draw, generator):
-        if self.decoding_length == 1:  # the schedule's "off"
+        if not self.drafts_now():
             return self.idle(root)
         self._enter(root)
         tokens, parents = self.trie.retrieve(self.sequence, self.length + 1, self.decoding_length)

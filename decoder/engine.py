@@ -104,7 +104,7 @@ class SequenceRun:
         """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
         if tree is None:
             tree = (self.drafter.propose(self.root, self.params, self.rule.draw, self.generator)
-                    if self.drafter.drafting else self.drafter.idle(self.root))
+                    if self.drafter.drafts_now() else self.drafter.idle(self.root))
         self.tree = tree
         prefix = self.cache.length
         positions = prefix + torch.tensor(tree.depths)

@@ -33,6 +33,7 @@ import numpy as np
 
 from specplan.core.acceptance_schema import DraftChainTrace
 from specplan.core.errors import UserError
+from specplan.core.plan_schema import BatchSchedule
 from specplan.core.profile_schema import LatencyProfile
 
 CHAIN_KNOB_ENGINES = ("llama.cpp", "hf")
@@ -148,3 +149,43 @@ def best_knobs(engine: str, chains: list[DraftChainTrace], profile: LatencyProfi
             seen.add(outcome)
             distinct.append(knobs)
     return distinct
+
+
+def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, largest_batch: int, max_depth: int,
+                   context: int | None = None) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+    """The draft length per batch size of a draft model's chain, the table vLLM (num_speculative_tokens_per_batch_size)
+    and TensorRT-LLM (draft_len_schedule) take: at each B, every K = 0..max_depth priced on the profile's batched
+    step t(B, K + 1) + o(K + 1, B) plus K batched draft steps, its tokens per step the exact T = 0 replay of a fixed
+    K over the chain traces; the K with the most output tokens/s over the batch (0: off), ranges of equal K merged.
+    Also every K's predicted tokens/s per batch size 1, 2, ... ({"off": [...], "K=2": [...]}; None: not priced).
+    Priced at `context`, else the traces' mean context (prompt and half the continuation); up to the largest batch
+    size profiled, and on a modeled device up to the largest whose KV caches fit its memory."""
+    if not profile.target_batches:
+        raise UserError("a schedule per batch size needs a profile with --batches (t(B, n))")
+    if context is None:
+        spans = [chain.prompt_tokens + len(chain.match) / 2 for chain in chains if chain.prompt_tokens is not None]
+        context = int(round(float(np.mean(spans)))) if spans else min(profile.target_batches)
+    largest = min(largest_batch, max(profile.batch_sizes), profile.largest_fitting_batch(context) or largest_batch)
+    unit = np.ones(max_depth + 2)  # replay's prices, unused: a fixed K's tokens per step do not depend on them
+    tokens = {k: replay(chains, ChainKnobs("chain", k), 0.0, unit).tokens_per_step for k in range(1, max_depth + 1)}
+    rates: dict[str, list[float | None]] = {"off": [], **{f"K={k}": [] for k in tokens}}
+    chosen: list[tuple[int, float, float, float]] = []  # per B: (K, tokens/step, tokens/s, speedup over off)
+    for batch in range(1, largest + 1):
+        off = batch / (profile.batch_latency(batch, 1, context) + float(profile.engine_overhead(1, batch)))
+        rates["off"].append(off)
+        draft = profile.draft_batch_step(batch, context)
+        if draft is None:
+            raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
+        best = (0, 1.0, off)
+        for k, per_step in tokens.items():
+            try:
+                forward = profile.batch_latency(batch, k + 1, context)
+            except (UserError, ValueError):  # B x (K + 1) rows beyond what was profiled at this batch size
+                rates[f"K={k}"].append(None)
+                continue
+            rate = batch * per_step / (forward + float(profile.engine_overhead(k + 1, batch)) + k * draft)
+            rates[f"K={k}"].append(rate)
+            if rate > best[2]:
+                best = (k, per_step, rate)
+        chosen.append((*best, best[2] / off))
+    return BatchSchedule.merged(context, [(k + 1 if k else None, *rest) for k, *rest in chosen]), rates

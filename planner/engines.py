@@ -40,6 +40,16 @@ VLLM_SPECULATIVE_CONFIG = Source(
     "MTP types, ngram_gpu and dspark; it has no speculative_token_tree (tree attention was removed, PR #42121): every "
     "method drafts a chain of num_speculative_tokens, and num_speculative_tokens_per_batch_size holds inclusive "
     "(start, end, K) batch-size ranges")
+VLLM_DYNAMIC_SD = Source(
+    "vllm-project/vllm", "vllm/v1/spec_decode/dynamic/utils.py", "14b450ca590cbff96e7004bdb147a5d3acf5a4f6",
+    "validate_and_normalize_dynamic_sd_schedule takes (bs_lo, bs_hi, K) entries, K >= 0, ranges sorted, "
+    "non-overlapping, the first from 1; build_dynamic_sd_schedule_lookup clamps K to num_speculative_tokens, gives a "
+    "gap the previous range's K and the batch sizes past the last range the last K")
+TRTLLM_SPEC_UTILS = Source(
+    "NVIDIA/TensorRT-LLM", "tensorrt_llm/_torch/speculative/utils.py", "3e906a0ed7c66ed4df90aa4856bf1a6c98ca7df6",
+    "get_draft_len_for_batch_size: draft_len_schedule {B: K} gives a batch the K of the first key at or above it, "
+    "and 0 (no speculation) above the largest key; llm_args.py validates the keys >= 1, K >= 0, every K <= "
+    "max_draft_len and the smallest key's K == max_draft_len")
 MEDUSA_UTILS = Source(
     "FasterDecoding/Medusa", "medusa/model/utils.py", "10a2697cd0c2169764f1edbe9797eacc51de41c1",
     "TOPK = 10; generate_medusa_buffers indexes candidate rank r at level i as r + TOPK * i + 1 into the heads' "

@@ -19,7 +19,14 @@ from specplan.core.errors import UserError
 from specplan.core.plan_schema import Plan, TokenTree
 from specplan.core.validate import Fields
 from specplan.planner.draft_chain import HF_SCHEDULES
-from specplan.planner.engines import VLLM_SPECULATIVE_CONFIG, check_tree, engine_rules
+from specplan.planner.engines import (
+    TRTLLM_ARGS,
+    TRTLLM_SPEC_UTILS,
+    VLLM_DYNAMIC_SD,
+    VLLM_SPECULATIVE_CONFIG,
+    check_tree,
+    engine_rules,
+)
 
 EXPORT_FORMATS = tuple(engine for engine in ENGINES if engine != "specplan")
 NEEDS_DRAFT_PATH = ("vllm", "trtllm", "trtllm-draft", "sglang", "llama.cpp", "hf")
@@ -59,10 +66,17 @@ def sequoia_growmap(tree: TokenTree) -> dict[str, Any]:
             "size": tree.size}
 
 
+def _schedule_rows(plan: Plan) -> list[tuple[int, int, int]]:
+    """A chain plan's schedule as (first batch size, last, draft tokens K; 0: off)."""
+    return [(e.low, e.high, (e.decoding_length or 1) - 1) for e in plan.schedule.entries]
+
+
 def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int | None = None,
-                method: str = "draft_model") -> Export:
+                method: str = "draft_model", concurrency: int | None = None, context: int = 4096) -> Export:
     """`plan`'s tree as engine `fmt` takes it; refused in one line when the tree breaks the engine's rules or a
-    path the engine needs is missing."""
+    path the engine needs is missing. A plan with a schedule per batch size exports it as the engine takes one
+    (vLLM's num_speculative_tokens_per_batch_size, TensorRT-LLM's draft_len_schedule); llama-server has no table:
+    its flags are the schedule's setting at `concurrency` requests, with that many slots of `context` tokens."""
     if fmt not in EXPORT_FORMATS:
         raise UserError(f"unknown export format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
     if plan.method == "prompt-lookup":
@@ -96,8 +110,16 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         if method not in VLLM_METHODS:
             raise UserError(f"--method {method!r}: vLLM drafts a chain with {', '.join(VLLM_METHODS)}")
         config = {"method": method, "model": draft_path, "num_speculative_tokens": depth}
-        return Export(json.dumps(config), f"vllm serve {target} --speculative-config '<this JSON>' (vLLM's "
-                                          f"SpeculativeConfig at {VLLM_SPECULATIVE_CONFIG.commit[:12]})")
+        written_for = f"vLLM's SpeculativeConfig at {VLLM_SPECULATIVE_CONFIG.commit[:12]}"
+        if plan.schedule is not None:
+            rows = _schedule_rows(plan)
+            config["num_speculative_tokens"] = max(k for _, _, k in rows)
+            if config["num_speculative_tokens"] == 0:
+                return Export("{}", f"vllm serve {target} without --speculative-config: no draft length was "
+                                    "predicted to pay at any batch size")
+            config["num_speculative_tokens_per_batch_size"] = [list(row) for row in rows]
+            written_for += f" and its dynamic schedule at {VLLM_DYNAMIC_SD.commit[:12]}"
+        return Export(json.dumps(config), f"vllm serve {target} --speculative-config '<this JSON>' ({written_for})")
     if fmt == "trtllm":
         config = {"speculative_config": {"decoding_type": "Eagle", "max_draft_len": tree.size - 1,
                                          "speculative_model": draft_path, "eagle_choices": choices}}
@@ -105,9 +127,24 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
                       "trtllm-serve ... --extra_llm_api_options <this YAML> (an EAGLE engine built with "
                       f"--max_draft_len >= {tree.size - 1} and --num_eagle_layers >= {depth})")
     if fmt == "trtllm-draft":
-        config = {"speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": depth,
-                                         "speculative_model": draft_path}}
-        return Export(yaml.safe_dump(config, sort_keys=False), "trtllm-serve ... --extra_llm_api_options <this YAML>")
+        speculative: dict[str, Any] = {"decoding_type": "Draft_Target", "max_draft_len": depth,
+                                       "speculative_model": draft_path}
+        header = f"# TensorRT-LLM's DraftTargetDecodingConfig ({TRTLLM_ARGS.path} at {TRTLLM_ARGS.commit[:12]})\n"
+        note = ""
+        if plan.schedule is not None:
+            rows = _schedule_rows(plan)
+            first = rows[0][2]
+            if first == 0 or any(k > first for _, _, k in rows):
+                raise UserError(f"{plan.source}: TensorRT-LLM takes a draft_len_schedule whose batch size 1 drafts "
+                                f"the most (its max_draft_len); this schedule drafts {[k for _, _, k in rows]}: "
+                                "export --format vllm, or drop --batches")
+            speculative["max_draft_len"] = first
+            speculative["draft_len_schedule"] = {high: k for _, high, k in rows}
+            header += f"# draft_len_schedule as {TRTLLM_SPEC_UTILS.path} at {TRTLLM_SPEC_UTILS.commit[:12]} reads it\n"
+            note = (f" (above {rows[-1][1]} requests, the largest batch size priced, it drafts nothing)"
+                    if rows[-1][2] else "")
+        return Export(header + yaml.safe_dump({"speculative_config": speculative}, sort_keys=False),
+                      "trtllm-serve ... --extra_llm_api_options <this YAML>" + note)
     if fmt == "sglang":
         triple = plan.solver.get("sglang") if isinstance(plan.solver.get("sglang"), dict) else {}
         if not all(isinstance(triple.get(k), int) for k in ("num_steps", "topk", "num_draft_tokens")):
@@ -127,6 +164,8 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
                       f"decoding on the profile (the best, draft {best.integer('draft_max', low=1)} tokens: "
                       f"{best.number('tokens_per_step', low=1.0):.2f} tokens/step, "
                       f"{best.number('speedup', low=0.0):.2f}x)")
+    if fmt == "llama.cpp" and plan.schedule is not None:
+        return _llama_server_at(plan, draft_path, best, concurrency, context)
     if fmt == "llama.cpp":
         draft_min, p_min = (best.integer("draft_min", low=0), best.number("p_min", low=0.0, high=1.0)) \
             if best is not None else (0, 0.0)
@@ -146,6 +185,27 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
                                       "assistant.generation_config.update(**<assistant_generation_config>); "
                                       "model.generate(**inputs, assistant_model=assistant): transformers reads these "
                                       "knobs from the assistant's generation config, not from generate's kwargs")
+
+
+def _llama_server_at(plan: Plan, draft_path: str, best: Fields | None, concurrency: int | None,
+                     context: int) -> Export:
+    """llama-server's flags for `concurrency` requests in flight (it takes one draft length for all its slots): the
+    schedule's draft length there, `-np` slots of `context` tokens each."""
+    if concurrency is None:
+        raise UserError("llama-server takes one draft length for all its slots: give --concurrency, the requests "
+                        "you serve at once, and the schedule's setting there is exported")
+    entry = plan.schedule.entry_for(concurrency)
+    slots = f"-np {concurrency} -c {concurrency * context}"
+    if not entry.speculate:
+        return Export(slots, f"llama-server -m TARGET.gguf <these flags>: at {concurrency} requests no draft length "
+                             "was predicted to pay, so no draft model")
+    draft_min, p_min = (best.integer("draft_min", low=0), best.number("p_min", low=0.0, high=1.0)) \
+        if best is not None else (0, 0.0)
+    k = entry.decoding_length - 1
+    return Export(f"{slots} --spec-type draft-simple --spec-draft-model {draft_path} --spec-draft-n-max {k} "
+                  f"--spec-draft-n-min {min(draft_min, k)} --spec-draft-p-min {p_min}",
+                  f"llama-server -m TARGET.gguf <these flags>: the schedule's draft length at {concurrency} requests "
+                  f"(batch sizes {entry.low}-{entry.high})")
 
 
 def import_tree(data: str | bytes, fmt: str) -> TokenTree:

@@ -24,7 +24,7 @@ replayed exactly under the chosen trie with its retrieval capped there (the trie
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,7 @@ from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.method_settings import TrieSettings
 from specplan.core.model_names import same_model
-from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, ScheduleEntry
+from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
 from specplan.decoder.trie import Trie, accepted_run
@@ -179,13 +179,7 @@ def lookahead_schedule(records: list[LookaheadRecord], settings: TrieSettings, p
             if rate > best[2]:
                 best = (length, result.tokens_per_step, rate)
         chosen.append((best[0], best[1], best[2], best[2] / off))
-    entries: list[ScheduleEntry] = []
-    for batch, (length, per_step, rate, speedup) in enumerate(chosen, start=1):
-        if entries and entries[-1].decoding_length == length:
-            entries[-1] = replace(entries[-1], high=batch)  # its prediction stays that of the range's first size
-        else:
-            entries.append(ScheduleEntry(batch, batch, length is not None, length, per_step, rate, speedup))
-    return BatchSchedule(context, tuple(entries)), rates
+    return BatchSchedule.merged(context, chosen), rates
 
 
 def _search(records: list[LookaheadRecord], grid: list[tuple[int, int]]) -> dict[tuple[int, int], ReplayResult]:

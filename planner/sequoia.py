@@ -45,7 +45,7 @@ from specplan.core.model_names import same_model
 from specplan.core.plan_schema import Plan, PlanModels, Prediction, TokenTree
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
-from specplan.planner.draft_chain import CHAIN_KNOB_ENGINES, best_knobs
+from specplan.planner.draft_chain import CHAIN_KNOB_ENGINES, best_knobs, chain_schedule
 from specplan.planner.engines import EngineRules, engine_rules
 
 NEG_INF = -np.inf
@@ -595,10 +595,11 @@ def rank_candidates(tables: Tables, profile: LatencyProfile | None = None,
 
 
 def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, profile_path: str | Path | None = None,
-                  context: int | None = None, engine: str = "specplan",
-                  heads: int | None = None) -> tuple[Plan, list[Candidate]]:
+                  context: int | None = None, engine: str = "specplan", heads: int | None = None,
+                  batches: int | None = None, stand_in: bool = False) -> tuple[Plan, list[Candidate]]:
     """The best tree `engine` executes (planner/engines.py), and the ranked (n, d) it was chosen from. For another
-    engine than our own decoder the plan also records the unconstrained optimum, what the engine's rules cost."""
+    engine than our own decoder the plan also records the unconstrained optimum, what the engine's rules cost.
+    `batches`: a chain engine's plan also carries the draft length for every batch size up to this one."""
     if max_size < 1:
         raise UserError(f"the largest tree size must be >= 1, got {max_size}")
     if max_depth < 0:
@@ -607,7 +608,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     # llama.cpp's plans are priced on its own forward and draft step (`plan profile --engine llama.cpp`)
     backends = TIMED_FORWARDS if engine == "llama.cpp" else FORWARDS
     profile = load_profile(profile_path, backends) if profile_path is not None else None
-    models = _models(acceptance, profile, f"{acceptance_path} and {profile_path}")
+    models = _models(acceptance, profile, f"{acceptance_path} and {profile_path}", stand_in)
 
     rules = engine_rules(engine, heads)
 
@@ -651,7 +652,35 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         plan.solver["engine"] = {"name": engine, **rules.limits(),
                                  "sources": [str(source) for source in rules.sources],
                                  "unconstrained": asdict(unconstrained)}
+    if batches is not None:
+        _schedule_chain(plan, rules, acceptance, profile, batches, max_depth, context)
+    if stand_in:
+        plan.inputs["acceptance"]["stands_in"] = (f"measured for {acceptance.target} + {acceptance.draft}, standing "
+                                                  f"in for {models.target} + {models.draft}")
     return plan, ranked
+
+
+def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptance, profile: LatencyProfile | None,
+                    batches: int, max_depth: int, context: int | None) -> None:
+    """The chain's draft length per batch size (planner/draft_chain.py: chain_schedule); the plan's chain grows to the
+    longest the schedule drafts, its batch-1 prediction kept."""
+    if rules.shape != "chain":
+        raise UserError("--batches schedules a draft model's chain, the table vLLM and TensorRT-LLM take: solve with "
+                        "--engine vllm, trtllm-draft or llama.cpp")
+    if profile is None:
+        raise UserError("--batches prices each batch size: give a --profile measured with --batches")
+    if acceptance.temperature != 0 or not acceptance.chains:
+        raise UserError("--batches replays the acceptance file's chain traces, recorded at temperature 0")
+    largest_depth = min(max_depth, rules.max_draft_tokens or max_depth)
+    schedule, rates = chain_schedule(acceptance.chains, profile, batches, largest_depth, context)
+    drafted = max((entry.decoding_length or 1) - 1 for entry in schedule.entries)
+    if drafted > plan.tree.depth:
+        plan.tree = TokenTree.from_parents(list(range(-1, drafted)))
+    plan.schedule = schedule
+    plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, each draft "
+                                            "length replayed over the chain traces",
+                               "tokens_per_second": rates,
+                               "largest_fitting_batch": profile.largest_fitting_batch(schedule.context)}
 
 
 def _use_chain_knobs(plan: Plan, engine: str, acceptance: SequoiaAcceptance, profile: LatencyProfile,
@@ -676,10 +705,17 @@ def _use_chain_knobs(plan: Plan, engine: str, acceptance: SequoiaAcceptance, pro
                                  replay_exact=True)
 
 
-def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files: str) -> PlanModels:
+def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files: str,
+            stand_in: bool = False) -> PlanModels:
+    """The plan's models: the acceptance file's, which the profile's must be; with `stand_in`, the profile's (the
+    acceptance of another pair standing in for theirs, e.g. on a modeled GPU)."""
     models = {"target": acceptance.target, "draft": acceptance.draft}
+    if stand_in:
+        if profile is None:
+            raise UserError("--stand-in prices another pair's acceptance on a profile's models: give --profile")
+        models = {role: profile.models.get(role) or "" for role in models}
     if profile is not None:
-        if profile.draft_vocab != acceptance.draft_vocab:
+        if profile.draft_vocab != acceptance.draft_vocab and not stand_in:
             raise UserError(f"{files}: the acceptance file's draft vocabulary ({acceptance.draft_vocab or 'all'}) "
                             f"differs from the one the profile timed ({profile.draft_vocab or 'all'}): measure both "
                             "with the same draft vocabulary")
@@ -692,7 +728,8 @@ def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files
     return PlanModels(target=models["target"] or None, draft=models["draft"] or None,
                       dtype=profile.dtype or None if profile is not None else None,
                       draft_dtype=profile.draft_dtype or None if profile is not None else None,
-                      draft_vocab=acceptance.draft_vocab, backend=profile.backend if profile is not None else None)
+                      draft_vocab=profile.draft_vocab if stand_in else acceptance.draft_vocab,
+                      backend=profile.backend if profile is not None else None)
 
 
 def _assemble_plan(tables: Tables, best: Candidate, ranked: list[Candidate],

@@ -358,15 +358,24 @@ def solve() -> None:
               help="the best tree this serving engine runs (its rules: planner/engines.py)")
 @click.option("--heads", type=click.IntRange(min=1),
               help="medusa, eagle1: the draft heads of your model (its deepest level)")
+@click.option("--batches", type=click.IntRange(min=1),
+              help="a chain engine's plan (--engine vllm, trtllm-draft, llama.cpp): also schedule the draft length "
+                   "for every batch size up to this one (a profile with --batches): the most output tokens/s over "
+                   "the batch, or none")
+@click.option("--stand-in", is_flag=True,
+              help="the acceptance file is another pair's, standing in for the profile's models (e.g. configs "
+                   "modeled on a GPU): the plan is for the profile's models and says so")
 @_output()
 def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int,
-                      context: int | None, top: int, engine: str, heads: int | None, output: Path) -> None:
+                      context: int | None, top: int, engine: str, heads: int | None, batches: int | None,
+                      stand_in: bool, output: Path) -> None:
     """Sequoia: the optimal token tree and its size/depth for this hardware (and a serving engine's rules)."""
     from specplan.core.plan_schema import save_plan
     from specplan.planner.sequoia import solve_sequoia
-    from specplan.show import describe_engine_cost
+    from specplan.show import describe_engine_cost, describe_schedule
 
-    plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, context, engine, heads)
+    plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, context, engine, heads, batches,
+                                 stand_in)
     header = f"{'n':>5} {'d':>3} {'G(n,d)':>8}"
     if profile_path is not None:
         header += f" {'step ms':>9} {'speedup':>8} {'tok/s':>8}"
@@ -379,6 +388,8 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
     save_plan(plan, output)
     if plan.engine != "specplan":
         click.echo(describe_engine_cost(plan))
+    if plan.schedule is not None:
+        click.echo(describe_schedule(plan.schedule, plan.method))
     click.echo(f"solved n <= {max_size}, d <= {max_depth} in {plan.solver['seconds'] * 1e3:.1f} ms; "
                f"chose n = {plan.tree.size}, d = {plan.tree.depth}; wrote {output}")
 
@@ -432,7 +443,7 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
                  profile_path is not None)
     save_plan(plan, output)
     if plan.schedule is not None:
-        click.echo(describe_schedule(plan.schedule))
+        click.echo(describe_schedule(plan.schedule, plan.method))
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
                f"{plan.settings.decoding_length}, L_b = {plan.settings.branch_length}; wrote {output}")
     _note_inexact_replay(plan)
@@ -569,15 +580,20 @@ def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> No
 @click.option("--heads", type=click.IntRange(min=1), help="medusa, eagle1: the draft heads of your model")
 @click.option("--method", type=click.Choice(VLLM_METHODS), default="draft_model", show_default=True,
               help="vllm: what drafts the chain (draft_model: a separate draft model; eagle, eagle3: an EAGLE head)")
+@click.option("--concurrency", type=click.IntRange(min=1),
+              help="llama.cpp, a plan with a schedule: the requests served at once (llama-server takes one draft "
+                   "length for all its slots: the schedule's there)")
+@click.option("--context", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="llama.cpp with --concurrency: the most tokens a request may hold (its slots' size)")
 @_output(required=False, help="write here instead of stdout (required for sequoia's .pt)")
 def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None, method: str,
-           output: Path | None) -> None:
+           concurrency: int | None, context: int, output: Path | None) -> None:
     """Export a Sequoia plan's tree as a serving engine takes it; how to run it goes to stderr."""
     from specplan.core.fileio import atomic_output
     from specplan.core.plan_schema import load_plan
     from specplan.planner.export import export_plan
 
-    exported = export_plan(load_plan(plan_file), fmt, draft_path, heads, method)
+    exported = export_plan(load_plan(plan_file), fmt, draft_path, heads, method, concurrency, context)
     if isinstance(exported.content, bytes):
         if output is None:
             raise UserError(f"--format {fmt} writes a binary file: give -o FILE")

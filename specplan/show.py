@@ -304,7 +304,7 @@ def describe_plan(plan: Plan) -> str:
         lines.append(f"{plan.method}:")
         lines.extend(_format_mapping(plan.settings.to_dict()))
     if plan.schedule is not None:
-        lines.append(describe_schedule(plan.schedule))
+        lines.append(describe_schedule(plan.schedule, plan.method))
     lines.append("inputs:")
     lines.extend(_format_mapping(plan.inputs))
     lines.append("solver:")
@@ -314,12 +314,14 @@ def describe_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def describe_schedule(schedule: BatchSchedule) -> str:
-    """A plan's setting per batch size, one line a range, with its prediction at the range's first size."""
+def describe_schedule(schedule: BatchSchedule, method: str) -> str:
+    """A plan's setting per batch size, one line a range, with its prediction at the range's first size: Lookahead's
+    decoding length, a chain's draft tokens K."""
     lines = [f"schedule per batch size (priced at context {schedule.context}):",
              f"  {'batches':>9} {'setting':>10} {'tok/step':>9} {'tok/s':>8} {'vs off':>7}"]
     for e in schedule.entries:
-        setting = f"L_d={e.decoding_length}" if e.speculate else "off"
+        setting = "off" if not e.speculate else (
+            f"L_d={e.decoding_length}" if method == "lookahead" else f"K={e.decoding_length - 1}")
         span = f"{e.low}" if e.low == e.high else f"{e.low}-{e.high}"
         lines.append(f"  {span:>9} {setting:>10} {e.tokens_per_step:>9.3f} {e.tokens_per_second:>8.1f} "
                      f"{e.speedup:>7.3f}")

@@ -3,20 +3,38 @@ the continuous-batching decoder following it step by step without changing any r
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
 import pytest
 import torch
 import yaml
 
-from specplan.core.acceptance_schema import LookaheadAcceptance, LookaheadRecord
+from specplan.core.acceptance_schema import DraftChainTrace, LookaheadAcceptance, LookaheadRecord
 from specplan.core.errors import UserError
 from specplan.core.method_settings import TrieSettings
-from specplan.core.plan_schema import BatchSchedule, Plan, ScheduleEntry, load_plan
+from specplan.core.models import cache_dir
+from specplan.core.plan_schema import (
+    BatchSchedule,
+    Plan,
+    PlanModels,
+    Prediction,
+    ScheduleEntry,
+    TokenTree,
+    load_plan,
+    save_plan,
+)
 from specplan.core.profile_schema import LatencyProfile
 from specplan.decoder.batching import Request, Scheduler
-from specplan.decoder.drafters import TrieDrafter
+from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
+from specplan.planner.draft_chain import chain_schedule
+from specplan.planner.export import export_plan
 from specplan.planner.lookahead import lookahead_schedule
 
 from toy import drafters_per_slot
@@ -126,3 +144,138 @@ def test_the_decoder_follows_the_schedule_and_every_request_keeps_its_greedy_tok
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens, i
+
+
+def chain_profile() -> LatencyProfile:
+    """The same step costs with a draft model whose step costs a fifth of the target's, batched alike."""
+    document = profile_document()
+    document["draft"] = {"step_seconds": 0.002, "contexts": {64: {"step_seconds": 0.002, "batches": {
+        B: {"step_seconds": 0.002 * B} for B in (2, 4, 8)}}}}
+    return LatencyProfile.from_dict(document, "synthetic")
+
+
+def well_drafted_chains() -> list[DraftChainTrace]:
+    """A draft that matches the target 7 times in 8."""
+    match = np.array([i % 8 != 7 for i in range(64)])
+    return [DraftChainTrace(match, np.where(match, 0.9, 0.3), prompt_tokens=40) for _ in range(3)]
+
+
+def test_a_chain_schedule_drafts_long_alone_and_nothing_where_the_batch_is_compute_bound():
+    schedule, rates = chain_schedule(well_drafted_chains(), chain_profile(), 8, 4)
+    assert schedule.entries[0].low == 1 and schedule.entries[-1].high == 8
+    assert schedule.entry_for(1).speculate and schedule.entry_for(1).decoding_length - 1 >= 3
+    assert not schedule.entry_for(8).speculate
+    for batch in range(1, 9):
+        entry = schedule.entry_for(batch)
+        name = f"K={entry.decoding_length - 1}" if entry.speculate else "off"
+        assert rates[name][batch - 1] == max(r[batch - 1] for r in rates.values() if r[batch - 1] is not None)
+    assert set(rates) == {"off", "K=1", "K=2", "K=3", "K=4"}
+    document = profile_document()  # a modeled device whose memory holds the caches of 4 sequences, not 8
+    document["draft"] = chain_profile().raw["draft"]
+    document["target"]["contexts"][64]["batches"][8]["fits_memory"] = False
+    short, _ = chain_schedule(well_drafted_chains(), LatencyProfile.from_dict(document, "synthetic"), 8, 4)
+    assert short.entries[-1].high == 4
+    with pytest.raises(UserError, match="profile the draft with --batches"):
+        document = profile_document()
+        document["draft"] = {"step_seconds": 0.002}
+        chain_schedule(well_drafted_chains(), LatencyProfile.from_dict(document, "synthetic"), 8, 4)
+
+
+def chain_plan(entries: tuple[ScheduleEntry, ...], size: int = 4) -> Plan:
+    return Plan("sequoia", PlanModels(target="t", draft="d"), Prediction(2.5, speedup=1.4),
+                tree=TokenTree.from_parents(list(range(-1, size - 1))), schedule=BatchSchedule(64, entries),
+                engine="vllm")
+
+
+SHRINKING = (ScheduleEntry(1, 2, True, 4, 2.6, 80.0, 1.5), ScheduleEntry(3, 4, True, 2, 1.8, 120.0, 1.1),
+             ScheduleEntry(5, 8, False, None, 1.0, 140.0, 1.0))
+
+
+def test_a_chain_plan_round_trips_its_schedule_and_a_branching_tree_takes_none(tmp_path):
+    path = tmp_path / "chain.yaml"
+    save_plan(chain_plan(SHRINKING), path)
+    assert load_plan(path).schedule.entries == SHRINKING
+    data = yaml.safe_load(path.read_text())
+    data["tree"] = {"size": 4, "depth": 2, "parents": [-1, 0, 0, 1]}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(UserError, match="not a branching tree"):
+        load_plan(path)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 6])
+def test_a_draft_chain_following_its_schedule_keeps_every_request_its_greedy_tokens(concurrency, tiny_pair):
+    """A chain of 3 cut to 1 token from 3 sequences and to none from 5, as requests join and leave (and the draft
+    model fed the tokens of the steps it sat out): each request's tokens are its own one-request tokens."""
+    _, target, draft = tiny_pair
+    entries = (ScheduleEntry(1, 2, True, 4, 2.6, 80.0, 1.5), ScheduleEntry(3, 4, True, 2, 1.8, 120.0, 1.1),
+               ScheduleEntry(5, 8, False, None, 1.0, 140.0, 1.0))
+    gen = torch.Generator().manual_seed(5)
+    requests = [Request(torch.randint(0, 250, (n,), generator=gen).tolist(), m)
+                for n, m in ((9, 30), (25, 12), (4, 40), (33, 20), (12, 26), (7, 18), (18, 9))]
+
+    def make():
+        return SequoiaDrafter(draft, [-1, 0, 1, 2])
+
+    scheduler = Scheduler(SpeculativeEngine(target, make()), drafters_per_slot(make), concurrency,
+                          schedule=BatchSchedule(64, entries))
+    results = {c.id: c.result.tokens for c in scheduler.run(requests)}
+    for i, request in enumerate(requests):
+        assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
+                                                                        SamplingParams()).tokens
+    with pytest.raises(UserError, match="tree branches"):
+        SequoiaDrafter(draft, [-1, 0, 0]).follow(entries[0])
+
+
+def test_chain_schedules_export_as_vllm_and_tensorrt_llm_take_them():
+    """vLLM: num_speculative_tokens_per_batch_size, (first, last, K) ranges from 1 (its validator: vllm/v1/
+    spec_decode/dynamic/utils.py, planner/engines.py's VLLM_DYNAMIC_SD), num_speculative_tokens the largest K.
+    TensorRT-LLM: draft_len_schedule {last batch size of a range: K}, checked against its rules as llm_args.py and
+    speculative/utils.py read at the cited commits (TRTLLM_ARGS, TRTLLM_SPEC_UTILS): keys >= 1, K >= 0, every K at
+    most max_draft_len, the smallest key's K equal to it; a batch takes the K of the first key at or above it."""
+    plan = chain_plan(SHRINKING)
+    config = json.loads(export_plan(plan, "vllm", "draft/path").content)
+    assert config == {"method": "draft_model", "model": "draft/path", "num_speculative_tokens": 3,
+                      "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 4, 1], [5, 8, 0]]}
+    speculative = yaml.safe_load(export_plan(plan, "trtllm-draft", "draft/path").content)["speculative_config"]
+    schedule, max_draft_len = speculative["draft_len_schedule"], speculative["max_draft_len"]
+    assert all(key >= 1 for key in schedule) and all(k >= 0 for k in schedule.values())
+    assert schedule[min(schedule)] == max_draft_len and all(k <= max_draft_len for k in schedule.values())
+    for batch in range(1, 9):
+        keys = sorted(schedule)
+        trtllm = schedule[next(key for key in keys if key >= batch)]
+        assert trtllm == (plan.schedule.entry_for(batch).decoding_length or 1) - 1
+    growing = chain_plan((ScheduleEntry(1, 2, True, 2, 1.8, 80.0, 1.2), ScheduleEntry(3, 8, True, 4, 2.4, 90.0, 1.1)))
+    with pytest.raises(UserError, match="batch size 1 drafts the most"):
+        export_plan(growing, "trtllm-draft", "draft/path")
+
+
+def test_llama_server_gets_the_schedules_setting_at_the_stated_concurrency():
+    plan = chain_plan(SHRINKING)
+    with pytest.raises(UserError, match="give --concurrency"):
+        export_plan(plan, "llama.cpp", "draft.gguf")
+    flags = export_plan(plan, "llama.cpp", "draft.gguf", concurrency=4, context=2048).content.split()
+    assert flags[:4] == ["-np", "4", "-c", "8192"] and flags[flags.index("--spec-draft-n-max") + 1] == "1"
+    assert export_plan(plan, "llama.cpp", "draft.gguf", concurrency=8).content == "-np 8 -c 32768"
+
+
+VLLM_WITH_THE_TABLE = "0.33.0"  # the release whose dynamic/utils.py the export is checked with
+
+
+@pytest.mark.check
+def test_vllms_own_schedule_code_reads_the_export_as_the_plan_does():
+    """vLLM's validator and dense lookup (vllm/v1/spec_decode/dynamic/utils.py of its wheel, fetched from PyPI; no
+    dependencies) take the exported table and give every batch size the plan's draft length."""
+    wheels = cache_dir() / f"vllm-{VLLM_WITH_THE_TABLE}"
+    if not any(wheels.glob("*.whl")):
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", f"vllm=={VLLM_WITH_THE_TABLE}", "--no-deps",
+                                  "--quiet", "-d", str(wheels)], capture_output=True)
+        if fetched.returncode != 0:
+            pytest.skip(f"vllm {VLLM_WITH_THE_TABLE} cannot be fetched here")
+    wheel = next(wheels.glob("*.whl"))
+    namespace: dict = {}
+    exec(zipfile.ZipFile(wheel).read("vllm/v1/spec_decode/dynamic/utils.py").decode(), namespace)
+    plan = chain_plan(SHRINKING)
+    config = json.loads(export_plan(plan, "vllm", "draft/path").content)
+    dense = namespace["build_dynamic_sd_schedule_lookup"](config["num_speculative_tokens_per_batch_size"], 64,
+                                                          config["num_speculative_tokens"])
+    assert dense[1:] == [(plan.schedule.entry_for(b).decoding_length or 1) - 1 for b in range(1, 65)]
