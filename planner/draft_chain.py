@@ -152,12 +152,15 @@ def best_knobs(engine: str, chains: list[DraftChainTrace], profile: LatencyProfi
 
 
 def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, largest_batch: int, max_depth: int,
-                   context: int | None = None) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+                   context: int | None = None, prefill_per_token: float = 0.0
+                   ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """The draft length per batch size of a draft model's chain, the table vLLM (num_speculative_tokens_per_batch_size)
     and TensorRT-LLM (draft_len_schedule) take: at each B, every K = 0..max_depth priced on the profile's batched
     step t(B, K + 1) + o(K + 1, B) plus K batched draft steps, its tokens per step the exact T = 0 replay of a fixed
     K over the chain traces; the K with the most output tokens/s over the batch (0: off), ranges of equal K merged.
     Also every K's predicted tokens/s per batch size 1, 2, ... ({"off": [...], "K=2": [...]}; None: not priced).
+    `prefill_per_token`: the draft's prompt prefill spread over the tokens a sequence emits (the Sequoia solver's
+    prompt_prefill_per_token), paid by each drafting sequence.
     Priced at `context`, else the traces' mean context (prompt and half the continuation); up to the largest batch
     size profiled, and on a modeled device up to the largest whose KV caches fit its memory."""
     if not profile.target_batches:
@@ -183,7 +186,8 @@ def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, large
             except (UserError, ValueError):  # B x (K + 1) rows beyond what was profiled at this batch size
                 rates[f"K={k}"].append(None)
                 continue
-            rate = batch * per_step / (forward + float(profile.engine_overhead(k + 1, batch)) + k * draft)
+            step = forward + float(profile.engine_overhead(k + 1, batch)) + k * draft
+            rate = batch * per_step / (step + batch * per_step * prefill_per_token)
             rates[f"K={k}"].append(rate)
             if rate > best[2]:
                 best = (k, per_step, rate)

@@ -501,10 +501,11 @@ def replay_tree(parents: list[int] | np.ndarray, chains: list[DraftChainTrace]) 
     return tokens / steps
 
 
-def _seconds_per_token(step_seconds: float, tokens_per_step: float, prefill_per_token: float) -> float:
+def _seconds_per_token(step_seconds: float, tokens_per_step: float, prefill_per_token: float, depth: int) -> float:
     """A tree step's time per token, with the draft's prompt prefill spread over the tokens
-    (prompt_prefill_per_token): one-token decoding's step time over it is the speedup."""
-    return step_seconds / tokens_per_step + prefill_per_token
+    (prompt_prefill_per_token) where the tree drafts at all (depth > 0): one-token decoding's step time over it is
+    the speedup."""
+    return step_seconds / tokens_per_step + (prefill_per_token if depth > 0 else 0.0)
 
 
 def _replayed(ranked: list[Candidate], tables: Tables, chains: list[DraftChainTrace],
@@ -513,7 +514,7 @@ def _replayed(ranked: list[Candidate], tables: Tables, chains: list[DraftChainTr
     replayed = []
     for c in ranked[:REPLAYED_CANDIDATES]:
         g = replay_tree(tables.tree(c.size, c.depth), chains)
-        per_token = _seconds_per_token(c.step_seconds, g, prefill_per_token)
+        per_token = _seconds_per_token(c.step_seconds, g, prefill_per_token, c.depth)
         replayed.append(Candidate(c.size, c.depth, g, c.step_seconds, one_token_seconds / per_token, 1.0 / per_token))
     return sorted(replayed, key=lambda c: (-c.speedup, c.size, c.depth))
 
@@ -526,7 +527,7 @@ def plan_speedup(plan: Plan, profile: LatencyProfile) -> float:
     tree = plan.tree
     step = float(profile.step_seconds(tree.size, context)) + tree.depth * profile.draft_step(context)
     per_token = _seconds_per_token(step, plan.prediction.tokens_per_step,
-                                  plan.prediction.details.get("draft_prefill_seconds_per_token") or 0.0)
+                                  plan.prediction.details.get("draft_prefill_seconds_per_token") or 0.0, tree.depth)
     return float(profile.step_seconds(1, context)) / per_token
 
 
@@ -589,7 +590,7 @@ def rank_candidates(tables: Tables, profile: LatencyProfile | None = None,
     for n, d in zip(*np.nonzero(feasible)):
         step = t_target[n] + d * c_draft
         g = float(G[n, d])
-        per_token = _seconds_per_token(step, g, prefill_per_token)
+        per_token = _seconds_per_token(step, g, prefill_per_token, int(d))
         out.append(Candidate(int(n), int(d), g, step, t_one / per_token, 1.0 / per_token))
     return sorted(out, key=lambda c: (-c.speedup, c.size, c.depth))
 
@@ -672,7 +673,8 @@ def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptanc
     if acceptance.temperature != 0 or not acceptance.chains:
         raise UserError("--batches replays the acceptance file's chain traces, recorded at temperature 0")
     largest_depth = min(max_depth, rules.max_draft_tokens or max_depth)
-    schedule, rates = chain_schedule(acceptance.chains, profile, batches, largest_depth, context)
+    schedule, rates = chain_schedule(acceptance.chains, profile, batches, largest_depth, context,
+                                     prompt_prefill_per_token(acceptance, profile) or 0.0)
     drafted = max((entry.decoding_length or 1) - 1 for entry in schedule.entries)
     if drafted > plan.tree.depth:
         plan.tree = TokenTree.from_parents(list(range(-1, drafted)))
