@@ -229,16 +229,20 @@ def test_the_replay_counts_transformers_assisted_generation_forwards(tokens, sch
     assert replayed.tokens_per_step == pytest.approx(6 * 40 / len(forwards), rel=1e-12)
 
 
-def test_the_drafts_prompt_prefill_lowers_the_sequoia_speedups_not_their_order():
-    """A Sequoia plan charges the draft's prefill of each prompt over its continuation: each candidate's time per
-    token grows by the same amount, so the tree stays and the predicted speedup falls by exactly that much."""
+def test_the_drafts_prompt_prefill_lowers_the_sequoia_speedups_of_trees_that_draft():
+    """A Sequoia plan charges the draft's prefill of each prompt over its continuation: each drafting candidate's
+    time per token grows by the same amount, so their order stays and each predicted speedup falls by exactly that
+    much; one-token decoding (depth 0) drafts nothing and pays nothing."""
     profile = load_profile(PROFILE)
     tables = SequoiaTables(np.array([0.7, 0.1, 0.05]), 16, 6)
     plain, charged = rank_candidates(tables, profile), rank_candidates(tables, profile, prefill_per_token=0.01)
-    assert [(c.size, c.depth) for c in plain] == [(c.size, c.depth) for c in charged]
+    drafting = [[(c.size, c.depth) for c in ranked if c.depth > 0] for ranked in (plain, charged)]
+    assert drafting[0] == drafting[1]
     t1 = float(profile.target_curve()(1) + profile.engine_overhead(1))
-    for a, b in zip(plain, charged):
-        assert t1 / b.speedup == pytest.approx(t1 / a.speedup + 0.01)
+    by_shape = {(c.size, c.depth): c for c in plain}
+    for b in charged:
+        a = by_shape[(b.size, b.depth)]
+        assert t1 / b.speedup == pytest.approx(t1 / a.speedup + (0.01 if b.depth else 0.0))
 
 
 @pytest.mark.parametrize("parents", [[-1, 0], [-1, 0, 0, 1], [-1, 0, 0, 1, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 3]],
