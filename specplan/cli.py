@@ -390,8 +390,10 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
         click.echo(describe_engine_cost(plan))
     if plan.schedule is not None:
         click.echo(describe_schedule(plan.schedule, plan.method))
+    chain_note = (f" (the longest chain its schedule drafts; at batch size 1: K = "
+                  f"{(plan.schedule.entry_for(1).decoding_length or 1) - 1})" if plan.schedule is not None else "")
     click.echo(f"solved n <= {max_size}, d <= {max_depth} in {plan.solver['seconds'] * 1e3:.1f} ms; "
-               f"chose n = {plan.tree.size}, d = {plan.tree.depth}; wrote {output}")
+               f"chose n = {plan.tree.size}, d = {plan.tree.depth}{chain_note}; wrote {output}")
 
 
 @solve.command("lookahead")
