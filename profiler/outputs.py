@@ -43,6 +43,7 @@ def run_lookahead_acceptance(target_name: str, dataset: str, samples: int | None
     if decode_with is not None:
         load_decoding_plan(decode_with, "lookahead", target_name, dtype)
     decoder = load_decoder(decode_with, target=target_name, dtype=dtype, log=log)
+    decoder.draft_every_step()  # as the offline replay of these outputs drafts: at every step
     decoder.restart()
     target, engine = decoder.target, decoder.engine
     decoding = "greedy (the target alone)" if decoder.plan is None else \
