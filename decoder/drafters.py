@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from specplan.core.errors import UserError
-from specplan.core.plan_schema import ScheduleEntry
+from specplan.core.plan_schema import ScheduleEntry, TokenTree
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask
 from specplan.decoder.sampling import SamplingParams, probabilities
 from specplan.decoder.tree import (
@@ -198,7 +198,8 @@ class SequoiaDrafter(Drafter):
         self.parents = list(parents)
         self.max_tree_size = len(parents)
         self.full_shape = self.shape = TreeShape.of(self.parents)
-        self.is_chain = self.parents == list(range(-1, len(parents) - 1))
+        self.cut_shapes = {len(parents): self.full_shape}  # a chain cut to each size a schedule asked for
+        self.is_chain = TokenTree.from_parents(self.parents).is_chain
         self.cache: KVCache | None = None
         self.pending: list[int] = []
 
@@ -209,8 +210,9 @@ class SequoiaDrafter(Drafter):
             size = min(entry.decoding_length, self.max_tree_size)
         else:
             raise UserError("a schedule's draft lengths cut a chain; this plan's tree branches")
-        if size != len(self.shape.parents):
-            self.shape = self.full_shape if size == self.max_tree_size else TreeShape.of(self.parents[:size])
+        if size not in self.cut_shapes:
+            self.cut_shapes[size] = TreeShape.of(self.parents[:size])
+        self.shape = self.cut_shapes[size]
 
     def drafts_now(self) -> bool:
         return self.drafting and len(self.shape.parents) > 1
