@@ -31,3 +31,7 @@ ENGINES = ("specplan", "sequoia", "vllm", "medusa", "eagle1", "trtllm", "trtllm-
 LOOKUP_ENGINES = ("hf", "llama.cpp", "vllm", "sglang")
 # the forwards a profile may time: ours, and llama.cpp's own (`plan profile --engine llama.cpp`, for its plans)
 TIMED_FORWARDS = FORWARDS + ("llama.cpp",)
+# a modeled GPU's offloading (profiler/offload.py): what stays in host memory, what stays on the device, over which link
+OFFLOAD_KINDS = ("weights", "kv")
+RESIDENT_POLICIES = ("fill", "none")
+HOST_LINK_NAMES = ("pcie3-x16", "pcie4-x16", "pcie5-x16", "pcie4-x8", "nvlink-c2c")  # profiler/offload.py: HOST_LINKS

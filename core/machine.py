@@ -27,7 +27,9 @@ def cpu_info() -> dict:
 def machine_identity(hardware: dict) -> dict:
     """The part of a profile's `hardware` that timings depend on: the GPU, or the CPU, its flags and threads."""
     if hardware.get("device") == "cuda" or "gpu" in hardware:
-        return {"device": "cuda", "gpu": hardware.get("gpu")}
+        setup = {key: hardware[key] for key in ("gpus", "offload", "resident") if hardware.get(key) not in (None, 1)}
+        link = (hardware.get("host_link") or {}).get("name") if setup else None
+        return {"device": "cuda", "gpu": hardware.get("gpu"), **setup, **({"host_link": link} if link else {})}
     return {"device": "cpu", "cpu": hardware.get("cpu"), "cpu_flags": list(hardware.get("cpu_flags") or []),
             "threads": hardware.get("threads")}
 
@@ -43,7 +45,8 @@ def this_machine(device: str) -> dict:
 
 def machine_difference(recorded: dict, current: dict) -> str | None:
     """None if both identities agree, else what differs, e.g. "cpu_flags [avx2, fma] there, [...] here"."""
-    keys = [key for key in ("device", "gpu", "cpu", "cpu_flags", "threads") if recorded.get(key) != current.get(key)]
+    keys = [key for key in ("device", "gpu", "gpus", "offload", "cpu", "cpu_flags", "threads")
+            if recorded.get(key) != current.get(key)]
     if not keys:
         return None
     return "; ".join(f"{key} {recorded.get(key)} there, {current.get(key)} here" for key in keys)
@@ -52,7 +55,11 @@ def machine_difference(recorded: dict, current: dict) -> str | None:
 def machine_label(machine: dict) -> str:
     """A short name for a recorded machine: the GPU's, or the CPU's with its vector ISA and threads."""
     if machine.get("device") == "cuda" or machine.get("gpu"):
-        return str(machine.get("gpu", "GPU"))
+        label = f"{machine['gpus']} x {machine.get('gpu', 'GPU')}" if machine.get("gpus") else str(machine.get("gpu",
+                                                                                                            "GPU"))
+        if machine.get("offload"):
+            label += f", {machine['offload']} offloaded over {machine.get('host_link')}"
+        return label
     flags = machine.get("cpu_flags") or []
     isa = ("AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
            else "no AVX2")

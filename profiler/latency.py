@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from specplan.decoder.tree import DraftTree
 from specplan.decoder.triforce import RetrievalCache, StreamingDrafter
 from specplan.profiler import hardware, roofline
 from specplan.profiler.calibration import CALIBRATION_PRIOR_WEIGHT, calibrate
+from specplan.profiler.offload import DeviceSetup, ModelBytes, Placement, host_link
 from specplan.profiler.operators import count_forward, gpu_operators
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -82,6 +84,10 @@ class ProfileRequest:
     calibration_prior_weight: float = CALIBRATION_PRIOR_WEIGHT  # their fit's pull towards the catalogue
     backend: str = "auto"  # the forward to time (decoder/api.py: choose_backend)
     batches: list[int] = field(default_factory=lambda: [1])  # B: steps of B sequences at once, t(B, n)
+    gpus: int = 1  # tensor parallelism over this many modeled GPUs
+    offload: str | None = None  # weights | kv: what a modeled GPU keeps in host memory where it does not fit
+    host_link: str | None = None  # the modeled GPUs' link to host memory (default: the catalogue GPU's own)
+    resident: str = "fill"  # fill: keep on the device what fits; none: stream every layer or cached token
 
     def roles(self) -> list[tuple[str, str, str]]:
         """(role, model, dtype) for each model to profile."""
@@ -94,6 +100,8 @@ def run_profile(request: ProfileRequest, output: Path, resume: bool = False,
     if request.gpu not in (None, "cpu"):
         request = replace(request, gpu=roofline.accelerator(request.gpu).name)
     modeled_gpu = request.gpu not in (None, "cpu", _local_gpu_name())
+    if (request.gpus != 1 or request.offload or request.host_link or request.resident != "fill") and not modeled_gpu:
+        raise UserError("--gpus, --offload, --host-link and --resident model GPUs not at hand: they need --gpu NAME")
     for dtype in (request.dtype, request.draft_dtype or request.dtype):
         if modeled_gpu and dtype not in MODELED_DTYPES:
             raise UserError(f"dtype {dtype} is not modeled on a GPU (choose from {', '.join(MODELED_DTYPES)})")
@@ -673,8 +681,11 @@ def _model(request: ProfileRequest, log) -> dict:
 
 
 def _model_gpu(request: ProfileRequest, log) -> dict:
-    """A GPU not at hand: the cost model of profiler/roofline.py, from the models' configs alone."""
+    """A GPU not at hand: the cost model of profiler/roofline.py, from the models' configs alone, on the placement
+    of profiler/offload.py (N GPUs, offloading)."""
     gpu = roofline.accelerator(request.gpu)
+    setup = DeviceSetup(gpu, request.gpus, request.offload, host_link(request.host_link) if request.host_link else None,
+                        request.resident)
     mode = {"auto": "graphs", "lean": "graphs", "compiled": "compiled"}.get(request.backend)
     if mode is None:
         raise UserError("a modeled GPU profile models the lean forward (--backend lean or compiled), not "
@@ -683,34 +694,55 @@ def _model_gpu(request: ProfileRequest, log) -> dict:
                    else None)
     parameters = calibration.parameters if calibration else roofline.DEFAULT_PARAMETERS
     specs = {role: load_model_spec(name, dtype, log) for role, name, dtype in request.roles()}
-    curves = {}
-    for role, spec in specs.items():
-        if spec.dtype not in gpu.tflops:
-            raise UserError(f"{gpu.name} has no {spec.dtype} support")
-        shape = ModelShape.from_config(spec.config)
-        _check_contexts(spec.name, shape, request)
-        output_rows = len(draft_vocabulary_ids(request.draft_vocab, spec.stop_token_ids, shape.vocab)) \
-            if role == "draft" and request.draft_vocab is not None else shape.vocab
-        cost = roofline.gpu_model_cost(shape, spec.config.intermediate_size, spec.dtype,
-                                       gpu_operators(spec.config, spec.dtype), output_rows)
-        roofline.check_fits(gpu, spec.name, spec.fingerprint["parameters"], cost.kv_bytes_per_token,
-                            roofline.BYTES_PER_ELEMENT[spec.dtype], max(request.contexts) + max(request.sizes))
-        curves[role] = {L: {n: {"median": roofline.gpu_forward_seconds(cost, gpu, parameters, n, L, mode)}
-                            for n in request.sizes} for L in request.contexts}
+    models = {role: _ModeledModel.of(spec, role, request, setup) for role, spec in specs.items()}
+    draft = models.get("draft")
+    widest = max(request.sizes)
+
+    def placement(role: str, context: int, batch: int, n: int) -> Placement:
+        if role == "draft":  # the draft stays on the device
+            return Placement(True)
+        draft_tokens = batch * (min(context, draft.shape.max_context - n) + n) if draft else 0
+        return setup.place(models["target"].bytes, batch * (context + n), draft.bytes if draft else None,
+                           draft_tokens)
+
+    def seconds(role: str, n: int, context: int, batch: int = 1) -> float:
+        model = models[role]
+        chip = roofline.gpu_forward_seconds(model.cost, gpu, parameters, n, context, mode, batch=batch)
+        allreduce = setup.allreduce_seconds(batch * n, model.shape.hidden, model.spec.dtype)
+        return setup.forward_seconds(chip, model.shape.layers, allreduce, placement(role, context, batch, n))
+
+    longest = max(request.contexts)
+    if not placement("target", longest, 1, widest).fits:
+        what = {"weights": "its embeddings, head and KV cache with two streamed layers",
+                "kv": "its weights with two streamed layers of its KV cache"}.get(request.offload, "its weights and KV "
+                                                                                     "cache")
+        draft_part = " beside the draft" if draft else ""
+        raise UserError(f"{specs['target'].name}: {what} for {longest + widest} tokens do not fit "
+                        f"{request.gpus} x {gpu.name} ({gpu.memory_gb:g} GB each){draft_part}"
+                        + ("" if request.offload else "; model it with --offload weights|kv or --gpus N"))
+    curves = {role: {L: {n: {"median": seconds(role, n, L)} for n in request.sizes} for L in model.contexts}
+              for role, model in models.items()}
     machine = {"gpu": gpu.name, "memory_gb": gpu.memory_gb, "bandwidth_gb_s": gpu.bandwidth_gb_s,
-               "tflops": gpu.tflops[request.dtype], "sms": gpu.sms, "source": gpu.source, "dtype": request.dtype}
+               "tflops": gpu.tflops[request.dtype], "sms": gpu.sms, "source": gpu.source, "dtype": request.dtype,
+               **setup.record()}
     document = profile_document(request, "modeled", machine, specs, curves)
-    for role, spec in specs.items():  # t(B, n): B x n GEMM rows, each sequence's own KV cache
-        shape = ModelShape.from_config(spec.config)
-        cost = roofline.gpu_model_cost(shape, spec.config.intermediate_size, spec.dtype,
-                                       gpu_operators(spec.config, spec.dtype))
-        for L in request.contexts:
+    for L in request.contexts:
+        entry = document["target"]["contexts"][L]
+        if request.offload:
+            placed = placement("target", L, 1, 1)
+            entry["streamed_gb"] = placed.streamed / 1e9
+            entry.update({"resident_layers": placed.resident_layers} if request.offload == "weights"
+                         else {"resident_tokens": placed.resident_tokens})
+        if request.offload == "kv" and _budgets_below(request.budgets, L):
+            entry["retrieval_build_seconds"] = {
+                budget: _offloaded_build_seconds(setup, models["target"].bytes, placement("target", L, 1, 1), L,
+                                                 budget)
+                for budget in _budgets_below(request.budgets, L)}
+    for role, model in models.items():  # t(B, n): B x n GEMM rows, each sequence's own KV cache
+        for L in model.contexts:
             for B in (B for B in request.batches if B > 1):
-                entry = {"fits_memory": roofline.fits(gpu, spec.fingerprint["parameters"], cost.kv_bytes_per_token,
-                                                      roofline.BYTES_PER_ELEMENT[spec.dtype],
-                                                      B * (L + max(request.sizes)))}
-                times = {n: roofline.gpu_forward_seconds(cost, gpu, parameters, n, L, mode, batch=B)
-                         for n in (request.sizes if role == "target" else [1])}
+                entry = {"fits_memory": placement("target", L, B, widest).fits}
+                times = {n: seconds(role, n, L, B) for n in (request.sizes if role == "target" else [1])}
                 if role == "draft":
                     entry["step_seconds"] = times[1]
                 else:
@@ -719,11 +751,50 @@ def _model_gpu(request: ProfileRequest, log) -> dict:
     document["target"]["engine_overhead_seconds"] = (calibration.engine_overhead if calibration and
                                                      calibration.engine_overhead else roofline.DEFAULT_ENGINE_OVERHEAD)
     document["target"]["engine_overhead_context"] = min(request.contexts)
-    document["settings"] = {"model": "GPU cost model (profiler/roofline.py)", "execution": mode,
+    document["settings"] = {"model": "GPU cost model (profiler/roofline.py, profiler/offload.py)", "execution": mode,
                             "parameters": parameters.as_dict(),
                             "calibration": calibration.record() if calibration else "catalogue defaults"}
     document["backend"] = "compiled" if mode == "compiled" else "lean"
     return document
+
+
+@dataclass(frozen=True)
+class _ModeledModel:
+    """A model as the GPU cost model sees it: one GPU's share of its forward and of its memory."""
+
+    spec: ModelSpec
+    shape: ModelShape  # the whole model's
+    cost: roofline.GpuModelCost  # one GPU's share
+    bytes: ModelBytes  # one GPU's share
+    contexts: list[int]  # the contexts it is modeled at
+
+    @classmethod
+    def of(cls, spec: ModelSpec, role: str, request: ProfileRequest, setup: DeviceSetup) -> _ModeledModel:
+        if spec.dtype not in setup.gpu.tflops:
+            raise UserError(f"{setup.gpu.name} has no {spec.dtype} support")
+        shape = ModelShape.from_config(spec.config)
+        contexts = request.contexts
+        if role == "draft":  # a draft runs over its own context at most (a StreamingLLM window beyond it)
+            contexts = [L for L in request.contexts if L + max(request.sizes) <= shape.max_context]
+        if role == "target" or not contexts:
+            _check_contexts(spec.name, shape, request)
+        output_rows = len(draft_vocabulary_ids(request.draft_vocab, spec.stop_token_ids, shape.vocab)) \
+            if role == "draft" and request.draft_vocab is not None else shape.vocab
+        shard, intermediate = setup.shard(shape, spec.config.intermediate_size, spec.name)
+        cost = roofline.gpu_model_cost(shard, intermediate, spec.dtype, gpu_operators(spec.config, spec.dtype),
+                                       math.ceil(output_rows / setup.gpus))
+        return cls(spec, shape, cost, ModelBytes.of(shape, spec.config.intermediate_size,
+                                                    spec.fingerprint["parameters"], spec.dtype, setup.gpus), contexts)
+
+
+def _offloaded_build_seconds(setup: DeviceSetup, target: ModelBytes, placed: Placement, context: int,
+                             budget: int) -> float:
+    """A TriForce retrieval-cache build with the KV cache offloaded: the chosen chunks' keys and values, `budget`
+    tokens in every layer, gathered from host memory (their offloaded share) and from the device's memory."""
+    offloaded_share = 1.0 - (placed.resident_tokens if placed.resident_tokens is not None else context) / context
+    moved = budget * target.kv_per_token
+    return (moved * offloaded_share / setup.link_bytes_per_second
+            + moved / (setup.gpu.bandwidth_gb_s * 1e9 * roofline.DEFAULT_PARAMETERS.bandwidth_efficiency))
 
 
 def _model_cpu(request: ProfileRequest, log) -> dict:
@@ -754,10 +825,11 @@ def _model_cpu(request: ProfileRequest, log) -> dict:
 
 def profile_document(request: ProfileRequest, source: str, machine: dict, models: dict[str, LoadedModel | ModelSpec],
               curves: dict[str, dict[int, dict[int, dict]]]) -> dict:
-    base = request.contexts[0]
+    first = request.contexts[0]
 
     def section(role: str) -> dict:
         by_context = curves[role]
+        base = first if first in by_context else min(by_context)  # a draft modeled at its own contexts only
         out = {"context": base, "t_seconds": {n: p["median"] for n, p in by_context[base].items()}}
         if role == "draft":
             out = {"step_seconds": by_context[base][1]["median"], **out}

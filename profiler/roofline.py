@@ -93,6 +93,7 @@ class Accelerator:
     bandwidth_gb_s: float
     tflops: dict  # dense (no sparsity) throughput per dtype; fp32 = plain FP32 (no TF32)
     sms: int  # streaming multiprocessors
+    host_link: str  # its link to host memory (profiler/offload.py: HOST_LINKS), from the same datasheet
     device_names: str  # a regular expression that torch's name of this device, in lower case, matches
     source: str
 
@@ -100,48 +101,49 @@ class Accelerator:
 # Exactly one pattern matches each device name (a name no pattern matches is not in the catalogue): the variants of
 # one GPU differ in bandwidth by up to 1.7x (H100 SXM5 3.35 TB/s, PCIe 2.0 TB/s).
 CATALOGUE: dict[str, Accelerator] = {a.name: a for a in (
-    Accelerator("a100-40g", 40, 1555, {"fp32": 19.5, "bf16": 312, "fp16": 312}, 108, r"\ba100\b.*\b40gb\b",
+    Accelerator("a100-40g", 40, 1555, {"fp32": 19.5, "bf16": 312, "fp16": 312}, 108, "pcie4-x16", r"\ba100\b.*\b40gb\b",
                 "NVIDIA A100 Tensor Core GPU datasheet (2021), 40GB (SXM4 and PCIe): HBM2 1,555 GB/s; A100 "
                 "whitepaper: 108 SMs"),
-    Accelerator("a100-80g", 80, 2039, {"fp32": 19.5, "bf16": 312, "fp16": 312}, 108,
+    Accelerator("a100-80g", 80, 2039, {"fp32": 19.5, "bf16": 312, "fp16": 312}, 108, "pcie4-x16",
                 r"^(?!.*\bpcie\b).*\ba100\b.*\b80gb\b",
                 "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 80GB: HBM2e 2,039 GB/s; 108 SMs"),
-    Accelerator("a100-80g-pcie", 80, 1935, {"fp32": 19.5, "bf16": 312, "fp16": 312}, 108,
+    Accelerator("a100-80g-pcie", 80, 1935, {"fp32": 19.5, "bf16": 312, "fp16": 312}, 108, "pcie4-x16",
                 r"^(?=.*\bpcie\b).*\ba100\b.*\b80gb\b",
                 "NVIDIA A100 Tensor Core GPU datasheet (2021), PCIe 80GB: HBM2e 1,935 GB/s; 108 SMs"),
-    Accelerator("a10", 24, 600, {"fp32": 31.2, "bf16": 125, "fp16": 125}, 72, r"\ba10g?\b",
+    Accelerator("a10", 24, 600, {"fp32": 31.2, "bf16": 125, "fp16": 125}, 72, "pcie4-x16", r"\ba10g?\b",
                 "NVIDIA A10 Tensor Core GPU datasheet (2021): GDDR6 600 GB/s, 125 TFLOPS BF16 dense; 72 SMs (AWS's "
                 "A10G, without an NVIDIA datasheet, has its 600 GB/s and is taken for it)"),
-    Accelerator("v100", 32, 900, {"fp32": 15.7, "fp16": 125}, 80, r"\bv100\b",
+    Accelerator("v100", 32, 900, {"fp32": 15.7, "fp16": 125}, 80, "pcie3-x16", r"\bv100\b",
                 "NVIDIA V100 Tensor Core GPU datasheet (2020), SXM2 32GB: HBM2 900 GB/s; no BF16; 80 SMs"),
-    Accelerator("t4", 16, 320, {"fp32": 8.1, "fp16": 65}, 40, r"\bt4\b",
+    Accelerator("t4", 16, 320, {"fp32": 8.1, "fp16": 65}, 40, "pcie3-x16", r"\bt4\b",
                 "NVIDIA T4 datasheet (2019): GDDR6 320 GB/s, 65 TFLOPS FP16 mixed precision; no BF16; 40 SMs"),
-    Accelerator("l4", 24, 300, {"fp32": 30.3, "bf16": 121, "fp16": 121}, 58, r"\bl4\b",
+    Accelerator("l4", 24, 300, {"fp32": 30.3, "bf16": 121, "fp16": 121}, 58, "pcie4-x16", r"\bl4\b",
                 "NVIDIA L4 Tensor Core GPU datasheet (2023): GDDR6 300 GB/s, 30.3 TFLOPS FP32, 242 TFLOPS FP16/BF16 "
                 "with sparsity (121 dense); 7,424 CUDA cores, 58 SMs"),
-    Accelerator("l40", 48, 864, {"fp32": 90.5, "bf16": 181, "fp16": 181}, 142, r"\bl40\b",
+    Accelerator("l40", 48, 864, {"fp32": 90.5, "bf16": 181, "fp16": 181}, 142, "pcie4-x16", r"\bl40\b",
                 "NVIDIA L40 datasheet (2022): GDDR6 864 GB/s, 181 TFLOPS FP16/BF16 dense; 142 SMs"),
-    Accelerator("l40s", 48, 864, {"fp32": 91.6, "bf16": 366, "fp16": 366}, 142, r"\bl40s\b",
+    Accelerator("l40s", 48, 864, {"fp32": 91.6, "bf16": 366, "fp16": 366}, 142, "pcie4-x16", r"\bl40s\b",
                 "NVIDIA L40S datasheet (2023): GDDR6 864 GB/s, 366 TFLOPS FP16/BF16 dense; 142 SMs"),
-    Accelerator("a6000", 48, 768, {"fp32": 38.7, "bf16": 154.8, "fp16": 154.8}, 84, r"\brtx a6000\b",
+    Accelerator("a6000", 48, 768, {"fp32": 38.7, "bf16": 154.8, "fp16": 154.8}, 84, "pcie4-x16", r"\brtx a6000\b",
                 "NVIDIA RTX A6000 datasheet (2021): GDDR6 768 GB/s, 38.7 TFLOPS FP32, 309.7 TFLOPS tensor with "
                 "sparsity (154.8 dense); 10,752 CUDA cores, 84 SMs"),
-    Accelerator("rtx3090", 24, 936, {"fp32": 35.6, "bf16": 71, "fp16": 71}, 82, r"\brtx 3090\b(?! ti)",
+    Accelerator("rtx3090", 24, 936, {"fp32": 35.6, "bf16": 71, "fp16": 71}, 82, "pcie4-x16", r"\brtx 3090\b(?! ti)",
                 "NVIDIA Ampere GA102 GPU architecture whitepaper (2021), RTX 3090: GDDR6X 936 GB/s, 35.6 TFLOPS FP32, "
                 "71 TFLOPS FP16/BF16 tensor with FP32 accumulate (dense); 82 SMs"),
-    Accelerator("rtx4090", 24, 1008, {"fp32": 82.6, "bf16": 165, "fp16": 165}, 128, r"\brtx 4090\b",
+    Accelerator("rtx4090", 24, 1008, {"fp32": 82.6, "bf16": 165, "fp16": 165}, 128, "pcie4-x16", r"\brtx 4090\b",
                 "NVIDIA Ada GPU architecture whitepaper (2022), RTX 4090: 1,008 GB/s, 165 TFLOPS FP16 (FP32 acc.), "
                 "128 SMs"),
-    Accelerator("h100", 80, 3350, {"fp32": 67, "bf16": 989, "fp16": 989}, 132, r"^(?!.*\b(pcie|nvl)\b).*\bh100\b",
+    Accelerator("h100", 80, 3350, {"fp32": 67, "bf16": 989, "fp16": 989}, 132, "pcie5-x16",
+                r"^(?!.*\b(pcie|nvl)\b).*\bh100\b",
                 "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5 80GB: HBM3 3.35 TB/s, 989 TFLOPS BF16 dense; "
                 "132 SMs"),
-    Accelerator("h100-pcie", 80, 2000, {"fp32": 51, "bf16": 756, "fp16": 756}, 114, r"\bh100\b.*\bpcie\b",
+    Accelerator("h100-pcie", 80, 2000, {"fp32": 51, "bf16": 756, "fp16": 756}, 114, "pcie5-x16", r"\bh100\b.*\bpcie\b",
                 "NVIDIA H100 Tensor Core GPU datasheet (2023), PCIe 80GB: HBM2e 2 TB/s, 51 TFLOPS FP32, 1,513 TFLOPS "
                 "BF16 with sparsity (756 dense); 114 SMs"),
-    Accelerator("h100-nvl", 94, 3900, {"fp32": 60, "bf16": 835, "fp16": 835}, 132, r"\bh100\b.*\bnvl\b",
+    Accelerator("h100-nvl", 94, 3900, {"fp32": 60, "bf16": 835, "fp16": 835}, 132, "pcie5-x16", r"\bh100\b.*\bnvl\b",
                 "NVIDIA H100 Tensor Core GPU datasheet (2024), H100 NVL 94GB: HBM3 3.9 TB/s, 60 TFLOPS FP32, 1,671 "
                 "TFLOPS BF16 with sparsity (835 dense); 132 SMs"),
-    Accelerator("h200", 141, 4800, {"fp32": 67, "bf16": 989, "fp16": 989}, 132, r"\bh200\b",
+    Accelerator("h200", 141, 4800, {"fp32": 67, "bf16": 989, "fp16": 989}, 132, "pcie5-x16", r"\bh200\b",
                 "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM 141GB: HBM3e 4.8 TB/s, 989 TFLOPS BF16 dense; "
                 "132 SMs"),
 )}

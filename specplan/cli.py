@@ -18,8 +18,11 @@ from specplan.core.choices import (
     DEVICES,
     DTYPES,
     ENGINES,
+    HOST_LINK_NAMES,
     LOOKUP_ENGINES,
+    OFFLOAD_KINDS,
     PROFILE_DTYPES,
+    RESIDENT_POLICIES,
     SERVING_BASELINES,
     VERIFICATION_RULES,
 )
@@ -179,6 +182,16 @@ def _int_list(text: str | None) -> list[int] | None:
                              "\"NVIDIA H100 PCIe\"), or `cpu` to model this CPU")
 @click.option("--calibrate", multiple=True, type=click.Path(dir_okay=False),
               help="a profile measured on that GPU (repeatable): fit its cost model to them first")
+@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
+              help="with --gpu NAME: tensor parallelism over this many such GPUs, each with its own host link")
+@click.option("--offload", type=click.Choice(OFFLOAD_KINDS),
+              help="with --gpu NAME: keep what does not fit the GPU's memory (the target's layers, or its cached "
+                   "tokens) in host memory, streamed over the host link every forward")
+@click.option("--host-link", type=click.Choice(HOST_LINK_NAMES), help="with --gpu NAME: the GPUs' link to host "
+              "memory [the GPU's own]")
+@click.option("--resident", type=click.Choice(RESIDENT_POLICIES), default="fill", show_default=True,
+              help="with --offload: fill the GPU first, or keep nothing offloadable on it (every layer or cached "
+                   "token streamed, as the papers' offloading baselines do)")
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: all cores)")
 @click.option("--repeats", type=click.IntRange(min=1), help="timed repeats per point [7, quick 3]")
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
@@ -191,7 +204,8 @@ def _int_list(text: str | None) -> list[int] | None:
 def profile(target: str | None, model_old: str | None, draft: str | None, dtype: str, draft_dtype: str | None,
             draft_vocab: int | None, contexts: str | None, sizes: str | None, batches: str | None,
             budgets: str | None,
-            window_prefill: str | None, gpu: str | None, calibrate: tuple[str, ...], threads: int | None,
+            window_prefill: str | None, gpu: str | None, calibrate: tuple[str, ...], gpus: int, offload: str | None,
+            host_link: str | None, resident: str, threads: int | None,
             repeats: int | None, quick: bool, resume: bool, backend: str, engine: str, output: Path) -> None:
     """Measure (or model) t(n) per context length and the draft's per-step cost."""
     target = _renamed(target, model_old, "--model", "--target", required=True)
@@ -199,7 +213,8 @@ def profile(target: str | None, model_old: str | None, draft: str | None, dtype:
     from specplan.show import describe_profile
 
     request = ProfileRequest(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype,
-                             draft_vocab=draft_vocab, gpu=gpu, calibrate=list(calibrate), backend=backend)
+                             draft_vocab=draft_vocab, gpu=gpu, calibrate=list(calibrate), backend=backend, gpus=gpus,
+                             offload=offload, host_link=host_link, resident=resident)
     if quick:
         request.sizes, request.repeats, request.warmup = list(QUICK_SIZES), 3, 1
     request.contexts = _int_list(contexts) or request.contexts

@@ -100,9 +100,15 @@ def describe_profile(profile: LatencyProfile) -> str:
              + ", ".join(f"{k}={v}" for k, v in profile.models.items())
              + (f", draft scores ids < {profile.draft_vocab}" if profile.draft_vocab else "")]
     machine = profile.hardware
-    label = machine.get("gpu") or machine.get("cpu")
+    label = machine_label(profile.machine) if machine.get("gpu") else machine.get("cpu")
     if label:
         lines.append(f"hardware: {label}" + (f", {machine['threads']} threads" if "threads" in machine else ""))
+    for L, entry in (profile.raw.get("target", {}).get("contexts") or {}).items():
+        if isinstance(entry, dict) and "streamed_gb" in entry:
+            kept = (f"{entry['resident_layers']} layers" if "resident_layers" in entry
+                    else f"{entry.get('resident_tokens')} cached tokens")
+            lines.append(f"  offloaded at L={L}: {entry['streamed_gb']:.2f} GB per GPU streamed every forward, "
+                         f"{kept} kept on the device")
     by_context = profile.target_by_context or {profile.target_context or "?": profile.target_t_seconds}
     sizes = sorted({n for points in by_context.values() for n in points})
     lines.append("target: t(n) in ms")

@@ -40,7 +40,7 @@ def test_lookahead_workflow_is_lossless(run_cli, tmp_path, smollm2):
     profile, acceptance, plan = tmp_path / "p.yaml", tmp_path / "a.yaml", tmp_path / "plan.yaml"
     assert run_cli("profile", "--target", MODEL, "--contexts", "128", "--sizes", "1,2,4,8", "--repeats", "2",
                    "-o", profile)[0] == 0
-    assert run_cli("accept", "lookahead", "--target", MODEL, "--dataset", dataset, "--max-new-tokens", 32,
+    assert run_cli("accept", "lookahead", "--target", MODEL, "--dataset", dataset, "--max-new-tokens", 16,
                    "-o", acceptance)[0] == 0
     code, stdout, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--profile", profile,
                                    "--decoding-lengths", "2,4,8", "--branch-lengths", "1,3", "-o", plan)
@@ -50,13 +50,13 @@ def test_lookahead_workflow_is_lossless(run_cli, tmp_path, smollm2):
     tokens = steps = 0
     for prompt in read_dataset(str(dataset)):
         ids = encode_prompt(decoder.tokenizer, prompt.text, True)
-        result = decoder.generate(ids, 32, SamplingParams()).result
-        assert result.tokens == hf_greedy(smollm2, ids, 32)
+        result = decoder.generate(ids, 16, SamplingParams()).result
+        assert result.tokens == hf_greedy(smollm2, ids, 16)
         tokens += len(result.tokens)
         steps += result.steps
     assert tokens / steps == pytest.approx(replayed, rel=1e-9)  # the offline replay is exact
     decoded = tmp_path / "decoded.yaml"
-    code, _, stderr = run_cli("accept", "lookahead", "--target", MODEL, "--dataset", dataset, "--max-new-tokens", 32,
+    code, _, stderr = run_cli("accept", "lookahead", "--target", MODEL, "--dataset", dataset, "--max-new-tokens", 16,
                               "--decode-with", plan, "-o", decoded)
     assert code == 0, stderr
     stored, redecoded = yaml_load(acceptance), yaml_load(decoded)

@@ -55,12 +55,13 @@ def test_a_draft_must_map_every_id_to_the_same_token():
 
 
 def test_cli_choices_are_the_registries_keys():
-    from specplan.core.choices import DTYPES, PRESET_MODELS, VERIFICATION_RULES
+    from specplan.core.choices import DTYPES, HOST_LINK_NAMES, PRESET_MODELS, VERIFICATION_RULES
     from specplan.core.models import PRESETS, TORCH_DTYPES
     from specplan.decoder.verify import RULES
+    from specplan.profiler.offload import HOST_LINKS
 
     assert set(RULES) == set(VERIFICATION_RULES) and tuple(TORCH_DTYPES) == DTYPES
-    assert tuple(PRESETS) == PRESET_MODELS
+    assert tuple(PRESETS) == PRESET_MODELS and tuple(HOST_LINKS) == HOST_LINK_NAMES
 
 
 def test_local_models_are_named_by_their_resolved_path(tmp_path, monkeypatch):
