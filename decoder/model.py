@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from specplan.core.errors import UserError
 from specplan.core.gguf_weights import BlockWeight
 from specplan.decoder import cpu_kernels
+from specplan.decoder.offload import LayerStream
 from specplan.decoder.rope import RotaryTables
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -238,20 +239,25 @@ class LeanModel:
 
     def __init__(self, hf_model: Any, device: torch.device | str = "cpu", release: bool = False,
                  vocabulary: int | None = None, always: Iterable[int] = (),
-                 block_weights: dict[str, BlockWeight] | None = None, kernels: bool = True) -> None:
+                 block_weights: dict[str, BlockWeight] | None = None, kernels: bool = True,
+                 resident_layers: int | None = None) -> None:
         """`release`: free each of `hf_model`'s weights once it is copied into this model's layout (fused, or on
         another device), layer by layer, so that no weight is held twice; `hf_model` is unusable after
         (core/models.py: LoadedModel.transformers_model loads it again). `vocabulary`, `always`: see
         limit_vocabulary. `block_weights`: the matmul weights in GGUF blocks, by parameter name (dtype gguf; run by
         the CPU kernels). `kernels`: on a CPU, run the CPU kernels (decoder/cpu_kernels.py) where they are built
-        and the model's widths suit them; False runs PyTorch's operators."""
+        and the model's widths suit them; False runs PyTorch's operators. `resident_layers`: keep only the first
+        ones on the device and stream the others from host memory every forward (decoder/offload.py; PyTorch's
+        operators, no CUDA graphs)."""
         config = hf_model.config
         self.architecture = Architecture.from_config(config)
         self.shape = ModelShape.from_config(config)
         self.device = torch.device(device)
         block = KERNEL_BLOCKS.get(hf_model.get_input_embeddings().weight.dtype, 0) if block_weights is None else 32
         whole_blocks = block > 0 and _kernel_widths_fit(self.shape, config.intermediate_size, self.architecture, block)
-        self.kernels = cpu_kernels.kernels() if kernels and self.device.type == "cpu" and whole_blocks else None
+        streams = resident_layers is not None
+        self.kernels = (cpu_kernels.kernels() if kernels and not streams and self.device.type == "cpu" and whole_blocks
+                        else None)
         if block_weights is not None and self.kernels is None:
             raise UserError("dtype gguf runs on the CPU kernels, which " + (
                 "are not available here (a CPU device and a C++ compiler are needed)" if whole_blocks
@@ -267,12 +273,17 @@ class LeanModel:
         self.lm_head = (self.block_weights.get("lm_head.weight") or take("lm_head.weight")
                         if "lm_head.weight" in params else self.embed)
         self.final_norm = take("model.norm.weight")
+        host_take = lambda name: params[name].detach().to("cpu", copy=release)  # noqa: E731
         self.layers = []
         for i in range(self.shape.layers):
             prefix = f"model.layers.{i}."
-            self.layers.append(self._layer_weights(params, prefix, take))
+            on_device = not streams or i < resident_layers
+            self.layers.append(self._layer_weights(params, prefix, take if on_device else host_take))
             if release:
                 _free(params, [name for name in params if name.startswith(prefix)])
+        self.layer_stream = LayerStream(self.layers, resident_layers, self.device) if streams else None
+        if self.layer_stream is not None:  # the streamed layers' weights: the stream's host copies only
+            self.layers = self.layer_stream.resident + self.layer_stream.host
         self.output_ids: torch.Tensor | None = None  # set by limit_vocabulary
         if vocabulary is not None:
             self.limit_vocabulary(vocabulary, always)
@@ -462,7 +473,7 @@ class LeanModel:
                 cache.key_positions.index_copy_(2, slots, positions.expand(*cache.key_positions.shape[:2], n))
         layer_masks = self._layer_masks(mask, positions, cache, mask.shape[-1] if mask is not None else end, slots)
         sdpa_masks = {id(layer_mask): _sdpa_form(layer_mask, self) for layer_mask in layer_masks}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layer_stream.layers() if self.layer_stream else self.layers):
             cos, sin = rope[arch.layer_rope[i]]
             h = self._rms_norm(x, layer["input_layernorm"])
             qkv = self._linear(h, layer["wqkv"], layer["bqkv"])

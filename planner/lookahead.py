@@ -24,7 +24,7 @@ replayed exactly under the chosen trie with its retrieval capped there (the trie
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -119,13 +119,17 @@ class LookaheadCandidate:
 def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None,
                     decoding_lengths: tuple[int, ...] = DECODING_LENGTHS,
                     branch_lengths: tuple[int, ...] = BRANCH_LENGTHS,
-                    largest_batch: int | None = None) -> tuple[Plan, list[LookaheadCandidate]]:
-    """The best (L_d, L_b) and the ranked grid; with `largest_batch`, the plan's schedule up to that batch size."""
+                    largest_batch: int | None = None, stand_in: bool = False
+                    ) -> tuple[Plan, list[LookaheadCandidate]]:
+    """The best (L_d, L_b) and the ranked grid; with `largest_batch`, the plan's schedule up to that batch size.
+    `stand_in`: the acceptance file is another model's outputs, priced on the profile's model (a modeled GPU)."""
     acceptance = load_lookahead_acceptance(acceptance_path)
     profile = load_profile(profile_path) if profile_path is not None else None
+    if stand_in and (profile is None or not profile.models.get("target")):
+        raise UserError("--stand-in prices another model's outputs on a profile's model: give --profile")
     if profile is not None:
         measured = profile.models.get("target")
-        if measured and not same_model(measured, acceptance.target):
+        if measured and not stand_in and not same_model(measured, acceptance.target):
             raise UserError(f"{acceptance_path} and {profile_path}: the outputs are from "
                             f"{shown(acceptance.target)} but the profile is for {shown(measured)}")
         max_n = min(max(curve) for curve in (profile.target_by_context or {0: profile.target_t_seconds}).values())
@@ -139,6 +143,10 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
     candidates = _choose(replays, profile)
     plan = _assemble(candidates[0], replays, acceptance, acceptance_path, profile, profile_path, decoding_lengths,
                      branch_lengths)
+    if stand_in:
+        plan.models = replace(plan.models, target=profile.models["target"])
+        plan.inputs["acceptance"]["stands_in"] = (f"measured for {acceptance.target}, standing in for "
+                                                  f"{plan.models.target}")
     plan.solver.update(seconds=seconds, top=[asdict(c) for c in candidates[:10]])
     if largest_batch is not None:
         if profile is None:

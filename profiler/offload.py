@@ -36,15 +36,12 @@ from dataclasses import dataclass
 from specplan.core.choices import OFFLOAD_KINDS, RESIDENT_POLICIES
 from specplan.core.errors import UserError
 from specplan.decoder.model import ModelShape
+from specplan.decoder.offload import DEVICE_RESERVE_BYTES, STREAM_BUFFERS
 from specplan.profiler import roofline
 
 # Pinned host-to-device copies reach about this share of a PCIe link's raw rate: every 256-byte payload carries about
 # 24 bytes of packet header and framing (91% at best), and acknowledgements and flow-control packets share the link.
 LINK_EFFICIENCY = 0.8
-# What each GPU keeps beside the weights and the caches: the CUDA context with PyTorch's kernels loaded (about half a
-# gigabyte), cuBLAS workspaces and one forward's activations.
-DEVICE_RESERVE_BYTES = 1.0e9
-STREAM_BUFFERS = 2  # double buffering: one buffer fills while the layer in the other computes
 # One all-reduce of a few kilobytes between GPUs (NCCL's small-message latency over PCIe is tens of microseconds).
 ALLREDUCE_SECONDS = 20e-6
 

@@ -119,6 +119,12 @@ def _chat_option():
                         help="apply the target's chat template to prompts (a model without one takes them as given)")
 
 
+def _stand_in_option() -> Callable:
+    return click.option("--stand-in", is_flag=True,
+                        help="the acceptance file is another model's (pair's), standing in for the profile's models "
+                             "(e.g. configs modeled on a GPU): the plan is for the profile's models and says so")
+
+
 def _output(required: bool = True, help: str | None = None):
     return click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=required,
                         callback=_writable, help=help)
@@ -377,9 +383,7 @@ def solve() -> None:
               help="a chain engine's plan (--engine vllm, trtllm-draft, llama.cpp): also schedule the draft length "
                    "for every batch size up to this one (a profile with --batches): the most output tokens/s over "
                    "the batch, or none")
-@click.option("--stand-in", is_flag=True,
-              help="the acceptance file is another pair's, standing in for the profile's models (e.g. configs "
-                   "modeled on a GPU): the plan is for the profile's models and says so")
+@_stand_in_option()
 @_output()
 def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int,
                       context: int | None, top: int, engine: str, heads: int | None, batches: int | None,
@@ -433,11 +437,13 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
 @click.option("--batches", type=click.IntRange(min=1),
               help="also schedule the decoding length for every batch size up to this one (a profile with "
                    "--batches): the setting giving the most output tokens/s over the batch, or none")
+@_stand_in_option()
 @_output()
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
                         branch_lengths: str | None, top: int, engine: str, max_ngrams: str | None,
                         draft_lengths: str | None, trie_depths: str | None, bfs_breadths: str | None,
-                        match_types: str | None, stop_tokens: str | None, batches: int | None, output: Path) -> None:
+                        match_types: str | None, stop_tokens: str | None, batches: int | None, stand_in: bool,
+                        output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
     --engine, a serving engine's n-gram knobs by exact replay of its rule."""
     from specplan.core.plan_schema import save_plan
@@ -445,8 +451,8 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     from specplan.show import describe_schedule
 
     if engine != "specplan":
-        if batches is not None:
-            raise UserError("--batches schedules our Lookahead trie; it does not go with --engine")
+        if batches is not None or stand_in:
+            raise UserError("--batches and --stand-in go with our Lookahead trie, not with --engine")
         grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths, match_types)
         _solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stop_tokens, top, output)
         return
@@ -455,7 +461,7 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     b_grid = tuple(_int_list(branch_lengths) or BRANCH_LENGTHS)
     if min(d_grid) < 1 or min(b_grid) < 1:
         raise UserError("decoding lengths L_d and branch lengths L_b must be >= 1")
-    plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid, batches)
+    plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid, batches, stand_in)
     _echo_ranked(ranked[:top], [("L_d", lambda c: c.decoding_length), ("L_b", lambda c: c.branch_length)],
                  profile_path is not None)
     save_plan(plan, output)
@@ -655,11 +661,17 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
 @click.option("--json", "as_json", is_flag=True,
               help="print one JSON object (with --requests: one per request in input order, then a summary)")
 @_backend_option(None)
+@click.option("--offload", type=click.Choice(("weights",)),
+              help="weights: keep the target's later layers in host memory and stream them in every forward")
+@click.option("--resident-layers", type=click.IntRange(min=0),
+              help="with --offload weights: the target's first layers kept on the device [a GPU: as many as its "
+                   "free memory holds beside a 4,096-token cache; a CPU: none]")
 def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, requests_path: Path | None,
              concurrency: int, prefill_chunk: int, fixed_drafting: bool, target: str | None, draft: str | None,
              dtype: str | None, draft_dtype: str | None, max_new_tokens: int, temperature: float | None,
              top_p: float | None, top_k: int, seed: int, verify: str | None, chat: bool, device: str | None,
-             stream: bool, as_json: bool, backend: str | None) -> None:
+             stream: bool, as_json: bool, backend: str | None, offload: str | None,
+             resident_layers: int | None) -> None:
     """Generate with a plan (Sequoia, Lookahead, TriForce) or autoregressively: lossless either way."""
     import json
 
@@ -668,6 +680,9 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 
     if sum(given is not None for given in (prompt, prompt_file, requests_path)) != 1:
         raise UserError("give exactly one of --prompt, --prompt-file and --requests")
+    if resident_layers is not None and offload is None:
+        raise UserError("--resident-layers says what an offloaded target keeps on the device: it needs --offload")
+    resident = (resident_layers if resident_layers is not None else "fill") if offload else None
     if requests_path is not None:
         from specplan.core.request_file import load_requests
 
@@ -675,7 +690,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
             raise UserError("--stream prints one request's tokens; with --requests, use --json or plan serve")
         entries = load_requests(requests_path)
         decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
-                               backend=backend)
+                               backend=backend, resident_layers=resident)
         if fixed_drafting:
             decoder.draft_every_step()
         failed = _generate_requests(decoder, entries, concurrency, max_new_tokens, temperature, top_p, top_k, seed,
@@ -691,7 +706,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
         except OSError as exc:
             raise UserError(f"{prompt_file}: cannot read: {exc.strerror}") from None
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
-                           backend=backend)
+                           backend=backend, resident_layers=resident)
     if fixed_drafting:
         decoder.draft_every_step()
     defaults = decoder.default_params()

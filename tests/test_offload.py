@@ -19,6 +19,8 @@ from specplan.profiler.offload import (
     pipelined_seconds,
 )
 
+from toy import one_error
+
 CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "configs"
 GB = 1e9
 
@@ -139,3 +141,95 @@ def test_an_offloaded_profile_is_flat_in_n_and_its_tree_is_larger(run_cli, tmp_p
         assert code == 0, err
         sizes_chosen[name] = yaml.safe_load(plan.read_text())["tree"]["size"]
     assert sizes_chosen["t4"] >= 5 * sizes_chosen["a100"]
+
+
+# --- the decoder with offloaded weights (decoder/offload.py), host and device both the CPU ---------------------------
+
+def test_streamed_layers_compute_what_resident_ones_do_and_cross_once_per_forward(tiny_pair):
+    import torch
+
+    from specplan.core.models import load_model
+    from specplan.decoder.model import LeanModel, causal_mask
+
+    loaded = load_model("tiny-random-llama")
+    resident = LeanModel(loaded.model, kernels=False)
+    layers = resident.shape.layers
+    tokens, positions = torch.tensor([5, 9, 2, 7]), torch.arange(4)
+    expected = resident.forward(tokens, positions, resident.new_cache(16), causal_mask(0, 4, resident.dtype, "cpu"))
+    for kept in range(layers + 1):
+        streamed = LeanModel(loaded.model, kernels=False, resident_layers=kept)
+        stream = streamed.layer_stream
+        assert len(stream.buffers) == min(STREAM_BUFFERS, layers - kept) and len(streamed.layers) == layers
+        for forward in (1, 2):  # a second forward refills the buffers from the start
+            cache = streamed.new_cache(16)
+            logits = streamed.forward(tokens, positions, cache, causal_mask(0, 4, streamed.dtype, "cpu"))
+            assert torch.equal(logits, expected)
+            assert stream.copied_layers == forward * (layers - kept)
+        assert stream.streamed_bytes == sum(w.numel() * w.element_size() for layer in streamed.layers[kept:]
+                                            for w in layer.values() if isinstance(w, torch.Tensor))
+    with pytest.raises(UserError, match="between 0 and the model's"):
+        LeanModel(loaded.model, kernels=False, resident_layers=layers + 1)
+
+
+def test_an_offloaded_target_decodes_its_own_greedy_tokens(run_cli, tmp_path):
+    """A Sequoia plan with the target's layers streamed: the same greedy tokens as the target alone; refused in one
+    line where the weights cannot stream (GGUF blocks)."""
+    from specplan.decoder.api import load_decoder
+    from specplan.decoder.sampling import SamplingParams
+
+    prompt = [3, 14, 15, 92, 65, 35]
+    plain = load_decoder(target="tiny-random-llama", device="cpu").generate(prompt, 12, SamplingParams()).result
+    for kept in (0, 1):
+        decoder = load_decoder(target="tiny-random-llama", device="cpu", resident_layers=kept)
+        result = decoder.generate(prompt, 12, SamplingParams()).result
+        assert result.tokens == plain.tokens
+        assert decoder.target_forward.layer_stream.copied_layers > 0
+    code, _, err = run_cli("generate", "--target", "tiny-random-llama", "--prompt", "hi", "--max-new-tokens", 2,
+                           "--offload", "weights", "--dtype", "gguf")
+    assert code == 2 and "fp32 or bf16" in err and one_error(err)
+
+
+@pytest.mark.slow
+def test_sampling_with_streamed_layers_is_distributed_as_the_target():
+    """Sequoia's tree verified by the target whose layers all stream through the buffers: the first two sampled
+    tokens follow the target's distribution."""
+    from specplan.decoder.drafters import SequoiaDrafter
+    from specplan.decoder.engine import SpeculativeEngine
+    from specplan.decoder.model import LeanModel
+    from specplan.decoder.sampling import SamplingParams
+
+    from toy import (
+        SAMPLES,
+        assert_distributed_as_target,
+        first_two_distribution,
+        sample_first_two_batched,
+        toy_model,
+    )
+
+    target_hf, _ = toy_model(10)
+    target = LeanModel(target_hf, kernels=False, resident_layers=0)
+    _, draft = toy_model(10, noise=0.6)
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    prompt, parents = [1, 4, 2, 5, 3], [-1, 0, 0, 1, 1, 2, 3]
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, parents))
+    counts, accepted = sample_first_two_batched(engine, lambda: SequoiaDrafter(draft, parents), prompt, params,
+                                                SAMPLES)
+    assert accepted > 0.2 and target.layer_stream.copied_layers > 0
+    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+
+
+@pytest.mark.parametrize("target, flags, context, paper_ms", [
+    # Sequoia (Table 5's setting): Llama2-70B in fp16 on an L40, every layer streamed, as its offloading system does
+    ("llama-2-70b", ("--gpu", "l40", "--offload", "weights", "--resident", "none", "--draft",
+                     CONFIGS / "llama-2-7b.json"), 256, 5600),
+    # TriForce (Table 3): 127K-token prompts, the KV cache offloaded, two RTX 4090s
+    ("llama-2-7b-128k", ("--gpu", "rtx4090", "--gpus", "2", "--offload", "kv"), 127 * 1024, 840),
+    ("llama-2-13b-128k", ("--gpu", "rtx4090", "--gpus", "2", "--offload", "kv"), 127 * 1024, 1794),
+])
+def test_modeled_offloading_meets_the_papers_autoregressive_baselines(run_cli, tmp_path, target, flags, context,
+                                                                       paper_ms):
+    out = tmp_path / "p.yaml"
+    code, _, err = run_cli("profile", "--target", CONFIGS / f"{target}.json", "--dtype", "fp16", "--contexts", context,
+                           "--sizes", "1,2", *flags, "-o", out)
+    assert code == 0, err
+    assert load_profile(out).target_t_seconds[1] * 1e3 == pytest.approx(paper_ms, rel=0.2)

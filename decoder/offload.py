@@ -1,0 +1,119 @@
+"""A target whose layers do not all fit the device: the ones past `resident` stay in host memory and stream in, layer
+by layer, every forward (`plan generate --offload weights`; the layout profiler/offload.py models).
+
+STREAM_BUFFERS device buffers shaped like one layer take the streamed layers in turn. On a GPU the copies run on a
+side stream from pinned host memory: the first ones are issued before the resident layers compute, a layer's kernels
+wait for its copy's event, and the copy of the layer STREAM_BUFFERS further on waits for those kernels before it
+overwrites their buffer, so the link and the compute overlap. On a CPU (host and device both CPU) the same order runs
+with plain copies, which is what the tests check: every forward copies each streamed layer once, into the buffer
+its turn gives it, and computes exactly what the resident model computes. CUDA graphs are not captured for such a
+model: a forward is bound by the link, and its copies are not part of a graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from specplan.core.errors import UserError
+
+STREAM_BUFFERS = 2  # double buffering: one buffer fills while the layer in the other computes
+# What a GPU keeps beside the weights and the caches: the CUDA context with PyTorch's kernels loaded (about half a
+# gigabyte), cuBLAS workspaces and one forward's activations.
+DEVICE_RESERVE_BYTES = 1.0e9
+FILL_DEVICE = "fill"  # resident layers: as many as the GPU's free memory holds (fitting_layers)
+KV_ROOM_TOKENS = 4096  # the KV cache a GPU filled with layers at load still has room for (set --resident-layers)
+
+
+class LayerStream:
+    """Yields a model's layers in order, the resident ones as they are and the streamed ones copied into buffers."""
+
+    def __init__(self, layers: list[dict[str, Any]], resident: int, device: torch.device) -> None:
+        if not 0 <= resident <= len(layers):
+            raise UserError(f"--resident-layers must be between 0 and the model's {len(layers)} layers")
+        self.device = device
+        self.resident = layers[:resident]
+        cuda = device.type == "cuda"
+        self.host = [{name: _host(weight, cuda) for name, weight in layer.items()} for layer in layers[resident:]]
+        self.buffers = [{name: _like(weight, device) for name, weight in self.host[0].items()}
+                        for _ in range(min(STREAM_BUFFERS, len(self.host)))] if self.host else []
+        self.copy_stream = torch.cuda.Stream(device) if cuda and self.host else None
+        self.copied_layers = 0  # streamed layers copied since the model was built (tests, and the bench)
+
+    @property
+    def streamed_bytes(self) -> int:
+        """What one forward brings over the host link."""
+        return sum(weight.numel() * weight.element_size() for layer in self.host for weight in layer.values()
+                   if isinstance(weight, torch.Tensor))
+
+    def layers(self) -> Iterator[dict[str, Any]]:
+        """The forward's layers in order; a streamed layer's buffer is refilled once the layer has been computed (the
+        caller has enqueued its work by the time it asks for the next layer)."""
+        arrivals = {j: self._copy(j) for j in range(len(self.buffers))}
+        yield from self.resident
+        for j in range(len(self.host)):
+            self._wait(arrivals.pop(j))
+            yield self.buffers[j % len(self.buffers)]
+            if j + len(self.buffers) < len(self.host):
+                arrivals[j + len(self.buffers)] = self._copy(j + len(self.buffers))
+
+    def _copy(self, j: int) -> torch.cuda.Event | None:
+        """Copy streamed layer j into its buffer, after the work already enqueued (that buffer's last layer)."""
+        buffer = self.buffers[j % len(self.buffers)]
+        self.copied_layers += 1
+        if self.copy_stream is None:
+            for name, weight in self.host[j].items():
+                if isinstance(weight, torch.Tensor):
+                    buffer[name].copy_(weight)
+            return None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            for name, weight in self.host[j].items():
+                if isinstance(weight, torch.Tensor):
+                    buffer[name].copy_(weight, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(self.copy_stream)
+        return arrived
+
+    def _wait(self, arrived: torch.cuda.Event | None) -> None:
+        if arrived is not None:
+            torch.cuda.current_stream(self.device).wait_event(arrived)
+
+
+def fitting_layers(hf_model: Any, device: torch.device) -> int:
+    """How many of the model's first layers a GPU's free memory holds beside everything else that stays there: the
+    other weights, STREAM_BUFFERS streamed layers, a KV cache of KV_ROOM_TOKENS tokens and DEVICE_RESERVE_BYTES."""
+    config = hf_model.config
+    sizes: dict[int, int] = {}
+    other = 0
+    for name, weight in hf_model.named_parameters():
+        size = weight.numel() * weight.element_size()
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            sizes[layer] = sizes.get(layer, 0) + size
+        else:
+            other += size
+    layer_bytes = max(sizes.values())
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    element = next(hf_model.parameters()).element_size()
+    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * element * KV_ROOM_TOKENS
+    free = torch.cuda.mem_get_info(device)[0] - DEVICE_RESERVE_BYTES - other - kv - STREAM_BUFFERS * layer_bytes
+    return max(0, min(len(sizes), int(free // layer_bytes)))
+
+
+def _host(weight: Any, pin: bool) -> Any:
+    """A layer's weight in host memory (pinned for asynchronous copies to a GPU)."""
+    if not isinstance(weight, torch.Tensor):
+        if weight is not None and not isinstance(weight, (int, float)):
+            raise UserError("offloaded layers run on PyTorch's operators; this model's weights are in another form")
+        return weight
+    host = weight.detach().to("cpu")
+    return host.pin_memory() if pin else host
+
+
+def _like(weight: Any, device: torch.device) -> Any:
+    return torch.empty_like(weight, device=device) if isinstance(weight, torch.Tensor) else weight
