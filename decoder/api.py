@@ -25,7 +25,7 @@ from specplan.decoder.cuda_graphs import compile_forward, enable_cuda_graphs
 from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import GenerationResult, SpeculativeEngine
 from specplan.decoder.model import SUPPORTED_ARCHITECTURES, LeanModel
-from specplan.decoder.offload import FILL_DEVICE, fitting_layers
+from specplan.decoder.offload import fitting_layers
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.transformers_forward import TransformersForward
 from specplan.decoder.trie import Trie
@@ -175,12 +175,13 @@ def choose_backend(config: Any, backend: str = "auto") -> str:
 
 
 def load_forward(loaded: LoadedModel, device: str, vocabulary: int | None = None, backend: str = "auto",
-                 resident_layers: int | str | None = None) -> Forward:
+                 offload: str | None = None, resident_layers: int | None = None) -> Forward:
     """The decoder's forward for a loaded model, scoring only the ids below `vocabulary` (and the stop tokens)
-    if given; on a GPU the lean forward replays every shape as a CUDA graph. `resident_layers`: weights offloaded,
-    only these first layers kept on the device (FILL_DEVICE: as many as a GPU holds; decoder/offload.py)."""
+    if given; on a GPU the lean forward replays every shape as a CUDA graph. `offload` (decoder/offload.py): "weights"
+    keeps only the first `resident_layers` layers on the device (default: as many as a GPU's free memory holds; on a
+    CPU none) and streams the others; "kv" keeps the "target" role's caches in host memory."""
     always = loaded.stop_token_ids
-    if resident_layers is not None and (loaded.dtype == "gguf" or choose_backend(loaded.config, backend) != "lean"):
+    if offload is not None and (loaded.dtype == "gguf" or choose_backend(loaded.config, backend) != "lean"):
         raise UserError("offloaded weights stream into the lean forward on PyTorch's operators: dtype fp32 or bf16, "
                         "backend lean")
     if choose_backend(loaded.config, backend) == "transformers":
@@ -195,14 +196,15 @@ def load_forward(loaded: LoadedModel, device: str, vocabulary: int | None = None
                         "lean backend runs the project's own kernels")
     blocks = loaded.block_weights() if loaded.dtype == "gguf" else None
     hf_model = loaded.transformers_model()
-    if resident_layers == FILL_DEVICE:
+    if offload == "weights" and resident_layers is None:
         resident_layers = fitting_layers(hf_model, torch.device(device)) if torch.device(device).type == "cuda" else 0
     model = LeanModel(hf_model, device, release=True, vocabulary=vocabulary, always=always,
-                      block_weights=blocks, resident_layers=resident_layers)
+                      block_weights=blocks, resident_layers=resident_layers if offload == "weights" else None,
+                      offload_kv=offload == "kv")
     loaded.released = True
     if compiled:
         compile_forward(model)
-    if model.device.type == "cuda" and model.layer_stream is None:
+    if model.device.type == "cuda" and offload is None:
         enable_cuda_graphs(model)
     return model
 
@@ -210,10 +212,11 @@ def load_forward(loaded: LoadedModel, device: str, vocabulary: int | None = None
 def load_decoder(plan_path: str | Path | None = None, target: str | None = None, draft: str | None = None,
                  dtype: str | None = None, draft_dtype: str | None = None, verify: str | None = None,
                  log: Callable[[str], None] = lambda message: None, device: str | None = None,
-                 backend: str | None = None, resident_layers: int | str | None = None) -> Decoder:
+                 backend: str | None = None, offload: str | None = None, resident_layers: int | None = None
+                 ) -> Decoder:
     """Load the plan (if any) and the models it names (or the ones given), and build its drafter. `backend`:
-    the forward to run (decoder/api.py: choose_backend); by default the plan's, else `auto`. `resident_layers`:
-    the target's weights offloaded, only these first layers kept on the device (the drafts stay whole)."""
+    the forward to run (decoder/api.py: choose_backend); by default the plan's, else `auto`. `offload`,
+    `resident_layers`: the target's weights or KV cache in host memory (load_forward; the drafts stay whole)."""
     device = device or default_device()
     plan = load_plan(plan_path) if plan_path is not None else None
     if plan is not None and plan.method == "prompt-lookup":
@@ -232,7 +235,8 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     if plan is not None and plan.models.backend not in (None, backend):
         log(f"note: the plan's prediction is for the {plan.models.backend} backend; running the {backend} one")
     log(f"backend: {backend}")
-    target_forward = load_forward(target_model, device, backend=backend, resident_layers=resident_layers)
+    target_forward = load_forward(target_model, device, backend=backend, offload=offload,
+                                  resident_layers=resident_layers)
     if plan is None:
         return Decoder(target_model, lambda: None, None, verify, target_forward)
     if plan.method == "lookahead":

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from specplan.core.errors import UserError
 from specplan.core.gguf_weights import BlockWeight
 from specplan.decoder import cpu_kernels
-from specplan.decoder.offload import LayerStream
+from specplan.decoder.offload import KVStream, LayerStream
 from specplan.decoder.rope import RotaryTables
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -158,10 +158,18 @@ class Architecture:
 class KVCache:
     """Keys and values of all layers, [layers, kv_heads, max_len, head_dim]; `length` committed tokens."""
 
-    def __init__(self, shape: ModelShape, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, shape: ModelShape, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 streamed_to: torch.device | None = None):
+        """`streamed_to`: keep the keys and values in host memory (pinned for a GPU) and stream them to that device
+        every forward (decoder/offload.py: KVStream; `plan generate --offload kv`)."""
         size = (shape.layers, shape.kv_heads, max_len, shape.head_dim)
-        self.k = torch.zeros(size, dtype=dtype, device=device)
-        self.v = torch.zeros(size, dtype=dtype, device=device)
+        if streamed_to is not None:
+            device = "cpu"
+        pinned = streamed_to is not None and streamed_to.type == "cuda"
+        self.k = torch.zeros(size, dtype=dtype, device=device, pin_memory=pinned)
+        self.v = torch.zeros(size, dtype=dtype, device=device, pin_memory=pinned)
+        self.stream = (KVStream(shape.layers, shape.kv_heads, max_len, shape.head_dim, dtype, streamed_to)
+                       if streamed_to is not None else None)
         self.layer_views = list(zip(self.k.unbind(0), self.v.unbind(0)))  # (keys, values) [kv_heads, max_len, d]
         self.max_len = max_len
         self.length = 0
@@ -240,7 +248,7 @@ class LeanModel:
     def __init__(self, hf_model: Any, device: torch.device | str = "cpu", release: bool = False,
                  vocabulary: int | None = None, always: Iterable[int] = (),
                  block_weights: dict[str, BlockWeight] | None = None, kernels: bool = True,
-                 resident_layers: int | None = None) -> None:
+                 resident_layers: int | None = None, offload_kv: bool = False) -> None:
         """`release`: free each of `hf_model`'s weights once it is copied into this model's layout (fused, or on
         another device), layer by layer, so that no weight is held twice; `hf_model` is unusable after
         (core/models.py: LoadedModel.transformers_model loads it again). `vocabulary`, `always`: see
@@ -248,14 +256,16 @@ class LeanModel:
         the CPU kernels). `kernels`: on a CPU, run the CPU kernels (decoder/cpu_kernels.py) where they are built
         and the model's widths suit them; False runs PyTorch's operators. `resident_layers`: keep only the first
         ones on the device and stream the others from host memory every forward (decoder/offload.py; PyTorch's
-        operators, no CUDA graphs)."""
+        operators, no CUDA graphs). `offload_kv`: the "target" role's caches (cache_for) live in host memory and
+        stream in every forward (decoder/offload.py: KVStream)."""
         config = hf_model.config
         self.architecture = Architecture.from_config(config)
         self.shape = ModelShape.from_config(config)
         self.device = torch.device(device)
         block = KERNEL_BLOCKS.get(hf_model.get_input_embeddings().weight.dtype, 0) if block_weights is None else 32
         whole_blocks = block > 0 and _kernel_widths_fit(self.shape, config.intermediate_size, self.architecture, block)
-        streams = resident_layers is not None
+        streams = resident_layers is not None or offload_kv
+        self.offload_kv = offload_kv
         self.kernels = (cpu_kernels.kernels() if kernels and not streams and self.device.type == "cpu" and whole_blocks
                         else None)
         if block_weights is not None and self.kernels is None:
@@ -277,11 +287,12 @@ class LeanModel:
         self.layers = []
         for i in range(self.shape.layers):
             prefix = f"model.layers.{i}."
-            on_device = not streams or i < resident_layers
+            on_device = resident_layers is None or i < resident_layers
             self.layers.append(self._layer_weights(params, prefix, take if on_device else host_take))
             if release:
                 _free(params, [name for name in params if name.startswith(prefix)])
-        self.layer_stream = LayerStream(self.layers, resident_layers, self.device) if streams else None
+        self.layer_stream = (LayerStream(self.layers, resident_layers, self.device) if resident_layers is not None
+                             else None)
         if self.layer_stream is not None:  # the streamed layers' weights: the stream's host copies only
             self.layers = self.layer_stream.resident + self.layer_stream.host
         self.output_ids: torch.Tensor | None = None  # set by limit_vocabulary
@@ -373,10 +384,11 @@ class LeanModel:
                         else self.lm_head[self.output_ids].contiguous())
         self.output_weight = self._matmul_weight(self.lm_head)
 
-    def new_cache(self, max_len: int) -> KVCache:
+    def new_cache(self, max_len: int, host: bool = False) -> KVCache:
+        """`host`: in host memory, streamed to the device every forward."""
         if max_len > self.shape.max_context:
             raise UserError(f"a cache of {max_len} tokens exceeds the model's maximum context {self.shape.max_context}")
-        return KVCache(self.shape, max_len, self.dtype, self.device)
+        return KVCache(self.shape, max_len, self.dtype, self.device, streamed_to=self.device if host else None)
 
     def cache_for(self, max_len: int, role: str, exact: bool = False, keep: bool = False) -> KVCache:
         """An empty cache of `max_len` slots for `role` (the engine's "target", a drafter's own): the one this
@@ -397,7 +409,7 @@ class LeanModel:
             if last.max_len >= max_len:
                 return last
             if last.held is not None:  # a larger cache, the kept prefix copied along
-                cache = self.new_cache(max_len)
+                cache = self.new_cache(max_len, host=self.offload_kv and role == "target")
                 cache.k[:, :, :last.length] = last.k[:, :, :last.length]
                 cache.v[:, :, :last.length] = last.v[:, :, :last.length]
                 cache.length, cache.held = last.length, last.held
@@ -408,7 +420,7 @@ class LeanModel:
         if cache is None:
             if self.graphed is None:
                 kept.clear()  # free the old cache before the new one takes its memory
-            cache = self.new_cache(max_len)
+            cache = self.new_cache(max_len, host=self.offload_kv and role == "target")
         else:
             cache.reset()
         kept[max_len] = cache
@@ -473,6 +485,10 @@ class LeanModel:
                 cache.key_positions.index_copy_(2, slots, positions.expand(*cache.key_positions.shape[:2], n))
         layer_masks = self._layer_masks(mask, positions, cache, mask.shape[-1] if mask is not None else end, slots)
         sdpa_masks = {id(layer_mask): _sdpa_form(layer_mask, self) for layer_mask in layer_masks}
+        if cache.stream is not None:
+            if slots is not None:
+                raise UserError("a cache in host memory is written in the dynamic layout only")
+            cache.stream.begin(cache, start)
         for i, layer in enumerate(self.layer_stream.layers() if self.layer_stream else self.layers):
             cos, sin = rope[arch.layer_rope[i]]
             h = self._rms_norm(x, layer["input_layernorm"])
@@ -486,7 +502,11 @@ class LeanModel:
             v = v.view(n, shape.kv_heads, shape.head_dim).transpose(0, 1)
             if cache.root_queries is not None:
                 cache.root_queries[i] = q[:, 0]
-            if slots is None:
+            if cache.stream is not None:
+                if i == 0 and self.long_rope is not None:
+                    cache.tokens[start:end] = tokens
+                keys, values = cache.stream.layer(cache, i, start, k, v)
+            elif slots is None:
                 cache.k[i, :, start:end] = k
                 cache.v[i, :, start:end] = v
                 if i == 0 and self.long_rope is not None:
@@ -499,6 +519,8 @@ class LeanModel:
                     cache.tokens.index_copy_(0, slots, tokens)
                 keys, values = cache.k[i], cache.v[i]
             out = self._attention(q, keys, values, layer_masks[i], sdpa_masks[id(layer_masks[i])])
+            if cache.stream is not None:
+                cache.stream.then(cache, i, start)
             out = self._linear(out.transpose(0, 1).reshape(n, self.q_size), layer["wo"], layer["bo"])
             if arch.sandwich_norms:
                 x = x + self._rms_norm(out, layer["post_attention_layernorm"])

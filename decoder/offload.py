@@ -1,5 +1,7 @@
-"""A target whose layers do not all fit the device: the ones past `resident` stay in host memory and stream in, layer
-by layer, every forward (`plan generate --offload weights`; the layout profiler/offload.py models).
+"""A target whose layers, or whose KV cache, do not fit the device: they stay in host memory and stream in, layer by
+layer, every forward (`plan generate --offload weights|kv`; the layouts profiler/offload.py models).
+
+Weights: the layers past `resident` stay in host memory.
 
 STREAM_BUFFERS device buffers shaped like one layer take the streamed layers in turn. On a GPU the copies run on a
 side stream from pinned host memory: the first ones are issued before the resident layers compute, a layer's kernels
@@ -8,6 +10,11 @@ overwrites their buffer, so the link and the compute overlap. On a CPU (host and
 with plain copies, which is what the tests check: every forward copies each streamed layer once, into the buffer
 its turn gives it, and computes exactly what the resident model computes. CUDA graphs are not captured for such a
 model: a forward is bound by the link, and its copies are not part of a graph.
+
+KV cache (a KVCache in host memory with a KVStream: the target's cache; a TriForce plan's retrieval cache stays on
+the device): every layer's keys and values live in host memory. A forward copies layer i's cached rows into a device
+buffer (the same turns and events as the weights), writes the new tokens' rows both into that buffer and back to host
+memory, and attends over the buffer.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ STREAM_BUFFERS = 2  # double buffering: one buffer fills while the layer in the 
 # What a GPU keeps beside the weights and the caches: the CUDA context with PyTorch's kernels loaded (about half a
 # gigabyte), cuBLAS workspaces and one forward's activations.
 DEVICE_RESERVE_BYTES = 1.0e9
-FILL_DEVICE = "fill"  # resident layers: as many as the GPU's free memory holds (fitting_layers)
 KV_ROOM_TOKENS = 4096  # the KV cache a GPU filled with layers at load still has room for (set --resident-layers)
 
 
@@ -54,7 +60,7 @@ class LayerStream:
         arrivals = {j: self._copy(j) for j in range(len(self.buffers))}
         yield from self.resident
         for j in range(len(self.host)):
-            self._wait(arrivals.pop(j))
+            wait(arrivals.pop(j))
             yield self.buffers[j % len(self.buffers)]
             if j + len(self.buffers) < len(self.host):
                 arrivals[j + len(self.buffers)] = self._copy(j + len(self.buffers))
@@ -77,9 +83,6 @@ class LayerStream:
             arrived.record(self.copy_stream)
         return arrived
 
-    def _wait(self, arrived: torch.cuda.Event | None) -> None:
-        if arrived is not None:
-            torch.cuda.current_stream(self.device).wait_event(arrived)
 
 
 def fitting_layers(hf_model: Any, device: torch.device) -> int:
@@ -117,3 +120,61 @@ def _host(weight: Any, pin: bool) -> Any:
 
 def _like(weight: Any, device: torch.device) -> Any:
     return torch.empty_like(weight, device=device) if isinstance(weight, torch.Tensor) else weight
+
+
+class KVStream:
+    """Device buffers taking a host cache's layers in turn: begin() before the first layer, layer(i) for each."""
+
+    def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.device, self.layers = device, layers
+        size = (kv_heads, max_len, head_dim)
+        self.buffers = [(torch.empty(size, dtype=dtype, device=device), torch.empty(size, dtype=dtype, device=device))
+                        for _ in range(min(STREAM_BUFFERS, layers))]
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.arrivals: dict[int, torch.cuda.Event | None] = {}
+        self.copied_rows = 0  # cached rows brought to the device, all layers (tests)
+
+    def begin(self, cache: Any, start: int) -> None:
+        """A forward writing from slot `start` begins: the first layers' cached rows start crossing."""
+        self.arrivals = {i: self._copy(cache, i, start) for i in range(len(self.buffers))}
+
+    def layer(self, cache: Any, i: int, start: int, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values for this forward's attention, [kv_heads, end, head_dim] each, on the device: its
+        cached rows as copied, then `k` and `v` (the new tokens' rows, [kv_heads, n, head_dim]), which also go
+        back to host memory. The copy of layer i + STREAM_BUFFERS into the same buffer is issued behind this
+        layer's work (after the caller's attention is enqueued: `then`)."""
+        end = start + k.shape[1]
+        wait(self.arrivals.pop(i))
+        keys, values = self.buffers[i % len(self.buffers)]
+        keys[:, start:end], values[:, start:end] = k, v
+        cache.k[i, :, start:end].copy_(k, non_blocking=True)
+        cache.v[i, :, start:end].copy_(v, non_blocking=True)
+        return keys[:, :end], values[:, :end]
+
+    def then(self, cache: Any, i: int, start: int) -> None:
+        """Layer i's attention is enqueued: its buffer takes layer i + STREAM_BUFFERS next."""
+        if i + len(self.buffers) < self.layers:
+            self.arrivals[i + len(self.buffers)] = self._copy(cache, i + len(self.buffers), start)
+
+    def _copy(self, cache: Any, i: int, rows: int) -> torch.cuda.Event | None:
+        keys, values = self.buffers[i % len(self.buffers)]
+        self.copied_rows += rows
+        if self.copy_stream is None:
+            keys[:, :rows].copy_(cache.k[i, :, :rows])
+            values[:, :rows].copy_(cache.v[i, :, :rows])
+            return None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            keys[:, :rows].copy_(cache.k[i, :, :rows], non_blocking=True)
+            values[:, :rows].copy_(cache.v[i, :, :rows], non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(self.copy_stream)
+        return arrived
+
+
+def wait(arrived: torch.cuda.Event | None) -> None:
+    """The current stream waits for a copy's event (None: the copy was synchronous)."""
+    if arrived is not None:
+        torch.cuda.current_stream().wait_event(arrived)

@@ -187,12 +187,12 @@ class RetrievalCache:
         if chunks * s < budget:
             raise UserError(f"the budget {budget} is not below the context ({length} tokens)")
         if self.cache is None:
-            self.cache = KVCache(shape, budget + s + self.scratch, full.k.dtype, full.k.device)
+            self.cache = KVCache(shape, budget + s + self.scratch, full.k.dtype, self.model.device)
             if self.model.has_windows:
                 self.cache.track_positions()  # the slots hold chosen chunks: their positions set the windows' masks
         group = shape.heads // shape.kv_heads
         means = full.k[:, :, :chunks * s].float().view(shape.layers, shape.kv_heads, chunks, s, -1).mean(3)
-        q = queries.float().view(shape.layers, shape.kv_heads, group, -1).sum(2)
+        q = queries.float().to(means.device).view(shape.layers, shape.kv_heads, group, -1).sum(2)
         scores = torch.einsum("lhd,lhcd->lhc", q, means)
         scores[:, :, 0] = float("inf")  # the attention sink
         for layer, window in enumerate(self.model.architecture.layer_windows):
@@ -207,12 +207,17 @@ class RetrievalCache:
         kept = index.shape[2]
         # Row copies straight into each head's contiguous slots: at a 2048 budget over 7680 tokens, 12 ms
         # against 100 ms for a torch.gather along the slot axis (which reads an index per element).
+        # A full cache in host memory (--offload kv) sends each head's chosen rows to the device in one copy.
         for source, target in ((full.k, self.cache.k), (full.v, self.cache.v)):
             for layer in range(shape.layers):
                 for head in range(shape.kv_heads):
-                    torch.index_select(source[layer, head], 0, index[layer, head], out=target[layer, head, :kept])
+                    if source.device == target.device:
+                        torch.index_select(source[layer, head], 0, index[layer, head], out=target[layer, head, :kept])
+                    else:
+                        target[layer, head, :kept].copy_(torch.index_select(source[layer, head], 0,
+                                                                            index[layer, head]))
         if self.cache.key_positions is not None:
-            self.cache.key_positions[:, :, :kept] = index
+            self.cache.key_positions[:, :, :kept] = index.to(self.cache.key_positions.device)
         self.cache.length = kept
         self.next_slot = budget - 1
         self.inserted = 0
@@ -223,9 +228,9 @@ class RetrievalCache:
         count = end - start
         if self.next_slot - count + 1 < self.settings.chunk or self.inserted + count > self.settings.stride:
             return False
-        slots = torch.arange(self.next_slot, self.next_slot - count, -1, device=full.k.device)
-        self.cache.k[:, :, slots] = full.k[:, :, start:end]
-        self.cache.v[:, :, slots] = full.v[:, :, start:end]
+        slots = torch.arange(self.next_slot, self.next_slot - count, -1, device=self.cache.k.device)
+        self.cache.k[:, :, slots] = full.k[:, :, start:end].to(self.cache.k.device)
+        self.cache.v[:, :, slots] = full.v[:, :, start:end].to(self.cache.v.device)
         if self.cache.key_positions is not None:
             self.cache.key_positions[:, :, slots] = torch.arange(start, end, device=slots.device)
         self.next_slot -= count

@@ -661,8 +661,9 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
 @click.option("--json", "as_json", is_flag=True,
               help="print one JSON object (with --requests: one per request in input order, then a summary)")
 @_backend_option(None)
-@click.option("--offload", type=click.Choice(("weights",)),
-              help="weights: keep the target's later layers in host memory and stream them in every forward")
+@click.option("--offload", type=click.Choice(OFFLOAD_KINDS),
+              help="keep the target's later layers (weights) or its KV cache (kv) in host memory and stream them in "
+                   "every forward")
 @click.option("--resident-layers", type=click.IntRange(min=0),
               help="with --offload weights: the target's first layers kept on the device [a GPU: as many as its "
                    "free memory holds beside a 4,096-token cache; a CPU: none]")
@@ -680,9 +681,9 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 
     if sum(given is not None for given in (prompt, prompt_file, requests_path)) != 1:
         raise UserError("give exactly one of --prompt, --prompt-file and --requests")
-    if resident_layers is not None and offload is None:
-        raise UserError("--resident-layers says what an offloaded target keeps on the device: it needs --offload")
-    resident = (resident_layers if resident_layers is not None else "fill") if offload else None
+    if resident_layers is not None and offload != "weights":
+        raise UserError("--resident-layers says how many layers an offloaded target keeps on the device: it needs "
+                        "--offload weights")
     if requests_path is not None:
         from specplan.core.request_file import load_requests
 
@@ -690,7 +691,8 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
             raise UserError("--stream prints one request's tokens; with --requests, use --json or plan serve")
         entries = load_requests(requests_path)
         decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
-                               backend=backend, resident_layers=resident)
+                               backend=backend, offload=offload,
+                               resident_layers=resident_layers)
         if fixed_drafting:
             decoder.draft_every_step()
         failed = _generate_requests(decoder, entries, concurrency, max_new_tokens, temperature, top_p, top_k, seed,
@@ -706,7 +708,8 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
         except OSError as exc:
             raise UserError(f"{prompt_file}: cannot read: {exc.strerror}") from None
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
-                           backend=backend, resident_layers=resident)
+                           backend=backend, offload=offload,
+                           resident_layers=resident_layers)
     if fixed_drafting:
         decoder.draft_every_step()
     defaults = decoder.default_params()

@@ -180,7 +180,7 @@ def test_an_offloaded_target_decodes_its_own_greedy_tokens(run_cli, tmp_path):
     prompt = [3, 14, 15, 92, 65, 35]
     plain = load_decoder(target="tiny-random-llama", device="cpu").generate(prompt, 12, SamplingParams()).result
     for kept in (0, 1):
-        decoder = load_decoder(target="tiny-random-llama", device="cpu", resident_layers=kept)
+        decoder = load_decoder(target="tiny-random-llama", device="cpu", offload="weights", resident_layers=kept)
         result = decoder.generate(prompt, 12, SamplingParams()).result
         assert result.tokens == plain.tokens
         assert decoder.target_forward.layer_stream.copied_layers > 0
@@ -233,3 +233,58 @@ def test_modeled_offloading_meets_the_papers_autoregressive_baselines(run_cli, t
                            "--sizes", "1,2", *flags, "-o", out)
     assert code == 0, err
     assert load_profile(out).target_t_seconds[1] * 1e3 == pytest.approx(paper_ms, rel=0.2)
+
+
+def test_a_cache_in_host_memory_streams_every_layer_and_computes_the_same():
+    """The target's KV cache in host memory: each forward copies every layer's cached rows to the device once and
+    writes its new rows back; prefill, a tree of rows and a commit give what the resident cache gives."""
+    import torch
+
+    from specplan.core.models import load_model
+    from specplan.decoder.model import LeanModel, causal_mask
+
+    loaded = load_model("tiny-random-llama")
+    resident, streamed = LeanModel(loaded.model, kernels=False), LeanModel(loaded.model, kernels=False, offload_kv=True)
+    caches = [model.cache_for(32, "target") for model in (resident, streamed)]
+    assert caches[0].stream is None and caches[1].stream is not None and caches[1].k.device.type == "cpu"
+    assert streamed.cache_for(8, "draft").stream is None  # only the target's own cache lives in host memory
+    layers = streamed.shape.layers
+    prompt = torch.tensor([5, 9, 2, 7, 11])
+    no = float("-inf")
+    steps = [(prompt, torch.arange(5), causal_mask(0, 5, resident.dtype, "cpu")),
+             (torch.tensor([3, 4, 6]), torch.tensor([5, 6, 6]),  # a tree: two children of the first new row
+              torch.tensor([[0.0, no, no], [0.0, 0.0, no], [0.0, no, 0.0]]))]
+    copied = 0
+    for tokens, positions, tree in steps:
+        start = caches[1].length
+        mask = torch.cat([torch.zeros(len(tokens), start), tree], 1) if start else tree
+        outputs = [model.forward(tokens, positions, cache, mask) for model, cache in zip((resident, streamed), caches)]
+        assert torch.equal(outputs[0], outputs[1])
+        copied += layers * start
+        assert caches[1].stream.copied_rows == copied
+        for cache in caches:
+            cache.commit(torch.tensor([0, 2]) if start else None, 2 if start else 5)
+    assert torch.equal(caches[0].k[:, :, :7], caches[1].k[:, :, :7])
+
+
+def test_triforce_with_its_full_cache_in_host_memory_is_lossless():
+    """TriForce's offloading layout: the full cache in host memory, the retrieval cache on the device (here both the
+    CPU): the hierarchy's greedy tokens are the target's own."""
+    from specplan.core.method_settings import RetrievalSettings
+    from specplan.core.models import load_model
+    from specplan.decoder.drafters import NoDrafter
+    from specplan.decoder.engine import SpeculativeEngine
+    from specplan.decoder.model import LeanModel
+    from specplan.decoder.sampling import SamplingParams
+    from specplan.decoder.triforce import HierarchicalDrafter
+
+    from toy import hf_greedy, long_prompt
+
+    loaded = load_model("tiny-random-llama")
+    target = LeanModel(loaded.model, kernels=False, offload_kv=True)
+    prompt = long_prompt(300, 3)
+    drafter = HierarchicalDrafter(target, NoDrafter(), 1, 3, RetrievalSettings(256, 16, 32))
+    engine = SpeculativeEngine(target, drafter)
+    result = engine.generate(prompt, 40, SamplingParams())
+    assert result.tokens == hf_greedy(loaded, prompt, 40)
+    assert engine.cache.stream is not None and drafter.retrieval.cache.stream is None and drafter.retrieval.builds
