@@ -172,8 +172,8 @@ def test_streamed_layers_compute_what_resident_ones_do_and_cross_once_per_forwar
 
 
 def test_an_offloaded_target_decodes_its_own_greedy_tokens(run_cli, tmp_path):
-    """A Sequoia plan with the target's layers streamed: the same greedy tokens as the target alone; refused in one
-    line where the weights cannot stream (GGUF blocks)."""
+    """The target's layers streamed, decoding alone and verifying a Sequoia tree: the same greedy tokens as the target
+    resident; refused in one line where the weights cannot stream (GGUF blocks)."""
     from specplan.decoder.api import load_decoder
     from specplan.decoder.sampling import SamplingParams
 
@@ -184,6 +184,17 @@ def test_an_offloaded_target_decodes_its_own_greedy_tokens(run_cli, tmp_path):
         result = decoder.generate(prompt, 12, SamplingParams()).result
         assert result.tokens == plain.tokens
         assert decoder.target_forward.layer_stream.copied_layers > 0
+    from specplan.core.models import load_model
+    from specplan.decoder.drafters import SequoiaDrafter
+    from specplan.decoder.engine import SpeculativeEngine
+    from specplan.decoder.model import LeanModel
+
+    loaded = load_model("tiny-random-llama")
+    target = LeanModel(loaded.model, kernels=False, resident_layers=1)
+    draft = LeanModel(load_model("tiny-random-llama-draft").model)
+    tree = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1, 1, 2, 3])).generate(prompt, 12,
+                                                                                            SamplingParams())
+    assert tree.tokens == plain.tokens and tree.steps < 12
     code, _, err = run_cli("generate", "--target", "tiny-random-llama", "--prompt", "hi", "--max-new-tokens", 2,
                            "--offload", "weights", "--dtype", "gguf")
     assert code == 2 and "fp32 or bf16" in err and one_error(err)
