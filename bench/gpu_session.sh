@@ -12,6 +12,9 @@
 #   device run: bash bench/gpu_session.sh triforce   (carry .gpuw2; the same machine, within its 30 s warm time)
 #          or: bash bench/gpu_session.sh diagnose   (carry .gpu .whl: grouped matmuls against SDPA for many heads;
 #                                                   where a one- and a two-row forward's time goes, fp32 and bf16)
+#          or: bash bench/gpu_session.sh offload    (no carry: the offloaded decoding tests of test_cuda, then the
+#                                                   host link's rate and a 13B-shaped model streamed, measured
+#                                                   against its modeled t(n); issue 52)
 set -u
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
 OUT=${OUT:-/tmp/gpu-out}
@@ -26,6 +29,12 @@ plan="python3 -m specplan.cli"
 } 2>&1 | tee "$LOG"
 
 case "$1" in
+offload)
+  timeout 120 python3 -m pytest -q tests/test_cuda.py -k offloaded -p no:cacheprovider -o addopts= 2>&1 | tail -5 \
+    | tee -a "$LOG"
+  timeout 240 python3 bench/gpu_offload.py --resident 0 2>&1 | tail -8 | tee -a "$LOG"
+  timeout 120 python3 bench/gpu_offload.py --resident 20 --sizes 1,512 2>&1 | tail -4 | tee -a "$LOG"
+  ;;
 profiles|tests)
   cp .gpuw1/part1 /tmp/halves/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1

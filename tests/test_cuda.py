@@ -191,3 +191,21 @@ def test_bench_on_the_gpu(bench_tiny_sequoia):
     for name in ("ours", "ours-ar"):
         assert summary[name]["identical_to_hf"] == summary[name]["compared"] == 2
         assert summary[name]["decode_tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("offload", ["weights", "kv"])
+def test_offloaded_targets_decode_their_greedy_tokens_on_the_gpu(offload):
+    """The target's later layers (weights) or its KV cache (kv) in pinned host memory, copied on a side stream into
+    two device buffers every forward (decoder/offload.py): a Sequoia tree verified on it gives transformers' greedy
+    tokens, and the copies did happen."""
+    target, draft = load_model("tiny-random-llama"), load_model("tiny-random-llama-draft")
+    streamed = load_forward(target, "cuda", offload=offload, resident_layers=1 if offload == "weights" else None)
+    assert streamed.graphed is None
+    engine = SpeculativeEngine(streamed, SequoiaDrafter(load_forward(draft, "cuda"), [-1, 0, 0, 1, 1, 2, 3]))
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    assert engine.generate(prompt, 40, SamplingParams()).tokens == hf_greedy(target, prompt, 40)
+    if offload == "weights":
+        assert streamed.layer_stream.copied_layers > 0 and streamed.layer_stream.host[0]["wo"].is_pinned()
+    else:
+        cache = engine.cache
+        assert cache.stream.copied_rows > 0 and cache.k.is_pinned() and cache.k.device.type == "cpu"
