@@ -21,7 +21,10 @@ A plan solved with `--batches` also carries `schedule: {context, entries: [{batc
 decoding_length, tokens_per_step, tokens_per_second, speedup}, ...]}`: for each range of batch sizes (the sequences a
 step decodes together, ranges contiguous from 1), the setting predicted to give the most output tokens per second
 over the whole batch at `context`, and that prediction (speedup: over no speculation at the same batch size). The
-decoder picks the entry of the sequences in flight at each step; beyond the last range, the last entry. Lookahead's
+decoder picks the entry of the sequences in flight at each step; beyond the last range, the last entry. Solved with
+`--contexts` too, the schedule holds one such table per context: the first with `up_to_context` (the longest
+sequence it covers), then `longer: [{context, up_to_context, entries}, ..., {context, entries}]`, each sequence
+following the table of its own current length. Lookahead's
 entries vary the decoding length under the plan's own trie (`speculate: false`: the root alone, the trie still
 learning); a draft-model chain's (a Sequoia plan whose tree is a chain, solved for a chain engine) vary the draft
 length, `decoding_length` - 1 tokens, at most the plan's chain. A plan without a schedule is the batch-1 plan at every
@@ -256,10 +259,13 @@ class ScheduleEntry:
 
 @dataclass(frozen=True)
 class BatchSchedule:
-    """A plan's setting per batch size (see the module's docstring), priced at `context` tokens."""
+    """A plan's setting per batch size (see the module's docstring), priced at `context` tokens, for sequences of up
+    to `up_to_context` tokens (None: any); `longer`: the tables for longer sequences, each with its own range."""
 
     context: int | None
     entries: tuple[ScheduleEntry, ...]
+    up_to_context: int | None = None
+    longer: tuple[BatchSchedule, ...] = ()
 
     @classmethod
     def merged(cls, context: int | None, per_batch: list[tuple[int | None, float, float, float]]) -> BatchSchedule:
@@ -273,12 +279,30 @@ class BatchSchedule:
                 entries.append(ScheduleEntry(batch, batch, length is not None, length, per_step, rate, speedup))
         return cls(context, tuple(entries))
 
-    def entry_for(self, batch: int) -> ScheduleEntry:
-        """The entry whose range holds `batch` sequences (the last beyond the last range)."""
-        return next((e for e in self.entries if e.low <= batch <= e.high), self.entries[-1])
+    @classmethod
+    def by_context(cls, tables: list[BatchSchedule]) -> BatchSchedule:
+        """One schedule of tables priced at increasing contexts: each covers the sequences up to the geometric mean of
+        its context and the next one's (the last, every longer sequence)."""
+        tables = sorted(tables, key=lambda table: table.context or 0)
+        bounded = [replace(table, up_to_context=int((table.context * following.context) ** 0.5))
+                   for table, following in zip(tables, tables[1:])] + [tables[-1]]
+        return replace(bounded[0], longer=tuple(bounded[1:]))
+
+    @property
+    def tables(self) -> tuple[BatchSchedule, ...]:
+        """Every context range's table, shortest first (this one's own first)."""
+        return (replace(self, longer=()), *self.longer)
+
+    def entry_for(self, batch: int, context: int | None = None) -> ScheduleEntry:
+        """The entry whose range holds `batch` sequences (the last beyond the last range), in the table of a
+        sequence of `context` tokens (None: the first table)."""
+        tables = self.tables
+        table = next((t for t in tables if context is None or t.up_to_context is None or context <= t.up_to_context),
+                     tables[-1])
+        return next((e for e in table.entries if e.low <= batch <= e.high), table.entries[-1])
 
     @classmethod
-    def from_fields(cls, f: Fields, largest_draft: int | None) -> BatchSchedule:
+    def from_fields(cls, f: Fields, largest_draft: int | None, nested: bool = False) -> BatchSchedule:
         raw = f.data.get("entries")
         if not isinstance(raw, list) or not raw:
             raise f.fail("'entries' must be a non-empty list")
@@ -291,11 +315,29 @@ class BatchSchedule:
             if largest_draft is not None and (entry.decoding_length or 0) > largest_draft:
                 raise f.fail(f"decoding length {entry.decoding_length} exceeds the plan's {largest_draft}")
             expected = entry.high + 1
-        return cls(f.token_count("context", required=False), entries)
+        longer: tuple[BatchSchedule, ...] = ()
+        if f.has("longer"):
+            items = f.data["longer"]
+            if nested or not isinstance(items, list) or not items:
+                raise f.fail("'longer' must be a non-empty list of tables, at the top of the schedule only")
+            longer = tuple(cls.from_fields(Fields(item, f"{f.where}: longer[{i}]"), largest_draft, nested=True)
+                           for i, item in enumerate(items))
+        schedule = cls(f.token_count("context", required=False), entries,
+                       f.token_count("up_to_context", required=False), longer)
+        tables = schedule.tables
+        bounds = [table.up_to_context for table in tables]
+        if bounds[-1] is not None or any(b is None for b in bounds[:-1]) or bounds[:-1] != sorted(set(bounds[:-1])):
+            raise f.fail("the tables' 'up_to_context' must increase, and only the last table may go without one")
+        return schedule
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"context": self.context} if self.context is not None else {}
-        return {**out, "entries": [e.to_dict() for e in self.entries]}
+        if self.up_to_context is not None:
+            out["up_to_context"] = self.up_to_context
+        out["entries"] = [e.to_dict() for e in self.entries]
+        if self.longer:
+            out["longer"] = [table.to_dict() for table in self.longer]
+        return out
 
 
 @dataclass
@@ -320,12 +362,13 @@ class Plan:
     def kind(self) -> str:
         return f"plan/{self.method}"
 
-    def predicted_at(self, batch: int) -> tuple[float, float] | None:
+    def predicted_at(self, batch: int, context: int | None = None) -> tuple[float, float] | None:
         """The tokens per step and the speedup over one-token decoding the plan predicts for its drafted steps at
-        `batch` sequences (its schedule's entry there, else its batch-1 prediction): the price a request's own
-        drafts are held to (decoder/gate.py). None where nothing is priced (no profile) or the schedule is off."""
+        `batch` sequences of `context` tokens (its schedule's entry there, else its batch-1 prediction): the price a
+        request's own drafts are held to (decoder/gate.py). None where nothing is priced (no profile) or the schedule
+        is off."""
         if self.schedule is not None:
-            entry = self.schedule.entry_for(batch)
+            entry = self.schedule.entry_for(batch, context)
             return (entry.tokens_per_step, entry.speedup) if entry.speculate else None
         if self.prediction.speedup is None:
             return None

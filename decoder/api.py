@@ -66,7 +66,8 @@ class Decoder:
         self.target_forward = target_forward
         # each request drafts at a step only while its own drafts pay at the plan's price (decoder/gate.py)
         self.engine = SpeculativeEngine(self.target_forward, make_drafter(), target.stop_token_ids, verify,
-                                        plan.predicted_at if plan is not None else None)
+                                        plan.predicted_at if plan is not None else None,
+                                        plan.schedule if plan is not None else None)
         self.slot_drafters: dict[int, Drafter] = {}  # a batch's slots beyond the first (slot 0: the engine's)
 
     def draft_every_step(self) -> None:
@@ -90,8 +91,7 @@ class Decoder:
 
     def scheduler(self, concurrency: int, prefill_chunk: int = 0) -> Scheduler:
         """A continuous-batching scheduler over this decoder's target and drafters (decoder/batching.py)."""
-        return Scheduler(self.engine, self.drafter_for_slot, concurrency, prefill_chunk,
-                         self.plan.schedule if self.plan is not None else None)
+        return Scheduler(self.engine, self.drafter_for_slot, concurrency, prefill_chunk)
 
     def check_memory(self, concurrency: int, max_len: int) -> None:
         """Refuse, before any work, a concurrency whose caches of `max_len` slots do not fit the free memory."""

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import torch
 
 from specplan.core.errors import UserError
-from specplan.core.plan_schema import BatchSchedule
 from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
 from specplan.decoder.model import ForwardItem, prefill_together, prompt_item
@@ -82,7 +81,7 @@ class Scheduler:
     each) and advances every running sequence by one speculative step; `run` does both over a list."""
 
     def __init__(self, engine: SpeculativeEngine, drafter_for_slot: Callable[[int], Drafter], concurrency: int,
-                 prefill_chunk: int = 0, schedule: BatchSchedule | None = None) -> None:
+                 prefill_chunk: int = 0) -> None:
         if concurrency < 1:
             raise UserError(f"the concurrency must be >= 1, got {concurrency}")
         if prefill_chunk < 0:
@@ -97,7 +96,6 @@ class Scheduler:
         self.running: list[_Running] = []
         self.prefill_chunk = prefill_chunk if hasattr(engine.target, "forward_many") else 0
         self.prefilling: list[_Running] = []  # admitted, their prompts entering the cache along the steps (FIFO)
-        self.schedule = schedule  # the plan's setting per batch size, followed at every step
         self.free_slots = list(range(concurrency))
         self.cancelled: set[int] = set()
         self.next_id = 0
@@ -132,11 +130,7 @@ class Scheduler:
         chunks = self._prompt_chunks()
         if not running and not chunks:
             return done
-        if self.schedule is not None:
-            setting = self.schedule.entry_for(len(running))
-            for entry in running:
-                entry.run.drafter.follow(setting)
-        for entry in running:
+        for entry in running:  # each sequence the schedule's setting of its own context at this batch size
             entry.run.decide(len(running))
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
         items += [item for _, item in chunks]

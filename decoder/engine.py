@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specplan.core.errors import UserError
+from specplan.core.plan_schema import BatchSchedule
 from specplan.decoder.drafters import Drafter, NoDrafter
 from specplan.decoder.gate import DraftGate, Pricing
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
@@ -64,8 +65,9 @@ class SequenceRun:
     def __init__(self, target: LeanModel, drafter: Drafter, cache: KVCache, rule: VerificationRule,
                  params: SamplingParams, seed: int | None, max_new_tokens: int, stop_ids: set[int],
                  masks: TreeMasks, on_tokens: Callable[[list[int]], None] | None = None,
-                 pricing: Pricing | None = None) -> None:
+                 pricing: Pricing | None = None, schedule: BatchSchedule | None = None) -> None:
         self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
+        self.schedule = schedule
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
         self.gate = DraftGate(pricing) if pricing is not None and drafter.gated else None
         drafter.drafting = True
@@ -96,9 +98,12 @@ class SequenceRun:
         self.root = prompt[-1]
 
     def decide(self, batch: int) -> None:
-        """Whether this request drafts at the coming step of `batch` sequences (always, without a gate)."""
+        """How much this request drafts at the coming step of `batch` sequences (the schedule's setting there, at its
+        own context), and whether it drafts at all (always, without a gate)."""
+        if self.schedule is not None:
+            self.drafter.follow(self.schedule.entry_for(batch, self.cache.length))
         if self.gate is not None:
-            self.drafter.drafting = self.gate.drafts(batch)
+            self.drafter.drafting = self.gate.drafts(batch, self.cache.length)
 
     def propose(self, tree: DraftTree | None = None) -> ForwardItem:
         """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
@@ -145,11 +150,14 @@ class SequenceRun:
 
 class SpeculativeEngine:
     def __init__(self, target: LeanModel, drafter: Drafter | None = None, stop_ids: Collection[int] | None = None,
-                 rule: str | None = None, pricing: Pricing | None = None) -> None:
+                 rule: str | None = None, pricing: Pricing | None = None, schedule: BatchSchedule | None = None
+                 ) -> None:
         """`pricing`: the plan's predicted tokens per step and speedup per batch size (Plan.predicted_at), against
-        which each request decides step by step whether to draft (decoder/gate.py); None: every step drafts."""
+        which each request decides step by step whether to draft (decoder/gate.py); None: every step drafts.
+        `schedule`: the plan's setting per batch size and context, which each request follows step by step."""
         self.target = target
         self.pricing = pricing
+        self.schedule = schedule
         self.drafter = drafter or NoDrafter()
         self.stop_ids = set(stop_ids or ())
         self.rule_name = rule
@@ -201,7 +209,7 @@ class SpeculativeEngine:
         if keep_prefix:
             cache.keep_prefix(prompt)
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
-                          self.stop_ids, self.masks, on_tokens, self.pricing)
+                          self.stop_ids, self.masks, on_tokens, self.pricing, self.schedule)
         if prefill:
             run.prefill(prompt)
             run.prefill_seconds = run.started - start

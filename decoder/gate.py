@@ -7,7 +7,7 @@ the drafted step costs what the profile says whatever it yields. Each request ke
 its drafted steps (the plan's own prediction, r = 1, before the first); below break-even it steps without drafting
 (the root alone: exact as any tree is, so greedy output and the sampled distribution are those of the target) and
 drafts again every PROBE_EVERY steps to see whether its text has turned predictable. How much it drafts when it
-does is the plan's setting at the step's batch size (its schedule's entry).
+does is the plan's setting at the step's batch size and the request's context (its schedule's entry).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ YIELD_WEIGHT = 0.3
 # Steps without drafting after which a request drafts once more: a probe costs one drafted step in this many
 PROBE_EVERY = 8
 
-Pricing = Callable[[int], "tuple[float, float] | None"]  # batch size -> (predicted tokens per step, speedup) or None
+# (batch size, the request's context) -> (predicted tokens per step, speedup) or None
+Pricing = Callable[[int, int], "tuple[float, float] | None"]
 
 
 class DraftGate:
-    """One request's decisions: `drafts(batch)` before a step, `observe(emitted)` after it."""
+    """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted)` after it."""
 
     def __init__(self, pricing: Pricing) -> None:
         self.pricing = pricing
@@ -33,9 +34,9 @@ class DraftGate:
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
         self.drafting = True
 
-    def drafts(self, batch: int) -> bool:
-        """Whether the request drafts at the coming step of `batch` sequences."""
-        self.priced = self.pricing(batch)
+    def drafts(self, batch: int, context: int) -> bool:
+        """Whether the request (`context` tokens so far) drafts at the coming step of `batch` sequences."""
+        self.priced = self.pricing(batch, context)
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
             self.drafting = True
         elif self.yield_ratio * self.priced[1] >= 1.0 or self.idle_steps + 1 >= PROBE_EVERY:

@@ -16,7 +16,7 @@ import yaml
 
 from specplan.core.choices import ENGINES
 from specplan.core.errors import UserError
-from specplan.core.plan_schema import Plan, TokenTree
+from specplan.core.plan_schema import BatchSchedule, Plan, TokenTree
 from specplan.core.validate import Fields
 from specplan.planner.draft_chain import HF_SCHEDULES
 from specplan.planner.engines import (
@@ -66,9 +66,24 @@ def sequoia_growmap(tree: TokenTree) -> dict[str, Any]:
             "size": tree.size}
 
 
-def _schedule_rows(plan: Plan) -> list[tuple[int, int, int]]:
-    """A chain plan's schedule as (first batch size, last, draft tokens K; 0: off)."""
-    return [(e.low, e.high, (e.decoding_length or 1) - 1) for e in plan.schedule.entries]
+def _schedule_rows(plan: Plan, context: int) -> list[tuple[int, int, int]]:
+    """A chain plan's schedule as (first batch size, last, draft tokens K; 0: off): the table of sequences of
+    `context` tokens, where the plan has one per context range (the engines' tables have a batch axis only)."""
+    return [(e.low, e.high, (e.decoding_length or 1) - 1) for e in _table_at(plan, context).entries]
+
+
+def _table_at(plan: Plan, context: int) -> BatchSchedule:
+    tables = plan.schedule.tables
+    return next((t for t in tables if t.up_to_context is None or context <= t.up_to_context), tables[-1])
+
+
+def _context_note(plan: Plan, context: int) -> str:
+    """Which of the plan's context tables an engine's batch-size table was taken from (nothing where it has one)."""
+    if len(plan.schedule.tables) == 1:
+        return ""
+    table = _table_at(plan, context)
+    return (f"; the plan's table for sequences of {context} tokens (priced at {table.context}; --context picks "
+            f"another of its {len(plan.schedule.tables)})")
 
 
 def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int | None = None,
@@ -112,13 +127,13 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         config = {"method": method, "model": draft_path, "num_speculative_tokens": depth}
         written_for = f"vLLM's SpeculativeConfig at {VLLM_SPECULATIVE_CONFIG.commit[:12]}"
         if plan.schedule is not None:
-            rows = _schedule_rows(plan)
+            rows = _schedule_rows(plan, context)
             config["num_speculative_tokens"] = max(k for _, _, k in rows)
             if config["num_speculative_tokens"] == 0:
                 return Export("{}", f"vllm serve {target} without --speculative-config: no draft length was "
                                     "predicted to pay at any batch size")
             config["num_speculative_tokens_per_batch_size"] = [list(row) for row in rows]
-            written_for += f" and its dynamic schedule at {VLLM_DYNAMIC_SD.commit[:12]}"
+            written_for += f" and its dynamic schedule at {VLLM_DYNAMIC_SD.commit[:12]}{_context_note(plan, context)}"
         return Export(json.dumps(config), f"vllm serve {target} --speculative-config '<this JSON>' ({written_for})")
     if fmt == "trtllm":
         config = {"speculative_config": {"decoding_type": "Eagle", "max_draft_len": tree.size - 1,
@@ -132,7 +147,7 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         header = f"# TensorRT-LLM's DraftTargetDecodingConfig ({TRTLLM_ARGS.path} at {TRTLLM_ARGS.commit[:12]})\n"
         note = ""
         if plan.schedule is not None:
-            rows = _schedule_rows(plan)
+            rows = _schedule_rows(plan, context)
             first = rows[0][2]
             if first == 0 or any(k > first for _, _, k in rows):
                 raise UserError(f"{plan.source}: TensorRT-LLM takes a draft_len_schedule whose batch size 1 drafts "
@@ -142,7 +157,7 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
             speculative["draft_len_schedule"] = {high: k for _, high, k in rows}
             header += f"# draft_len_schedule as {TRTLLM_SPEC_UTILS.path} at {TRTLLM_SPEC_UTILS.commit[:12]} reads it\n"
             note = (f" (above {rows[-1][1]} requests, the largest batch size priced, it drafts nothing)"
-                    if rows[-1][2] else "")
+                    if rows[-1][2] else "") + _context_note(plan, context)
         return Export(header + yaml.safe_dump({"speculative_config": speculative}, sort_keys=False),
                       "trtllm-serve ... --extra_llm_api_options <this YAML>" + note)
     if fmt == "sglang":
@@ -194,7 +209,7 @@ def _llama_server_at(plan: Plan, draft_path: str, best: Fields | None, concurren
     if concurrency is None:
         raise UserError("llama-server takes one draft length for all its slots: give --concurrency, the requests "
                         "you serve at once, and the schedule's setting there is exported")
-    entry = plan.schedule.entry_for(concurrency)
+    entry = plan.schedule.entry_for(concurrency, context)
     slots = f"-np {concurrency} -c {concurrency * context}"
     if not entry.speculate:
         return Export(slots, f"llama-server -m TARGET.gguf <these flags>: at {concurrency} requests no draft length "

@@ -119,10 +119,11 @@ class LookaheadCandidate:
 def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None,
                     decoding_lengths: tuple[int, ...] = DECODING_LENGTHS,
                     branch_lengths: tuple[int, ...] = BRANCH_LENGTHS,
-                    largest_batch: int | None = None, stand_in: bool = False
+                    largest_batch: int | None = None, stand_in: bool = False, contexts: tuple[int, ...] = ()
                     ) -> tuple[Plan, list[LookaheadCandidate]]:
     """The best (L_d, L_b) and the ranked grid; with `largest_batch`, the plan's schedule up to that batch size.
-    `stand_in`: the acceptance file is another model's outputs, priced on the profile's model (a modeled GPU)."""
+    `stand_in`: the acceptance file is another model's outputs, priced on the profile's model (a modeled GPU).
+    `contexts`: the schedule's tables, one priced at each (default: one, at the replay's mean context)."""
     acceptance = load_lookahead_acceptance(acceptance_path)
     profile = load_profile(profile_path) if profile_path is not None else None
     if stand_in and (profile is None or not profile.models.get("target")):
@@ -148,11 +149,13 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
         plan.inputs["acceptance"]["stands_in"] = (f"measured for {acceptance.target}, standing in for "
                                                   f"{plan.models.target}")
     plan.solver.update(seconds=seconds, top=[asdict(c) for c in candidates[:10]])
+    if contexts and largest_batch is None:
+        raise UserError("--contexts prices a schedule per batch size at each context: it goes with --batches")
     if largest_batch is not None:
         if profile is None:
             raise UserError("a schedule per batch size is priced on a profile: give --profile")
         plan.schedule, rates = lookahead_schedule(acceptance.records, plan.settings, profile, largest_batch,
-                                                  decoding_lengths)
+                                                  decoding_lengths, contexts)
         plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, "
                                                 "each decoding length replayed under the plan's trie",
                                    "tokens_per_second": rates}
@@ -160,14 +163,26 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
 
 
 def lookahead_schedule(records: list[LookaheadRecord], settings: TrieSettings, profile: LatencyProfile,
-                       largest_batch: int, decoding_lengths: tuple[int, ...]
+                       largest_batch: int, decoding_lengths: tuple[int, ...], contexts: tuple[int, ...] = ()
                        ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
-    """The setting per batch size (see the module's docstring), ranges of equal settings merged; and every
-    setting's predicted tokens/s per batch size 1, 2, ... ({"off": [...], "L_d=4": [...]}; None: not priced)."""
+    """The setting per batch size (see the module's docstring), ranges of equal settings merged, priced at the
+    replay's mean context, or one table per context of `contexts`; and every setting's predicted tokens/s per batch
+    size 1, 2, ... in the first table ({"off": [...], "L_d=4": [...]}; None: not priced)."""
     largest = min(largest_batch, max(profile.batch_sizes))
     lengths = sorted({d for d in decoding_lengths if 2 <= d < settings.decoding_length} | {settings.decoding_length})
     replays = {d: replay(records, settings, d) for d in lengths}
-    context = int(round(float(np.mean(replays[settings.decoding_length].step_contexts))))
+    priced_at = contexts or (int(round(float(np.mean(replays[settings.decoding_length].step_contexts)))),)
+    tables, rates = [], {}
+    for context in sorted(priced_at):
+        table, table_rates = _schedule_at(replays, profile, largest, context)
+        tables.append(table)
+        rates = rates or table_rates
+    return BatchSchedule.by_context(tables), rates
+
+
+def _schedule_at(replays: dict[int, ReplayResult], profile: LatencyProfile, largest: int, context: int
+                 ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+    """The table of one context: at each batch size the decoding length giving the most output tokens/s, or none."""
     chosen: list[tuple[int | None, float, float, float]] = []  # per B: (length, tokens/step, tokens/s, speedup)
     rates: dict[str, list[float | None]] = {"off": [], **{f"L_d={d}": [] for d in replays}}
     for batch in range(1, largest + 1):

@@ -42,7 +42,7 @@ from specplan.core.choices import FORWARDS, TIMED_FORWARDS
 from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.model_names import same_model
-from specplan.core.plan_schema import Plan, PlanModels, Prediction, TokenTree
+from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, TokenTree
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
 from specplan.planner.draft_chain import CHAIN_KNOB_ENGINES, best_knobs, chain_schedule
@@ -597,7 +597,8 @@ def rank_candidates(tables: Tables, profile: LatencyProfile | None = None,
 
 def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, profile_path: str | Path | None = None,
                   context: int | None = None, engine: str = "specplan", heads: int | None = None,
-                  batches: int | None = None, stand_in: bool = False) -> tuple[Plan, list[Candidate]]:
+                  batches: int | None = None, stand_in: bool = False, schedule_contexts: tuple[int, ...] = ()
+                  ) -> tuple[Plan, list[Candidate]]:
     """The best tree `engine` executes (planner/engines.py), and the ranked (n, d) it was chosen from. For another
     engine than our own decoder the plan also records the unconstrained optimum, what the engine's rules cost.
     `batches`: a chain engine's plan also carries the draft length for every batch size up to this one."""
@@ -654,7 +655,9 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
                                  "sources": [str(source) for source in rules.sources],
                                  "unconstrained": asdict(unconstrained)}
     if batches is not None:
-        _schedule_chain(plan, rules, acceptance, profile, batches, max_depth, context)
+        _schedule_chain(plan, rules, acceptance, profile, batches, max_depth, context, schedule_contexts)
+    elif schedule_contexts:
+        raise UserError("--contexts prices a schedule per batch size at each context: it goes with --batches")
     if stand_in:
         plan.inputs["acceptance"]["stands_in"] = (f"measured for {acceptance.target} + {acceptance.draft}, standing "
                                                   f"in for {models.target} + {models.draft}")
@@ -662,9 +665,9 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
 
 
 def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptance, profile: LatencyProfile | None,
-                    batches: int, max_depth: int, context: int | None) -> None:
-    """The chain's draft length per batch size (planner/draft_chain.py: chain_schedule); the plan's chain grows to the
-    longest the schedule drafts, its batch-1 prediction kept."""
+                    batches: int, max_depth: int, context: int | None, contexts: tuple[int, ...] = ()) -> None:
+    """The chain's draft length per batch size (planner/draft_chain.py: chain_schedule), one table per context of
+    `contexts` if given; the plan's chain grows to the longest the schedule drafts, its batch-1 prediction kept."""
     if rules.shape != "chain":
         raise UserError("--batches schedules a draft model's chain, the table vLLM and TensorRT-LLM take: solve with "
                         "--engine vllm, trtllm-draft or llama.cpp")
@@ -673,9 +676,11 @@ def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptanc
     if acceptance.temperature != 0 or not acceptance.chains:
         raise UserError("--batches replays the acceptance file's chain traces, recorded at temperature 0")
     largest_depth = min(max_depth, rules.max_draft_tokens or max_depth)
-    schedule, rates = chain_schedule(acceptance.chains, profile, batches, largest_depth, context,
-                                     prompt_prefill_per_token(acceptance, profile) or 0.0)
-    drafted = max((entry.decoding_length or 1) - 1 for entry in schedule.entries)
+    prefill = prompt_prefill_per_token(acceptance, profile) or 0.0
+    tables = [chain_schedule(acceptance.chains, profile, batches, largest_depth, at, prefill)
+              for at in (sorted(contexts) or [context])]
+    schedule, rates = BatchSchedule.by_context([table for table, _ in tables]), tables[0][1]
+    drafted = max((entry.decoding_length or 1) - 1 for table in schedule.tables for entry in table.entries)
     if drafted > plan.tree.depth:
         plan.tree = TokenTree.from_parents(list(range(-1, drafted)))
     plan.schedule = schedule

@@ -119,6 +119,12 @@ def _chat_option():
                         help="apply the target's chat template to prompts (a model without one takes them as given)")
 
 
+def _schedule_contexts_option() -> Callable:
+    return click.option("--contexts", "schedule_contexts",
+                        help="with --batches: one batch-size table per context, comma-separated (each sequence "
+                             "follows the table of its own length) [one, at the acceptance's mean context]")
+
+
 def _stand_in_option() -> Callable:
     return click.option("--stand-in", is_flag=True,
                         help="the acceptance file is another model's (pair's), standing in for the profile's models "
@@ -383,18 +389,19 @@ def solve() -> None:
               help="a chain engine's plan (--engine vllm, trtllm-draft, llama.cpp): also schedule the draft length "
                    "for every batch size up to this one (a profile with --batches): the most output tokens/s over "
                    "the batch, or none")
+@_schedule_contexts_option()
 @_stand_in_option()
 @_output()
 def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int,
                       context: int | None, top: int, engine: str, heads: int | None, batches: int | None,
-                      stand_in: bool, output: Path) -> None:
+                      schedule_contexts: str | None, stand_in: bool, output: Path) -> None:
     """Sequoia: the optimal token tree and its size/depth for this hardware (and a serving engine's rules)."""
     from specplan.core.plan_schema import save_plan
     from specplan.planner.sequoia import solve_sequoia
     from specplan.show import describe_engine_cost, describe_schedule
 
     plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, context, engine, heads, batches,
-                                 stand_in)
+                                 stand_in, tuple(_int_list(schedule_contexts) or ()))
     header = f"{'n':>5} {'d':>3} {'G(n,d)':>8}"
     if profile_path is not None:
         header += f" {'step ms':>9} {'speedup':>8} {'tok/s':>8}"
@@ -437,13 +444,14 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
 @click.option("--batches", type=click.IntRange(min=1),
               help="also schedule the decoding length for every batch size up to this one (a profile with "
                    "--batches): the setting giving the most output tokens/s over the batch, or none")
+@_schedule_contexts_option()
 @_stand_in_option()
 @_output()
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
                         branch_lengths: str | None, top: int, engine: str, max_ngrams: str | None,
                         draft_lengths: str | None, trie_depths: str | None, bfs_breadths: str | None,
-                        match_types: str | None, stop_tokens: str | None, batches: int | None, stand_in: bool,
-                        output: Path) -> None:
+                        match_types: str | None, stop_tokens: str | None, batches: int | None,
+                        schedule_contexts: str | None, stand_in: bool, output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
     --engine, a serving engine's n-gram knobs by exact replay of its rule."""
     from specplan.core.plan_schema import save_plan
@@ -451,8 +459,8 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     from specplan.show import describe_schedule
 
     if engine != "specplan":
-        if batches is not None or stand_in:
-            raise UserError("--batches and --stand-in go with our Lookahead trie, not with --engine")
+        if batches is not None or stand_in or schedule_contexts:
+            raise UserError("--batches, --contexts and --stand-in go with our Lookahead trie, not with --engine")
         grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths, match_types)
         _solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stop_tokens, top, output)
         return
@@ -461,7 +469,8 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     b_grid = tuple(_int_list(branch_lengths) or BRANCH_LENGTHS)
     if min(d_grid) < 1 or min(b_grid) < 1:
         raise UserError("decoding lengths L_d and branch lengths L_b must be >= 1")
-    plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid, batches, stand_in)
+    plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid, batches, stand_in,
+                                   tuple(_int_list(schedule_contexts) or ()))
     _echo_ranked(ranked[:top], [("L_d", lambda c: c.decoding_length), ("L_b", lambda c: c.branch_length)],
                  profile_path is not None)
     save_plan(plan, output)
@@ -607,7 +616,8 @@ def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> No
               help="llama.cpp, a plan with a schedule: the requests served at once (llama-server takes one draft "
                    "length for all its slots: the schedule's there)")
 @click.option("--context", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="llama.cpp with --concurrency: the most tokens a request may hold (its slots' size)")
+              help="llama.cpp with --concurrency: the most tokens a request may hold (its slots' size); a plan with a "
+                   "schedule per context range: the range whose batch-size table is exported")
 @_output(required=False, help="write here instead of stdout (required for sequoia's .pt)")
 def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None, method: str,
            concurrency: int | None, context: int, output: Path | None) -> None:

@@ -323,14 +323,20 @@ def describe_plan(plan: Plan) -> str:
 def describe_schedule(schedule: BatchSchedule, method: str) -> str:
     """A plan's setting per batch size, one line a range, with its prediction at the range's first size: Lookahead's
     decoding length, a chain's draft tokens K."""
-    lines = [f"schedule per batch size (priced at context {schedule.context}):",
-             f"  {'batches':>9} {'setting':>10} {'tok/step':>9} {'tok/s':>8} {'vs off':>7}"]
-    for e in schedule.entries:
-        setting = "off" if not e.speculate else (
-            f"L_d={e.decoding_length}" if method == "lookahead" else f"K={e.decoding_length - 1}")
-        span = f"{e.low}" if e.low == e.high else f"{e.low}-{e.high}"
-        lines.append(f"  {span:>9} {setting:>10} {e.tokens_per_step:>9.3f} {e.tokens_per_second:>8.1f} "
-                     f"{e.speedup:>7.3f}")
+    lines = []
+    covered = 0
+    for table in schedule.tables:
+        reach = (f", for sequences of {covered + 1} to {table.up_to_context} tokens" if table.up_to_context
+                 else f", for sequences of {covered + 1} tokens and more" if covered else "")
+        lines += [f"schedule per batch size (priced at context {table.context}{reach}):",
+                  f"  {'batches':>9} {'setting':>10} {'tok/step':>9} {'tok/s':>8} {'vs off':>7}"]
+        for e in table.entries:
+            setting = "off" if not e.speculate else (
+                f"L_d={e.decoding_length}" if method == "lookahead" else f"K={e.decoding_length - 1}")
+            span = f"{e.low}" if e.low == e.high else f"{e.low}-{e.high}"
+            lines.append(f"  {span:>9} {setting:>10} {e.tokens_per_step:>9.3f} {e.tokens_per_second:>8.1f} "
+                         f"{e.speedup:>7.3f}")
+        covered = table.up_to_context or covered
     return "\n".join(lines)
 
 

@@ -22,23 +22,23 @@ def test_a_request_stops_drafting_when_its_drafts_fail_and_probes_again():
     """Predicted 3 tokens a step for 1.5x: a request emitting 1 token per drafted step falls below break-even
     (yield 1/3 of the prediction, 0.5x) within a few steps, then drafts once every PROBE_EVERY steps; one whose drafts
     land keeps drafting; where nothing is priced every step drafts."""
-    gate = DraftGate(lambda batch: (3.0, 1.5))
+    gate = DraftGate(lambda batch, context: (3.0, 1.5))
     decisions = []
     for _ in range(40):
-        decisions.append(gate.drafts(4))
+        decisions.append(gate.drafts(4, 100))
         gate.observe(1)
     first_off = decisions.index(False)
     assert 1 < first_off <= 5
     assert not any(decisions[first_off:first_off + PROBE_EVERY - 1])
     later = decisions[first_off:]
     assert sum(later) == len(later) // PROBE_EVERY and decisions[first_off + PROBE_EVERY - 1]
-    landing = DraftGate(lambda batch: (3.0, 1.5))
+    landing = DraftGate(lambda batch, context: (3.0, 1.5))
     for _ in range(20):
-        assert landing.drafts(1)
+        assert landing.drafts(1, 100)
         landing.observe(3)
-    unpriced = DraftGate(lambda batch: None)
+    unpriced = DraftGate(lambda batch, context: None)
     for _ in range(10):
-        assert unpriced.drafts(8)
+        assert unpriced.drafts(8, 100)
         unpriced.observe(1)
 
 
@@ -71,12 +71,12 @@ def test_requests_sitting_steps_out_keep_their_own_greedy_tokens(method, concurr
     gen = torch.Generator().manual_seed(3)
     requests = [Request(torch.randint(0, 250, (n,), generator=gen).tolist(), m)
                 for n, m in ((7, 40), (30, 25), (12, 33), (50, 18), (4, 29))]
-    engine = SpeculativeEngine(target, make(), pricing=lambda batch: PRICE_RARELY_PAID)
+    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: PRICE_RARELY_PAID)
     results = {c.id: c.result.tokens for c in Scheduler(engine, drafters_per_slot(make), concurrency).run(requests)}
     assert len(idle_steps) > 40
     monkeypatch.setattr(Drafter, "idle", idle)
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens
-    alone = SpeculativeEngine(target, make(), pricing=lambda batch: PRICE_RARELY_PAID)
+    alone = SpeculativeEngine(target, make(), pricing=lambda batch, context: PRICE_RARELY_PAID)
     assert alone.generate(requests[0].prompt, 40, SamplingParams()).tokens == results[0]

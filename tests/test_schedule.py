@@ -128,7 +128,7 @@ def test_the_decoder_follows_the_schedule_and_every_request_keeps_its_greedy_tok
     phrase = torch.randint(0, 250, (12,), generator=gen).tolist()
     requests = [Request(phrase * 3 + [i], n) for i, n in enumerate((30, 6, 8))]
     sizes = []  # per step: (sequences, largest tree)
-    scheduler = Scheduler(SpeculativeEngine(target, make()), drafters_per_slot(make), 3, schedule=schedule)
+    scheduler = Scheduler(SpeculativeEngine(target, make(), schedule=schedule), drafters_per_slot(make), 3)
     forward_many, forward = target.forward_many, target.forward
     target.forward_many = lambda items: sizes.append((len(items), max(i.tokens.shape[0] for i in items))) or \
         forward_many(items)
@@ -216,8 +216,8 @@ def test_a_draft_chain_following_its_schedule_keeps_every_request_its_greedy_tok
     def make():
         return SequoiaDrafter(draft, [-1, 0, 1, 2])
 
-    scheduler = Scheduler(SpeculativeEngine(target, make()), drafters_per_slot(make), concurrency,
-                          schedule=BatchSchedule(64, entries))
+    scheduler = Scheduler(SpeculativeEngine(target, make(), schedule=BatchSchedule(64, entries)),
+                          drafters_per_slot(make), concurrency)
     results = {c.id: c.result.tokens for c in scheduler.run(requests)}
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
@@ -279,3 +279,68 @@ def test_vllms_own_schedule_code_reads_the_export_as_the_plan_does():
     dense = namespace["build_dynamic_sd_schedule_lookup"](config["num_speculative_tokens_per_batch_size"], 64,
                                                           config["num_speculative_tokens"])
     assert dense[1:] == [(plan.schedule.entry_for(b).decoding_length or 1) - 1 for b in range(1, 65)]
+
+
+# --- a table per context range (`--contexts`) -------------------------------------------------------------------
+
+def profile_where_long_contexts_cost_more() -> LatencyProfile:
+    """The profile above at context 64, and at 4,096 a step whose attention over the long cache costs in proportion to
+    its rows (so that drafting no longer pays, even for one sequence)."""
+    document = profile_document()
+    long = {n: 0.02 * n for n in SIZES}
+    document["target"]["contexts"][4096] = {"t_seconds": long, "batches": {
+        B: {"t_seconds": {n: 0.02 * B * n for n in SIZES}} for B in (2, 4, 8)}}
+    return LatencyProfile.from_dict(document, "synthetic")
+
+
+def test_a_schedule_per_context_range_picks_each_sequences_table_and_round_trips():
+    settings = TrieSettings.sized(8, 4)
+    profile = profile_where_long_contexts_cost_more()
+    schedule, _ = lookahead_schedule(repetitive_records(), settings, profile, 8, (2, 4, 8), contexts=(4096, 64))
+    short, long = schedule.tables
+    assert (short.context, short.up_to_context, long.context, long.up_to_context) == (64, 512, 4096, None)
+    alone_short, _ = lookahead_schedule(repetitive_records(), settings, profile, 8, (2, 4, 8), contexts=(64,))
+    settings_of = lambda table: [(e.low, e.high, e.decoding_length) for e in table.entries]  # noqa: E731
+    assert settings_of(short) == settings_of(alone_short)  # each table: the schedule solved at its context alone
+    assert schedule.entry_for(1, 100).speculate and not schedule.entry_for(1, 1000).speculate
+    assert schedule.entry_for(1) == schedule.entry_for(1, 10)  # no context: the first table
+    plan = Plan.from_dict(lookahead_plan_with(schedule.to_dict()), "p.yaml")
+    assert plan.schedule == schedule and Plan.from_dict(plan.to_dict(), "again").schedule == schedule
+    broken = schedule.to_dict()
+    broken["longer"][0]["up_to_context"] = 100
+    with pytest.raises(UserError, match="only the last table may go without one"):
+        Plan.from_dict(lookahead_plan_with(broken), "p.yaml")
+
+
+def test_each_request_follows_the_table_of_its_own_length(tiny_pair):
+    """Drafting (L_d = 6) while a sequence holds up to 40 tokens, off beyond: two requests of different prompt
+    lengths sharing the steps draft as their own lengths say, and keep their greedy tokens."""
+    _, target, _ = tiny_pair
+    schedule = BatchSchedule.by_context([
+        BatchSchedule(20, (ScheduleEntry(1, 8, True, 6, 2.0, 1.0, 1.5),)),
+        BatchSchedule(80, (ScheduleEntry(1, 8, False, None, 1.0, 1.0, 1.0),))])
+    assert schedule.up_to_context == 40
+    make = lambda: TrieDrafter(Trie(TrieSettings.sized(8, 3)))  # noqa: E731
+    phrase = torch.randint(0, 250, (10,), generator=torch.Generator().manual_seed(7)).tolist()
+    requests = [Request(phrase * 2 + [1], 30), Request(phrase * 5 + [2], 12)]  # 21 and 51 prompt tokens
+    trees: list[tuple[int, int]] = []  # per sequence and step: (its context, its tree's size)
+    forward_many, forward = target.forward_many, target.forward
+
+    def record(items):
+        trees.extend((item.cache.length, item.tokens.shape[0]) for item in items)
+        return forward_many(items)
+
+    target.forward_many = record
+    target.forward = lambda tokens, positions, cache, *a, **k: trees.append((cache.length, tokens.shape[0])) or \
+        forward(tokens, positions, cache, *a, **k)
+    try:
+        results = {c.id: c.result.tokens for c in Scheduler(SpeculativeEngine(target, make(), schedule=schedule),
+                                                            drafters_per_slot(make), 2).run(requests)}
+    finally:
+        del target.forward_many, target.forward
+    decode = [(length, size) for length, size in trees if size <= 8]  # (the prompts' prefills: 21 and 51 rows)
+    assert any(length <= 40 and size > 1 for length, size in decode)  # the short sequence drafted
+    assert all(size == 1 for length, size in decode if length > 40)  # past 40 tokens, nobody drafts
+    for i, request in enumerate(requests):
+        assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
+                                                                        SamplingParams()).tokens, i
