@@ -43,6 +43,8 @@ def main() -> None:
             decoder.restart()  # a fresh trie: each scheme learns the same prompts and outputs in the same order
             drafter = decoder.engine.drafter
             assert isinstance(drafter, TrieDrafter), "a Lookahead plan"
+            if max(lengths) > drafter.max_tree_size:
+                raise SystemExit(f"the plan's trie drafts trees of {drafter.max_tree_size} nodes at most")
             turn = iter(range(1 << 30))
             original = drafter.propose
 

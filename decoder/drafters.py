@@ -322,7 +322,8 @@ class TrieDrafter(Drafter):
         self.decoding_length = trie.settings.decoding_length  # a schedule's, at most the trie's own; 1: off
 
     def follow(self, entry):
-        self.decoding_length = entry.decoding_length if entry.speculate else 1
+        # the trie's buffers hold trees of its own decoding length at most
+        self.decoding_length = min(entry.decoding_length, self.max_tree_size) if entry.speculate else 1
 
     def reset(self, prompt, max_len):
         self.finish()
