@@ -379,16 +379,3 @@ def accelerator(name: str) -> Accelerator:
     if key is None:
         raise UserError(f"unknown GPU {name!r} (known: {', '.join(CATALOGUE)}, or cpu)")
     return CATALOGUE[key]
-
-
-def fits(gpu: Accelerator, total_params: int, kv_bytes_per_token: int, element: int, max_tokens: int) -> bool:
-    """Whether the weights and a KV cache of `max_tokens` tokens (all sequences') fit the GPU's memory."""
-    return total_params * element + kv_bytes_per_token * max_tokens <= gpu.memory_gb * 1e9
-
-
-def check_fits(gpu: Accelerator, model_name: str, total_params: int, kv_bytes_per_token: int, element: int,
-               max_tokens: int) -> None:
-    needed = total_params * element + kv_bytes_per_token * max_tokens
-    if needed > gpu.memory_gb * 1e9:
-        raise UserError(f"{model_name} needs {needed / 1e9:.1f} GB (weights + KV cache for {max_tokens} tokens) "
-                        f"but {gpu.name} has {gpu.memory_gb:g} GB")
