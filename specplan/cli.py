@@ -125,6 +125,23 @@ def _schedule_contexts_option() -> Callable:
                              "follows the table of its own length) [one, at the acceptance's mean context]")
 
 
+def _offload_options() -> Callable:
+    def options(command: Callable) -> Callable:
+        command = click.option("--resident-layers", type=click.IntRange(min=0),
+                               help="with --offload weights: the target's first layers kept on the device [a GPU: as "
+                                    "many as its free memory holds beside a 4,096-token cache; a CPU: none]")(command)
+        return click.option("--offload", type=click.Choice(OFFLOAD_KINDS),
+                            help="keep the target's later layers (weights) or its KV cache (kv) in host memory and "
+                                 "stream them in every forward")(command)
+    return options
+
+
+def _check_offload(offload: str | None, resident_layers: int | None) -> None:
+    if resident_layers is not None and offload != "weights":
+        raise UserError("--resident-layers says how many layers an offloaded target keeps on the device: it needs "
+                        "--offload weights")
+
+
 def _stand_in_option() -> Callable:
     return click.option("--stand-in", is_flag=True,
                         help="the acceptance file is another model's (pair's), standing in for the profile's models "
@@ -671,12 +688,7 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
 @click.option("--json", "as_json", is_flag=True,
               help="print one JSON object (with --requests: one per request in input order, then a summary)")
 @_backend_option(None)
-@click.option("--offload", type=click.Choice(OFFLOAD_KINDS),
-              help="keep the target's later layers (weights) or its KV cache (kv) in host memory and stream them in "
-                   "every forward")
-@click.option("--resident-layers", type=click.IntRange(min=0),
-              help="with --offload weights: the target's first layers kept on the device [a GPU: as many as its "
-                   "free memory holds beside a 4,096-token cache; a CPU: none]")
+@_offload_options()
 def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, requests_path: Path | None,
              concurrency: int, prefill_chunk: int, fixed_drafting: bool, target: str | None, draft: str | None,
              dtype: str | None, draft_dtype: str | None, max_new_tokens: int, temperature: float | None,
@@ -691,9 +703,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 
     if sum(given is not None for given in (prompt, prompt_file, requests_path)) != 1:
         raise UserError("give exactly one of --prompt, --prompt-file and --requests")
-    if resident_layers is not None and offload != "weights":
-        raise UserError("--resident-layers says how many layers an offloaded target keeps on the device: it needs "
-                        "--offload weights")
+    _check_offload(offload, resident_layers)
     if requests_path is not None:
         from specplan.core.request_file import load_requests
 
@@ -701,8 +711,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
             raise UserError("--stream prints one request's tokens; with --requests, use --json or plan serve")
         entries = load_requests(requests_path)
         decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
-                               backend=backend, offload=offload,
-                               resident_layers=resident_layers)
+                               backend=backend, offload=offload, resident_layers=resident_layers)
         if fixed_drafting:
             decoder.draft_every_step()
         failed = _generate_requests(decoder, entries, concurrency, max_new_tokens, temperature, top_p, top_k, seed,
@@ -718,8 +727,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
         except OSError as exc:
             raise UserError(f"{prompt_file}: cannot read: {exc.strerror}") from None
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
-                           backend=backend, offload=offload,
-                           resident_layers=resident_layers)
+                           backend=backend, offload=offload, resident_layers=resident_layers)
     if fixed_drafting:
         decoder.draft_every_step()
     defaults = decoder.default_params()
@@ -771,15 +779,18 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--context", type=click.IntRange(min=1),
               help="the most tokens a request may hold, prompt and output (default: the model's context); the KV "
                    "caches of --concurrency such requests must fit in memory")
+@_offload_options()
 def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
           verify: str | None, device: str | None, backend: str | None, host: str, port: int, concurrency: int,
-          prefill_chunk: int, fixed_drafting: bool, max_queue: int, max_new_tokens: int, context: int | None) -> None:
+          prefill_chunk: int, fixed_drafting: bool, max_queue: int, max_new_tokens: int, context: int | None,
+          offload: str | None, resident_layers: int | None) -> None:
     """An OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions) over continuous batching."""
     from specplan.decoder.api import load_decoder
     from specplan.serve import ServeOptions, serve_forever
 
+    _check_offload(offload, resident_layers)
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
-                           backend=backend)
+                           backend=backend, offload=offload, resident_layers=resident_layers)
     if fixed_drafting:
         decoder.draft_every_step()
     longest = decoder.target_forward.shape.max_context

@@ -198,6 +198,10 @@ def test_an_offloaded_target_decodes_its_own_greedy_tokens(run_cli, tmp_path):
     code, _, err = run_cli("generate", "--target", "tiny-random-llama", "--prompt", "hi", "--max-new-tokens", 2,
                            "--offload", "weights", "--dtype", "gguf")
     assert code == 2 and "fp32 or bf16" in err and one_error(err)
+    code, _, err = run_cli("serve", "--target", "tiny-random-llama", "--port", 0, "--offload", "kv", "--dtype", "gguf")
+    assert code == 2 and "fp32 or bf16" in err and one_error(err)  # plan serve takes the same flags
+    code, _, err = run_cli("serve", "--target", "tiny-random-llama", "--port", 0, "--resident-layers", 1)
+    assert code == 2 and "it needs --offload weights" in err and one_error(err)
 
 
 @pytest.mark.slow
