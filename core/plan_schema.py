@@ -283,6 +283,9 @@ class BatchSchedule:
     def by_context(cls, tables: list[BatchSchedule]) -> BatchSchedule:
         """One schedule of tables priced at increasing contexts: each covers the sequences up to the geometric mean of
         its context and the next one's (the last, every longer sequence)."""
+        contexts = [table.context for table in tables]
+        if len(tables) > 1 and (None in contexts or min(contexts) < 1 or len(set(contexts)) < len(contexts)):
+            raise UserError(f"the contexts of a schedule's tables must be distinct and positive, got {contexts}")
         tables = sorted(tables, key=lambda table: table.context or 0)
         bounded = [replace(table, up_to_context=int((table.context * following.context) ** 0.5))
                    for table, following in zip(tables, tables[1:])] + [tables[-1]]

@@ -24,8 +24,8 @@ from specplan.decoder.batching import Completion, Request, Scheduler
 from specplan.decoder.cuda_graphs import compile_forward, enable_cuda_graphs
 from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import GenerationResult, SpeculativeEngine
-from specplan.decoder.model import SUPPORTED_ARCHITECTURES, LeanModel
-from specplan.decoder.offload import fitting_layers
+from specplan.decoder.model import SUPPORTED_ARCHITECTURES, LeanModel, ModelShape
+from specplan.decoder.offload import DEVICE_RESERVE_BYTES, STREAM_BUFFERS
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.transformers_forward import TransformersForward
 from specplan.decoder.trie import Trie
@@ -207,6 +207,27 @@ def load_forward(loaded: LoadedModel, device: str, vocabulary: int | None = None
     if model.device.type == "cuda" and offload is None:
         enable_cuda_graphs(model)
     return model
+
+
+KV_ROOM_TOKENS = 4096  # the KV cache a GPU filled with layers at load still has room for (set --resident-layers)
+
+
+def fitting_layers(hf_model: Any, device: torch.device) -> int:
+    """How many of the model's first layers a GPU's free memory holds beside everything else that stays there: the
+    other weights, STREAM_BUFFERS streamed layers, a KV cache of KV_ROOM_TOKENS tokens and DEVICE_RESERVE_BYTES."""
+    shape = ModelShape.from_config(hf_model.config)
+    layer_bytes = [0] * shape.layers
+    other = 0
+    for name, weight in hf_model.named_parameters():
+        size = weight.numel() * weight.element_size()
+        if name.startswith("model.layers."):
+            layer_bytes[int(name.split(".")[2])] += size
+        else:
+            other += size
+    element = next(hf_model.parameters()).element_size()
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * element * KV_ROOM_TOKENS
+    free = free_memory(device) - DEVICE_RESERVE_BYTES - other - kv - STREAM_BUFFERS * max(layer_bytes)
+    return max(0, min(shape.layers, int(free // max(layer_bytes))))
 
 
 def load_decoder(plan_path: str | Path | None = None, target: str | None = None, draft: str | None = None,

@@ -30,7 +30,6 @@ STREAM_BUFFERS = 2  # double buffering: one buffer fills while the layer in the 
 # What a GPU keeps beside the weights and the caches: the CUDA context with PyTorch's kernels loaded (about half a
 # gigabyte), cuBLAS workspaces and one forward's activations.
 DEVICE_RESERVE_BYTES = 1.0e9
-KV_ROOM_TOKENS = 4096  # the KV cache a GPU filled with layers at load still has room for (set --resident-layers)
 
 
 class LayerStream:
@@ -83,29 +82,6 @@ class LayerStream:
             arrived.record(self.copy_stream)
         return arrived
 
-
-
-def fitting_layers(hf_model: Any, device: torch.device) -> int:
-    """How many of the model's first layers a GPU's free memory holds beside everything else that stays there: the
-    other weights, STREAM_BUFFERS streamed layers, a KV cache of KV_ROOM_TOKENS tokens and DEVICE_RESERVE_BYTES."""
-    config = hf_model.config
-    sizes: dict[int, int] = {}
-    other = 0
-    for name, weight in hf_model.named_parameters():
-        size = weight.numel() * weight.element_size()
-        if name.startswith("model.layers."):
-            layer = int(name.split(".")[2])
-            sizes[layer] = sizes.get(layer, 0) + size
-        else:
-            other += size
-    layer_bytes = max(sizes.values())
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    element = next(hf_model.parameters()).element_size()
-    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * element * KV_ROOM_TOKENS
-    free = torch.cuda.mem_get_info(device)[0] - DEVICE_RESERVE_BYTES - other - kv - STREAM_BUFFERS * layer_bytes
-    return max(0, min(len(sizes), int(free // layer_bytes)))
 
 
 def _host(weight: Any, pin: bool) -> Any:

@@ -735,8 +735,8 @@ def _model_gpu(request: ProfileRequest, log) -> dict:
                          else {"resident_tokens": placed.resident_tokens})
         if request.offload == "kv" and _budgets_below(request.budgets, L):
             entry["retrieval_build_seconds"] = {
-                budget: _offloaded_build_seconds(setup, models["target"].bytes, placement("target", L, 1, 1), L,
-                                                 budget)
+                budget: _offloaded_build_seconds(setup, parameters, models["target"].bytes,
+                                                 placement("target", L, 1, 1), L, budget)
                 for budget in _budgets_below(request.budgets, L)}
     for role, model in models.items():  # t(B, n): B x n GEMM rows, each sequence's own KV cache
         for L in model.contexts:
@@ -787,14 +787,14 @@ class _ModeledModel:
                                                     spec.fingerprint["parameters"], spec.dtype, setup.gpus), contexts)
 
 
-def _offloaded_build_seconds(setup: DeviceSetup, target: ModelBytes, placed: Placement, context: int,
-                             budget: int) -> float:
+def _offloaded_build_seconds(setup: DeviceSetup, parameters: roofline.GpuParameters, target: ModelBytes,
+                             placed: Placement, context: int, budget: int) -> float:
     """A TriForce retrieval-cache build with the KV cache offloaded: the chosen chunks' keys and values, `budget`
     tokens in every layer, gathered from host memory (their offloaded share) and from the device's memory."""
     offloaded_share = 1.0 - (placed.resident_tokens if placed.resident_tokens is not None else context) / context
     moved = budget * target.kv_per_token
     return (moved * offloaded_share / setup.link_bytes_per_second
-            + moved / (setup.gpu.bandwidth_gb_s * 1e9 * roofline.DEFAULT_PARAMETERS.bandwidth_efficiency))
+            + moved / (setup.gpu.bandwidth_gb_s * 1e9 * parameters.bandwidth_efficiency))
 
 
 def _model_cpu(request: ProfileRequest, log) -> dict:

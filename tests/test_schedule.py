@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -310,6 +311,8 @@ def test_a_schedule_per_context_range_picks_each_sequences_table_and_round_trips
     broken["longer"][0]["up_to_context"] = 100
     with pytest.raises(UserError, match="only the last table may go without one"):
         Plan.from_dict(lookahead_plan_with(broken), "p.yaml")
+    with pytest.raises(UserError, match="distinct and positive"):
+        BatchSchedule.by_context([short, replace(long, context=64)])
 
 
 def test_each_request_follows_the_table_of_its_own_length(tiny_pair):
