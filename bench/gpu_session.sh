@@ -15,6 +15,9 @@
 #          or: bash bench/gpu_session.sh offload    (no carry: the offloaded decoding tests of test_cuda, then the
 #                                                   host link's rate and a 13B-shaped model streamed, measured
 #                                                   against its modeled t(n); issue 52)
+#          or: bash bench/gpu_session.sh next       (carry .gpu .whl .gpuw1: the open issues' GPU items in order,
+#                                                   within 540 s: batched graphs' tests and a measured t(B, n)
+#                                                   (issue 50), the offload items (52), then all of test_cuda)
 set -u
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
 OUT=${OUT:-/tmp/gpu-out}
@@ -28,7 +31,34 @@ plan="python3 -m specplan.cli"
   lscpu | grep 'Model name'
 } 2>&1 | tee "$LOG"
 
+# at most $1 seconds, and no more than what is left of the session's NEXT_BUDGET
+bounded() {
+  local limit=$1; shift
+  local left=$(( ${NEXT_BUDGET:-100000} - SECONDS ))
+  (( left < limit )) && limit=$left
+  (( limit > 10 )) && timeout "$limit" "$@"
+}
+
 case "$1" in
+next)
+  NEXT_BUDGET=540
+  cp .gpuw1/part1 /tmp/halves/ 2>/dev/null
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  pytest="python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cuda.py"
+  # issue 50: batched CUDA graphs (sequences x rows), then t(B, n) measured with them on a 1B model's shape
+  bounded 120 $pytest -k "batched" 2>&1 | tail -5 | tee -a "$LOG"
+  cp .gpu/smollm2-135m/tokenizer*.json .gpu/llama-3.2-1b/
+  bounded 40 python3 bench/random_weights.py .gpu/llama-3.2-1b /tmp/models/llama-3.2-1b 2>&1 | tail -1 | tee -a "$LOG"
+  bounded 150 $plan profile --target /tmp/models/llama-3.2-1b --gpu "$gpu" --dtype bf16 --contexts 1024 \
+    --sizes 1,4,8 --batches 1,2,4,8,16 --budgets "" --repeats 5 -o "$OUT/llama-3.2-1b.batched.bf16.yaml" 2>&1 \
+    | tail -12 | tee -a "$LOG"
+  # issue 52: offloaded decoding, the host link, a 13B-shaped model streamed
+  bounded 90 $pytest -k offloaded 2>&1 | tail -5 | tee -a "$LOG"
+  bounded 150 python3 bench/gpu_offload.py --resident 0 2>&1 | tail -8 | tee -a "$LOG"
+  # the rest of the GPU path's tests
+  bounded 300 $pytest -k "not batched and not offloaded" 2>&1 | tail -15 | tee -a "$LOG"
+  ;;
 offload)
   timeout 120 python3 -m pytest -q tests/test_cuda.py -k offloaded -p no:cacheprovider -o addopts= 2>&1 | tail -5 \
     | tee -a "$LOG"

@@ -451,77 +451,100 @@ class LeanModel:
 
     def forward_many(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """Score several sequences' new tokens in one forward, each over its own cache: logits per item, as
-        `forward` returns them. On the CPU kernels the rows share every matmul and one attention call; elsewhere
-        (PyTorch's operators, CUDA graphs) and for a forward that crosses Phi-3's long-RoPE switch, each item
-        runs its own forward."""
-        if len(items) == 1 or self.kernels is None or self.graphed is not None or (
+        `forward` returns them. The rows share every matmul (each weight read once for the batch); attention runs
+        per sequence over its own keys (on the CPU kernels, one call for the batch). With CUDA graphs, one graph
+        per (sequences' caches, rows per sequence) (decoder/cuda_graphs.py: GraphedForward.many). A forward that
+        crosses Phi-3's long-RoPE switch runs each item alone."""
+        if len(items) == 1 or (
                 self.long_rope is not None and any(self.long_rope.due(item.positions, item.cache) for item in items)):
             return [self.forward(*item) for item in items]
-        return self._forward_kernels(items)
+        if self.kernels is not None:
+            return self._forward_kernels(items)
+        if self.graphed is not None and self.graphed.takes(items):
+            return self.graphed.many(items)
+        return self._forward_operators(items)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                  logits_rows: torch.Tensor | slice | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+        item = ForwardItem(tokens, positions, cache, mask, logits_rows)
         if self.kernels is not None and slots is None:
-            return self._forward_kernels([ForwardItem(tokens, positions, cache, mask, logits_rows)])[0]
-        return self._forward_operators(tokens, positions, cache, mask, logits_rows, slots)
+            return self._forward_kernels([item])[0]
+        return self._forward_operators([item], None if slots is None else [slots])[0]
 
-    def _forward_operators(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                           mask: torch.Tensor | None, logits_rows: torch.Tensor | slice | None,
-                           slots: torch.Tensor | None) -> torch.Tensor:
-        """The forward on PyTorch's operators, in the dynamic layout or (given `slots`) the static one."""
+    def _forward_operators(self, items: list[ForwardItem], slots: list[torch.Tensor] | None = None
+                           ) -> list[torch.Tensor]:
+        """The forward on PyTorch's operators for one sequence's rows or several sequences' at once (logits per
+        item): the norms, projections and MLP over all the rows (a batch reads each weight once), RoPE, the cache
+        writes and attention per sequence over its own keys. Dynamic layout, or (given `slots`, one [n] tensor
+        per item) the static one."""
         shape, arch = self.shape, self.architecture
-        n = tokens.shape[0]
-        tokens, positions = tokens.to(self.device), positions.to(self.device)
-        mask = None if mask is None else mask.to(self.device, self.dtype)
+        counts = [item.tokens.shape[0] for item in items]
+        rows = sum(counts)
+        tokens = torch.cat([item.tokens.to(self.device) for item in items]) if len(items) > 1 else (
+            items[0].tokens.to(self.device))
         x = self._embed(tokens)
-        rope = {kind: table(positions, cache.prompt_length, cache.long_rope)  # [n, rotary_dim] each
-                for kind, table in self.rotary.items()}
-        start = cache.length
-        end = start + n
-        if cache.key_positions is not None:
-            if slots is None:
-                cache.key_positions[:, :, start:end] = positions
-            else:
-                cache.key_positions.index_copy_(2, slots, positions.expand(*cache.key_positions.shape[:2], n))
-        layer_masks = self._layer_masks(mask, positions, cache, mask.shape[-1] if mask is not None else end, slots)
-        sdpa_masks = {id(layer_mask): _sdpa_form(layer_mask, self) for layer_mask in layer_masks}
-        if cache.stream is not None:
-            if slots is not None:
-                raise UserError("a cache in host memory is written in the dynamic layout only")
-            cache.stream.begin(cache, start)
+        tables = [{kind: table(item.positions.to(self.device), item.cache.prompt_length, item.cache.long_rope)
+                   for kind, table in self.rotary.items()} for item in items]  # [n, rotary_dim] each
+        rope = tables[0] if len(items) == 1 else {
+            kind: tuple(torch.cat([t[kind][j] for t in tables]) for j in (0, 1)) for kind in self.rotary}
+        sequences = []  # per item: (first row, rows, start, end, slots, layer masks, their SDPA forms)
+        first = 0
+        for b, (item, n) in enumerate(zip(items, counts)):
+            cache, positions = item.cache, item.positions.to(self.device)
+            mask = None if item.mask is None else item.mask.to(self.device, self.dtype)
+            written = None if slots is None else slots[b]
+            start, end = cache.length, cache.length + n
+            if cache.key_positions is not None:
+                if written is None:
+                    cache.key_positions[:, :, start:end] = positions
+                else:
+                    cache.key_positions.index_copy_(2, written, positions.expand(*cache.key_positions.shape[:2], n))
+            if cache.stream is not None:
+                if written is not None:
+                    raise UserError("a cache in host memory is written in the dynamic layout only")
+                cache.stream.begin(cache, start)
+            if self.long_rope is not None:
+                if written is None:
+                    cache.tokens[start:end] = tokens[first:first + n]
+                else:
+                    cache.tokens.index_copy_(0, written, tokens[first:first + n])
+            layer_masks = self._layer_masks(mask, positions, cache, mask.shape[-1] if mask is not None else end,
+                                            written)
+            sdpa_masks = {id(layer_mask): _sdpa_form(layer_mask, self) for layer_mask in layer_masks}
+            sequences.append((first, n, start, end, written, layer_masks, sdpa_masks))
+            first += n
         for i, layer in enumerate(self.layer_stream.layers() if self.layer_stream else self.layers):
             cos, sin = rope[arch.layer_rope[i]]
             h = self._rms_norm(x, layer["input_layernorm"])
             qkv = self._linear(h, layer["wqkv"], layer["bqkv"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = q.view(n, shape.heads, shape.head_dim), k.view(n, shape.kv_heads, shape.head_dim)
+            q, k = q.view(rows, shape.heads, shape.head_dim), k.view(rows, shape.kv_heads, shape.head_dim)
             if arch.qk_norm:
                 q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
-            q = self._rope(q.transpose(0, 1), cos, sin)
+            q = self._rope(q.transpose(0, 1), cos, sin)  # [heads, rows, head_dim]
             k = self._rope(k.transpose(0, 1), cos, sin)
-            v = v.view(n, shape.kv_heads, shape.head_dim).transpose(0, 1)
-            if cache.root_queries is not None:
-                cache.root_queries[i] = q[:, 0]
-            if cache.stream is not None:
-                if i == 0 and self.long_rope is not None:
-                    cache.tokens[start:end] = tokens
-                keys, values = cache.stream.layer(cache, i, start, k, v)
-            elif slots is None:
-                cache.k[i, :, start:end] = k
-                cache.v[i, :, start:end] = v
-                if i == 0 and self.long_rope is not None:
-                    cache.tokens[start:end] = tokens
-                keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
-            else:
-                cache.k[i].index_copy_(1, slots, k)
-                cache.v[i].index_copy_(1, slots, v)
-                if i == 0 and self.long_rope is not None:
-                    cache.tokens.index_copy_(0, slots, tokens)
-                keys, values = cache.k[i], cache.v[i]
-            out = self._attention(q, keys, values, layer_masks[i], sdpa_masks[id(layer_masks[i])])
-            if cache.stream is not None:
-                cache.stream.then(cache, i, start)
-            out = self._linear(out.transpose(0, 1).reshape(n, self.q_size), layer["wo"], layer["bo"])
+            v = v.view(rows, shape.kv_heads, shape.head_dim).transpose(0, 1)
+            attended = []
+            for item, (first, n, start, end, written, layer_masks, sdpa_masks) in zip(items, sequences):
+                cache, own = item.cache, slice(first, first + n)
+                if cache.root_queries is not None:
+                    cache.root_queries[i] = q[:, first]
+                if cache.stream is not None:
+                    keys, values = cache.stream.layer(cache, i, start, k[:, own], v[:, own])
+                elif written is None:
+                    cache.k[i, :, start:end] = k[:, own]
+                    cache.v[i, :, start:end] = v[:, own]
+                    keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
+                else:
+                    cache.k[i].index_copy_(1, written, k[:, own])
+                    cache.v[i].index_copy_(1, written, v[:, own])
+                    keys, values = cache.k[i], cache.v[i]
+                attended.append(self._attention(q[:, own], keys, values, layer_masks[i],
+                                                sdpa_masks[id(layer_masks[i])]))
+                if cache.stream is not None:
+                    cache.stream.then(cache, i, start)
+            out = attended[0] if len(items) == 1 else torch.cat(attended, dim=1)
+            out = self._linear(out.transpose(0, 1).reshape(rows, self.q_size), layer["wo"], layer["bo"])
             if arch.sandwich_norms:
                 x = x + self._rms_norm(out, layer["post_attention_layernorm"])
                 h = self._rms_norm(x, layer["pre_feedforward_layernorm"])
@@ -532,9 +555,13 @@ class LeanModel:
             gated = (F.silu(gate) if arch.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
             out = self._linear(gated, layer["w_down"], layer["b_down"])
             x = x + (self._rms_norm(out, layer["post_feedforward_layernorm"]) if arch.sandwich_norms else out)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        return self._logits(self._rms_norm(x, self.final_norm))
+        if len(items) == 1:
+            rows_scored = items[0].logits_rows
+            return [self._logits(self._rms_norm(x if rows_scored is None else x[rows_scored], self.final_norm))]
+        kept = [x[first:first + n] if item.logits_rows is None else x[first:first + n][item.logits_rows]
+                for item, (first, n, *_) in zip(items, sequences)]
+        scored = self._logits(self._rms_norm(torch.cat(kept), self.final_norm))  # one output matmul for the batch
+        return list(scored.split([part.shape[0] for part in kept]))
 
     def _forward_kernels(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """_forward_operators' arithmetic in a few CPU kernel calls per layer (decoder/kernels/cpu_kernels.cpp), for
@@ -819,7 +846,11 @@ def prefill_together(model: LeanModel, prompts: list[torch.Tensor], caches: list
     causal over its own cache; `prompt_lengths`: each whole prompt's."""
     for cache, length in zip(caches, prompt_lengths):
         cache.prompt_length = length
-    model.forward_many([prompt_item(model, tokens, cache) for tokens, cache in zip(prompts, caches)])
+    graphed, model.graphed = model.graphed, None  # eagerly, as LeanModel.prefill: no graph per prompts' shape
+    try:
+        model.forward_many([prompt_item(model, tokens, cache) for tokens, cache in zip(prompts, caches)])
+    finally:
+        model.graphed = graphed
     for tokens, cache in zip(prompts, caches):
         cache.commit(None, tokens.shape[0])
 

@@ -3,12 +3,16 @@ depending on who shares its steps (greedy identity, sampled distributions)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
 
 from specplan.core.method_settings import RetrievalSettings, TrieSettings
+from specplan.core.models import load_model
 from specplan.decoder.batching import Request, Scheduler
+from specplan.decoder.cuda_graphs import batch_buffers, batch_logits, graph_size, stage_batch, static_items
 from specplan.decoder.drafters import NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.model import ForwardItem, LeanModel, causal_mask, prefill_together
@@ -48,11 +52,14 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def test_a_batched_forward_scores_each_sequence_as_its_own_forward(tiny_pair):
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_batched_forward_scores_each_sequence_as_its_own_forward(kernels, tiny_pair):
     """Sequences of 1 to 5 rows over caches of different lengths, one forward: each item's logits equal that item
-    scored alone (the CPU kernels: one ragged attention call; the rows share every matmul)."""
-    _, target, _ = tiny_pair
-    assert target.kernels is not None
+    scored alone (the rows share every matmul; the CPU kernels: one ragged attention call; PyTorch's operators, a
+    GPU's forward: attention per sequence)."""
+    loaded, target, _ = tiny_pair
+    target = target if kernels else LeanModel(loaded.model, kernels=False)
+    assert (target.kernels is not None) == kernels
     items, alone = [], []
     for b, (length, n) in enumerate([(30, 1), (7, 5), (120, 3), (64, 1)]):
         for copy in (items, alone):
@@ -67,6 +74,35 @@ def test_a_batched_forward_scores_each_sequence_as_its_own_forward(tiny_pair):
         torch.testing.assert_close(scored, target.forward(*single), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(item.cache.k[:, :, :item.cache.length + item.tokens.shape[0]],
                                    single.cache.k[:, :, :single.cache.length + single.tokens.shape[0]])
+
+
+@torch.inference_mode()
+def test_a_batched_graphs_static_layout_scores_each_sequence_as_its_own_forward(tiny_pair):
+    """What a batched CUDA graph computes (decoder/cuda_graphs.py: GraphedForward.many), run eagerly on the CPU: the
+    items staged into one graph's buffers (rows padded to the graph's count, masks over every cache slot, caches
+    of different sizes), the static-layout forward over all of them, each item's logits taken out: equal to each
+    item scored alone, and each cache's new keys where the dynamic forward writes them."""
+    loaded, _, _ = tiny_pair
+    target = LeanModel(loaded.model, kernels=False)
+    items, alone = [], []
+    for b, (length, n, max_len) in enumerate([(30, 1, 256), (7, 5, 512), (120, 3, 256), (64, 1, 128)]):
+        for copy in (items, alone):
+            cache = target.cache_for(max_len, f"static.{len(items) + len(alone)}")
+            target.prefill(torch.randint(0, 250, (length,), generator=torch.Generator().manual_seed(b)), cache,
+                           logits=False)
+            tokens = torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(10 + b))
+            mask = causal_mask(length, n, target.dtype, "cpu") if n > 1 else None
+            copy.append(ForwardItem(tokens, length + torch.arange(n), cache, mask, slice(n - 1, n) if b == 1 else None))
+    caches = [item.cache for item in items]
+    rows = graph_size(5, min(cache.max_len - cache.length for cache in caches))
+    assert rows == 8
+    buffers = batch_buffers(caches, rows, target.device, target.dtype)
+    stage_batch(buffers, items, rows)
+    logits = torch.cat(target._forward_operators(static_items(buffers, caches, rows), buffers["slots"]))
+    for item, scored, single in zip(items, batch_logits(logits, items, rows), alone):
+        torch.testing.assert_close(scored, target.forward(*single), rtol=1e-4, atol=1e-4)
+        end = item.cache.length + item.tokens.shape[0]
+        torch.testing.assert_close(item.cache.k[:, :, :end], single.cache.k[:, :, :end])
 
 
 @torch.inference_mode()
@@ -182,19 +218,24 @@ def test_triforce_requests_batched_keep_their_greedy_tokens(tiny_pair):
         assert results[i] == hf_greedy(loaded, request.prompt, request.max_new_tokens)
 
 
-def test_the_operators_forward_batches_too():
-    """A model the kernels do not run (PyTorch's operators, a GPU's forward): the same identity."""
-    model, _ = toy_model(3)
-    target = LeanModel(model, kernels=False)
-    gen = torch.Generator().manual_seed(2)
-    requests = [Request(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), 10) for n in (3, 8, 5)]
-    scheduler = Scheduler(SpeculativeEngine(target, None), drafters_per_slot(NoDrafter), 2)
-    results = {c.id: c.result.tokens for c in scheduler.run(requests)}
-    for i, request in enumerate(requests):
-        ids = torch.tensor([request.prompt])
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(request.prompt):].tolist()
-        assert results[i] == expected
+@pytest.mark.parametrize("method", ["one-token", "sequoia"])
+def test_the_operators_forward_batches_too(method, tiny_pair):
+    """Models the kernels do not run (PyTorch's operators, a GPU's forward), each forward over every sequence's
+    rows at once (a Sequoia draft's levels too): the same identity."""
+    loaded, _, _ = tiny_pair
+    target = LeanModel(loaded.model, kernels=False)
+    draft = LeanModel(load_model("tiny-random-llama-draft").model, kernels=False)
+    batched = {target: [], draft: []}
+    for model, sizes in batched.items():
+        model._forward_operators = partial(lambda forward, sizes, items, *a: sizes.append(len(items)) or forward(
+            items, *a), model._forward_operators, sizes)
+    make = drafters(target, draft)[method]
+    requests = [Request(p, n) for p, n in zip(prompts(5), NEW_TOKENS)]
+    results = {c.id: c.result.tokens
+               for c in Scheduler(SpeculativeEngine(target, make()), drafters_per_slot(make), 3).run(requests)}
+    assert max(batched[target]) == 3 and max(batched[draft], default=0) == (3 if method == "sequoia" else 0)
+    for i in (0, 2, 6):
+        assert results[i] == hf_greedy(loaded, requests[i].prompt, requests[i].max_new_tokens)
 
 
 def test_a_request_that_does_not_fit_fails_alone(tiny_pair):

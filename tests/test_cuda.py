@@ -14,10 +14,11 @@ import torch
 from specplan.core.method_settings import RetrievalSettings, TrieSettings
 from specplan.core.models import load_model
 from specplan.decoder.api import load_forward
+from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.cuda_graphs import GRAPH_SIZES, enable_cuda_graphs, graph_size
-from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
+from specplan.decoder.drafters import NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.model import GRAPH_CACHE_SLOTS, LeanModel, causal_mask
+from specplan.decoder.model import GRAPH_CACHE_SLOTS, ForwardItem, LeanModel, causal_mask
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 from specplan.decoder.triforce import HierarchicalDrafter, StreamingDrafter
@@ -25,6 +26,7 @@ from specplan.decoder.triforce import HierarchicalDrafter, StreamingDrafter
 from toy import (
     VOCAB,
     assert_distributed_as_target,
+    drafters_per_slot,
     first_two_distribution,
     hf_greedy,
     long_prompt,
@@ -62,7 +64,7 @@ def test_graph_replays_match_eager_forwards_on_fresh_caches(gpu_pair):
             for cache in caches:
                 cache.commit(None, n)
         # 9 tokens padded to 16
-        assert sorted(caches[0].graphs) == [(1, None), (4, None), (16, None)] and not caches[1].graphs
+        assert sorted(caches[0].graphs) == [(1, False), (4, False), (16, False)] and not caches[1].graphs
         del caches
         gc.collect()
 
@@ -81,7 +83,7 @@ def test_greedy_output_equals_transformers_greedy_on_the_gpu(parents, gpu_pair):
     # Generations of similar lengths keep one cache, so its graphs are captured once; the target forwards the
     # whole static tree each step (the cache is the model's: other tests' engines left their sizes' graphs on it).
     assert caches[0] is caches[1] is caches[2] and caches[0].max_len == GRAPH_CACHE_SLOTS
-    assert (graph_size(len(parents), GRAPH_CACHE_SLOTS), None) in caches[0].graphs
+    assert (graph_size(len(parents), GRAPH_CACHE_SLOTS), False) in caches[0].graphs
 
 
 def test_prompts_of_mixed_lengths_capture_their_graphs_once_and_ahead(gpu_pair):
@@ -93,11 +95,54 @@ def test_prompts_of_mixed_lengths_capture_their_graphs_once_and_ahead(gpu_pair):
     graphs = []
     for prompt in prompts:
         cache = engine.prepare(len(prompt), 40)
-        assert {(graph_size(n, cache.max_len), None) for n in range(1, 9)} <= set(cache.graphs)
+        assert {(graph_size(n, cache.max_len), False) for n in range(1, 9)} <= set(cache.graphs)
         graphs.append({key: id(graph) for key, (graph, _) in cache.graphs.items()})
         assert engine.generate(prompt, 40, SamplingParams()).tokens == hf_greedy(loaded, prompt, 40)
         assert engine.cache is cache
     assert graphs[2] == graphs[0] and graphs[3] == graphs[1] and graphs[0] != graphs[1]
+
+
+@torch.inference_mode()
+def test_a_batched_graph_replays_the_eager_batched_forward(gpu_pair):
+    """Four sequences of 1 to 5 rows over caches of different lengths and sizes: one batched graph's logits equal
+    the eager batched forward's, and a second step of the same shape replays that graph."""
+    loaded, graphed, _ = gpu_pair
+    eager = LeanModel(loaded.transformers_model(), "cuda")
+    for step in range(2):
+        scored = []
+        for model in (graphed, eager):
+            items = []
+            for b, (length, n, max_len) in enumerate([(30, 1, 512), (7, 5, 1024), (120, 3, 512), (64, 1, 512)]):
+                cache = model.cache_for(max_len, f"batched.{b}", exact=True)
+                model.prefill(torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(b)), cache,
+                              logits=False)
+                tokens = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(10 * step + b))
+                mask = causal_mask(length, n, model.dtype, "cuda") if n > 1 else None
+                items.append(ForwardItem(tokens, length + torch.arange(n), cache, mask))
+            scored.append(model.forward_many(items))
+        for replayed, expected in zip(*scored):
+            torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
+        assert len(graphed.graphed.batch_graphs) == 1
+
+
+@pytest.mark.parametrize("method", ["one-token", "sequoia"])
+def test_requests_sharing_batched_graphs_keep_their_greedy_tokens(method, gpu_pair):
+    """Eight requests, four in flight, joining and leaving: every step's forward is one batched graph (the draft's
+    levels too), and each request's tokens equal transformers' greedy tokens."""
+    loaded, target, draft = gpu_pair
+
+    def make():
+        return SequoiaDrafter(draft, [-1, 0, 0, 1, 2]) if method == "sequoia" else NoDrafter()
+
+    prompts = [torch.randint(0, 256, (5 + 7 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(8)]
+    requests = [Request(prompt, 12 + 3 * (i % 4)) for i, prompt in enumerate(prompts)]
+    target.graphed.batch_graphs.clear()
+    results = {c.id: c.result.tokens for c in Scheduler(SpeculativeEngine(target, make()),
+                                                        drafters_per_slot(make), 4).run(requests)}
+    assert target.graphed.batch_graphs and (method != "sequoia" or draft.graphed.batch_graphs)
+    for i, request in enumerate(requests):
+        assert results[i] == hf_greedy(loaded, request.prompt, request.max_new_tokens), i
 
 
 def test_compiled_backend_greedy_equals_transformers_greedy_on_the_gpu():
