@@ -16,8 +16,8 @@
 #                                                   host link's rate and a 13B-shaped model streamed, measured
 #                                                   against its modeled t(n); issue 52)
 #          or: bash bench/gpu_session.sh next       (carry .gpu .whl .gpuw1: the open issues' GPU items in order,
-#                                                   within 540 s: batched graphs' tests and a measured t(B, n)
-#                                                   (issue 50), the offload items (52), then all of test_cuda)
+#                                                   within 540 s: batched graphs' tests and t(B, n) of an 8B
+#                                                   shape (issue 50), the offload items (52), then test_cuda)
 set -u
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
 OUT=${OUT:-/tmp/gpu-out}
@@ -46,13 +46,16 @@ next)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
   pytest="python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cuda.py"
-  # issue 50: batched CUDA graphs (sequences x rows), then t(B, n) measured with them on a 1B model's shape
+  # issue 50: batched CUDA graphs (sequences x rows), then t(B, n) measured with them on Llama-3.1-8B's shape (the
+  # modeled profile it checks: profiles/llama-3.1-8b+3.2-1b.h100.bf16.batched.modeled.yaml's flags, on this GPU)
   bounded 120 $pytest -k "batched" 2>&1 | tail -5 | tee -a "$LOG"
-  cp .gpu/smollm2-135m/tokenizer*.json .gpu/llama-3.2-1b/
-  bounded 40 python3 bench/random_weights.py .gpu/llama-3.2-1b /tmp/models/llama-3.2-1b 2>&1 | tail -1 | tee -a "$LOG"
-  bounded 150 $plan profile --target /tmp/models/llama-3.2-1b --gpu "$gpu" --dtype bf16 --contexts 1024 \
-    --sizes 1,4,8 --batches 1,2,4,8,16 --budgets "" --repeats 5 -o "$OUT/llama-3.2-1b.batched.bf16.yaml" 2>&1 \
-    | tail -12 | tee -a "$LOG"
+  cp .gpu/smollm2-135m/tokenizer*.json .gpu/llama-3.1-8b/
+  bounded 90 python3 bench/random_weights.py .gpu/llama-3.1-8b /tmp/models/llama-3.1-8b --dtype bf16 2>&1 | tail -1 \
+    | tee -a "$LOG"
+  bounded 240 $plan profile --target /tmp/models/llama-3.1-8b --gpu "$gpu" --dtype bf16 --contexts 512,4096 \
+    --sizes 1,2,4,8,16 --batches 1,2,4,8,16,32,64 --budgets "" --repeats 3 -o "$OUT/llama-3.1-8b.batched.bf16.yaml" \
+    2>&1 | tail -12 | tee -a "$LOG"
+  rm -rf /tmp/models/llama-3.1-8b
   # issue 52: offloaded decoding, the host link, a 13B-shaped model streamed
   bounded 90 $pytest -k offloaded 2>&1 | tail -5 | tee -a "$LOG"
   bounded 150 python3 bench/gpu_offload.py --resident 0 2>&1 | tail -8 | tee -a "$LOG"

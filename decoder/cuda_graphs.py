@@ -22,9 +22,10 @@ from specplan.core.errors import UserError
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-# Batched graphs kept, least recently used first out: each holds its caches' memory and its own activations, and a
-# server's batches are few (every slot in flight, then the batch draining as the last requests finish).
-KEPT_BATCH_GRAPHS = 32
+# Batched graphs kept, least recently used first out: each holds its caches' memory and its own activations. A
+# server's batches are few (every slot in flight, then the batch draining as the last requests finish); a `--batches`
+# profile interleaves up to about 30 (B, n) points per context over two contexts.
+KEPT_BATCH_GRAPHS = 64
 
 
 def graph_size(n: int, room: int) -> int:
