@@ -18,7 +18,7 @@ import torch
 from specplan.core.choices import BACKENDS
 from specplan.core.errors import UserError
 from specplan.core.models import LoadedModel, check_same_vocabulary, load_model
-from specplan.core.plan_schema import Plan, load_plan
+from specplan.core.plan_schema import Plan, ScheduleEntry, load_plan
 from specplan.core.prompts import encode_prompt
 from specplan.decoder.batching import Completion, Request, Scheduler
 from specplan.decoder.cuda_graphs import compile_forward, enable_cuda_graphs
@@ -73,6 +73,30 @@ class Decoder:
     def draft_every_step(self) -> None:
         """Draft at every step of every request, as the plan says, whatever the request's drafts yield."""
         self.engine.pricing = None
+
+    def fix_setting(self, length: int) -> None:
+        """Draft `length` nodes per sequence (root included) at every step, whatever the batch size, context or the
+        request's drafts: one of the settings the plan's schedule chooses among, run alone (`plan serve --setting`,
+        the fixed settings `plan bench --settings` measures a schedule against). A Lookahead trie's retrieval or a
+        draft chain is cut there, as a schedule cuts it."""
+        if self.plan is None or self.plan.method not in ("lookahead", "sequoia"):
+            raise UserError("--setting runs a Lookahead plan or a Sequoia chain at one drafting length")
+        largest = self.engine.drafter.max_tree_size
+        if not 2 <= length <= largest:
+            raise UserError(f"--setting {length}: this plan drafts 2 to {largest} nodes per sequence (root included)")
+        setting = ScheduleEntry(1, 1, True, length, 1.0, 0.0, 0.0)  # the setting only: nothing here is priced
+        self.engine.schedule = self.engine.pricing = None
+        make_drafter = self.make_drafter
+
+        def fixed() -> Drafter | None:
+            drafter = make_drafter()
+            if drafter is not None:
+                drafter.follow(setting)
+            return drafter
+
+        self.make_drafter = fixed
+        self.engine.drafter.follow(setting)
+        self.slot_drafters.clear()
 
     def restart(self) -> None:
         """Fresh drafters: forget what a trie learned (so a benchmark matches an offline replay)."""

@@ -772,6 +772,9 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
               help="the most requests decoded together (continuous batching)")
 @_prefill_chunk_option()
 @_fixed_drafting_option()
+@click.option("--setting", type=click.IntRange(min=2),
+              help="draft this many nodes per sequence (root included) at every step, whatever the batch size: one "
+                   "of the settings a Lookahead plan or a Sequoia chain's schedule chooses among [the plan's schedule]")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="requests waiting beyond --concurrency before new ones get HTTP 503")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
@@ -782,8 +785,8 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @_offload_options()
 def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
           verify: str | None, device: str | None, backend: str | None, host: str, port: int, concurrency: int,
-          prefill_chunk: int, fixed_drafting: bool, max_queue: int, max_new_tokens: int, context: int | None,
-          offload: str | None, resident_layers: int | None) -> None:
+          prefill_chunk: int, fixed_drafting: bool, setting: int | None, max_queue: int, max_new_tokens: int,
+          context: int | None, offload: str | None, resident_layers: int | None) -> None:
     """An OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions) over continuous batching."""
     from specplan.decoder.api import load_decoder
     from specplan.serve import ServeOptions, serve_forever
@@ -793,6 +796,8 @@ def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: 
                            backend=backend, offload=offload, resident_layers=resident_layers)
     if fixed_drafting:
         decoder.draft_every_step()
+    if setting is not None:
+        decoder.fix_setting(setting)
     longest = decoder.target_forward.shape.max_context
     if context is not None and context > longest:
         raise UserError(f"--context {context} exceeds the model's context of {longest}")
@@ -883,6 +888,9 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
               help="the serving benchmark: closed-loop clients at each of these concurrencies (e.g. 1,2,4,8,16), "
                    "every system a server driven over HTTP; results appended to -o (JSON lines) as they finish, a "
                    "rerun skips those done")
+@click.option("--settings", help="with --concurrency and a plan with a schedule: also serve the plan at each of "
+                                 "these drafting lengths fixed (`plan serve --setting N`: systems setting-N), "
+                                 "comma-separated")
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(DTYPES))
@@ -900,7 +908,7 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @_backend_option(None)
 @_output(help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
-          levels: str | None, target: str | None,
+          levels: str | None, settings: str | None, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
           reprice: bool, backend: str | None, output: Path) -> None:
@@ -911,9 +919,11 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
     from specplan.decoder.sampling import SamplingParams
 
     if levels is not None:
-        _serving_bench(plan_path, dataset, prompts, max_new_tokens, baselines, _int_list(levels), target, draft, dtype,
-                       chat, output)
+        _serving_bench(plan_path, dataset, prompts, max_new_tokens, baselines, _int_list(levels),
+                       _int_list(settings) if settings else [], target, draft, dtype, chat, output)
         return
+    if settings:
+        raise UserError("--settings goes with --concurrency (the serving benchmark)")
     baselines = baselines if baselines is not None else "hf,hf-assisted,ours-ar"
     lookup_plan = load_plan(plan_path) if plan_path is not None else None
     if lookup_plan is not None and lookup_plan.method != "prompt-lookup":
@@ -942,8 +952,8 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
 
 
 def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
-                   levels: list[int], target: str | None, draft: str | None, dtype: str | None, chat: bool,
-                   output: Path) -> None:
+                   levels: list[int], settings: list[int], target: str | None, draft: str | None, dtype: str | None,
+                   chat: bool, output: Path) -> None:
     """plan bench --concurrency: our server and llama.cpp's, closed loop, at each concurrency (specplan/serving.py)."""
     import os
 
@@ -971,6 +981,9 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     if unknown:
         raise UserError(f"unknown serving baseline {unknown[0]!r} (choose from {', '.join(SERVING_BASELINES)})")
     plan = load_plan(plan_path) if plan_path is not None else None
+    if settings and (plan is None or plan.schedule is None):
+        raise UserError("--settings measures a plan's schedule against its settings: give a --plan with a schedule")
+    names += [f"setting-{length}" for length in settings]
     target = target or (plan.models.target if plan else None)
     if target is None:
         raise UserError("name a --target (or give a --plan)")
@@ -988,6 +1001,9 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
                 raise UserError(f"{name} serves a --plan")
             fixed = ["--fixed-drafting"] if name == "ours-fixed" else []
             systems.append(System(name, plan_serve_command(["--plan", str(plan_path), *fixed])))
+        elif name.startswith("setting-"):
+            systems.append(System(name, plan_serve_command(["--plan", str(plan_path), "--setting",
+                                                            name.removeprefix("setting-")])))
         elif name == "hf-batch":
             if dtype == "gguf":
                 raise UserError("hf-batch runs transformers on dequantized weights: give --dtype fp32 or bf16")

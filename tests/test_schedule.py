@@ -29,6 +29,7 @@ from specplan.core.plan_schema import (
     save_plan,
 )
 from specplan.core.profile_schema import LatencyProfile
+from specplan.decoder.api import Decoder
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
@@ -145,6 +146,43 @@ def test_the_decoder_follows_the_schedule_and_every_request_keeps_its_greedy_tok
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens, i
+
+
+def test_a_fixed_setting_drafts_that_length_at_every_batch_size(tiny_pair):
+    """`plan serve --setting 3` on a plan whose schedule drafts alone and nothing beside others: every request
+    drafts up to 3 nodes at every step, alone or not, and keeps its greedy tokens; a length outside the plan's
+    range, or a plan whose tree branches, is one line."""
+    loaded, target, draft = tiny_pair
+    schedule = BatchSchedule(None, (ScheduleEntry(1, 1, True, 6, 2.0, 1.0, 1.5),
+                                    ScheduleEntry(2, 8, False, None, 1.0, 1.0, 1.0)))
+    plan = Plan.from_dict(lookahead_plan_with(schedule.to_dict()), "p.yaml")
+    decoder = Decoder(loaded, lambda: TrieDrafter(Trie(plan.settings)), plan, None, target)
+    for bad in (1, 9):
+        with pytest.raises(UserError, match="drafts 2 to 8 nodes"):
+            decoder.fix_setting(bad)
+    decoder.fix_setting(3)
+    phrase = torch.randint(0, 250, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    requests = [Request(phrase * 3 + [i], n) for i, n in enumerate((30, 16, 20))]
+    sizes = []  # per step: (sequences, largest tree)
+    forward_many = target.forward_many
+    target.forward_many = lambda items: sizes.append((len(items), max(i.tokens.shape[0] for i in items))) or \
+        forward_many(items)
+    try:
+        results = {c.id: c.result.tokens for c in decoder.generate_many(requests, 3)}
+    finally:
+        del target.forward_many
+    steps = [s for s in sizes if s[1] <= 8]  # decode steps (a prefill scores whole prompts)
+    assert any(count > 1 and largest == 3 for count, largest in steps)  # drafting beside others
+    assert max(largest for _, largest in steps) == 3
+    for i, request in enumerate(requests):
+        assert results[i] == SpeculativeEngine(target, None).generate(request.prompt, request.max_new_tokens,
+                                                                      SamplingParams()).tokens, i
+    tree = Plan.from_dict({"kind": "plan/sequoia", "models": {"target": "tiny-random-llama"},
+                           "tree": {"parents": [-1, 0, 0], "size": 3, "depth": 1},
+                           "prediction": {"tokens_per_step": 1.5}}, "tree.yaml")
+    branching = Decoder(loaded, lambda: SequoiaDrafter(draft, list(tree.tree.parents)), tree, None, target)
+    with pytest.raises(UserError, match="this plan's tree branches"):
+        branching.fix_setting(2)
 
 
 def chain_profile() -> LatencyProfile:
@@ -347,3 +385,14 @@ def test_each_request_follows_the_table_of_its_own_length(tiny_pair):
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens, i
+
+
+def test_bench_settings_need_the_serving_benchmark_and_a_plan_with_a_schedule(run_cli, tmp_path):
+    out = tmp_path / "grid.jsonl"
+    for args, message in [
+        (["--plan", "plans/smollm2-135m.lookahead.cpu-2c-avx2.fp32.yaml", "--settings", "2"], "goes with --concurrency"),
+        (["--target", "tiny-random-llama", "--concurrency", "1", "--settings", "2"], "a --plan with a schedule"),
+    ]:
+        code, _, err = run_cli("bench", "--dataset", "specbench", *args, "-o", out)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
