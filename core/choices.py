@@ -35,3 +35,6 @@ TIMED_FORWARDS = FORWARDS + ("llama.cpp",)
 OFFLOAD_KINDS = ("weights", "kv")
 RESIDENT_POLICIES = ("fill", "none")
 HOST_LINK_NAMES = ("pcie3-x16", "pcie4-x16", "pcie5-x16", "pcie4-x8", "nvlink-c2c")  # profiler/offload.py: HOST_LINKS
+# the serving engines' own drafting rules our decoder runs (`plan serve --rule`, `plan bench --rules`;
+# decoder/draft_rules.py)
+DRAFT_RULES = ("trtllm-auto", "hf-heuristic", "hf-constant", "llama.cpp", "sglang-ema")

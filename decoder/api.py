@@ -17,11 +17,13 @@ import torch
 
 from specplan.core.choices import BACKENDS
 from specplan.core.errors import UserError
+from specplan.core.method_settings import TrieSettings
 from specplan.core.models import LoadedModel, check_same_vocabulary, load_model
-from specplan.core.plan_schema import Plan, ScheduleEntry, load_plan
+from specplan.core.plan_schema import Plan, load_plan
 from specplan.core.prompts import encode_prompt
 from specplan.decoder.batching import Completion, Request, Scheduler
 from specplan.decoder.cuda_graphs import compile_forward, enable_cuda_graphs
+from specplan.decoder.draft_rules import RULE_CHAIN_TOKENS, TRTLLM_AUTO_TIERS, rule_maker
 from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import GenerationResult, SpeculativeEngine
 from specplan.decoder.model import SUPPORTED_ARCHITECTURES, LeanModel, ModelShape
@@ -74,6 +76,38 @@ class Decoder:
         """Draft at every step of every request, as the plan says, whatever the request's drafts yield."""
         self.engine.pricing = None
 
+    def use_rule(self, name: str) -> None:
+        """Decide every step's draft length by an engine's own rule (decoder/draft_rules.py: RULES) instead of the
+        plan's schedule and the per-request decisions, on the drafter that engine made the rule for: n-gram
+        drafting (a Lookahead plan's trie, as long as the rule drafts) or a draft model's chain (a Sequoia chain
+        plan's draft, as long as RULE_CHAIN_TOKENS)."""
+        make_rule = rule_maker(name)
+        plan = self.plan
+        on_chain = make_rule().on_chain
+        if on_chain and (plan is None or plan.method != "sequoia" or not plan.tree.is_chain):
+            raise UserError(f"the {name} rule drafts with a draft model's chain: give a Sequoia chain plan")
+        if not on_chain and (plan is None or plan.method != "lookahead"):
+            raise UserError(f"the {name} rule drafts n-grams: give a Lookahead plan (its trie drafts them)")
+        if on_chain:
+            draft = self.draft_forward
+            make_drafter = lambda: SequoiaDrafter(draft, list(range(-1, RULE_CHAIN_TOKENS)))  # noqa: E731
+        else:
+            settings = TrieSettings.sized(max(plan.settings.decoding_length, TRTLLM_AUTO_TIERS[0][1] + 1),
+                                          plan.settings.branch_length)
+            make_drafter = lambda: TrieDrafter(Trie(settings))  # noqa: E731
+
+        def with_rule() -> Drafter:
+            drafter = make_drafter()
+            drafter.rule = make_rule()
+            if on_chain:
+                drafter.chain_stop = drafter.rule.stop
+            return drafter
+
+        self.engine.schedule = self.engine.pricing = None
+        self.make_drafter = with_rule
+        self.engine.drafter = with_rule()
+        self.slot_drafters.clear()
+
     def fix_setting(self, length: int) -> None:
         """Draft `length` nodes per sequence (root included) at every step, whatever the batch size, context or the
         request's drafts: one of the settings the plan's schedule chooses among, run alone (`plan serve --setting`,
@@ -84,18 +118,17 @@ class Decoder:
         largest = self.engine.drafter.max_tree_size
         if not 2 <= length <= largest:
             raise UserError(f"--setting {length}: this plan drafts 2 to {largest} nodes per sequence (root included)")
-        setting = ScheduleEntry(1, 1, True, length, 1.0, 0.0, 0.0)  # the setting only: nothing here is priced
         self.engine.schedule = self.engine.pricing = None
         make_drafter = self.make_drafter
 
         def fixed() -> Drafter | None:
             drafter = make_drafter()
             if drafter is not None:
-                drafter.follow(setting)
+                drafter.draft_nodes(length)
             return drafter
 
         self.make_drafter = fixed
-        self.engine.drafter.follow(setting)
+        self.engine.drafter.draft_nodes(length)
         self.slot_drafters.clear()
 
     def restart(self) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import ScheduleEntry, TokenTree
+from specplan.decoder.draft_rules import ChainStop, DraftRule, draft_confidence
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask
 from specplan.decoder.sampling import SamplingParams, probabilities
 from specplan.decoder.tree import (
@@ -30,6 +31,7 @@ class Drafter(ABC):
     role_suffix: str = ""  # appended to the roles of the caches it takes from a model (LeanModel.cache_for)
     gated: bool = False  # whether its sequence may sit steps out (`idle`) by a per-request decision (decoder/gate.py)
     drafting: bool = True  # the coming step's decision: False, `idle` gives the step's tree instead of `propose`
+    rule: DraftRule | None = None  # an engine's drafting rule, deciding the length of every step (draft_rules.py)
 
     def use_slot(self, slot: int) -> None:
         """Take its caches of a batch's slot `slot`: each sequence in flight has its own (decoder/batching.py)."""
@@ -65,7 +67,11 @@ class Drafter(ABC):
 
     def follow(self, entry: ScheduleEntry) -> None:
         """Draft with a plan schedule's setting for the batch size of the coming step (core/plan_schema.py)."""
-        raise UserError(f"{type(self).__name__} does not follow a schedule per batch size")
+        self.draft_nodes(entry.decoding_length if entry.speculate else 1)
+
+    def draft_nodes(self, nodes: int) -> None:
+        """Draft trees of up to `nodes` nodes, root included, from the coming step on (1: none)."""
+        raise UserError(f"{type(self).__name__} does not draft to a length it is given")
 
     def bind(self, target_cache: KVCache) -> None:
         """The engine's target cache after prefill (a drafter built on the target's own cache reads it)."""
@@ -166,7 +172,7 @@ class TreeShape:
     slots in BFS order, root first; `levels[k]`: the expanded nodes at depth k."""
 
     parents: tuple[int, ...]
-    child_counts: tuple[int, ...]
+    children: tuple[tuple[int, ...], ...]
     levels: tuple[tuple[int, ...], ...]
     slot: dict[int, int]
     allowed: torch.Tensor  # [expanded, expanded] bool: the ancestor matrix of the expanded nodes
@@ -183,7 +189,8 @@ class TreeShape:
                 levels.append([])
             levels[shape.depths[v]].append(v)
         allowed = ancestor_matrix([slot.get(parents[v], -1) for v in expanded])
-        return cls(tuple(parents), tuple(child_counts), tuple(tuple(level) for level in levels), slot, allowed)
+        return cls(tuple(parents), tuple(tuple(c) for c in shape.children), tuple(tuple(level) for level in levels),
+                   slot, allowed)
 
 
 class SequoiaDrafter(Drafter):
@@ -202,17 +209,18 @@ class SequoiaDrafter(Drafter):
         self.is_chain = TokenTree.from_parents(self.parents).is_chain
         self.cache: KVCache | None = None
         self.pending: list[int] = []
+        self.chain_stop: ChainStop | None = None  # an engine rule's early stop (decoder/draft_rules.py)
+        self.proposed = self.shape  # the shape of the tree last proposed (a chain stopped early: shorter)
 
-    def follow(self, entry):
-        if not entry.speculate:
-            size = 1
-        elif self.is_chain:
-            size = min(entry.decoding_length, self.max_tree_size)
-        else:
-            raise UserError("a schedule's draft lengths cut a chain; this plan's tree branches")
+    def draft_nodes(self, nodes):
+        if nodes > 1 and not self.is_chain:
+            raise UserError("a schedule's or a rule's draft lengths cut a chain; this plan's tree branches")
+        self.shape = self._cut(min(nodes, self.max_tree_size))
+
+    def _cut(self, size: int) -> TreeShape:
         if size not in self.cut_shapes:
             self.cut_shapes[size] = TreeShape.of(self.parents[:size])
-        self.shape = self.cut_shapes[size]
+        return self.cut_shapes[size]
 
     def drafts_now(self) -> bool:
         return self.drafting and len(self.shape.parents) > 1
@@ -235,53 +243,79 @@ class SequoiaDrafter(Drafter):
 
     def batches_with(self, other: Drafter) -> bool:
         return (isinstance(other, SequoiaDrafter) and other.model is self.model
-                and other.shape.parents == self.shape.parents)
+                and (other.shape.parents == self.shape.parents or (self.is_chain and other.is_chain)))
 
     @staticmethod
     @torch.inference_mode()
     def propose_many(drafters: list[SequoiaDrafter], roots: list[int], params: list[SamplingParams],
                      draws: list[str], generators: list[torch.Generator | None]) -> list[DraftTree]:
-        """The trees of several sequences (drafters of one model and tree shape, each over its own cache), grown
-        together: one batched draft forward for the chains fed before the roots, then one per level."""
-        shape = drafters[0].shape
-        model, parents = drafters[0].model, list(shape.parents)
-        trees = [DraftTree([root] + [0] * (len(parents) - 1), parents, DETERMINISTIC if p.greedy else draw)
-                 for root, p, draw in zip(roots, params, draws)]
-        if len(parents) == 1:
-            return trees
-        items = []
-        for drafter, root in zip(drafters, roots):
-            chain, base = drafter.pending + [root], drafter.cache.length
-            mask = causal_mask(base, len(chain), model.dtype, model.device) if len(chain) > 1 else None
-            items.append(ForwardItem(torch.tensor(chain), torch.arange(base, base + len(chain)), drafter.cache, mask,
-                                     slice(len(chain) - 1, None)))
-        logits = forward_all(model, items)
-        bases = []
-        for drafter in drafters:
-            drafter.cache.commit(None, len(drafter.pending))
-            drafter.pending = []
-            bases.append(drafter.cache.length)  # the root now sits, uncommitted, in slot `base`
-        for depth, level in enumerate(shape.levels):
-            if depth > 0:
-                first = shape.slot[level[0]]
-                rows = torch.arange(first, first + len(level))
-                items = []
-                for drafter, tree, base in zip(drafters, trees, bases):
-                    drafter.cache.length = base + first  # the level's keys go to slots base + first ...
-                    mask = tree_attention_mask(shape.allowed[:, :first + len(level)], base, model.dtype, rows)
-                    items.append(ForwardItem(torch.tensor([tree.tokens[v] for v in level]),
-                                             torch.full((len(level),), base + depth), drafter.cache, mask))
-                logits = forward_all(model, items)
-                for drafter, base in zip(drafters, bases):
-                    drafter.cache.length = base
-            counts = [shape.child_counts[v] for v in level]
-            for tree, scored, p, generator in zip(trees, logits, params, generators):
-                picks, probs = choose_children(scored.float(), counts, p, tree.draw, generator)
-                for row, v in enumerate(level):
-                    for child, token in zip(tree.children[v], picks[row]):
-                        tree.tokens[child] = token
-                    if probs is not None:
-                        tree.draft_probs[v] = probs[row]
+        """The trees of several sequences (drafters of one model, each over its own cache, all of one tree shape or
+        all chains of their own lengths), grown together: one batched draft forward for the chains fed before the
+        roots, then one per level over the sequences still drafting. A chain with a `chain_stop` ends after a
+        token drafted with too little confidence (and is dropped if too short)."""
+        model = drafters[0].model
+        widest = max((drafter.shape for drafter in drafters), key=lambda shape: len(shape.parents))
+        tokens = [[root] + [0] * (len(drafter.shape.parents) - 1) for drafter, root in zip(drafters, roots)]
+        sizes = [len(t) for t in tokens]
+        draft_probs: list[dict[int, torch.Tensor]] = [{} for _ in drafters]
+        tree_draws = [DETERMINISTIC if p.greedy else draw for p, draw in zip(params, draws)]
+        if max(sizes) > 1:
+            items = []
+            for drafter, root in zip(drafters, roots):
+                chain, base = drafter.pending + [root], drafter.cache.length
+                mask = causal_mask(base, len(chain), model.dtype, model.device) if len(chain) > 1 else None
+                items.append(ForwardItem(torch.tensor(chain), torch.arange(base, base + len(chain)), drafter.cache,
+                                         mask, slice(len(chain) - 1, None)))
+            logits = forward_all(model, items)
+            bases = []
+            for drafter in drafters:
+                drafter.cache.commit(None, len(drafter.pending))
+                drafter.pending = []
+                bases.append(drafter.cache.length)  # the root now sits, uncommitted, in slot `base`
+            live = list(range(len(drafters)))
+            for depth, level in enumerate(widest.levels):
+                live = [i for i in live if depth < len(drafters[i].shape.levels)]
+                if not live:
+                    break
+                if depth > 0:
+                    first = widest.slot[level[0]]
+                    rows = torch.arange(first, first + len(level))
+                    items = []
+                    for i in live:
+                        drafters[i].cache.length = bases[i] + first  # the level's keys go to slots base + first ...
+                        mask = tree_attention_mask(widest.allowed[:, :first + len(level)], bases[i], model.dtype, rows)
+                        items.append(ForwardItem(torch.tensor([tokens[i][v] for v in level]),
+                                                 torch.full((len(level),), bases[i] + depth), drafters[i].cache, mask))
+                    logits = forward_all(model, items)
+                    for i in live:
+                        drafters[i].cache.length = bases[i]
+                counts = [len(widest.children[v]) for v in level]
+                scored_by = dict(zip(range(len(drafters)) if depth == 0 else live, logits))
+                still = []
+                for i in live:
+                    scored = scored_by[i]
+                    picks, probs = choose_children(scored.float(), counts, params[i], tree_draws[i], generators[i])
+                    for row, v in enumerate(level):
+                        for child, token in zip(widest.children[v], picks[row]):
+                            tokens[i][child] = token
+                        if probs is not None:
+                            draft_probs[i][v] = probs[row]
+                    stop = drafters[i].chain_stop
+                    if stop is not None and float(draft_confidence(scored[-1:], stop.top_k)[0]) < stop.below:
+                        sizes[i] = depth + 2  # the chain ends with the token just drafted
+                    else:
+                        still.append(i)
+                live = still
+        trees = []
+        for i, drafter in enumerate(drafters):
+            stop = drafter.chain_stop
+            if stop is not None and sizes[i] - 1 < stop.min_tokens:
+                sizes[i] = 1  # too short a chain: dropped, its draft forwards spent
+            drafter.proposed = drafter._cut(sizes[i]) if sizes[i] < len(drafter.shape.parents) else drafter.shape
+            parents = list(drafter.proposed.parents)
+            trees.append(DraftTree(tokens[i][:sizes[i]], parents, tree_draws[i],
+                                   {v: q for v, q in draft_probs[i].items()
+                                    if v < sizes[i] and drafter.proposed.children[v]}))
         return trees
 
     def idle(self, root):
@@ -291,7 +325,7 @@ class SequoiaDrafter(Drafter):
     def update(self, tree, accepted, next_token):
         if not self.drafts_now():  # the root sits in `pending`; the next root comes with the next step
             return
-        slot = self.shape.slot
+        slot = self.proposed.slot
         kept = [v for v in accepted if v in slot]
         slots = [slot[v] for v in kept]
         self.cache.commit(None if slots == list(range(len(slots))) else torch.tensor(slots), len(slots))
@@ -321,9 +355,8 @@ class TrieDrafter(Drafter):
         self.live_request = False
         self.decoding_length = trie.settings.decoding_length  # a schedule's, at most the trie's own; 1: off
 
-    def follow(self, entry):
-        # the trie's buffers hold trees of its own decoding length at most
-        self.decoding_length = min(entry.decoding_length, self.max_tree_size) if entry.speculate else 1
+    def draft_nodes(self, nodes):
+        self.decoding_length = min(nodes, self.max_tree_size)  # the trie's buffers hold its own length at most
 
     def reset(self, prompt, max_len):
         self.finish()

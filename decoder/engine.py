@@ -77,6 +77,7 @@ class SequenceRun:
         self.accepted_per_step: list[int] = []
         self.stop_reason = "length"
         self.root = -1
+        self.batch = 1  # sequences in the coming step (decide)
         self.tree: DraftTree | None = None
         self.prefill_seconds = 0.0
         self.started = 0.0  # when decoding began (perf_counter)
@@ -98,9 +99,12 @@ class SequenceRun:
         self.root = prompt[-1]
 
     def decide(self, batch: int) -> None:
-        """How much this request drafts at the coming step of `batch` sequences (the schedule's setting there, at its
-        own context), and whether it drafts at all (always, without a gate)."""
-        if self.schedule is not None:
+        """How much this request drafts at the coming step of `batch` sequences (an engine's rule, else the schedule's
+        setting there, at its own context), and whether it drafts at all (always, without a gate)."""
+        self.batch = batch
+        if self.drafter.rule is not None:
+            self.drafter.draft_nodes(self.drafter.rule.tokens(batch) + 1)
+        elif self.schedule is not None:
             self.drafter.follow(self.schedule.entry_for(batch, self.cache.length))
         if self.gate is not None:
             self.drafter.drafting = self.gate.drafts(batch, self.cache.length)
@@ -126,6 +130,8 @@ class SequenceRun:
         self.accepted_per_step.append(len(new))
         if self.gate is not None:
             self.gate.observe(len(new))
+        if self.drafter.rule is not None:
+            self.drafter.rule.observe(tree.size - 1, len(path) - 1, self.batch)
         keep = min(self.max_new_tokens - len(self.out),
                    next((i + 1 for i, t in enumerate(new) if t in self.stop_ids), len(new)))
         if any(t in self.stop_ids for t in new[:keep]):

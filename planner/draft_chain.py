@@ -35,12 +35,12 @@ from specplan.core.acceptance_schema import DraftChainTrace
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.core.profile_schema import LatencyProfile
+from specplan.decoder.draft_rules import HEURISTIC_GROWTH, HEURISTIC_SHRINK
 
 CHAIN_KNOB_ENGINES = ("llama.cpp", "hf")
 P_MIN_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # llama-server's --spec-draft-p-min: 0, 0.05, ..., 0.95
 DRAFT_MIN_GRID = (0, 1, 2, 3)  # llama-server's --spec-draft-n-min
 HF_SCHEDULES = ("constant", "heuristic")
-HEURISTIC_GROWTH, HEURISTIC_SHRINK = 2, 1  # transformers' heuristic schedule: +2 on a fully accepted draft, else -1
 
 
 @dataclass(frozen=True)

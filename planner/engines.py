@@ -88,6 +88,30 @@ HF_CANDIDATES = Source(
     "num_assistant_tokens tokens (a chain); it copies num_assistant_tokens, its schedule and the confidence threshold "
     "from the assistant model's generation_config")
 
+# The drafting rules our decoder replays (decoder/draft_rules.py, `plan serve --rule`), where each was read.
+TRTLLM_AUTO = Source(
+    "NVIDIA/TensorRT-LLM", "tensorrt_llm/llmapi/llm_args.py", "fcd3f31682808ae56118ae43c1d7864a3a945e6f",
+    "(the AUTO decoding type came after this commit, PR #6232; its AutoDecodingConfig docstring, read in a later "
+    "copy: NGRAM with max_draft_len 5 up to concurrency 4, 3 up to 32, speculation off beyond)")
+HF_ASSISTED_RULE = Source(
+    "huggingface/transformers", "src/transformers/generation/candidate_generator.py", "v5.24.0",
+    "update_candidate_strategy: the heuristic schedule adds 2 to num_assistant_tokens after an all-accepted draft, "
+    "else takes 1 (at least 1); the ROC re-tuning of assistant_confidence_threshold runs only with scikit-learn; "
+    "stopping_criteria.py ConfidenceCriteria stops after a token below the threshold; configuration_utils.py "
+    "defaults: 20 tokens, threshold 0.4")
+LLAMACPP_DRAFT_DEFAULTS = Source(
+    "ggml-org/llama.cpp", "common/common.h", "001d906a6d86e2490e394361e7cc6f478b100088",
+    "common_params_speculative_draft: n_max 3, n_min 0, p_min 0.0 (the draft-model defaults of llama-server)")
+SGLANG_ADAPTIVE = Source(
+    "sgl-project/sglang", "python/sglang/srt/speculative/adaptive_spec_params.py",
+    "015c872628e328b530880bcf95ae91222604b225",
+    "DEFAULT_ADAPTIVE_CONFIG tiers 1, 8, 32, 64 (candidate steps [1, 3, 5, 7], [0, 1, 3], [0, 1], [0]; down "
+    "hysteresis -0.25 in tier 1); AdaptiveStepSlot: EMA alpha 0.2 of the batch's mean accepted drafts, 10 warm-up "
+    "batches, a decision every 5; adaptive_step_router.py @ a12239f6: the largest key at or below the batch size")
+DRAFT_RULE_SOURCES = {"trtllm-auto": (TRTLLM_AUTO,), "hf-heuristic": (HF_ASSISTED_RULE,),
+                      "hf-constant": (HF_ASSISTED_RULE,), "llama.cpp": (LLAMACPP_DRAFT_DEFAULTS, LLAMACPP_SPECULATIVE),
+                      "sglang-ema": (SGLANG_ADAPTIVE,)}
+
 
 @dataclass(frozen=True)
 class EngineRules:

@@ -31,6 +31,7 @@ from numba import njit
 from specplan.core import progress
 from specplan.core.acceptance_schema import DRAFT_SAMPLER_TOP_K, DraftChainTrace
 from specplan.decoder.api import Forward
+from specplan.decoder.draft_rules import draft_confidence
 from specplan.decoder.sampling import SamplingParams, probabilities, sample
 
 TAIL_MASS = 1e-6
@@ -192,11 +193,11 @@ def chain_trace(target_logits: torch.Tensor, draft_logits: torch.Tensor, prompt_
     """The draft's argmax against the target's at each row ([rows, vocab] each), with the draft's confidence as
     llama.cpp's draft sampler reports it (the top-1 probability among its top DRAFT_SAMPLER_TOP_K logits), and the
     target's token's rank among the draft's top `width` (`width` where it is none of them)."""
-    top = torch.topk(draft_logits.float(), min(DRAFT_SAMPLER_TOP_K, draft_logits.shape[-1]), dim=-1).values
+    confidence = draft_confidence(draft_logits, DRAFT_SAMPLER_TOP_K)
     hits = positional_greedy(target_logits, draft_logits, width)  # [rows, width] one-hot where among the top
     ranks = np.where(hits.any(1), hits.argmax(1), width)
     # the hit is rank 0 of the one ranking (two top-k calls may order bf16's exact ties apart)
-    return DraftChainTrace(ranks == 0, top.softmax(-1)[:, 0].double().numpy(), prompt_tokens, ranks)
+    return DraftChainTrace(ranks == 0, confidence.double().numpy(), prompt_tokens, ranks)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from specplan.core.choices import (
     BACKENDS,
     BASELINES,
     DEVICES,
+    DRAFT_RULES,
     DTYPES,
     ENGINES,
     HOST_LINK_NAMES,
@@ -772,6 +773,10 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
               help="the most requests decoded together (continuous batching)")
 @_prefill_chunk_option()
 @_fixed_drafting_option()
+@click.option("--rule", type=click.Choice(DRAFT_RULES),
+              help="decide each step's draft length by a serving engine's own rule (its defaults), on the drafter it "
+                   "was made for: trtllm-auto on a Lookahead plan's n-grams, the others on a Sequoia chain plan's "
+                   "draft model [the plan's schedule]")
 @click.option("--setting", type=click.IntRange(min=2),
               help="draft this many nodes per sequence (root included) at every step, whatever the batch size: one "
                    "of the settings a Lookahead plan or a Sequoia chain's schedule chooses among [the plan's schedule]")
@@ -785,7 +790,8 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @_offload_options()
 def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
           verify: str | None, device: str | None, backend: str | None, host: str, port: int, concurrency: int,
-          prefill_chunk: int, fixed_drafting: bool, setting: int | None, max_queue: int, max_new_tokens: int,
+          prefill_chunk: int, fixed_drafting: bool, rule: str | None, setting: int | None, max_queue: int,
+          max_new_tokens: int,
           context: int | None, offload: str | None, resident_layers: int | None) -> None:
     """An OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions) over continuous batching."""
     from specplan.decoder.api import load_decoder
@@ -796,6 +802,14 @@ def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: 
                            backend=backend, offload=offload, resident_layers=resident_layers)
     if fixed_drafting:
         decoder.draft_every_step()
+    if rule is not None and setting is not None:
+        raise UserError("--rule and --setting each decide the draft length: give one")
+    if rule is not None:
+        from specplan.planner.engines import DRAFT_RULE_SOURCES
+
+        decoder.use_rule(rule)
+        for source in DRAFT_RULE_SOURCES[rule]:
+            _progress(f"drafting rule {rule}, as read in {source}")
     if setting is not None:
         decoder.fix_setting(setting)
     longest = decoder.target_forward.shape.max_context
@@ -888,6 +902,8 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
               help="the serving benchmark: closed-loop clients at each of these concurrencies (e.g. 1,2,4,8,16), "
                    "every system a server driven over HTTP; results appended to -o (JSON lines) as they finish, a "
                    "rerun skips those done")
+@click.option("--rules", help="with --concurrency and a plan: also serve it under each of these engines' drafting "
+                              f"rules (`plan serve --rule NAME`: systems rule-NAME), of {', '.join(DRAFT_RULES)}")
 @click.option("--settings", help="with --concurrency and a plan with a schedule: also serve the plan at each of "
                                  "these drafting lengths fixed (`plan serve --setting N`: systems setting-N), "
                                  "comma-separated")
@@ -908,7 +924,7 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @_backend_option(None)
 @_output(help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
-          levels: str | None, settings: str | None, target: str | None,
+          levels: str | None, rules: str | None, settings: str | None, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
           reprice: bool, backend: str | None, output: Path) -> None:
@@ -920,10 +936,11 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
 
     if levels is not None:
         _serving_bench(plan_path, dataset, prompts, max_new_tokens, baselines, _int_list(levels),
-                       _int_list(settings) if settings else [], target, draft, dtype, chat, output)
+                       _int_list(settings) if settings else [], [r for r in (rules or "").split(",") if r], target,
+                       draft, dtype, chat, output)
         return
-    if settings:
-        raise UserError("--settings goes with --concurrency (the serving benchmark)")
+    if settings or rules:
+        raise UserError("--settings and --rules go with --concurrency (the serving benchmark)")
     baselines = baselines if baselines is not None else "hf,hf-assisted,ours-ar"
     lookup_plan = load_plan(plan_path) if plan_path is not None else None
     if lookup_plan is not None and lookup_plan.method != "prompt-lookup":
@@ -952,8 +969,8 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
 
 
 def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
-                   levels: list[int], settings: list[int], target: str | None, draft: str | None, dtype: str | None,
-                   chat: bool, output: Path) -> None:
+                   levels: list[int], settings: list[int], rules: list[str], target: str | None, draft: str | None,
+                   dtype: str | None, chat: bool, output: Path) -> None:
     """plan bench --concurrency: our server and llama.cpp's, closed loop, at each concurrency (specplan/serving.py)."""
     import os
 
@@ -983,7 +1000,11 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     plan = load_plan(plan_path) if plan_path is not None else None
     if settings and (plan is None or plan.schedule is None):
         raise UserError("--settings measures a plan's schedule against its settings: give a --plan with a schedule")
-    names += [f"setting-{length}" for length in settings]
+    unknown_rules = [r for r in rules if r not in DRAFT_RULES]
+    if unknown_rules or (rules and plan is None):
+        raise UserError(f"unknown drafting rule {unknown_rules[0]!r} (choose from {', '.join(DRAFT_RULES)})"
+                        if unknown_rules else "--rules runs a plan's drafter under each rule: give a --plan")
+    names += [f"setting-{length}" for length in settings] + [f"rule-{name}" for name in rules]
     target = target or (plan.models.target if plan else None)
     if target is None:
         raise UserError("name a --target (or give a --plan)")
@@ -1001,6 +1022,9 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
                 raise UserError(f"{name} serves a --plan")
             fixed = ["--fixed-drafting"] if name == "ours-fixed" else []
             systems.append(System(name, plan_serve_command(["--plan", str(plan_path), *fixed])))
+        elif name.startswith("rule-"):
+            systems.append(System(name, plan_serve_command(["--plan", str(plan_path), "--rule",
+                                                            name.removeprefix("rule-")])))
         elif name.startswith("setting-"):
             systems.append(System(name, plan_serve_command(["--plan", str(plan_path), "--setting",
                                                             name.removeprefix("setting-")])))

@@ -388,9 +388,11 @@ def test_each_request_follows_the_table_of_its_own_length(tiny_pair):
 
 
 def test_bench_settings_need_the_serving_benchmark_and_a_plan_with_a_schedule(run_cli, tmp_path):
-    out = tmp_path / "grid.jsonl"
+    out, plan = tmp_path / "grid.jsonl", "plans/smollm2-135m.lookahead.cpu-2c-avx2.fp32.yaml"
     for args, message in [
-        (["--plan", "plans/smollm2-135m.lookahead.cpu-2c-avx2.fp32.yaml", "--settings", "2"], "goes with --concurrency"),
+        (["--plan", plan, "--settings", "2"], "go with --concurrency"),
+        (["--plan", plan, "--rules", "llama.cpp"], "go with --concurrency"),
+        (["--plan", plan, "--concurrency", "1", "--rules", "vllm-magic"], "unknown drafting rule"),
         (["--target", "tiny-random-llama", "--concurrency", "1", "--settings", "2"], "a --plan with a schedule"),
     ]:
         code, _, err = run_cli("bench", "--dataset", "specbench", *args, "-o", out)

@@ -1,0 +1,61 @@
+"""A schedule against its fixed settings, from `plan bench --concurrency ... --settings ... [--rules ...]` runs:
+per concurrency, every system's aggregate tokens/s (the mean over the runs given, and their spread), the best fixed
+setting (ours-ar: off), the schedule's ratio to it and to off, and each system's measured / predicted, where the
+plan's solver priced it (its `schedule.tokens_per_second` at B = the concurrency).
+
+    .venv/bin/python bench/schedule_grid.py PLAN.yaml RUN1.jsonl [RUN2.jsonl ...]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import defaultdict
+
+from specplan.core.plan_schema import load_plan
+from specplan.serving import load_levels
+
+FIXED_PREFIXES = ("setting-", "ours-ar")  # the fixed settings a schedule is held against (ours-ar: drafting off)
+
+
+def predicted_rates(plan_path: str) -> dict[str, list[float | None]]:
+    """System name -> the solver's predicted tokens/s at B = 1, 2, ... ("ours": the chosen envelope)."""
+    plan = load_plan(plan_path)
+    rates = plan.solver.get("schedule", {}).get("tokens_per_second", {})
+    named: dict[str, list[float | None]] = {"ours-ar": rates.get("off", [])}
+    for key, values in rates.items():
+        if key.startswith("L_d="):
+            named[f"setting-{key.removeprefix('L_d=')}"] = values
+    if plan.schedule is not None:  # the schedule takes the best setting at each batch size
+        named["ours"] = [max(values[batch] for values in rates.values() if values[batch] is not None)
+                         for batch in range(len(named["ours-ar"]))]
+    return named
+
+
+def main(plan_path: str, runs: list[str]) -> None:
+    measured: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for run in runs:
+        for level in load_levels(run):
+            measured[(level.system, level.concurrency)].append(level.tokens_per_second)
+    predicted = predicted_rates(plan_path)
+    systems = sorted({system for system, _ in measured})
+    for concurrency in sorted({c for _, c in measured}):
+        means = {s: statistics.mean(measured[(s, concurrency)]) for s in systems if (s, concurrency) in measured}
+        fixed = {s: rate for s, rate in means.items() if s.startswith(FIXED_PREFIXES)}
+        best = max(fixed, key=fixed.get)
+        line = [f"C={concurrency:2d}"]
+        for system, rate in means.items():
+            values = measured[(system, concurrency)]
+            spread = f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else ""
+            prices = predicted.get(system, [])
+            ratio = f" x{rate / prices[concurrency - 1]:.2f} of predicted" if len(prices) >= concurrency and prices[
+                concurrency - 1] else ""
+            line.append(f"{system} {rate:.1f}{spread}{ratio}")
+        print("; ".join(line))
+        if "ours" in means and "ours-ar" in means:
+            print(f"      schedule / best fixed ({best}) {means['ours'] / fixed[best]:.3f}, schedule / off "
+                  f"{means['ours'] / means['ours-ar']:.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
