@@ -20,6 +20,7 @@ from specplan.core.plan_schema import BatchSchedule, Plan, TokenTree
 from specplan.core.validate import Fields
 from specplan.planner.draft_chain import HF_SCHEDULES
 from specplan.planner.engines import (
+    SGLANG_ADAPTIVE,
     TRTLLM_ARGS,
     TRTLLM_SPEC_UTILS,
     VLLM_DYNAMIC_SD,
@@ -104,6 +105,10 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         depth_cap = recorded.get("max_depth") if isinstance(recorded, dict) else None
         heads = depth_cap if isinstance(depth_cap, int) and not isinstance(depth_cap, bool) else None
     check_tree(tree, engine_rules(fmt, heads), plan.source)
+    if fmt == "sglang" and plan.schedule is not None:
+        if not draft_path:
+            raise UserError("--format sglang needs --draft-path: the draft model as sglang loads it")
+        return _sglang_schedule(plan, draft_path, method, concurrency, context)
     if fmt == "sglang" and plan.engine != "sglang":
         raise UserError(f"{plan.source}: SGLang grows its own tree from (num_steps, topk, num_draft_tokens); this "
                         "plan's tree is not one of those: solve with --engine sglang")
@@ -200,6 +205,38 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
                                       "assistant.generation_config.update(**<assistant_generation_config>); "
                                       "model.generate(**inputs, assistant_model=assistant): transformers reads these "
                                       "knobs from the assistant's generation config, not from generate's kwargs")
+
+
+def _sglang_schedule(plan: Plan, draft_path: str, method: str, concurrency: int | None, context: int) -> Export:
+    """A chain schedule for SGLang: with an EAGLE head (`--method eagle|eagle3`), its adaptive-steps config, one tier
+    per range keyed at the range's first batch size with the range's draft length its one candidate (SGLang routes a
+    batch to the largest key at or below it); a standalone draft runs no adaptive steps there, so its static flags
+    at the `concurrency` stated."""
+    target = plan.models.target or "TARGET"
+    rows = _schedule_rows(plan, context)
+    if method in ("eagle", "eagle3"):
+        config: dict[str, Any] = {"written_for": f"SGLang {SGLANG_ADAPTIVE.path} at {SGLANG_ADAPTIVE.commit[:12]}"}
+        config.update({str(low): {"candidate_steps": [k]} for low, _, k in rows})
+        largest = max(k for _, _, k in rows)
+        flags = (f"--speculative-algorithm {method.upper()} --speculative-draft-model-path {draft_path} "
+                 f"--speculative-eagle-topk 1 --speculative-num-steps {largest} --speculative-num-draft-tokens "
+                 f"{largest + 1} --speculative-adaptive --speculative-adaptive-config <this JSON>")
+        return Export(json.dumps(config, indent=1), f"python -m sglang.launch_server --model-path {target} {flags} "
+                      "(under CUDA graphs SGLang routes the padded batch size: a batch may take the next range's "
+                      f"tier){_context_note(plan, context)}")
+    if concurrency is None:
+        raise UserError("SGLang's adaptive steps run EAGLE heads only (--method eagle|eagle3 if the draft is one); "
+                        "a standalone draft takes one draft length: give --concurrency, the requests you serve at "
+                        "once, and the schedule's setting there is exported")
+    entry = plan.schedule.entry_for(concurrency, context)
+    if not entry.speculate:
+        return Export("", f"python -m sglang.launch_server --model-path {target}: at {concurrency} requests no draft "
+                          "length was predicted to pay, so no speculative flags")
+    k = entry.decoding_length - 1
+    return Export(f"--speculative-algorithm STANDALONE --speculative-draft-model-path {draft_path} "
+                  f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+                  f"python -m sglang.launch_server --model-path {target} <these flags>: the schedule's draft length at "
+                  f"{concurrency} requests (batch sizes {entry.low}-{entry.high})")
 
 
 def _llama_server_at(plan: Plan, draft_path: str, best: Fields | None, concurrency: int | None,

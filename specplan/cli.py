@@ -629,10 +629,11 @@ def show(files: tuple[Path, ...], plot: Path | None, compare: Path | None) -> No
 @click.option("--draft-path", help="the draft model as the engine loads it (vllm, trtllm, llama.cpp, hf)")
 @click.option("--heads", type=click.IntRange(min=1), help="medusa, eagle1: the draft heads of your model")
 @click.option("--method", type=click.Choice(VLLM_METHODS), default="draft_model", show_default=True,
-              help="vllm: what drafts the chain (draft_model: a separate draft model; eagle, eagle3: an EAGLE head)")
+              help="vllm, sglang: what drafts the chain (draft_model: a separate draft model; eagle, eagle3: an EAGLE "
+                   "head, whose schedule SGLang takes as adaptive-steps tiers)")
 @click.option("--concurrency", type=click.IntRange(min=1),
-              help="llama.cpp, a plan with a schedule: the requests served at once (llama-server takes one draft "
-                   "length for all its slots: the schedule's there)")
+              help="llama.cpp, and sglang with a separate draft, a plan with a schedule: the requests served at once "
+                   "(one draft length for all: the schedule's there)")
 @click.option("--context", type=click.IntRange(min=1), default=4096, show_default=True,
               help="llama.cpp with --concurrency: the most tokens a request may hold (its slots' size); a plan with a "
                    "schedule per context range: the range whose batch-size table is exported")

@@ -3,6 +3,7 @@ the continuous-batching decoder following it step by step without changing any r
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from specplan.core.plan_schema import (
 from specplan.core.profile_schema import LatencyProfile
 from specplan.decoder.api import Decoder
 from specplan.decoder.batching import Request, Scheduler
+from specplan.decoder.draft_rules import SglangEma
 from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
@@ -295,6 +297,77 @@ def test_llama_server_gets_the_schedules_setting_at_the_stated_concurrency():
     flags = export_plan(plan, "llama.cpp", "draft.gguf", concurrency=4, context=2048).content.split()
     assert flags[:4] == ["-np", "4", "-c", "8192"] and flags[flags.index("--spec-draft-n-max") + 1] == "1"
     assert export_plan(plan, "llama.cpp", "draft.gguf", concurrency=8).content == "-np 8 -c 32768"
+
+
+def test_sglang_takes_an_eagle_chains_schedule_as_adaptive_tiers_and_a_draft_model_at_one_concurrency():
+    """An EAGLE head's chain (`--method eagle`): SGLang's adaptive-steps config, a tier keyed at each range's first
+    batch size with its draft length the one candidate; routed as SGLang routes (the largest key at or below the
+    batch size: adaptive_step_router.py, planner/engines.py's SGLANG_ADAPTIVE), every batch size gets the plan's
+    length. A standalone draft runs no adaptive steps there: its flags at the stated concurrency."""
+    plan = chain_plan(SHRINKING)
+    config = json.loads(export_plan(plan, "sglang", "eagle/head", method="eagle").content)
+    tiers = {int(key): entry["candidate_steps"] for key, entry in config.items() if key.isdigit()}
+    assert tiers == {1: [3], 3: [1], 5: [0]} and "adaptive_spec_params.py" in config["written_for"]
+    for batch in range(1, 65):
+        assert tiers[max(key for key in tiers if key <= batch)] == [(plan.schedule.entry_for(batch).decoding_length
+                                                                     or 1) - 1]
+    with pytest.raises(UserError, match="give --concurrency"):
+        export_plan(plan, "sglang", "draft/path")
+    flags = export_plan(plan, "sglang", "draft/path", concurrency=3).content.split()
+    assert flags[flags.index("--speculative-algorithm") + 1] == "STANDALONE"
+    assert flags[flags.index("--speculative-num-steps") + 1] == "1"
+    assert export_plan(plan, "sglang", "draft/path", concurrency=8).content == ""
+
+
+SGLANG_WITH_ADAPTIVE = "0.5.23"  # the release whose adaptive-steps code the export and our replay are checked with
+
+
+def sglang_adaptive_module() -> dict:
+    """SGLang's adaptive_spec_params.py from its wheel on PyPI (no dependencies), run without its imports of the
+    server (used only by the support check; the log call stubbed): its config loader, EMA slots and router."""
+    wheels = cache_dir() / f"sglang-{SGLANG_WITH_ADAPTIVE}"
+    if not any(wheels.glob("*.whl")):
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={SGLANG_WITH_ADAPTIVE}",
+                                  "--no-deps", "--quiet", "-d", str(wheels)], capture_output=True)
+        if fetched.returncode != 0:
+            pytest.skip(f"sglang {SGLANG_WITH_ADAPTIVE} cannot be fetched here")
+    module = ast.parse(zipfile.ZipFile(next(wheels.glob("*.whl"))).read(
+        "sglang/srt/speculative/adaptive_spec_params.py").decode())
+    module.body = [node for node in module.body if not (isinstance(node, ast.ImportFrom) and node.module
+                                                        and node.module.startswith("sglang"))]
+    namespace: dict = {"__name__": "sglang_adaptive", "log_info_on_rank0": lambda *args, **kwargs: None}
+    exec(compile(module, "adaptive_spec_params.py", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.check
+def test_sglangs_own_adaptive_code_reads_the_export_as_the_plan_does(tmp_path):
+    """SGLang's AdaptiveSpeculativeParams over the exported tiers gives every batch size the plan's draft length."""
+    sglang = sglang_adaptive_module()
+    plan = chain_plan(SHRINKING)
+    path = tmp_path / "adaptive.json"
+    path.write_text(export_plan(plan, "sglang", "eagle/head", method="eagle").content)
+    params = sglang["AdaptiveSpeculativeParams"](initial_steps=3, cfg_path=str(path))
+    for batch in range(1, 65):
+        assert params.get_steps_for_batch(batch) == (plan.schedule.entry_for(batch).decoding_length or 1) - 1
+
+
+@pytest.mark.check
+def test_our_sglang_rule_moves_its_steps_as_sglangs_own_controller_does():
+    """The same accepted drafts fed to SGLang's AdaptiveSpeculativeParams (default tiers) and to our SglangEma rule
+    (decoder/draft_rules.py), at batch sizes moving across the tiers: the same steps after every step."""
+    sglang = sglang_adaptive_module()
+    params = sglang["AdaptiveSpeculativeParams"](initial_steps=3)
+    ours = SglangEma(initial_steps=3)
+    gen = np.random.default_rng(0)
+    for step in range(400):
+        batch = int(gen.choice([1, 2, 5, 8, 12, 32, 40, 64, 80]))
+        assert ours.tokens(batch) == params.get_steps_for_batch(batch), step
+        steps = params.get_steps_for_batch(batch)
+        accepted = [int(gen.integers(0, steps + 1)) if gen.random() < 0.7 else steps for _ in range(batch)]
+        params.on_verify_complete(accepted, batch)
+        for count in accepted:
+            ours.observe(steps, count, batch)
 
 
 VLLM_WITH_THE_TABLE = "0.33.0"  # the release whose dynamic/utils.py the export is checked with
