@@ -116,6 +116,8 @@ class Decoder:
         if self.plan is None or self.plan.method not in ("lookahead", "sequoia"):
             raise UserError("--setting runs a Lookahead plan or a Sequoia chain at one drafting length")
         largest = self.engine.drafter.max_tree_size
+        if largest < 2:
+            raise UserError("--setting: this plan drafts at no batch size (its tree is the root alone)")
         if not 2 <= length <= largest:
             raise UserError(f"--setting {length}: this plan drafts 2 to {largest} nodes per sequence (root included)")
         self.engine.schedule = self.engine.pricing = None
@@ -338,6 +340,8 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
         draft_model = load_model(draft_name, draft_dtype, log=log)
         check_same_vocabulary(target_model, draft_model)
         draft_forward = load_forward(draft_model, device, plan.models.draft_vocab, requested)
+        if plan.tree.size == 1:  # a plan that drafts at no batch size: no draft prefill per request (a rule may)
+            return Decoder(target_model, lambda: None, plan, verify, target_forward, draft_model, draft_forward)
         return Decoder(target_model,
                        lambda: _for_one_sequence(plan, SequoiaDrafter(draft_forward, list(plan.tree.parents))), plan,
                        verify, target_forward, draft_model, draft_forward)

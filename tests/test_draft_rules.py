@@ -8,11 +8,11 @@ import torch
 
 from specplan.core.errors import UserError
 from specplan.core.method_settings import TrieSettings
-from specplan.core.plan_schema import Plan
-from specplan.decoder.api import Decoder
+from specplan.core.plan_schema import Plan, save_plan
+from specplan.decoder.api import Decoder, load_decoder
 from specplan.decoder.batching import Request
 from specplan.decoder.draft_rules import ChainStop, HfAssisted, LlamaCppDraft, SglangEma, TrtllmAuto
-from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
+from specplan.decoder.drafters import NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
@@ -148,3 +148,24 @@ def test_every_rule_names_where_it_was_read():
 
     assert set(DRAFT_RULE_SOURCES) == set(DRAFT_RULES)
     assert all(source.commit for sources in DRAFT_RULE_SOURCES.values() for source in sources)
+
+
+def test_a_plan_that_never_drafts_loads_no_drafter_and_a_rule_still_drafts_with_its_draft(tmp_path, tiny_pair):
+    """A chain plan off at every batch size (its tree the root alone) prefills no draft per request; a rule run on
+    it drafts with the plan's draft model and keeps every request's greedy tokens."""
+    loaded, target, _ = tiny_pair
+    path = tmp_path / "off.yaml"
+    save_plan(Plan.from_dict({"kind": "plan/sequoia", "models": {"target": "tiny-random-llama",
+                                                                 "draft": "tiny-random-llama-draft"},
+                              "tree": {"parents": [-1], "size": 1, "depth": 0},
+                              "prediction": {"tokens_per_step": 1.0}}, "off.yaml"), path)
+    decoder = load_decoder(path, device="cpu")
+    assert isinstance(decoder.engine.drafter, NoDrafter) and decoder.draft_forward is not None
+    with pytest.raises(UserError, match="drafts at no batch size"):
+        decoder.fix_setting(2)
+    decoder.use_rule("llama.cpp")
+    assert isinstance(decoder.engine.drafter, SequoiaDrafter)
+    results = {c.id: c.result.tokens for c in decoder.generate_many(requests()[:3], 2)}
+    for i, request in enumerate(requests()[:3]):
+        assert results[i] == SpeculativeEngine(target, None, loaded.stop_token_ids).generate(
+            request.prompt, request.max_new_tokens, SamplingParams()).tokens, i
