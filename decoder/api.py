@@ -341,7 +341,9 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
         check_same_vocabulary(target_model, draft_model)
         draft_forward = load_forward(draft_model, device, plan.models.draft_vocab, requested)
         if plan.tree.size == 1:  # a plan that drafts at no batch size: no draft prefill per request (a rule may)
-            return Decoder(target_model, lambda: None, plan, verify, target_forward, draft_model, draft_forward)
+            decoder = Decoder(target_model, lambda: None, plan, verify, target_forward, draft_model, draft_forward)
+            decoder.engine.schedule = None  # every entry is off: the root alone is all its tree holds
+            return decoder
         return Decoder(target_model,
                        lambda: _for_one_sequence(plan, SequoiaDrafter(draft_forward, list(plan.tree.parents))), plan,
                        verify, target_forward, draft_model, draft_forward)

@@ -158,14 +158,18 @@ def test_a_plan_that_never_drafts_loads_no_drafter_and_a_rule_still_drafts_with_
     save_plan(Plan.from_dict({"kind": "plan/sequoia", "models": {"target": "tiny-random-llama",
                                                                  "draft": "tiny-random-llama-draft"},
                               "tree": {"parents": [-1], "size": 1, "depth": 0},
-                              "prediction": {"tokens_per_step": 1.0}}, "off.yaml"), path)
+                              "prediction": {"tokens_per_step": 1.0},
+                              "schedule": {"entries": [{"batches": [1, 16], "speculate": False, "tokens_per_step": 1.0,
+                                                        "tokens_per_second": 10.0, "speedup": 1.0}]}},
+                             "off.yaml"), path)
     decoder = load_decoder(path, device="cpu")
     assert isinstance(decoder.engine.drafter, NoDrafter) and decoder.draft_forward is not None
+    off = {c.id: c.result.tokens for c in decoder.generate_many(requests()[:3], 2)}  # its schedule: off throughout
     with pytest.raises(UserError, match="drafts at no batch size"):
         decoder.fix_setting(2)
     decoder.use_rule("llama.cpp")
     assert isinstance(decoder.engine.drafter, SequoiaDrafter)
     results = {c.id: c.result.tokens for c in decoder.generate_many(requests()[:3], 2)}
     for i, request in enumerate(requests()[:3]):
-        assert results[i] == SpeculativeEngine(target, None, loaded.stop_token_ids).generate(
+        assert results[i] == off[i] == SpeculativeEngine(target, None, loaded.stop_token_ids).generate(
             request.prompt, request.max_new_tokens, SamplingParams()).tokens, i
