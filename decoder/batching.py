@@ -98,6 +98,7 @@ class Scheduler:
         self.prefilling: list[_Running] = []  # admitted, their prompts entering the cache along the steps (FIFO)
         self.free_slots = list(range(concurrency))
         self.cancelled: set[int] = set()
+        self.step_done: list[Completion] = []
         self.next_id = 0
         target = engine.target
         # prefixes kept in the slots' caches: on the CPU kernels only (CUDA graphs are captured per cache state),
@@ -122,6 +123,7 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> list[Completion]:
         done: list[Completion] = []
+        self.step_done = done  # what this step completed so far, which `abort` hands out if the step raises
         self.running = [entry for entry in self.running if not self._drop_if_cancelled(entry, done)]
         self.prefilling = [entry for entry in self.prefilling if not self._drop_if_cancelled(entry, done)]
         done += self._admit()
@@ -208,6 +210,7 @@ class Scheduler:
                 entry.run.cache.prompt_length = len(entry.prompt)
             self.prefilling.extend(joining)
             return failed
+        self.running.extend(joining)  # before their prefills: a prefill that raises fails them (abort), not lost
         together = [entry for entry in joining
                     if 0 < len(entry.prompt) - 1 - entry.run.cache.length <= PREFILL_TOGETHER_TOKENS]
         if len(together) > 1 and hasattr(self.engine.target, "forward_many"):
@@ -223,7 +226,18 @@ class Scheduler:
         for entry in joining:
             if entry not in together:
                 entry.run.prefill(entry.prompt)
-        self.running.extend(joining)
+        return failed
+
+    def abort(self, reason: str) -> list[Completion]:
+        """After a step that raised: the completions it had made, and every sequence in flight failed with `reason`
+        (their drafters may be half-way through the step), their slots freed, each cache keeping what it committed;
+        the waiting requests start at the next step."""
+        failed, self.step_done = self.step_done, []
+        for entry in self.running + self.prefilling:
+            self._leave(entry)
+            failed.append(Completion(entry.id, None, reason))
+        self.running, self.prefilling = [], []
+        self.free_slots.sort()
         return failed
 
     def _drop_if_cancelled(self, entry: _Running, done: list[Completion]) -> bool:

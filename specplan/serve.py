@@ -33,6 +33,7 @@ from specplan.decoder.sampling import SamplingParams
 
 # How often a handler waiting on its request looks whether the client is still there (seconds).
 DISCONNECT_POLL_SECONDS = 0.25
+MAX_STEP_ERROR_CHARS = 200  # a failed step's reason, one line, in each of its requests' error
 # A prompt's characters beyond any model's context (2M tokens is about 8M characters): refused before tokenizing.
 MAX_PROMPT_CHARS = 8 << 20
 
@@ -106,7 +107,12 @@ class EngineLoop:
                 self.wake.wait(timeout=1.0)
                 self.wake.clear()
                 continue
-            for completion in self.scheduler.step():
+            try:
+                completions = self.scheduler.step()
+            except Exception as exc:  # noqa: BLE001 - a step that raises fails its requests, not the server
+                reason = " ".join(str(exc).split())[:MAX_STEP_ERROR_CHARS] or type(exc).__name__
+                completions = self.scheduler.abort(f"the decoding step failed: {reason}")
+            for completion in completions:
                 ticket = self.tickets.pop(completion.id)
                 ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, ("done", completion))
 

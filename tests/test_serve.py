@@ -91,6 +91,25 @@ def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
     assert client(running).completions.create(model="m", prompt="next", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_step_that_raises_fails_its_requests_and_the_server_keeps_serving(server, monkeypatch):
+    decoder, running = server
+    forward = decoder.engine.target.forward
+    calls = []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory\n(a second line)")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(decoder.engine.target, "forward", fails_once)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(running).completions.create(model="m", prompt="first", max_tokens=4, temperature=0)
+    assert raised.value.body["message"] == "the decoding step failed: out of memory (a second line)"
+    assert not running.engine.scheduler.running
+    assert client(running).completions.create(model="m", prompt="then", max_tokens=3).usage.completion_tokens == 3
+
+
 @pytest.mark.slow  # a `plan serve` process per level
 def test_the_serving_benchmark_writes_each_level_as_it_finishes_and_resumes(run_cli, tmp_path):
     """plan bench --concurrency: `plan serve` started as its own process per level, closed-loop clients over HTTP;
