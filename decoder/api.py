@@ -99,14 +99,9 @@ class Decoder:
         def with_rule() -> Drafter:
             drafter = make_drafter()
             drafter.rule = make_rule()
-            if on_chain:
-                drafter.chain_stop = drafter.rule.stop
             return drafter
 
-        self.engine.schedule = self.engine.pricing = None
-        self.make_drafter = with_rule
-        self.engine.drafter = with_rule()
-        self.slot_drafters.clear()
+        self._draft_with(with_rule)
 
     def fix_setting(self, length: int) -> None:
         """Draft `length` nodes per sequence (root included) at every step, whatever the batch size, context or the
@@ -120,17 +115,21 @@ class Decoder:
             raise UserError("--setting: this plan drafts at no batch size (its tree is the root alone)")
         if not 2 <= length <= largest:
             raise UserError(f"--setting {length}: this plan drafts 2 to {largest} nodes per sequence (root included)")
-        self.engine.schedule = self.engine.pricing = None
         make_drafter = self.make_drafter
 
-        def fixed() -> Drafter | None:
+        def fixed() -> Drafter:
             drafter = make_drafter()
-            if drafter is not None:
-                drafter.draft_nodes(length)
+            drafter.draft_nodes(length)
             return drafter
 
-        self.make_drafter = fixed
-        self.engine.drafter.draft_nodes(length)
+        self._draft_with(fixed)
+
+    def _draft_with(self, make_drafter: Callable[[], Drafter]) -> None:
+        """Every request's drafter from `make_drafter` from now on, which decides its own lengths: no schedule, no
+        per-request decisions."""
+        self.engine.schedule = self.engine.pricing = None
+        self.make_drafter = make_drafter
+        self.engine.drafter = make_drafter()
         self.slot_drafters.clear()
 
     def restart(self) -> None:

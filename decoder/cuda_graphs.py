@@ -87,9 +87,9 @@ class GraphedForward:
 
     def takes(self, items: list[ForwardItem]) -> bool:
         """Whether `many` replays these items' forward: caches in device memory whose slots are positions and that
-        hand out no queries (TriForce's caches, a host cache run eagerly), and rows for which every cache has room."""
+        hand out no queries (TriForce's caches and a host cache run eagerly)."""
         return all(item.cache.key_positions is None and item.cache.root_queries is None and item.cache.stream is None
-                   and item.cache.length + item.tokens.shape[0] <= item.cache.max_len for item in items)
+                   for item in items)
 
     def many(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """LeanModel.forward_many as a CUDA graph: every sequence's rows padded to one count (graph_size of the

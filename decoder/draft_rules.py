@@ -64,11 +64,14 @@ class ChainStop:
     min_tokens: int = 0
 
 
+NO_STOP = ChainStop()
+
+
 class DraftRule:
     """One engine's rule: `tokens(batch)` before each step (draft tokens, 0: none), `observe` after it."""
 
     on_chain = True  # a draft model's chain; False: n-gram drafting (a Lookahead trie)
-    stop = ChainStop()
+    stop = NO_STOP
 
     def tokens(self, batch: int) -> int:
         raise NotImplementedError

@@ -11,7 +11,7 @@ import torch
 
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import ScheduleEntry, TokenTree
-from specplan.decoder.draft_rules import ChainStop, DraftRule, draft_confidence
+from specplan.decoder.draft_rules import NO_STOP, ChainStop, DraftRule, draft_confidence
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask
 from specplan.decoder.sampling import SamplingParams, probabilities
 from specplan.decoder.tree import (
@@ -209,13 +209,17 @@ class SequoiaDrafter(Drafter):
         self.is_chain = TokenTree.from_parents(self.parents).is_chain
         self.cache: KVCache | None = None
         self.pending: list[int] = []
-        self.chain_stop: ChainStop | None = None  # an engine rule's early stop (decoder/draft_rules.py)
         self.proposed = self.shape  # the shape of the tree last proposed (a chain stopped early: shorter)
 
     def draft_nodes(self, nodes):
         if nodes > 1 and not self.is_chain:
             raise UserError("a schedule's or a rule's draft lengths cut a chain; this plan's tree branches")
         self.shape = self._cut(min(nodes, self.max_tree_size))
+
+    @property
+    def chain_stop(self) -> ChainStop:
+        """When its chain stops early: its engine rule's (decoder/draft_rules.py), else never."""
+        return self.rule.stop if self.rule is not None else NO_STOP
 
     def _cut(self, size: int) -> TreeShape:
         if size not in self.cut_shapes:
@@ -301,17 +305,16 @@ class SequoiaDrafter(Drafter):
                         if probs is not None:
                             draft_probs[i][v] = probs[row]
                     stop = drafters[i].chain_stop
-                    if stop is not None and float(draft_confidence(scored[-1:], stop.top_k)[0]) < stop.below:
+                    if stop.below > 0 and float(draft_confidence(scored[-1:], stop.top_k)[0]) < stop.below:
                         sizes[i] = depth + 2  # the chain ends with the token just drafted
                     else:
                         still.append(i)
                 live = still
         trees = []
         for i, drafter in enumerate(drafters):
-            stop = drafter.chain_stop
-            if stop is not None and sizes[i] - 1 < stop.min_tokens:
+            if sizes[i] - 1 < drafter.chain_stop.min_tokens:
                 sizes[i] = 1  # too short a chain: dropped, its draft forwards spent
-            drafter.proposed = drafter._cut(sizes[i]) if sizes[i] < len(drafter.shape.parents) else drafter.shape
+            drafter.proposed = drafter._cut(sizes[i])
             parents = list(drafter.proposed.parents)
             trees.append(DraftTree(tokens[i][:sizes[i]], parents, tree_draws[i],
                                    {v: q for v, q in draft_probs[i].items()

@@ -799,12 +799,12 @@ def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: 
     from specplan.serve import ServeOptions, serve_forever
 
     _check_offload(offload, resident_layers)
+    if rule is not None and setting is not None:
+        raise UserError("--rule and --setting each decide the draft length: give one")
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
                            backend=backend, offload=offload, resident_layers=resident_layers)
     if fixed_drafting:
         decoder.draft_every_step()
-    if rule is not None and setting is not None:
-        raise UserError("--rule and --setting each decide the draft length: give one")
     if rule is not None:
         from specplan.planner.engines import DRAFT_RULE_SOURCES
 

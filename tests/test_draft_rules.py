@@ -11,7 +11,7 @@ from specplan.core.method_settings import TrieSettings
 from specplan.core.plan_schema import Plan, save_plan
 from specplan.decoder.api import Decoder, load_decoder
 from specplan.decoder.batching import Request
-from specplan.decoder.draft_rules import ChainStop, HfAssisted, LlamaCppDraft, SglangEma, TrtllmAuto
+from specplan.decoder.draft_rules import HfAssisted, LlamaCppDraft, SglangEma, TrtllmAuto
 from specplan.decoder.drafters import NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
@@ -112,9 +112,9 @@ def test_a_chain_stops_after_a_token_drafted_with_too_little_confidence(tiny_pai
     as well (llama.cpp's n_min), every chain is dropped and the target scores the root alone."""
     _, target, draft = tiny_pair
     prompt = torch.randint(0, 250, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    for stop, size in ((ChainStop(1.01), 2), (ChainStop(1.01, 10, 2), 1)):
+    for rule, size in ((HfAssisted(threshold=1.01), 2), (LlamaCppDraft(n_min=2, p_min=1.01), 1)):
         drafter = SequoiaDrafter(draft, list(range(-1, 5)))
-        drafter.chain_stop = stop
+        drafter.rule = rule
         engine = SpeculativeEngine(target, drafter)
         run = engine.start(prompt, 8, SamplingParams(), None)
         item = run.propose()
