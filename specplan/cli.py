@@ -977,11 +977,11 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
 
     import torch
 
+    from specplan.core.machine import machine_label, this_machine
     from specplan.core.models import cache_dir, load_model
     from specplan.core.plan_schema import load_plan
     from specplan.core.prompts import encode_prompt
     from specplan.llamacpp import FILE_TYPES
-    from specplan.profiler import hardware
     from specplan.profiler.datasets import read_dataset, spread_sample
     from specplan.serving import (
         System,
@@ -1053,9 +1053,9 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
                 # a draft model alone is loaded but not drafted with: --spec-type draft-simple turns it on
                 extra = ["--spec-type", "draft-simple", "--spec-draft-model", str(draft_gguf), "-td", str(threads)]
             systems.append(System(name, llama_server_command(gguf, threads, extra)))
-    machine = hardware.fingerprint(torch.device("cpu"), dtype, threads).get("cpu", "cpu")
+    machine = machine_label({**this_machine("cpu"), "threads": threads})  # the servers' threads
     run_serving_bench(systems, encoded, levels, max_new_tokens, 2, output, lambda text: len(
-        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), str(machine), _progress)
+        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), machine, _progress)
     click.echo(f"wrote {output}")
 
 

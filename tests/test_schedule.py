@@ -461,7 +461,7 @@ def test_each_request_follows_the_table_of_its_own_length(tiny_pair):
 
 
 def test_bench_settings_need_the_serving_benchmark_and_a_plan_with_a_schedule(run_cli, tmp_path):
-    out, plan = tmp_path / "grid.jsonl", "plans/smollm2-135m.lookahead.cpu-2c-avx2.fp32.yaml"
+    out, plan = tmp_path / "grid.jsonl", "plans/smollm2-135m.lookahead.cpu-2c.fp32.batched.yaml"
     for args, message in [
         (["--plan", plan, "--settings", "2"], "go with --concurrency"),
         (["--plan", plan, "--rules", "llama.cpp"], "go with --concurrency"),
