@@ -1,7 +1,8 @@
 """A schedule against its fixed settings, from `plan bench --concurrency ... --settings ... [--rules ...]` runs:
 per concurrency, every system's aggregate tokens/s (the mean over the runs given, and their spread), the best fixed
-setting (ours-ar: off), the schedule's ratio to it and to off, and each system's measured / predicted, where the
-plan's solver priced it (its `schedule.tokens_per_second` at B = the concurrency).
+setting (ours-ar: off), the schedule's ratio to it and to off, and each system's measured / predicted: the load's
+price the bench wrote beside it (planner/closed_loop.py; and the price at the measured tokens per step), or for
+results from before, the plan solver's decode-step rate at B = the concurrency.
 
     .venv/bin/python bench/schedule_grid.py PLAN.yaml RUN1.jsonl [RUN2.jsonl ...]
 """
@@ -34,9 +35,15 @@ def predicted_rates(plan_path: str) -> dict[str, list[float | None]]:
 
 def main(plan_path: str, runs: list[str]) -> None:
     measured: dict[tuple[str, int], list[float]] = defaultdict(list)
+    priced: dict[tuple[str, int], list[tuple[float, float | None]]] = defaultdict(list)  # (measured/price, /repriced)
     for run in runs:
         for level in load_levels(run):
-            measured[(level.system, level.concurrency)].append(level.tokens_per_second)
+            key = (level.system, level.concurrency)
+            measured[key].append(level.tokens_per_second)
+            if level.predicted_tokens_per_second:
+                priced[key].append((level.tokens_per_second / level.predicted_tokens_per_second,
+                                    level.tokens_per_second / level.repriced_tokens_per_second
+                                    if level.repriced_tokens_per_second else None))
     predicted = predicted_rates(plan_path)
     systems = sorted({system for system, _ in measured})
     for concurrency in sorted({c for _, c in measured}):
@@ -47,14 +54,25 @@ def main(plan_path: str, runs: list[str]) -> None:
         for system, rate in means.items():
             values = measured[(system, concurrency)]
             spread = f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else ""
-            prices = predicted.get(system, [])
-            ratio = f" x{rate / prices[concurrency - 1]:.2f} of predicted" if len(prices) >= concurrency and prices[
-                concurrency - 1] else ""
+            ratio = _ratio(priced[(system, concurrency)], predicted.get(system), concurrency, rate)
             line.append(f"{system} {rate:.1f}{spread}{ratio}")
         print("; ".join(line))
         if "ours" in means and "ours-ar" in means:
             print(f"      schedule / best fixed ({best}) {means['ours'] / fixed[best]:.3f}, schedule / off "
                   f"{means['ours'] / means['ours-ar']:.3f}")
+
+
+def _ratio(priced: list[tuple[float, float | None]], decode_rates: list[float | None] | None, concurrency: int,
+           rate: float) -> str:
+    """Measured / the load's price (and / its price at the measured tokens per step), from the results where the
+    bench priced the load; else measured / the solver's decode-step rate at B = C (results from before)."""
+    if priced:
+        repriced = [r for _, r in priced if r is not None]
+        again = f", x{statistics.mean(repriced):.2f} repriced" if repriced else ""
+        return f" x{statistics.mean(p for p, _ in priced):.2f} of its price{again}"
+    if decode_rates and len(decode_rates) >= concurrency and decode_rates[concurrency - 1]:
+        return f" x{rate / decode_rates[concurrency - 1]:.2f} of the decode step's rate"
+    return ""
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ BACKENDS = ("auto",) + FORWARDS  # auto: lean where it runs the architecture (de
 # decoding; llama-server: llama.cpp's server, plain or with its speculative modes (-draft: --draft's GGUF); hf-batch:
 # transformers' generate on padded static batches, in process
 SERVING_BASELINES = ("ours", "ours-fixed", "ours-ar", "llama-server", "llama-server-ngram-simple",
-                     "llama-server-ngram-map-k", "llama-server-draft", "hf-batch")
+                     "llama-server-ngram-map-k", "llama-server-draft", "llama-server-export", "hf-batch")
 BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming", "llama.cpp",
              "llama.cpp-lookup", "llama.cpp-draft")
 # the engines a Sequoia plan is solved for and exported to (planner/engines.py: each one's rules, with sources);

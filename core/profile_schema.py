@@ -15,8 +15,9 @@ token ids below some size (plus the stop tokens), `draft_vocab`. A measured prof
 forward for a draft tree of n nodes (at the context `target.engine_overhead_context`). Profiled with
 `--window-prefill`, the draft's section (the target's where there is no draft) gives `window_prefill: {sinks,
 window, seconds}`: a StreamingLLM drafter's prefill of its window, paid once per prompt. `draft.prefill_seconds:
-{L: seconds}` (`plan profile --engine llama.cpp`): the draft's prefill of a prompt of L tokens, which a draft-model
-engine pays once per prompt before its first draft.
+{L: seconds}` (with a draft, and `plan profile --engine llama.cpp`): the draft's prefill of a prompt of L tokens, which
+a draft-model engine pays once per prompt before its first draft; `target.prefill_seconds` (with `--batches`): the
+target's, which every request pays once as it joins a running batch (the serving price, planner/serving.py).
 
 Profiled with `--batches`, a context's entry also gives `batches: {B: {t_seconds: {n: seconds}}}` (the target's
 step of B sequences of n new tokens each, every sequence over its own cache of L tokens: t(B, n)) and the draft's
@@ -84,7 +85,7 @@ class LatencyProfile:
     builds_by_context: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {budget: seconds}}
     overhead_seconds: dict[int, float] = field(default_factory=dict)  # {n: engine seconds per step outside t(n)}
     window_prefills: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # {role: (sinks, window, s)}
-    draft_prefills: dict[int, float] = field(default_factory=dict)  # {prompt tokens: the draft's prefill seconds}
+    prompt_prefills: dict[str, dict[int, float]] = field(default_factory=dict)  # {role: {prompt tokens: seconds}}
     overhead_context: int | None = None  # the context engine_overhead_seconds was timed at
     target_batches: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # {L: {B: {n: s}}}
     draft_batches: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {B: one-token step s}}
@@ -156,8 +157,9 @@ class LatencyProfile:
                                                                     max_key=MAX_FORWARD_TOKENS)
             if target.has("engine_overhead_seconds") else {},
             window_prefills=window_prefills,
-            draft_prefills=draft.int_keyed_numbers("prefill_seconds", seconds=True)
-            if draft is not None and draft.has("prefill_seconds") else {},
+            prompt_prefills={role: section.int_keyed_numbers("prefill_seconds", seconds=True)
+                             for role, section in (("target", target), ("draft", draft))
+                             if section is not None and section.has("prefill_seconds")},
             overhead_context=target.token_count("engine_overhead_context", required=False),
             target_batches=target_batches,
             draft_batches=draft_batches,
@@ -301,13 +303,18 @@ class LatencyProfile:
             return self.draft_step_seconds
         return _linear(self.draft_by_context, context)
 
-    def draft_prefill(self, prompt_tokens: int) -> float | None:
-        """The draft's prefill of a prompt of `prompt_tokens`: its profiled seconds per token, linear between the
-        profiled lengths (clamped), times the length; None unless profiled."""
-        if not self.draft_prefills:
+    def prompt_prefill(self, role: str, prompt_tokens: int) -> float | None:
+        """The `role` model's (target or draft) prefill of a prompt of `prompt_tokens`: its profiled seconds per
+        token, linear between the profiled lengths (clamped), times the length; None unless profiled."""
+        profiled = self.prompt_prefills.get(role)
+        if not profiled:
             return None
-        per_token = {length: seconds / length for length, seconds in self.draft_prefills.items()}
+        per_token = {length: seconds / length for length, seconds in profiled.items()}
         return _linear(per_token, prompt_tokens) * prompt_tokens
+
+    def draft_prefill(self, prompt_tokens: int) -> float | None:
+        """The draft's prefill of a prompt of `prompt_tokens` (prompt_prefill)."""
+        return self.prompt_prefill("draft", prompt_tokens)
 
     def window_prefill(self, role: str, sinks: int, window: int) -> float | None:
         """Seconds for the `role` model (target or draft), as a StreamingLLM drafter, to prefill a window of

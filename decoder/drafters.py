@@ -195,7 +195,9 @@ class TreeShape:
 
 class SequoiaDrafter(Drafter):
     """A draft model grows a fixed tree shape level by level: one draft forward per level of expanded nodes. A
-    chain follows a schedule's draft length per batch size (`follow`): the chain cut to that many tokens, or none."""
+    chain follows a schedule's draft length per batch size (`follow`): the chain cut to that many tokens, or none.
+    The draft prefills a prompt at the request's first drafted step, not as it joins: a request that never drafts
+    (a schedule off at its batch sizes, its drafts declined) never pays the draft's prefill."""
 
     draws = (DETERMINISTIC, WITHOUT_REPLACEMENT, WITH_REPLACEMENT)
     gated = True
@@ -208,6 +210,7 @@ class SequoiaDrafter(Drafter):
         self.cut_shapes = {len(parents): self.full_shape}  # a chain cut to each size a schedule asked for
         self.is_chain = TokenTree.from_parents(self.parents).is_chain
         self.cache: KVCache | None = None
+        self.unprefilled: list[int] | None = None  # the prompt (all but its last token) the draft has not read yet
         self.pending: list[int] = []
         self.proposed = self.shape  # the shape of the tree last proposed (a chain stopped early: shorter)
 
@@ -231,8 +234,14 @@ class SequoiaDrafter(Drafter):
 
     def reset(self, prompt: list[int], max_len: int) -> None:
         self.cache = self.model.cache_for(max_len, "draft" + self.role_suffix)
-        self.model.prefill(torch.tensor(prompt[:-1], dtype=torch.long), self.cache, logits=False)
+        self.unprefilled = prompt[:-1]
         self.pending = []
+
+    def _read_prompt(self) -> None:
+        """The prefill `reset` deferred, as it would have run then; the roots of the steps since wait in `pending`."""
+        if self.unprefilled is not None:
+            self.model.prefill(torch.tensor(self.unprefilled, dtype=torch.long), self.cache, logits=False)
+            self.unprefilled = None
 
     def target_tree_sizes(self):
         return (self.max_tree_size,)
@@ -258,6 +267,8 @@ class SequoiaDrafter(Drafter):
         roots, then one per level over the sequences still drafting. A chain with a `chain_stop` ends after a
         token drafted with too little confidence (and is dropped if too short)."""
         model = drafters[0].model
+        for drafter in drafters:
+            drafter._read_prompt()
         widest = max((drafter.shape for drafter in drafters), key=lambda shape: len(shape.parents))
         tokens = [[root] + [0] * (len(drafter.shape.parents) - 1) for drafter, root in zip(drafters, roots)]
         sizes = [len(t) for t in tokens]

@@ -36,6 +36,7 @@ from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.core.profile_schema import LatencyProfile
 from specplan.decoder.draft_rules import HEURISTIC_GROWTH, HEURISTIC_SHRINK
+from specplan.planner.closed_loop import SettingPrice
 
 CHAIN_KNOB_ENGINES = ("llama.cpp", "hf")
 P_MIN_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # llama-server's --spec-draft-p-min: 0, 0.05, ..., 0.95
@@ -149,6 +150,14 @@ def best_knobs(engine: str, chains: list[DraftChainTrace], profile: LatencyProfi
             seen.add(outcome)
             distinct.append(knobs)
     return distinct
+
+
+def chain_setting_prices(chains: list[DraftChainTrace], decoding_lengths: set[int]) -> dict[int, SettingPrice]:
+    """Each decoding length d of a draft model's chain (K = d - 1 drafted tokens): its exact T = 0 tokens per step
+    over the chain traces, d rows for the target, K batched draft forwards, and the draft's prefill of each prompt."""
+    unit = np.ones(max(decoding_lengths) + 1)  # replay's prices, unused: a fixed K's tokens per step do not need them
+    return {d: SettingPrice(replay(chains, ChainKnobs("chain", d - 1), 0.0, unit).tokens_per_step, rows=d,
+                            draft_levels=d - 1, draft_model=True) for d in sorted(decoding_lengths) if d >= 2}
 
 
 def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, largest_batch: int, max_depth: int,

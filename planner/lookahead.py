@@ -38,6 +38,7 @@ from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Predictio
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
 from specplan.decoder.trie import Trie, accepted_run
+from specplan.planner.closed_loop import OFF, SettingPrice, step_seconds
 
 DECODING_LENGTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 BRANCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -59,10 +60,11 @@ class ReplayResult:
         return self.tokens / self.steps
 
 
-def replay(records: list[LookaheadRecord], settings: TrieSettings,
-           decoding_length: int | None = None) -> ReplayResult:
+def replay(records: list[LookaheadRecord], settings: TrieSettings, decoding_length: int | None = None,
+           requests_per_trie: int | None = None) -> ReplayResult:
     """The trie of `settings` run over the records as the decoder runs it; `decoding_length`: retrieval capped at
-    that many nodes (a schedule's setting under the plan's trie)."""
+    that many nodes (a schedule's setting under the plan's trie); `requests_per_trie`: a fresh trie every that many
+    records (a server's slots, each learning from its own requests only; None: one trie learns from them all)."""
     trie = Trie(settings)
     decoding_length = decoding_length or settings.decoding_length
     tokens = steps = 0
@@ -71,7 +73,9 @@ def replay(records: list[LookaheadRecord], settings: TrieSettings,
     emitted_per_step: list[int] = []
     trie_seconds = 0.0
     for index, record in enumerate(records):
-        if index:
+        if requests_per_trie and index % requests_per_trie == 0:
+            trie = Trie(settings)
+        elif index:
             trie.end_request()
         sequence = np.array(record.prompt + record.output, dtype=np.int64)
         position = len(record.prompt)
@@ -172,35 +176,47 @@ def lookahead_schedule(records: list[LookaheadRecord], settings: TrieSettings, p
     lengths = sorted({d for d in decoding_lengths if 2 <= d < settings.decoding_length} | {settings.decoding_length})
     replays = {d: replay(records, settings, d) for d in lengths}
     priced_at = contexts or (int(round(float(np.mean(replays[settings.decoding_length].step_contexts)))),)
+    prices = {d: setting_price(result) for d, result in replays.items()}
     tables, rates = [], {}
     for context in sorted(priced_at):
-        table, table_rates = _schedule_at(replays, profile, largest, context)
+        table, table_rates = _schedule_at(prices, profile, largest, context)
         tables.append(table)
         rates = rates or table_rates
     return BatchSchedule.by_context(tables), rates
 
 
-def _schedule_at(replays: dict[int, ReplayResult], profile: LatencyProfile, largest: int, context: int
+def setting_price(result: ReplayResult) -> SettingPrice:
+    """A decoding length's yield and cost per sequence and step, from its replay."""
+    return SettingPrice(result.tokens_per_step, float(np.mean(result.step_sizes)), result.trie_seconds / result.steps)
+
+
+def plan_setting_prices(plan: Plan, decoding_lengths: set[int], requests_per_trie: int | None = None
+                        ) -> dict[int, SettingPrice]:
+    """Each of `decoding_lengths` (the plan's schedule's, fixed settings') priced under the plan's trie, replayed on
+    the acceptance file the plan was solved on, a fresh trie every `requests_per_trie` records (see replay)."""
+    acceptance = load_lookahead_acceptance(plan.inputs["acceptance"]["file"])
+    return {d: setting_price(replay(acceptance.records, plan.settings, d, requests_per_trie))
+            for d in sorted(decoding_lengths)}
+
+
+def _schedule_at(prices: dict[int, SettingPrice], profile: LatencyProfile, largest: int, context: int
                  ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """The table of one context: at each batch size the decoding length giving the most output tokens/s, or none."""
     chosen: list[tuple[int | None, float, float, float]] = []  # per B: (length, tokens/step, tokens/s, speedup)
-    rates: dict[str, list[float | None]] = {"off": [], **{f"L_d={d}": [] for d in replays}}
+    rates: dict[str, list[float | None]] = {"off": [], **{f"L_d={d}": [] for d in prices}}
     for batch in range(1, largest + 1):
-        off = batch / (profile.batch_latency(batch, 1, context) + float(profile.engine_overhead(1, batch)))
+        off = batch / step_seconds(profile, batch, OFF, [context])
         rates["off"].append(off)
         best: tuple[int | None, float, float] = (None, 1.0, off)
-        for length, result in replays.items():
-            n = float(np.mean(result.step_sizes))
+        for length, price in prices.items():
             try:
-                forward = profile.batch_latency(batch, n, context)
+                rate = batch * price.tokens_per_step / step_seconds(profile, batch, price, [context])
             except (UserError, ValueError):  # B x n beyond the rows profiled at this batch size
                 rates[f"L_d={length}"].append(None)
                 continue
-            step = forward + float(profile.engine_overhead(n, batch)) + batch * result.trie_seconds / result.steps
-            rate = batch * result.tokens_per_step / step
             rates[f"L_d={length}"].append(rate)
             if rate > best[2]:
-                best = (length, result.tokens_per_step, rate)
+                best = (length, price.tokens_per_step, rate)
         chosen.append((best[0], best[1], best[2], best[2] / off))
     return BatchSchedule.merged(context, chosen), rates
 

@@ -469,7 +469,7 @@ def prompt_prefill_per_token(acceptance: SequoiaAcceptance, profile: LatencyProf
     chain traces record) over the tokens of the continuations: what a draft-model drafter pays per token beyond its
     steps, and one-token decoding does not. None where either file lacks it (unpriced)."""
     prompts = [(chain.prompt_tokens, len(chain.match)) for chain in acceptance.chains if chain.prompt_tokens]
-    if not prompts or not profile.draft_prefills:
+    if not prompts or "draft" not in profile.prompt_prefills:
         return None
     return sum(profile.draft_prefill(length) for length, _ in prompts) / sum(tokens for _, tokens in prompts)
 

@@ -11,7 +11,8 @@ tree size, which the planners charge beside every forward: on a GPU it can match
 `window_prefill` (sinks, window) it also times a StreamingLLM drafter's prefill of its window (the draft's, or
 the target's where no draft is profiled), which `plan solve triforce` charges once per prompt to a streaming
 or model bottom; with a draft, the draft's prefill of a prompt as long as each context, which a draft-model
-drafter pays once per prompt (`plan solve sequoia` spreads it over the continuation).
+drafter pays once per prompt (`plan solve sequoia` spreads it over the continuation); with batches, the target's,
+which every request pays as it joins a running batch (planner/serving.py prices a closed-loop load with it).
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ class _Checkpoint:
 
 BUILD = "retrieval_build"  # the pseudo-role of retrieval-cache build timings (keyed by budget, not n)
 WINDOW_PREFILL = "window_prefill"  # the call timing a StreamingLLM drafter's prefill of its window
-DRAFT_PREFILL = "draft_prefill"  # the calls ("draft_prefill|L") timing a draft's prefill of an L-token prompt
+PROMPT_PREFILL = "prompt_prefill"  # the calls ("prompt_prefill|role|L") timing a model's prefill of an L-token prompt
 
 
 def _measure(request: ProfileRequest, device: torch.device, output: Path, resume: bool, log) -> dict:
@@ -207,8 +208,10 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     streaming_role = "draft" if "draft" in forwards else "target"
     if request.window_prefill:
         calls[WINDOW_PREFILL] = _window_prefill_call(forwards[streaming_role], *request.window_prefill)
-    if "draft" in forwards:
-        calls.update({f"{DRAFT_PREFILL}|{L}": _prompt_prefill_call(forwards["draft"], L) for L in request.contexts})
+    # a draft model pays its prefill once per prompt; serving (batches), the target's too as each request joins
+    prefilled = [role for role in forwards if role == "draft" or (role == "target" and batches)]
+    calls.update({f"{PROMPT_PREFILL}|{role}|{L}": _prompt_prefill_call(forwards[role], L)
+                  for role in prefilled for L in request.contexts})
     resumed = {name: checkpoint.samples.get(name, []) for name in calls}
     done = min(len(timed) for timed in resumed.values())
     samples = {name: timed[:done] for name, timed in resumed.items()}
@@ -227,8 +230,10 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
         bar.update(1)
     bar.close()
     window_prefill = samples.pop(WINDOW_PREFILL, None)
-    draft_prefills = {int(name.split("|")[1]): float(np.median(samples.pop(name)))
-                      for name in list(samples) if name.startswith(DRAFT_PREFILL)}
+    prompt_prefills: dict[str, dict[int, float]] = {}
+    for name in [name for name in samples if name.startswith(PROMPT_PREFILL)]:
+        _, role, L = name.split("|")
+        prompt_prefills.setdefault(role, {})[int(L)] = float(np.median(samples.pop(name)))
     batch_samples = {name: samples.pop(name) for name in list(samples) if name.startswith(BATCH)}
     curves, builds = _summaries(samples)
     document = profile_document(request, "measured", machine, models, curves)
@@ -240,8 +245,8 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
             entry["step_seconds"] = float(np.median(timed))
         else:
             entry.setdefault("t_seconds", {})[int(n)] = float(np.median(timed))
-    if draft_prefills:
-        document["draft"]["prefill_seconds"] = draft_prefills
+    for role, prefills in prompt_prefills.items():
+        document[role]["prefill_seconds"] = prefills
     if window_prefill:
         sinks, window = request.window_prefill
         spread = _spread(window_prefill)
@@ -608,8 +613,8 @@ def _window_prefill_call(model: LeanModel, sinks: int, window: int) -> Callable[
 
 
 def _prompt_prefill_call(model: Forward, length: int) -> Callable[[], float]:
-    """A draft's prefill of a `length`-token prompt into a fresh cache, as a draft-model drafter pays once per prompt
-    before its first draft (decoder/drafters.py: SequoiaDrafter.reset)."""
+    """A model's prefill of a `length`-token prompt into a fresh cache: a draft-model drafter's once per prompt before
+    its first draft (decoder/drafters.py: SequoiaDrafter.reset), the target's as a request joins."""
     prompt = torch.randint(0, model.shape.vocab, (length,))
     return _wall_clock(model.device, lambda: model.prefill(prompt, model.new_cache(length + 1), logits=False))
 

@@ -908,6 +908,10 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @click.option("--settings", help="with --concurrency and a plan with a schedule: also serve the plan at each of "
                                  "these drafting lengths fixed (`plan serve --setting N`: systems setting-N), "
                                  "comma-separated")
+@click.option("--llama-server-drafts", "server_drafts",
+              help="with --concurrency and a --draft (or a plan's): also llama-server drafting up to each of these "
+                   "draft lengths (--spec-draft-n-max N, its other knobs at llama.cpp's defaults: systems "
+                   "llama-server-draft-N), comma-separated")
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(DTYPES))
@@ -925,7 +929,7 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @_backend_option(None)
 @_output(help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
-          levels: str | None, rules: str | None, settings: str | None, target: str | None,
+          levels: str | None, rules: str | None, settings: str | None, server_drafts: str | None, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
           reprice: bool, backend: str | None, output: Path) -> None:
@@ -937,11 +941,11 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
 
     if levels is not None:
         _serving_bench(plan_path, dataset, prompts, max_new_tokens, baselines, _int_list(levels),
-                       _int_list(settings) if settings else [], [r for r in (rules or "").split(",") if r], target,
-                       draft, dtype, chat, output)
+                       _int_list(settings) if settings else [], [r for r in (rules or "").split(",") if r],
+                       _int_list(server_drafts) if server_drafts else [], target, draft, dtype, chat, output)
         return
-    if settings or rules:
-        raise UserError("--settings and --rules go with --concurrency (the serving benchmark)")
+    if settings or rules or server_drafts:
+        raise UserError("--settings, --rules and --llama-server-drafts go with --concurrency (the serving benchmark)")
     baselines = baselines if baselines is not None else "hf,hf-assisted,ours-ar"
     lookup_plan = load_plan(plan_path) if plan_path is not None else None
     if lookup_plan is not None and lookup_plan.method != "prompt-lookup":
@@ -970,8 +974,8 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
 
 
 def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
-                   levels: list[int], settings: list[int], rules: list[str], target: str | None, draft: str | None,
-                   dtype: str | None, chat: bool, output: Path) -> None:
+                   levels: list[int], settings: list[int], rules: list[str], server_drafts: list[int],
+                   target: str | None, draft: str | None, dtype: str | None, chat: bool, output: Path) -> None:
     """plan bench --concurrency: our server and llama.cpp's, closed loop, at each concurrency (specplan/serving.py)."""
     import os
 
@@ -985,10 +989,12 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     from specplan.profiler.datasets import read_dataset, spread_sample
     from specplan.serving import (
         System,
+        exported_llama_server_flags,
         llama_quantize,
         llama_server_command,
         plan_serve_command,
         run_serving_bench,
+        serving_prices,
         transformers_static_batches,
     )
 
@@ -1006,14 +1012,19 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
         raise UserError(f"unknown drafting rule {unknown_rules[0]!r} (choose from {', '.join(DRAFT_RULES)})"
                         if unknown_rules else "--rules runs a plan's drafter under each rule: give a --plan")
     names += [f"setting-{length}" for length in settings] + [f"rule-{name}" for name in rules]
+    names += [f"llama-server-draft-{length}" for length in server_drafts]
+    if server_drafts and min(server_drafts) < 1:
+        raise UserError("--llama-server-drafts takes draft lengths >= 1")
     target = target or (plan.models.target if plan else None)
     if target is None:
         raise UserError("name a --target (or give a --plan)")
     dtype = dtype or (plan.models.dtype if plan else None) or "fp32"
+    draft = draft or (plan.models.draft if plan else None)
     loaded = load_model(target, dtype, log=_progress)
     texts = [p.text for p in spread_sample(read_dataset(dataset), prompts)]
     encoded = [encode_prompt(loaded.tokenizer, text, chat) for text in texts]
     threads = os.cpu_count() or 1
+    prices = serving_prices(plan, settings, _progress) if plan is not None else {}
     systems = []
     for name in dict.fromkeys(names):
         if name == "ours-ar":
@@ -1044,17 +1055,27 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
             kind = FILE_TYPES[dtype][0] if dtype != "gguf" else None  # llama.cpp's name of the dtype
             gguf = source if kind is None else llama_quantize(
                 source, cache_dir() / "llamacpp" / f"{source.stem}.{kind}.gguf", kind)
-            extra = {"llama-server": [], "llama-server-ngram-simple": ["--spec-type", "ngram-simple"],
-                     "llama-server-ngram-map-k": ["--spec-type", "ngram-map-k"]}.get(name)
-            if name == "llama-server-draft":
+            extra: list[str] | Callable[[int], list[str]] = {
+                "llama-server": [], "llama-server-ngram-simple": ["--spec-type", "ngram-simple"],
+                "llama-server-ngram-map-k": ["--spec-type", "ngram-map-k"]}.get(name, [])
+            if name.startswith("llama-server-draft") or name == "llama-server-export":
                 if not draft:
-                    raise UserError("llama-server-draft needs a --draft model (its GGUF)")
-                draft_gguf = load_model(draft, "gguf", log=_progress).gguf_file()
+                    raise UserError(f"{name} needs a --draft model (its GGUF)")
+                draft_gguf = str(load_model(draft, "gguf", log=_progress).gguf_file())
+            if name.startswith("llama-server-draft"):
                 # a draft model alone is loaded but not drafted with: --spec-type draft-simple turns it on
-                extra = ["--spec-type", "draft-simple", "--spec-draft-model", str(draft_gguf), "-td", str(threads)]
+                extra = ["--spec-type", "draft-simple", "--spec-draft-model", draft_gguf]
+                if name != "llama-server-draft":
+                    extra += ["--spec-draft-n-max", name.removeprefix("llama-server-draft-")]
+            elif name == "llama-server-export":
+                if plan is None:
+                    raise UserError("llama-server-export serves a --plan's llama.cpp export")
+                extra = exported_llama_server_flags(plan, draft_gguf)
             systems.append(System(name, llama_server_command(gguf, threads, extra)))
     machine = machine_label({**this_machine("cpu"), "threads": threads})  # the servers' threads
-    run_serving_bench(systems, encoded, levels, max_new_tokens, 2, output, lambda text: len(
+    for system in systems:
+        system.predict = prices.get(system.name)
+    run_serving_bench(systems, encoded, levels, max_new_tokens, output, lambda text: len(
         loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), machine, _progress)
     click.echo(f"wrote {output}")
 

@@ -108,7 +108,7 @@ def profile_llamacpp(request: ProfileRequest, log: Callable[[str], None]) -> dic
     vocabulary = min(model.config.vocab_size for model in loaded.values())
     ids = torch.randint(100, min(vocabulary, 30000), (longest,), generator=generator).tolist()
     curves: dict[str, dict[int, dict[int, dict[str, float]]]] = {}
-    prefills: dict[int, float] = {}  # the draft's, per prompt length
+    prefills: dict[str, dict[int, float]] = {}  # {role: {prompt length: seconds}}
     started = time.perf_counter()
     for role, model in loaded.items():
         llama = open_llama(model, longest, logits_all=role == "target")
@@ -117,7 +117,7 @@ def profile_llamacpp(request: ProfileRequest, log: Callable[[str], None]) -> dic
             llama.reset()
             start = time.perf_counter()
             llama.eval(ids[:context])
-            prefills[context] = time.perf_counter() - start
+            prefills.setdefault(role, {})[context] = time.perf_counter() - start
             curves[role][context] = {n: _timed(llama, context, ids[context:context + n], request.warmup,
                                                request.repeats) for n in sizes[role]}
             log(f"llama.cpp {role} t(n) at L={context}: " + ", ".join(
@@ -125,8 +125,8 @@ def profile_llamacpp(request: ProfileRequest, log: Callable[[str], None]) -> dic
         del llama
     machine = hardware.fingerprint(torch.device("cpu"), request.dtype, request.threads)
     document = profile_document(request, "measured", machine, loaded, curves)
-    if "draft" in loaded:
-        document["draft"]["prefill_seconds"] = prefills  # the last role timed: the draft
+    for role, seconds in prefills.items():
+        document[role]["prefill_seconds"] = seconds
     document["backend"] = "llama.cpp"
     document["settings"] = {"engine": f"llama.cpp (llama-cpp-python {llama_cpp().__version__})",
                             "gguf": gguf_for(loaded["target"]).name, "threads": request.threads,

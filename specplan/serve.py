@@ -29,6 +29,7 @@ from aiohttp import web
 from specplan.core.errors import UserError
 from specplan.decoder.api import Decoder
 from specplan.decoder.batching import Completion, Request
+from specplan.decoder.engine import GenerationResult
 from specplan.decoder.sampling import SamplingParams
 
 # How often a handler waiting on its request looks whether the client is still there (seconds).
@@ -138,6 +139,11 @@ def _forwarder(ticket: Ticket, loop: asyncio.AbstractEventLoop) -> Callable[[lis
     def forward(tokens: list[int]) -> None:
         loop.call_soon_threadsafe(ticket.events.put_nowait, ("tokens", list(tokens)))
     return forward
+
+
+def _timings(result: GenerationResult) -> dict[str, int]:
+    """Beside the usage, as llama-server gives its `timings`: the tokens and the target forwards they took."""
+    return {"predicted_n": len(result.tokens), "steps": result.steps}
 
 
 class QueueFull(Exception):
@@ -308,7 +314,7 @@ class Server:
             "id": self._id(parsed), "object": "chat.completion" if parsed.chat else "text_completion",
             "created": int(time.time()), "model": self.model_name, "choices": [choice],
             "usage": {"prompt_tokens": len(parsed.prompt), "completion_tokens": len(result.tokens),
-                      "total_tokens": len(parsed.prompt) + len(result.tokens)}})
+                      "total_tokens": len(parsed.prompt) + len(result.tokens)}, "timings": _timings(result)})
 
     async def _stream(self, request: web.Request, ticket: Ticket, parsed: Parsed) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -351,7 +357,7 @@ class Server:
                     usage = {"prompt_tokens": len(parsed.prompt), "completion_tokens": len(tokens),
                              "total_tokens": len(parsed.prompt) + len(tokens)}
                     data = {"id": chunk_id, "object": kind, "created": created, "model": self.model_name,
-                            "choices": [], "usage": usage}
+                            "choices": [], "usage": usage, "timings": _timings(completion.result)}
                     await response.write(f"data: {json.dumps(data)}\n\n".encode())
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -23,16 +24,22 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
 from specplan.core.errors import UserError
+from specplan.core.plan_schema import Plan
 
+REQUESTS_PER_CLIENT = 2  # each client's requests at a level: about 2C in all
 SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
 SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-Bench prompt and its output fit
+
+
+# (a level's prompts, C, max tokens, tokens per step or None: the plan's) -> tokens/s
+LevelPricer = Callable[[list[list[int]], int, int, float | None], float]
 
 
 @dataclass
@@ -44,6 +51,7 @@ class System:
     command: Callable[[int, int], list[str]] | None = None  # (port, concurrency) -> argv
     environment: dict[str, str] = field(default_factory=dict)
     in_process: Callable[[list[list[int]], int, int], list[RequestTiming]] | None = None  # (prompts, C, max_tokens)
+    predict: LevelPricer | None = None  # the price of a level's load, at the plan's acceptance or a measured one
 
 
 @dataclass
@@ -52,6 +60,7 @@ class RequestTiming:
     first_token: float | None
     done: float
     tokens: int
+    steps: int | None = None  # the target forwards the server reports having taken (None: not reported)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -78,10 +87,13 @@ class LevelResult:
     ttft_p95: float | None
     failed: int
     machine: str
+    predicted_tokens_per_second: float | None = None  # the plan's price of this load (planner/closed_loop.py)
+    tokens_per_step: float | None = None  # per sequence, over the requests whose server reported its steps
+    repriced_tokens_per_second: float | None = None  # the load priced again at the measured tokens per step
 
     @classmethod
     def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
-                  machine: str) -> LevelResult:
+                  machine: str, predicted: float | None = None, repriced: float | None = None) -> LevelResult:
         start, end = min(t.sent for t in timings), max(t.done for t in timings)
         tokens = sum(t.tokens for t in timings)
         tpots = [t.time_per_output_token for t in timings if t.time_per_output_token is not None]
@@ -92,7 +104,13 @@ class LevelResult:
 
         return cls(system, concurrency, len(timings), tokens, end - start, tokens / (end - start),
                    percentile(tpots, 50), percentile(tpots, 95), percentile(ttfts, 50), percentile(ttfts, 95),
-                   failed, machine)
+                   failed, machine, predicted, measured_tokens_per_step(timings), repriced)
+
+
+def measured_tokens_per_step(timings: list[RequestTiming]) -> float | None:
+    """Output tokens per target forward over the requests whose server reported its steps."""
+    reported = [t for t in timings if t.steps]
+    return sum(t.tokens for t in reported) / sum(t.steps for t in reported) if reported else None
 
 
 def free_port() -> int:
@@ -151,7 +169,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    first, text, counted = None, [], None
+    first, text, counted, steps = None, [], None, None
     async with session.post(url + "/v1/completions", json=body) as reply:
         if reply.status != 200:
             raise UserError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
@@ -167,8 +185,19 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
             usage = event.get("usage") or {}
             timings = event.get("timings") or {}
             counted = usage.get("completion_tokens") or timings.get("predicted_n") or counted
+            steps = _forwards(timings) or steps
     done = time.perf_counter()
-    return RequestTiming(sent, first, done, counted if counted is not None else count_tokens("".join(text)))
+    return RequestTiming(sent, first, done, counted if counted is not None else count_tokens("".join(text)), steps)
+
+
+def _forwards(timings: dict) -> int | None:
+    """The target forwards a server reports: ours, `steps`; llama-server, each forward's one token beyond the
+    accepted drafts (predicted_n - draft_n_accepted, where it drafts)."""
+    if timings.get("steps"):
+        return int(timings["steps"])
+    if timings.get("draft_n") and timings.get("predicted_n"):
+        return int(timings["predicted_n"]) - int(timings.get("draft_n_accepted") or 0)
+    return None
 
 
 async def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
@@ -203,13 +232,14 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
     from specplan.core.fileio import read_text
 
     names = [f.name for f in fields(LevelResult)]
+    optional = {"predicted_tokens_per_second", "tokens_per_step", "repriced_tokens_per_second"}  # older results
     levels = []
     for number, line in enumerate(read_text(Path(path)).splitlines(), 1):
         if not line.strip():
             continue
         try:
             entry = json.loads(line)
-            level = LevelResult(**{name: entry[name] for name in names})
+            level = LevelResult(**{name: entry[name] for name in names if name in entry or name not in optional})
             if not (isinstance(level.system, str) and isinstance(level.concurrency, int) and level.concurrency >= 1
                     and isinstance(level.tokens_per_second, (int, float)) and level.tokens_per_second >= 0):
                 raise ValueError
@@ -222,18 +252,23 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
 
 
 def serving_table(levels: list[LevelResult]) -> str:
-    """Aggregate tokens/s per system and concurrency, each with its ratio to ours-ar's at that concurrency, and
-    the latencies (ms): time per output token and time to first token, p50/p95."""
+    """Aggregate tokens/s per system and concurrency, each with its ratio to ours-ar's at that concurrency, to the
+    load's price where the bench priced it (and to the price at the measured tokens per step), the tokens per step
+    the server reported, and the latencies (ms): time per output token and time to first token, p50/p95."""
     baseline = {r.concurrency: r.tokens_per_second for r in levels if r.system == "ours-ar"}
-    lines = ["| system | concurrency | tokens/s | vs ours-ar | TPOT p50/p95 ms | TTFT p50/p95 ms | requests |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| system | concurrency | tokens/s | vs ours-ar | vs price (repriced) | tokens/step | TPOT p50/p95 ms | "
+             "TTFT p50/p95 ms | requests |", "|---|---|---|---|---|---|---|---|---|"]
 
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value * 1e3:.0f}"
 
     for r in sorted(levels, key=lambda r: (r.concurrency, r.system)):
         ratio = f"{r.tokens_per_second / baseline[r.concurrency]:.2f}" if baseline.get(r.concurrency) else "-"
-        lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_second:.1f} | {ratio} | "
+        priced = f"{r.tokens_per_second / r.predicted_tokens_per_second:.2f}" if r.predicted_tokens_per_second else "-"
+        if r.repriced_tokens_per_second:
+            priced += f" ({r.tokens_per_second / r.repriced_tokens_per_second:.2f})"
+        per_step = f"{r.tokens_per_step:.2f}" if r.tokens_per_step else "-"
+        lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_second:.1f} | {ratio} | {priced} | {per_step} | "
                      f"{ms(r.tpot_p50)}/{ms(r.tpot_p95)} | {ms(r.ttft_p50)}/{ms(r.ttft_p95)} | "
                      f"{r.requests}{f' ({r.failed} failed)' if r.failed else ''} |")
     return "\n".join(lines)
@@ -270,7 +305,7 @@ def done_levels(path: Path) -> set[tuple[str, int]]:
 
 
 def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: list[int], max_tokens: int,
-                      requests_per_client: int, results: Path, count_tokens: Callable[[str], int], machine: str,
+                      results: Path, count_tokens: Callable[[str], int], machine: str,
                       say: Callable[[str], None]) -> list[LevelResult]:
     """Every system at every concurrency (systems interleaved within a level, so that a slow spell of the machine
     falls on all of them); results appended to `results` (JSON lines) as they finish, those done skipped."""
@@ -281,8 +316,7 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
             if (system.name, concurrency) in done:
                 say(f"{system.name} at concurrency {concurrency}: done before, skipped")
                 continue
-            count = max(requests_per_client * concurrency, concurrency)
-            level_prompts = [prompts[i % len(prompts)] for i in range(count)]
+            level_prompts = prompts_at_level(prompts, concurrency)
             # warmed up on the prompts reversed: no measured prompt may sit in an engine's prompt cache already
             warmup = [prompt[::-1] for prompt in level_prompts[:concurrency]]
             if system.in_process is not None:
@@ -299,13 +333,78 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
                     server.stop()
             if not timings:
                 raise UserError(f"{system.name}: every request failed at concurrency {concurrency}")
-            result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
-            say(f"{system.name} at concurrency {concurrency}: {result.tokens_per_second:.1f} tokens/s, "
+            predicted = repriced = None
+            if system.predict is not None:
+                predicted = system.predict(level_prompts, concurrency, max_tokens, None)
+                per_step = measured_tokens_per_step(timings)
+                repriced = system.predict(level_prompts, concurrency, max_tokens, per_step) if per_step else None
+            result = LevelResult.summarize(system.name, concurrency, timings, failed, machine, predicted, repriced)
+            priced = f", {result.tokens_per_second / predicted:.2f}x its price" if predicted else ""
+            if repriced:
+                priced += f" ({result.tokens_per_second / repriced:.2f}x at {result.tokens_per_step:.2f} tokens/step)"
+            say(f"{system.name} at concurrency {concurrency}: {result.tokens_per_second:.1f} tokens/s{priced}, "
                 f"TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, TTFT p50 {1e3 * (result.ttft_p50 or 0):.0f} ms")
             with open(results, "a") as handle:
                 handle.write(json.dumps(asdict(result)) + "\n")
             finished.append(result)
     return finished
+
+
+def serving_prices(plan: Plan, settings: list[int], say: Callable[[str], None]) -> dict[str, LevelPricer]:
+    """The price of each level's load (planner/closed_loop.py) for the systems a plan's profile prices: the schedule
+    (ours, ours-fixed), each fixed setting, and no drafting (ours-ar); none where the plan or its profile cannot.
+    A Lookahead slot's trie learns from the REQUESTS_PER_CLIENT requests it serves in a level (a fresh server a
+    level); a draft model's chain is priced from the plan's chain traces, its prefill paid by the requests that join
+    a batch it drafts at."""
+    from specplan.core.acceptance_schema import load_sequoia_acceptance
+    from specplan.core.profile_schema import load_profile
+    from specplan.planner.closed_loop import OFF, SettingPrice, closed_loop_price
+    from specplan.planner.draft_chain import chain_setting_prices
+    from specplan.planner.lookahead import plan_setting_prices
+
+    profile_file = (plan.inputs.get("profile") or {}).get("file")
+    no_drafter = plan.method == "sequoia" and plan.tree is not None and plan.tree.size == 1
+    if plan.method not in ("lookahead", "sequoia") or (plan.schedule is None and not no_drafter) or not profile_file \
+            or not Path(profile_file).is_file():
+        say("a served load is priced for a Lookahead plan or a draft model's chain with a schedule, its profile at "
+            "hand: not priced here")
+        return {}
+    profile = load_profile(profile_file)
+    if "target" not in profile.prompt_prefills:
+        say(f"{profile_file} has no target prefills (profile with --batches, re-measured): the load is not priced")
+        return {}
+    tables = plan.schedule.tables if plan.schedule is not None else ()
+    lengths = {e.decoding_length for table in tables for e in table.entries if e.speculate} | set(settings)
+    if no_drafter:  # the plan runs no drafter at all
+        prices, off = {}, OFF
+    elif plan.method == "lookahead":
+        prices, off = plan_setting_prices(plan, lengths, REQUESTS_PER_CLIENT), OFF
+    else:
+        chains = load_sequoia_acceptance(plan.inputs["acceptance"]["file"]).chains
+        prices, off = chain_setting_prices(chains, lengths), OFF  # the draft reads a prompt when it first drafts
+
+    def scheduled(batch: int) -> SettingPrice:
+        entry = plan.schedule.entry_for(batch) if plan.schedule is not None and not no_drafter else None
+        return prices[entry.decoding_length] if entry is not None and entry.speculate else off
+
+    def priced(policy: Callable[[int], SettingPrice]) -> LevelPricer:
+        def price(prompts: list[list[int]], concurrency: int, max_tokens: int, tokens_per_step: float | None) -> float:
+            def setting(batch: int) -> SettingPrice:
+                chosen = policy(batch)
+                return chosen if tokens_per_step is None or chosen.rows == 1 else replace(
+                    chosen, tokens_per_step=tokens_per_step)
+            return closed_loop_price(profile, prompts, concurrency, max_tokens, setting).tokens_per_second
+        return price
+
+    policies = {"ours": scheduled, "ours-fixed": scheduled, "ours-ar": lambda batch: OFF,
+                **{f"setting-{d}": lambda batch, d=d: prices[d] for d in settings if d in prices}}
+    return {name: priced(policy) for name, policy in policies.items()}
+
+
+def prompts_at_level(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The prompts the C clients of one level send, in the order they take them."""
+    count = REQUESTS_PER_CLIENT * concurrency
+    return [prompts[i % len(prompts)] for i in range(count)]
 
 
 def plan_serve_command(options: list[str]) -> Callable[[int, int], list[str]]:
@@ -390,15 +489,36 @@ def llama_server_binary() -> Path:
     return binary
 
 
-def llama_server_command(gguf: Path, threads: int, extra: list[str]) -> Callable[[int, int], list[str]]:
+def llama_server_command(gguf: Path, threads: int, extra: list[str] | Callable[[int], list[str]]
+                         ) -> Callable[[int, int], list[str]]:
+    """llama-server on `gguf` with C slots of SLOT_CONTEXT tokens, and `extra` flags (or the flags for C)."""
     binary = str(llama_server_binary())
 
     def command(port: int, concurrency: int) -> list[str]:
+        flags = extra(concurrency) if callable(extra) else extra
         return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
-                str(threads), "-np", str(concurrency), "-c", str(SLOT_CONTEXT * concurrency),
-                "--no-webui", *extra]
+                str(threads), "-np", str(concurrency), "-c", str(SLOT_CONTEXT * concurrency), "--no-webui", *flags]
 
     return command
+
+
+def exported_llama_server_flags(plan: Plan, draft_gguf: str) -> Callable[[int], list[str]]:
+    """The flags `plan export --format llama.cpp --concurrency C` writes for `plan` (its slots set by the bench)."""
+    from specplan.planner.export import export_plan
+
+    def flags(concurrency: int) -> list[str]:
+        words = shlex.split(export_plan(plan, "llama.cpp", draft_gguf, concurrency=concurrency,
+                                        context=SLOT_CONTEXT).content)
+        kept = []
+        while words:
+            word = words.pop(0)
+            if word in ("-np", "-c"):  # the slots, which every llama-server system here gets alike
+                words.pop(0)
+            else:
+                kept.append(word)
+        return kept
+
+    return flags
 
 
 def llama_quantize(source: Path, target: Path, kind: str) -> Path:

@@ -37,9 +37,10 @@ def test_measured_profile_is_readable_by_the_planner(run_cli, tmp_path):
     assert all(t > 0 for t in profile.target_t_seconds.values())
     assert profile.draft_step_seconds > 0 and profile.draft_step(64) > 0
     # the draft's prefill of a prompt as long as each context, spread per token in between
-    assert set(profile.draft_prefills) == {16, 64} and all(s > 0 for s in profile.draft_prefills.values())
+    draft_prefills = profile.prompt_prefills["draft"]
+    assert set(draft_prefills) == {16, 64} and all(s > 0 for s in draft_prefills.values())
     assert profile.draft_prefill(32) == pytest.approx(32 * np.interp(32, [16, 64], [
-        profile.draft_prefills[16] / 16, profile.draft_prefills[64] / 64]))
+        draft_prefills[16] / 16, draft_prefills[64] / 64]))
     raw = yaml.safe_load(out.read_text())
     assert raw["hardware"]["threads"] >= 1 and raw["hardware"]["torch"]
     assert raw["model_fingerprints"]["target"]["layers"] == 2
@@ -401,6 +402,9 @@ def test_a_batched_profile_prices_steps_of_many_sequences(run_cli, tmp_path):
         (profile.target_batches[16][2][1] + profile.target_batches[64][2][1]) / 2)
     assert 0 < profile.draft_batch_step(4, 64) == profile.draft_batches[64][4]
     assert "batched steps at L=64" in stdout
+    # every request's prefill as it joins, the target's, at each context (the serving price's)
+    assert set(profile.prompt_prefills) == {"target", "draft"} and set(profile.prompt_prefills["target"]) == {16, 64}
+    assert 0 < profile.prompt_prefill("target", 40) < 1
     # the continuous-batching engine's work per step around the forward, per B and tree size (B x n <= 256 rows)
     overhead = profile.overhead_batches
     assert set(overhead) == {2, 4, 64} and set(overhead[4]) == set(profile.overhead_seconds)

@@ -40,6 +40,7 @@ from specplan.decoder.trie import Trie
 from specplan.planner.draft_chain import chain_schedule
 from specplan.planner.export import export_plan
 from specplan.planner.lookahead import lookahead_schedule
+from specplan.serving import exported_llama_server_flags
 
 from toy import drafters_per_slot
 
@@ -297,6 +298,11 @@ def test_llama_server_gets_the_schedules_setting_at_the_stated_concurrency():
     flags = export_plan(plan, "llama.cpp", "draft.gguf", concurrency=4, context=2048).content.split()
     assert flags[:4] == ["-np", "4", "-c", "8192"] and flags[flags.index("--spec-draft-n-max") + 1] == "1"
     assert export_plan(plan, "llama.cpp", "draft.gguf", concurrency=8).content == "-np 8 -c 32768"
+    # the serving benchmark's llama-server-export: those flags at each level, its slots set by the bench alike
+    flags_at = exported_llama_server_flags(plan, "draft.gguf")
+    assert flags_at(4) == [word for word in export_plan(plan, "llama.cpp", "draft.gguf", concurrency=4).content.split()
+                           if word not in ("-np", "4", "-c", "16384")] and "--spec-draft-model" in flags_at(4)
+    assert flags_at(8) == []
 
 
 def test_sglang_takes_an_eagle_chains_schedule_as_adaptive_tiers_and_a_draft_model_at_one_concurrency():

@@ -1,0 +1,134 @@
+"""The price of a serving load: what a closed loop of C clients gets in aggregate output tokens/s from a plan.
+
+A schedule's entries price a decode step with B sequences always in flight. A served load is not that: each request
+is prefilled as it joins (the target's prefill of its prompt, less the prefix its slot's cache still holds from the
+slot's last request), the batch fills and drains as requests start and finish, and `plan bench --concurrency` counts
+every output token over the whole wall time. This module replays that load step by step as the decoder's scheduler
+runs it (decoder/batching.py): C clients each send their next prompt when their last one completes; waiting requests
+join free slots (the lowest first) between steps and are prefilled there before the next step; each step, every
+sequence in flight gains its setting's tokens per step, the setting chosen for the batch size in flight; the step costs
+t(B, n) at the sequences' contexts, the engine's overhead o(n, B), each drafter's host work and the draft model's
+levels. Tokens per step are the replays' means (every sequence advances alike: the waves of a closed loop drain only
+as their requests' output lengths differ); the prefills are the profile's `target.prefill_seconds`, measured with
+`plan profile --batches`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from specplan.core.errors import UserError
+from specplan.core.profile_schema import LatencyProfile
+
+# A completed request's client sends its next one this long after the server's last token (the HTTP round trip on
+# the loopback and the server's admission); the slot waits for it unless others keep the steps going.
+CLIENT_TURNAROUND_SECONDS = 0.002
+
+
+@dataclass(frozen=True)
+class SettingPrice:
+    """One drafting setting, per sequence and step: what it emits, and what it costs beyond the target's rows."""
+
+    tokens_per_step: float  # emitted per sequence per step (1: no drafting)
+    rows: float = 1.0  # the target's new rows per sequence per step: the draft's nodes, root included
+    host_seconds: float = 0.0  # the drafter's host work per sequence per step (a trie's retrieval and insertion)
+    draft_levels: int = 0  # batched draft-model forwards per step (a tree's depth)
+    draft_model: bool = False  # a draft model, which reads each prompt before its first draft
+
+
+OFF = SettingPrice(1.0)
+
+
+@dataclass(frozen=True)
+class LoadPrice:
+    tokens_per_second: float
+    wall_seconds: float
+    output_tokens: int
+    prefill_seconds: float  # of the wall time
+    steps: int
+    mean_batch: float  # sequences per step, over the steps
+
+
+def closed_loop_price(profile: LatencyProfile, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
+                      setting_for: Callable[[int], SettingPrice], output_tokens: list[int] | None = None,
+                      held: list[list[int]] | None = None) -> LoadPrice:
+    """The load of `prompts` (token ids, in the order the clients take them) sent by `concurrency` closed-loop
+    clients, each asking for `max_new_tokens` (or its own `output_tokens`); `setting_for(B)`: the setting of a step
+    of B sequences; `held`: the tokens each slot's cache holds before the first request (default: nothing shared).
+    The profile must have the target's prompt prefills and, beyond B = 1, t(B, n)."""
+    if "target" not in profile.prompt_prefills:
+        raise UserError("pricing a serving load needs the target's prompt prefills: profile with --batches")
+    if concurrency < 1 or not prompts:
+        raise UserError("a serving load needs prompts and a concurrency >= 1")
+    lengths = output_tokens or [max_new_tokens] * len(prompts)
+    queue = deque(range(len(prompts)))
+    arrivals: deque[tuple[float, int]] = deque((0.0, queue.popleft()) for _ in range(min(concurrency, len(queue))))
+    slots_held = list(held or [[] for _ in range(concurrency)])
+    free = list(range(concurrency))
+    running: list[tuple[int, int, float]] = []  # (request, slot, tokens emitted)
+    now = prefill_total = 0.0
+    steps = batch_total = 0
+    while arrivals or running:
+        joining = []
+        while arrivals and arrivals[0][0] <= now and free:
+            _, request = arrivals.popleft()
+            slot = free.pop(0)
+            joining.append((request, slot))
+        if joining:
+            seconds = sum(_prefill(profile, prompts[request], slots_held[slot], setting_for(len(running) + 1))
+                          for request, slot in joining)
+            now += seconds
+            prefill_total += seconds
+            running += [(request, slot, 0.0) for request, slot in joining]
+        if not running:
+            now = max(now, arrivals[0][0])
+            continue
+        batch = len(running)
+        setting = setting_for(batch)
+        contexts = [len(prompts[request]) + emitted for request, _, emitted in running]
+        now += step_seconds(profile, batch, setting, contexts)
+        steps += 1
+        batch_total += batch
+        still = []
+        for request, slot, emitted in running:
+            emitted += setting.tokens_per_step
+            if emitted < lengths[request]:
+                still.append((request, slot, emitted))
+                continue
+            slots_held[slot] = prompts[request]
+            free.append(slot)
+            free.sort()
+            if queue:
+                arrivals.append((now + CLIENT_TURNAROUND_SECONDS, queue.popleft()))
+        running = still
+    tokens = int(sum(lengths))
+    return LoadPrice(tokens / now, now, tokens, prefill_total, steps, batch_total / max(steps, 1))
+
+
+def _prefill(profile: LatencyProfile, prompt: list[int], held: list[int], setting: SettingPrice) -> float:
+    """A joining request's prefill: the target's over the prompt (all but its last token, the first step's root)
+    beyond the prefix its slot still holds; a draft model's over the whole prompt where the batch it joins drafts
+    (the draft reads it at its first drafted step, charged here)."""
+    shared = len(os.path.commonprefix([prompt, held]))
+    seconds = profile.prompt_prefill("target", max(len(prompt) - 1 - shared, 1)) or 0.0
+    if setting.draft_model:
+        seconds += profile.prompt_prefill("draft", len(prompt)) or 0.0
+    return seconds
+
+
+def step_seconds(profile: LatencyProfile, batch: int, setting: SettingPrice, contexts: list[float]) -> float:
+    """One step of `batch` sequences under `setting` at their `contexts`: t(B, n) with n the setting's rows, the
+    engine's overhead o(n, B), every drafter's host work and the draft model's levels."""
+    seconds = profile.batch_latency(batch, setting.rows, contexts) + float(profile.engine_overhead(setting.rows, batch))
+    seconds += batch * setting.host_seconds
+    if setting.draft_levels:
+        draft = profile.draft_batch_step(batch, float(np.mean(contexts)))
+        if draft is None:
+            raise UserError(f"the profile has no draft step at B = {batch}")
+        seconds += setting.draft_levels * draft
+    return seconds

@@ -1,0 +1,93 @@
+"""The price of a closed-loop serving load (planner/closed_loop.py), step by step on a profile whose every time is
+known, and `plan bench --concurrency` writing it beside each measured level."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from specplan.core.errors import UserError
+from specplan.core.profile_schema import LatencyProfile
+from specplan.planner.closed_loop import CLIENT_TURNAROUND_SECONDS, OFF, SettingPrice, closed_loop_price
+
+STEP = 0.010  # every step of 1 or 2 sequences, any rows up to 4
+PREFILL_PER_TOKEN = 0.001
+
+
+def flat_profile(prefills: bool = True) -> LatencyProfile:
+    flat = {n: STEP for n in (1, 2, 4)}
+    target = {"t_seconds": flat, "contexts": {64: {"t_seconds": flat, "batches": {2: {"t_seconds": flat}}}}}
+    if prefills:
+        target["prefill_seconds"] = {10: 10 * PREFILL_PER_TOKEN, 100: 100 * PREFILL_PER_TOKEN}
+    return LatencyProfile.from_dict({"kind": "profile/latency", "target": target}, "flat")
+
+
+def test_one_client_pays_its_prefill_then_a_step_per_token_or_per_drafted_run():
+    prompt = list(range(11))  # 10 prefilled tokens: the last is the first step's root
+    off = closed_loop_price(flat_profile(), [prompt], 1, 10, lambda batch: OFF)
+    assert off.steps == 10 and off.wall_seconds == pytest.approx(10 * PREFILL_PER_TOKEN + 10 * STEP)
+    assert off.tokens_per_second == pytest.approx(10 / off.wall_seconds) and off.mean_batch == 1
+    drafted = closed_loop_price(flat_profile(), [prompt], 1, 10, lambda batch: SettingPrice(2.5, rows=4))
+    assert drafted.steps == 4 and drafted.wall_seconds == pytest.approx(10 * PREFILL_PER_TOKEN + 4 * STEP)
+
+
+def test_clients_send_their_next_prompt_when_the_last_completes_and_a_slot_reuses_its_prefix():
+    shared = list(range(50))
+    prompts = [shared + [100 + i] * 11 for i in range(4)]  # 61 tokens each, the first 50 the same
+    price = closed_loop_price(flat_profile(), prompts, 2, 5, lambda batch: OFF)
+    # two waves of two: the first prefills 60 + 60 tokens, the second only what its slots do not hold (10 + 10)
+    assert price.prefill_seconds == pytest.approx((120 + 20) * PREFILL_PER_TOKEN)
+    assert price.steps == 10 and price.mean_batch == 2 and price.output_tokens == 20
+    assert price.wall_seconds == pytest.approx(price.prefill_seconds + 10 * STEP + CLIENT_TURNAROUND_SECONDS)
+    # each request's own output length: the batch drains as the short one leaves
+    uneven = closed_loop_price(flat_profile(), prompts[:2], 2, 5, lambda batch: OFF, output_tokens=[2, 5])
+    assert uneven.steps == 5 and uneven.mean_batch == pytest.approx(7 / 5) and uneven.output_tokens == 7
+
+
+def test_the_setting_follows_the_batch_in_flight():
+    seen = []
+
+    def setting(batch: int) -> SettingPrice:
+        seen.append(batch)
+        return SettingPrice(2.0, rows=2) if batch == 1 else OFF
+
+    closed_loop_price(flat_profile(), [list(range(11))] * 3, 2, 4, setting, output_tokens=[4, 1, 4])
+    assert 2 in seen and 1 in seen  # two in flight, then the last request alone drafts
+
+
+def test_a_load_is_priced_only_on_a_profile_with_the_target_prefills():
+    with pytest.raises(UserError, match="profile with --batches"):
+        closed_loop_price(flat_profile(prefills=False), [[1, 2, 3]], 1, 4, lambda batch: OFF)
+
+
+def test_plan_bench_prices_each_system_of_a_lookahead_schedule(run_cli, tmp_path):
+    """serving_prices: the schedule, its fixed settings and no drafting, each load priced on the plan's profile and
+    acceptance, and again at a measured tokens per step."""
+    from test_schedule import profile_document, repetitive_records
+
+    from specplan.core.acceptance_schema import LookaheadAcceptance
+    from specplan.core.plan_schema import load_plan
+    from specplan.serving import serving_prices
+
+    acceptance, profile, plan_path = (tmp_path / name for name in ("a.yaml", "p.yaml", "plan.yaml"))
+    acceptance.write_text(yaml.safe_dump(LookaheadAcceptance(
+        "toy", {"vocab_size": 64, "sha256": "x"}, repetitive_records()).to_dict()))
+    document = profile_document()
+    profile.write_text(yaml.safe_dump(document))
+    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--profile", profile,
+                              "--decoding-lengths", "4,8", "--branch-lengths", "2,4", "--batches", 8, "-o", plan_path)
+    assert code == 0, stderr
+    plan, said = load_plan(plan_path), []
+    assert serving_prices(plan, [4], said.append) == {} and "no target prefills" in said[0]
+    document["target"]["prefill_seconds"] = {16: 0.016, 64: 0.064}
+    profile.write_text(yaml.safe_dump(document))
+    prices = serving_prices(plan, [4], said.append)
+    assert set(prices) == {"ours", "ours-fixed", "ours-ar", "setting-4"}
+    prompts = [list(range(10, 30))] * 16
+    alone, crowded = plan.schedule.entry_for(1), plan.schedule.entry_for(8)
+    assert alone.speculate and not crowded.speculate
+    # alone the schedule drafts and is priced above no drafting; at 8 in flight it is off: the same load, one price
+    assert prices["ours"](prompts[:2], 1, 32, None) > prices["ours-ar"](prompts[:2], 1, 32, None)
+    assert prices["ours"](prompts, 8, 32, None) == pytest.approx(prices["ours-ar"](prompts, 8, 32, None))
+    # priced again at a measured tokens per step of 1: drafting costs its rows and yields nothing
+    assert prices["setting-4"](prompts[:2], 1, 32, 1.0) < prices["ours-ar"](prompts[:2], 1, 32, None)
