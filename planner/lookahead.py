@@ -190,13 +190,15 @@ def setting_price(result: ReplayResult) -> SettingPrice:
     return SettingPrice(result.tokens_per_step, float(np.mean(result.step_sizes)), result.trie_seconds / result.steps)
 
 
-def plan_setting_prices(plan: Plan, decoding_lengths: set[int], requests_per_trie: int | None = None
-                        ) -> dict[int, SettingPrice]:
+def plan_setting_prices(plan: Plan, decoding_lengths: set[int], requests_per_trie: int | None = None,
+                        output_tokens: int | None = None) -> dict[int, SettingPrice]:
     """Each of `decoding_lengths` (the plan's schedule's, fixed settings') priced under the plan's trie, replayed on
-    the acceptance file the plan was solved on, a fresh trie every `requests_per_trie` records (see replay)."""
-    acceptance = load_lookahead_acceptance(plan.inputs["acceptance"]["file"])
-    return {d: setting_price(replay(acceptance.records, plan.settings, d, requests_per_trie))
-            for d in sorted(decoding_lengths)}
+    the acceptance file the plan was solved on, a fresh trie every `requests_per_trie` records (see replay), each
+    output cut to its first `output_tokens` (a trie drafts an output's later tokens better: it has read more of it)."""
+    records = load_lookahead_acceptance(plan.inputs["acceptance"]["file"]).records
+    if output_tokens is not None:
+        records = [replace(record, output=record.output[:output_tokens]) for record in records]
+    return {d: setting_price(replay(records, plan.settings, d, requests_per_trie)) for d in sorted(decoding_lengths)}
 
 
 def _schedule_at(prices: dict[int, SettingPrice], profile: LatencyProfile, largest: int, context: int

@@ -1024,7 +1024,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     texts = [p.text for p in spread_sample(read_dataset(dataset), prompts)]
     encoded = [encode_prompt(loaded.tokenizer, text, chat) for text in texts]
     threads = os.cpu_count() or 1
-    prices = serving_prices(plan, settings, _progress) if plan is not None else {}
+    prices = serving_prices(plan, settings, max_new_tokens, _progress) if plan is not None else {}
     systems = []
     for name in dict.fromkeys(names):
         if name == "ours-ar":

@@ -350,12 +350,13 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
     return finished
 
 
-def serving_prices(plan: Plan, settings: list[int], say: Callable[[str], None]) -> dict[str, LevelPricer]:
+def serving_prices(plan: Plan, settings: list[int], max_tokens: int, say: Callable[[str], None]
+                   ) -> dict[str, LevelPricer]:
     """The price of each level's load (planner/closed_loop.py) for the systems a plan's profile prices: the schedule
     (ours, ours-fixed), each fixed setting, and no drafting (ours-ar); none where the plan or its profile cannot.
     A Lookahead slot's trie learns from the REQUESTS_PER_CLIENT requests it serves in a level (a fresh server a
-    level); a draft model's chain is priced from the plan's chain traces, its prefill paid by the requests that join
-    a batch it drafts at."""
+    level), each output cut to `max_tokens`; a draft model's chain is priced from the plan's chain traces, its
+    prefill paid by the requests that join a batch it drafts at."""
     from specplan.core.acceptance_schema import load_sequoia_acceptance
     from specplan.core.profile_schema import load_profile
     from specplan.planner.closed_loop import OFF, SettingPrice, closed_loop_price
@@ -378,7 +379,7 @@ def serving_prices(plan: Plan, settings: list[int], say: Callable[[str], None]) 
     if no_drafter:  # the plan runs no drafter at all
         prices, off = {}, OFF
     elif plan.method == "lookahead":
-        prices, off = plan_setting_prices(plan, lengths, REQUESTS_PER_CLIENT), OFF
+        prices, off = plan_setting_prices(plan, lengths, REQUESTS_PER_CLIENT, max_tokens), OFF
     else:
         chains = load_sequoia_acceptance(plan.inputs["acceptance"]["file"]).chains
         prices, off = chain_setting_prices(chains, lengths), OFF  # the draft reads a prompt when it first drafts

@@ -17,6 +17,7 @@ from specplan.decoder.drafters import NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.model import ForwardItem, LeanModel, causal_mask, prefill_together
 from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.tree import DETERMINISTIC
 from specplan.decoder.trie import Trie
 from specplan.decoder.triforce import HierarchicalDrafter, StreamingDrafter
 
@@ -381,3 +382,23 @@ def test_a_shared_trie_keeps_the_live_prompts_when_one_request_ends():
     assert 8 in trie.retrieve(np.array([5, 7], dtype=np.int64), 2)[0].tolist()  # still live
     second.finish()
     assert trie.size == 1 and trie.prompt_floor == 0
+
+
+@torch.inference_mode()
+def test_a_draft_model_reads_a_prompt_at_its_first_drafted_step(tiny_pair):
+    """The draft's prefill waits for the request's first drafted step: steps it sits out cost it nothing, and then
+    it drafts what a draft that read those tokens with the prompt drafts."""
+    _, _, draft = tiny_pair
+    prompt, (t1, t2) = prompts()[2], (7, 11)
+    late = SequoiaDrafter(draft, [-1, 0, 0, 1, 2, 3])
+    late.role_suffix = ".late"
+    late.reset(prompt, 128)
+    late.idle(prompt[-1])
+    late.idle(t1)
+    assert late.cache.length == 0  # two steps sat out: the draft has read nothing yet
+    tree = late.propose(t2, SamplingParams(), DETERMINISTIC, None)
+    assert late.cache.length == len(prompt) + 1  # the prompt, t1, and the root t2 uncommitted
+    read = SequoiaDrafter(draft, [-1, 0, 0, 1, 2, 3])
+    read.role_suffix = ".read"
+    read.reset(prompt + [t1, t2], 128)
+    assert read.propose(t2, SamplingParams(), DETERMINISTIC, None).tokens == tree.tokens

@@ -1,0 +1,51 @@
+"""A serving results file priced again with today's pricing (planner/closed_loop.py): each level of ours, ours-ar
+and the fixed settings beside the load's price, on the prompts `plan bench --concurrency` sent (the same dataset,
+count and chat template give the same prompts in the same order).
+
+    .venv/bin/python bench/price_levels.py PLAN.yaml RESULTS.jsonl --dataset specbench --prompts 32 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specplan.core.models import load_model
+from specplan.core.plan_schema import load_plan
+from specplan.core.prompts import encode_prompt
+from specplan.profiler.datasets import read_dataset, spread_sample
+from specplan.serving import load_levels, prompts_at_level, serving_prices
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("plan")
+    parser.add_argument("results")
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--prompts", type=int, required=True)
+    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--no-chat", action="store_true")
+    args = parser.parse_args()
+    plan = load_plan(args.plan)
+    levels = load_levels(args.results)
+    settings = sorted({int(level.system.removeprefix("setting-")) for level in levels
+                       if level.system.startswith("setting-")})
+    prices = serving_prices(plan, settings, args.max_new_tokens, print)
+    tokenizer = load_model(plan.models.target, plan.models.dtype or "fp32").tokenizer
+    prompts = [encode_prompt(tokenizer, p.text, not args.no_chat)
+               for p in spread_sample(read_dataset(args.dataset), args.prompts)]
+    for level in sorted(levels, key=lambda level: (level.concurrency, level.system)):
+        price = prices.get(level.system)
+        if price is None:
+            continue
+        sent = prompts_at_level(prompts, level.concurrency)
+        predicted = price(sent, level.concurrency, args.max_new_tokens, None)
+        again = ""
+        if level.tokens_per_step:
+            repriced = price(sent, level.concurrency, args.max_new_tokens, level.tokens_per_step)
+            again = f", x{level.tokens_per_second / repriced:.2f} at {level.tokens_per_step:.2f} tokens/step"
+        print(f"C={level.concurrency:2d} {level.system:10s} {level.tokens_per_second:6.1f} tokens/s: "
+              f"x{level.tokens_per_second / predicted:.2f} of its price ({predicted:.1f}){again}")
+
+
+if __name__ == "__main__":
+    main()
