@@ -80,8 +80,8 @@ def closed_loop_price(profile: LatencyProfile, prompts: list[list[int]], concurr
             slot = free.pop(0)
             joining.append((request, slot))
         if joining:
-            seconds = sum(_prefill(profile, prompts[request], slots_held[slot], setting_for(len(running) + 1))
-                          for request, slot in joining)
+            joined = setting_for(len(running) + len(joining))  # the batch they join
+            seconds = sum(_prefill(profile, prompts[request], slots_held[slot], joined) for request, slot in joining)
             now += seconds
             prefill_total += seconds
             running += [(request, slot, 0.0) for request, slot in joining]
