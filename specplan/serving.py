@@ -185,12 +185,12 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
             usage = event.get("usage") or {}
             timings = event.get("timings") or {}
             counted = usage.get("completion_tokens") or timings.get("predicted_n") or counted
-            steps = _forwards(timings) or steps
+            steps = reported_forwards(timings) or steps
     done = time.perf_counter()
     return RequestTiming(sent, first, done, counted if counted is not None else count_tokens("".join(text)), steps)
 
 
-def _forwards(timings: dict) -> int | None:
+def reported_forwards(timings: dict) -> int | None:
     """The target forwards a server reports: ours, `steps`; llama-server, each forward's one token beyond the
     accepted drafts (predicted_n - draft_n_accepted, where it drafts)."""
     if timings.get("steps"):

@@ -151,3 +151,19 @@ def test_transformers_static_batches_send_each_batch_when_the_last_is_done():
     for earlier, later in zip(batches, batches[1:]):
         assert later[0].sent >= max(t.done for t in earlier)
     assert batches[0][0].first_token == batches[0][1].first_token  # one step makes both rows' first tokens
+
+
+def test_a_response_reports_its_target_forwards_and_the_bench_reads_them(server):
+    """Each response ends with its `timings` (tokens and target forwards), which the serving benchmark turns into
+    tokens per step, ours as reported, llama-server's from its draft counts."""
+    import asyncio
+
+    from specplan.serving import closed_loop, measured_tokens_per_step, reported_forwards
+
+    decoder, running = server
+    prompts = [decoder.tokenizer("once upon a time")["input_ids"], decoder.tokenizer("far away")["input_ids"]]
+    timings, failed = asyncio.run(closed_loop(running.url, prompts, 2, 5, lambda text: 0))
+    assert failed == 0 and all(t.steps == t.tokens == 5 for t in timings)  # one-token decoding: a token a forward
+    assert measured_tokens_per_step(timings) == 1.0
+    assert reported_forwards({"predicted_n": 10, "draft_n": 6, "draft_n_accepted": 4}) == 6  # llama-server's
+    assert reported_forwards({"predicted_n": 10}) is None
