@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from specplan.core.choices import REQUESTS_PER_CLIENT
 from specplan.core.models import load_model
 from specplan.core.plan_schema import load_plan
 from specplan.core.prompts import encode_prompt
@@ -24,12 +25,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, required=True)
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--no-chat", action="store_true")
+    parser.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT)
     args = parser.parse_args()
     plan = load_plan(args.plan)
     levels = load_levels(args.results)
     settings = sorted({int(level.system.removeprefix("setting-")) for level in levels
                        if level.system.startswith("setting-")})
-    prices = serving_prices(plan, settings, args.max_new_tokens, print)
+    prices = serving_prices(plan, settings, args.max_new_tokens, args.requests_per_client, print)
     tokenizer = load_model(plan.models.target, plan.models.dtype or "fp32").tokenizer
     prompts = [encode_prompt(tokenizer, p.text, not args.no_chat)
                for p in spread_sample(read_dataset(args.dataset), args.prompts)]
@@ -37,7 +39,7 @@ def main() -> None:
         price = prices.get(level.system)
         if price is None:
             continue
-        sent = prompts_at_level(prompts, level.concurrency)
+        sent = prompts_at_level(prompts, level.concurrency, args.requests_per_client)
         predicted = price(sent, level.concurrency, args.max_new_tokens, None)
         again = ""
         if level.tokens_per_step:

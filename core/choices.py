@@ -18,6 +18,7 @@ BACKENDS = ("auto",) + FORWARDS  # auto: lean where it runs the architecture (de
 # --fixed-drafting), ours-ar: our one-token
 # decoding; llama-server: llama.cpp's server, plain or with its speculative modes (-draft: --draft's GGUF); hf-batch:
 # transformers' generate on padded static batches, in process
+REQUESTS_PER_CLIENT = 2  # the serving benchmark's requests per client at a level, by default: 2C in all
 SERVING_BASELINES = ("ours", "ours-fixed", "ours-ar", "llama-server", "llama-server-ngram-simple",
                      "llama-server-ngram-map-k", "llama-server-draft", "llama-server-export", "hf-batch")
 BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming", "llama.cpp",

@@ -23,6 +23,7 @@ from specplan.core.choices import (
     LOOKUP_ENGINES,
     OFFLOAD_KINDS,
     PROFILE_DTYPES,
+    REQUESTS_PER_CLIENT,
     RESIDENT_POLICIES,
     SERVING_BASELINES,
     VERIFICATION_RULES,
@@ -908,6 +909,8 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @click.option("--settings", help="with --concurrency and a plan with a schedule: also serve the plan at each of "
                                  "these drafting lengths fixed (`plan serve --setting N`: systems setting-N), "
                                  "comma-separated")
+@click.option("--requests-per-client", type=click.IntRange(min=1), default=REQUESTS_PER_CLIENT, show_default=True,
+              help="with --concurrency: each client's requests at a level (more: a steadier low concurrency)")
 @click.option("--llama-server-drafts", "server_drafts",
               help="with --concurrency and a --draft (or a plan's): also llama-server drafting up to each of these "
                    "draft lengths (--spec-draft-n-max N, its other knobs at llama.cpp's defaults: systems "
@@ -929,7 +932,8 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @_backend_option(None)
 @_output(help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
-          levels: str | None, rules: str | None, settings: str | None, server_drafts: str | None, target: str | None,
+          levels: str | None, rules: str | None, settings: str | None, requests_per_client: int,
+          server_drafts: str | None, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
           reprice: bool, backend: str | None, output: Path) -> None:
@@ -942,7 +946,8 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
     if levels is not None:
         _serving_bench(plan_path, dataset, prompts, max_new_tokens, baselines, _int_list(levels),
                        _int_list(settings) if settings else [], [r for r in (rules or "").split(",") if r],
-                       _int_list(server_drafts) if server_drafts else [], target, draft, dtype, chat, output)
+                       _int_list(server_drafts) if server_drafts else [], requests_per_client, target, draft, dtype,
+                       chat, output)
         return
     if settings or rules or server_drafts:
         raise UserError("--settings, --rules and --llama-server-drafts go with --concurrency (the serving benchmark)")
@@ -975,7 +980,8 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
 
 def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
                    levels: list[int], settings: list[int], rules: list[str], server_drafts: list[int],
-                   target: str | None, draft: str | None, dtype: str | None, chat: bool, output: Path) -> None:
+                   requests_per_client: int, target: str | None, draft: str | None, dtype: str | None, chat: bool,
+                   output: Path) -> None:
     """plan bench --concurrency: our server and llama.cpp's, closed loop, at each concurrency (specplan/serving.py)."""
     import os
 
@@ -1024,7 +1030,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     texts = [p.text for p in spread_sample(read_dataset(dataset), prompts)]
     encoded = [encode_prompt(loaded.tokenizer, text, chat) for text in texts]
     threads = os.cpu_count() or 1
-    prices = serving_prices(plan, settings, max_new_tokens, _progress) if plan is not None else {}
+    prices = serving_prices(plan, settings, max_new_tokens, requests_per_client, _progress) if plan else {}
     systems = []
     for name in dict.fromkeys(names):
         if name == "ours-ar":
@@ -1075,7 +1081,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     machine = machine_label({**this_machine("cpu"), "threads": threads})  # the servers' threads
     for system in systems:
         system.predict = prices.get(system.name)
-    run_serving_bench(systems, encoded, levels, max_new_tokens, output, lambda text: len(
+    run_serving_bench(systems, encoded, levels, max_new_tokens, requests_per_client, output, lambda text: len(
         loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), machine, _progress)
     click.echo(f"wrote {output}")
 

