@@ -155,7 +155,7 @@ def best_knobs(engine: str, chains: list[DraftChainTrace], profile: LatencyProfi
 def chain_setting_prices(chains: list[DraftChainTrace], decoding_lengths: set[int]) -> dict[int, SettingPrice]:
     """Each decoding length d of a draft model's chain (K = d - 1 drafted tokens): its exact T = 0 tokens per step
     over the chain traces, d rows for the target, K batched draft forwards, and the draft's prefill of each prompt."""
-    unit = np.ones(max(decoding_lengths) + 1)  # replay's prices, unused: a fixed K's tokens per step do not need them
+    unit = np.ones(max(decoding_lengths, default=1) + 1)  # replay's prices, unused by a fixed K's tokens/step
     return {d: SettingPrice(replay(chains, ChainKnobs("chain", d - 1), 0.0, unit).tokens_per_step, rows=d,
                             draft_levels=d - 1, draft_model=True) for d in sorted(decoding_lengths) if d >= 2}
 
@@ -178,8 +178,8 @@ def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, large
         spans = [chain.prompt_tokens + len(chain.match) / 2 for chain in chains if chain.prompt_tokens is not None]
         context = int(round(float(np.mean(spans)))) if spans else min(profile.target_batches)
     largest = min(largest_batch, max(profile.batch_sizes), profile.largest_fitting_batch(context) or largest_batch)
-    unit = np.ones(max_depth + 2)  # replay's prices, unused: a fixed K's tokens per step do not depend on them
-    tokens = {k: replay(chains, ChainKnobs("chain", k), 0.0, unit).tokens_per_step for k in range(1, max_depth + 1)}
+    tokens = {d - 1: price.tokens_per_step
+              for d, price in chain_setting_prices(chains, set(range(2, max_depth + 2))).items()}
     rates: dict[str, list[float | None]] = {"off": [], **{f"K={k}": [] for k in tokens}}
     chosen: list[tuple[int, float, float, float]] = []  # per B: (K, tokens/step, tokens/s, speedup over off)
     for batch in range(1, largest + 1):

@@ -93,7 +93,7 @@ class LevelResult:
 
     @classmethod
     def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
-                  machine: str, predicted: float | None = None, repriced: float | None = None) -> LevelResult:
+                  machine: str) -> LevelResult:
         start, end = min(t.sent for t in timings), max(t.done for t in timings)
         tokens = sum(t.tokens for t in timings)
         tpots = [t.time_per_output_token for t in timings if t.time_per_output_token is not None]
@@ -104,7 +104,7 @@ class LevelResult:
 
         return cls(system, concurrency, len(timings), tokens, end - start, tokens / (end - start),
                    percentile(tpots, 50), percentile(tpots, 95), percentile(ttfts, 50), percentile(ttfts, 95),
-                   failed, machine, predicted, measured_tokens_per_step(timings), repriced)
+                   failed, machine, tokens_per_step=measured_tokens_per_step(timings))
 
 
 def measured_tokens_per_step(timings: list[RequestTiming]) -> float | None:
@@ -333,15 +333,16 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
                     server.stop()
             if not timings:
                 raise UserError(f"{system.name}: every request failed at concurrency {concurrency}")
-            predicted = repriced = None
+            result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
+            priced = ""
             if system.predict is not None:
-                predicted = system.predict(level_prompts, concurrency, max_tokens, None)
-                per_step = measured_tokens_per_step(timings)
-                repriced = system.predict(level_prompts, concurrency, max_tokens, per_step) if per_step else None
-            result = LevelResult.summarize(system.name, concurrency, timings, failed, machine, predicted, repriced)
-            priced = f", {result.tokens_per_second / predicted:.2f}x its price" if predicted else ""
-            if repriced:
-                priced += f" ({result.tokens_per_second / repriced:.2f}x at {result.tokens_per_step:.2f} tokens/step)"
+                result.predicted_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens, None)
+                priced = f", {result.tokens_per_second / result.predicted_tokens_per_second:.2f}x its price"
+                if result.tokens_per_step:
+                    result.repriced_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens,
+                                                                       result.tokens_per_step)
+                    priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at "
+                               f"{result.tokens_per_step:.2f} tokens/step)")
             say(f"{system.name} at concurrency {concurrency}: {result.tokens_per_second:.1f} tokens/s{priced}, "
                 f"TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, TTFT p50 {1e3 * (result.ttft_p50 or 0):.0f} ms")
             with open(results, "a") as handle:
