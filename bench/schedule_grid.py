@@ -13,7 +13,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from specplan.core.plan_schema import load_plan
+from specplan.core.plan_schema import load_plan, setting_name
 from specplan.serving import load_levels
 
 FIXED_PREFIXES = ("setting-", "ours-ar")  # the fixed settings a schedule is held against (ours-ar: drafting off)
@@ -24,9 +24,9 @@ def predicted_rates(plan_path: str) -> dict[str, list[float | None]]:
     plan = load_plan(plan_path)
     rates = plan.solver.get("schedule", {}).get("tokens_per_second", {})
     named: dict[str, list[float | None]] = {"ours-ar": rates.get("off", [])}
-    for key, values in rates.items():
-        if key.startswith("L_d="):
-            named[f"setting-{key.removeprefix('L_d=')}"] = values
+    for nodes in range(2, (plan.largest_setting or 1) + 1):  # `plan serve --setting N`: N nodes, root included
+        if setting_name(plan.method, nodes) in rates:
+            named[f"setting-{nodes}"] = rates[setting_name(plan.method, nodes)]
     if plan.schedule is not None:  # the schedule takes the best setting at each batch size
         named["ours"] = [max(values[batch] for values in rates.values() if values[batch] is not None)
                          for batch in range(len(named["ours-ar"]))]

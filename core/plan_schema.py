@@ -27,8 +27,9 @@ sequence it covers), then `longer: [{context, up_to_context, entries}, ..., {con
 following the table of its own current length. Lookahead's
 entries vary the decoding length under the plan's own trie (`speculate: false`: the root alone, the trie still
 learning); a draft-model chain's (a Sequoia plan whose tree is a chain, solved for a chain engine) vary the draft
-length, `decoding_length` - 1 tokens, at most the plan's chain. A plan without a schedule is the batch-1 plan at every
-batch size.
+length, `decoding_length` - 1 tokens, at most the plan's chain; a TriForce hierarchy's vary its chain's length, gamma2 =
+`decoding_length` - 1 (the middle level's rounds collect at least that many tokens), at most the plan's gamma2, its
+bottom, gamma1 and retrieval cache kept. A plan without a schedule is the batch-1 plan at every batch size.
 """
 
 from __future__ import annotations
@@ -225,6 +226,14 @@ class Prediction:
         return {**out, **self.details}
 
 
+def setting_name(method: str, nodes: int | None) -> str:
+    """A schedule's setting as the method names it: Lookahead's decoding length, a hierarchy's gamma2, a chain's
+    draft tokens K (None: off)."""
+    if nodes is None:
+        return "off"
+    return {"lookahead": f"L_d={nodes}", "triforce": f"gamma2={nodes - 1}"}.get(method, f"K={nodes - 1}")
+
+
 @dataclass(frozen=True)
 class ScheduleEntry:
     """The setting for steps of `low`..`high` sequences, and what it is predicted to give there."""
@@ -232,7 +241,7 @@ class ScheduleEntry:
     low: int
     high: int
     speculate: bool
-    decoding_length: int | None  # Lookahead: the draft's nodes per sequence, root included (None: off)
+    decoding_length: int | None  # the draft's nodes per sequence, root included (TriForce: gamma2 + 1; None: off)
     tokens_per_step: float  # per sequence
     tokens_per_second: float  # over the whole batch, at `low` sequences
     speedup: float  # over no speculation at `low` sequences
@@ -365,6 +374,19 @@ class Plan:
     def kind(self) -> str:
         return f"plan/{self.method}"
 
+    @property
+    def largest_setting(self) -> int | None:
+        """The most nodes per sequence, root included, a schedule's entry or a fixed setting may ask of the plan's
+        drafter (a Lookahead trie's decoding length, a chain's size, a hierarchy's gamma2 + 1); None: its drafter
+        takes no length (a branching tree, a streaming draft, a plan that drafts nothing)."""
+        if self.method == "lookahead":
+            return self.settings.decoding_length
+        if self.method == "sequoia" and self.tree.is_chain:
+            return self.tree.size
+        if self.method == "triforce" and self.settings.speculate and self.settings.bottom != "streaming":
+            return self.settings.gamma2 + 1
+        return None
+
     def predicted_at(self, batch: int, context: int | None = None) -> tuple[float, float] | None:
         """The tokens per step and the speedup over one-token decoding the plan predicts for its drafted steps at
         `batch` sequences of `context` tokens (its schedule's entry there, else its batch-1 prediction): the price a
@@ -423,13 +445,11 @@ class Plan:
             if tokens_per_step > plan.settings.max_draft_tokens + 1:
                 raise prediction.fail(f"tokens_per_step {tokens_per_step} exceeds the draft length + 1")
         if f.has("schedule"):
-            if method == "lookahead":
-                largest = plan.settings.decoding_length
-            elif method == "sequoia" and plan.tree.is_chain:
-                largest = plan.tree.size
-            else:
-                raise f.fail(f"a schedule per batch size is for Lookahead plans and draft-model chains, not "
-                             f"{'a branching tree' if method == 'sequoia' else method}")
+            largest = plan.largest_setting
+            if largest is None:
+                raise f.fail("a schedule per batch size is for Lookahead plans, draft-model chains and TriForce "
+                             "hierarchies, not " + {"sequoia": "a branching tree", "triforce": "a plan without a "
+                                                    "middle level or one that drafts nothing"}.get(method, method))
             plan.schedule = BatchSchedule.from_fields(f.sub("schedule"), largest)
         return plan
 

@@ -108,9 +108,10 @@ class Decoder:
         request's drafts: one of the settings the plan's schedule chooses among, run alone (`plan serve --setting`,
         the fixed settings `plan bench --settings` measures a schedule against). A Lookahead trie's retrieval or a
         draft chain is cut there, as a schedule cuts it."""
-        if self.plan is None or self.plan.method not in ("lookahead", "sequoia"):
-            raise UserError("--setting runs a Lookahead plan or a Sequoia chain at one drafting length")
-        largest = self.engine.drafter.max_tree_size
+        if self.plan is None or self.plan.method not in ("lookahead", "sequoia", "triforce"):
+            raise UserError("--setting runs a Lookahead plan, a Sequoia chain or a TriForce hierarchy at one drafting "
+                            "length")
+        largest = self.plan.largest_setting or self.engine.drafter.max_tree_size
         if largest < 2:
             raise UserError("--setting: this plan drafts at no batch size (its tree is the root alone)")
         if not 2 <= length <= largest:
@@ -389,6 +390,7 @@ def _triforce_decoder(plan: Plan, target: LoadedModel, target_forward: Forward, 
         if settings.bottom == "streaming":  # no middle level: the StreamingLLM draft drafts for the top
             return StreamingDrafter(draft_forward or target_forward, settings.gamma2, settings.sinks,
                                     settings.window)
-        return HierarchicalDrafter(target_forward, bottom(), settings.gamma1, settings.gamma2, retrieval)
+        return _for_one_sequence(plan, HierarchicalDrafter(target_forward, bottom(), settings.gamma1, settings.gamma2,
+                                                           retrieval))
 
     return Decoder(target, hierarchy, plan, verify, target_forward, draft_model, draft_forward)

@@ -160,6 +160,8 @@ class StreamingDrafter(Drafter):
     def extend(self, tokens: list[int]) -> None:
         self.pending.extend(tokens)
         self.positions += len(tokens)
+        if len(self.pending) >= self.window:  # a hierarchy sitting steps out: only the window's tokens are read
+            self._flush_pending_into_window()
 
     def rollback(self, count: int) -> None:
         from_pending = min(count, len(self.pending))
@@ -239,9 +241,13 @@ class RetrievalCache:
 
 
 class HierarchicalDrafter(Drafter):
-    """Bottom drafter -> target over a retrieval cache -> (the engine's) target over the full cache."""
+    """Bottom drafter -> target over a retrieval cache -> (the engine's) target over the full cache. A schedule's
+    setting (`draft_nodes`) is the chain's length, gamma2 = nodes - 1, at most the plan's; a step it sits out (the
+    schedule off, its drafts declined) verifies the root alone while the bottom and the retrieval cache keep up with
+    the text."""
 
     draws = (DETERMINISTIC, WITHOUT_REPLACEMENT)
+    gated = True
 
     def __init__(self, target: LeanModel, bottom: Drafter, gamma1: int, gamma2: int, retrieval: RetrievalSettings,
                  bottom_rule: str | None = None) -> None:
@@ -249,6 +255,7 @@ class HierarchicalDrafter(Drafter):
         retrieval.check()
         self.target, self.bottom = target, bottom
         self.gamma1, self.gamma2 = gamma1, gamma2
+        self.planned_gamma2 = gamma2
         self.max_tree_size = gamma2 + gamma1 + 1
         self.retrieval = RetrievalCache(target, retrieval, scratch=4 * (gamma2 + gamma1 + 2))
         self.bottom_rule = bottom_rule
@@ -297,7 +304,19 @@ class HierarchicalDrafter(Drafter):
                 drafter.built, drafter.rebuild_due = True, False
                 drafter.recent.clear()
 
+    def draft_nodes(self, nodes):
+        self.gamma2 = min(nodes, self.planned_gamma2 + 1) - 1
+
+    def drafts_now(self) -> bool:
+        return self.drafting and self.gamma2 > 0
+
+    def idle(self, root):
+        self.bottom.extend([root])  # the root is committed text to the bottom, whatever the target emits after it
+        return super().idle(root)
+
     def propose(self, root, params, draw, generator):
+        if not self.drafts_now():
+            return self.idle(root)
         return HierarchicalDrafter.propose_many([self], [root], [params], [draw], [generator])[0]
 
     def batches_with(self, other: Drafter) -> bool:
@@ -322,6 +341,9 @@ class HierarchicalDrafter(Drafter):
         return [chain.finish() for chain in chains]
 
     def update(self, tree, accepted, next_token):
+        if tree.size == 1:  # a step sat out: the retrieval cache takes the root (where built), the bottom has it
+            self._insert(len(accepted))
+            return
         accepted_drafts = len(accepted) - 1
         self.stats["chains"] += 1
         self.stats["chain_tokens"] += tree.size - 1
@@ -332,12 +354,17 @@ class HierarchicalDrafter(Drafter):
             self.bottom.extend([tree.tokens[-1]])
         else:
             self.bottom.rollback(self.told - accepted_drafts)
-        # The engine committed the accepted tokens into the full cache just before this call.
-        end = self.full.length
-        start = end - len(accepted)
+        self._insert(len(accepted))
         low = self.retrieval.settings.rebuild_below
-        self.rebuild_due = not self.retrieval.insert(self.full, start, end) or (
-            low > 0 and len(self.recent) == self.recent.maxlen and sum(self.recent) / len(self.recent) < low)
+        failing = len(self.recent) == self.recent.maxlen and sum(self.recent) / len(self.recent) < low
+        self.rebuild_due |= low > 0 and failing
+
+    def _insert(self, count: int) -> None:
+        """The `count` tokens the engine just committed into the full cache, into the retrieval cache (a rebuild
+        due where they do not fit; nothing before its first build)."""
+        if self.built and not self.rebuild_due:
+            end = self.full.length
+            self.rebuild_due = not self.retrieval.insert(self.full, end - count, end)
 
 
 class _MiddleChain:

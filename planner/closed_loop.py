@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specplan.core.errors import UserError
+from specplan.core.plan_schema import BatchSchedule, setting_name
 from specplan.core.profile_schema import LatencyProfile
 
 # A completed request's client sends its next one this long after the server's last token (the HTTP round trip on
@@ -36,9 +37,14 @@ class SettingPrice:
 
     tokens_per_step: float  # emitted per sequence per step (1: no drafting)
     rows: float = 1.0  # the target's new rows per sequence per step: the draft's nodes, root included
-    host_seconds: float = 0.0  # the drafter's host work per sequence per step (a trie's retrieval and insertion)
-    draft_levels: int = 0  # batched draft-model forwards per step (a tree's depth)
+    host_seconds: float = 0.0  # the drafter's work per sequence per step alone (a trie's retrieval and insertion)
+    draft_levels: float = 0.0  # batched draft-model forwards per step (a tree's depth)
     draft_model: bool = False  # a draft model, which reads each prompt before its first draft
+    draft_context: int | None = None  # the draft's cache (a StreamingLLM window); None: the sequences' own contexts
+    middle_rounds: float = 0.0  # batched forwards of the target over its retrieval caches per step (TriForce)
+    middle_rows: int = 1  # their new rows per sequence
+    middle_context: int = 0  # their keys per sequence: the retrieval budget and a chunk
+    request_seconds: float = 0.0  # paid once per request, at its first drafted step (a retrieval cache's first build)
 
 
 OFF = SettingPrice(1.0)
@@ -118,7 +124,7 @@ def _prefill(profile: LatencyProfile, prompt: list[int], held: list[int], settin
     seconds = profile.prompt_prefill("target", max(len(prompt) - 1 - shared, 1)) or 0.0
     if setting.draft_model:
         seconds += profile.prompt_prefill("draft", len(prompt)) or 0.0
-    return seconds
+    return seconds + setting.request_seconds
 
 
 def step_seconds(profile: LatencyProfile, batch: int, setting: SettingPrice, contexts: list[float]) -> float:
@@ -127,8 +133,41 @@ def step_seconds(profile: LatencyProfile, batch: int, setting: SettingPrice, con
     seconds = profile.batch_latency(batch, setting.rows, contexts) + float(profile.engine_overhead(setting.rows, batch))
     seconds += batch * setting.host_seconds
     if setting.draft_levels:
-        draft = profile.draft_batch_step(batch, float(np.mean(contexts)))
+        draft = profile.draft_batch_step(batch, setting.draft_context or float(np.mean(contexts)))
         if draft is None:
-            raise UserError(f"the profile has no draft step at B = {batch}")
+            raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
         seconds += setting.draft_levels * draft
+    if setting.middle_rounds:
+        rows = setting.middle_rows
+        seconds += setting.middle_rounds * (profile.batch_latency(batch, rows, setting.middle_context)
+                                            + float(profile.engine_overhead(rows, batch)))
     return seconds
+
+
+def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, largest: int, context: int,
+                   method: str) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+    """At each batch size 1..`largest`, the setting of `prices` (keyed by decoding length: nodes per sequence, root
+    included) giving the most output tokens/s over the batch at `context`, or none; ranges of equal settings merged.
+    Also every setting's tokens/s per batch size ({"off": [...], "L_d=4": [...]}, named as `method` names them; None:
+    rows beyond what was profiled at that batch size)."""
+    chosen: list[tuple[int | None, float, float, float]] = []  # per B: (length, tokens/step, tokens/s, speedup)
+    name = {length: setting_name(method, length) for length in prices}
+    rates: dict[str, list[float | None]] = {"off": [], **{name[d]: [] for d in prices}}
+    drafts = any(price.draft_levels for price in prices.values())
+    for batch in range(1, largest + 1):
+        if drafts and profile.draft_batch_step(batch, context) is None:
+            raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
+        off = batch / step_seconds(profile, batch, OFF, [context])
+        rates["off"].append(off)
+        best: tuple[int | None, float, float] = (None, 1.0, off)
+        for length, price in prices.items():
+            try:
+                rate = batch * price.tokens_per_step / step_seconds(profile, batch, price, [context])
+            except (UserError, ValueError):  # B x n beyond the rows profiled at this batch size
+                rates[name[length]].append(None)
+                continue
+            rates[name[length]].append(rate)
+            if rate > best[2]:
+                best = (length, price.tokens_per_step, rate)
+        chosen.append((best[0], best[1], best[2], best[2] / off))
+    return BatchSchedule.merged(context, chosen), rates

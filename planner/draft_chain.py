@@ -27,7 +27,7 @@ with the teacher-forced confidences there, an estimate. One-token decoding costs
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.core.profile_schema import LatencyProfile
 from specplan.decoder.draft_rules import HEURISTIC_GROWTH, HEURISTIC_SHRINK
-from specplan.planner.closed_loop import SettingPrice
+from specplan.planner.closed_loop import SettingPrice, schedule_table
 
 CHAIN_KNOB_ENGINES = ("llama.cpp", "hf")
 P_MIN_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # llama-server's --spec-draft-p-min: 0, 0.05, ..., 0.95
@@ -178,27 +178,6 @@ def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, large
         spans = [chain.prompt_tokens + len(chain.match) / 2 for chain in chains if chain.prompt_tokens is not None]
         context = int(round(float(np.mean(spans)))) if spans else min(profile.target_batches)
     largest = min(largest_batch, max(profile.batch_sizes), profile.largest_fitting_batch(context) or largest_batch)
-    tokens = {d - 1: price.tokens_per_step
+    prices = {d: replace(price, host_seconds=price.tokens_per_step * prefill_per_token)
               for d, price in chain_setting_prices(chains, set(range(2, max_depth + 2))).items()}
-    rates: dict[str, list[float | None]] = {"off": [], **{f"K={k}": [] for k in tokens}}
-    chosen: list[tuple[int, float, float, float]] = []  # per B: (K, tokens/step, tokens/s, speedup over off)
-    for batch in range(1, largest + 1):
-        off = batch / (profile.batch_latency(batch, 1, context) + float(profile.engine_overhead(1, batch)))
-        rates["off"].append(off)
-        draft = profile.draft_batch_step(batch, context)
-        if draft is None:
-            raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
-        best = (0, 1.0, off)
-        for k, per_step in tokens.items():
-            try:
-                forward = profile.batch_latency(batch, k + 1, context)
-            except (UserError, ValueError):  # B x (K + 1) rows beyond what was profiled at this batch size
-                rates[f"K={k}"].append(None)
-                continue
-            step = forward + float(profile.engine_overhead(k + 1, batch)) + k * draft
-            rate = batch * per_step / (step + batch * per_step * prefill_per_token)
-            rates[f"K={k}"].append(rate)
-            if rate > best[2]:
-                best = (k, per_step, rate)
-        chosen.append((*best, best[2] / off))
-    return BatchSchedule.merged(context, [(k + 1 if k else None, *rest) for k, *rest in chosen]), rates
+    return schedule_table(prices, profile, largest, context, "sequoia")

@@ -38,7 +38,7 @@ from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Predictio
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
 from specplan.decoder.trie import Trie, accepted_run
-from specplan.planner.closed_loop import OFF, SettingPrice, step_seconds
+from specplan.planner.closed_loop import SettingPrice, schedule_table
 
 DECODING_LENGTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 BRANCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -179,7 +179,7 @@ def lookahead_schedule(records: list[LookaheadRecord], settings: TrieSettings, p
     prices = {d: setting_price(result) for d, result in replays.items()}
     tables, rates = [], {}
     for context in sorted(priced_at):
-        table, table_rates = _schedule_at(prices, profile, largest, context)
+        table, table_rates = schedule_table(prices, profile, largest, context, "lookahead")
         tables.append(table)
         rates = rates or table_rates
     return BatchSchedule.by_context(tables), rates
@@ -199,28 +199,6 @@ def plan_setting_prices(plan: Plan, decoding_lengths: set[int], requests_per_tri
     if output_tokens is not None:
         records = [replace(record, output=record.output[:output_tokens]) for record in records]
     return {d: setting_price(replay(records, plan.settings, d, requests_per_trie)) for d in sorted(decoding_lengths)}
-
-
-def _schedule_at(prices: dict[int, SettingPrice], profile: LatencyProfile, largest: int, context: int
-                 ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
-    """The table of one context: at each batch size the decoding length giving the most output tokens/s, or none."""
-    chosen: list[tuple[int | None, float, float, float]] = []  # per B: (length, tokens/step, tokens/s, speedup)
-    rates: dict[str, list[float | None]] = {"off": [], **{f"L_d={d}": [] for d in prices}}
-    for batch in range(1, largest + 1):
-        off = batch / step_seconds(profile, batch, OFF, [context])
-        rates["off"].append(off)
-        best: tuple[int | None, float, float] = (None, 1.0, off)
-        for length, price in prices.items():
-            try:
-                rate = batch * price.tokens_per_step / step_seconds(profile, batch, price, [context])
-            except (UserError, ValueError):  # B x n beyond the rows profiled at this batch size
-                rates[f"L_d={length}"].append(None)
-                continue
-            rates[f"L_d={length}"].append(rate)
-            if rate > best[2]:
-                best = (length, price.tokens_per_step, rate)
-        chosen.append((best[0], best[1], best[2], best[2] / off))
-    return BatchSchedule.merged(context, chosen), rates
 
 
 def _search(records: list[LookaheadRecord], grid: list[tuple[int, int]]) -> dict[tuple[int, int], ReplayResult]:

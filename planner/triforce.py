@@ -22,9 +22,10 @@ from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, TriForceSettings
 from specplan.core.model_names import same_model
-from specplan.core.plan_schema import Plan, PlanModels, Prediction
+from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
+from specplan.planner.closed_loop import SettingPrice, schedule_table
 from specplan.planner.triforce_cost import (
     GAMMA1,
     GAMMA2,
@@ -33,6 +34,7 @@ from specplan.planner.triforce_cost import (
     evaluate,
     evaluate_streaming,
     evaluate_traces,
+    setting_price,
     streaming_seconds,
     window_prefill_seconds,
 )
@@ -51,7 +53,9 @@ def _decoded_settings(candidate: TriForceCandidate, bottom: str) -> dict[str, in
 
 def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, context: int | None = None,
                    bottom_seconds: float | None = None, two_level: bool = False,
-                   rebuild_below: float = 0.0, min_speedup: float = 1.0) -> tuple[Plan, list[TriForceCandidate]]:
+                   rebuild_below: float = 0.0, min_speedup: float = 1.0, largest_batch: int | None = None
+                   ) -> tuple[Plan, list[TriForceCandidate]]:
+    """The plan at `context`; with `largest_batch`, its schedule up to that batch size (`triforce_schedule`)."""
     if not math.isfinite(min_speedup) or min_speedup <= 0:
         raise UserError(f"the minimum speedup must be a positive number, got {min_speedup}")
     acceptance = load_triforce_acceptance(acceptance_path)
@@ -78,8 +82,60 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
                                 sinks=sinks, window=window, speculate=speculate).check()
     plan = _assemble(settings, best, exact, search, record, acceptance, acceptance_path, profile, profile_path,
                      bottom_seconds, min_speedup)
+    if largest_batch is not None:
+        plan.schedule, rates = triforce_schedule(plan, entries, profile, largest_batch, bottom_seconds)
+        plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, each "
+                                                "chain length gamma2 replayed over the traces at the plan's levels",
+                                   "tokens_per_second": rates}
     plan.solver["seconds"] = time.perf_counter() - started
     return plan, search.candidates
+
+
+def triforce_schedule(plan: Plan, entries: list[TriForceEntry], profile: LatencyProfile, largest_batch: int,
+                      bottom_seconds: float | None) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+    """The chain length per batch size: at each B, gamma2 = 1..the plan's (its bottom, gamma1 and retrieval cache
+    kept) or none, whichever gives the most output tokens/s over the batch (planner/closed_loop.py: schedule_table,
+    each setting's price from triforce_cost.setting_price), at the plan's context plus half a continuation."""
+    if not profile.target_batches:
+        raise UserError("a schedule per batch size needs a profile with --batches (t(B, n))")
+    largest_nodes = plan.largest_setting
+    if largest_nodes is None:
+        raise UserError("--batches schedules a hierarchy's chain length: this plan " + (
+            "drafts at no batch size" if not plan.settings.speculate else "has no middle level (streaming)"))
+    entry = _planned_entry(plan.settings, entries)
+    prices = _setting_prices(plan.settings, entry, profile, bottom_seconds, set(range(2, largest_nodes + 1)))
+    context = int(round(plan.settings.context + np.mean([len(t.middle) for t in entry.traces]) / 2))
+    largest = min(largest_batch, max(profile.batch_sizes), profile.largest_fitting_batch(context) or largest_batch)
+    return schedule_table(prices, profile, largest, context, "triforce")
+
+
+def plan_setting_prices(plan: Plan, nodes: set[int]) -> dict[int, SettingPrice]:
+    """Each of `nodes` (gamma2 + 1: the plan's schedule's, fixed settings') priced at the plan's levels, replayed
+    over the acceptance file and on the profile the plan was solved on."""
+    entries = [e for e in load_triforce_acceptance(plan.inputs["acceptance"]["file"]).entries
+               if e.context == plan.settings.context]
+    profile = load_profile(plan.inputs["profile"]["file"])
+    return _setting_prices(plan.settings, _planned_entry(plan.settings, entries), profile,
+                           plan.inputs.get("bottom_seconds_per_draft"), nodes)
+
+
+def _planned_entry(settings: TriForceSettings, entries: list[TriForceEntry]) -> TriForceEntry:
+    """The acceptance measured at the plan's retrieval cache, with the traces a batch's price replays."""
+    entry = next((e for e in entries if (e.budget, e.chunk, e.stride) == (settings.budget, settings.chunk,
+                                                                           settings.stride)), None)
+    if entry is None or not entry.traces:
+        raise UserError("a TriForce schedule replays the acceptance's per-prompt traces at the plan's budget, chunk "
+                        "and stride: measure them with `plan accept triforce`, which keeps them")
+    return entry
+
+
+def _setting_prices(settings: TriForceSettings, entry: TriForceEntry, profile: LatencyProfile,
+                    bottom_seconds: float | None, nodes: set[int]) -> dict[int, SettingPrice]:
+    drafted = None if settings.bottom == "none" else bottom_seconds
+    prefill = window_prefill_seconds(profile, "draft", settings.sinks, settings.window) \
+        if settings.bottom == "model" else 0.0
+    return {n: setting_price(profile, settings.context, entry, settings.gamma1, n - 1, settings.bottom, drafted,
+                             settings.sinks + settings.window, prefill) for n in sorted(nodes) if n >= 2}
 
 
 @dataclass

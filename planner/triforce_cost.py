@@ -88,6 +88,7 @@ from numba import njit
 from specplan.core.acceptance_schema import TRIFORCE_GAMMA1, StreamingRecord, TriForceEntry
 from specplan.core.errors import UserError
 from specplan.core.profile_schema import LatencyProfile
+from specplan.planner.closed_loop import SettingPrice
 
 GAMMA1 = TRIFORCE_GAMMA1
 GAMMA2 = tuple(range(1, 17))
@@ -190,6 +191,40 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: TriForceEntry,
     return TriForceCandidate(gamma1, gamma2, entry.budget, entry.chunk, entry.stride, entry.middle,
                              entry.bottom, chains / tokens, tokens / steps, seconds / steps, per_token,
                              (ar_seconds / tokens) / per_token)
+
+
+def setting_price(profile: LatencyProfile, context: int, entry: TriForceEntry, gamma1: int, gamma2: int,
+                  bottom: str, bottom_seconds: float | None, window: int, window_prefill: float = 0.0) -> SettingPrice:
+    """One sequence's step at (gamma1, gamma2) in a batch's price (planner/closed_loop.py): the tokens per step, the
+    chain's rows and the middle rounds, replayed over the traces as above; the rounds' bottom drafts (batched draft
+    forwards over the StreamingLLM window for a model bottom, a trie's per sequence) and the retrieval cache's builds
+    spread over the tokens they cover (b(L, B) / R' per token); the first build (t(1, L) + b(L, B)) and a model
+    bottom's window prefill w once per request. A batch's middle rounds are priced at each sequence's mean count."""
+    if bottom_seconds is None:
+        gamma1 = 0
+    length_of = {len(trace.middle) for trace in entry.traces}
+    rounds_only = {n: np.zeros((largest_profiled_n(profile) + 1, n)) for n in length_of}  # forwards priced at 0
+    tokens = steps = rounds = chains = 0.0
+    for trace in entry.traces:
+        runs = trace.bottom_runs[gamma1 - 1] if trace.bottom_runs is not None and gamma1 else NO_RUNS
+        trace_rounds, trace_steps, mean_chain = _replay_trace(trace.middle, trace.bottom, runs, gamma1, gamma2, 1.0,
+                                                              rounds_only[len(trace.middle)])
+        tokens += len(trace.middle)
+        steps += trace_steps
+        rounds += trace_rounds
+        chains += mean_chain * len(trace.middle)
+    tokens_per_step, rounds_per_step = tokens / steps, rounds / steps
+    build = build_seconds(profile, context, entry.budget)
+    first_build = _forward_seconds(profile, 1, context) + build
+    host = tokens_per_step * build / refill(entry)
+    model = bottom == "model" and gamma1 > 0
+    if bottom == "trie" and gamma1:
+        host += rounds_per_step * gamma1 * bottom_seconds
+    return SettingPrice(tokens_per_step, rows=chains / tokens + 1.0, host_seconds=host,
+                        draft_levels=rounds_per_step * gamma1 if model else 0.0,
+                        draft_context=window if model else None, middle_rounds=rounds_per_step,
+                        middle_rows=gamma1 + 1, middle_context=entry.budget + entry.chunk,
+                        request_seconds=first_build + (window_prefill if model else 0.0))
 
 
 def evaluate_streaming(profile: LatencyProfile, context: int, record: StreamingRecord, gamma: int,

@@ -47,34 +47,73 @@ def essays(directory: str | Path) -> list[str]:
 
 
 def build_prompts(directory: str | Path, tokenizer: Any, context_tokens: int, count: int, chat: bool = True,
-                  kinds: tuple[str, ...] = KINDS, seed: int = 0) -> list[LongPrompt]:
-    """`count` prompts of about `context_tokens` tokens each (within 1%), alternating the kinds."""
+                  kinds: tuple[str, ...] = KINDS, seed: int = 0, one_document: bool = False) -> list[LongPrompt]:
+    """`count` prompts of about `context_tokens` tokens each (within 1%), alternating the kinds. `one_document`: every
+    prompt asks about the same document (the essays in one order, every needle planted), as clients asking questions
+    of one long text do; they differ in their last line only."""
     if context_tokens < 256:
         raise UserError(f"long prompts need at least 256 tokens, got {context_tokens}")
     texts = essays(directory)
     rng = random.Random(seed)
+    if one_document:
+        return _about_one_document(directory, texts, tokenizer, context_tokens, count, chat, kinds, rng)
     prompts = []
     for index in range(count):
         kind = kinds[index % len(kinds)]
         needle, question = NEEDLES[index % len(NEEDLES)]
         order = texts[:]
         rng.shuffle(order)
-        request = (f"\n\nAnswer briefly: {question}" if kind == "needle"
-                   else "\n\nSummarize the essays above in a few paragraphs.")
+        request = _request(kind, question)
         overhead = len(encode_prompt(tokenizer, "Read these essays." + request, chat))
         budget = context_tokens - overhead - (len(tokenizer(needle)["input_ids"]) if kind == "needle" else 0)
-        body: list[int] = []
-        for text in order:
-            body.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])
-            if len(body) >= budget:
-                break
-        if len(body) < budget:
-            raise UserError(f"{directory}: the essays hold fewer than {budget} tokens")
-        document = tokenizer.decode(body[:budget])
+        document = _document(directory, order, tokenizer, budget)
         if kind == "needle":
-            cut = document.rfind(". ", 0, int(len(document) * rng.uniform(0.2, 0.8))) + 2
-            document = document[:cut] + needle + " " + document[cut:]
+            document = _planted(document, needle, rng.uniform(0.2, 0.8))
         ids = encode_prompt(tokenizer, "Read these essays.\n\n" + document + request, chat)
         prompts.append(LongPrompt(f"{kind}-{context_tokens}-{index}", kind, ids,
                                   needle if kind == "needle" else None, context_tokens))
     return prompts
+
+
+def _about_one_document(directory: str | Path, texts: list[str], tokenizer: Any, context_tokens: int, count: int,
+                        chat: bool, kinds: tuple[str, ...], rng: random.Random) -> list[LongPrompt]:
+    order = texts[:]
+    rng.shuffle(order)
+    requests = [_request(kind, question) for kind in kinds for _, question in NEEDLES]
+    overhead = max(len(encode_prompt(tokenizer, "Read these essays." + request, chat)) for request in requests)
+    planted = sum(len(tokenizer(needle)["input_ids"]) for needle, _ in NEEDLES) if "needle" in kinds else 0
+    document = _document(directory, order, tokenizer, context_tokens - overhead - planted)
+    if "needle" in kinds:
+        for place, (needle, _) in enumerate(NEEDLES):
+            document = _planted(document, needle, (place + 1) / (len(NEEDLES) + 1))
+    prompts = []
+    for index in range(count):
+        kind = kinds[index % len(kinds)]
+        needle, question = NEEDLES[index // len(kinds) % len(NEEDLES)]
+        ids = encode_prompt(tokenizer, "Read these essays.\n\n" + document + _request(kind, question), chat)
+        prompts.append(LongPrompt(f"{kind}-{context_tokens}-{index}", kind, ids,
+                                  needle if kind == "needle" else None, context_tokens))
+    return prompts
+
+
+def _request(kind: str, question: str) -> str:
+    return (f"\n\nAnswer briefly: {question}" if kind == "needle"
+            else "\n\nSummarize the essays above in a few paragraphs.")
+
+
+def _document(directory: str | Path, order: list[str], tokenizer: Any, budget: int) -> str:
+    """The essays in `order`, cut to `budget` tokens."""
+    body: list[int] = []
+    for text in order:
+        body.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])
+        if len(body) >= budget:
+            break
+    if len(body) < budget:
+        raise UserError(f"{directory}: the essays hold fewer than {budget} tokens")
+    return tokenizer.decode(body[:budget])
+
+
+def _planted(document: str, needle: str, fraction: float) -> str:
+    """`needle` after the last sentence ending before `fraction` of the document."""
+    cut = document.rfind(". ", 0, int(len(document) * fraction)) + 2
+    return document[:cut] + needle + " " + document[cut:]

@@ -69,6 +69,7 @@ class BenchRequest:
     prompt_lookup: PromptLookupSettings = PromptLookupSettings()  # the engines' own defaults: 2-grams, 10 tokens
     lookup_plan: Plan | None = None  # a prompt-lookup plan: its engine's lookup runs with the plan's knobs
     context: int | None = None  # build long prompts of this many tokens from a folder of essays
+    one_document: bool = False  # ... all about one document (profiler/haystack.py: build_prompts)
     reprice: bool = False  # re-time the forwards the plan's prediction priced, between the prompts
 
 
@@ -88,7 +89,8 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
         raise UserError("--prompts and --max-new-tokens must be >= 1")
     tokenizer = decoder.tokenizer
     if request.context is not None:
-        long_prompts = build_prompts(request.dataset, tokenizer, request.context, request.prompts, request.chat)
+        long_prompts = build_prompts(request.dataset, tokenizer, request.context, request.prompts, request.chat,
+                                     one_document=request.one_document)
         prompts = [Prompt(p.id, p.category, "") for p in long_prompts]
         encoded = [p.ids for p in long_prompts]
     else:
@@ -386,8 +388,8 @@ def _report(decoder: Decoder, request: BenchRequest, rows: list[dict], names: li
              "settings": lookup_plan.settings.to_dict()} if lookup_plan else None),
         "sampling": {"temperature": request.params.temperature, "top_p": request.params.top_p,
                      "top_k": request.params.top_k},
-        "dataset": request.dataset, "context": request.context, "prompts": len(rows),
-        "max_new_tokens": request.max_new_tokens,
+        "dataset": request.dataset, "context": request.context, "one_document": request.one_document,
+        "prompts": len(rows), "max_new_tokens": request.max_new_tokens,
         "summary": summary, "prediction": prediction, "per_prompt": rows,
     }
 

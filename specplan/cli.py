@@ -578,17 +578,21 @@ def _note_inexact_replay(plan: Plan) -> None:
 @click.option("--min-speedup", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="speculate only if predicted faster than this times one-token decoding")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True)
+@click.option("--batches", type=click.IntRange(min=1),
+              help="also schedule the chain length gamma2 for every batch size up to this one (a profile with "
+                   "--batches): the setting giving the most output tokens/s over the batch, or none")
 @_output()
 def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int | None, two_level: bool,
-                       rebuild_below: float, min_speedup: float, top: int, output: Path) -> None:
+                       rebuild_below: float, min_speedup: float, top: int, batches: int | None, output: Path) -> None:
     """TriForce: gamma1, gamma2, budget, chunk and rebuild stride by an expected-time-per-token model."""
     from specplan.core.plan_schema import save_plan
     from specplan.planner.triforce import solve_triforce
+    from specplan.show import describe_schedule
 
     if not math.isfinite(min_speedup):
         raise UserError(f"--min-speedup must be a positive number, got {min_speedup}")
     plan, ranked = solve_triforce(acceptance_path, profile_path, context, two_level=two_level,
-                                  rebuild_below=rebuild_below, min_speedup=min_speedup)
+                                  rebuild_below=rebuild_below, min_speedup=min_speedup, largest_batch=batches)
     click.echo(f"{'drafter':<9} {'g1':>3} {'g2':>3} {'B':>5} {'s':>3} {'R':>4} {'a_mid':>6} {'a_bot':>6} "
                f"{'tok/step':>8} {'ms/tok':>7} {'speedup':>7}")
     for c in ranked[:top]:
@@ -600,6 +604,8 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
                       f"{c.chunk:>3} {c.stride:>4} {c.middle_acceptance:>6.3f} {c.bottom_acceptance:>6.3f}")
         click.echo(f"{levels} {c.tokens_per_step:>8.2f} {c.seconds_per_token * 1e3:>7.2f} {c.speedup:>7.3f}")
     save_plan(plan, output)
+    if plan.schedule is not None:
+        click.echo(describe_schedule(plan.schedule, plan.method))
     click.echo(f"wrote {output}")
     _note_inexact_replay(plan)
     if not plan.settings.speculate:
@@ -925,6 +931,9 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @click.option("--seed", type=int, default=0, show_default=True)
 @_chat_option()
 @click.option("--context", type=int, help="long prompts of this many tokens built from --dataset (" + ESSAYS_HELP + ")")
+@click.option("--one-document", is_flag=True,
+              help="with --context: every prompt asks about the same document (its last line differs), as clients "
+                   "asking questions of one long text do")
 @click.option("--device", type=click.Choice(DEVICES), help="default: cuda when available")
 @click.option("--reprice", is_flag=True,
               help="re-time the forwards (and builds) the plan's prediction priced, between the prompts, and report "
@@ -935,19 +944,21 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
           levels: str | None, rules: str | None, settings: str | None, requests_per_client: int,
           server_drafts: str | None, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
-          top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, device: str | None,
-          reprice: bool, backend: str | None, output: Path) -> None:
+          top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, one_document: bool,
+          device: str | None, reprice: bool, backend: str | None, output: Path) -> None:
     """Our decoder against transformers and llama.cpp baselines on the same prompts, in one run."""
     from specplan.bench import LOOKUP_BASELINES, BenchRequest, markdown_table, run_bench
     from specplan.core.plan_schema import load_plan
     from specplan.decoder.api import load_decoder
     from specplan.decoder.sampling import SamplingParams
 
+    if one_document and context is None:
+        raise UserError("--one-document builds long prompts: it goes with --context")
     if levels is not None:
         _serving_bench(plan_path, dataset, prompts, max_new_tokens, baselines, _int_list(levels),
                        _int_list(settings) if settings else [], [r for r in (rules or "").split(",") if r],
                        _int_list(server_drafts) if server_drafts else [], requests_per_client, target, draft, dtype,
-                       chat, output)
+                       chat, context, one_document, output)
         return
     if settings or rules or server_drafts:
         raise UserError("--settings, --rules and --llama-server-drafts go with --concurrency (the serving benchmark)")
@@ -970,7 +981,7 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
     params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
                             top_p=defaults.top_p if top_p is None else top_p)
     request = BenchRequest(dataset, prompts, max_new_tokens, [b for b in baselines.split(",") if b], params, seed,
-                           chat, context=context, reprice=reprice)
+                           chat, context=context, one_document=one_document, reprice=reprice)
     if lookup_plan is not None:
         request.prompt_lookup, request.lookup_plan = lookup_plan.settings, lookup_plan
     report = run_bench(decoder, request, output, log=_progress)
@@ -981,7 +992,7 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
 def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
                    levels: list[int], settings: list[int], rules: list[str], server_drafts: list[int],
                    requests_per_client: int, target: str | None, draft: str | None, dtype: str | None, chat: bool,
-                   output: Path) -> None:
+                   context: int | None, one_document: bool, output: Path) -> None:
     """plan bench --concurrency: our server and llama.cpp's, closed loop, at each concurrency (specplan/serving.py)."""
     import os
 
@@ -993,6 +1004,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     from specplan.core.prompts import encode_prompt
     from specplan.llamacpp import FILE_TYPES
     from specplan.profiler.datasets import read_dataset, spread_sample
+    from specplan.profiler.haystack import build_prompts
     from specplan.serving import (
         System,
         exported_llama_server_flags,
@@ -1001,6 +1013,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
         plan_serve_command,
         run_serving_bench,
         serving_prices,
+        slot_context,
         transformers_static_batches,
     )
 
@@ -1027,25 +1040,30 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     dtype = dtype or (plan.models.dtype if plan else None) or "fp32"
     draft = draft or (plan.models.draft if plan else None)
     loaded = load_model(target, dtype, log=_progress)
-    texts = [p.text for p in spread_sample(read_dataset(dataset), prompts)]
-    encoded = [encode_prompt(loaded.tokenizer, text, chat) for text in texts]
+    if context is not None:  # long prompts built from a folder of essays, as `plan bench --context` builds them
+        encoded = [p.ids for p in build_prompts(dataset, loaded.tokenizer, context, prompts, chat,
+                                                one_document=one_document)]
+    else:
+        encoded = [encode_prompt(loaded.tokenizer, p.text, chat)
+                   for p in spread_sample(read_dataset(dataset), prompts)]
+    slot = slot_context(encoded, max_new_tokens)
     threads = os.cpu_count() or 1
     prices = serving_prices(plan, settings, max_new_tokens, requests_per_client, _progress) if plan else {}
     systems = []
     for name in dict.fromkeys(names):
         if name == "ours-ar":
-            systems.append(System(name, plan_serve_command(["--target", target, "--dtype", dtype])))
+            systems.append(System(name, plan_serve_command(["--target", target, "--dtype", dtype], slot)))
         elif name in ("ours", "ours-fixed"):
             if plan_path is None:
                 raise UserError(f"{name} serves a --plan")
             fixed = ["--fixed-drafting"] if name == "ours-fixed" else []
-            systems.append(System(name, plan_serve_command(["--plan", str(plan_path), *fixed])))
+            systems.append(System(name, plan_serve_command(["--plan", str(plan_path), *fixed], slot)))
         elif name.startswith("rule-"):
             systems.append(System(name, plan_serve_command(["--plan", str(plan_path), "--rule",
-                                                            name.removeprefix("rule-")])))
+                                                            name.removeprefix("rule-")], slot)))
         elif name.startswith("setting-"):
             systems.append(System(name, plan_serve_command(["--plan", str(plan_path), "--setting",
-                                                            name.removeprefix("setting-")])))
+                                                            name.removeprefix("setting-")], slot)))
         elif name == "hf-batch":
             if dtype == "gguf":
                 raise UserError("hf-batch runs transformers on dequantized weights: give --dtype fp32 or bf16")
@@ -1076,8 +1094,8 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
             elif name == "llama-server-export":
                 if plan is None:
                     raise UserError("llama-server-export serves a --plan's llama.cpp export")
-                extra = exported_llama_server_flags(plan, draft_gguf)
-            systems.append(System(name, llama_server_command(gguf, threads, extra)))
+                extra = exported_llama_server_flags(plan, draft_gguf, slot)
+            systems.append(System(name, llama_server_command(gguf, threads, extra, slot)))
     machine = machine_label({**this_machine("cpu"), "threads": threads})  # the servers' threads
     for system in systems:
         system.predict = prices.get(system.name)

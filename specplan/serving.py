@@ -36,6 +36,7 @@ from specplan.core.plan_schema import Plan
 
 SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
 SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-Bench prompt and its output fit
+SLOT_TREE_ROOM = 64  # a slot's tokens beyond its prompt and output: the largest draft tree a step scores
 
 
 # (a level's prompts, C, max tokens, tokens per step or None: the plan's) -> tokens/s
@@ -357,19 +358,19 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
     (ours, ours-fixed), each fixed setting, and no drafting (ours-ar); none where the plan or its profile cannot.
     A Lookahead slot's trie learns from the `requests_per_client` requests it serves in a level (a fresh server a
     level), each output cut to `max_tokens`; a draft model's chain is priced from the plan's chain traces, its
-    prefill paid by the requests that join a batch it drafts at."""
+    prefill paid by the requests that join a batch it drafts at; a TriForce hierarchy from its acceptance traces, its
+    first retrieval-cache build paid likewise."""
     from specplan.core.acceptance_schema import load_sequoia_acceptance
     from specplan.core.profile_schema import load_profile
     from specplan.planner.closed_loop import OFF, SettingPrice, closed_loop_price
     from specplan.planner.draft_chain import chain_setting_prices
     from specplan.planner.lookahead import plan_setting_prices
+    from specplan.planner.triforce import plan_setting_prices as triforce_setting_prices
 
     profile_file = (plan.inputs.get("profile") or {}).get("file")
     no_drafter = plan.method == "sequoia" and plan.tree is not None and plan.tree.size == 1
-    if plan.method not in ("lookahead", "sequoia") or (plan.schedule is None and not no_drafter) or not profile_file \
-            or not Path(profile_file).is_file():
-        say("a served load is priced for a Lookahead plan or a draft model's chain with a schedule, its profile at "
-            "hand: not priced here")
+    if (plan.schedule is None and not no_drafter) or not profile_file or not Path(profile_file).is_file():
+        say("a served load is priced for a plan with a schedule, its profile at hand: not priced here")
         return {}
     profile = load_profile(profile_file)
     if "target" not in profile.prompt_prefills:
@@ -381,6 +382,8 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
         prices, off = {}, OFF
     elif plan.method == "lookahead":
         prices, off = plan_setting_prices(plan, lengths, requests_per_client, max_tokens), OFF
+    elif plan.method == "triforce":
+        prices, off = triforce_setting_prices(plan, lengths), OFF
     else:
         chains = load_sequoia_acceptance(plan.inputs["acceptance"]["file"]).chains
         prices, off = chain_setting_prices(chains, lengths), OFF  # the draft reads a prompt when it first drafts
@@ -409,13 +412,19 @@ def prompts_at_level(prompts: list[list[int]], concurrency: int, requests_per_cl
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
-def plan_serve_command(options: list[str]) -> Callable[[int, int], list[str]]:
-    """`plan serve` with `options` (a plan, or a target and dtype) on the port, C sequences in flight."""
+def slot_context(prompts: list[list[int]], max_tokens: int) -> int:
+    """Tokens per request slot, both servers: SLOT_CONTEXT, or the longest prompt, its output and a draft tree."""
+    return max(SLOT_CONTEXT, max(len(prompt) for prompt in prompts) + max_tokens + SLOT_TREE_ROOM)
+
+
+def plan_serve_command(options: list[str], slot: int = SLOT_CONTEXT) -> Callable[[int, int], list[str]]:
+    """`plan serve` with `options` (a plan, or a target and dtype) on the port, C sequences of up to `slot` tokens in
+    flight."""
     plan = str(Path(sys.executable).parent / "plan")
 
     def command(port: int, concurrency: int) -> list[str]:
         return [plan, "serve", *options, "--device", "cpu", "--port", str(port), "--concurrency", str(concurrency),
-                "--max-queue", str(4 * concurrency), "--context", str(SLOT_CONTEXT)]
+                "--max-queue", str(4 * concurrency), "--context", str(slot)]
 
     return command
 
@@ -491,26 +500,26 @@ def llama_server_binary() -> Path:
     return binary
 
 
-def llama_server_command(gguf: Path, threads: int, extra: list[str] | Callable[[int], list[str]]
-                         ) -> Callable[[int, int], list[str]]:
-    """llama-server on `gguf` with C slots of SLOT_CONTEXT tokens, and `extra` flags (or the flags for C)."""
+def llama_server_command(gguf: Path, threads: int, extra: list[str] | Callable[[int], list[str]],
+                         slot: int = SLOT_CONTEXT) -> Callable[[int, int], list[str]]:
+    """llama-server on `gguf` with C slots of `slot` tokens, and `extra` flags (or the flags for C)."""
     binary = str(llama_server_binary())
 
     def command(port: int, concurrency: int) -> list[str]:
         flags = extra(concurrency) if callable(extra) else extra
         return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
-                str(threads), "-np", str(concurrency), "-c", str(SLOT_CONTEXT * concurrency), "--no-webui", *flags]
+                str(threads), "-np", str(concurrency), "-c", str(slot * concurrency), "--no-webui", *flags]
 
     return command
 
 
-def exported_llama_server_flags(plan: Plan, draft_gguf: str) -> Callable[[int], list[str]]:
+def exported_llama_server_flags(plan: Plan, draft_gguf: str, slot: int = SLOT_CONTEXT) -> Callable[[int], list[str]]:
     """The flags `plan export --format llama.cpp --concurrency C` writes for `plan` (its slots set by the bench)."""
     from specplan.planner.export import export_plan
 
     def flags(concurrency: int) -> list[str]:
         words = shlex.split(export_plan(plan, "llama.cpp", draft_gguf, concurrency=concurrency,
-                                        context=SLOT_CONTEXT).content)
+                                        context=slot).content)
         kept = []
         while words:
             word = words.pop(0)

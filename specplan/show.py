@@ -12,7 +12,7 @@ from specplan.core.acceptance_schema import LookaheadAcceptance, SequoiaAcceptan
 from specplan.core.errors import UserError
 from specplan.core.fileio import read_yaml, shown
 from specplan.core.machine import machine_label
-from specplan.core.plan_schema import BatchSchedule, Plan, TokenTree
+from specplan.core.plan_schema import BatchSchedule, Plan, TokenTree, setting_name
 from specplan.core.plotting import pyplot, save_png
 from specplan.core.profile_schema import LatencyProfile
 from specplan.core.validate import Fields
@@ -321,8 +321,7 @@ def describe_plan(plan: Plan) -> str:
 
 
 def describe_schedule(schedule: BatchSchedule, method: str) -> str:
-    """A plan's setting per batch size, one line a range, with its prediction at the range's first size: Lookahead's
-    decoding length, a chain's draft tokens K."""
+    """A plan's setting per batch size, one line a range, with its prediction at the range's first size."""
     lines = []
     covered = 0
     for table in schedule.tables:
@@ -331,8 +330,7 @@ def describe_schedule(schedule: BatchSchedule, method: str) -> str:
         lines += [f"schedule per batch size (priced at context {table.context}{reach}):",
                   f"  {'batches':>9} {'setting':>10} {'tok/step':>9} {'tok/s':>8} {'vs off':>7}"]
         for e in table.entries:
-            setting = "off" if not e.speculate else (
-                f"L_d={e.decoding_length}" if method == "lookahead" else f"K={e.decoding_length - 1}")
+            setting = setting_name(method, e.decoding_length if e.speculate else None)
             span = f"{e.low}" if e.low == e.high else f"{e.low}-{e.high}"
             lines.append(f"  {span:>9} {setting:>10} {e.tokens_per_step:>9.3f} {e.tokens_per_second:>8.1f} "
                          f"{e.speedup:>7.3f}")

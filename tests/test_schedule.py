@@ -477,3 +477,50 @@ def test_bench_settings_need_the_serving_benchmark_and_a_plan_with_a_schedule(ru
         code, _, err = run_cli("bench", "--dataset", "specbench", *args, "-o", out)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("bottom", ["trie", "model"])
+def test_a_triforce_hierarchy_follows_its_schedule_and_every_request_keeps_its_greedy_tokens(bottom, tiny_pair,
+                                                                                           monkeypatch):
+    """gamma2 = 4 alone, 2 beside one or two others, off from four on: each step's chains are cut to the batch's
+    setting (none drafted where it is off, the bottom and the retrieval cache keeping up with the text meanwhile), and
+    each request's greedy tokens equal its own one-request tokens, at every concurrency."""
+    from specplan.core.method_settings import RetrievalSettings
+    from specplan.decoder.engine import SequenceRun
+    from specplan.decoder.triforce import HierarchicalDrafter, StreamingDrafter, bottom_trie_settings
+
+    from toy import long_prompt
+
+    _, target, draft = tiny_pair
+    schedule = BatchSchedule(None, (ScheduleEntry(1, 1, True, 5, 3.0, 10.0, 1.3),
+                                    ScheduleEntry(2, 3, True, 3, 2.0, 20.0, 1.1),
+                                    ScheduleEntry(4, 8, False, None, 1.0, 30.0, 1.0)))
+
+    def make():
+        lower = (TrieDrafter(Trie(bottom_trie_settings(2))) if bottom == "trie"
+                 else StreamingDrafter(draft, gamma=2, sinks=4, window=64))
+        return HierarchicalDrafter(target, lower, 2, 4, RetrievalSettings(256, 8, 16))
+
+    requests = [Request(long_prompt(300 + 30 * i, i), 14 + 5 * i) for i in range(6)]
+    alone = [SpeculativeEngine(target, make()).generate(r.prompt, r.max_new_tokens, SamplingParams()).tokens
+             for r in requests]
+    decided, chains = [], []
+    decide, propose_many = SequenceRun.decide, HierarchicalDrafter.propose_many
+    monkeypatch.setattr(SequenceRun, "decide", lambda run, batch: decide(run, batch) or decided.append(
+        (batch, run.drafter.gamma2)))
+
+    def recorded(drafters, *args):
+        trees = propose_many(drafters, *args)
+        chains.extend((d.gamma2, tree.size - 1) for d, tree in zip(drafters, trees))
+        return trees
+
+    monkeypatch.setattr(HierarchicalDrafter, "propose_many", staticmethod(recorded))
+    for concurrency in (1, 3, 5):
+        scheduler = Scheduler(SpeculativeEngine(target, make(), schedule=schedule), drafters_per_slot(make),
+                              concurrency)
+        results = {c.id: c.result.tokens for c in scheduler.run(requests)}
+        assert [results[i] for i in range(len(requests))] == alone, concurrency
+    expected = {1: 4, 2: 2, 3: 2, 4: 0, 5: 0}
+    assert all(gamma2 == expected[batch] for batch, gamma2 in decided)
+    assert {batch for batch, _ in decided} == {1, 2, 3, 4, 5}
+    assert chains and all(gamma2 > 0 and size >= gamma2 for gamma2, size in chains)

@@ -616,6 +616,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     candidate = evaluate_traces(load_profile(profile), 300, redecoded.entries[0], settings.gamma1,
                                 settings.gamma2, 2e-4, {})
     decoder = load_decoder(str(plan), target="tiny-random-llama", dtype="fp32")
+    decoder.draft_every_step()  # the tiny model's plan may be priced below one-token decoding: its drafts declined
     steps = sum(decoder.engine.generate(p.ids, 12, SamplingParams()).steps
                 for p in build_prompts("haystack", decoder.tokenizer, 300, 2))
     assert candidate.tokens_per_step == pytest.approx(len(middle) / steps)
@@ -714,3 +715,52 @@ def test_bad_traces_are_rejected(trace, message, run_cli, write_yaml_file, tmp_p
                               tmp_path / "plan.yaml")
     assert code == 2 and message in stderr and one_error(stderr)
     assert not (tmp_path / "plan.yaml").exists()
+
+
+def test_a_triforce_schedule_prices_each_chain_length_by_hand_and_turns_off_where_the_batch_is_compute_bound(
+        tmp_path):
+    """Two-level, middle trace 1 1 0 1: gamma2 = 2 takes 2 steps of 2 tokens, 2 middle rounds of one row over the
+    retrieval cache (context 264) and a top chain of 2 (3 rows); builds spread at b / R' per token, the first build
+    (the root's forward and a build, both t(1, 4096) here) once per request. With batched steps that cost in
+    proportion to their rows, drafting pays alone and not beside seven others."""
+    from specplan.core.method_settings import TriForceSettings
+    from specplan.core.plan_schema import Plan, PlanModels, Prediction, load_plan, save_plan
+    from specplan.core.profile_schema import LatencyProfile
+    from specplan.planner.closed_loop import step_seconds
+    from specplan.planner.triforce import triforce_schedule
+    from specplan.planner.triforce_cost import setting_price
+
+    document = {**FLAT_PROFILE, "target": {**FLAT_PROFILE["target"], "contexts": {
+        context: {**curve, "batches": {B: {"t_seconds": {n: base + unit * B * n for n in (1, 2, 4, 8)}}
+                                       for B in (2, 4, 8)}}
+        for (context, curve), (base, unit) in zip(FLAT_PROFILE["target"]["contexts"].items(),
+                                                  ((0.010, 0.004), (0.040, 0.020)))}}}
+    profile = LatencyProfile.from_dict(document, "profile")
+    entry = replace(first_entry(), traces=[TriForceTrace(np.array([1.0, 1.0, 0.0, 1.0]), np.ones(4))])
+    price = setting_price(profile, 4096, entry, 1, 2, "none", None, 1028)
+    assert price.tokens_per_step == pytest.approx(2.0) and price.rows == pytest.approx(3.0)
+    assert (price.middle_rounds, price.middle_rows, price.middle_context) == (pytest.approx(2.0), 1, 264)
+    assert price.host_seconds == pytest.approx(2.0 * 0.044 / 64)
+    assert price.request_seconds == pytest.approx(0.044 + 0.044)
+    assert step_seconds(profile, 1, price, [4096]) == pytest.approx(2 * 0.011 + 0.052 + price.host_seconds)
+    settings = TriForceSettings(1, 2, 256, 8, 64, 4096, "none")
+    plan = Plan("triforce", PlanModels(target="tiny-random-llama"), Prediction(2.0, 1.2), settings=settings)
+    schedule, rates = triforce_schedule(plan, [entry], profile, 8, None)
+    assert set(rates) == {"off", "gamma2=1", "gamma2=2"}
+    assert schedule.entry_for(1).speculate and not schedule.entry_for(8).speculate
+    for batch in range(1, 9):
+        entry_at = schedule.entry_for(batch)
+        name = f"gamma2={entry_at.decoding_length - 1}" if entry_at.speculate else "off"
+        assert rates[name][batch - 1] == max(r[batch - 1] for r in rates.values() if r[batch - 1] is not None)
+    with pytest.raises(UserError, match="per-prompt traces"):
+        triforce_schedule(plan, [first_entry()], profile, 8, None)
+    plan.schedule = schedule
+    save_plan(plan, tmp_path / "plan.yaml")
+    assert load_plan(tmp_path / "plan.yaml").schedule == schedule
+    document = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    document["schedule"]["entries"][0]["decoding_length"] = 4  # gamma2 3, beyond the plan's 2
+    with pytest.raises(UserError, match="exceeds the plan's 3"):
+        Plan.from_dict(document, "plan.yaml")
+    document["triforce"]["bottom"] = "streaming"
+    with pytest.raises(UserError, match="not a plan without a middle level"):
+        Plan.from_dict(document, "plan.yaml")
