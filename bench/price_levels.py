@@ -2,7 +2,11 @@
 and the fixed settings beside the load's price, on the prompts `plan bench --concurrency` sent (the same dataset,
 count and chat template give the same prompts in the same order).
 
-    .venv/bin/python bench/price_levels.py PLAN.yaml RESULTS.jsonl --dataset specbench --prompts 32 --max-new-tokens 64
+    .venv/bin/python bench/price_levels.py PLAN.yaml RESULTS.jsonl [RUN2.jsonl ...] --dataset specbench --prompts 32 \
+        --max-new-tokens 64 [--context 7680 --one-document]
+
+Each level is priced with the outputs as long as the server's (recorded since; before, every output at the max, unless
+another run of the level recorded them).
 """
 
 from __future__ import annotations
@@ -14,36 +18,46 @@ from specplan.core.models import load_model
 from specplan.core.plan_schema import load_plan
 from specplan.core.prompts import encode_prompt
 from specplan.profiler.datasets import read_dataset, spread_sample
+from specplan.profiler.haystack import build_prompts
 from specplan.serving import load_levels, prompts_at_level, serving_prices
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("plan")
-    parser.add_argument("results")
+    parser.add_argument("results", nargs="+", help="runs of one benchmark: a level without its outputs' lengths "
+                                                    "takes those of the same level in another run (same prompts)")
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--prompts", type=int, required=True)
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--no-chat", action="store_true")
+    parser.add_argument("--context", type=int, help="long prompts built from --dataset, as plan bench --context")
+    parser.add_argument("--one-document", action="store_true")
     parser.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT)
     args = parser.parse_args()
     plan = load_plan(args.plan)
-    levels = load_levels(args.results)
+    levels = [level for results in args.results for level in load_levels(results)]
+    recorded = {level.concurrency: level.output_lengths for level in levels if level.output_lengths}
     settings = sorted({int(level.system.removeprefix("setting-")) for level in levels
                        if level.system.startswith("setting-")})
     prices = serving_prices(plan, settings, args.max_new_tokens, args.requests_per_client, print)
     tokenizer = load_model(plan.models.target, plan.models.dtype or "fp32").tokenizer
-    prompts = [encode_prompt(tokenizer, p.text, not args.no_chat)
-               for p in spread_sample(read_dataset(args.dataset), args.prompts)]
+    if args.context:
+        prompts = [p.ids for p in build_prompts(args.dataset, tokenizer, args.context, args.prompts, not args.no_chat,
+                                                one_document=args.one_document)]
+    else:
+        prompts = [encode_prompt(tokenizer, p.text, not args.no_chat)
+                   for p in spread_sample(read_dataset(args.dataset), args.prompts)]
     for level in sorted(levels, key=lambda level: (level.concurrency, level.system)):
         price = prices.get(level.system)
         if price is None:
             continue
         sent = prompts_at_level(prompts, level.concurrency, args.requests_per_client)
-        predicted = price(sent, level.concurrency, args.max_new_tokens, None)
+        lengths = level.output_lengths or recorded.get(level.concurrency)  # None: every output at the max
+        predicted = price(sent, level.concurrency, args.max_new_tokens, None, lengths)
         again = ""
         if level.tokens_per_step:
-            repriced = price(sent, level.concurrency, args.max_new_tokens, level.tokens_per_step)
+            repriced = price(sent, level.concurrency, args.max_new_tokens, level.tokens_per_step, lengths)
             again = f", x{level.tokens_per_second / repriced:.2f} at {level.tokens_per_step:.2f} tokens/step"
         print(f"C={level.concurrency:2d} {level.system:10s} {level.tokens_per_second:6.1f} tokens/s: "
               f"x{level.tokens_per_second / predicted:.2f} of its price ({predicted:.1f}){again}")

@@ -39,8 +39,9 @@ SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-B
 SLOT_TREE_ROOM = 64  # a slot's tokens beyond its prompt and output: the largest draft tree a step scores
 
 
-# (a level's prompts, C, max tokens, tokens per step or None: the plan's) -> tokens/s
-LevelPricer = Callable[[list[list[int]], int, int, float | None], float]
+# (a level's prompts, C, max tokens, tokens per step or None: the plan's, each prompt's output tokens or None: the
+# max tokens) -> tokens/s
+LevelPricer = Callable[[list[list[int]], int, int, float | None, list[int] | None], float]
 
 
 @dataclass
@@ -62,6 +63,7 @@ class RequestTiming:
     done: float
     tokens: int
     steps: int | None = None  # the target forwards the server reports having taken (None: not reported)
+    prompt: int | None = None  # its prompt's index in the level's prompts
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -91,6 +93,7 @@ class LevelResult:
     predicted_tokens_per_second: float | None = None  # the plan's price of this load (planner/closed_loop.py)
     tokens_per_step: float | None = None  # per sequence, over the requests whose server reported its steps
     repriced_tokens_per_second: float | None = None  # the load priced again at the measured tokens per step
+    output_lengths: list[int] | None = None  # each prompt's output tokens, in the level's prompt order
 
     @classmethod
     def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
@@ -214,9 +217,10 @@ async def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal failures
         while queue:
-            prompt = queue.pop()
+            index, prompt = len(prompts) - len(queue), queue.pop()
             try:
-                timings.append(await _one_request(session, url, prompt, max_tokens, count_tokens))
+                timing = await _one_request(session, url, prompt, max_tokens, count_tokens)
+                timings.append(replace(timing, prompt=index))
             except (UserError, aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
                 failures += 1
                 errors.append(f"{type(exc).__name__}: {exc}"[:300])
@@ -233,7 +237,8 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
     from specplan.core.fileio import read_text
 
     names = [f.name for f in fields(LevelResult)]
-    optional = {"predicted_tokens_per_second", "tokens_per_step", "repriced_tokens_per_second"}  # older results
+    optional = {"predicted_tokens_per_second", "tokens_per_step", "repriced_tokens_per_second",  # older results
+                "output_lengths"}
     levels = []
     for number, line in enumerate(read_text(Path(path)).splitlines(), 1):
         if not line.strip():
@@ -335,13 +340,19 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
             if not timings:
                 raise UserError(f"{system.name}: every request failed at concurrency {concurrency}")
             result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
+            # each prompt's output as long as the server's (greedy: the target's own text, whoever decodes it)
+            lengths = result.output_lengths = [max_tokens] * len(level_prompts)
+            for timing in timings:
+                if timing.prompt is not None:
+                    lengths[timing.prompt] = max(timing.tokens, 1)
             priced = ""
             if system.predict is not None:
-                result.predicted_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens, None)
+                result.predicted_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens, None,
+                                                                    lengths)
                 priced = f", {result.tokens_per_second / result.predicted_tokens_per_second:.2f}x its price"
                 if result.tokens_per_step:
                     result.repriced_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens,
-                                                                       result.tokens_per_step)
+                                                                       result.tokens_per_step, lengths)
                     priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at "
                                f"{result.tokens_per_step:.2f} tokens/step)")
             say(f"{system.name} at concurrency {concurrency}: {result.tokens_per_second:.1f} tokens/s{priced}, "
@@ -393,12 +404,14 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
         return prices[entry.decoding_length] if entry is not None and entry.speculate else off
 
     def priced(policy: Callable[[int], SettingPrice]) -> LevelPricer:
-        def price(prompts: list[list[int]], concurrency: int, max_tokens: int, tokens_per_step: float | None) -> float:
+        def price(prompts: list[list[int]], concurrency: int, max_tokens: int, tokens_per_step: float | None,
+                  output_tokens: list[int] | None = None) -> float:
             def setting(batch: int) -> SettingPrice:
                 chosen = policy(batch)
                 return chosen if tokens_per_step is None or chosen.rows == 1 else replace(
                     chosen, tokens_per_step=tokens_per_step)
-            return closed_loop_price(profile, prompts, concurrency, max_tokens, setting).tokens_per_second
+            return closed_loop_price(profile, prompts, concurrency, max_tokens, setting,
+                                     output_tokens).tokens_per_second
         return price
 
     policies = {"ours": scheduled, "ours-fixed": scheduled, "ours-ar": lambda batch: OFF,

@@ -164,6 +164,7 @@ def test_a_response_reports_its_target_forwards_and_the_bench_reads_them(server)
     prompts = [decoder.tokenizer("once upon a time")["input_ids"], decoder.tokenizer("far away")["input_ids"]]
     timings, failed = asyncio.run(closed_loop(running.url, prompts, 2, 5, lambda text: 0))
     assert failed == 0 and all(t.steps == t.tokens == 5 for t in timings)  # one-token decoding: a token a forward
+    assert sorted(t.prompt for t in timings) == [0, 1]  # which prompt each answers: the price takes its length
     assert measured_tokens_per_step(timings) == 1.0
     assert reported_forwards({"predicted_n": 10, "draft_n": 6, "draft_n_accepted": 4}) == 6  # llama-server's
     assert reported_forwards({"predicted_n": 10}) is None

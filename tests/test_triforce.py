@@ -764,3 +764,22 @@ def test_a_triforce_schedule_prices_each_chain_length_by_hand_and_turns_off_wher
     document["triforce"]["bottom"] = "streaming"
     with pytest.raises(UserError, match="not a plan without a middle level"):
         Plan.from_dict(document, "plan.yaml")
+
+
+def test_long_prompts_about_one_document_differ_in_their_last_line_only():
+    """`--one-document`: every prompt holds the same essays and every needle, about the requested length; a slot
+    keeps the document's cache between its requests. The default builds a document per prompt, as it always did."""
+    import os
+
+    from specplan.profiler.haystack import NEEDLES, build_prompts
+
+    tokenizer = load_model("tiny-random-llama").tokenizer
+    prompts = build_prompts("haystack", tokenizer, 600, 5, one_document=True)
+    shared = len(os.path.commonprefix([p.ids for p in prompts]))
+    assert all(len(p.ids) <= 606 for p in prompts)  # the longest request line sizes the document
+    document = tokenizer.decode(prompts[0].ids[:shared])
+    assert all(needle in document for needle, _ in NEEDLES)
+    assert all(tokenizer.decode(p.ids[shared:]).lstrip().startswith(("Answer briefly", "Summarize")) for p in prompts)
+    assert [p.category for p in prompts] == ["needle", "summary"] * 2 + ["needle"]
+    apart = build_prompts("haystack", tokenizer, 600, 2)
+    assert len(os.path.commonprefix([p.ids for p in apart])) < shared
