@@ -28,6 +28,7 @@ class GenerationResult:
     steps: int
     accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per target forward
     stop_reason: str = "length"
+    drafted_per_step: list[int] = field(default_factory=list)  # draft nodes each forward scored beside its root
 
     @property
     def tokens_per_step(self) -> float:
@@ -75,6 +76,7 @@ class SequenceRun:
         self.max_new_tokens, self.stop_ids, self.masks, self.on_tokens = max_new_tokens, stop_ids, masks, on_tokens
         self.out: list[int] = []
         self.accepted_per_step: list[int] = []
+        self.drafted_per_step: list[int] = []
         self.stop_reason = "length"
         self.root = -1
         self.batch = 1  # sequences in the coming step (decide)
@@ -128,8 +130,9 @@ class SequenceRun:
         cache.commit(None if contiguous else torch.tensor(path), len(path))
         new = [tree.tokens[v] for v in path[1:]] + [next_token]
         self.accepted_per_step.append(len(new))
+        self.drafted_per_step.append(tree.size - 1)
         if self.gate is not None:
-            self.gate.observe(len(new))
+            self.gate.observe(len(new), tree.size - 1)
         if self.drafter.rule is not None:
             self.drafter.rule.observe(tree.size - 1, len(path) - 1, self.batch)
         keep = min(self.max_new_tokens - len(self.out),
@@ -151,7 +154,8 @@ class SequenceRun:
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.out, self.prefill_seconds, time.perf_counter() - self.started,
-                                len(self.accepted_per_step), self.accepted_per_step, self.stop_reason)
+                                len(self.accepted_per_step), self.accepted_per_step, self.stop_reason,
+                                self.drafted_per_step)
 
 
 class SpeculativeEngine:

@@ -1,23 +1,34 @@
 """Per request, per step: draft or not, from what the request's own drafts have been yielding.
 
 A plan predicts the tokens a drafted step emits (its acceptance, measured on the workload it was solved on) and the
-speedup that buys over one-token decoding on the profiled machine, per batch size. A request whose text is unlike
-that workload yields some fraction r of the predicted tokens, and drafting pays for it only while r x speedup >= 1:
-the drafted step costs what the profile says whatever it yields. Each request keeps its r as a running average over
-its drafted steps (the plan's own prediction, r = 1, before the first); below break-even it steps without drafting
-(the root alone: exact as any tree is, so greedy output and the sampled distribution are those of the target) and
-drafts again every PROBE_EVERY steps to see whether its text has turned predictable. How much it drafts when it
-does is the plan's setting at the step's batch size and the request's context (its schedule's entry).
+speedup that buys over one-token decoding on the profiled machine, per batch size; a drafted step therefore costs
+tokens / speedup plain steps. A request whose text is unlike that workload yields some fraction r of the predicted
+tokens, and drafting pays for it only while r x speedup >= 1. Each request keeps its r as the mean over its last
+YIELD_WINDOW drafted steps and PRIOR_STEPS steps at the plan's own prediction (r = 1 before the first); below
+break-even it steps without drafting (the root alone: exact as any tree is, so greedy output and the sampled
+distribution are those of the target) and drafts once more after PROBE_EVERY drafted steps' price spent on plain ones,
+to see whether its text has turned predictable. A step whose drafter had nothing to propose (a trie without a match)
+cost a plain step and does not count. How much it drafts when it does is the plan's setting at the step's batch size
+and the request's context (its schedule's entry).
+
+Why a plain mean: a step's yield is skewed (most drafted steps emit one or two tokens, a few emit many), so an average
+that weighs the last steps most sits below its mean most of the time and declines drafts that pay on average
+(`bench/gate_replay.py` prices both on the plan's own prediction).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
-# The weight of a drafted step's yield in the request's running average: about the last 3-4 drafted steps count, so
-# that a request turns drafting off within a few steps of its drafts failing (a reply of 64 tokens has 30-60 steps)
-YIELD_WEIGHT = 0.3
-# Steps without drafting after which a request drafts once more: a probe costs one drafted step in this many
+# The drafted steps a request's yield is averaged over: few enough that a request whose text turns unpredictable stops
+# drafting within a few steps (a reply of 64 tokens has 30-60 steps), enough that one unlucky step does not stop it
+YIELD_WINDOW = 8
+# Pseudo-steps at the plan's prediction in that mean: a request's first drafted step alone does not decide
+PRIOR_STEPS = 2
+# A request that sits steps out drafts once more after spending this many drafted steps' price on plain steps: a probe
+# costs at most 1 / PROBE_EVERY of the time whatever a drafted step costs (a 7-token TriForce chain or a 3-row trie
+# tree)
 PROBE_EVERY = 8
 
 # (batch size, the request's context) -> (predicted tokens per step, speedup) or None
@@ -25,27 +36,36 @@ Pricing = Callable[[int, int], "tuple[float, float] | None"]
 
 
 class DraftGate:
-    """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted)` after it."""
+    """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted, drafted)` after it."""
 
     def __init__(self, pricing: Pricing) -> None:
         self.pricing = pricing
-        self.yield_ratio = 1.0  # the request's tokens per drafted step over the plan's prediction, running average
+        self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
         self.idle_steps = 0
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
         self.drafting = True
+
+    @property
+    def yield_ratio(self) -> float:
+        """r: the request's tokens per drafted step over the plan's prediction (1 before its first)."""
+        return (PRIOR_STEPS + sum(self.yields)) / (PRIOR_STEPS + len(self.yields))
 
     def drafts(self, batch: int, context: int) -> bool:
         """Whether the request (`context` tokens so far) drafts at the coming step of `batch` sequences."""
         self.priced = self.pricing(batch, context)
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
             self.drafting = True
-        elif self.yield_ratio * self.priced[1] >= 1.0 or self.idle_steps + 1 >= PROBE_EVERY:
+            return True
+        tokens, speedup = self.priced
+        step_cost = tokens / speedup  # a drafted step in plain steps
+        if self.yield_ratio * speedup >= 1.0 or self.idle_steps + 1 >= PROBE_EVERY * step_cost:
             self.drafting, self.idle_steps = True, 0
         else:
             self.drafting, self.idle_steps = False, self.idle_steps + 1
         return self.drafting
 
-    def observe(self, emitted: int) -> None:
-        """The step just verified emitted `emitted` tokens (the accepted drafts and the target's next token)."""
-        if self.drafting and self.priced is not None:
-            self.yield_ratio += YIELD_WEIGHT * (emitted / self.priced[0] - self.yield_ratio)
+    def observe(self, emitted: int, drafted: int) -> None:
+        """The step just verified scored `drafted` draft tokens and emitted `emitted` (the accepted drafts and the
+        target's next token)."""
+        if self.drafting and self.priced is not None and drafted > 0:
+            self.yields.append(emitted / self.priced[0])

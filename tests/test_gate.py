@@ -19,27 +19,47 @@ from toy import drafters_per_slot
 
 
 def test_a_request_stops_drafting_when_its_drafts_fail_and_probes_again():
-    """Predicted 3 tokens a step for 1.5x: a request emitting 1 token per drafted step falls below break-even
-    (yield 1/3 of the prediction, 0.5x) within a few steps, then drafts once every PROBE_EVERY steps; one whose drafts
-    land keeps drafting; where nothing is priced every step drafts."""
+    """Predicted 3 tokens a step for 1.5x (a drafted step costs 2 plain ones): a request emitting 1 token per drafted
+    step falls below break-even (yield 1/3 of the prediction, 0.5x) within a few steps, then drafts once every
+    PROBE_EVERY x 2 steps; one whose drafts land keeps drafting; where nothing is priced every step drafts."""
     gate = DraftGate(lambda batch, context: (3.0, 1.5))
     decisions = []
-    for _ in range(40):
+    for _ in range(80):
         decisions.append(gate.drafts(4, 100))
-        gate.observe(1)
+        gate.observe(1, 4)
     first_off = decisions.index(False)
     assert 1 < first_off <= 5
-    assert not any(decisions[first_off:first_off + PROBE_EVERY - 1])
+    probe_every = 2 * PROBE_EVERY
+    assert not any(decisions[first_off:first_off + probe_every - 1])
     later = decisions[first_off:]
-    assert sum(later) == len(later) // PROBE_EVERY and decisions[first_off + PROBE_EVERY - 1]
+    assert sum(later) == len(later) // probe_every and decisions[first_off + probe_every - 1]
     landing = DraftGate(lambda batch, context: (3.0, 1.5))
     for _ in range(20):
         assert landing.drafts(1, 100)
-        landing.observe(3)
+        landing.observe(3, 4)
     unpriced = DraftGate(lambda batch, context: None)
     for _ in range(10):
         assert unpriced.drafts(8, 100)
-        unpriced.observe(1)
+        unpriced.observe(1, 4)
+
+
+def test_skewed_yields_that_pay_on_average_keep_drafting():
+    """Drafted steps emitting 1, 1, 1, 5 tokens (2 on average) where a drafted step costs 1.8 plain ones (3.6 tokens
+    predicted for 2x): a mean over the last steps keeps the request drafting through its runs of short steps (a
+    running average weighing the last step by 0.3 would stop it 18 times in these 40 steps)."""
+    gate = DraftGate(lambda batch, context: (3.6, 2.0))
+    for step in range(40):
+        assert gate.drafts(1, 100)
+        gate.observe(5 if step % 4 == 3 else 1, 4)
+
+
+def test_steps_without_a_draft_do_not_count():
+    """A trie with nothing to propose costs a plain step: a run of such steps leaves the request's yield as it was."""
+    gate = DraftGate(lambda batch, context: (3.0, 1.5))
+    for _ in range(20):
+        assert gate.drafts(1, 100)
+        gate.observe(1, 0)
+    assert gate.yield_ratio == 1.0
 
 
 def test_the_plan_prices_drafted_steps_per_batch_size():

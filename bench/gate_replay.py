@@ -1,0 +1,91 @@
+"""Do the per-request drafting decisions take the drafts that pay? (issue 51, Deliver 4; decoder/gate.py)
+
+A plan decodes each prompt alone twice, with its per-request decisions and drafting at every step, and both runs'
+steps are priced on the plan's own batch-1 prediction: a drafted step costs tokens per step / speedup plain steps,
+the very price the decisions hold a request's drafts to; one-token decoding costs one plain step a token. The greedy
+tokens are the same in every run and the decisions follow from them alone, so no clock is read: the priced speedups
+say how much of what drafting can gain on these prompts the decisions keep, on the price they are given (what a
+served step costs beyond the profile is another question).
+
+    .venv/bin/python bench/gate_replay.py plans/smollm2-135m.lookahead.cpu-2c.fp32.batched.yaml \
+        --dataset specbench:summarization,rag,coding --prompts 16 --max-new-tokens 64 [--no-chat]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from specplan.core.plan_schema import load_plan
+from specplan.core.prompts import encode_prompt
+from specplan.decoder.api import load_decoder
+from specplan.decoder.batching import Request
+from specplan.profiler.datasets import read_dataset, spread_sample
+from specplan.profiler.haystack import build_prompts
+
+
+def priced_run(decoder, prompts: list[list[int]], max_new_tokens: int, plan) -> dict[str, float | list]:
+    """Decode the prompts one at a time in order, as a server's one slot does (a fresh drafter state first, each
+    prompt's prefix shared with the last one's kept); the run's priced speedup over one-token decoding."""
+    decoder.restart()
+    tokens = plain_steps = drafted_steps = emitted_drafted = 0
+    priced = 0.0
+    outputs = []
+    completions = {c.id: c.result for c in decoder.generate_many([Request(ids, max_new_tokens) for ids in prompts], 1)}
+    for place, ids in enumerate(prompts):
+        result = completions[place]
+        predicted = plan.predicted_at(1, len(ids))
+        if predicted is None:
+            raise SystemExit("the plan is off at batch size 1: nothing to decide")
+        drafted_step_cost = predicted[0] / predicted[1]
+        for emitted, drafted in zip(result.accepted_per_step, result.drafted_per_step):
+            if drafted:
+                drafted_steps += 1
+                emitted_drafted += emitted
+                priced += drafted_step_cost
+            else:
+                plain_steps += 1
+                priced += 1.0
+        tokens += len(result.tokens)
+        outputs.append(result.tokens)
+    return {"speedup": tokens / priced, "drafted": drafted_steps / (drafted_steps + plain_steps),
+            "per_drafted_step": emitted_drafted / max(drafted_steps, 1), "tokens": tokens, "outputs": outputs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("plan")
+    parser.add_argument("--dataset", default="specbench:summarization,rag,coding")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--no-chat", action="store_true", help="raw prompts, without the chat template")
+    parser.add_argument("--context", type=int, help="long prompts of this many tokens (--dataset haystack)")
+    parser.add_argument("--one-document", action="store_true", help="the long prompts all about one document")
+    args = parser.parse_args()
+    plan = load_plan(args.plan)
+    decoder = load_decoder(args.plan, device="cpu")
+    if args.context is not None:
+        prompts = [p.ids for p in build_prompts(args.dataset, decoder.tokenizer, args.context, args.prompts,
+                                                not args.no_chat, one_document=args.one_document)]
+    else:
+        prompts = [encode_prompt(decoder.tokenizer, p.text, not args.no_chat)
+                   for p in spread_sample(read_dataset(args.dataset), args.prompts)]
+    pricing = decoder.engine.pricing
+    decided = priced_run(decoder, prompts, args.max_new_tokens, plan)
+    decoder.draft_every_step()
+    always = priced_run(decoder, prompts, args.max_new_tokens, plan)
+    decoder.engine.pricing = pricing
+    assert decided["outputs"] == always["outputs"], "greedy output must not depend on the decisions"
+    predicted = plan.predicted_at(1, statistics.median(len(ids) for ids in prompts))
+    print(f"{args.plan}: {args.dataset}{' (raw)' if args.no_chat else ''}, {len(prompts)} prompts x "
+          f"{args.max_new_tokens} tokens, {decided['tokens']} tokens; the plan's price at B = 1: "
+          f"{predicted[0]:.2f} tokens per drafted step for {predicted[1]:.3f}x")
+    for name, run in (("decisions", decided), ("every step", always)):
+        print(f"  {name:<11} priced speedup {run['speedup']:.3f}x, {run['drafted']:.0%} of steps drafted, "
+              f"{run['per_drafted_step']:.2f} tokens per drafted step")
+    print(f"  decisions / the better of drafting every step and never: "
+          f"{decided['speedup'] / max(always['speedup'], 1.0):.3f}")
+
+
+if __name__ == "__main__":
+    main()
