@@ -1,11 +1,11 @@
 """Do the per-request drafting decisions take the drafts that pay? (issue 51, Deliver 4; decoder/gate.py)
 
-A plan decodes each prompt alone twice, with its per-request decisions and drafting at every step, and both runs'
-steps are priced on the plan's own batch-1 prediction: a drafted step costs tokens per step / speedup plain steps,
-the very price the decisions hold a request's drafts to; one-token decoding costs one plain step a token. The greedy
-tokens are the same in every run and the decisions follow from them alone, so no clock is read: the priced speedups
-say how much of what drafting can gain on these prompts the decisions keep, on the price they are given (what a
-served step costs beyond the profile is another question).
+A plan decodes the prompts one at a time, in order, twice: with its per-request decisions and drafting at every
+step. Both runs' steps are priced on the plan's own batch-1 prediction: a drafted step costs tokens per step / speedup
+plain steps, the very price the decisions hold a request's drafts to, a step whose drafter proposed nothing one plain
+step; one-token decoding costs one plain step a token. The greedy tokens are the same in every run and the decisions
+follow from them alone, so no clock is read: the priced speedups say how much of what drafting can gain on these
+prompts the decisions keep, on the price they are given (whether that price holds on the machine is another question).
 
     .venv/bin/python bench/gate_replay.py plans/smollm2-135m.lookahead.cpu-2c.fp32.batched.yaml \
         --dataset specbench:summarization,rag,coding --prompts 16 --max-new-tokens 64 [--no-chat]
@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from specplan.core.plan_schema import load_plan
+from specplan.core.plan_schema import Plan, load_plan
 from specplan.core.prompts import encode_prompt
-from specplan.decoder.api import load_decoder
+from specplan.decoder.api import Decoder, load_decoder
 from specplan.decoder.batching import Request
 from specplan.profiler.datasets import read_dataset, spread_sample
 from specplan.profiler.haystack import build_prompts
 
 
-def priced_run(decoder, prompts: list[list[int]], max_new_tokens: int, plan) -> dict[str, float | list]:
+def priced_run(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, plan: Plan) -> dict[str, float | list]:
     """Decode the prompts one at a time in order, as a server's one slot does (a fresh drafter state first, each
     prompt's prefix shared with the last one's kept); the run's priced speedup over one-token decoding."""
     decoder.restart()
