@@ -70,6 +70,7 @@ def main() -> None:
     else:
         prompts = [encode_prompt(decoder.tokenizer, p.text, not args.no_chat)
                    for p in spread_sample(read_dataset(args.dataset), args.prompts)]
+    decoder.engine.clock = None  # the decisions on the plan's price alone, whatever the steps take here
     pricing = decoder.engine.pricing
     decided = priced_run(decoder, prompts, args.max_new_tokens, plan)
     decoder.draft_every_step()

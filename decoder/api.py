@@ -26,6 +26,7 @@ from specplan.decoder.cuda_graphs import compile_forward, enable_cuda_graphs
 from specplan.decoder.draft_rules import RULE_CHAIN_TOKENS, TRTLLM_AUTO_TIERS, rule_maker
 from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import GenerationResult, SpeculativeEngine
+from specplan.decoder.gate import StepClock
 from specplan.decoder.model import SUPPORTED_ARCHITECTURES, LeanModel, ModelShape
 from specplan.decoder.offload import DEVICE_RESERVE_BYTES, STREAM_BUFFERS
 from specplan.decoder.sampling import SamplingParams
@@ -66,10 +67,11 @@ class Decoder:
         self.plan = plan
         self.make_drafter = make_drafter
         self.target_forward = target_forward
-        # each request drafts at a step only while its own drafts pay at the plan's price (decoder/gate.py)
+        # each request drafts at a step only while its own drafts pay at the plan's price, once measured at the
+        # steps' own (decoder/gate.py)
         self.engine = SpeculativeEngine(self.target_forward, make_drafter(), target.stop_token_ids, verify,
                                         plan.predicted_at if plan is not None else None,
-                                        plan.schedule if plan is not None else None)
+                                        plan.schedule if plan is not None else None, StepClock())
         self.slot_drafters: dict[int, Drafter] = {}  # a batch's slots beyond the first (slot 0: the engine's)
 
     def draft_every_step(self) -> None:

@@ -100,6 +100,7 @@ class Scheduler:
         self.cancelled: set[int] = set()
         self.step_done: list[Completion] = []
         self.next_id = 0
+        self.timed_step: tuple[int, bool, float] | None = None  # the last step: (sequences, all drafted, its start)
         target = engine.target
         # prefixes kept in the slots' caches: on the CPU kernels only (CUDA graphs are captured per cache state),
         # and where a prefix's keys do not depend on the whole prompt (RoPE scaled by the prompt's length; Phi-3)
@@ -126,15 +127,23 @@ class Scheduler:
         self.step_done = done  # what this step completed so far, which `abort` hands out if the step raises
         self.running = [entry for entry in self.running if not self._drop_if_cancelled(entry, done)]
         self.prefilling = [entry for entry in self.prefilling if not self._drop_if_cancelled(entry, done)]
+        waiting = len(self.waiting)
         done += self._admit()
+        if len(self.waiting) != waiting:  # the time since the last step's start holds prefills: not a step's cost
+            self.timed_step = None
         self._prefilled([])  # prompts their slots' kept prefixes already hold
         running = self.running
         chunks = self._prompt_chunks()
         if not running and not chunks:
+            self.timed_step = None
             return done
+        started = time.perf_counter()
+        self._time_last_step(started)
         for entry in running:  # each sequence the schedule's setting of its own context at this batch size
             entry.run.decide(len(running))
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
+        drafted = {entry.run.tree.size > 1 for entry in running}
+        self.timed_step = (len(running), drafted.pop(), started) if len(drafted) == 1 and not chunks else None
         items += [item for _, item in chunks]
         target = self.engine.target
         logits = target.forward_many(items) if len(items) > 1 else [target.forward(*items[0])]
@@ -146,6 +155,14 @@ class Scheduler:
                 self.running.append(entry)
         self._prefilled(chunks)
         return done
+
+    def _time_last_step(self, now: float) -> None:
+        """The last step's seconds, from its start to this one's (the server's work between them included), to the
+        engine's clock: a step in which every sequence drafted or none did, no prompt prefilled since."""
+        clock = self.engine.clock
+        if clock is not None and self.timed_step is not None:
+            batch, drafted, started = self.timed_step
+            clock.record(batch, drafted, now - started)
 
     def _prompt_chunks(self) -> list[tuple[_Running, ForwardItem]]:
         """With a prefill chunk: the next prompt tokens of the sequences prefilling, oldest first, at most

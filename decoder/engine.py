@@ -13,7 +13,7 @@ import torch
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.decoder.drafters import Drafter, NoDrafter
-from specplan.decoder.gate import DraftGate, Pricing
+from specplan.decoder.gate import DraftGate, Pricing, StepClock
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree, ancestor_matrix, tree_attention_mask
@@ -66,11 +66,12 @@ class SequenceRun:
     def __init__(self, target: LeanModel, drafter: Drafter, cache: KVCache, rule: VerificationRule,
                  params: SamplingParams, seed: int | None, max_new_tokens: int, stop_ids: set[int],
                  masks: TreeMasks, on_tokens: Callable[[list[int]], None] | None = None,
-                 pricing: Pricing | None = None, schedule: BatchSchedule | None = None) -> None:
+                 pricing: Pricing | None = None, schedule: BatchSchedule | None = None,
+                 clock: StepClock | None = None) -> None:
         self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
         self.schedule = schedule
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
-        self.gate = DraftGate(pricing) if pricing is not None and drafter.gated else None
+        self.gate = DraftGate(pricing, clock) if pricing is not None and drafter.gated else None
         drafter.drafting = True
         self.generator = torch.Generator(device=target.device).manual_seed(seed if seed is not None else 0)
         self.max_new_tokens, self.stop_ids, self.masks, self.on_tokens = max_new_tokens, stop_ids, masks, on_tokens
@@ -160,13 +161,16 @@ class SequenceRun:
 
 class SpeculativeEngine:
     def __init__(self, target: LeanModel, drafter: Drafter | None = None, stop_ids: Collection[int] | None = None,
-                 rule: str | None = None, pricing: Pricing | None = None, schedule: BatchSchedule | None = None
-                 ) -> None:
+                 rule: str | None = None, pricing: Pricing | None = None, schedule: BatchSchedule | None = None,
+                 clock: StepClock | None = None) -> None:
         """`pricing`: the plan's predicted tokens per step and speedup per batch size (Plan.predicted_at), against
         which each request decides step by step whether to draft (decoder/gate.py); None: every step drafts.
-        `schedule`: the plan's setting per batch size and context, which each request follows step by step."""
+        `schedule`: the plan's setting per batch size and context, which each request follows step by step.
+        `clock`: the steps' measured costs, which price a drafted step once measured (decoder/gate.py); None: the
+        plan's price alone."""
         self.target = target
         self.pricing = pricing
+        self.clock = clock
         self.schedule = schedule
         self.drafter = drafter or NoDrafter()
         self.stop_ids = set(stop_ids or ())
@@ -219,7 +223,7 @@ class SpeculativeEngine:
         if keep_prefix:
             cache.keep_prefix(prompt)
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
-                          self.stop_ids, self.masks, on_tokens, self.pricing, self.schedule)
+                          self.stop_ids, self.masks, on_tokens, self.pricing, self.schedule, self.clock)
         if prefill:
             run.prefill(prompt)
             run.prefill_seconds = run.started - start
@@ -231,6 +235,11 @@ class SpeculativeEngine:
         run = self.start(prompt, max_new_tokens, params, seed, on_tokens)
         self.cache = run.cache
         while True:
+            start = time.perf_counter()
             run.decide(1)
-            if run.advance(self.target.forward(*run.propose())):
+            item = run.propose()
+            finished = run.advance(self.target.forward(*item))
+            if self.clock is not None:
+                self.clock.record(1, run.tree.size > 1, time.perf_counter() - start)
+            if finished:
                 return run.result()

@@ -11,6 +11,10 @@ to see whether its text has turned predictable. A step whose drafter had nothing
 cost a plain step and does not count. How much it drafts when it does is the plan's setting at the step's batch size
 and the request's context (its schedule's entry).
 
+A drafted step's price is the plan's until the engine has timed both kinds of step at that batch size (StepClock):
+then it is their measured ratio, which carries what no profile does, the server's own work between steps and the spell
+the machine is in (a drafted TriForce step cost 2.9 plain ones in a slow spell of a VM whose profile priced it at 4.7).
+
 Why a plain mean: a step's yield is skewed (most drafted steps emit one or two tokens, a few emit many), so an average
 that weighs the last steps most sits below its mean most of the time and declines drafts that pay on average
 (`bench/gate_replay.py` prices both on the plan's own prediction).
@@ -18,6 +22,7 @@ that weighs the last steps most sits below its mean most of the time and decline
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable
 
@@ -30,16 +35,41 @@ PRIOR_STEPS = 2
 # costs at most 1 / PROBE_EVERY of the time whatever a drafted step costs (a 7-token TriForce chain or a 3-row trie
 # tree)
 PROBE_EVERY = 8
+# The steps of each kind (every sequence drafting, none) a batch size's measured price is the median of: recent enough
+# to follow the machine's spells, enough to ride out a step that the OS or a prefill elsewhere slowed
+MEASURED_STEPS = 16
+# Steps of each kind timed before their ratio replaces the plan's price
+MEASURED_AT_LEAST = 4
 
 # (batch size, the request's context) -> (predicted tokens per step, speedup) or None
 Pricing = Callable[[int, int], "tuple[float, float] | None"]
 
 
+class StepClock:
+    """What the engine's decoding steps cost now, per batch size: the seconds from one step's start to the next's, of
+    steps in which every sequence drafted and of steps in which none did (steps that shared the machine with a
+    prompt's prefill are not timed; decoder/batching.py)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[int, bool], deque[float]] = {}
+
+    def record(self, batch: int, drafted: bool, seconds: float) -> None:
+        self.seconds.setdefault((batch, drafted), deque(maxlen=MEASURED_STEPS)).append(seconds)
+
+    def drafted_step_cost(self, batch: int) -> float | None:
+        """A drafted step's price in plain steps at `batch` sequences, as measured; None before both kinds are."""
+        drafted, plain = self.seconds.get((batch, True), ()), self.seconds.get((batch, False), ())
+        if min(len(drafted), len(plain)) < MEASURED_AT_LEAST:
+            return None
+        return statistics.median(drafted) / statistics.median(plain)
+
+
 class DraftGate:
     """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted, drafted)` after it."""
 
-    def __init__(self, pricing: Pricing) -> None:
+    def __init__(self, pricing: Pricing, clock: StepClock | None = None) -> None:
         self.pricing = pricing
+        self.clock = clock  # the engine's measured step costs; None: the plan's price alone
         self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
         self.idle_steps = 0
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
@@ -57,8 +87,9 @@ class DraftGate:
             self.drafting = True
             return True
         tokens, speedup = self.priced
-        step_cost = tokens / speedup  # a drafted step in plain steps
-        if self.yield_ratio * speedup >= 1.0 or self.idle_steps + 1 >= PROBE_EVERY * step_cost:
+        measured = self.clock.drafted_step_cost(batch) if self.clock is not None else None
+        step_cost = measured if measured is not None else tokens / speedup  # a drafted step in plain steps
+        if self.yield_ratio * tokens >= step_cost or self.idle_steps + 1 >= PROBE_EVERY * step_cost:
             self.drafting, self.idle_steps = True, 0
         else:
             self.drafting, self.idle_steps = False, self.idle_steps + 1

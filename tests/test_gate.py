@@ -11,7 +11,7 @@ from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Predictio
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.drafters import Drafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.gate import PROBE_EVERY, DraftGate
+from specplan.decoder.gate import MEASURED_AT_LEAST, PROBE_EVERY, DraftGate, StepClock
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 
@@ -100,3 +100,55 @@ def test_requests_sitting_steps_out_keep_their_own_greedy_tokens(method, concurr
                                                                         SamplingParams()).tokens
     alone = SpeculativeEngine(target, make(), pricing=lambda batch, context: PRICE_RARELY_PAID)
     assert alone.generate(requests[0].prompt, 40, SamplingParams()).tokens == results[0]
+
+
+def test_the_clock_prices_a_drafted_step_once_both_kinds_are_timed():
+    clock = StepClock()
+    for _ in range(MEASURED_AT_LEAST):
+        assert clock.drafted_step_cost(2) is None
+        clock.record(2, True, 0.030)
+        clock.record(2, True, 0.036)
+    assert clock.drafted_step_cost(2) is None  # no plain step at B = 2 yet
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(2, False, 0.020)
+        clock.record(1, False, 0.010)
+    assert clock.drafted_step_cost(2) == pytest.approx(0.033 / 0.020)
+    assert clock.drafted_step_cost(1) is None
+
+
+def test_measured_steps_replace_the_plans_price():
+    """The plan prices a drafted step at 2 plain ones (3 tokens for 1.5x); a request yielding 1.5 tokens a drafted step
+    stops drafting on that price, and keeps drafting where the steps measure a drafted one at 1.2 plain ones."""
+    def decisions(clock: StepClock | None) -> list[bool]:
+        gate = DraftGate(lambda batch, context: (3.0, 1.5), clock)
+        made = []
+        for _ in range(30):
+            made.append(gate.drafts(1, 100))
+            gate.observe(2 if len(made) % 2 else 1, 2)
+        return made
+
+    assert not all(decisions(None))
+    measured = StepClock()
+    for _ in range(MEASURED_AT_LEAST):
+        measured.record(1, True, 0.024)
+        measured.record(1, False, 0.020)
+    assert all(decisions(measured))
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_the_scheduler_times_its_steps_and_outputs_stay_the_requests_own(concurrency, tiny_pair):
+    """Steps in which every sequence drafted or none did are timed per batch size (a step after a prompt joined is
+    not), and the decisions they price leave every request's greedy tokens its own."""
+    _, target, _ = tiny_pair
+    make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=8, branch_length=3)))  # noqa: E731
+    gen = torch.Generator().manual_seed(5)
+    requests = [Request(torch.randint(0, 250, (n,), generator=gen).tolist(), m)
+                for n, m in ((9, 30), (25, 22), (14, 35), (40, 18))]
+    clock = StepClock()
+    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (2.0, 1.2), clock=clock)
+    results = {c.id: c.result.tokens for c in Scheduler(engine, drafters_per_slot(make), concurrency).run(requests)}
+    assert clock.seconds and all(0 < s < 10 for times in clock.seconds.values() for s in times)
+    assert {batch for batch, _ in clock.seconds} <= set(range(1, concurrency + 1))
+    for i, request in enumerate(requests):
+        assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
+                                                                        SamplingParams()).tokens
