@@ -11,9 +11,10 @@ to see whether its text has turned predictable. A step whose drafter had nothing
 cost a plain step and does not count. How much it drafts when it does is the plan's setting at the step's batch size
 and the request's context (its schedule's entry).
 
-A drafted step's price is the plan's until the engine has timed both kinds of step at that batch size (StepClock):
-then it is their measured ratio, which carries what no profile does, the server's own work between steps and the spell
-the machine is in (a drafted TriForce step cost 2.9 plain ones in a slow spell of a VM whose profile priced it at 4.7).
+A drafted step's price is the plan's until the engine has timed both kinds of step at that batch size (StepClock,
+which has the first steps at each batch size drafted, then plain, until it has timed a few of each): then it is their
+measured ratio, which carries what no profile does: the server's own work between steps, and the spell the machine
+is in (a VM's slow spells slow a one-row step over a long context more than a drafted step's many rows).
 
 Why a plain mean: a step's yield is skewed (most drafted steps emit one or two tokens, a few emit many), so an average
 that weighs the last steps most sits below its mean most of the time and declines drafts that pay on average
@@ -56,6 +57,14 @@ class StepClock:
     def record(self, batch: int, drafted: bool, seconds: float) -> None:
         self.seconds.setdefault((batch, drafted), deque(maxlen=MEASURED_STEPS)).append(seconds)
 
+    def wanted(self, batch: int) -> bool | None:
+        """The kind of step at `batch` sequences still to be timed (True: a drafted one), drafted first; None once
+        both are. Every request in a step reads the same answer, so the step is of one kind."""
+        for drafted in (True, False):
+            if len(self.seconds.get((batch, drafted), ())) < MEASURED_AT_LEAST:
+                return drafted
+        return None
+
     def drafted_step_cost(self, batch: int) -> float | None:
         """A drafted step's price in plain steps at `batch` sequences, as measured; None before both kinds are."""
         drafted, plain = self.seconds.get((batch, True), ()), self.seconds.get((batch, False), ())
@@ -87,6 +96,10 @@ class DraftGate:
             self.drafting = True
             return True
         tokens, speedup = self.priced
+        wanted = self.clock.wanted(batch) if self.clock is not None else None
+        if wanted is not None:  # the few steps that time each kind, once per batch size
+            self.drafting = wanted
+            return wanted
         measured = self.clock.drafted_step_cost(batch) if self.clock is not None else None
         step_cost = measured if measured is not None else tokens / speedup  # a drafted step in plain steps
         if self.yield_ratio * tokens >= step_cost or self.idle_steps + 1 >= PROBE_EVERY * step_cost:

@@ -152,3 +152,16 @@ def test_the_scheduler_times_its_steps_and_outputs_stay_the_requests_own(concurr
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens
+
+
+def test_an_untimed_batch_size_drafts_then_sits_out_until_both_kinds_are_timed():
+    clock = StepClock()
+    gate = DraftGate(lambda batch, context: (3.0, 1.5), clock)
+    assert gate.drafts(2, 100) and clock.wanted(2) is True
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(2, True, 0.03)
+    assert not gate.drafts(2, 100) and clock.wanted(2) is False
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(2, False, 0.02)
+    assert clock.wanted(2) is None and gate.drafts(2, 100)  # 1.5x a plain step for 3 tokens: drafting pays
+    assert clock.wanted(1) is True
