@@ -10,12 +10,15 @@ AVX-512 host).
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
 import platform
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -68,9 +71,21 @@ def kernels(march: str = "native") -> ModuleType | None:
         progress.say(f"building the CPU kernels for this host (-march={march}; once, about a minute; cached in "
                      f"{build})")
     try:
-        return load(name=f"specplan_cpu_{key}", sources=[str(build / name) for name in SOURCES], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        with _building(build):
+            return load(name=f"specplan_cpu_{key}", sources=[str(build / name) for name in SOURCES],
+                        extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
         print(f"specplan: CPU kernels unavailable ({str(exc).splitlines()[0][:200]}); running PyTorch's operators",
               file=sys.stderr)
         return None
+
+
+@contextmanager
+def _building(build: Path) -> Iterator[None]:
+    """One process at a time in `build`, under a lock the OS drops when its holder dies. torch's extension builder
+    keeps its own lock as a file (`lock`) that a build killed midway leaves behind, and every later build then waits
+    for it forever; whoever holds this lock knows such a file is left over and removes it."""
+    with open(build / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        yield

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +35,20 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler for 
 def test_the_kernels_build_where_a_compiler_exists_and_run_the_formats_core_reads():
     assert K is not None, "a C++ compiler is installed but the CPU kernels did not build (see stderr)"
     assert sorted(K.formats()) == sorted(BLOCK_FORMATS)
+
+
+def test_a_build_killed_midway_does_not_stop_the_next_one():
+    """torch's builder leaves its lock file behind when killed during a build (Ctrl-C on a first `plan serve`), and
+    waits for that file forever: the next process starts anyway and removes it."""
+    assert K is not None
+    build = Path(K.__file__).parent
+    with open(build / "build.flock", "w") as handle:  # no process of ours is building while the lock is planted
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build / "lock").touch()
+    loaded = subprocess.run([sys.executable, "-c", "from specplan.decoder.cpu_kernels import kernels; "
+                             "assert kernels() is not None"], capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert not (build / "lock").exists()
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf-py quantizes these
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # gguf-py only decodes these: random blocks with finite scales
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # the fp16 fields of each 256-value block
