@@ -1,6 +1,7 @@
 """Long-context prompts: essays concatenated to a requested token length, a planted needle sentence, then a
-question about the needle or a summarization request. The essays are read from the given folder, or from the
-carried `haystack` set by its short name."""
+question about the needle or a summarization request. The essays are any dataset `--dataset` takes: a folder of .txt
+files (the carried `haystack` set by its short name), or a JSONL file whose records' texts stand as the essays
+(`specbench:summarization,rag`: news articles and retrieved passages instead of Paul Graham's essays)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from specplan.core.errors import UserError
 from specplan.core.prompts import encode_prompt
-from specplan.profiler.datasets import resolve_dataset
+from specplan.profiler.datasets import read_dataset
 
 NEEDLES = [
     ("The secret ingredient in Grandma Ola's lemon cake is a spoonful of cardamom.",
@@ -36,27 +37,21 @@ class LongPrompt:
     context: int  # the requested length (the prompt holds it within about 1%)
 
 
-def essays(directory: str | Path) -> list[str]:
-    folder, category = resolve_dataset(directory)
-    if category is not None:
-        raise UserError(f"{directory}: a folder of essays has no categories")
-    files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
-    if not files:
-        raise UserError(f"{directory}: no .txt essays to build long prompts from")
-    return [re.sub(r"\n{3,}", "\n\n", f.read_text(errors="replace")).strip() for f in files]
+def essays(dataset: str | Path) -> list[str]:
+    return [re.sub(r"\n{3,}", "\n\n", prompt.text).strip() for prompt in read_dataset(str(dataset))]
 
 
-def build_prompts(directory: str | Path, tokenizer: Any, context_tokens: int, count: int, chat: bool = True,
+def build_prompts(dataset: str | Path, tokenizer: Any, context_tokens: int, count: int, chat: bool = True,
                   kinds: tuple[str, ...] = KINDS, seed: int = 0, one_document: bool = False) -> list[LongPrompt]:
     """`count` prompts of about `context_tokens` tokens each (within 1%), alternating the kinds. `one_document`: every
     prompt asks about the same document (the essays in one order, every needle planted), as clients asking questions
     of one long text do; they differ in their last line only."""
     if context_tokens < 256:
         raise UserError(f"long prompts need at least 256 tokens, got {context_tokens}")
-    texts = essays(directory)
+    texts = essays(dataset)
     rng = random.Random(seed)
     if one_document:
-        return _about_one_document(directory, texts, tokenizer, context_tokens, count, chat, kinds, rng)
+        return _about_one_document(dataset, texts, tokenizer, context_tokens, count, chat, kinds, rng)
     prompts = []
     for index in range(count):
         kind = kinds[index % len(kinds)]
@@ -66,7 +61,7 @@ def build_prompts(directory: str | Path, tokenizer: Any, context_tokens: int, co
         request = _request(kind, question)
         overhead = len(encode_prompt(tokenizer, "Read these essays." + request, chat))
         budget = context_tokens - overhead - (len(tokenizer(needle)["input_ids"]) if kind == "needle" else 0)
-        document = _document(directory, order, tokenizer, budget)
+        document = _document(dataset, order, tokenizer, budget)
         if kind == "needle":
             document = _planted(document, needle, rng.uniform(0.2, 0.8))
         ids = encode_prompt(tokenizer, "Read these essays.\n\n" + document + request, chat)
@@ -75,14 +70,14 @@ def build_prompts(directory: str | Path, tokenizer: Any, context_tokens: int, co
     return prompts
 
 
-def _about_one_document(directory: str | Path, texts: list[str], tokenizer: Any, context_tokens: int, count: int,
+def _about_one_document(dataset: str | Path, texts: list[str], tokenizer: Any, context_tokens: int, count: int,
                         chat: bool, kinds: tuple[str, ...], rng: random.Random) -> list[LongPrompt]:
     order = texts[:]
     rng.shuffle(order)
     requests = [_request(kind, question) for kind in kinds for _, question in NEEDLES]
     overhead = max(len(encode_prompt(tokenizer, "Read these essays." + request, chat)) for request in requests)
     planted = sum(len(tokenizer(needle)["input_ids"]) for needle, _ in NEEDLES) if "needle" in kinds else 0
-    document = _document(directory, order, tokenizer, context_tokens - overhead - planted)
+    document = _document(dataset, order, tokenizer, context_tokens - overhead - planted)
     if "needle" in kinds:
         for place, (needle, _) in enumerate(NEEDLES):
             document = _planted(document, needle, (place + 1) / (len(NEEDLES) + 1))
@@ -101,7 +96,7 @@ def _request(kind: str, question: str) -> str:
             else "\n\nSummarize the essays above in a few paragraphs.")
 
 
-def _document(directory: str | Path, order: list[str], tokenizer: Any, budget: int) -> str:
+def _document(dataset: str | Path, order: list[str], tokenizer: Any, budget: int) -> str:
     """The essays in `order`, cut to `budget` tokens."""
     body: list[int] = []
     for text in order:
@@ -109,7 +104,7 @@ def _document(directory: str | Path, order: list[str], tokenizer: Any, budget: i
         if len(body) >= budget:
             break
     if len(body) < budget:
-        raise UserError(f"{directory}: the essays hold fewer than {budget} tokens")
+        raise UserError(f"{dataset}: the essays hold fewer than {budget} tokens")
     return tokenizer.decode(body[:budget])
 
 

@@ -68,7 +68,7 @@ class BenchRequest:
     chat: bool = True
     prompt_lookup: PromptLookupSettings = PromptLookupSettings()  # the engines' own defaults: 2-grams, 10 tokens
     lookup_plan: Plan | None = None  # a prompt-lookup plan: its engine's lookup runs with the plan's knobs
-    context: int | None = None  # build long prompts of this many tokens from a folder of essays
+    context: int | None = None  # build long prompts of this many tokens from the dataset's texts
     one_document: bool = False  # ... all about one document (profiler/haystack.py: build_prompts)
     reprice: bool = False  # re-time the forwards the plan's prediction priced, between the prompts
 

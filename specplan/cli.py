@@ -37,7 +37,8 @@ from specplan.profiler.datasets import DATASETS
 PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
                 + ") or PATH[:category[,...]]: a Spec-Bench-style .jsonl, a .txt file or a folder of them")
 TRIFORCE_PROMPTS = 2  # long prompts per context `plan accept triforce` builds by default
-ESSAYS_HELP = "haystack (the carried essays) or a folder of .txt essays to build long prompts from"
+ESSAYS_HELP = ("the texts long prompts are built from: haystack (the carried essays), a folder of .txt files, or a "
+               "JSONL dataset (specbench:summarization,rag: news articles)")
 
 
 def _set_quiet(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
@@ -1040,7 +1041,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     dtype = dtype or (plan.models.dtype if plan else None) or "fp32"
     draft = draft or (plan.models.draft if plan else None)
     loaded = load_model(target, dtype, log=_progress)
-    if context is not None:  # long prompts built from a folder of essays, as `plan bench --context` builds them
+    if context is not None:  # long prompts built from a dataset's texts, as `plan bench --context` builds them
         encoded = [p.ids for p in build_prompts(dataset, loaded.tokenizer, context, prompts, chat,
                                                 one_document=one_document)]
     else:

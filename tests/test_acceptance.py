@@ -106,7 +106,7 @@ def test_specbench_reader_and_category_filter(tmp_path, monkeypatch):
         read_dataset("spec-bench:coding")
     with pytest.raises(UserError, match="unknown dataset"):
         read_dataset(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(UserError, match="has no categories"):
+    with pytest.raises(UserError, match="no category needle"):
         essays("haystack:needle")
 
 

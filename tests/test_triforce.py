@@ -783,3 +783,16 @@ def test_long_prompts_about_one_document_differ_in_their_last_line_only():
     assert [p.category for p in prompts] == ["needle", "summary"] * 2 + ["needle"]
     apart = build_prompts("haystack", tokenizer, 600, 2)
     assert len(os.path.commonprefix([p.ids for p in apart])) < shared
+
+
+def test_long_prompts_from_a_jsonl_dataset():
+    """`--context` with a JSONL dataset: its records' texts stand as the essays (long prompts unlike the haystack),
+    each prompt about the requested length; a dataset too short for the context fails in one line."""
+    from specplan.profiler.haystack import build_prompts
+
+    tokenizer = load_model("tiny-random-llama").tokenizer
+    prompts = build_prompts("specbench:summarization", tokenizer, 3000, 2, one_document=True)
+    assert all(len(p.ids) <= 3030 for p in prompts) and max(len(p.ids) for p in prompts) >= 2970
+    assert "Summarize:" in tokenizer.decode(prompts[0].ids)
+    with pytest.raises(UserError, match="fewer than"):
+        build_prompts("specbench:coding", tokenizer, 20000, 1)
