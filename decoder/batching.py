@@ -143,7 +143,9 @@ class Scheduler:
             entry.run.decide(len(running))
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
         drafted = {entry.run.tree.size > 1 for entry in running}
-        self.timed_step = (len(running), drafted.pop(), started) if len(drafted) == 1 and not chunks else None
+        starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)
+        self.timed_step = ((len(running), drafted.pop(), started) if len(drafted) == 1 and not chunks and not starting
+                           else None)
         items += [item for _, item in chunks]
         target = self.engine.target
         logits = target.forward_many(items) if len(items) > 1 else [target.forward(*items[0])]
@@ -158,7 +160,8 @@ class Scheduler:
 
     def _time_last_step(self, now: float) -> None:
         """The last step's seconds, from its start to this one's (the server's work between them included), to the
-        engine's clock: a step in which every sequence drafted or none did, no prompt prefilled since."""
+        engine's clock: a step in which every sequence drafted or none did, no prompt prefilled since, no drafter
+        starting its sequence (Drafter.started_now)."""
         clock = self.engine.clock
         if clock is not None and self.timed_step is not None:
             batch, drafted, started = self.timed_step

@@ -32,6 +32,9 @@ class Drafter(ABC):
     gated: bool = False  # whether its sequence may sit steps out (`idle`) by a per-request decision (decoder/gate.py)
     drafting: bool = True  # the coming step's decision: False, `idle` gives the step's tree instead of `propose`
     rule: DraftRule | None = None  # an engine's drafting rule, deciding the length of every step (draft_rules.py)
+    # The last proposal paid the sequence's one-time start (a draft model reading the prompt, a retrieval cache's first
+    # build): that step is no measure of what a drafted step costs (decoder/gate.py, StepClock)
+    started_now: bool = False
 
     def use_slot(self, slot: int) -> None:
         """Take its caches of a batch's slot `slot`: each sequence in flight has its own (decoder/batching.py)."""
@@ -268,6 +271,7 @@ class SequoiaDrafter(Drafter):
         token drafted with too little confidence (and is dropped if too short)."""
         model = drafters[0].model
         for drafter in drafters:
+            drafter.started_now = drafter.unprefilled is not None
             drafter._read_prompt()
         widest = max((drafter.shape for drafter in drafters), key=lambda shape: len(shape.parents))
         tokens = [[root] + [0] * (len(drafter.shape.parents) - 1) for drafter, root in zip(drafters, roots)]

@@ -239,7 +239,8 @@ class SpeculativeEngine:
             run.decide(1)
             item = run.propose()
             finished = run.advance(self.target.forward(*item))
-            if self.clock is not None:
-                self.clock.record(1, run.tree.size > 1, time.perf_counter() - start)
+            drafted = run.tree.size > 1
+            if self.clock is not None and not (drafted and run.drafter.started_now):
+                self.clock.record(1, drafted, time.perf_counter() - start)
             if finished:
                 return run.result()

@@ -299,6 +299,7 @@ class HierarchicalDrafter(Drafter):
                 ForwardItem(torch.tensor([root]), torch.tensor([drafter.full.length]), drafter.full, None, slice(0, 0))
                 for drafter, root in starting])
         for drafter in drafters:
+            drafter.started_now = not drafter.built
             if not drafter.built or drafter.rebuild_due:
                 drafter.retrieval.build(drafter.full, drafter.queries)
                 drafter.built, drafter.rebuild_due = True, False

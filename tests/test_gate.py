@@ -165,3 +165,36 @@ def test_an_untimed_batch_size_drafts_then_sits_out_until_both_kinds_are_timed()
         clock.record(2, False, 0.02)
     assert clock.wanted(2) is None and gate.drafts(2, 100)  # 1.5x a plain step for 3 tokens: drafting pays
     assert clock.wanted(1) is True
+
+
+def test_a_step_in_which_a_draft_model_reads_its_prompt_is_not_timed(tiny_pair, monkeypatch):
+    """A Sequoia draft reads a request's prompt at its first drafted step: that step's time is the draft's prefill
+    as much as a drafted step's, and the clock must not take it for the price of drafting."""
+    _, target, draft = tiny_pair
+    make = lambda: SequoiaDrafter(draft, [-1, 0, 0, 1, 2, 3])  # noqa: E731
+    steps: list[dict] = []  # per step from the second: whether a draft read its prompt, the last step's timing
+    time_last_step, read_prompt = Scheduler._time_last_step, SequoiaDrafter._read_prompt
+
+    def tick(self, now):
+        steps.append({"read": False, "timed": None})
+        time_last_step(self, now)
+
+    def reading(self):
+        steps[-1]["read"] |= self.unprefilled is not None
+        read_prompt(self)
+
+    class Recording(StepClock):
+        def record(self, batch, drafted, seconds):
+            steps[-1]["timed"] = drafted
+            super().record(batch, drafted, seconds)
+
+    monkeypatch.setattr(Scheduler, "_time_last_step", tick)
+    monkeypatch.setattr(SequoiaDrafter, "_read_prompt", reading)
+    gen = torch.Generator().manual_seed(7)
+    requests = [Request(torch.randint(0, 250, (n,), generator=gen).tolist(), m)
+                for n, m in ((9, 30), (25, 22), (14, 35), (40, 18), (6, 26))]
+    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (2.0, 1.2), clock=Recording())
+    list(Scheduler(engine, drafters_per_slot(make), 3).run(requests))
+    assert sum(step["read"] for step in steps) >= 2  # the first requests, and those joining later
+    assert any(step["timed"] for step in steps)  # drafted steps were timed ...
+    assert not any(last["read"] and step["timed"] for last, step in zip(steps, steps[1:]))  # ... none that read
