@@ -3,8 +3,9 @@
 A plan decodes the prompts one at a time, in order, twice: with its per-request decisions and drafting at every
 step. Both runs' steps are priced on the plan's own batch-1 prediction: a drafted step costs tokens per step / speedup
 plain steps, the very price the decisions hold a request's drafts to, a step whose drafter proposed nothing one plain
-step; one-token decoding costs one plain step a token. The greedy tokens are the same in every run and the decisions
-follow from them alone, so no clock is read: the priced speedups say how much of what drafting can gain on these
+step; one-token decoding costs one plain step a token. The greedy tokens are the same in every run (in fp32 and on
+fp32-input GGUF blocks; on K-quants the match rate is printed) and the decisions follow from them alone, so no clock
+is read: the priced speedups say how much of what drafting can gain on these
 prompts the decisions keep, on the price they are given (whether that price holds on the machine is another question).
 
     .venv/bin/python bench/gate_replay.py plans/smollm2-135m.lookahead.cpu-2c.fp32.batched.yaml \
@@ -76,7 +77,7 @@ def main() -> None:
     decoder.draft_every_step()
     always = priced_run(decoder, prompts, args.max_new_tokens, plan)
     decoder.engine.pricing = pricing
-    assert decided["outputs"] == always["outputs"], "greedy output must not depend on the decisions"
+    agreeing = sum(a == b for a, b in zip(decided["outputs"], always["outputs"]))
     predicted = plan.predicted_at(1, statistics.median(len(ids) for ids in prompts))
     print(f"{args.plan}: {args.dataset}{' (raw)' if args.no_chat else ''}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens, {decided['tokens']} tokens; the plan's price at B = 1: "
@@ -86,6 +87,9 @@ def main() -> None:
               f"{run['per_drafted_step']:.2f} tokens per drafted step")
     print(f"  decisions / the better of drafting every step and never: "
           f"{decided['speedup'] / max(always['speedup'], 1.0):.3f}")
+    if agreeing < len(prompts):  # exact in fp32; K-quant blocks round a forward's inputs (docs/design.md)
+        print(f"  greedy outputs of the two runs identical for {agreeing} of {len(prompts)} prompts "
+              f"({plan.models.dtype})")
 
 
 if __name__ == "__main__":
