@@ -139,6 +139,8 @@ class Scheduler:
             return done
         started = time.perf_counter()
         self._time_last_step(started)
+        if self.engine.clock is not None:
+            self.engine.clock.begin_step()
         for entry in running:  # each sequence the schedule's setting of its own context at this batch size
             entry.run.decide(len(running))
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]

@@ -236,6 +236,8 @@ class SpeculativeEngine:
         self.cache = run.cache
         while True:
             start = time.perf_counter()
+            if self.clock is not None:
+                self.clock.begin_step()
             run.decide(1)
             item = run.propose()
             finished = run.advance(self.target.forward(*item))

@@ -7,7 +7,9 @@ tokens, and drafting pays for it only while r x speedup >= 1. Each request keeps
 YIELD_WINDOW drafted steps and PRIOR_STEPS steps at the plan's own prediction (r = 1 before the first); below
 break-even it steps without drafting (the root alone: exact as any tree is, so greedy output and the sampled
 distribution are those of the target) and drafts once more after PROBE_EVERY drafted steps' price spent on plain ones,
-to see whether its text has turned predictable. A step whose drafter had nothing to propose (a trie without a match)
+to see whether its text has turned predictable. With an engine's clock, the requests sitting out probe together, at
+the steps numbered a multiple of that period: a probe costs the whole step a draft forward (a draft model's, a
+TriForce chain's), so one forward serves every probe of the batch instead of one each. A step whose drafter had nothing to propose (a trie without a match)
 cost a plain step and does not count. How much it drafts when it does is the plan's setting at the step's batch size
 and the request's context (its schedule's entry).
 
@@ -23,6 +25,7 @@ that weighs the last steps most sits below its mean most of the time and decline
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -53,6 +56,10 @@ class StepClock:
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], deque[float]] = {}
+        self.step = 0  # the steps begun: the requests sitting out probe together at multiples of their period
+
+    def begin_step(self) -> None:
+        self.step += 1
 
     def record(self, batch: int, drafted: bool, seconds: float) -> None:
         self.seconds.setdefault((batch, drafted), deque(maxlen=MEASURED_STEPS)).append(seconds)
@@ -102,11 +109,20 @@ class DraftGate:
             return wanted
         measured = self.clock.drafted_step_cost(batch) if self.clock is not None else None
         step_cost = measured if measured is not None else tokens / speedup  # a drafted step in plain steps
-        if self.yield_ratio * tokens >= step_cost or self.idle_steps + 1 >= PROBE_EVERY * step_cost:
+        if self.yield_ratio * tokens >= step_cost or self._probe_due(step_cost):
             self.drafting, self.idle_steps = True, 0
         else:
             self.drafting, self.idle_steps = False, self.idle_steps + 1
         return self.drafting
+
+    def _probe_due(self, step_cost: float) -> bool:
+        """Whether a request sitting steps out drafts at the coming one: PROBE_EVERY drafted steps' price spent on
+        plain steps; with a clock, at the steps numbered a multiple of that period, at least half of it since its last
+        draft (every request of the step reads the same period: the same batch size and clock)."""
+        if self.clock is None:
+            return self.idle_steps + 1 >= PROBE_EVERY * step_cost
+        period = max(1, math.ceil(PROBE_EVERY * step_cost))
+        return self.clock.step % period == 0 and self.idle_steps + 1 >= period // 2
 
     def observe(self, emitted: int, drafted: int) -> None:
         """The step just verified scored `drafted` draft tokens and emitted `emitted` (the accepted drafts and the

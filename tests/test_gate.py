@@ -198,3 +198,23 @@ def test_a_step_in_which_a_draft_model_reads_its_prompt_is_not_timed(tiny_pair, 
     assert sum(step["read"] for step in steps) >= 2  # the first requests, and those joining later
     assert any(step["timed"] for step in steps)  # drafted steps were timed ...
     assert not any(last["read"] and step["timed"] for last, step in zip(steps, steps[1:]))  # ... none that read
+
+
+def test_requests_sitting_out_probe_together():
+    """With a clock, requests whose drafts fail probe at the same steps (one draft forward for the batch's probes),
+    once per PROBE_EVERY drafted steps' price, whenever each of them stopped drafting."""
+    clock = StepClock()
+    for _ in range(MEASURED_AT_LEAST):  # a drafted step measured at 2 plain ones at B = 2
+        clock.record(2, True, 0.040)
+        clock.record(2, False, 0.020)
+    gates = [DraftGate(lambda batch, context: (3.0, 1.5), clock) for _ in range(2)]
+    decisions: list[list[bool]] = []
+    for step in range(200):
+        clock.begin_step()
+        decisions.append([gate.drafts(2, 100) for gate in gates])
+        gates[0].observe(1, 4)
+        gates[1].observe(3 if step < 13 else 1, 4)  # the second's drafts land for a while, then fail
+    later = decisions[40:]
+    assert all(first == second for first, second in later)
+    period = 2 * PROBE_EVERY
+    assert sum(first for first, _ in later) == pytest.approx(len(later) / period, abs=1)
