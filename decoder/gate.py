@@ -9,9 +9,9 @@ break-even it steps without drafting (the root alone: exact as any tree is, so g
 distribution are those of the target) and drafts once more after PROBE_EVERY drafted steps' price spent on plain ones,
 to see whether its text has turned predictable. With an engine's clock, the requests sitting out probe together, at
 the steps numbered a multiple of that period: a probe costs the whole step a draft forward (a draft model's, a
-TriForce chain's), so one forward serves every probe of the batch instead of one each. A step whose drafter had nothing to propose (a trie without a match)
-cost a plain step and does not count. How much it drafts when it does is the plan's setting at the step's batch size
-and the request's context (its schedule's entry).
+TriForce chain's), so one forward serves every probe of the batch instead of one each. A step whose drafter had
+nothing to propose (a trie without a match) cost a plain step and does not count. How much it drafts when it does is
+the plan's setting at the step's batch size and the request's context (its schedule's entry).
 
 A drafted step's price is the plan's until the engine has timed both kinds of step at that batch size (StepClock,
 which has the first steps at each batch size drafted, then plain, until it has timed a few of each): then it is their
