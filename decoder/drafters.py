@@ -3,6 +3,7 @@ a trie (Lookahead) and a hierarchy (TriForce); verification is kept apart (decod
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -35,6 +36,12 @@ class Drafter(ABC):
     # The last proposal paid the sequence's one-time start (a draft model reading the prompt, a retrieval cache's first
     # build): that step is no measure of what a drafted step costs (decoder/gate.py, StepClock)
     started_now: bool = False
+    started_reading: tuple[int, float] | None = None  # that start's tokens read and seconds, where it read any
+
+    def start_tokens(self) -> int:
+        """The tokens the drafter reads at its first drafted step of the sequence (a draft model's prompt): what
+        starting to draft costs beyond the drafted step itself; 0 for a drafter that reads none."""
+        return 0
 
     def use_slot(self, slot: int) -> None:
         """Take its caches of a batch's slot `slot`: each sequence in flight has its own (decoder/batching.py)."""
@@ -240,6 +247,9 @@ class SequoiaDrafter(Drafter):
         self.unprefilled = prompt[:-1]
         self.pending = []
 
+    def start_tokens(self) -> int:
+        return len(self.unprefilled) if self.unprefilled is not None else 0
+
     def _read_prompt(self) -> None:
         """The prefill `reset` deferred, as it would have run then; the roots of the steps since wait in `pending`."""
         if self.unprefilled is not None:
@@ -272,7 +282,11 @@ class SequoiaDrafter(Drafter):
         model = drafters[0].model
         for drafter in drafters:
             drafter.started_now = drafter.unprefilled is not None
-            drafter._read_prompt()
+            drafter.started_reading = None
+            if drafter.started_now:
+                tokens, began = len(drafter.unprefilled), time.perf_counter()
+                drafter._read_prompt()
+                drafter.started_reading = (tokens, time.perf_counter() - began)
         widest = max((drafter.shape for drafter in drafters), key=lambda shape: len(shape.parents))
         tokens = [[root] + [0] * (len(drafter.shape.parents) - 1) for drafter, root in zip(drafters, roots)]
         sizes = [len(t) for t in tokens]

@@ -72,6 +72,7 @@ class SequenceRun:
         self.schedule = schedule
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
         self.gate = DraftGate(pricing, clock) if pricing is not None and drafter.gated else None
+        self.clock = clock
         drafter.drafting = True
         self.generator = torch.Generator(device=target.device).manual_seed(seed if seed is not None else 0)
         self.max_new_tokens, self.stop_ids, self.masks, self.on_tokens = max_new_tokens, stop_ids, masks, on_tokens
@@ -110,7 +111,8 @@ class SequenceRun:
         elif self.schedule is not None:
             self.drafter.follow(self.schedule.entry_for(batch, self.cache.length))
         if self.gate is not None:
-            self.drafter.drafting = self.gate.drafts(batch, self.cache.length)
+            self.drafter.drafting = self.gate.drafts(batch, self.cache.length, self.drafter.start_tokens(),
+                                                     self.max_new_tokens - len(self.out))
 
     def propose(self, tree: DraftTree | None = None) -> ForwardItem:
         """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
@@ -132,6 +134,9 @@ class SequenceRun:
         new = [tree.tokens[v] for v in path[1:]] + [next_token]
         self.accepted_per_step.append(len(new))
         self.drafted_per_step.append(tree.size - 1)
+        if self.clock is not None and self.drafter.started_reading is not None:
+            self.clock.record_start(*self.drafter.started_reading)
+            self.drafter.started_reading = None
         if self.gate is not None:
             self.gate.observe(len(new), tree.size - 1)
         if self.drafter.rule is not None:

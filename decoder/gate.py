@@ -57,6 +57,7 @@ class StepClock:
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], deque[float]] = {}
         self.step = 0  # the steps begun: the requests sitting out probe together at multiples of their period
+        self.start_rates: deque[float] = deque(maxlen=MEASURED_STEPS)  # a drafter's start: seconds per token read
 
     def begin_step(self) -> None:
         self.step += 1
@@ -71,6 +72,18 @@ class StepClock:
             if len(self.seconds.get((batch, drafted), ())) < MEASURED_AT_LEAST:
                 return drafted
         return None
+
+    def record_start(self, tokens: int, seconds: float) -> None:
+        """A drafter's start: `tokens` read (a draft model's prompt) in `seconds`."""
+        if tokens > 0:
+            self.start_rates.append(seconds / tokens)
+
+    def start_cost(self, batch: int, tokens: int) -> float | None:
+        """A start reading `tokens`, in plain steps at `batch` sequences; None before both are measured."""
+        plain = self.seconds.get((batch, False), ())
+        if not self.start_rates or len(plain) < MEASURED_AT_LEAST:
+            return None
+        return tokens * statistics.median(self.start_rates) / statistics.median(plain)
 
     def drafted_step_cost(self, batch: int) -> float | None:
         """A drafted step's price in plain steps at `batch` sequences, as measured; None before both kinds are."""
@@ -96,24 +109,38 @@ class DraftGate:
         """r: the request's tokens per drafted step over the plan's prediction (1 before its first)."""
         return (PRIOR_STEPS + sum(self.yields)) / (PRIOR_STEPS + len(self.yields))
 
-    def drafts(self, batch: int, context: int) -> bool:
-        """Whether the request (`context` tokens so far) drafts at the coming step of `batch` sequences."""
+    def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None) -> bool:
+        """Whether the request (`context` tokens so far, `remaining` still to emit) drafts at the coming step of
+        `batch` sequences; its drafter reads `start_tokens` first if it does (a draft model's prompt, not read yet)."""
         self.priced = self.pricing(batch, context)
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
             self.drafting = True
             return True
         tokens, speedup = self.priced
+        measured = self.clock.drafted_step_cost(batch) if self.clock is not None else None
+        step_cost = measured if measured is not None else tokens / speedup  # a drafted step in plain steps
+        if start_tokens and remaining is not None and not self._start_pays(batch, start_tokens, remaining, tokens,
+                                                                           step_cost):
+            self.drafting, self.idle_steps = False, self.idle_steps + 1
+            return False
         wanted = self.clock.wanted(batch) if self.clock is not None else None
         if wanted is not None:  # the few steps that time each kind, once per batch size
             self.drafting = wanted
             return wanted
-        measured = self.clock.drafted_step_cost(batch) if self.clock is not None else None
-        step_cost = measured if measured is not None else tokens / speedup  # a drafted step in plain steps
         if self.yield_ratio * tokens >= step_cost or self._probe_due(step_cost):
             self.drafting, self.idle_steps = True, 0
         else:
             self.drafting, self.idle_steps = False, self.idle_steps + 1
         return self.drafting
+
+    def _start_pays(self, batch: int, start_tokens: int, remaining: int, tokens: float, step_cost: float) -> bool:
+        """Whether drafting the `remaining` tokens can save more plain steps than the drafter's start costs: each
+        drafted step emits r x tokens for step_cost plain steps, so drafting them all saves remaining x (1 - step_cost
+        / (r x tokens)) plain steps. Unpriced (True) until the clock has timed a start and plain steps here."""
+        cost = self.clock.start_cost(batch, start_tokens) if self.clock is not None else None
+        if cost is None:
+            return True
+        return remaining * (1.0 - step_cost / (self.yield_ratio * tokens)) > cost
 
     def _probe_due(self, step_cost: float) -> bool:
         """Whether a request sitting steps out drafts at the coming one: PROBE_EVERY drafted steps' price spent on

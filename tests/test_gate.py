@@ -218,3 +218,29 @@ def test_requests_sitting_out_probe_together():
     assert all(first == second for first, second in later)
     period = 2 * PROBE_EVERY
     assert sum(first for first, _ in later) == pytest.approx(len(later) / period, abs=1)
+
+
+def test_a_request_starts_drafting_only_where_its_drafts_can_repay_the_start():
+    """Once the clock has timed a draft model's reading of a prompt, a request whose draft has yet to read its own
+    starts only if drafting its remaining tokens can save more than that reading costs: drafted steps of 3 tokens at
+    2 plain steps save a third of the tokens left, against 100 tokens read at a tenth of a plain step each."""
+    clock = StepClock()
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(1, True, 0.040)
+        clock.record(1, False, 0.020)
+    gate = DraftGate(lambda batch, context: (3.0, 1.5), clock)
+    assert gate.drafts(1, 100, start_tokens=100, remaining=20)  # no start timed yet: unpriced
+    clock.record_start(100, 0.2)  # 10 plain steps
+    assert clock.start_cost(1, 100) == pytest.approx(10.0)
+    assert not DraftGate(lambda batch, context: (3.0, 1.5), clock).drafts(1, 100, start_tokens=100, remaining=20)
+    assert DraftGate(lambda batch, context: (3.0, 1.5), clock).drafts(1, 100, start_tokens=100, remaining=40)
+    assert DraftGate(lambda batch, context: (3.0, 1.5), clock).drafts(1, 100, start_tokens=0, remaining=5)
+
+
+def test_the_clock_learns_what_a_draft_models_start_costs(tiny_pair):
+    _, target, draft = tiny_pair
+    clock = StepClock()
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0, 1]), pricing=lambda b, c: (2.0, 1.2),
+                               clock=clock)
+    engine.generate(list(range(5, 45)), 12, SamplingParams())
+    assert len(clock.start_rates) == 1 and clock.start_rates[0] > 0
