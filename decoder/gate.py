@@ -4,9 +4,7 @@ A plan predicts the tokens a drafted step emits (its acceptance, measured on the
 speedup that buys over one-token decoding on the profiled machine, per batch size; a drafted step therefore costs
 tokens / speedup plain steps. A request whose text is unlike that workload yields some fraction r of the predicted
 tokens, and drafting pays for it only while r x speedup >= 1. Each request keeps its r as the mean over its last
-YIELD_WINDOW drafted steps and PRIOR_STEPS steps at a prior: with an engine's clock, the mean r of the engine's recent
-drafted steps, all requests' (a new request's text is more likely like its neighbours' than like the workload the plan
-was solved on), else the plan's own prediction (r = 1); below
+YIELD_WINDOW drafted steps and PRIOR_STEPS steps at the plan's own prediction (r = 1 before the first); below
 break-even it steps without drafting (the root alone: exact as any tree is, so greedy output and the sampled
 distribution are those of the target) and drafts once more after PROBE_EVERY drafted steps' price spent on plain ones,
 to see whether its text has turned predictable. With an engine's clock, the requests sitting out probe together, at
@@ -60,12 +58,6 @@ class StepClock:
         self.seconds: dict[tuple[int, bool], deque[float]] = {}
         self.step = 0  # the steps begun: the requests sitting out probe together at multiples of their period
         self.start_rates: deque[float] = deque(maxlen=MEASURED_STEPS)  # a drafter's start: seconds per token read
-        self.yields: deque[float] = deque(maxlen=YIELD_WINDOW * MEASURED_STEPS)  # drafted steps' r, any request's
-
-    @property
-    def yield_prior(self) -> float:
-        """The r a request's yield starts from: the mean of the engine's recent drafted steps (1 before any)."""
-        return statistics.fmean(self.yields) if self.yields else 1.0
 
     def begin_step(self) -> None:
         self.step += 1
@@ -115,8 +107,7 @@ class DraftGate:
     @property
     def yield_ratio(self) -> float:
         """r: the request's tokens per drafted step over the plan's prediction (1 before its first)."""
-        prior = self.clock.yield_prior if self.clock is not None else 1.0
-        return (PRIOR_STEPS * prior + sum(self.yields)) / (PRIOR_STEPS + len(self.yields))
+        return (PRIOR_STEPS + sum(self.yields)) / (PRIOR_STEPS + len(self.yields))
 
     def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None) -> bool:
         """Whether the request (`context` tokens so far, `remaining` still to emit) drafts at the coming step of
@@ -165,5 +156,3 @@ class DraftGate:
         target's next token)."""
         if self.drafting and self.priced is not None and drafted > 0:
             self.yields.append(emitted / self.priced[0])
-            if self.clock is not None:
-                self.clock.yields.append(emitted / self.priced[0])

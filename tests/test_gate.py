@@ -244,19 +244,3 @@ def test_the_clock_learns_what_a_draft_models_start_costs(tiny_pair):
                                clock=clock)
     engine.generate(list(range(5, 45)), 12, SamplingParams())
     assert len(clock.start_rates) == 1 and clock.start_rates[0] > 0
-
-
-def test_a_new_request_starts_from_its_neighbours_yield():
-    """With a clock, a request's yield starts from the engine's recent drafted steps (any request's): where the
-    requests before it drafted to little avail, a new one does not draft at its first step."""
-    clock = StepClock()
-    for _ in range(MEASURED_AT_LEAST):
-        clock.record(1, True, 0.040)
-        clock.record(1, False, 0.020)
-    earlier = DraftGate(lambda batch, context: (3.0, 1.5), clock)
-    for _ in range(6):
-        earlier.drafts(1, 100)
-        earlier.observe(1, 4)
-    assert clock.yield_prior == pytest.approx(1 / 3)
-    assert not DraftGate(lambda batch, context: (3.0, 1.5), clock).drafts(1, 100)
-    assert DraftGate(lambda batch, context: (3.0, 1.5)).drafts(1, 100)  # no clock: the plan's prediction
