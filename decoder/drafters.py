@@ -251,9 +251,14 @@ class SequoiaDrafter(Drafter):
         return len(self.unprefilled) if self.unprefilled is not None else 0
 
     def _read_prompt(self) -> None:
-        """The prefill `reset` deferred, as it would have run then; the roots of the steps since wait in `pending`."""
+        """The prefill `reset` deferred, as it would have run then (timed: the sequence's start); the roots of the
+        steps since wait in `pending`."""
+        self.started_now = self.unprefilled is not None
+        self.started_reading = None
         if self.unprefilled is not None:
+            began = time.perf_counter()
             self.model.prefill(torch.tensor(self.unprefilled, dtype=torch.long), self.cache, logits=False)
+            self.started_reading = (len(self.unprefilled), time.perf_counter() - began)
             self.unprefilled = None
 
     def target_tree_sizes(self):
@@ -281,12 +286,7 @@ class SequoiaDrafter(Drafter):
         token drafted with too little confidence (and is dropped if too short)."""
         model = drafters[0].model
         for drafter in drafters:
-            drafter.started_now = drafter.unprefilled is not None
-            drafter.started_reading = None
-            if drafter.started_now:
-                tokens, began = len(drafter.unprefilled), time.perf_counter()
-                drafter._read_prompt()
-                drafter.started_reading = (tokens, time.perf_counter() - began)
+            drafter._read_prompt()
         widest = max((drafter.shape for drafter in drafters), key=lambda shape: len(shape.parents))
         tokens = [[root] + [0] * (len(drafter.shape.parents) - 1) for drafter, root in zip(drafters, roots)]
         sizes = [len(t) for t in tokens]
