@@ -33,14 +33,14 @@ class Drafter(ABC):
     gated: bool = False  # whether its sequence may sit steps out (`idle`) by a per-request decision (decoder/gate.py)
     drafting: bool = True  # the coming step's decision: False, `idle` gives the step's tree instead of `propose`
     rule: DraftRule | None = None  # an engine's drafting rule, deciding the length of every step (draft_rules.py)
-    # The last proposal paid the sequence's one-time start (a draft model reading the prompt, a retrieval cache's first
-    # build): that step is no measure of what a drafted step costs (decoder/gate.py, StepClock)
+    # The last proposal paid a start (a draft model reading the prompt or the steps it sat out, a retrieval cache's
+    # first build): that step is no measure of what a drafted step costs (decoder/gate.py, StepClock)
     started_now: bool = False
     started_reading: tuple[int, float] | None = None  # that start's tokens read and seconds, where it read any
 
     def start_tokens(self) -> int:
-        """The tokens the drafter reads at its first drafted step of the sequence (a draft model's prompt): what
-        starting to draft costs beyond the drafted step itself; 0 for a drafter that reads none."""
+        """The tokens the drafter reads at its next drafted step before it drafts (a draft model's prompt, the steps
+        it sat out): what starting or resuming costs beyond the drafted step itself; 0 for a drafter that reads none."""
         return 0
 
     def use_slot(self, slot: int) -> None:
@@ -248,12 +248,14 @@ class SequoiaDrafter(Drafter):
         self.pending = []
 
     def start_tokens(self) -> int:
-        return len(self.unprefilled) if self.unprefilled is not None else 0
+        """The prompt not read yet, and the roots of the steps it sat out (beyond the one leaf a drafted step leaves
+        for the next: `update`)."""
+        return (len(self.unprefilled) if self.unprefilled is not None else 0) + max(len(self.pending) - 1, 0)
 
     def _read_prompt(self) -> None:
         """The prefill `reset` deferred, as it would have run then (timed: the sequence's start); the roots of the
-        steps since wait in `pending`."""
-        self.started_now = self.unprefilled is not None
+        steps since wait in `pending`. A step reading either is not what a drafted step costs (`started_now`)."""
+        self.started_now = self.start_tokens() > 0
         self.started_reading = None
         if self.unprefilled is not None:
             began = time.perf_counter()

@@ -6,17 +6,25 @@ tokens / speedup plain steps. A request whose text is unlike that workload yield
 tokens, and drafting pays for it only while r x speedup >= 1. Each request keeps its r as the mean over its last
 YIELD_WINDOW drafted steps and PRIOR_STEPS steps at the plan's own prediction (r = 1 before the first); below
 break-even it steps without drafting (the root alone: exact as any tree is, so greedy output and the sampled
-distribution are those of the target) and drafts once more after PROBE_EVERY drafted steps' price spent on plain ones,
-to see whether its text has turned predictable. With an engine's clock, the requests sitting out probe together, at
-the steps numbered a multiple of that period: a probe costs the whole step a draft forward (a draft model's, a
-TriForce chain's), so one forward serves every probe of the batch instead of one each. A step whose drafter had
-nothing to propose (a trie without a match) cost a plain step and does not count. How much it drafts when it does is
-the plan's setting at the step's batch size and the request's context (its schedule's entry).
+distribution are those of the target), and drafts once more, to see whether its text has turned predictable, when
+such probes cost at most PROBE_SHARE of the time it sits out. With an engine's clock, the requests sitting out probe
+together, at the steps numbered a multiple of the probe period: a probe costs the whole step a draft forward (a draft
+model's, a TriForce chain's), so one forward serves every probe of the batch instead of one each. A step whose
+drafter had nothing to propose (a trie without a match) cost a plain step and does not count. How much it drafts when
+it does is the plan's setting at the step's batch size and the request's context (its schedule's entry).
 
-A drafted step's price is the plan's until the engine has timed both kinds of step at that batch size (StepClock,
-which has the first steps at each batch size drafted, then plain, until it has timed a few of each): then it is their
-measured ratio, which carries what no profile does: the server's own work between steps, and the spell the machine
-is in (a VM's slow spells slow a one-row step over a long context more than a drafted step's many rows).
+A drafted step's price is the plan's until the engine has timed both kinds of step (StepClock): then it is their
+measured ratio at that batch size, or at the nearest one timed, scaled by the plan's prices at the two. The measure
+carries what no profile does: the server's own work between steps, and the spell the machine is in (a VM's slow
+spells slow a one-row step over a long context more than a drafted step's many rows). A batch size not yet timed has
+its first steps drafted, then plain, until a few of each are timed; drafted ones only where the price there says
+drafting pays a request at the plan's own yield (timing a loss buys nothing the estimate does not say).
+
+A drafter that reads tokens before it can draft (a draft model's prompt, at its sequence's first drafted step; the
+tokens of the steps it sat out) has that reading priced too, once the clock has timed one: a request starts or
+resumes drafting only if drafting its remaining tokens saves more than the reading costs, and a probe's reading counts
+against the probe's share. A draft model catching up costs about as much per step sat out as the probe share allows,
+so a request whose draft model stopped paying seldom probes.
 
 Why a plain mean: a step's yield is skewed (most drafted steps emit one or two tokens, a few emit many), so an average
 that weighs the last steps most sits below its mean most of the time and declines drafts that pay on average
@@ -35,10 +43,9 @@ from collections.abc import Callable
 YIELD_WINDOW = 8
 # Pseudo-steps at the plan's prediction in that mean: a request's first drafted step alone does not decide
 PRIOR_STEPS = 2
-# A request that sits steps out drafts once more after spending this many drafted steps' price on plain steps: a probe
-# costs at most 1 / PROBE_EVERY of the time whatever a drafted step costs (a 7-token TriForce chain or a 3-row trie
-# tree)
-PROBE_EVERY = 8
+# The share of a request's time sitting out that its probes may cost (a probe's step over a plain one, and its
+# drafter's catching up): within the 3% a plan may cost against one-token decoding where its drafts never pay
+PROBE_SHARE = 0.03
 # The steps of each kind (every sequence drafting, none) a batch size's measured price is the median of: recent enough
 # to follow the machine's spells, enough to ride out a step that the OS or a prefill elsewhere slowed
 MEASURED_STEPS = 16
@@ -52,7 +59,7 @@ Pricing = Callable[[int, int], "tuple[float, float] | None"]
 class StepClock:
     """What the engine's decoding steps cost now, per batch size: the seconds from one step's start to the next's, of
     steps in which every sequence drafted and of steps in which none did (steps that shared the machine with a
-    prompt's prefill are not timed; decoder/batching.py)."""
+    prompt's prefill, or in which a drafter read tokens before drafting, are not timed; decoder/batching.py)."""
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], deque[float]] = {}
@@ -65,13 +72,24 @@ class StepClock:
     def record(self, batch: int, drafted: bool, seconds: float) -> None:
         self.seconds.setdefault((batch, drafted), deque(maxlen=MEASURED_STEPS)).append(seconds)
 
-    def wanted(self, batch: int) -> bool | None:
-        """The kind of step at `batch` sequences still to be timed (True: a drafted one), drafted first; None once
-        both are. Every request in a step reads the same answer, so the step is of one kind."""
-        for drafted in (True, False):
-            if len(self.seconds.get((batch, drafted), ())) < MEASURED_AT_LEAST:
+    def _timed(self, batch: int, drafted: bool) -> bool:
+        return len(self.seconds.get((batch, drafted), ())) >= MEASURED_AT_LEAST
+
+    def wanted(self, batch: int, drafted_too: bool = True) -> bool | None:
+        """The kind of step at `batch` sequences still to be timed (True: a drafted one), drafted first unless not
+        `drafted_too`; None once those are. Every request in a step reads the same answer, so the step is of one
+        kind."""
+        for drafted in (True, False) if drafted_too else (False,):
+            if not self._timed(batch, drafted):
                 return drafted
         return None
+
+    def nearest_timed(self, batch: int, drafted_too: bool = True) -> int | None:
+        """The batch size nearest `batch` (the larger of two as near) with plain steps timed, and drafted ones if
+        `drafted_too`; None before any."""
+        timed = [b for b, drafted in self.seconds if not drafted and self._timed(b, False)
+                 and (not drafted_too or self._timed(b, True))]
+        return min(timed, key=lambda b: (abs(b - batch), -b), default=None)
 
     def record_start(self, tokens: int, seconds: float) -> None:
         """A drafter's start: `tokens` read (a draft model's prompt) in `seconds`."""
@@ -79,18 +97,18 @@ class StepClock:
             self.start_rates.append(seconds / tokens)
 
     def start_cost(self, batch: int, tokens: int) -> float | None:
-        """A start reading `tokens`, in plain steps at `batch` sequences; None before both are measured."""
-        plain = self.seconds.get((batch, False), ())
-        if not self.start_rates or len(plain) < MEASURED_AT_LEAST:
+        """A drafter reading `tokens` before it drafts, in plain steps at `batch` sequences (those of the nearest batch
+        size timed); None before a start and plain steps are timed."""
+        near = self.nearest_timed(batch, drafted_too=False)
+        if not self.start_rates or near is None:
             return None
-        return tokens * statistics.median(self.start_rates) / statistics.median(plain)
+        return tokens * statistics.median(self.start_rates) / statistics.median(self.seconds[(near, False)])
 
     def drafted_step_cost(self, batch: int) -> float | None:
         """A drafted step's price in plain steps at `batch` sequences, as measured; None before both kinds are."""
-        drafted, plain = self.seconds.get((batch, True), ()), self.seconds.get((batch, False), ())
-        if min(len(drafted), len(plain)) < MEASURED_AT_LEAST:
+        if not (self._timed(batch, True) and self._timed(batch, False)):
             return None
-        return statistics.median(drafted) / statistics.median(plain)
+        return statistics.median(self.seconds[(batch, True)]) / statistics.median(self.seconds[(batch, False)])
 
 
 class DraftGate:
@@ -111,45 +129,54 @@ class DraftGate:
 
     def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None) -> bool:
         """Whether the request (`context` tokens so far, `remaining` still to emit) drafts at the coming step of
-        `batch` sequences; its drafter reads `start_tokens` first if it does (a draft model's prompt, not read yet)."""
+        `batch` sequences; its drafter reads `start_tokens` first if it does (a draft model's prompt not read yet,
+        the tokens of the steps it sat out)."""
         self.priced = self.pricing(batch, context)
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
             self.drafting = True
             return True
         tokens, speedup = self.priced
-        measured = self.clock.drafted_step_cost(batch) if self.clock is not None else None
-        step_cost = measured if measured is not None else tokens / speedup  # a drafted step in plain steps
-        if start_tokens and remaining is not None and not self._start_pays(batch, start_tokens, remaining, tokens,
-                                                                           step_cost):
-            self.drafting, self.idle_steps = False, self.idle_steps + 1
-            return False
-        wanted = self.clock.wanted(batch) if self.clock is not None else None
-        if wanted is not None:  # the few steps that time each kind, once per batch size
-            self.drafting = wanted
-            return wanted
-        if self.yield_ratio * tokens >= step_cost or self._probe_due(step_cost):
-            self.drafting, self.idle_steps = True, 0
+        step_cost, measured = self._step_cost(batch, context, tokens / speedup)
+        start = self._start_cost(batch, start_tokens)
+        expected = self.yield_ratio * tokens  # what its next drafted step should emit
+        # drafting the remaining tokens saves remaining x (1 - step_cost / expected) plain steps; the start must be less
+        start_repaid = start == 0 or remaining is None or remaining * (1.0 - step_cost / expected) > start
+        wanted = (self.clock.wanted(batch, drafted_too=not measured or tokens >= step_cost)
+                  if self.clock is not None else None)
+        if wanted is not None and (start_repaid or not wanted):  # the few steps that time each kind
+            drafting = wanted
+        elif expected >= step_cost:
+            drafting = start_repaid
         else:
-            self.drafting, self.idle_steps = False, self.idle_steps + 1
-        return self.drafting
+            drafting = self._probe_due(batch, step_cost, start)
+        self.drafting = drafting
+        self.idle_steps = 0 if drafting else self.idle_steps + 1
+        return drafting
 
-    def _start_pays(self, batch: int, start_tokens: int, remaining: int, tokens: float, step_cost: float) -> bool:
-        """Whether drafting the `remaining` tokens can save more plain steps than the drafter's start costs: each
-        drafted step emits r x tokens for step_cost plain steps, so drafting them all saves remaining x (1 - step_cost
-        / (r x tokens)) plain steps. Unpriced (True) until the clock has timed a start and plain steps here."""
-        cost = self.clock.start_cost(batch, start_tokens) if self.clock is not None else None
-        if cost is None:
-            return True
-        return remaining * (1.0 - step_cost / (self.yield_ratio * tokens)) > cost
+    def _step_cost(self, batch: int, context: int, planned: float) -> tuple[float, bool]:
+        """A drafted step's price in plain steps at `batch` sequences (the plan's: `planned`), and whether it rests on
+        the clock: measured there, else at the nearest batch size timed, scaled by the plan's prices at the two."""
+        near = self.clock.nearest_timed(batch) if self.clock is not None else None
+        if near is None:
+            return planned, False
+        measured = self.clock.drafted_step_cost(near)
+        there = self.pricing(near, context) if near != batch else None
+        return (measured * planned / (there[0] / there[1]) if there is not None else measured), True
 
-    def _probe_due(self, step_cost: float) -> bool:
-        """Whether a request sitting steps out drafts at the coming one: PROBE_EVERY drafted steps' price spent on
-        plain steps; with a clock, at the steps numbered a multiple of that period, at least half of it since its last
-        draft (every request of the step reads the same period: the same batch size and clock)."""
-        if self.clock is None:
-            return self.idle_steps + 1 >= PROBE_EVERY * step_cost
-        period = max(1, math.ceil(PROBE_EVERY * step_cost))
-        return self.clock.step % period == 0 and self.idle_steps + 1 >= period // 2
+    def _start_cost(self, batch: int, start_tokens: int) -> float:
+        """The drafter's reading before it drafts, in plain steps at `batch` sequences; 0 while unpriced."""
+        cost = self.clock.start_cost(batch, start_tokens) if self.clock is not None and start_tokens else None
+        return cost or 0.0
+
+    def _probe_due(self, batch: int, step_cost: float, start: float) -> bool:
+        """Whether a request sitting steps out drafts at the coming one: once its probe (the step's extra cost, shared
+        by the batch's requests probing together, and its own reading, `start`, which the batch waits for) costs
+        at most PROBE_SHARE of the time it sat out; with a clock, at the steps numbered a multiple of the period that
+        share gives a probe (every request of the step reads the same period: the same batch size and clock)."""
+        extra = max(step_cost - 1.0, 0.0)
+        if (self.idle_steps + 1) * PROBE_SHARE < extra + batch * start:
+            return False
+        return self.clock is None or self.clock.step % max(1, math.ceil(extra / PROBE_SHARE)) == 0
 
     def observe(self, emitted: int, drafted: int) -> None:
         """The step just verified scored `drafted` draft tokens and emitted `emitted` (the accepted drafts and the

@@ -1,7 +1,9 @@
 """Per-request drafting decisions (decoder/gate.py): a request whose drafts yield too little at the plan's price sits
-steps out, drafting again every PROBE_EVERY steps, and its tokens stay its own."""
+steps out, probing again at PROBE_SHARE of the time it sits out, and its tokens stay its own."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Predictio
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.drafters import Drafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.gate import MEASURED_AT_LEAST, PROBE_EVERY, DraftGate, StepClock
+from specplan.decoder.gate import MEASURED_AT_LEAST, PROBE_SHARE, DraftGate, StepClock
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 
@@ -20,8 +22,9 @@ from toy import drafters_per_slot
 
 def test_a_request_stops_drafting_when_its_drafts_fail_and_probes_again():
     """Predicted 3 tokens a step for 1.5x (a drafted step costs 2 plain ones): a request emitting 1 token per drafted
-    step falls below break-even (yield 1/3 of the prediction, 0.5x) within a few steps, then drafts once every
-    PROBE_EVERY x 2 steps; one whose drafts land keeps drafting; where nothing is priced every step drafts."""
+    step falls below break-even (yield 1/3 of the prediction, 0.5x) within a few steps, then drafts once in the
+    steps whose PROBE_SHARE pays a probe's extra plain step; one whose drafts land keeps drafting; where nothing is
+    priced every step drafts."""
     gate = DraftGate(lambda batch, context: (3.0, 1.5))
     decisions = []
     for _ in range(80):
@@ -29,7 +32,7 @@ def test_a_request_stops_drafting_when_its_drafts_fail_and_probes_again():
         gate.observe(1, 4)
     first_off = decisions.index(False)
     assert 1 < first_off <= 5
-    probe_every = 2 * PROBE_EVERY
+    probe_every = math.ceil(1.0 / PROBE_SHARE)
     assert not any(decisions[first_off:first_off + probe_every - 1])
     later = decisions[first_off:]
     assert sum(later) == len(later) // probe_every and decisions[first_off + probe_every - 1]
@@ -79,7 +82,7 @@ PRICE_RARELY_PAID = (6.0, 1.05)  # a request must yield 95% of 6 tokens a step: 
 @pytest.mark.parametrize("method", ["lookahead", "sequoia"])
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_requests_sitting_steps_out_keep_their_own_greedy_tokens(method, concurrency, tiny_pair, monkeypatch):
-    """At a price the drafts do not pay, every request soon drafts only every PROBE_EVERY-th step, its drafter
+    """At a price the drafts do not pay, every request soon sits out nearly every step, its drafter
     keeping up through the steps it sits out (a Sequoia draft model feeds them at the next drafted step); each
     request's greedy tokens equal its own tokens drafted at every step."""
     _, target, draft = tiny_pair
@@ -183,10 +186,16 @@ def test_a_step_in_which_a_draft_model_reads_its_prompt_is_not_timed(tiny_pair, 
         steps[-1]["read"] |= self.unprefilled is not None
         read_prompt(self)
 
-    class Recording(StepClock):
+    class Recording(StepClock):  # whose prices keep every request drafting, whatever the tiny models' steps take
         def record(self, batch, drafted, seconds):
             steps[-1]["timed"] = drafted
             super().record(batch, drafted, seconds)
+
+        def drafted_step_cost(self, batch):
+            return 0.5
+
+        def start_cost(self, batch, tokens):
+            return None
 
     monkeypatch.setattr(Scheduler, "_time_last_step", tick)
     monkeypatch.setattr(SequoiaDrafter, "_read_prompt", reading)
@@ -202,7 +211,7 @@ def test_a_step_in_which_a_draft_model_reads_its_prompt_is_not_timed(tiny_pair, 
 
 def test_requests_sitting_out_probe_together():
     """With a clock, requests whose drafts fail probe at the same steps (one draft forward for the batch's probes),
-    once per PROBE_EVERY drafted steps' price, whenever each of them stopped drafting."""
+    once per period of PROBE_SHARE, whenever each of them stopped drafting."""
     clock = StepClock()
     for _ in range(MEASURED_AT_LEAST):  # a drafted step measured at 2 plain ones at B = 2
         clock.record(2, True, 0.040)
@@ -216,7 +225,7 @@ def test_requests_sitting_out_probe_together():
         gates[1].observe(3 if step < 13 else 1, 4)  # the second's drafts land for a while, then fail
     later = decisions[40:]
     assert all(first == second for first, second in later)
-    period = 2 * PROBE_EVERY
+    period = math.ceil(1.0 / PROBE_SHARE)  # a probe's step costs one plain step more
     assert sum(first for first, _ in later) == pytest.approx(len(later) / period, abs=1)
 
 
@@ -244,3 +253,59 @@ def test_the_clock_learns_what_a_draft_models_start_costs(tiny_pair):
                                clock=clock)
     engine.generate(list(range(5, 45)), 12, SamplingParams())
     assert len(clock.start_rates) == 1 and clock.start_rates[0] > 0
+
+
+def test_an_untimed_batch_size_is_priced_from_the_nearest_timed_one():
+    """A drafted step measured at 4 plain ones at B = 2, where the plan priced 2 (3 tokens for 1.5x): at B = 3, where
+    the plan prices 2.5 (3 tokens for 1.2x), the estimate is 4 x 2.5 / 2 = 5 plain steps: 3 tokens do not pay it, so
+    B = 3 times plain steps only and none of its steps is drafted to time it. Where the estimate pays, drafted steps
+    are timed first, as at a batch size with nothing timed anywhere."""
+    prices = {2: (3.0, 1.5), 3: (3.0, 1.2), 4: (3.0, 3.0)}
+    clock = StepClock()
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(2, True, 0.080)
+        clock.record(2, False, 0.020)
+    gate = DraftGate(lambda batch, context: prices[batch], clock)
+    assert gate._step_cost(3, 100, 2.5) == (pytest.approx(5.0), True)
+    assert not gate.drafts(3, 100) and clock.wanted(3, drafted_too=False) is False
+    assert gate._step_cost(4, 100, 1.0) == (pytest.approx(2.0), True)  # 4 x 1 / 2: 3 tokens pay it
+    assert gate.drafts(4, 100) and clock.wanted(4) is True
+
+
+def test_a_probe_counts_the_reading_its_drafter_does_first():
+    """A drafted step measured at 2 plain ones: a request sitting out probes once PROBE_SHARE of its idle steps pays
+    the probe's extra plain step. A draft model that must read each step sat out (1 token a step, a tenth of a plain
+    step each, at 2 in flight) costs more than that share: such a request does not probe."""
+    clock = StepClock()
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(2, True, 0.040)
+        clock.record(2, False, 0.020)
+    clock.record_start(10, 0.020)
+
+    def probes(reads_idle_steps: bool) -> int:
+        gate, count = DraftGate(lambda batch, context: (3.0, 1.5), clock), 0
+        for _ in range(8):
+            gate.yields.append(0.3)  # drafts that yield a third of the prediction: below break-even
+        for _ in range(200):
+            clock.begin_step()
+            count += gate.drafts(2, 100, start_tokens=gate.idle_steps if reads_idle_steps else 0, remaining=500)
+        return count
+
+    assert probes(False) == pytest.approx(200 / math.ceil(1.0 / PROBE_SHARE), abs=1)
+    assert probes(True) == 0
+
+
+def test_a_draft_model_reads_the_steps_it_sat_out_before_drafting(tiny_pair):
+    """A Sequoia drafter that sat steps out has their roots to read first: its start tokens count them, and the step
+    that reads them is a start (untimed), not a drafted step's cost."""
+    _, target, draft = tiny_pair
+    drafter = SequoiaDrafter(draft, [-1, 0, 0, 1])
+    drafter.reset(list(range(5, 25)), 64)
+    assert drafter.start_tokens() == 19
+    drafter._read_prompt()
+    assert drafter.started_now and drafter.start_tokens() == 0
+    for root in (30, 31, 32):
+        drafter.idle(root)
+    assert drafter.start_tokens() == 2  # the first root is what any drafted step feeds
+    drafter._read_prompt()
+    assert drafter.started_now
