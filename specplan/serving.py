@@ -37,6 +37,10 @@ from specplan.core.plan_schema import Plan
 SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
 SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-Bench prompt and its output fit
 SLOT_TREE_ROOM = 64  # a slot's tokens beyond its prompt and output: the largest draft tree a step scores
+# Each warm-up request's new tokens, every system alike: enough steps for a server's start to pass before the measured
+# load (kernels built, graphs captured, and our StepClock's first timings of each kind of step at the level's batch
+# size: a start, four drafted steps and four plain ones; decoder/gate.py), as it has in a server that runs for hours
+WARMUP_TOKENS = 16
 
 
 # (a level's prompts, C, max tokens, tokens per step or None: the plan's, each prompt's output tokens or None: the
@@ -326,13 +330,13 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
             # warmed up on the prompts reversed: no measured prompt may sit in an engine's prompt cache already
             warmup = [prompt[::-1] for prompt in level_prompts[:concurrency]]
             if system.in_process is not None:
-                system.in_process(warmup, concurrency, 8)
+                system.in_process(warmup, concurrency, WARMUP_TOKENS)
                 timings, failed = system.in_process(level_prompts, concurrency, max_tokens), 0
             else:
                 server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"))
                 try:
                     server.wait_ready()
-                    asyncio.run(closed_loop(server.url, warmup, concurrency, 8, count_tokens))
+                    asyncio.run(closed_loop(server.url, warmup, concurrency, WARMUP_TOKENS, count_tokens))
                     timings, failed = asyncio.run(closed_loop(server.url, level_prompts, concurrency, max_tokens,
                                                               count_tokens))
                 finally:
