@@ -142,8 +142,10 @@ def _forwarder(ticket: Ticket, loop: asyncio.AbstractEventLoop) -> Callable[[lis
 
 
 def _timings(result: GenerationResult) -> dict[str, int]:
-    """Beside the usage, as llama-server gives its `timings`: the tokens and the target forwards they took."""
-    return {"predicted_n": len(result.tokens), "steps": result.steps}
+    """Beside the usage, as llama-server gives its `timings`: the tokens, the target forwards they took, and those of
+    the forwards in which the request drafted (scored draft tokens beside its root)."""
+    return {"predicted_n": len(result.tokens), "steps": result.steps,
+            "drafted_steps": sum(1 for drafted in result.drafted_per_step if drafted)}
 
 
 class QueueFull(Exception):

@@ -68,6 +68,7 @@ class RequestTiming:
     tokens: int
     steps: int | None = None  # the target forwards the server reports having taken (None: not reported)
     prompt: int | None = None  # its prompt's index in the level's prompts
+    drafted_steps: int | None = None  # of those, the forwards in which it drafted (ours: None elsewhere)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -98,6 +99,7 @@ class LevelResult:
     tokens_per_step: float | None = None  # per sequence, over the requests whose server reported its steps
     repriced_tokens_per_second: float | None = None  # the load priced again at the measured tokens per step
     output_lengths: list[int] | None = None  # each prompt's output tokens, in the level's prompt order
+    drafted_share: float | None = None  # of the requests' steps, those in which they drafted (ours)
 
     @classmethod
     def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
@@ -112,13 +114,20 @@ class LevelResult:
 
         return cls(system, concurrency, len(timings), tokens, end - start, tokens / (end - start),
                    percentile(tpots, 50), percentile(tpots, 95), percentile(ttfts, 50), percentile(ttfts, 95),
-                   failed, machine, tokens_per_step=measured_tokens_per_step(timings))
+                   failed, machine, tokens_per_step=measured_tokens_per_step(timings),
+                   drafted_share=drafted_share(timings))
 
 
 def measured_tokens_per_step(timings: list[RequestTiming]) -> float | None:
     """Output tokens per target forward over the requests whose server reported its steps."""
     reported = [t for t in timings if t.steps]
     return sum(t.tokens for t in reported) / sum(t.steps for t in reported) if reported else None
+
+
+def drafted_share(timings: list[RequestTiming]) -> float | None:
+    """The share of the requests' target forwards in which they drafted, over those whose server reported it."""
+    reported = [t for t in timings if t.steps and t.drafted_steps is not None]
+    return sum(t.drafted_steps for t in reported) / sum(t.steps for t in reported) if reported else None
 
 
 def free_port() -> int:
@@ -177,7 +186,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    first, text, counted, steps = None, [], None, None
+    first, text, counted, steps, drafted = None, [], None, None, None
     async with session.post(url + "/v1/completions", json=body) as reply:
         if reply.status != 200:
             raise UserError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
@@ -194,8 +203,10 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
             timings = event.get("timings") or {}
             counted = usage.get("completion_tokens") or timings.get("predicted_n") or counted
             steps = reported_forwards(timings) or steps
+            drafted = timings.get("drafted_steps", drafted)
     done = time.perf_counter()
-    return RequestTiming(sent, first, done, counted if counted is not None else count_tokens("".join(text)), steps)
+    return RequestTiming(sent, first, done, counted if counted is not None else count_tokens("".join(text)), steps,
+                         drafted_steps=drafted)
 
 
 def reported_forwards(timings: dict) -> int | None:
@@ -242,7 +253,7 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
 
     names = [f.name for f in fields(LevelResult)]
     optional = {"predicted_tokens_per_second", "tokens_per_step", "repriced_tokens_per_second",  # older results
-                "output_lengths"}
+                "output_lengths", "drafted_share"}
     levels = []
     for number, line in enumerate(read_text(Path(path)).splitlines(), 1):
         if not line.strip():
@@ -264,7 +275,7 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
 def serving_table(levels: list[LevelResult]) -> str:
     """Aggregate tokens/s per system and concurrency, each with its ratio to ours-ar's at that concurrency, to the
     load's price where the bench priced it (and to the price at the measured tokens per step), the tokens per step
-    the server reported, and the latencies (ms): time per output token and time to first token, p50/p95."""
+    the server reported (ours: with the share of steps drafted), and the latencies (ms): time per output token and time to first token, p50/p95."""
     baseline = {r.concurrency: r.tokens_per_second for r in levels if r.system == "ours-ar"}
     lines = ["| system | concurrency | tokens/s | vs ours-ar | vs price (repriced) | tokens/step | TPOT p50/p95 ms | "
              "TTFT p50/p95 ms | requests |", "|---|---|---|---|---|---|---|---|---|"]
@@ -278,6 +289,8 @@ def serving_table(levels: list[LevelResult]) -> str:
         if r.repriced_tokens_per_second:
             priced += f" ({r.tokens_per_second / r.repriced_tokens_per_second:.2f})"
         per_step = f"{r.tokens_per_step:.2f}" if r.tokens_per_step else "-"
+        if r.drafted_share is not None:
+            per_step += f" ({r.drafted_share:.0%} drafted)"
         lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_second:.1f} | {ratio} | {priced} | {per_step} | "
                      f"{ms(r.tpot_p50)}/{ms(r.tpot_p95)} | {ms(r.ttft_p50)}/{ms(r.ttft_p95)} | "
                      f"{r.requests}{f' ({r.failed} failed)' if r.failed else ''} |")
@@ -359,7 +372,8 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
                                                                        result.tokens_per_step, lengths)
                     priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at "
                                f"{result.tokens_per_step:.2f} tokens/step)")
-            say(f"{system.name} at concurrency {concurrency}: {result.tokens_per_second:.1f} tokens/s{priced}, "
+            drafted = f", {result.drafted_share:.0%} of steps drafted" if result.drafted_share is not None else ""
+            say(f"{system.name} at concurrency {concurrency}: {result.tokens_per_second:.1f} tokens/s{priced}{drafted}, "
                 f"TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, TTFT p50 {1e3 * (result.ttft_p50 or 0):.0f} ms")
             with open(results, "a") as handle:
                 handle.write(json.dumps(asdict(result)) + "\n")

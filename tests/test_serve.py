@@ -154,11 +154,12 @@ def test_transformers_static_batches_send_each_batch_when_the_last_is_done():
 
 
 def test_a_response_reports_its_target_forwards_and_the_bench_reads_them(server):
-    """Each response ends with its `timings` (tokens and target forwards), which the serving benchmark turns into
-    tokens per step, ours as reported, llama-server's from its draft counts."""
+    """Each response ends with its `timings` (tokens, target forwards, those drafted), which the serving benchmark
+    turns into tokens per step and the share of steps drafted, ours as reported, llama-server's from its draft
+    counts."""
     import asyncio
 
-    from specplan.serving import closed_loop, measured_tokens_per_step, reported_forwards
+    from specplan.serving import closed_loop, drafted_share, measured_tokens_per_step, reported_forwards
 
     decoder, running = server
     prompts = [decoder.tokenizer("once upon a time")["input_ids"], decoder.tokenizer("far away")["input_ids"]]
@@ -166,5 +167,6 @@ def test_a_response_reports_its_target_forwards_and_the_bench_reads_them(server)
     assert failed == 0 and all(t.steps == t.tokens == 5 for t in timings)  # one-token decoding: a token a forward
     assert sorted(t.prompt for t in timings) == [0, 1]  # which prompt each answers: the price takes its length
     assert measured_tokens_per_step(timings) == 1.0
+    assert all(t.drafted_steps == 0 for t in timings) and drafted_share(timings) == 0.0
     assert reported_forwards({"predicted_n": 10, "draft_n": 6, "draft_n_accepted": 4}) == 6  # llama-server's
     assert reported_forwards({"predicted_n": 10}) is None
