@@ -275,7 +275,8 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
 def serving_table(levels: list[LevelResult]) -> str:
     """Aggregate tokens/s per system and concurrency, each with its ratio to ours-ar's at that concurrency, to the
     load's price where the bench priced it (and to the price at the measured tokens per step), the tokens per step
-    the server reported (ours: with the share of steps drafted), and the latencies (ms): time per output token and time to first token, p50/p95."""
+    the server reported (ours: with the share of steps drafted), and the latencies (ms): time per output token and
+    time to first token, p50/p95."""
     baseline = {r.concurrency: r.tokens_per_second for r in levels if r.system == "ours-ar"}
     lines = ["| system | concurrency | tokens/s | vs ours-ar | vs price (repriced) | tokens/step | TPOT p50/p95 ms | "
              "TTFT p50/p95 ms | requests |", "|---|---|---|---|---|---|---|---|---|"]
@@ -373,8 +374,9 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
                     priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at "
                                f"{result.tokens_per_step:.2f} tokens/step)")
             drafted = f", {result.drafted_share:.0%} of steps drafted" if result.drafted_share is not None else ""
-            say(f"{system.name} at concurrency {concurrency}: {result.tokens_per_second:.1f} tokens/s{priced}{drafted}, "
-                f"TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, TTFT p50 {1e3 * (result.ttft_p50 or 0):.0f} ms")
+            say(f"{system.name} at concurrency {concurrency}: {result.tokens_per_second:.1f} tokens/s{priced}"
+                f"{drafted}, TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, "
+                f"TTFT p50 {1e3 * (result.ttft_p50 or 0):.0f} ms")
             with open(results, "a") as handle:
                 handle.write(json.dumps(asdict(result)) + "\n")
             finished.append(result)
