@@ -1,0 +1,113 @@
+"""A plan against one-token decoding of the same model, both at C requests in flight in this process (`generate_many`,
+no HTTP server), in interleaved rounds: where two servers of `plan bench --concurrency` differ by tens of percent
+running the same steps (the order the clients' requests arrive in decides whether a batch runs in lockstep), this
+says what the plan's own steps cost. Each run is warmed up first (WARMUP_TOKENS, as the serving bench does, on fresh
+drafters and clock), then every scheduler step is timed with its batch size, whether any sequence drafted, and the
+roots its draft models had still to read.
+
+    .venv/bin/python bench/load_in_process.py plans/qwen2.5-coder-1.5b.sequoia-v64k.cpu-2c.gguf.yaml --concurrency 8 \
+        --dataset specbench:qa,math_reasoning,translation,extraction --no-chat --prompts 16 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+from specplan.core.prompts import encode_prompt
+from specplan.decoder.api import Decoder, load_decoder
+from specplan.decoder.batching import Request, Scheduler
+from specplan.decoder.gate import StepClock
+from specplan.profiler.datasets import read_dataset, spread_sample
+from specplan.serving import WARMUP_TOKENS
+
+
+class StepLog:
+    """Every scheduler step: its seconds, the sequences it ran (those joining in it not counted), how many drafted,
+    the roots their draft models had yet to read (a Sequoia drafter's `pending`), and the requests that joined (their
+    prefills in the step)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self.step = Scheduler.step
+
+    def __enter__(self) -> StepLog:
+        log, step = self, self.step
+
+        def timed(scheduler: Scheduler):
+            running, waiting = list(scheduler.running), len(scheduler.waiting)
+            unread = sum(len(getattr(entry.run.drafter, "pending", ())) for entry in running)
+            began = time.perf_counter()
+            done = step(scheduler)
+            drafted = sum(1 for entry in running if entry.run.tree is not None and entry.run.tree.size > 1)
+            log.steps.append({"seconds": time.perf_counter() - began, "batch": len(running), "drafted": drafted,
+                              "unread": unread, "joined": waiting - len(scheduler.waiting)})
+            return done
+
+        Scheduler.step = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Scheduler.step = self.step
+
+
+def run(decoder: Decoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> dict:
+    decoder.engine.clock = StepClock()
+    decoder.restart()
+    list(decoder.generate_many([Request(ids[::-1], WARMUP_TOKENS) for ids in prompts[:concurrency]], concurrency))
+    with StepLog() as log:
+        began = time.perf_counter()
+        done = list(decoder.generate_many([Request(ids, max_new_tokens) for ids in prompts], concurrency))
+        wall = time.perf_counter() - began
+    tokens = sum(len(c.result.tokens) for c in done)
+    steps = sum(c.result.steps for c in done)
+    drafted = sum(1 for c in done for d in c.result.drafted_per_step if d)
+    return {"tokens_per_second": tokens / wall, "wall": wall, "drafted_share": drafted / steps, "steps": log.steps}
+
+
+def describe(name: str, result: dict) -> str:
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for step in result["steps"]:
+        kind = ("with prefills" if step["joined"] else
+                f"B = {step['batch']} " + ("drafted" if step["drafted"] else "plain"))
+        by_kind[kind].append(step["seconds"])
+    kinds = ", ".join(f"{kind} {len(s)} x {1e3 * statistics.median(s):.0f} ms" for kind, s in sorted(by_kind.items()))
+    heavy = [f"{s['batch']}/{s['drafted']}/{s['unread']}: {s['seconds']:.2f} s" for s in result["steps"]
+             if s["drafted"] and s["unread"] > 2 * s["batch"]]
+    return (f"  {name:<9} {result['tokens_per_second']:6.2f} tokens/s ({result['wall']:.1f} s), "
+            f"{result['drafted_share']:.0%} of steps drafted; steps: {kinds}"
+            + (f"; drafted steps reading sat-out roots (batch/drafting/roots): {', '.join(heavy)}" if heavy else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("plan")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--dataset", default="specbench:qa,math_reasoning,translation,extraction")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--no-chat", action="store_true", help="raw prompts, without the chat template")
+    parser.add_argument("--rounds", type=int, default=2, help="plan and one-token runs, their order alternating")
+    args = parser.parse_args()
+    plan = load_decoder(args.plan, device="cpu")
+    plain = load_decoder(None, target=plan.plan.models.target, dtype=plan.plan.models.dtype, device="cpu")
+    prompts = [encode_prompt(plan.tokenizer, p.text, not args.no_chat)
+               for p in spread_sample(read_dataset(args.dataset), args.prompts)]
+    print(f"{args.plan}: {args.dataset}{' (raw)' if args.no_chat else ''}, {len(prompts)} prompts x "
+          f"{args.max_new_tokens} tokens at {args.concurrency} in flight")
+    ratios = []
+    for round_ in range(args.rounds):
+        order = (("plan", plan), ("one-token", plain)) if round_ % 2 == 0 else (("one-token", plain), ("plan", plan))
+        results = {name: run(decoder, prompts, args.concurrency, args.max_new_tokens) for name, decoder in order}
+        ratios.append(results["plan"]["tokens_per_second"] / results["one-token"]["tokens_per_second"])
+        print(f"round {round_ + 1} ({' then '.join(name for name, _ in order)}): plan / one-token {ratios[-1]:.3f}")
+        for name, _ in order:
+            print(describe(name, results[name]))
+    print(f"plan / one-token over {len(ratios)} rounds: {', '.join(f'{r:.3f}' for r in ratios)}; "
+          f"mean {statistics.mean(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
