@@ -63,7 +63,7 @@ def run(decoder: Decoder, prompts: list[list[int]], concurrency: int, max_new_to
         wall = time.perf_counter() - began
     tokens = sum(len(c.result.tokens) for c in done)
     steps = sum(c.result.steps for c in done)
-    drafted = sum(1 for c in done for d in c.result.drafted_per_step if d)
+    drafted = sum(c.result.drafted_steps for c in done)
     return {"tokens_per_second": tokens / wall, "wall": wall, "drafted_share": drafted / steps, "steps": log.steps}
 
 

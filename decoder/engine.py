@@ -31,6 +31,11 @@ class GenerationResult:
     drafted_per_step: list[int] = field(default_factory=list)  # draft nodes each forward scored beside its root
 
     @property
+    def drafted_steps(self) -> int:
+        """The target forwards in which the request drafted (scored draft tokens beside its root)."""
+        return sum(1 for drafted in self.drafted_per_step if drafted)
+
+    @property
     def tokens_per_step(self) -> float:
         return len(self.tokens) / self.steps if self.steps else 0.0
 

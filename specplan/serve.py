@@ -145,7 +145,7 @@ def _timings(result: GenerationResult) -> dict[str, int]:
     """Beside the usage, as llama-server gives its `timings`: the tokens, the target forwards they took, and those of
     the forwards in which the request drafted (scored draft tokens beside its root)."""
     return {"predicted_n": len(result.tokens), "steps": result.steps,
-            "drafted_steps": sum(1 for drafted in result.drafted_per_step if drafted)}
+            "drafted_steps": result.drafted_steps}
 
 
 class QueueFull(Exception):
