@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
-from specplan.core.choices import BACKENDS
+from specplan.core.choices import BACKENDS, TIMED_FORWARDS
 from specplan.core.errors import UserError
+from specplan.core.machine import machine_difference, this_machine
 from specplan.core.method_settings import TrieSettings
 from specplan.core.models import LoadedModel, check_same_vocabulary, load_model
 from specplan.core.plan_schema import Plan, load_plan
+from specplan.core.profile_schema import load_profile
 from specplan.core.prompts import encode_prompt
 from specplan.decoder.batching import Completion, Request, Scheduler
 from specplan.decoder.cuda_graphs import compile_forward, enable_cuda_graphs
@@ -317,6 +319,10 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
     if plan is not None and plan.models.backend not in (None, backend):
         log(f"note: the plan's prediction is for the {plan.models.backend} backend; running the {backend} one")
     log(f"backend: {backend}")
+    elsewhere = profiled_elsewhere(plan, device) if plan is not None else None
+    if elsewhere:  # the decisions re-price steps on this machine's clock; the plan's own choices stay that one's
+        log(f"note: {plan_path} was solved on another machine's profile ({elsewhere}): its settings and predictions "
+            "are that machine's; profile and solve here for this one's")
     target_forward = load_forward(target_model, device, backend=backend, offload=offload,
                                   resident_layers=resident_layers)
     if plan is None:
@@ -350,6 +356,20 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
                        lambda: _for_one_sequence(plan, SequoiaDrafter(draft_forward, list(plan.tree.parents))), plan,
                        verify, target_forward, draft_model, draft_forward)
     raise UserError(f"{plan_path}: plans of kind {plan.kind} cannot be run yet")
+
+
+def profiled_elsewhere(plan: Plan, device: str) -> str | None:
+    """How the machine of the plan's profile differs from this one, if it does."""
+    profile = plan.inputs.get("profile")
+    if not isinstance(profile, dict):
+        return None
+    machine = profile.get("machine")
+    if machine is None and Path(str(profile.get("file"))).is_file():  # solved before plans recorded the machine
+        try:
+            machine = load_profile(profile["file"], TIMED_FORWARDS).machine
+        except UserError:
+            return None
+    return machine_difference(machine, this_machine(device)) if machine else None
 
 
 def _for_one_sequence(plan: Plan, drafter: Drafter) -> Drafter:

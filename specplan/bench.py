@@ -35,7 +35,7 @@ from specplan.core import progress
 from specplan.core.choices import BASELINES, TIMED_FORWARDS
 from specplan.core.errors import UserError
 from specplan.core.fileio import atomic_output, read_json, write_json
-from specplan.core.machine import cpu_info, machine_difference, machine_label, this_machine
+from specplan.core.machine import cpu_info, machine_label, this_machine
 from specplan.core.method_settings import PromptLookupSettings
 from specplan.core.plan_schema import Plan
 from specplan.core.plotting import pyplot, save_png
@@ -43,7 +43,7 @@ from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.prompts import encode_prompt
 from specplan.core.provenance import check_unchanged
 from specplan.core.validate import FORMAT_VERSION, Fields
-from specplan.decoder.api import Decoder
+from specplan.decoder.api import Decoder, profiled_elsewhere
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
 from specplan.llamacpp import DraftChainSettings, LlamaCpp
@@ -146,7 +146,7 @@ def run_bench(decoder: Decoder, request: BenchRequest, output: Path, log: Callab
     report = _report(decoder, request, rows, names)
     if repricing is not None:
         report["prediction"]["repriced"] = repricing.report(report["summary"])
-    elsewhere = _profiled_elsewhere(decoder.plan, str(decoder.target_forward.device)) if decoder.plan else None
+    elsewhere = profiled_elsewhere(decoder.plan, str(decoder.target_forward.device)) if decoder.plan else None
     if elsewhere:
         report["prediction"]["profiled_elsewhere"] = elsewhere
     planned_context = getattr(decoder.plan.settings, "context", None) if decoder.plan else None
@@ -562,20 +562,6 @@ class _TriForceRepricing:
             out["two_level_measured_over_repriced"] = (summary["two-level"]["speedup_vs_ours-ar"]
                                                        / repriced_two.speedup)
         return out
-
-
-def _profiled_elsewhere(plan: Plan, device: str) -> str | None:
-    """How the machine of the plan's profile differs from this one, if it does."""
-    profile = plan.inputs.get("profile")
-    if not isinstance(profile, dict):
-        return None
-    machine = profile.get("machine")
-    if machine is None and Path(str(profile.get("file"))).is_file():  # solved before plans recorded the machine
-        try:
-            machine = load_profile(profile["file"], TIMED_FORWARDS).machine
-        except UserError:
-            return None
-    return machine_difference(machine, this_machine(device)) if machine else None
 
 
 def _rate(tokens: int, seconds: float) -> float:

@@ -292,7 +292,7 @@ def test_show_reports_prints_their_tables_and_plots_a_summary(bench_tiny_sequoia
     assert code == 2 and "only when all are plan bench reports" in stderr
 
 
-def test_bench_says_when_the_plans_profile_is_from_another_machine(run_cli, write_yaml_file, tmp_path):
+def test_bench_and_generate_say_when_the_plans_profile_is_from_another_machine(run_cli, write_yaml_file, tmp_path):
     from specplan.core.machine import machine_difference, this_machine
     from specplan.core.plan_schema import load_plan
 
@@ -316,6 +316,10 @@ def test_bench_says_when_the_plans_profile_is_from_another_machine(run_cli, writ
     difference = json.loads(report_path.read_text())["prediction"]["profiled_elsewhere"]
     assert "Imaginary CPU there" in difference and "threads 64 there" in difference
     assert "another machine" in stdout and "another machine" in report_path.with_suffix(".md").read_text()
+    code, _, stderr = run_cli("generate", "--plan", plan, "--target", "tiny-random-llama", "--draft",
+                              "tiny-random-llama-draft", "--prompt", "count 1 2 3", "--max-new-tokens", 2)
+    assert code == 0, stderr
+    assert "solved on another machine's profile (" in stderr and "Imaginary CPU there" in stderr
 
 
 def test_bench_without_a_plan_runs_one_token_decoding_at_dtype_gguf(run_cli, tmp_path):
