@@ -41,9 +41,14 @@ using namespace specplan_kernels;
 // 2-core AVX2 EPYC the GEMM passes the tiles from 5 rows on, and the direct passes (4 rows each) of fp32, Q4_1 and
 // Q8_0 up to 64 rows (TORCH_GEMM_ROWS_F32; bench/kernel_variants.py forward ... rows=16,24,32,48,64: smollm2's fp32
 // forward of 24-48 rows 15-22% faster in direct passes than through the GEMM, level at 64; its Q4_1 forward of 24-64
-// rows 1.2-2.3x faster, decoding no fp32 panels).
+// rows 1.2-2.3x faster, decoding no fp32 panels). On an Intel Xeon with AMX (its AMX tiles unused: the arithmetic is fp32),
+// the GEMM passes the register tiles from about 25 rows (bench/kernel_variants.py forward
+// TORCH_GEMM_ROWS=17 TORCH_GEMM_ROWS=25 TORCH_GEMM_ROWS=65 [dtype=gguf] rows=16,24,32,48,64: smollm2's forward of 32-64
+// rows 1.1-1.5x faster in fp32, 1.1-1.4x in Q4_1; of 24 rows, the tiles 10% ahead in Q4_1).
 #ifndef TORCH_GEMM_ROWS
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AMX_TILE__)
+#define TORCH_GEMM_ROWS 25
+#elif defined(__AVX512F__)
 #define TORCH_GEMM_ROWS 65
 #else
 #define TORCH_GEMM_ROWS 5
