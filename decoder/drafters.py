@@ -31,6 +31,7 @@ class Drafter(ABC):
     max_tree_size: int = 1
     role_suffix: str = ""  # appended to the roles of the caches it takes from a model (LeanModel.cache_for)
     gated: bool = False  # whether its sequence may sit steps out (`idle`) by a per-request decision (decoder/gate.py)
+    shadows: bool = False  # whether it drafts in the shadow of the steps it sits out (`shadow_yields`)
     drafting: bool = True  # the coming step's decision: False, `idle` gives the step's tree instead of `propose`
     rule: DraftRule | None = None  # an engine's drafting rule, deciding the length of every step (draft_rules.py)
     # The last proposal paid a start (a draft model reading the prompt or the steps it sat out, a retrieval cache's
@@ -71,6 +72,15 @@ class Drafter(ABC):
     def update(self, tree: DraftTree, accepted: list[int], next_token: int | None) -> None:
         """The target accepted `accepted` (node indices, root first); `next_token` is the next root, or None
         when generation ends inside the accepted path."""
+
+    def shadow_yields(self) -> list[int]:
+        """For steps the sequence sat out, the tokens each would have emitted had it drafted, as the text has
+        settled them since the last call: a drafter whose drafts cost no forward (a trie) drafts in the shadow of the
+        steps it sits out, so that the per-request decision sees what drafting would yield without paying for a
+        probe (decoder/gate.py). Greedy, the count is exactly what the drafted step would have emitted (the tree's
+        longest path the text follows, and the target's next token); sampled, it is the greedy walk's estimate.
+        [] for a drafter whose drafts cost a forward."""
+        return []
 
     def finish(self) -> None:
         """The sequence is done (a batch's slot frees it): let go of what only it needed."""
@@ -367,6 +377,24 @@ class SequoiaDrafter(Drafter):
             self.pending = [tree.tokens[accepted[-1]]]
 
 
+@dataclass
+class ShadowDraft:
+    """A draft of a step its sequence sat out (TrieDrafter.idle), walked down by the text that followed."""
+
+    tokens: list[int]
+    parents: list[int]
+    node: int = 0  # the deepest node the text has followed so far
+    matched: int = 0  # the drafted tokens on the way to it
+
+    def follow(self, token: int) -> bool:
+        """The text's next token: True while the path can still grow (it matched a child that has children)."""
+        child = next((i for i, p in enumerate(self.parents) if p == self.node and self.tokens[i] == token), None)
+        if child is None:
+            return False
+        self.node, self.matched = child, self.matched + 1
+        return child in self.parents
+
+
 class TrieDrafter(Drafter):
     """Lookahead: drafts retrieved from a token trie of the prompt and of the output so far. The trie lives
     across requests (outputs of earlier requests keep helping); a request's prompt branches leave with it.
@@ -377,9 +405,12 @@ class TrieDrafter(Drafter):
     design): a finished request withdraws its own prompt's windows, leaving the other live prompts' branches."""
 
     gated = True
+    shadows = True
 
     def __init__(self, trie: Trie, shared: bool = False) -> None:
         self.trie = trie
+        self.pending: list[ShadowDraft] = []  # drafts of steps sat out, the text not past them yet
+        self.settled: list[int] = []  # what each settled one would have emitted (shadow_yields)
         self.shared = shared
         self.max_tree_size = trie.settings.decoding_length
         self.sequence = np.zeros(0, dtype=np.int64)
@@ -403,6 +434,7 @@ class TrieDrafter(Drafter):
         self.live_request = True
 
     def finish(self) -> None:
+        self.pending, self.settled = [], []
         if not self.live_request:
             return
         if self.shared:
@@ -416,7 +448,15 @@ class TrieDrafter(Drafter):
 
     def idle(self, root):
         self._enter(root)  # the trie still learns the text
+        if self.decoding_length > 1:  # the draft this step would have scored, settled as the text goes on
+            tokens, parents = self.trie.retrieve(self.sequence, self.length + 1, self.decoding_length)
+            if len(tokens) > 1:  # a step without a match drafts nothing either way
+                self.pending.append(ShadowDraft(tokens.tolist(), parents.tolist()))
         return super().idle(root)
+
+    def shadow_yields(self):
+        settled, self.settled = self.settled, []
+        return settled
 
     def _enter(self, root: int) -> None:
         self.sequence[self.length] = root
@@ -435,6 +475,8 @@ class TrieDrafter(Drafter):
         return DraftTree(tokens.tolist(), parents.tolist())
 
     def update(self, tree, accepted, next_token):
+        if self.pending:
+            self._settle([tree.tokens[v] for v in accepted[1:]] + ([] if next_token is None else [next_token]))
         self._commit([tree.tokens[v] for v in accepted])
         # Emitted tokens enter the trie at once, the next root included: this is what the offline replays
         # of planner/lookahead.py and `plan accept triforce` do, so that they stay exact.
@@ -444,6 +486,16 @@ class TrieDrafter(Drafter):
             end += 1
         self.trie.insert(self.sequence, self.counted, end)
         self.counted = end
+
+    def _settle(self, emitted: list[int]) -> None:
+        """The text's next tokens, `emitted`, walked down every pending shadow draft."""
+        pending = []
+        for shadow in self.pending:
+            if all(shadow.follow(token) for token in emitted):
+                pending.append(shadow)
+            else:
+                self.settled.append(shadow.matched + 1)
+        self.pending = pending
 
     def extend(self, tokens):
         # Only a hierarchy calls this, re-committing chain tokens whose windows its rounds already counted.

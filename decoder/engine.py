@@ -76,7 +76,7 @@ class SequenceRun:
         self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
         self.schedule = schedule
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
-        self.gate = DraftGate(pricing, clock) if pricing is not None and drafter.gated else None
+        self.gate = DraftGate(pricing, clock, drafter.shadows) if pricing is not None and drafter.gated else None
         self.clock = clock
         drafter.drafting = True
         self.generator = torch.Generator(device=target.device).manual_seed(seed if seed is not None else 0)
@@ -155,6 +155,9 @@ class SequenceRun:
             self.drafter.update(tree, path[:keep + 1], None)
         else:
             self.drafter.update(tree, path, next_token)
+        for emitted in self.drafter.shadow_yields():
+            if self.gate is not None:
+                self.gate.observe_shadow(emitted)
         self.out.extend(new[:keep])
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()

@@ -6,12 +6,15 @@ tokens / speedup plain steps. A request whose text is unlike that workload yield
 tokens, and drafting pays for it only while r x speedup >= 1. Each request keeps its r as the mean over its last
 YIELD_WINDOW drafted steps and PRIOR_STEPS steps at the plan's own prediction (r = 1 before the first); below
 break-even it steps without drafting (the root alone: exact as any tree is, so greedy output and the sampled
-distribution are those of the target), and drafts once more, to see whether its text has turned predictable, when
-such probes cost at most PROBE_SHARE of the time it sits out. With an engine's clock, the requests sitting out probe
-together, at the steps numbered a multiple of the probe period: a probe costs the whole step a draft forward (a draft
-model's, a TriForce chain's), so one forward serves every probe of the batch instead of one each. A step whose
-drafter had nothing to propose (a trie without a match) cost a plain step and does not count. How much it drafts when
-it does is the plan's setting at the step's batch size and the request's context (its schedule's entry).
+distribution are those of the target). A drafter whose drafts cost no forward (a trie) still drafts at the steps it
+sits out, in the shadow: nothing is scored, and the text that follows tells what each such draft would have emitted,
+which enters the same mean, so the request resumes as soon as its text turns predictable. Any other drafts once more,
+to see whether it has, when such probes cost at most PROBE_SHARE of the time it sits out. With an engine's clock, the
+requests sitting out probe together, at the steps numbered a multiple of the probe period: a probe costs the whole
+step a draft forward (a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of
+one each. A step whose drafter had nothing to propose (a trie without a match) cost a plain step and does not count.
+How much it drafts when it does is the plan's setting at the step's batch size and the request's context (its
+schedule's entry).
 
 A drafted step's price is the plan's until the engine has timed both kinds of step (StepClock): then it is their
 measured ratio at that batch size, or at the nearest one timed, scaled by the plan's prices at the two. The measure
@@ -114,9 +117,10 @@ class StepClock:
 class DraftGate:
     """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted, drafted)` after it."""
 
-    def __init__(self, pricing: Pricing, clock: StepClock | None = None) -> None:
+    def __init__(self, pricing: Pricing, clock: StepClock | None = None, shadowed: bool = False) -> None:
         self.pricing = pricing
         self.clock = clock  # the engine's measured step costs; None: the plan's price alone
+        self.shadowed = shadowed  # its drafter drafts in the shadow of the steps it sits out: it never probes
         self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
         self.idle_steps = 0
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
@@ -148,7 +152,7 @@ class DraftGate:
         elif expected >= step_cost:
             drafting = start_repaid
         else:
-            drafting = self._probe_due(batch, step_cost, start)
+            drafting = not self.shadowed and self._probe_due(batch, step_cost, start)
         self.drafting = drafting
         self.idle_steps = 0 if drafting else self.idle_steps + 1
         return drafting
@@ -182,4 +186,9 @@ class DraftGate:
         """The step just verified scored `drafted` draft tokens and emitted `emitted` (the accepted drafts and the
         target's next token)."""
         if self.drafting and self.priced is not None and drafted > 0:
+            self.yields.append(emitted / self.priced[0])
+
+    def observe_shadow(self, emitted: int) -> None:
+        """A step the request sat out would have emitted `emitted` tokens had it drafted (Drafter.shadow_yields)."""
+        if self.priced is not None:
             self.yields.append(emitted / self.priced[0])

@@ -309,3 +309,74 @@ def test_a_draft_model_reads_the_steps_it_sat_out_before_drafting(tiny_pair):
     assert drafter.start_tokens() == 2  # the first root is what any drafted step feeds
     drafter._read_prompt()
     assert drafter.started_now
+
+
+def test_a_shadowed_request_never_probes_and_resumes_when_its_shadow_drafts_pay():
+    """A drafter whose drafts cost no forward (a trie) drafts in the shadow of the steps its request sits out: the
+    request stops where its drafts fail, never probes, and drafts again as soon as its shadow drafts would pay."""
+    gate = DraftGate(lambda batch, context: (3.0, 1.5), shadowed=True)
+    decisions = []
+    for _ in range(6):
+        decisions.append(gate.drafts(1, 100))
+        gate.observe(1, 4)
+    assert not decisions[-1]
+    for _ in range(100):  # the text stays unpredictable: shadow drafts emit 1
+        assert not gate.drafts(1, 100)
+        gate.observe(1, 0)
+        gate.observe_shadow(1)
+    resumed = None
+    for step in range(20):  # then predictable: 4 tokens a drafted step
+        if gate.drafts(1, 100):
+            resumed = step
+            break
+        gate.observe(1, 0)
+        gate.observe_shadow(4)
+    assert resumed is not None and resumed <= 4
+
+
+def _walk(tree, text: list[int]) -> int | None:
+    """What a drafted step of `tree` emits where the text after its root is `text` (the greedy walk); None where the
+    text ends before the walk does."""
+    node, matched = 0, 0
+    for token in text:
+        child = next((i for i, p in enumerate(tree.parents) if p == node and tree.tokens[i] == token), None)
+        if child is None:
+            return matched + 1
+        node, matched = child, matched + 1
+        if node not in tree.parents:
+            return matched + 1
+    return None
+
+
+def test_a_tries_shadow_drafts_settle_to_what_drafting_would_have_emitted():
+    """Sitting out every step of a text, a trie drafter's shadow drafts settle to exactly what a drafted step would
+    have emitted at each of those steps (a twin drafter fed the same text drafts there for real)."""
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2, 3]
+    text = [4, 5, 1, 2, 3, 4, 6, 7, 1, 2, 3, 4, 5, 9, 1, 2, 8, 1, 2, 3, 4, 6, 7, 1, 2, 3, 4, 5, 0, 0]
+    settings = TrieSettings(decoding_length=6, branch_length=3)
+
+    def fed(steps: int) -> TrieDrafter:
+        drafter = TrieDrafter(Trie(settings))
+        drafter.reset(prompt, 128)
+        root = prompt[-1]
+        for token in text[:steps]:
+            drafter.update(drafter.idle(root), [0], token)
+            root = token
+        return drafter
+
+    shadowed, settled = TrieDrafter(Trie(settings)), []
+    shadowed.reset(prompt, 128)
+    root = prompt[-1]
+    for token in text:
+        shadowed.update(shadowed.idle(root), [0], token)
+        settled += shadowed.shadow_yields()
+        root = token
+    expected = []
+    for step in range(len(text)):
+        twin = fed(step)
+        tree = twin.propose(prompt[-1] if step == 0 else text[step - 1], SamplingParams(), "deterministic", None)
+        emitted = _walk(tree, text[step:]) if tree.size > 1 else None
+        if emitted is not None:
+            expected.append(emitted)
+    assert len(expected) > 10 and max(expected) > 2
+    assert sorted(settled) == sorted(expected)
