@@ -30,6 +30,7 @@ import torch
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
+from specplan.decoder.gate import one_kind_of_step
 from specplan.decoder.model import ForwardItem, prefill_together, prompt_item
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree
@@ -143,6 +144,11 @@ class Scheduler:
             self.engine.clock.begin_step()
         for entry in running:  # each sequence the schedule's setting of its own context at this batch size
             entry.run.decide(len(running))
+        gated = [entry.run for entry in running if entry.run.gate is not None]
+        if len(gated) > 1:
+            one_kind_of_step([run.gate for run in gated])
+            for run in gated:
+                run.drafter.drafting = run.gate.drafting
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
         drafted = {entry.run.tree.size > 1 for entry in running}
         starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)

@@ -125,6 +125,9 @@ class DraftGate:
         self.idle_steps = 0
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
         self.drafting = True
+        # the last decision's grounds: what its drafted step should emit, at what price in plain steps; whether the
+        # decision is firm (a step timing the clock, a probe, nothing priced); whether its drafter reads tokens first
+        self.expected, self.step_cost, self.firm, self.reads_first = 0.0, 1.0, True, False
 
     @property
     def yield_ratio(self) -> float:
@@ -136,6 +139,7 @@ class DraftGate:
         `batch` sequences; its drafter reads `start_tokens` first if it does (a draft model's prompt not read yet,
         the tokens of the steps it sat out)."""
         self.priced = self.pricing(batch, context)
+        self.firm, self.reads_first = True, start_tokens > 0
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
             self.drafting = True
             return True
@@ -147,15 +151,21 @@ class DraftGate:
         start_repaid = start == 0 or remaining is None or remaining * (1.0 - step_cost / expected) > start
         wanted = (self.clock.wanted(batch, drafted_too=not measured or tokens >= step_cost)
                   if self.clock is not None else None)
+        self.expected, self.step_cost = expected, step_cost
         if wanted is not None and (start_repaid or not wanted):  # the few steps that time each kind
             drafting = wanted
         elif expected >= step_cost:
-            drafting = start_repaid
+            drafting, self.firm = start_repaid, False
         else:
             drafting = not self.shadowed and self._probe_due(batch, step_cost, start)
+            self.firm = drafting  # a probe
+        self.overrule(drafting)
+        return drafting
+
+    def overrule(self, drafting: bool) -> None:
+        """The coming step's decision, as the batch's step takes it (one_kind_of_step)."""
         self.drafting = drafting
         self.idle_steps = 0 if drafting else self.idle_steps + 1
-        return drafting
 
     def _step_cost(self, batch: int, context: int, planned: float) -> tuple[float, bool]:
         """A drafted step's price in plain steps at `batch` sequences (the plan's: `planned`), and whether it rests on
@@ -192,3 +202,16 @@ class DraftGate:
         """A step the request sat out would have emitted `emitted` tokens had it drafted (Drafter.shadow_yields)."""
         if self.priced is not None:
             self.yields.append(emitted / self.priced[0])
+
+
+def one_kind_of_step(gates: list[DraftGate]) -> None:
+    """The requests of one step (their gates just decided) made to draft all or none. A step's cost grows with the
+    rows it scores, and on a CPU the first rows beyond one a sequence cost the most (the one-row matmul gives way to
+    tiles), so a step where a few requests draft costs the whole batch nearly a drafted step while only those few gain:
+    where the decisions differ and none is firm, every request drafts if the batch's mean expected yield pays the
+    drafted step's price (those whose drafters need not read first), else none."""
+    if len({gate.drafting for gate in gates}) < 2 or any(gate.firm for gate in gates):
+        return
+    pays = statistics.mean(g.expected for g in gates) >= statistics.mean(g.step_cost for g in gates)
+    for gate in gates:
+        gate.overrule(pays and (gate.drafting or not gate.reads_first))

@@ -13,7 +13,7 @@ from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Predictio
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.drafters import Drafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.gate import MEASURED_AT_LEAST, PROBE_SHARE, DraftGate, StepClock
+from specplan.decoder.gate import MEASURED_AT_LEAST, PROBE_SHARE, DraftGate, StepClock, one_kind_of_step
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 
@@ -380,3 +380,79 @@ def test_a_tries_shadow_drafts_settle_to_what_drafting_would_have_emitted():
             expected.append(emitted)
     assert len(expected) > 10 and max(expected) > 2
     assert sorted(settled) == sorted(expected)
+
+
+def _decided(yields: list[float], start_tokens: int = 0) -> DraftGate:
+    """A gate priced at 3 tokens for 1.5x (a drafted step costs 2 plain ones), its request's drafts having yielded
+    `yields` of that, having decided the coming step of 4 sequences."""
+    gate = DraftGate(lambda batch, context: (3.0, 1.5))
+    gate.yields.extend(yields)
+    gate.drafts(4, 100, start_tokens=start_tokens)
+    return gate
+
+
+def test_a_steps_requests_draft_all_or_none_by_their_mean_yield():
+    """Two requests whose drafts pay (expected 2.4 and 3 tokens for a 2-plain-step price) and two whose drafts do not
+    (1.2, 1.5): the mean expected, 2.0, pays, so all four draft; with the last at 0.3 (mean 1.8), none does. A request
+    whose drafter would read tokens first is not made to draft."""
+    paying = [_decided([0.8] * 8), _decided([1.0] * 8), _decided([0.4] * 8), _decided([0.5] * 8)]
+    assert [g.drafting for g in paying] == [True, True, False, False]
+    one_kind_of_step(paying)
+    assert all(g.drafting for g in paying) and all(g.idle_steps == 0 for g in paying)
+    losing = [_decided([0.8] * 8), _decided([1.0] * 8), _decided([0.4] * 8), _decided([0.1] * 8)]
+    one_kind_of_step(losing)
+    assert not any(g.drafting for g in losing) and [g.idle_steps for g in losing] == [1, 1, 2, 2]
+    reading = [_decided([1.0] * 8), _decided([1.0] * 8), _decided([0.5] * 8, start_tokens=40)]
+    one_kind_of_step(reading)
+    assert [g.drafting for g in reading] == [True, True, False]
+
+
+def test_firm_decisions_are_not_made_one_kind():
+    """A probe (a request sitting out drafts once to see its yield again) and a step timing the clock stand."""
+    probing = DraftGate(lambda batch, context: (3.0, 1.5))
+    probing.yields.extend([0.3] * 8)
+    probing.idle_steps = 1000  # long enough sitting out that a probe is due
+    assert probing.drafts(4, 100) and probing.firm
+    gates = [probing, _decided([0.3] * 8), _decided([0.3] * 8)]
+    one_kind_of_step(gates)
+    assert [g.drafting for g in gates] == [True, False, False]
+
+
+@pytest.mark.parametrize("concurrency", [2, 4])
+def test_one_kind_steps_keep_every_requests_greedy_tokens(concurrency, tiny_pair, monkeypatch):
+    """Lookahead requests at a price some of their drafts pay: the batch's steps, where the requests' decisions
+    differ, drafted by all or none; each request's greedy tokens its own."""
+    from specplan.decoder import batching
+
+    mixed = []
+
+    def resolved(gates):
+        mixed.append(len({gate.drafting for gate in gates}) > 1)
+        one_kind_of_step(gates)
+
+    monkeypatch.setattr(batching, "one_kind_of_step", resolved)
+    _, target, _ = tiny_pair
+    make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
+    gen = torch.Generator().manual_seed(5)
+    motif = torch.randint(0, 250, (6,), generator=gen).tolist()
+    requests = [Request(motif * 3 + torch.randint(0, 250, (n,), generator=gen).tolist(), m)
+                for n, m in ((7, 30), (3, 25), (12, 33), (5, 18))]
+    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (1.6, 1.2))
+    kinds = []
+    step = Scheduler.step
+
+    def recorded(scheduler):
+        done = step(scheduler)
+        if len(scheduler.running) > 1:
+            kinds.append({run.run.drafter.drafting for run in scheduler.running})
+        return done
+
+    Scheduler.step = recorded
+    try:
+        results = {c.id: c.result.tokens for c in Scheduler(engine, drafters_per_slot(make), concurrency).run(requests)}
+    finally:
+        Scheduler.step = step
+    assert kinds and all(len(kind) == 1 for kind in kinds) and any(mixed)
+    for i, request in enumerate(requests):
+        assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
+                                                                        SamplingParams()).tokens
