@@ -150,10 +150,13 @@ class Scheduler:
             for run in gated:
                 run.drafter.drafting = run.gate.drafting
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
-        drafted = {entry.run.tree.size > 1 for entry in running}
+        # the step's kind for the clock: plain where no tree has a draft token, drafted where some have and every
+        # sequence chose to draft (a trie without a match drafts nothing: at 8 in flight most drafted steps hold one)
+        trees = {entry.run.tree.size > 1 for entry in running}
+        kind = (False if trees == {False} else
+                True if all(entry.run.drafter.drafts_now() for entry in running) else None)
         starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)
-        self.timed_step = ((len(running), drafted.pop(), started) if len(drafted) == 1 and not chunks and not starting
-                           else None)
+        self.timed_step = (len(running), kind, started) if kind is not None and not chunks and not starting else None
         items += [item for _, item in chunks]
         target = self.engine.target
         logits = target.forward_many(items) if len(items) > 1 else [target.forward(*items[0])]
@@ -168,8 +171,8 @@ class Scheduler:
 
     def _time_last_step(self, now: float) -> None:
         """The last step's seconds, from its start to this one's (the server's work between them included), to the
-        engine's clock: a step in which every sequence drafted or none did, no prompt prefilled since, no drafter
-        starting its sequence (Drafter.started_now)."""
+        engine's clock: a step in which every sequence chose to draft (a trie without a match drafting nothing) or
+        none drafted, no prompt prefilled since, no drafter starting its sequence (Drafter.started_now)."""
         clock = self.engine.clock
         if clock is not None and self.timed_step is not None:
             batch, drafted, started = self.timed_step

@@ -456,3 +456,19 @@ def test_one_kind_steps_keep_every_requests_greedy_tokens(concurrency, tiny_pair
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens
+
+
+def test_a_drafted_step_is_timed_though_one_trie_has_no_match(tiny_pair):
+    """At 4 in flight, every request choosing to draft: a step is a drafted one for the clock when some trees hold
+    draft tokens, though a request whose text the trie cannot match drafts nothing (were such steps not timed, a batch
+    size where one request always misses would time no drafted step, and the clock, wanting one, would draft there
+    forever)."""
+    _, target, _ = tiny_pair
+    make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
+    gen = torch.Generator().manual_seed(7)
+    motif = torch.randint(0, 250, (5,), generator=gen).tolist()
+    requests = [Request(motif * 4, 24), Request(motif * 4, 24), Request(motif * 4, 24), Request([3], 24)]
+    clock = StepClock()
+    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (1.2, 1.0), clock=clock)
+    list(Scheduler(engine, drafters_per_slot(make), 4).run(requests))
+    assert len(clock.seconds.get((4, True), ())) >= MEASURED_AT_LEAST
