@@ -155,8 +155,9 @@ class SequenceRun:
             self.drafter.update(tree, path[:keep + 1], None)
         else:
             self.drafter.update(tree, path, next_token)
-        for emitted in self.drafter.shadow_yields():
-            if self.gate is not None:
+        shadows = self.drafter.shadow_yields()  # drained every step, whether or not a gate reads them
+        if self.gate is not None:
+            for emitted in shadows:
                 self.gate.observe_shadow(emitted)
         self.out.extend(new[:keep])
         if self.first_token_at is None:
