@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -183,6 +183,13 @@ class LookaheadAcceptance:
                    extra={k: v for k, v in data.items()
                           if k not in {"kind", "version", "models", "tokenizer", "records", "dtype",
                                        "decoded_with"}})
+
+    def cut(self, output_tokens: int | None) -> list[LookaheadRecord]:
+        """The records with each output cut to its first `output_tokens` (None: whole): the greedy outputs of
+        requests of that many new tokens, so a replay over them stays exact for such requests."""
+        if output_tokens is None:
+            return self.records
+        return [replace(record, output=record.output[:output_tokens]) for record in self.records]
 
     def to_dict(self) -> dict[str, Any]:
         decoded = None if self.decoded_with is None else dict(zip(("decoding_length", "branch_length"),

@@ -123,12 +123,15 @@ class LookaheadCandidate:
 def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None,
                     decoding_lengths: tuple[int, ...] = DECODING_LENGTHS,
                     branch_lengths: tuple[int, ...] = BRANCH_LENGTHS,
-                    largest_batch: int | None = None, stand_in: bool = False, contexts: tuple[int, ...] = ()
-                    ) -> tuple[Plan, list[LookaheadCandidate]]:
+                    largest_batch: int | None = None, stand_in: bool = False, contexts: tuple[int, ...] = (),
+                    output_tokens: int | None = None) -> tuple[Plan, list[LookaheadCandidate]]:
     """The best (L_d, L_b) and the ranked grid; with `largest_batch`, the plan's schedule up to that batch size.
     `stand_in`: the acceptance file is another model's outputs, priced on the profile's model (a modeled GPU).
-    `contexts`: the schedule's tables, one priced at each (default: one, at the replay's mean context)."""
+    `contexts`: the schedule's tables, one priced at each (default: one, at the replay's mean context).
+    `output_tokens`: solved for requests of that many new tokens (a trie drafts an output's later tokens better, having
+    read more of it: a plan solved on long outputs overrates short requests)."""
     acceptance = load_lookahead_acceptance(acceptance_path)
+    records = acceptance.cut(output_tokens)
     profile = load_profile(profile_path) if profile_path is not None else None
     if stand_in and (profile is None or not profile.models.get("target")):
         raise UserError("--stand-in prices another model's outputs on a profile's model: give --profile")
@@ -143,11 +146,13 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
     if not grid:
         raise UserError("no (L_d, L_b) pair to search: L_d must be >= 2 and within the profile's sizes")
     start = time.perf_counter()
-    replays = _search(acceptance.records, grid)
+    replays = _search(records, grid)
     seconds = time.perf_counter() - start
     candidates = _choose(replays, profile)
     plan = _assemble(candidates[0], replays, acceptance, acceptance_path, profile, profile_path, decoding_lengths,
                      branch_lengths)
+    if output_tokens is not None:
+        plan.inputs["acceptance"]["output_tokens"] = output_tokens
     if stand_in:
         plan.models = replace(plan.models, target=profile.models["target"])
         plan.inputs["acceptance"]["stands_in"] = (f"measured for {acceptance.target}, standing in for "
@@ -158,7 +163,7 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
     if largest_batch is not None:
         if profile is None:
             raise UserError("a schedule per batch size is priced on a profile: give --profile")
-        plan.schedule, rates = lookahead_schedule(acceptance.records, plan.settings, profile, largest_batch,
+        plan.schedule, rates = lookahead_schedule(records, plan.settings, profile, largest_batch,
                                                   decoding_lengths, contexts)
         plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, "
                                                 "each decoding length replayed under the plan's trie",
@@ -194,10 +199,10 @@ def plan_setting_prices(plan: Plan, decoding_lengths: set[int], requests_per_tri
                         output_tokens: int | None = None) -> dict[int, SettingPrice]:
     """Each of `decoding_lengths` (the plan's schedule's, fixed settings') priced under the plan's trie, replayed on
     the acceptance file the plan was solved on, a fresh trie every `requests_per_trie` records (see replay), each
-    output cut to its first `output_tokens` (a trie drafts an output's later tokens better: it has read more of it)."""
-    records = load_lookahead_acceptance(plan.inputs["acceptance"]["file"]).records
-    if output_tokens is not None:
-        records = [replace(record, output=record.output[:output_tokens]) for record in records]
+    output cut to its first `output_tokens` (default: as the plan was solved)."""
+    if output_tokens is None:
+        output_tokens = plan.inputs["acceptance"].get("output_tokens")
+    records = load_lookahead_acceptance(plan.inputs["acceptance"]["file"]).cut(output_tokens)
     return {d: setting_price(replay(records, plan.settings, d, requests_per_trie)) for d in sorted(decoding_lengths)}
 
 

@@ -446,7 +446,8 @@ class _LookaheadRepricing:
         self.profile = _plan_profile(plan)
         acceptance_file = plan.inputs["acceptance"]["file"]
         check_unchanged(plan.provenance, acceptance_file, "the plan's acceptance file")
-        replayed = replay(load_lookahead_acceptance(acceptance_file).records, plan.settings)
+        records = load_lookahead_acceptance(acceptance_file).cut(plan.inputs["acceptance"].get("output_tokens"))
+        replayed = replay(records, plan.settings)
         trie_per_step = plan.prediction.details.get("trie_seconds", replayed.trie_seconds / replayed.steps)
         self.replay = dataclasses.replace(replayed, trie_seconds=trie_per_step * replayed.steps)
         largest = int(max(replayed.step_sizes))

@@ -466,12 +466,16 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
                    "--batches): the setting giving the most output tokens/s over the batch, or none")
 @_schedule_contexts_option()
 @_stand_in_option()
+@click.option("--max-new-tokens", type=click.IntRange(min=1),
+              help="solve for requests of this many new tokens: each acceptance output cut to its first N (default: "
+                   "whole; a trie drafts late tokens better, having read more of the output)")
 @_output()
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
                         branch_lengths: str | None, top: int, engine: str, max_ngrams: str | None,
                         draft_lengths: str | None, trie_depths: str | None, bfs_breadths: str | None,
                         match_types: str | None, stop_tokens: str | None, batches: int | None,
-                        schedule_contexts: str | None, stand_in: bool, output: Path) -> None:
+                        schedule_contexts: str | None, stand_in: bool, max_new_tokens: int | None,
+                        output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
     --engine, a serving engine's n-gram knobs by exact replay of its rule."""
     from specplan.core.plan_schema import save_plan
@@ -479,8 +483,9 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     from specplan.show import describe_schedule
 
     if engine != "specplan":
-        if batches is not None or stand_in or schedule_contexts:
-            raise UserError("--batches, --contexts and --stand-in go with our Lookahead trie, not with --engine")
+        if batches is not None or stand_in or schedule_contexts or max_new_tokens is not None:
+            raise UserError("--batches, --contexts, --stand-in and --max-new-tokens go with our Lookahead trie, not "
+                            "with --engine")
         grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths, match_types)
         _solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stop_tokens, top, output)
         return
@@ -490,7 +495,7 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     if min(d_grid) < 1 or min(b_grid) < 1:
         raise UserError("decoding lengths L_d and branch lengths L_b must be >= 1")
     plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid, batches, stand_in,
-                                   tuple(_int_list(schedule_contexts) or ()))
+                                   tuple(_int_list(schedule_contexts) or ()), max_new_tokens)
     _echo_ranked(ranked[:top], [("L_d", lambda c: c.decoding_length), ("L_b", lambda c: c.branch_length)],
                  profile_path is not None)
     save_plan(plan, output)

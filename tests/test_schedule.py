@@ -39,7 +39,7 @@ from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 from specplan.planner.draft_chain import chain_schedule
 from specplan.planner.export import export_plan
-from specplan.planner.lookahead import lookahead_schedule
+from specplan.planner.lookahead import lookahead_schedule, plan_setting_prices, replay
 from specplan.serving import exported_llama_server_flags
 
 from toy import drafters_per_slot
@@ -98,6 +98,30 @@ def test_plan_solve_lookahead_batches_writes_the_schedule_and_plan_show_prints_a
     assert "schedule per batch size" in shown and " off " in shown and png.stat().st_size > 0
     code, _, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--batches", 8, "-o", tmp_path / "x")
     assert code == 2 and "priced on a profile: give --profile" in stderr
+
+
+def test_a_plan_solved_for_short_requests_replays_and_reprices_their_outputs_only(run_cli, tmp_path):
+    acceptance, profile, plan = (tmp_path / name for name in ("a.yaml", "p.yaml", "plan.yaml"))
+    records = repetitive_records()
+    acceptance.write_text(yaml.safe_dump(LookaheadAcceptance("toy", {"vocab_size": 64, "sha256": "x"},
+                                                             records).to_dict()))
+    profile.write_text(yaml.safe_dump(profile_document()))
+    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--profile", profile,
+                              "--decoding-lengths", "4,8", "--branch-lengths", "2,4", "--batches", 4,
+                              "--max-new-tokens", 10, "-o", plan)
+    assert code == 0, stderr
+    written = load_plan(plan)
+    cut = [replace(record, output=record.output[:10]) for record in records]
+    assert written.inputs["acceptance"]["output_tokens"] == 10
+    assert written.prediction.details["replayed_tokens"] == 10 * len(records)
+    assert written.prediction.tokens_per_step == pytest.approx(replay(cut, written.settings).tokens_per_step)
+    short = plan_setting_prices(written, {4})[4]
+    assert short.tokens_per_step == pytest.approx(replay(cut, written.settings, 4).tokens_per_step)
+    whole = plan_setting_prices(written, {4}, output_tokens=40)[4]
+    assert whole.tokens_per_step == pytest.approx(replay(records, written.settings, 4).tokens_per_step)
+    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--engine", "vllm",
+                              "--max-new-tokens", 10, "-o", tmp_path / "x")
+    assert code == 2 and "--max-new-tokens go with our Lookahead trie" in stderr
 
 
 def lookahead_plan_with(schedule: dict) -> dict:

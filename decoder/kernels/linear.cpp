@@ -30,8 +30,18 @@ namespace {
 // smollm2's matmul passes of 6-16 rows ran 2-3x faster so than in register tiles or torch's GEMM, and its forwards
 // of 24-48 rows faster too (bench/kernel_variants.py forward; TORCH_GEMM_ROWS_F32 in cpu_kernels.cpp).
 #ifdef __AVX512F__
+// On an Intel Xeon with AMX, with the fp32 rows prefetched (AVX512_F32_PREFETCH_BYTES), direct passes beat the tiles up
+// to 16 rows: smollm2's forward of 6-12 rows 1.1-1.2x faster (bench/kernel_variants.py forward
+// AVX512_F32_PREFETCH_BYTES=4096,AVX512_DIRECT_ROWS_F32=8 ...=16 ...=24 rows=1,2,3,4,6,8,12,16,20,24).
+#ifndef AVX512_DIRECT_ROWS_F32
+#ifdef __AMX_TILE__
+#define AVX512_DIRECT_ROWS_F32 16
+#else
+#define AVX512_DIRECT_ROWS_F32 4
+#endif
+#endif
 constexpr int ROW_TILE = 8;
-constexpr int64_t DIRECT_ROWS_F32 = 4, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS = 16;
+constexpr int64_t DIRECT_ROWS_F32 = AVX512_DIRECT_ROWS_F32, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS = 16;
 #else
 #ifndef AVX2_ROW_TILE
 #define AVX2_ROW_TILE 4
@@ -240,6 +250,17 @@ template <> struct Block<F32> {  // fp32 rows need no blocks: one 16-float vecto
 #ifndef F32_PREFETCH_BYTES
 #define F32_PREFETCH_BYTES 256
 #endif
+// With AVX-512 on an Intel Xeon with AMX, fp32 rows asked for 4096 bytes ahead stream at torch's one-row rate and
+// 1.3-1.5x faster than without for 2-4 rows, where the prefetcher alone left the passes short of DRAM's rate (matmul
+// passes over smollm2's layers; its forward of 1-4 rows 1.2-1.4x faster: bench/kernel_variants.py forward
+// AVX512_F32_PREFETCH_BYTES=0 AVX512_F32_PREFETCH_BYTES=4096 rows=1,2,3,4). The AMD EPYC's were measured without.
+#ifndef AVX512_F32_PREFETCH_BYTES
+#ifdef __AMX_TILE__
+#define AVX512_F32_PREFETCH_BYTES 4096
+#else
+#define AVX512_F32_PREFETCH_BYTES 0
+#endif
+#endif
 
 template <int NR>
 inline void dot_f32(const float* w, const float* x, int64_t ldx, int64_t k, float* out) {
@@ -272,6 +293,10 @@ inline void dot_f32(const float* w, const float* x, int64_t ldx, int64_t k, floa
   v16f acc[NR][2] = {};
   int64_t c = 0;
   for (; c + 32 <= k; c += 32) {
+#if AVX512_F32_PREFETCH_BYTES > 0
+    __builtin_prefetch(reinterpret_cast<const char*>(w + c) + AVX512_F32_PREFETCH_BYTES);
+    __builtin_prefetch(reinterpret_cast<const char*>(w + c) + AVX512_F32_PREFETCH_BYTES + 64);
+#endif
     const v16f w0 = load(w + c), w1 = load(w + c + 16);
     for (int r = 0; r < NR; r++) {
       acc[r][0] += w0 * load(x + r * ldx + c);
