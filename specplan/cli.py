@@ -911,7 +911,8 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--baselines", help=f"comma-separated, of {', '.join(BASELINES)} (two-level, streaming: TriForce "
                                   "plans; llama.cpp: the llamacpp extra) [hf,hf-assisted,ours-ar]; with --concurrency, "
-                                  f"of {', '.join(SERVING_BASELINES)} [ours-ar,llama-server]")
+                                  f"of {', '.join(SERVING_BASELINES)} [ours-ar,llama-server], run in the order "
+                                  "given, then --settings, --rules, and the --plan last unless named (ours)")
 @click.option("--concurrency", "levels",
               help="the serving benchmark: closed-loop clients at each of these concurrencies (e.g. 1,2,4,8,16), "
                    "every system a server driven over HTTP; results appended to -o (JSON lines) as they finish, a "
@@ -1025,7 +1026,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
 
     if not levels or min(levels) < 1:
         raise UserError("--concurrency takes positive integers, e.g. 1,2,4,8,16")
-    names = [b for b in (baselines or "ours-ar,llama-server").split(",") if b] + (["ours"] if plan_path else [])
+    names = [b for b in (baselines or "ours-ar,llama-server").split(",") if b]
     unknown = [b for b in names if b not in SERVING_BASELINES]
     if unknown:
         raise UserError(f"unknown serving baseline {unknown[0]!r} (choose from {', '.join(SERVING_BASELINES)})")
@@ -1037,7 +1038,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
         raise UserError(f"unknown drafting rule {unknown_rules[0]!r} (choose from {', '.join(DRAFT_RULES)})"
                         if unknown_rules else "--rules runs a plan's drafter under each rule: give a --plan")
     names += [f"setting-{length}" for length in settings] + [f"rule-{name}" for name in rules]
-    names += [f"llama-server-draft-{length}" for length in server_drafts]
+    names += [f"llama-server-draft-{length}" for length in server_drafts] + (["ours"] if plan_path else [])
     if server_drafts and min(server_drafts) < 1:
         raise UserError("--llama-server-drafts takes draft lengths >= 1")
     target = target or (plan.models.target if plan else None)
