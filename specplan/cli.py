@@ -1033,6 +1033,10 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     plan = load_plan(plan_path) if plan_path is not None else None
     if settings and (plan is None or plan.schedule is None):
         raise UserError("--settings measures a plan's schedule against its settings: give a --plan with a schedule")
+    outside = [length for length in settings if not 2 <= length <= (plan.largest_setting or 0)]
+    if outside:
+        raise UserError(f"--settings {outside[0]}: this plan drafts 2 to {plan.largest_setting} nodes per sequence "
+                        "(root included)")
     unknown_rules = [r for r in rules if r not in DRAFT_RULES]
     if unknown_rules or (rules and plan is None):
         raise UserError(f"unknown drafting rule {unknown_rules[0]!r} (choose from {', '.join(DRAFT_RULES)})"

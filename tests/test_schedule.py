@@ -497,10 +497,29 @@ def test_bench_settings_need_the_serving_benchmark_and_a_plan_with_a_schedule(ru
         (["--plan", plan, "--rules", "llama.cpp"], "go with --concurrency"),
         (["--plan", plan, "--concurrency", "1", "--rules", "vllm-magic"], "unknown drafting rule"),
         (["--target", "tiny-random-llama", "--concurrency", "1", "--settings", "2"], "a --plan with a schedule"),
+        (["--plan", plan, "--concurrency", "1", "--settings", "2,9"], "--settings 9: this plan drafts 2 to 3 nodes"),
     ]:
         code, _, err = run_cli("bench", "--dataset", "specbench", *args, "-o", out)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_the_serving_bench_runs_its_systems_in_the_order_named_and_the_plan_last_unless_named(run_cli, tmp_path,
+                                                                                                 monkeypatch):
+    import specplan.serving
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(lookahead_plan_with(BatchSchedule(64, (
+        ScheduleEntry(1, 2, True, 8, 2.1, 150.0, 1.6), ScheduleEntry(3, 16, False, None, 1.0, 400.0, 1.0))).to_dict())))
+    orders = []
+    monkeypatch.setattr(specplan.serving, "serving_prices", lambda *args: {})
+    monkeypatch.setattr(specplan.serving, "run_serving_bench",
+                        lambda systems, *args: orders.append([system.name for system in systems]))
+    for baselines, settings in [("ours,ours-ar", "2,4"), ("ours-ar", "4,2")]:
+        code, _, err = run_cli("bench", "--plan", plan, "--concurrency", 1, "--dataset", "specbench", "--prompts", 2,
+                               "--baselines", baselines, "--settings", settings, "-o", tmp_path / "grid.jsonl")
+        assert code == 0, err
+    assert orders == [["ours", "ours-ar", "setting-2", "setting-4"], ["ours-ar", "setting-4", "setting-2", "ours"]]
 
 
 @pytest.mark.parametrize("bottom", ["trie", "model"])
