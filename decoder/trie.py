@@ -261,6 +261,9 @@ class Trie:
     def retrieve(self, sequence: np.ndarray, length: int, decoding_length: int | None = None,
                  branch_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         s = self.settings
+        if decoding_length is not None and not 1 <= decoding_length <= s.decoding_length:
+            # the draft buffers hold the settings' decoding length (the compiled retrieval does not check its writes)
+            raise ValueError(f"a draft of {decoding_length} nodes from a trie of decoding length {s.decoding_length}")
         count = _retrieve(self.state, self.children, sequence, length, decoding_length or s.decoding_length,
                           branch_length or s.branch_length, s.max_prefix, s.prompt_weight,
                           self.draft_tokens, self.draft_parents)

@@ -91,6 +91,9 @@ def test_retrieval_continues_the_matched_context():
     # Token 0 is a real token: the branch "11 12 0 0" is proposed after "... 7".
     branch = [int(tokens[i]) for i in range(len(tokens))]
     assert 0 in branch
+    assert len(trie.retrieve(context, len(context), 3)[0]) == 3  # a schedule's shorter setting
+    with pytest.raises(ValueError, match="a draft of 9 nodes from a trie of decoding length 8"):
+        trie.retrieve(context, len(context), 9)  # past the draft buffers: refused, never written
 
 
 def test_branches_shared_across_stages_are_merged():
