@@ -31,7 +31,7 @@ namespace {
 // of 24-48 rows faster too (bench/kernel_variants.py forward; TORCH_GEMM_ROWS_F32 in cpu_kernels.cpp).
 #ifdef __AVX512F__
 // On an Intel Xeon with AMX, with the fp32 rows prefetched (AVX512_F32_PREFETCH_BYTES), direct passes beat the tiles up
-// to 16 rows: smollm2's forward of 6-12 rows 1.1-1.2x faster (bench/kernel_variants.py forward
+// to 16 rows: smollm2's forward of 6-12 rows 1.1-1.3x faster (bench/kernel_variants.py forward
 // AVX512_F32_PREFETCH_BYTES=4096,AVX512_DIRECT_ROWS_F32=8 ...=16 ...=24 rows=1,2,3,4,6,8,12,16,20,24).
 #ifndef AVX512_DIRECT_ROWS_F32
 #ifdef __AMX_TILE__
