@@ -206,8 +206,8 @@ class DraftGate:
 
 def one_kind_of_step(gates: list[DraftGate]) -> None:
     """The requests of one step (their gates just decided) made to draft all or none. A step's cost grows with the
-    rows it scores, and on a CPU the first rows beyond one a sequence cost the most (the one-row matmul gives way to
-    tiles), so a step where a few requests draft costs the whole batch nearly a drafted step while only those few gain:
+    rows it scores, and on a CPU the first rows beyond one a sequence are dear (t(2) against t(1) in the profile), so a
+    step where a few requests draft costs the whole batch nearly a drafted step while only those few gain:
     where the decisions differ and none is firm, every request drafts if the batch's mean expected yield pays the
     drafted step's price (those whose drafters need not read first), else none."""
     if len({gate.drafting for gate in gates}) < 2 or any(gate.firm for gate in gates):

@@ -200,10 +200,15 @@ def plan_setting_prices(plan: Plan, decoding_lengths: set[int], requests_per_tri
     """Each of `decoding_lengths` (the plan's schedule's, fixed settings') priced under the plan's trie, replayed on
     the acceptance file the plan was solved on, a fresh trie every `requests_per_trie` records (see replay), each
     output cut to its first `output_tokens` (default: as the plan was solved)."""
-    if output_tokens is None:
-        output_tokens = plan.inputs["acceptance"].get("output_tokens")
-    records = load_lookahead_acceptance(plan.inputs["acceptance"]["file"]).cut(output_tokens)
+    records = solved_records(plan, output_tokens)
     return {d: setting_price(replay(records, plan.settings, d, requests_per_trie)) for d in sorted(decoding_lengths)}
+
+
+def solved_records(plan: Plan, output_tokens: int | None = None) -> list[LookaheadRecord]:
+    """The records of the acceptance file a Lookahead plan was solved on, each output cut to its first
+    `output_tokens` (default: as the plan was solved, `plan solve lookahead --max-new-tokens`)."""
+    acceptance = plan.inputs["acceptance"]
+    return load_lookahead_acceptance(acceptance["file"]).cut(output_tokens or acceptance.get("output_tokens"))
 
 
 def _search(records: list[LookaheadRecord], grid: list[tuple[int, int]]) -> dict[tuple[int, int], ReplayResult]:

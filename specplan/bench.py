@@ -437,8 +437,7 @@ class _LookaheadRepricing:
     plan recorded)."""
 
     def __init__(self, decoder: Decoder) -> None:
-        from specplan.core.acceptance_schema import load_lookahead_acceptance
-        from specplan.planner.lookahead import replay
+        from specplan.planner.lookahead import replay, solved_records
         from specplan.profiler.latency import PointTimer
 
         plan = decoder.plan
@@ -446,8 +445,7 @@ class _LookaheadRepricing:
         self.profile = _plan_profile(plan)
         acceptance_file = plan.inputs["acceptance"]["file"]
         check_unchanged(plan.provenance, acceptance_file, "the plan's acceptance file")
-        records = load_lookahead_acceptance(acceptance_file).cut(plan.inputs["acceptance"].get("output_tokens"))
-        replayed = replay(records, plan.settings)
+        replayed = replay(solved_records(plan), plan.settings)
         trie_per_step = plan.prediction.details.get("trie_seconds", replayed.trie_seconds / replayed.steps)
         self.replay = dataclasses.replace(replayed, trie_seconds=trie_per_step * replayed.steps)
         largest = int(max(replayed.step_sizes))
