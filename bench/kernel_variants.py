@@ -3,7 +3,8 @@ more than ROW_TILE activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how f
 is requested; GEMM_ROWS, the query rows per KV head from which attention scores a chunk with one GEMM;
 TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
 Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; X8_ACT_TILE, the same over 8 interleaved
-Q4_K rows (and whether to interleave at all). The
+Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-tiled ymm paths; SDPA_ROWS, the
+new tokens of one sequence from which a forward attends through torch's SDPA. The
 kernels are built with other -D values and timed on whole passes over real weights, and on attention over a long cache.
 
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
@@ -11,10 +12,10 @@ kernels are built with other -D values and timed on whole passes over real weigh
     .venv/bin/python bench/kernel_variants.py q8k-tile 4 6 8                    # Q4_K/Q6_K rows per pass, the same
     .venv/bin/python bench/kernel_variants.py q4k-x8 2 4 6                      # Q4_K: the file's rows or 8 interleaved
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
-    .venv/bin/python bench/kernel_variants.py attention 2 4 8                  # smollm2's and qwen's head groups
+    .venv/bin/python bench/kernel_variants.py attention 4 ATTENTION_YMM=0      # GEMM_ROWS or other NAME=VALUE,...
     .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
     .venv/bin/python bench/kernel_variants.py forward AVX2_DIRECT_ROWS_F32=4,TORCH_GEMM_ROWS_F32=5 \
-        AVX2_DIRECT_ROWS_F32=16,TORCH_GEMM_ROWS_F32=17 [dtype=gguf rows=16,32]   # whole smollm2 forwards of n rows
+        AVX2_DIRECT_ROWS_F32=16,TORCH_GEMM_ROWS_F32=17 [dtype=gguf rows=16,32 context=7680]   # whole smollm2 forwards
 
 A pass runs every layer's matmul once (q/k/v fused, o, gate/up fused, down) for n activation rows: 540 MB of
 fp32 weights, more than the caches hold, so each pass streams from memory as a forward does.
@@ -176,20 +177,21 @@ def q4k_x8(tiles: list[str]) -> None:
 ATTENTION_SHAPES = ((9, 3, 1), (9, 3, 2), (9, 3, 3), (12, 2, 1), (12, 2, 2))  # (heads, KV heads, new tokens)
 
 
-def attention(thresholds: list[str]) -> None:
-    """One layer's attention of n new tokens over 256, 4096 and 7680 cached keys (fp32 cache, head size 64)."""
-    for threshold in thresholds:
-        kernels = build({"GEMM_ROWS": threshold})
-        cells = []
-        for heads, kv_heads, n in ATTENTION_SHAPES:
-            for length in (256, 4096, 7680):
-                q = torch.randn(heads, n, 64)
-                keys, values = torch.randn(kv_heads, 8192, 64), torch.randn(kv_heads, 8192, 64)
-                mask = torch.zeros(n, length) if n > 1 else None
-                seconds = median_seconds(partial(kernels.attention, q.reshape(-1, 64), [keys], [values], [n], [length],
-                                                       [torch.empty(0) if mask is None else mask], 0.125, 0.0))
-                cells.append(f"{heads}/{kv_heads} n={n} L={length} {seconds * 1e3:.3f}")
-        print(f"GEMM_ROWS={threshold}: {', '.join(cells)} (ms)", flush=True)
+def attention(variants: list[str]) -> None:
+    """One layer's attention of n new tokens over 300, 4096 and 7680 cached keys (fp32 cache, head size 64), the
+    variants (NAME=VALUE,...; a bare number is a GEMM_ROWS) interleaved."""
+    named = {v: f"GEMM_ROWS={v}" if v.isdigit() else v for v in variants}
+    built = {v: build(dict(item.split("=") for item in name.split(","))) for v, name in named.items()}
+    for heads, kv_heads, n in ATTENTION_SHAPES:
+        for length in (300, 4096, 7680):
+            q = torch.randn(heads * n, 64)
+            keys, values = torch.randn(kv_heads, 8192, 64), torch.randn(kv_heads, 8192, 64)
+            mask = torch.zeros(n, length) if n > 1 else torch.empty(0)
+            calls = {v: partial(kernels.attention, q, [keys], [values], [n], [length], [mask], 0.125, 0.0)
+                     for v, kernels in built.items()}
+            medians = interleaved_medians(calls, repeats=100)
+            print(f"{heads}/{kv_heads} n={n} L={length}: " + ", ".join(f"{v} {s * 1e6:.0f} us" for v, s in
+                                                                      medians.items()), flush=True)
 
 
 def gemm(thresholds: list[str]) -> None:
@@ -205,29 +207,30 @@ def gemm(thresholds: list[str]) -> None:
 
 
 def forward(variants: list[str]) -> None:
-    """Whole smollm2-135m forwards (300 cached tokens) of n new rows on each variant (NAME=VALUE,...), interleaved:
-    the measure the direct-row and GEMM limits are chosen by. Options among the variants: dtype=fp32|gguf (the
-    weights), rows=1,2,4 (the n to time; 1-16 by default)."""
+    """Whole smollm2-135m forwards of n new rows on each variant (NAME=VALUE,...), interleaved: the measure the
+    direct-row, GEMM and SDPA limits are chosen by. Options among the variants: dtype=fp32|gguf|bf16 (the weights),
+    rows=1,2,4 (the n to time; 1-16 by default), context=300 (the cached tokens)."""
     from specplan.decoder.api import load_decoder
     from specplan.decoder.model import causal_mask
 
-    options = dict(item.split("=") for item in variants if item.split("=")[0] in ("dtype", "rows"))
+    options = dict(item.split("=") for item in variants if item.split("=")[0] in ("dtype", "rows", "context"))
     variants = [v for v in variants if v.split("=")[0] not in options]
     rows = [int(n) for n in options.get("rows", "1,2,3,4,6,8,12,16").split(",")]
+    context = int(options.get("context", "300"))
     model = load_decoder(None, target="smollm2-135m", dtype=options.get("dtype", "fp32"), device="cpu").target_forward
-    cache = model.cache_for(1024, "target")
-    model.prefill(torch.randint(0, 1000, (300,)), cache, logits=False)
+    cache = model.cache_for(context + max(rows), "target")
+    model.prefill(torch.randint(0, 1000, (context,)), cache, logits=False)
     built = {variant: build(dict(item.split("=") for item in variant.split(","))) for variant in variants}
 
     def run(kernels, n: int) -> None:
         model.kernels = kernels
-        mask = causal_mask(300, n, model.dtype, "cpu") if n > 1 else None
-        model.forward(torch.arange(n) + 5, 300 + torch.arange(n), cache, mask)
+        mask = causal_mask(context, n, model.dtype, "cpu") if n > 1 else None
+        model.forward(torch.arange(n) + 5, context + torch.arange(n), cache, mask)
 
     with torch.inference_mode():
         for n in rows:
-            medians = interleaved_medians({v: partial(run, kernels, n) for v, kernels in built.items()}, repeats=9)
-            print(f"n={n}: " + ", ".join(f"{v} {s * 1e3:.0f} ms" for v, s in medians.items()), flush=True)
+            medians = interleaved_medians({v: partial(run, kernels, n) for v, kernels in built.items()}, repeats=15)
+            print(f"n={n}: " + ", ".join(f"{v} {s * 1e3:.1f} ms" for v, s in medians.items()), flush=True)
 
 
 if __name__ == "__main__":

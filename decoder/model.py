@@ -51,10 +51,6 @@ KEPT_GRAPH_CACHES = 4
 KERNEL_BLOCKS = {torch.float32: 16, torch.bfloat16: 32}
 KERNEL_VECTOR = 16
 KERNEL_FORMATS = {torch.float32: "F32", torch.bfloat16: "BF16"}  # the kernels' names (GGML's) of plain weights
-# From this many new tokens the kernels' forward attends through PyTorch's SDPA (its CPU flash attention), which beat
-# the kernels' own attention for every 2 to 512 rows over 256 to 4,096 keys on a 2-core AVX2 EPYC, fp32 and bf16; a
-# decoding step's one row stays on the kernels.
-SDPA_ROWS = 2
 
 
 class MatmulWeight(NamedTuple):
@@ -593,7 +589,7 @@ class LeanModel:
             mask = None if item.mask is None else item.mask.float()
             item_masks.append(self._layer_masks(mask, item.positions, cache, end, None))
         no_mask = torch.empty(0)
-        sdpa = len(items) == 1 and counts[0] >= SDPA_ROWS and not softcap
+        sdpa = len(items) == 1 and counts[0] >= kernels.sdpa_rows and not softcap  # the host's limit: cpu_kernels.cpp
         residual = None  # each block's output, added to x by the next norm
         for i, layer in enumerate(self.layers):
             views = [item.cache.layer_views[i] for item in items]

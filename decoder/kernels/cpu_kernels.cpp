@@ -440,7 +440,18 @@ inline const float* cache_row(const torch::Tensor& cache, int64_t head, int64_t 
   return buffer;
 }
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The attention's register-tiled fp32 paths on ymm registers (ATTENTION_YMM) run on every host with AVX2 and FMA:
+// on an Intel Xeon with AVX-512 they beat the 16-float dot products per (row, key), which wait on each sum
+// (bench/kernel_variants.py attention ATTENTION_YMM=0 ATTENTION_YMM=1: one row over 300-7,680 keys 1.1-1.5x faster).
+#ifndef ATTENTION_YMM
+#if defined(__AVX2__) && defined(__FMA__)
+#define ATTENTION_YMM 1
+#else
+#define ATTENTION_YMM 0
+#endif
+#endif
+
+#if ATTENTION_YMM
 // AVX2 paths of the attention over an fp32 cache on native ymm registers (GCC's 16-float vectors compile to slow
 // loops there, and 16 of them held at once spill): a head's scores for a few query rows, KT keys at a time, and
 // the value accumulation, the probabilities broadcast over 16-float slices of each value row.
@@ -519,6 +530,20 @@ void accumulate_values_avx2(const float* p, int64_t stride, const float* values,
 // 3 rows no faster by the GEMM, and slower on short contexts.
 #ifndef GEMM_ROWS
 #define GEMM_ROWS 4
+#endif
+
+// From this many new tokens of one sequence the forward attends through PyTorch's SDPA (its CPU flash attention)
+// rather than attention() (decoder/model.py reads it as the module's sdpa_rows). SDPA beat attention() for every 2
+// to 512 rows over 256 to 4,096 keys on a 2-core AVX2 EPYC, fp32 and bf16; on an Intel Xeon with AMX attention() is
+// ahead up to 16 rows (smollm2's fp32 forward of 2 and 4 rows over 7,680 keys 1.2x and 1.4x faster, of 4 rows over
+// 1,024 keys 1.05-1.16x) and SDPA from 32 (bench/kernel_variants.py forward SDPA_ROWS=2 SDPA_ROWS=17
+// rows=2,4,16,32 context=7680).
+#ifndef SDPA_ROWS
+#if defined(__AVX512F__) && defined(__AMX_TILE__)
+#define SDPA_ROWS 17
+#else
+#define SDPA_ROWS 2
+#endif
 #endif
 
 constexpr int64_t ATTENTION_CHUNK = 256;
@@ -606,13 +631,13 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
       const int64_t j1 = std::min(part.length, j0 + chunk), span = j1 - j0;
       const float* qh = part.q + kv * rows * d;
       const float* head_mask = part.mask ? part.mask + kv * part.mask_head : nullptr;
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if ATTENTION_YMM
       const bool native = !cache_bf16 && d % 16 == 0;
 #else
       const bool native = false;
 #endif
       if (rows < GEMM_ROWS && native) {
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if ATTENTION_YMM
         const float* head_keys = k_cache.data_ptr<float>() + kv * k_cache.stride(0);
         for (int64_t r0 = 0; r0 < rows; r0 += 3)
           with_count<3>(std::min<int64_t>(3, rows - r0), [&](auto r) {
@@ -684,7 +709,7 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
         run_max[state + r] = top;
         run_sum[state + r] = total;
       }
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if ATTENTION_YMM
       if (native) {
         const float* head_values = v_cache.data_ptr<float>() + kv * v_cache.stride(0);
         for (int64_t r0 = 0; r0 < rows; r0 += 4)
@@ -754,6 +779,7 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("sdpa_rows") = SDPA_ROWS;
   m.def("formats", [] { return std::vector<std::string>(FORMAT_NAMES, FORMAT_NAMES + FORMAT_COUNT); });
   m.def("linear", &linear);
   m.def("interleave", &interleave);
