@@ -442,7 +442,8 @@ inline const float* cache_row(const torch::Tensor& cache, int64_t head, int64_t 
 
 // The attention's register-tiled fp32 paths on ymm registers (ATTENTION_YMM) run on every host with AVX2 and FMA:
 // on an Intel Xeon with AVX-512 they beat the 16-float dot products per (row, key), which wait on each sum
-// (bench/kernel_variants.py attention ATTENTION_YMM=0 ATTENTION_YMM=1: one row over 300-7,680 keys 1.1-1.5x faster).
+// (bench/kernel_variants.py attention ATTENTION_YMM=0 ATTENTION_YMM=1: one row over 300-7,680 keys 1.1-1.5x faster;
+// unmeasured on the AVX-512 EPYC).
 #ifndef ATTENTION_YMM
 #if defined(__AVX2__) && defined(__FMA__)
 #define ATTENTION_YMM 1
