@@ -7,6 +7,9 @@ roots its draft models had still to read.
 
     .venv/bin/python bench/load_in_process.py plans/qwen2.5-coder-1.5b.sequoia-v64k.cpu-2c.gguf.yaml --concurrency 8 \
         --dataset specbench:qa,math_reasoning,translation,extraction --no-chat --prompts 16 --rounds 2
+    .venv/bin/python bench/load_in_process.py plans/smollm2-135m.triforce-7680.cpu-2c-amx.fp32.batched.yaml \
+        --concurrency 1 --dataset specbench:summarization,rag --context 7680 --one-document --prompts 4 \
+        --max-new-tokens 128
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from specplan.decoder.api import Decoder, load_decoder
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.gate import StepClock
 from specplan.profiler.datasets import read_dataset, spread_sample
+from specplan.profiler.haystack import build_prompts
 from specplan.serving import WARMUP_TOKENS
 
 
@@ -89,12 +93,19 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--no-chat", action="store_true", help="raw prompts, without the chat template")
+    parser.add_argument("--context", type=int, help="long prompts of this many tokens built from --dataset's texts "
+                        "(as `plan bench --context` builds them)")
+    parser.add_argument("--one-document", action="store_true", help="the long prompts all about one document")
     parser.add_argument("--rounds", type=int, default=2, help="plan and one-token runs, their order alternating")
     args = parser.parse_args()
     plan = load_decoder(args.plan, device="cpu")
     plain = load_decoder(None, target=plan.plan.models.target, dtype=plan.plan.models.dtype, device="cpu")
-    prompts = [encode_prompt(plan.tokenizer, p.text, not args.no_chat)
-               for p in spread_sample(read_dataset(args.dataset), args.prompts)]
+    if args.context is not None:
+        prompts = [p.ids for p in build_prompts(args.dataset, plan.tokenizer, args.context, args.prompts,
+                                                not args.no_chat, one_document=args.one_document)]
+    else:
+        prompts = [encode_prompt(plan.tokenizer, p.text, not args.no_chat)
+                   for p in spread_sample(read_dataset(args.dataset), args.prompts)]
     print(f"{args.plan}: {args.dataset}{' (raw)' if args.no_chat else ''}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens at {args.concurrency} in flight")
     ratios = []

@@ -133,6 +133,7 @@ def test_requests_sitting_steps_out_keep_their_own_greedy_tokens(method, concurr
     engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: PRICE_RARELY_PAID)
     results = {c.id: c.result.tokens for c in Scheduler(engine, drafters_per_slot(make), concurrency).run(requests)}
     assert len(idle_steps) > 40
+    assert engine.recent.ratios and engine.recent.prior() * PRICE_RARELY_PAID[1] < 1  # a next request starts off
     monkeypatch.setattr(Drafter, "idle", idle)
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
