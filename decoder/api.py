@@ -28,7 +28,7 @@ from specplan.decoder.cuda_graphs import compile_forward, enable_cuda_graphs
 from specplan.decoder.draft_rules import RULE_CHAIN_TOKENS, TRTLLM_AUTO_TIERS, rule_maker
 from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import GenerationResult, SpeculativeEngine
-from specplan.decoder.gate import RecentYields, StepClock
+from specplan.decoder.gate import StepClock
 from specplan.decoder.model import SUPPORTED_ARCHITECTURES, LeanModel, ModelShape
 from specplan.decoder.offload import DEVICE_RESERVE_BYTES, STREAM_BUFFERS
 from specplan.decoder.sampling import SamplingParams
@@ -138,10 +138,8 @@ class Decoder:
         self.slot_drafters.clear()
 
     def restart(self) -> None:
-        """Fresh drafters: forget what a trie learned and what past requests' drafts yielded (so a benchmark matches an
-        offline replay)."""
+        """Fresh drafters: forget what a trie learned (so a benchmark matches an offline replay)."""
         self.engine.drafter = self.make_drafter() or self.engine.drafter
-        self.engine.recent = RecentYields()
         self.slot_drafters.clear()
 
     def drafter_for_slot(self, slot: int) -> Drafter:

@@ -13,7 +13,7 @@ import torch
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.decoder.drafters import Drafter, NoDrafter
-from specplan.decoder.gate import DraftGate, Pricing, RecentYields, StepClock
+from specplan.decoder.gate import DraftGate, Pricing, StepClock
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree, ancestor_matrix, tree_attention_mask
@@ -72,13 +72,11 @@ class SequenceRun:
                  params: SamplingParams, seed: int | None, max_new_tokens: int, stop_ids: set[int],
                  masks: TreeMasks, on_tokens: Callable[[list[int]], None] | None = None,
                  pricing: Pricing | None = None, schedule: BatchSchedule | None = None,
-                 clock: StepClock | None = None, recent: RecentYields | None = None) -> None:
+                 clock: StepClock | None = None) -> None:
         self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
         self.schedule = schedule
-        # whether to draft at each step, from this request's own drafts and its prior, the engine's recent
-        # requests' (decoder/gate.py)
-        self.gate = (DraftGate(pricing, clock, drafter.shadows, recent) if pricing is not None and drafter.gated
-                     else None)
+        # whether to draft at each step, from this request's own drafts (decoder/gate.py)
+        self.gate = DraftGate(pricing, clock, drafter.shadows) if pricing is not None and drafter.gated else None
         self.clock = clock
         drafter.drafting = True
         self.generator = torch.Generator(device=target.device).manual_seed(seed if seed is not None else 0)
@@ -167,10 +165,7 @@ class SequenceRun:
         if self.on_tokens is not None:
             self.on_tokens(new[:keep])
         self.root = next_token
-        finished = self.stop_reason == "stop" or len(self.out) >= self.max_new_tokens
-        if finished and self.gate is not None:
-            self.gate.finish()
-        return finished
+        return self.stop_reason == "stop" or len(self.out) >= self.max_new_tokens
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.out, self.prefill_seconds, time.perf_counter() - self.started,
@@ -195,7 +190,6 @@ class SpeculativeEngine:
         self.stop_ids = set(stop_ids or ())
         self.rule_name = rule
         self.masks = TreeMasks()
-        self.recent = RecentYields()  # what its requests' drafts yielded: a new request's prior (decoder/gate.py)
         self.cache: KVCache | None = None  # the current generation's (LeanModel.cache_for keeps it for the next)
 
     def rule_for(self, params: SamplingParams, drafter: Drafter | None = None) -> VerificationRule:
@@ -243,8 +237,7 @@ class SpeculativeEngine:
         if keep_prefix:
             cache.keep_prefix(prompt)
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
-                          self.stop_ids, self.masks, on_tokens, self.pricing, self.schedule, self.clock,
-                          self.recent)
+                          self.stop_ids, self.masks, on_tokens, self.pricing, self.schedule, self.clock)
         if prefill:
             run.prefill(prompt)
             run.prefill_seconds = run.started - start

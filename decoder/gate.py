@@ -4,16 +4,12 @@ A plan predicts the tokens a drafted step emits (its acceptance, measured on the
 speedup that buys over one-token decoding on the profiled machine, per batch size; a drafted step therefore costs
 tokens / speedup plain steps. A request whose text is unlike that workload yields some fraction r of the predicted
 tokens, and drafting pays for it only while r x speedup >= 1. Each request keeps its r as the mean over its last
-YIELD_WINDOW drafted steps and PRIOR_STEPS steps at its prior: the mean r of the engine's last RECENT_REQUESTS
-requests (the plan's own, r = 1, before any), so that on a load unlike the plan's a new request does not pay for
-drafted steps to learn what the ones before it learned (a TriForce request's first drafted step builds its retrieval
-cache too). Below break-even it steps without drafting (the root alone: exact as any tree is, so greedy output and
-the sampled distribution are those of the target). A drafter whose drafts cost no forward (a trie) still drafts at
-the steps it sits out, in the shadow: nothing is scored, and the text that follows tells what each such draft would
-have emitted, which enters the same mean, so the request resumes as soon as its text turns predictable. Any other
-drafts once more, to see whether it has, when such probes cost at most PROBE_SHARE of the time it sits out (counted
-on from the steps the engine's last finished request sat out at its end: a probe's yield reaches the next requests'
-prior, so the engine's drafting resumes when its load turns predictable again). With an engine's clock, the
+YIELD_WINDOW drafted steps and PRIOR_STEPS steps at the plan's own prediction (r = 1 before the first); below
+break-even it steps without drafting (the root alone: exact as any tree is, so greedy output and the sampled
+distribution are those of the target). A drafter whose drafts cost no forward (a trie) still drafts at the steps it
+sits out, in the shadow: nothing is scored, and the text that follows tells what each such draft would have emitted,
+which enters the same mean, so the request resumes as soon as its text turns predictable. Any other drafts once more,
+to see whether it has, when such probes cost at most PROBE_SHARE of the time it sits out. With an engine's clock, the
 requests sitting out probe together, at the steps numbered a multiple of the probe period: a probe costs the whole
 step a draft forward (a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of
 one each. A step whose drafter had nothing to propose (a trie without a match) cost a plain step and does not count.
@@ -58,9 +54,6 @@ PROBE_SHARE = 0.03
 MEASURED_STEPS = 16
 # Steps of each kind timed before their ratio replaces the plan's price
 MEASURED_AT_LEAST = 4
-# The finished requests whose yields a new request's prior is the mean of: recent enough to follow a change of load,
-# enough that one odd request does not decide for the next
-RECENT_REQUESTS = 8
 
 # (batch size, the request's context) -> (predicted tokens per step, speedup) or None
 Pricing = Callable[[int, int], "tuple[float, float] | None"]
@@ -121,38 +114,15 @@ class StepClock:
         return statistics.median(self.seconds[(batch, True)]) / statistics.median(self.seconds[(batch, False)])
 
 
-class RecentYields:
-    """What the engine's recent requests' drafts yielded: each finished request's mean yield ratio (its drafted steps'
-    tokens, and its shadow drafts', over the plan's prediction), whose mean is the prior a new request starts from
-    (the plan's own, 1, before any), and the steps the last of them ended sitting out, which the next one goes on
-    counting toward a probe (a request of a few dozen steps would otherwise never sit out long enough for one)."""
-
-    def __init__(self) -> None:
-        self.ratios: deque[float] = deque(maxlen=RECENT_REQUESTS)
-        self.idle_steps = 0
-
-    def prior(self) -> float:
-        return statistics.mean(self.ratios) if self.ratios else 1.0
-
-    def add(self, yields: deque[float], idle_steps: int) -> None:
-        if yields:
-            self.ratios.append(statistics.mean(yields))
-        self.idle_steps = idle_steps
-
-
 class DraftGate:
-    """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted, drafted)` after it, `finish()`
-    at its end."""
+    """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted, drafted)` after it."""
 
-    def __init__(self, pricing: Pricing, clock: StepClock | None = None, shadowed: bool = False,
-                 recent: RecentYields | None = None) -> None:
+    def __init__(self, pricing: Pricing, clock: StepClock | None = None, shadowed: bool = False) -> None:
         self.pricing = pricing
         self.clock = clock  # the engine's measured step costs; None: the plan's price alone
         self.shadowed = shadowed  # its drafter drafts in the shadow of the steps it sits out: it never probes
-        self.recent = recent  # the engine's recent requests: this one's prior; None: the plan's
-        self.prior = recent.prior() if recent is not None else 1.0
         self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
-        self.idle_steps = recent.idle_steps if recent is not None else 0
+        self.idle_steps = 0
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
         self.drafting = True
         # the last decision's grounds: what its drafted step should emit, at what price in plain steps; whether the
@@ -161,8 +131,8 @@ class DraftGate:
 
     @property
     def yield_ratio(self) -> float:
-        """r: the request's tokens per drafted step over the plan's prediction (its prior before its first)."""
-        return (PRIOR_STEPS * self.prior + sum(self.yields)) / (PRIOR_STEPS + len(self.yields))
+        """r: the request's tokens per drafted step over the plan's prediction (1 before its first)."""
+        return (PRIOR_STEPS + sum(self.yields)) / (PRIOR_STEPS + len(self.yields))
 
     def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None) -> bool:
         """Whether the request (`context` tokens so far, `remaining` still to emit) drafts at the coming step of
@@ -227,11 +197,6 @@ class DraftGate:
         target's next token)."""
         if self.drafting and self.priced is not None and drafted > 0:
             self.yields.append(emitted / self.priced[0])
-
-    def finish(self) -> None:
-        """The request is done: what its drafts yielded, to the engine's recent requests."""
-        if self.recent is not None:
-            self.recent.add(self.yields, self.idle_steps)
 
     def observe_shadow(self, emitted: int) -> None:
         """A step the request sat out would have emitted `emitted` tokens had it drafted (Drafter.shadow_yields)."""

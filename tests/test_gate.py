@@ -13,14 +13,7 @@ from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Predictio
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.drafters import Drafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.gate import (
-    MEASURED_AT_LEAST,
-    PROBE_SHARE,
-    DraftGate,
-    RecentYields,
-    StepClock,
-    one_kind_of_step,
-)
+from specplan.decoder.gate import MEASURED_AT_LEAST, PROBE_SHARE, DraftGate, StepClock, one_kind_of_step
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 
@@ -51,35 +44,6 @@ def test_a_request_stops_drafting_when_its_drafts_fail_and_probes_again():
     for _ in range(10):
         assert unpriced.drafts(8, 100)
         unpriced.observe(1, 4)
-
-
-def test_a_new_request_starts_from_what_the_engines_recent_requests_yielded():
-    """Requests of 20 steps whose drafts yield a third of the prediction (a drafted step costs 2 plain ones): the first
-    learns it in a few drafted steps, the next ones start from its yield and sit out from their first step, probing
-    at PROBE_SHARE of the steps the engine sat out, across requests; once the text turns predictable, a probe that lands
-    raises the prior, and within a few requests they draft from their first step."""
-    recent = RecentYields()
-
-    def serve(emitted_when_drafted: int) -> list[bool]:
-        gate = DraftGate(lambda batch, context: (3.0, 1.5), recent=recent)
-        decisions = []
-        for _ in range(20):
-            decisions.append(gate.drafts(1, 100))
-            gate.observe(emitted_when_drafted if decisions[-1] else 1, 4 if decisions[-1] else 0)
-        gate.finish()
-        return decisions
-
-    first = serve(1)
-    assert first[:2] == [True, True] and not any(first[5:])
-    assert recent.prior() == pytest.approx(1 / 3)
-    failing = [serve(1) for _ in range(6)]
-    assert not any(decisions[0] for decisions in failing)
-    probes = sum(sum(decisions) for decisions in failing)
-    sat_out = (20 - sum(first)) + len(failing) * 20  # none would probe without counting on across requests
-    assert sat_out // math.ceil(1.0 / PROBE_SHARE) <= probes <= sat_out // math.ceil(1.0 / PROBE_SHARE) + 1
-    landing = [serve(3) for _ in range(6)]
-    assert not landing[0][0]
-    assert all(landing[-1])  # its probes landed
 
 
 def test_skewed_yields_that_pay_on_average_keep_drafting():
@@ -133,7 +97,6 @@ def test_requests_sitting_steps_out_keep_their_own_greedy_tokens(method, concurr
     engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: PRICE_RARELY_PAID)
     results = {c.id: c.result.tokens for c in Scheduler(engine, drafters_per_slot(make), concurrency).run(requests)}
     assert len(idle_steps) > 40
-    assert engine.recent.ratios and engine.recent.prior() * PRICE_RARELY_PAID[1] < 1  # a next request starts off
     monkeypatch.setattr(Drafter, "idle", idle)
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
