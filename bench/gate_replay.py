@@ -18,11 +18,9 @@ import argparse
 import statistics
 
 from specplan.core.plan_schema import Plan, load_plan
-from specplan.core.prompts import encode_prompt
 from specplan.decoder.api import Decoder, load_decoder
 from specplan.decoder.batching import Request
-from specplan.profiler.datasets import read_dataset, spread_sample
-from specplan.profiler.haystack import build_prompts
+from specplan.profiler.haystack import served_prompts
 
 
 def priced_run(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, plan: Plan) -> dict[str, float | list]:
@@ -65,12 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     plan = load_plan(args.plan)
     decoder = load_decoder(args.plan, device="cpu")
-    if args.context is not None:
-        prompts = [p.ids for p in build_prompts(args.dataset, decoder.tokenizer, args.context, args.prompts,
-                                                not args.no_chat, one_document=args.one_document)]
-    else:
-        prompts = [encode_prompt(decoder.tokenizer, p.text, not args.no_chat)
-                   for p in spread_sample(read_dataset(args.dataset), args.prompts)]
+    prompts = served_prompts(args.dataset, decoder.tokenizer, args.prompts, not args.no_chat, args.context,
+                             args.one_document)
     decoder.engine.clock = None  # the decisions on the plan's price alone, whatever the steps take here
     pricing = decoder.engine.pricing
     decided = priced_run(decoder, prompts, args.max_new_tokens, plan)

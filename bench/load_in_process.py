@@ -19,12 +19,10 @@ import statistics
 import time
 from collections import defaultdict
 
-from specplan.core.prompts import encode_prompt
 from specplan.decoder.api import Decoder, load_decoder
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.gate import StepClock
-from specplan.profiler.datasets import read_dataset, spread_sample
-from specplan.profiler.haystack import build_prompts
+from specplan.profiler.haystack import served_prompts
 from specplan.serving import WARMUP_TOKENS
 
 
@@ -100,12 +98,8 @@ def main() -> None:
     args = parser.parse_args()
     plan = load_decoder(args.plan, device="cpu")
     plain = load_decoder(None, target=plan.plan.models.target, dtype=plan.plan.models.dtype, device="cpu")
-    if args.context is not None:
-        prompts = [p.ids for p in build_prompts(args.dataset, plan.tokenizer, args.context, args.prompts,
-                                                not args.no_chat, one_document=args.one_document)]
-    else:
-        prompts = [encode_prompt(plan.tokenizer, p.text, not args.no_chat)
-                   for p in spread_sample(read_dataset(args.dataset), args.prompts)]
+    prompts = served_prompts(args.dataset, plan.tokenizer, args.prompts, not args.no_chat, args.context,
+                             args.one_document)
     print(f"{args.plan}: {args.dataset}{' (raw)' if args.no_chat else ''}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens at {args.concurrency} in flight")
     ratios = []

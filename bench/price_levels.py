@@ -16,9 +16,7 @@ import argparse
 from specplan.core.choices import REQUESTS_PER_CLIENT
 from specplan.core.models import load_model
 from specplan.core.plan_schema import load_plan
-from specplan.core.prompts import encode_prompt
-from specplan.profiler.datasets import read_dataset, spread_sample
-from specplan.profiler.haystack import build_prompts
+from specplan.profiler.haystack import served_prompts
 from specplan.serving import load_levels, prompts_at_level, serving_prices
 
 
@@ -42,12 +40,8 @@ def main() -> None:
                        if level.system.startswith("setting-")})
     prices = serving_prices(plan, settings, args.max_new_tokens, args.requests_per_client, print)
     tokenizer = load_model(plan.models.target, plan.models.dtype or "fp32").tokenizer
-    if args.context:
-        prompts = [p.ids for p in build_prompts(args.dataset, tokenizer, args.context, args.prompts, not args.no_chat,
-                                                one_document=args.one_document)]
-    else:
-        prompts = [encode_prompt(tokenizer, p.text, not args.no_chat)
-                   for p in spread_sample(read_dataset(args.dataset), args.prompts)]
+    prompts = served_prompts(args.dataset, tokenizer, args.prompts, not args.no_chat, args.context or None,
+                             args.one_document)
     for level in sorted(levels, key=lambda level: (level.concurrency, level.system)):
         price = prices.get(level.system)
         if price is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from specplan.core.errors import UserError
 from specplan.core.prompts import encode_prompt
-from specplan.profiler.datasets import read_dataset
+from specplan.profiler.datasets import read_dataset, spread_sample
 
 NEEDLES = [
     ("The secret ingredient in Grandma Ola's lemon cake is a spoonful of cardamom.",
@@ -112,3 +112,12 @@ def _planted(document: str, needle: str, fraction: float) -> str:
     """`needle` after the last sentence ending before `fraction` of the document."""
     cut = document.rfind(". ", 0, int(len(document) * fraction)) + 2
     return document[:cut] + needle + " " + document[cut:]
+
+
+def served_prompts(dataset: str | Path, tokenizer: Any, count: int, chat: bool = True, context: int | None = None,
+                   one_document: bool = False) -> list[list[int]]:
+    """The token ids a serving benchmark sends: `count` prompts of `dataset` spread over its categories, or with
+    `context`, long prompts of that many tokens built from its texts (build_prompts)."""
+    if context is not None:
+        return [p.ids for p in build_prompts(dataset, tokenizer, context, count, chat, one_document=one_document)]
+    return [encode_prompt(tokenizer, p.text, chat) for p in spread_sample(read_dataset(dataset), count)]

@@ -33,6 +33,7 @@ from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
 from specplan.core.plan_schema import Plan
 from specplan.planner.export import EXPORT_FORMATS, VLLM_METHODS
 from specplan.profiler.datasets import DATASETS
+from specplan.profiler.haystack import served_prompts
 
 PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
                 + ") or PATH[:category[,...]]: a Spec-Bench-style .jsonl, a .txt file or a folder of them")
@@ -1008,10 +1009,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     from specplan.core.machine import machine_label, this_machine
     from specplan.core.models import cache_dir, load_model
     from specplan.core.plan_schema import load_plan
-    from specplan.core.prompts import encode_prompt
     from specplan.llamacpp import FILE_TYPES
-    from specplan.profiler.datasets import read_dataset, spread_sample
-    from specplan.profiler.haystack import build_prompts
     from specplan.serving import (
         System,
         exported_llama_server_flags,
@@ -1051,12 +1049,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     dtype = dtype or (plan.models.dtype if plan else None) or "fp32"
     draft = draft or (plan.models.draft if plan else None)
     loaded = load_model(target, dtype, log=_progress)
-    if context is not None:  # long prompts built from a dataset's texts, as `plan bench --context` builds them
-        encoded = [p.ids for p in build_prompts(dataset, loaded.tokenizer, context, prompts, chat,
-                                                one_document=one_document)]
-    else:
-        encoded = [encode_prompt(loaded.tokenizer, p.text, chat)
-                   for p in spread_sample(read_dataset(dataset), prompts)]
+    encoded = served_prompts(dataset, loaded.tokenizer, prompts, chat, context, one_document)
     slot = slot_context(encoded, max_new_tokens)
     threads = os.cpu_count() or 1
     prices = serving_prices(plan, settings, max_new_tokens, requests_per_client, _progress) if plan else {}
