@@ -244,7 +244,7 @@ class HierarchicalDrafter(Drafter):
     """Bottom drafter -> target over a retrieval cache -> (the engine's) target over the full cache. A schedule's
     setting (`draft_nodes`) is the chain's length, gamma2 = nodes - 1, at most the plan's; a step it sits out (the
     schedule off, its drafts declined) verifies the root alone while the bottom and the retrieval cache keep up with
-    the text."""
+    the text. A sequence's first step is such a step: its forward gives the query of the first build."""
 
     draws = (DETERMINISTIC, WITHOUT_REPLACEMENT)
     gated = True
@@ -262,6 +262,10 @@ class HierarchicalDrafter(Drafter):
         self.queries = torch.zeros(target.shape.layers, target.shape.heads, target.shape.head_dim,
                                    dtype=target.dtype, device=target.device)
         self.full: KVCache | None = None
+        # `queries` hold a verified step root's: a sequence's first step is plain, and its forward over the full cache
+        # gives the query its first build scores with (no forward of its own, and the first token comes at a plain
+        # step's latency)
+        self.queried = False
         self.built = False  # the retrieval cache holds a selection of the bound full cache
         self.rebuild_due = False
         self.told = 0  # chain tokens the bottom holds as committed beyond the root, set by propose
@@ -284,20 +288,14 @@ class HierarchicalDrafter(Drafter):
         `self.queries`: the next build's selection."""
         self.full = target_cache
         self.full.root_queries = self.queries
-        self.built = False
+        self.queried = self.built = False
 
     @staticmethod
     @torch.inference_mode()
-    def _ensure_retrieval(drafters: list[HierarchicalDrafter], roots: list[int]) -> None:
-        """Each drafter's retrieval cache ready for its next round: built at the end of prefill from the query of
-        the prompt's last token (scored, not committed; one batched forward for the sequences that start), or
-        rebuilt when due since the last step's update, scored with that step root's query (built only now, so
-        that a generation's last step pays for none)."""
-        starting = [(drafter, root) for drafter, root in zip(drafters, roots) if not drafter.built]
-        if starting:
-            forward_all(drafters[0].target, [
-                ForwardItem(torch.tensor([root]), torch.tensor([drafter.full.length]), drafter.full, None, slice(0, 0))
-                for drafter, root in starting])
+    def _ensure_retrieval(drafters: list[HierarchicalDrafter]) -> None:
+        """Each drafter's retrieval cache ready for its next round: built at its sequence's first drafted step, or
+        rebuilt when due since the last step's update, scored with the last step root's query either way (built
+        only now, so that a generation's last step pays for none)."""
         for drafter in drafters:
             drafter.started_now = not drafter.built
             if not drafter.built or drafter.rebuild_due:
@@ -309,7 +307,7 @@ class HierarchicalDrafter(Drafter):
         self.gamma2 = min(nodes, self.planned_gamma2 + 1) - 1
 
     def drafts_now(self) -> bool:
-        return self.drafting and self.gamma2 > 0
+        return self.drafting and self.gamma2 > 0 and self.queried
 
     def idle(self, root):
         self.bottom.extend([root])  # the root is committed text to the bottom, whatever the target emits after it
@@ -330,7 +328,7 @@ class HierarchicalDrafter(Drafter):
         """The chains of several sequences, their rounds in step: each round, the bottoms draft (together where
         they batch), then one batched middle forward scores every sequence's proposal over its own retrieval
         cache; a sequence leaves the rounds once it holds gamma2 tokens."""
-        HierarchicalDrafter._ensure_retrieval(drafters, roots)
+        HierarchicalDrafter._ensure_retrieval(drafters)
         chains = [_MiddleChain(*args) for args in zip(drafters, roots, params, generators)]
         while active := [chain for chain in chains if not chain.done]:
             proposals = propose_all([c.drafter.bottom for c in active], [c.mid_root for c in active],
@@ -342,6 +340,7 @@ class HierarchicalDrafter(Drafter):
         return [chain.finish() for chain in chains]
 
     def update(self, tree, accepted, next_token):
+        self.queried = True
         if tree.size == 1:  # a step sat out: the retrieval cache takes the root (where built), the bottom has it
             self._insert(len(accepted))
             return

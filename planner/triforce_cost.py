@@ -66,11 +66,11 @@ stop token), the planner replays them instead, backwards over the positions of e
                      + sum_j P_j(p) * time(p + j + 1),   time(p) = 0 past the continuation's end,
 
 and likewise the expected step count (the streaming draft: the same replay with gamma1 = 0 over its own
-trace, each round one draft at c_s). Each continuation also pays its first build: the target's forward of the
-last prompt token over the full cache, whose query scores the chunks (t(1, L)), and b(L, B); and a streaming
-or model drafter's window prefill w. Then
+trace, each round one draft at c_s). A continuation's first step is plain (the decoder's: its forward over the
+full cache gives the query that scores the chunks), t(1, L) for its first token, then drafted steps from
+position 1 and its first build, b(L, B); a streaming or model drafter also prefills its window, w. Then
 
-    time per token = [sum of (time(0) + t(1, L) + b(L, B) + w + floor((N - 1) / R') b(L, B))] / sum of N,
+    time per token = [sum of (t(1, L) + time(1) + b(L, B) + w + floor((N - 1) / R') b(L, B))] / sum of N,
 
 over the continuations, of N tokens each (a rebuild falls due after the tokens of a step are inserted and
 is built when the next step starts, so none follows the last token; the streaming draft has neither builds
@@ -170,7 +170,7 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: TriForceEntry,
     if bottom_seconds is None:
         gamma1, window_prefill = 0, 0.0
     round_cost = _round_cost(profile, entry, gamma1, bottom_seconds)
-    tokens = steps = seconds = ar_seconds = chains = 0.0
+    tokens = drafted_tokens = steps = seconds = ar_seconds = chains = 0.0
     for trace in entry.traces:
         length = len(trace.middle)
         if length not in top_costs:
@@ -178,8 +178,9 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: TriForceEntry,
         table = top_costs[length]
         runs = trace.bottom_runs[gamma1 - 1] if trace.bottom_runs is not None and gamma1 else NO_RUNS
         trace_seconds, trace_steps, mean_chain = _replay_trace(trace.middle, trace.bottom, runs, gamma1,
-                                                               gamma2, round_cost, table)
+                                                               gamma2, round_cost, table, PLAIN_FIRST)
         tokens += length
+        drafted_tokens += length - PLAIN_FIRST
         steps += trace_steps
         seconds += trace_seconds
         ar_seconds += table[1].sum()
@@ -188,8 +189,10 @@ def evaluate_traces(profile: LatencyProfile, context: int, entry: TriForceEntry,
     build = build_seconds(profile, context, entry.budget)
     rebuilds = sum((len(trace.middle) - 1) // refill(entry) for trace in entry.traces)
     per_token = (seconds + len(entry.traces) * (t1 + build + window_prefill) + rebuilds * build) / tokens
+    # a drafted step's yield and time (the plain first steps apart)
+    tokens_per_step, step_seconds = (drafted_tokens / steps, seconds / steps) if steps else (1.0, t1)
     return TriForceCandidate(gamma1, gamma2, entry.budget, entry.chunk, entry.stride, entry.middle,
-                             entry.bottom, chains / tokens, tokens / steps, seconds / steps, per_token,
+                             entry.bottom, chains / tokens, tokens_per_step, step_seconds, per_token,
                              (ar_seconds / tokens) / per_token)
 
 
@@ -198,22 +201,25 @@ def setting_price(profile: LatencyProfile, context: int, entry: TriForceEntry, g
     """One sequence's step at (gamma1, gamma2) in a batch's price (planner/closed_loop.py): the tokens per step, the
     chain's rows and the middle rounds, replayed over the traces as above; the rounds' bottom drafts (batched draft
     forwards over the StreamingLLM window for a model bottom, a trie's per sequence) and the retrieval cache's builds
-    spread over the tokens they cover (b(L, B) / R' per token); the first build (t(1, L) + b(L, B)) and a model
-    bottom's window prefill w once per request. A batch's middle rounds are priced at each sequence's mean count."""
+    spread over the tokens they cover (b(L, B) / R' per token); the plain first step and the first build (t(1, L) +
+    b(L, B)) and a model bottom's window prefill w once per request (the drafted steps are replayed from position 1
+    and priced for every token: the first step's is left to them). A batch's middle rounds are priced at each
+    sequence's mean count."""
     if bottom_seconds is None:
         gamma1 = 0
     length_of = {len(trace.middle) for trace in entry.traces}
     rounds_only = {n: np.zeros((largest_profiled_n(profile) + 1, n)) for n in length_of}  # forwards priced at 0
-    tokens = steps = rounds = chains = 0.0
+    tokens = drafted_tokens = steps = rounds = chains = 0.0
     for trace in entry.traces:
         runs = trace.bottom_runs[gamma1 - 1] if trace.bottom_runs is not None and gamma1 else NO_RUNS
         trace_rounds, trace_steps, mean_chain = _replay_trace(trace.middle, trace.bottom, runs, gamma1, gamma2, 1.0,
-                                                              rounds_only[len(trace.middle)])
+                                                              rounds_only[len(trace.middle)], PLAIN_FIRST)
         tokens += len(trace.middle)
+        drafted_tokens += len(trace.middle) - PLAIN_FIRST
         steps += trace_steps
         rounds += trace_rounds
         chains += mean_chain * len(trace.middle)
-    tokens_per_step, rounds_per_step = tokens / steps, rounds / steps
+    tokens_per_step, rounds_per_step = (drafted_tokens / steps, rounds / steps) if steps else (1.0, 0.0)
     build = build_seconds(profile, context, entry.budget)
     first_build = _forward_seconds(profile, 1, context) + build
     host = tokens_per_step * build / refill(entry)
@@ -240,7 +246,7 @@ def evaluate_streaming(profile: LatencyProfile, context: int, record: StreamingR
             top_costs[length] = _top_costs(profile, context, length)
         table = top_costs[length]
         trace_seconds, trace_steps, _ = _replay_trace(trace, np.ones(length), NO_RUNS, 0, gamma, seconds_per_draft,
-                                                      table)
+                                                      table, 0)
         tokens += length
         steps += trace_steps
         seconds += trace_seconds
@@ -274,13 +280,16 @@ def _top_costs(profile: LatencyProfile, context: int, length: int) -> np.ndarray
 
 
 NO_RUNS = np.zeros(0, dtype=np.int64)
+# The position a hierarchy's first drafted step starts at: its first step is plain (decoder/triforce.py)
+PLAIN_FIRST = 1
 
 
 @njit(cache=True)
 def _replay_trace(middle: np.ndarray, bottom: np.ndarray, runs: np.ndarray, gamma1: int, gamma2: int,
-                  round_cost: float, top_costs: np.ndarray) -> tuple[float, float, float]:
-    """Expected (seconds, steps) to emit one continuation, and its mean chain length (see the docstring).
-    `runs` is empty where the bottom's runs come from its per-position acceptances `bottom`."""
+                  round_cost: float, top_costs: np.ndarray, first: int) -> tuple[float, float, float]:
+    """Expected (seconds, steps) to emit one continuation from position `first` on, and its mean chain length over
+    all positions (see the docstring). `runs` is empty where the bottom's runs come from its per-position
+    acceptances `bottom`."""
     length = len(middle)
     largest = top_costs.shape[0] - 1
     bottom_mean = bottom.mean()
@@ -318,7 +327,7 @@ def _replay_trace(middle: np.ndarray, bottom: np.ndarray, runs: np.ndarray, gamm
             run *= accept
         seconds[p] = rounds * round_cost + top_costs[min(chain + 1, largest), p] + expected_seconds
         steps[p] = 1.0 + expected_steps
-    return seconds[0], steps[0], chain_sum / length
+    return seconds[first], steps[first], chain_sum / length
 
 
 def bottom_draft_seconds(bottom: str, profile: LatencyProfile, streaming_cache: int) -> float:

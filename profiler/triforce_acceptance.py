@@ -1,10 +1,11 @@
 """`plan accept triforce`: how well each level of the TriForce hierarchy predicts the one above, on long prompts.
 
 For each long prompt, the target (full cache) generates its own continuation. Then, for every (budget,
-chunk, stride) on the grid, the middle level (the target over a retrieval cache built at the end of prefill
-from the last prompt token's query) is run over that continuation in segments of `segment` tokens (or in
-the steps of the plan it was decoded with), teacher forced, with the segment's tokens written over the
-lowest-ranked slots afterwards and rebuilds every `stride` tokens, as the decoder does. Per position, the
+chunk, stride) on the grid, the middle level (the target over a retrieval cache built after the decoder's plain
+first step, from that step root's query: the last prompt token's) is run over that continuation in segments of
+`segment` tokens (or in the steps of the plan it was decoded with), teacher forced, with the segment's tokens
+written over the lowest-ranked slots afterwards and rebuilds every `stride` tokens, as the decoder does. The first
+token, which the decoder's plain step emits, is scored over a cache built before it. Per position, the
 middle level's acceptance is 1[argmax p_hat = argmax p] at T = 0 and sum_x min(p, p_hat) otherwise; the
 bottom drafter's acceptance against the middle level is measured the same way (the trie's first proposal, or
 the draft model over a StreamingLLM cache). The continuation ends at a stop token, as decoding does. Each
@@ -99,15 +100,20 @@ def _middle_logits(target: LeanModel, full, prompt_length: int, sequence: list[i
                    settings: RetrievalSettings, segments: list[int]) -> torch.Tensor:
     """Teacher-forced middle-level logits for every continuation token (row i predicts continuation[i]), in
     `segments` (a decoder's steps: each is forwarded over the cache, then written into it). Rebuilds score
-    with the target's query of the segment's first token: a decoder's step root."""
+    with the target's query of the segment's first token: a decoder's step root. The first segment is the
+    decoder's plain first step, one token: its row comes from a cache built before it, which it is not written
+    into; the decoder's first build comes after it."""
     retrieval = RetrievalCache(target, settings, scratch=max(segments) + 1)
     committed = full.length
-    full.length = prompt_length - 1
-    retrieval.build(full, queries[0])
-    rows = []
-    end = len(sequence) - 1  # the last continuation token predicts nothing we score
     start = prompt_length - 1
-    for segment in segments:
+    full.length = start
+    retrieval.build(full, queries[0])
+    rows = [target.forward(torch.tensor(sequence[start:start + 1]), torch.tensor([start]), retrieval.cache,
+                           None).float()]
+    start = full.length = prompt_length
+    retrieval.build(full, queries[0])
+    end = len(sequence) - 1  # the last continuation token predicts nothing we score
+    for segment in segments[1:]:
         if start >= end:
             break
         piece = sequence[start:min(start + segment, end)]
@@ -206,7 +212,7 @@ def measure_triforce(target: LeanModel, prompts: list[LongPrompt], grid: list[tu
         full, target_rows, continuation, queries = _continuation(target, prompt.ids, max_new_tokens, params,
                                                                  generator, stop_ids, given)
         sequence = prompt.ids + continuation
-        segments = steps or [segment] * len(continuation)
+        segments = steps or [1] + [segment] * len(continuation)  # the decoder's first step is plain
         bottom_out = _bottom_logits_or_tokens(bottom, sequence, len(prompt.ids)) if bottom.kind != "none" else None
         drafts = _trie_drafts(drafters, prompt.ids, continuation) if trie_runs else {}
         streaming_rows = bottom_out if bottom.kind == "model" else _bottom_logits_or_tokens(
@@ -300,6 +306,7 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
     if decode_with is not None:
         plan_settings = _check_triforce_plan(decode_with, target_name, dtype, params, contexts)
         decoder = load_decoder(decode_with, target=target_name, dtype=dtype, log=log)
+        decoder.fix_setting(plan_settings["gamma2"] + 1)  # its own chain at every step: what its replay takes
         target = decoder.target
     else:
         target = load_model(target_name, dtype, log=log)

@@ -26,7 +26,7 @@ from toy import (
     VOCAB,
     assert_distributed_as_target,
     drafters_per_slot,
-    first_two_distribution,
+    first_tokens_distribution,
     hf_greedy,
     long_prompt,
     one_error,
@@ -290,7 +290,7 @@ def test_sampled_requests_sharing_steps_are_distributed_as_the_target(concurrenc
         if requests[completion.id].prompt == measured:
             tokens = completion.result.tokens
             counts[tokens[0], tokens[1]] += 1
-    assert_distributed_as_target(counts, first_two_distribution(target_hf, measured, params))
+    assert_distributed_as_target(counts, first_tokens_distribution(target_hf, measured, params))
 
 
 def write_requests(tmp_path, lines: list[str]):

@@ -15,8 +15,8 @@ from specplan.planner.engines import TRTLLM_EAGLE_LAYERS, engine_rules
 from specplan.planner.sequoia import SequoiaTables, engine_tables
 
 SEQUOIA_ACCEPTANCE = "acceptance/qwen2.5-coder-1.5b+0.5b-v64k.sequoia.specbench.t0.bf16.yaml"
-TRIFORCE_PLAN = "plans/smollm2-135m.triforce-7680.cpu-2c-avx2.fp32.yaml"
-TRIFORCE_ACCEPTANCE = "acceptance/smollm2-135m.triforce.haystack.cpu-2c-avx2.fp32.decoded-7680.yaml"
+TRIFORCE_PLAN = "plans/smollm2-135m.triforce-7680.cpu-2c-amx.fp32.batched.yaml"
+TRIFORCE_ACCEPTANCE = "acceptance/smollm2-135m.triforce.haystack.cpu-2c-amx.fp32.decoded-7680.yaml"
 
 
 def test_the_exact_dp_under_tensorrt_llms_limit_beats_the_filter_it_replaced():
@@ -38,10 +38,10 @@ def test_the_exact_dp_under_tensorrt_llms_limit_beats_the_filter_it_replaced():
 
 
 def replayed_steps(middle: list[int], runs: list[int], gamma2: int) -> list[int]:
-    """The tokens each step emits on the path a greedy TriForce plan's traces replay (planner/triforce.py): middle
-    rounds of 1 + (the bottom's run of accepted drafts) tokens until the chain holds gamma2, then the top keeps the
-    chain up to the middle level's first miss, plus one token."""
-    emitted, p = [], 0
+    """The tokens each step emits on the path a greedy TriForce plan's traces replay (planner/triforce.py): the
+    first step's one (it is plain), then middle rounds of 1 + (the bottom's run of accepted drafts) tokens until the
+    chain holds gamma2, and the top keeps the chain up to the middle level's first miss, plus one token."""
+    emitted, p = [1], 1
     while p < len(middle):
         chain, q = 0, p
         while chain < gamma2:
@@ -68,6 +68,7 @@ def test_a_greedy_triforce_plan_emits_as_its_replay_says():
 
     decoder = load_decoder(TRIFORCE_PLAN, device="cpu")
     settings = decoder.plan.settings
+    decoder.fix_setting(settings.gamma2 + 1)  # the plan's own chain at every step, as it was decoded with
     acceptance = load_triforce_acceptance(TRIFORCE_ACCEPTANCE)
     entry = next(e for e in acceptance.entries if (e.context, e.budget, e.chunk, e.stride)
                  == (settings.context, settings.budget, settings.chunk, settings.stride))

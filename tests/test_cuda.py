@@ -27,7 +27,7 @@ from toy import (
     VOCAB,
     assert_distributed_as_target,
     drafters_per_slot,
-    first_two_distribution,
+    first_tokens_distribution,
     hf_greedy,
     long_prompt,
     sample_first_two,
@@ -209,7 +209,7 @@ def test_sampling_on_the_gpu_is_distributed_as_the_target(hierarchy, gpu_toy_pai
     engine = SpeculativeEngine(target, drafter)  # one engine, so its caches and graphs serve every seed
     counts, accepted = sample_first_two(lambda: engine, prompt, params, 4000)
     assert accepted > 0.2
-    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+    assert_distributed_as_target(counts, first_tokens_distribution(target_hf, prompt, params))
 
 
 def test_measured_gpu_profile(run_cli, tmp_path):

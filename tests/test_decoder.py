@@ -22,11 +22,11 @@ from toy import (
     SAMPLES,
     assert_distributed_as_target,
     chi_square_p,
-    first_two_distribution,
+    first_tokens_distribution,
     hf_greedy,
     one_error,
+    sample_first_tokens_batched,
     sample_first_two,
-    sample_first_two_batched,
     toy_model,
 )
 
@@ -150,10 +150,10 @@ def test_sampled_output_is_distributed_as_the_target(rule, temperature, top_p, d
     if (rule, temperature, draft_vocab) == ("sequoia", 1.0, None):  # one request at a time
         counts, accepted = sample_first_two(lambda: engine, prompt, params, SAMPLES)
     else:  # many at once, sharing their target and draft forwards
-        counts, accepted = sample_first_two_batched(engine, lambda: SequoiaDrafter(draft, parents), prompt, params,
+        counts, accepted = sample_first_tokens_batched(engine, lambda: SequoiaDrafter(draft, parents), prompt, params,
                                                     SAMPLES)
     assert accepted > 0.2  # the tree path, not just the bonus token, is exercised
-    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+    assert_distributed_as_target(counts, first_tokens_distribution(target_hf, prompt, params))
 
 
 @pytest.mark.slow
@@ -163,7 +163,7 @@ def test_chi_square_detects_a_wrong_distribution(toy_pair):
     params = SamplingParams(temperature=1.0)
     engine = SpeculativeEngine(draft)  # autoregressive sampling from the draft
     counts, _ = sample_first_two(lambda: engine, [1, 4, 2], params, SAMPLES)
-    assert chi_square_p(counts, first_two_distribution(target_hf, [1, 4, 2], params)) < 1e-6
+    assert chi_square_p(counts, first_tokens_distribution(target_hf, [1, 4, 2], params)) < 1e-6
 
 
 def test_rules_must_match_the_drafts(tiny_pair):
@@ -246,10 +246,10 @@ def test_trie_sampling_is_distributed_as_the_target(temperature, top_p, top_k, t
     prompt = [5, 0, 3, 3]  # the trie proposes 3 after 3, a token the target draws about half the time
     settings = dict(decoding_length=6, branch_length=3, window=5, capacity=500)
     engine = trie_engine(target, **settings)
-    counts, accepted = sample_first_two_batched(engine, lambda: trie_engine(target, **settings).drafter, prompt,
+    counts, accepted = sample_first_tokens_batched(engine, lambda: trie_engine(target, **settings).drafter, prompt,
                                                 params, SAMPLES)
     assert accepted > 0.1
-    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+    assert_distributed_as_target(counts, first_tokens_distribution(target_hf, prompt, params))
 
 
 def test_bench_report_on_tiny_models(bench_tiny_sequoia):

@@ -216,8 +216,8 @@ def test_sampling_with_streamed_layers_is_distributed_as_the_target():
     from toy import (
         SAMPLES,
         assert_distributed_as_target,
-        first_two_distribution,
-        sample_first_two_batched,
+        first_tokens_distribution,
+        sample_first_tokens_batched,
         toy_model,
     )
 
@@ -227,10 +227,10 @@ def test_sampling_with_streamed_layers_is_distributed_as_the_target():
     params = SamplingParams(temperature=0.8, top_p=0.95)
     prompt, parents = [1, 4, 2, 5, 3], [-1, 0, 0, 1, 1, 2, 3]
     engine = SpeculativeEngine(target, SequoiaDrafter(draft, parents))
-    counts, accepted = sample_first_two_batched(engine, lambda: SequoiaDrafter(draft, parents), prompt, params,
+    counts, accepted = sample_first_tokens_batched(engine, lambda: SequoiaDrafter(draft, parents), prompt, params,
                                                 SAMPLES)
     assert accepted > 0.2 and target.layer_stream.copied_layers > 0
-    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+    assert_distributed_as_target(counts, first_tokens_distribution(target_hf, prompt, params))
 
 
 @pytest.mark.parametrize("target, flags, context, paper_ms", [

@@ -25,11 +25,11 @@ from toy import (
     SAMPLES,
     VOCAB,
     assert_distributed_as_target,
-    first_two_distribution,
+    first_tokens_distribution,
     hf_greedy,
     long_prompt,
     one_error,
-    sample_first_two_batched,
+    sample_first_tokens_batched,
 )
 
 
@@ -189,7 +189,8 @@ class _RoundsPerRequest(HierarchicalDrafter):
 def test_hierarchy_sampling_is_distributed_as_the_target(toy_pair):
     """The samples share their steps through the batching scheduler; each slot's drafter serves one sample after
     another, as a server keeps it: a request's reset must leave nothing of the last one. A temperature and a top-p
-    cut: both transforms of the target's distribution at once (T = 1 runs in every other method's tests)."""
+    cut: both transforms of the target's distribution at once (T = 1 runs in every other method's tests). The first
+    three tokens: a sequence's first step is plain, its first chain drafts the next two."""
     target_hf, target, draft = toy_pair
     params = SamplingParams(temperature=0.5, top_p=0.8)
     prompt = [int(x) for x in np.random.default_rng(32).integers(0, VOCAB, 40)]  # two uncertain tokens
@@ -200,12 +201,13 @@ def test_hierarchy_sampling_is_distributed_as_the_target(toy_pair):
                                           RetrievalSettings(budget=16, chunk=4, stride=8)))
         return drafters[-1]
 
-    counts, accepted = sample_first_two_batched(SpeculativeEngine(target, make()), make, prompt, params, SAMPLES)
+    counts, accepted = sample_first_tokens_batched(SpeculativeEngine(target, make()), make, prompt, params, SAMPLES,
+                                                   tokens=3)
     per_sample = np.concatenate([drafter.rounds_per_request() for drafter in drafters])
     assert len(per_sample) == SAMPLES
     middle_corrections = np.mean(per_sample > 2)  # a middle rejection cut a round
     assert accepted > 0.2 and middle_corrections > 0.1
-    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+    assert_distributed_as_target(counts, first_tokens_distribution(target_hf, prompt, params, tokens=3))
 
 
 @pytest.mark.parametrize("settings, gammas, message", [
@@ -393,10 +395,11 @@ def test_point_timer_times_a_window_prefill():
 
 
 def test_triforce_trace_replay_by_hand():
-    """Two-level, gamma2 = 2, middle trace 1 1 0 1: the top accepts the chain at 0 (tokens 0-2) and again
-    from 3 to the end: 2 steps of 2 x t(1, 264) + t(3, 4096) each (the profile is linear: t(n) = 40 + 4n ms
-    at 4096, 10 + n ms at 264). The continuation also pays its first build: the root's forward, t(1, 4096),
-    and the build itself, priced at t(1, 4096) by a profile without builds, at 5 ms by one with them."""
+    """Two-level, gamma2 = 2, middle trace 1 1 0 1: the first token comes from a plain step, t(1, 4096) (its
+    forward's query scores the first build); from 1 the top accepts the chain's first token and corrects its
+    second (tokens 1-2), then from 3 to the end: 2 drafted steps of 2 x t(1, 264) + t(3, 4096) each, 1.5 tokens
+    each (the profile is linear: t(n) = 40 + 4n ms at 4096, 10 + n ms at 264). The continuation also pays its
+    first build, priced at t(1, 4096) by a profile without builds, at 5 ms by one with them."""
     from specplan.core.profile_schema import LatencyProfile
     from specplan.planner.triforce_cost import evaluate_traces
 
@@ -404,7 +407,7 @@ def test_triforce_trace_replay_by_hand():
     entry = replace(first_entry(), traces=[TriForceTrace(np.array([1.0, 1.0, 0.0, 1.0]), np.ones(4))])
     c = evaluate_traces(profile, 4096, entry, gamma1=1, gamma2=2, bottom_seconds=None, top_costs={})
     step = 2 * 0.011 + 0.052
-    assert c.tokens_per_step == pytest.approx(2.0)
+    assert c.tokens_per_step == pytest.approx(1.5)
     assert c.step_seconds == pytest.approx(step)
     assert c.speedup == pytest.approx(0.044 / ((2 * step + 0.044 + 0.044) / 4))
     builds = {**FLAT_PROFILE["target"]["contexts"][4096], "retrieval_build_seconds": {128: 0.003, 384: 0.007}}
@@ -418,9 +421,9 @@ def test_triforce_trace_replay_by_hand():
     # step is never built.
     c = evaluate_traces(timed, 4096, replace(entry, stride=2), gamma1=1, gamma2=2, bottom_seconds=None, top_costs={})
     assert c.speedup == pytest.approx(0.044 / ((2 * step + 0.044 + 2 * 0.005) / 4))
-    # A trie bottom, gamma1 = 2, gamma2 = 3, one position: one round of 3 tokens (the bottom's trace beyond the
-    # end counts at its mean), then the top verifies the root and 3 tokens.
-    one = replace(entry, traces=[TriForceTrace(np.array([1.0]), np.array([1.0]))])
+    # A trie bottom, gamma1 = 2, gamma2 = 3, two positions: the plain first step, then one round of 3 tokens (the
+    # bottom's trace beyond the end counts at its mean), and the top verifies the root and 3 tokens.
+    one = replace(entry, traces=[TriForceTrace(np.array([1.0, 1.0]), np.array([1.0, 1.0]))])
     c = evaluate_traces(profile, 4096, one, gamma1=2, gamma2=3, bottom_seconds=0.001, top_costs={})
     assert c.chain_tokens == 3 and c.tokens_per_step == 1.0
     assert c.step_seconds == pytest.approx(2 * 0.001 + 0.013 + 0.056)
@@ -517,16 +520,17 @@ def test_bad_streaming_records_are_rejected(record, message, run_cli, write_yaml
 
 
 def test_triforce_replays_recorded_trie_runs_by_hand():
-    """gamma1 = 2, gamma2 = 3, the middle right everywhere, the trie's recorded runs 2 0 1 0 1 0 (its first
-    proposals, all wrong, would give one token per round): at 0 one round of 1 + 2 tokens, the top keeps the
-    chain and a bonus token; at 4 rounds of 1 + 1 and 1 + 4/6 (the mean run past the end), a chain of 4."""
+    """gamma1 = 2, gamma2 = 3, the middle right everywhere, the trie's recorded runs 0 2 0 1 0 1 0 (its first
+    proposals, all wrong, would give one token per round): 0 is the plain first step's; at 1 one round of 1 + 2
+    tokens, the top keeps the chain and a bonus token; at 5 rounds of 1 + 1 and 1 + 4/7 (the mean run past the
+    end), a chain of 4."""
     from specplan.core.profile_schema import LatencyProfile
     from specplan.planner.triforce_cost import evaluate_traces
 
     profile = LatencyProfile.from_dict(FLAT_PROFILE, "profile")
-    runs = np.zeros((8, 6), dtype=np.int64)
-    runs[1] = [2, 0, 1, 0, 1, 0]
-    entry = replace(first_entry(), traces=[TriForceTrace(np.ones(6), np.zeros(6), runs)])
+    runs = np.zeros((8, 7), dtype=np.int64)
+    runs[1] = [0, 2, 0, 1, 0, 1, 0]
+    entry = replace(first_entry(), traces=[TriForceTrace(np.ones(7), np.zeros(7), runs)])
     c = evaluate_traces(profile, 4096, entry, gamma1=2, gamma2=3, bottom_seconds=0.001, top_costs={})
     round_cost = 2 * 0.001 + 0.013  # t(3, 264)
     assert c.tokens_per_step == pytest.approx(3.0)
@@ -619,7 +623,7 @@ def test_accept_triforce_keeps_traces_that_solve_replays(run_cli, tmp_path):
     decoder.draft_every_step()  # the tiny model's plan may be priced below one-token decoding: its drafts declined
     steps = sum(decoder.engine.generate(p.ids, 12, SamplingParams()).steps
                 for p in build_prompts("haystack", decoder.tokenizer, 300, 2))
-    assert candidate.tokens_per_step == pytest.approx(len(middle) / steps)
+    assert candidate.tokens_per_step == pytest.approx((len(middle) - 2) / (steps - 2))  # each prompt's plain first
     report_path = tmp_path / "report.json"
     code, stdout, stderr = run_cli("bench", "--plan", plan, "--target", "tiny-random-llama", "--dataset",
                                    "haystack", "--context", "300", "--prompts", "1",
@@ -719,10 +723,10 @@ def test_bad_traces_are_rejected(trace, message, run_cli, write_yaml_file, tmp_p
 
 def test_a_triforce_schedule_prices_each_chain_length_by_hand_and_turns_off_where_the_batch_is_compute_bound(
         tmp_path):
-    """Two-level, middle trace 1 1 0 1: gamma2 = 2 takes 2 steps of 2 tokens, 2 middle rounds of one row over the
-    retrieval cache (context 264) and a top chain of 2 (3 rows); builds spread at b / R' per token, the first build
-    (the root's forward and a build, both t(1, 4096) here) once per request. With batched steps that cost in
-    proportion to their rows, drafting pays alone and not beside seven others."""
+    """Two-level, middle trace 1 1 0 1: after the plain first step, gamma2 = 2 takes 2 steps of 1.5 tokens, 2 middle
+    rounds of one row over the retrieval cache (context 264) and a top chain of 2 (3 rows); builds spread at b / R'
+    per token, the plain first step and the first build (both t(1, 4096) here) once per request. With batched steps
+    that cost in proportion to their rows, drafting pays alone and not beside seven others."""
     from specplan.core.method_settings import TriForceSettings
     from specplan.core.plan_schema import Plan, PlanModels, Prediction, load_plan, save_plan
     from specplan.core.profile_schema import LatencyProfile
@@ -738,9 +742,9 @@ def test_a_triforce_schedule_prices_each_chain_length_by_hand_and_turns_off_wher
     profile = LatencyProfile.from_dict(document, "profile")
     entry = replace(first_entry(), traces=[TriForceTrace(np.array([1.0, 1.0, 0.0, 1.0]), np.ones(4))])
     price = setting_price(profile, 4096, entry, 1, 2, "none", None, 1028)
-    assert price.tokens_per_step == pytest.approx(2.0) and price.rows == pytest.approx(3.0)
+    assert price.tokens_per_step == pytest.approx(1.5) and price.rows == pytest.approx(3.0)
     assert (price.middle_rounds, price.middle_rows, price.middle_context) == (pytest.approx(2.0), 1, 264)
-    assert price.host_seconds == pytest.approx(2.0 * 0.044 / 64)
+    assert price.host_seconds == pytest.approx(1.5 * 0.044 / 64)
     assert price.request_seconds == pytest.approx(0.044 + 0.044)
     assert step_seconds(profile, 1, price, [4096]) == pytest.approx(2 * 0.011 + 0.052 + price.host_seconds)
     settings = TriForceSettings(1, 2, 256, 8, 64, 4096, "none")

@@ -78,23 +78,30 @@ def assert_sequoia_samples_follow_the_target(target_hf, target, draft, rule: str
     prompt = [1, 4, 2, 5, 3]
     parents = [-1, 0, 0, 1, 1, 2, 3]
     engine = SpeculativeEngine(target, SequoiaDrafter(draft, parents), rule=rule)
-    counts, accepted = sample_first_two_batched(engine, lambda: SequoiaDrafter(draft, parents), prompt, params,
+    counts, accepted = sample_first_tokens_batched(engine, lambda: SequoiaDrafter(draft, parents), prompt, params,
                                                 SAMPLES)
     assert accepted > 0.2
-    assert_distributed_as_target(counts, first_two_distribution(target_hf, prompt, params))
+    assert_distributed_as_target(counts, first_tokens_distribution(target_hf, prompt, params))
 
 
 def sample_first_two(make_engine, prompt: list[int], params: SamplingParams, samples: int
                      ) -> tuple[np.ndarray, float]:
-    """Counts of the first two generated tokens over `samples` seeds, and the share of first steps that
+    """Counts of the first two generated tokens over `samples` seeds, and the share of first drafted steps that
     accepted a draft token."""
     counts = np.zeros((VOCAB, VOCAB))
     accepted = 0
     for seed in range(samples):
         result = make_engine().generate(prompt, 2, params, seed=seed)
         counts[result.tokens[0], result.tokens[1]] += 1
-        accepted += result.accepted_per_step[0] > 1
+        accepted += first_drafted_step_accepted(result)
     return counts, accepted / samples
+
+
+def first_drafted_step_accepted(result) -> bool:
+    """Whether the generation's first step that scored draft tokens accepted one (a TriForce sequence's first step
+    is plain)."""
+    drafted = next((i for i, n in enumerate(result.drafted_per_step) if n > 0), None)
+    return drafted is not None and result.accepted_per_step[drafted] > 1
 
 
 def drafters_per_slot(make_drafter, first=None):
@@ -111,25 +118,27 @@ def drafters_per_slot(make_drafter, first=None):
     return drafter_for_slot
 
 
-def sample_first_two_batched(engine, make_drafter, prompt: list[int], params: SamplingParams, samples: int,
-                             concurrency: int = SAMPLE_CONCURRENCY) -> tuple[np.ndarray, float]:
-    """sample_first_two through the continuous-batching scheduler: `concurrency` samples share every step (each
-    its own seed, drafter and cache), as requests of a server do."""
+def sample_first_tokens_batched(engine, make_drafter, prompt: list[int], params: SamplingParams, samples: int,
+                                concurrency: int = SAMPLE_CONCURRENCY, tokens: int = 2) -> tuple[np.ndarray, float]:
+    """sample_first_two through the continuous-batching scheduler, for the first `tokens` tokens (counts of
+    VOCAB ** tokens): `concurrency` samples share every step (each its own seed, drafter and cache), as requests of
+    a server do."""
     from specplan.decoder.batching import Request, Scheduler
 
-    counts = np.zeros((VOCAB, VOCAB))
+    counts = np.zeros((VOCAB,) * tokens)
     accepted = 0
     scheduler = Scheduler(engine, drafters_per_slot(make_drafter, engine.drafter), concurrency)
-    for completion in scheduler.run([Request(prompt, 2, params, seed) for seed in range(samples)]):
+    for completion in scheduler.run([Request(prompt, tokens, params, seed) for seed in range(samples)]):
         result = completion.result
-        counts[result.tokens[0], result.tokens[1]] += 1
-        accepted += result.accepted_per_step[0] > 1
+        counts[tuple(result.tokens[:tokens])] += 1
+        accepted += first_drafted_step_accepted(result)
     return counts, accepted / samples
 
 
 def assert_distributed_as_target(counts: np.ndarray, expected: np.ndarray) -> None:
-    assert chi_square_p(counts.sum(1), expected.sum(1)) > 1e-3  # the first token
-    assert chi_square_p(counts, expected) > 1e-3  # the first two tokens
+    later = tuple(range(1, counts.ndim))
+    assert chi_square_p(counts.sum(later), expected.sum(later)) > 1e-3  # the first token
+    assert chi_square_p(counts, expected) > 1e-3  # the first tokens together
 
 
 def transformers_distribution(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
@@ -147,15 +156,18 @@ def transformers_distribution(logits: torch.Tensor, params: SamplingParams) -> n
     return torch.softmax(scores.double(), -1)[0].numpy()
 
 
-def first_two_distribution(model: AutoModelForCausalLM, prompt: list[int], params: SamplingParams) -> np.ndarray:
-    """The joint distribution of the first two sampled tokens, as transformers samples them from `model`."""
+def first_tokens_distribution(model: AutoModelForCausalLM, prompt: list[int], params: SamplingParams,
+                              tokens: int = 2) -> np.ndarray:
+    """The joint distribution of the first `tokens` sampled tokens ([VOCAB] * tokens), as transformers samples them
+    from `model`."""
     with torch.inference_mode():
         first = transformers_distribution(model(torch.tensor([prompt])).logits[0, -1], params)
-        joint = np.zeros((VOCAB, VOCAB))
-        for x in range(VOCAB):
-            if first[x] > 0:
-                second = model(torch.tensor([prompt + [x]])).logits[0, -1]
-                joint[x] = first[x] * transformers_distribution(second, params)
+    if tokens == 1:
+        return first
+    joint = np.zeros((VOCAB,) * tokens)
+    for x in range(VOCAB):
+        if first[x] > 0:
+            joint[x] = first[x] * first_tokens_distribution(model, prompt + [x], params, tokens - 1)
     return joint
 
 
