@@ -20,8 +20,11 @@ A drafted step's price is the plan's until the engine has timed both kinds of st
 measured ratio at that batch size, or at the nearest one timed, scaled by the plan's prices at the two. The measure
 carries what no profile does: the server's own work between steps, and the spell the machine is in (a VM's slow
 spells slow a one-row step over a long context more than a drafted step's many rows). A batch size not yet timed has
-its first steps drafted, then plain, until a few of each are timed; drafted ones only where the price there says
-drafting pays a request at the plan's own yield (timing a loss buys nothing the estimate does not say).
+its first steps drafted, then plain, until a few of each are timed; drafted ones only where the request's own yield
+pays at the price known so far (the nearest batch size timed, else the plan's): timing a loss buys nothing the estimate
+does not say, and a batch size reached as requests join, whose steps with a prefill go untimed, had run 18 such steps
+at 7 plain steps each on a document its TriForce plan drafts badly. Where the requests of a step answer differently,
+their mean settles its kind (one_kind_of_step).
 
 A drafter that reads tokens before it can draft (a draft model's prompt, at its sequence's first drafted step; the
 tokens of the steps it sat out) has that reading priced too, once the clock has timed one: a request starts or
@@ -144,16 +147,16 @@ class DraftGate:
             self.drafting = True
             return True
         tokens, speedup = self.priced
-        step_cost, measured = self._step_cost(batch, context, tokens / speedup)
+        step_cost = self._step_cost(batch, context, tokens / speedup)
         start = self._start_cost(batch, start_tokens)
         expected = self.yield_ratio * tokens  # what its next drafted step should emit
         # drafting the remaining tokens saves remaining x (1 - step_cost / expected) plain steps; the start must be less
         start_repaid = start == 0 or remaining is None or remaining * (1.0 - step_cost / expected) > start
-        wanted = (self.clock.wanted(batch, drafted_too=not measured or tokens >= step_cost)
-                  if self.clock is not None else None)
+        # a drafted step times the clock only where this request's own yield pays at the price known so far
+        wanted = self.clock.wanted(batch, drafted_too=expected >= step_cost) if self.clock is not None else None
         self.expected, self.step_cost = expected, step_cost
         if wanted is not None and (start_repaid or not wanted):  # the few steps that time each kind
-            drafting = wanted
+            drafting, self.firm = wanted, False  # where the batch's answers differ, its mean settles the step's kind
         elif expected >= step_cost:
             drafting, self.firm = start_repaid, False
         else:
@@ -167,15 +170,15 @@ class DraftGate:
         self.drafting = drafting
         self.idle_steps = 0 if drafting else self.idle_steps + 1
 
-    def _step_cost(self, batch: int, context: int, planned: float) -> tuple[float, bool]:
-        """A drafted step's price in plain steps at `batch` sequences (the plan's: `planned`), and whether it rests on
-        the clock: measured there, else at the nearest batch size timed, scaled by the plan's prices at the two."""
+    def _step_cost(self, batch: int, context: int, planned: float) -> float:
+        """A drafted step's price in plain steps at `batch` sequences (the plan's: `planned`), on the clock where it
+        has timed one: measured there, else at the nearest batch size timed, scaled by the plan's prices at the two."""
         near = self.clock.nearest_timed(batch) if self.clock is not None else None
         if near is None:
-            return planned, False
+            return planned
         measured = self.clock.drafted_step_cost(near)
         there = self.pricing(near, context) if near != batch else None
-        return (measured * planned / (there[0] / there[1]) if there is not None else measured), True
+        return measured * planned / (there[0] / there[1]) if there is not None else measured
 
     def _start_cost(self, batch: int, start_tokens: int) -> float:
         """The drafter's reading before it drafts, in plain steps at `batch` sequences; 0 while unpriced."""

@@ -266,9 +266,9 @@ def test_an_untimed_batch_size_is_priced_from_the_nearest_timed_one():
         clock.record(2, True, 0.080)
         clock.record(2, False, 0.020)
     gate = DraftGate(lambda batch, context: prices[batch], clock)
-    assert gate._step_cost(3, 100, 2.5) == (pytest.approx(5.0), True)
+    assert gate._step_cost(3, 100, 2.5) == pytest.approx(5.0)
     assert not gate.drafts(3, 100) and clock.wanted(3, drafted_too=False) is False
-    assert gate._step_cost(4, 100, 1.0) == (pytest.approx(2.0), True)  # 4 x 1 / 2: 3 tokens pay it
+    assert gate._step_cost(4, 100, 1.0) == pytest.approx(2.0)  # 4 x 1 / 2: 3 tokens pay it
     assert gate.drafts(4, 100) and clock.wanted(4) is True
 
 
@@ -472,3 +472,18 @@ def test_a_drafted_step_is_timed_though_one_trie_has_no_match(tiny_pair):
     engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (1.2, 1.0), clock=clock)
     list(Scheduler(engine, drafters_per_slot(make), 4).run(requests))
     assert len(clock.seconds.get((4, True), ())) >= MEASURED_AT_LEAST
+
+
+def test_a_request_whose_drafts_miss_does_not_draft_to_time_the_clock():
+    """Nothing timed yet at B = 8: a request at the plan's yield drafts to time the drafted step; one whose drafts
+    emitted a third of the plan's tokens expects less than the planned price (3 tokens for 1.5x: 2 plain steps) and
+    times plain steps instead. In one step their answers differ and neither is firm: the batch's mean settles it."""
+    clock = StepClock()
+    fresh, missing = (DraftGate(lambda batch, context: (3.0, 1.5), clock) for _ in range(2))
+    for _ in range(6):
+        missing.drafts(8, 100)
+        missing.observe(1, 4)
+    assert fresh.drafts(8, 100) and not fresh.firm
+    assert not missing.drafts(8, 100) and not missing.firm and clock.wanted(8, drafted_too=False) is False
+    one_kind_of_step([fresh, missing])  # mean expected (3 + 1.5) / 2 >= 2
+    assert fresh.drafting and missing.drafting
