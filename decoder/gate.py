@@ -22,9 +22,8 @@ carries what no profile does: the server's own work between steps, and the spell
 spells slow a one-row step over a long context more than a drafted step's many rows). A batch size not yet timed has
 its first steps drafted, then plain, until a few of each are timed; drafted ones only where the request's own yield
 pays at the price known so far (the nearest batch size timed, else the plan's): timing a loss buys nothing the estimate
-does not say, and a batch size reached as requests join, whose steps with a prefill go untimed, had run 18 such steps
-at 7 plain steps each on a document its TriForce plan drafts badly. Where the requests of a step answer differently,
-their mean settles its kind (one_kind_of_step).
+does not say, and a batch size reached as requests join (their prefill steps go untimed) would time it for many steps
+(docs/design.md). Where the requests of a step answer differently, their mean settles its kind (one_kind_of_step).
 
 A drafter that reads tokens before it can draft (a draft model's prompt, at its sequence's first drafted step; the
 tokens of the steps it sat out) has that reading priced too, once the clock has timed one: a request starts or
