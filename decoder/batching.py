@@ -20,6 +20,7 @@ outputs of its slot (with one slot: exactly the one-request decoder and its offl
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -102,6 +103,9 @@ class Scheduler:
         self.step_done: list[Completion] = []
         self.next_id = 0
         self.timed_step: tuple[int, bool, float] | None = None  # the last step: (sequences, all drafted, its start)
+        # the mean yield ratio of the last step's requests with drafted steps (decoder/gate.py): a joiner's prior;
+        # None once the engine is idle
+        self.batch_yield: float | None = None
         target = engine.target
         # prefixes kept in the slots' caches: on the CPU kernels only (CUDA graphs are captured per cache state),
         # and where a prefix's keys do not depend on the whole prompt (RoPE scaled by the prompt's length; Phi-3)
@@ -167,6 +171,8 @@ class Scheduler:
             else:
                 self.running.append(entry)
         self._prefilled(chunks)
+        measured = [run.gate.yield_ratio for run in gated if run.gate.yields]
+        self.batch_yield = (statistics.mean(measured) if measured else self.batch_yield) if self.running else None
         return done
 
     def _time_last_step(self, now: float) -> None:
@@ -235,6 +241,8 @@ class Scheduler:
                 self.free_slots.insert(0, slot)
                 failed.append(Completion(waiting.id, None, str(exc)))
                 continue
+            if run.gate is not None and self.batch_yield is not None:
+                run.gate.prior = self.batch_yield
             joining.append(_Running(waiting.id, slot, run, waiting.submitted, request.prompt))
         if self.prefill_chunk:
             for entry in joining:
@@ -268,6 +276,7 @@ class Scheduler:
             self._leave(entry)
             failed.append(Completion(entry.id, None, reason))
         self.running, self.prefilling = [], []
+        self.batch_yield = None
         self.free_slots.sort()
         return failed
 

@@ -4,7 +4,7 @@ A plan predicts the tokens a drafted step emits (its acceptance, measured on the
 speedup that buys over one-token decoding on the profiled machine, per batch size; a drafted step therefore costs
 tokens / speedup plain steps. A request whose text is unlike that workload yields some fraction r of the predicted
 tokens, and drafting pays for it only while r x speedup >= 1. Each request keeps its r as the mean over its last
-YIELD_WINDOW drafted steps and PRIOR_STEPS steps at the plan's own prediction (r = 1 before the first); below
+YIELD_WINDOW drafted steps and PRIOR_STEPS steps at its prior (before the first, r is its prior); below
 break-even it steps without drafting (the root alone: exact as any tree is, so greedy output and the sampled
 distribution are those of the target). A drafter whose drafts cost no forward (a trie) still drafts at the steps it
 sits out, in the shadow: nothing is scored, and the text that follows tells what each such draft would have emitted,
@@ -15,6 +15,13 @@ step a draft forward (a draft model's, a TriForce chain's), so one forward serve
 one each. A step whose drafter had nothing to propose (a trie without a match) cost a plain step and does not count.
 How much it drafts when it does is the plan's setting at the step's batch size and the request's context (its
 schedule's entry).
+
+A request's prior is the plan's own prediction (r = 1), or, for a request joining a batch in flight, the mean r of
+the batch's requests at its last step (Scheduler): the load in flight is the best evidence of the next request's, and
+joiners at the plan's r would outvote a batch whose drafts miss (one_kind_of_step), each batch of them paying a drafted
+step to learn what the batch knew. A request joining an idle engine starts at the plan's: a benchmark's warm-up, or
+the requests of an hour ago, are no evidence (docs/design.md: a prior over finished requests locked measured requests
+out after a warm-up unlike them).
 
 A drafted step's price is the plan's until the engine has timed both kinds of step (StepClock): then it is their
 measured ratio at that batch size, or at the nearest one timed, scaled by the plan's prices at the two. The measure
@@ -125,6 +132,7 @@ class DraftGate:
         self.shadowed = shadowed  # its drafter drafts in the shadow of the steps it sits out: it never probes
         self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
         self.idle_steps = 0
+        self.prior = 1.0  # r before its first drafted step: the plan's prediction, or its batch's when it joined one
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
         self.drafting = True
         # the last decision's grounds: what its drafted step should emit, at what price in plain steps; whether the
@@ -133,8 +141,8 @@ class DraftGate:
 
     @property
     def yield_ratio(self) -> float:
-        """r: the request's tokens per drafted step over the plan's prediction (1 before its first)."""
-        return (PRIOR_STEPS + sum(self.yields)) / (PRIOR_STEPS + len(self.yields))
+        """r: the request's tokens per drafted step over the plan's prediction (its prior before its first)."""
+        return (PRIOR_STEPS * self.prior + sum(self.yields)) / (PRIOR_STEPS + len(self.yields))
 
     def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None) -> bool:
         """Whether the request (`context` tokens so far, `remaining` still to emit) drafts at the coming step of

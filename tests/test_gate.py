@@ -487,3 +487,38 @@ def test_a_request_whose_drafts_miss_does_not_draft_to_time_the_clock():
     assert not missing.drafts(8, 100) and not missing.firm and clock.wanted(8, drafted_too=False) is False
     one_kind_of_step([fresh, missing])  # mean expected (3 + 1.5) / 2 >= 2
     assert fresh.drafting and missing.drafting
+
+
+def test_a_request_joining_a_batch_takes_its_yield_as_prior_and_one_joining_an_idle_engine_the_plans(tiny_pair,
+                                                                                                      monkeypatch):
+    """At 2 in flight, a third request joins when the short second one ends: its prior is the mean r of the last
+    step's requests (the load in flight), not the plan's; once the engine is idle, the next request starts at the
+    plan's r = 1 (a warm-up's yields are no evidence of the load after it). Every request's tokens stay its own."""
+    _, target, _ = tiny_pair
+    make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
+    gen = torch.Generator().manual_seed(7)
+    motif = torch.randint(0, 250, (5,), generator=gen).tolist()
+    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (2.5, 1.2))
+    runs, priors_on_admission = [], []
+    start = engine.start
+    monkeypatch.setattr(engine, "start", lambda *args, **kwargs: runs.append(start(*args, **kwargs)) or runs[-1])
+    scheduler = Scheduler(engine, drafters_per_slot(make), 2)
+    admit = scheduler._admit
+
+    def admit_noting_the_batch_yield():
+        if scheduler.waiting and scheduler.free_slots:
+            priors_on_admission.append(scheduler.batch_yield)
+        return admit()
+
+    monkeypatch.setattr(scheduler, "_admit", admit_noting_the_batch_yield)
+    requests = [Request(motif * 4, 30), Request(motif * 3, 6), Request(motif * 2 + [9], 12)]
+    results = {c.id: c.result.tokens for c in scheduler.run(requests)}
+    assert priors_on_admission[0] is None and runs[0].gate.prior == runs[1].gate.prior == 1.0
+    joined = priors_on_admission[1]
+    assert joined is not None and joined != 1.0 and runs[2].gate.prior == joined
+    assert scheduler.batch_yield is None
+    results[3] = next(iter(scheduler.run([Request(motif * 4, 8)]))).result.tokens
+    assert runs[3].gate.prior == 1.0
+    for i, request in enumerate(requests + [Request(motif * 4, 8)]):
+        assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
+                                                                        SamplingParams()).tokens
