@@ -172,7 +172,10 @@ class Scheduler:
                 self.running.append(entry)
         self._prefilled(chunks)
         measured = [run.gate.yield_ratio for run in gated if run.gate.yields]
-        self.batch_yield = (statistics.mean(measured) if measured else self.batch_yield) if self.running else None
+        if not self.running:  # idle: the next request's load is not this one's
+            self.batch_yield = None
+        elif measured:
+            self.batch_yield = statistics.mean(measured)
         return done
 
     def _time_last_step(self, now: float) -> None:
