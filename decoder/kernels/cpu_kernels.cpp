@@ -535,12 +535,12 @@ void accumulate_values_avx2(const float* p, int64_t stride, const float* values,
 
 // From this many new tokens of one sequence the forward attends through PyTorch's SDPA (its CPU flash attention)
 // rather than attention() (decoder/model.py reads it as the module's sdpa_rows). SDPA beat attention() for every 2
-// to 512 rows over 256 to 4,096 keys on a 2-core AVX2 EPYC, fp32 and bf16; on an Intel Xeon with AMX attention() is
-// ahead up to 16 rows (smollm2's fp32 forward of 2 and 4 rows over 7,680 keys 1.2x and 1.4x faster, of 4 rows over
-// 1,024 keys 1.05-1.16x) and SDPA from 32 (bench/kernel_variants.py forward SDPA_ROWS=2 SDPA_ROWS=17
-// rows=2,4,16,32 context=7680).
+// to 512 rows over 256 to 4,096 keys on a 2-core AVX2 EPYC, fp32 and bf16. On AVX-512 hosts (an AMD EPYC and an
+// Intel Xeon with AMX) attention() is ahead up to 16 rows, most over long caches (smollm2 over 7,680 keys: fp32
+// forwards of 2 to 16 rows 1.2-1.4x faster, bf16 1.3-2.1x; over 256-1,024 keys level or ahead), and SDPA from 32
+// (bench/kernel_variants.py forward SDPA_ROWS=2 SDPA_ROWS=17 rows=2,4,8,16,32 context=7680).
 #ifndef SDPA_ROWS
-#if defined(__AVX512F__) && defined(__AMX_TILE__)
+#if defined(__AVX512F__)
 #define SDPA_ROWS 17
 #else
 #define SDPA_ROWS 2
