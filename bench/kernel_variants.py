@@ -3,7 +3,8 @@ more than ROW_TILE activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how f
 is requested; GEMM_ROWS, the query rows per KV head from which attention scores a chunk with one GEMM;
 TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
 Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; X8_ACT_TILE, the same over 8 interleaved
-Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-tiled ymm paths; SDPA_ROWS, the
+Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-tiled ymm paths, and
+TILED_GEMM_ROWS and L2_KEYS, where those hand a chunk to the GEMM and how many keys they take at a time; SDPA_ROWS, the
 new tokens of one sequence from which a forward attends through torch's SDPA. The
 kernels are built with other -D values and timed on whole passes over real weights, and on attention over a long cache.
 
@@ -13,6 +14,7 @@ kernels are built with other -D values and timed on whole passes over real weigh
     .venv/bin/python bench/kernel_variants.py q4k-x8 2 4 6                      # Q4_K: the file's rows or 8 interleaved
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
     .venv/bin/python bench/kernel_variants.py attention 4 ATTENTION_YMM=0      # GEMM_ROWS or other NAME=VALUE,...
+    .venv/bin/python bench/kernel_variants.py attention-layers TILED_GEMM_ROWS=4 TILED_GEMM_ROWS=10,L2_KEYS=512
     .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
     .venv/bin/python bench/kernel_variants.py forward AVX2_DIRECT_ROWS_F32=4,TORCH_GEMM_ROWS_F32=5 \
         AVX2_DIRECT_ROWS_F32=16,TORCH_GEMM_ROWS_F32=17 [dtype=gguf rows=16,32 context=7680]   # whole smollm2 forwards
@@ -175,6 +177,7 @@ def q4k_x8(tiles: list[str]) -> None:
 
 
 ATTENTION_SHAPES = ((9, 3, 1), (9, 3, 2), (9, 3, 3), (12, 2, 1), (12, 2, 2))  # (heads, KV heads, new tokens)
+ATTENTION_LAYER_SHAPES = ((9, 3, 1, 1), (9, 3, 2, 1), (9, 3, 3, 1), (9, 3, 2, 4), (12, 2, 1, 1), (14, 2, 1, 4))  # .., B
 
 
 def attention(variants: list[str]) -> None:
@@ -192,6 +195,29 @@ def attention(variants: list[str]) -> None:
             medians = interleaved_medians(calls, repeats=100)
             print(f"{heads}/{kv_heads} n={n} L={length}: " + ", ".join(f"{v} {s * 1e6:.0f} us" for v, s in
                                                                       medians.items()), flush=True)
+
+
+def attention_layers(variants: list[str]) -> None:
+    """Every layer's attention of B sequences of n new tokens, each over its own fp32 cache of L keys (head size
+    64, 28 layers: the caches cold, as in a forward), the variants (NAME=VALUE,...) interleaved, ms."""
+    built = {v: build(dict(item.split("=") for item in v.split(","))) for v in variants}
+    for heads, kv_heads, n, batch in ATTENTION_LAYER_SHAPES:
+        for length in (1024, 7680):
+            layers = [[(torch.randn(kv_heads, length, 64), torch.randn(kv_heads, length, 64)) for _ in range(batch)]
+                      for _ in range(28)]
+            q = torch.randn(batch * n * heads, 64)
+            mask = torch.zeros(n, length) if n > 1 else torch.empty(0)
+            calls = {v: partial(run_all, [partial(kernels.attention, q, [c[0] for c in layer], [c[1] for c in layer],
+                                                  [n] * batch, [length] * batch, [mask] * batch, 0.125, 0.0)
+                                          for layer in layers]) for v, kernels in built.items()}
+            medians = interleaved_medians(calls, repeats=9, warmup=1)
+            print(f"{heads}/{kv_heads} n={n} B={batch} L={length}: " + ", ".join(
+                f"{v} {s * 1e3:.2f} ms" for v, s in medians.items()), flush=True)
+
+
+def run_all(calls: list) -> None:
+    for call in calls:
+        call()
 
 
 def gemm(thresholds: list[str]) -> None:
@@ -236,4 +262,5 @@ def forward(variants: list[str]) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     {"tiles": tiles, "prefetch": prefetch, "prefetch-f32": prefetch_f32, "attention": attention, "gemm": gemm,
-     "forward": forward, "q8k-tile": q8k_tile, "q4k-x8": q4k_x8}[sys.argv[1]](sys.argv[2:])
+     "forward": forward, "q8k-tile": q8k_tile, "q4k-x8": q4k_x8,
+     "attention-layers": attention_layers}[sys.argv[1]](sys.argv[2:])

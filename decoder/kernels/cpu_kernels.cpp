@@ -526,11 +526,22 @@ void accumulate_values_avx2(const float* p, int64_t stride, const float* values,
 #endif
 
 // From this many query rows per KV head (trees, prefill; GQA groups) a chunk's scores come from one matrix product
-// (torch's own GEMM, single-threaded inside the task) instead of a dot product per row and key. Measured on
-// smollm2 (3 KV heads of 3 query heads) at 7,680 keys: 6 rows 0.87 ms a layer by dot products, 0.42 by the GEMM;
-// 3 rows no faster by the GEMM, and slower on short contexts.
+// (torch's own GEMM, single-threaded inside the task) instead of a dot product per row and key: GEMM_ROWS where the
+// keys are read a row at a time (a bf16 cache, or no ymm paths), TILED_GEMM_ROWS where the register-tiled ymm paths
+// score up to 3 rows a pass over an fp32 cache. Tiled, 6-9 rows over 300-7,680 keys took 8-30% less than by the
+// GEMM, 12 rows level; the L2 blocks save 0-10% (bench/kernel_variants.py attention-layers TILED_GEMM_ROWS=4
+// TILED_GEMM_ROWS=10).
 #ifndef GEMM_ROWS
 #define GEMM_ROWS 4
+#endif
+#ifndef TILED_GEMM_ROWS
+#define TILED_GEMM_ROWS 10
+#endif
+
+// The tiled paths take this many keys (and then their values) at a time through every group of rows in turn, so
+// that a task's later groups find them in the L2 rather than in memory.
+#ifndef L2_KEYS
+#define L2_KEYS 512
 #endif
 
 // From this many new tokens of one sequence the forward attends through PyTorch's SDPA (its CPU flash attention)
@@ -637,14 +648,17 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
 #else
       const bool native = false;
 #endif
-      if (rows < GEMM_ROWS && native) {
+      if (native && rows < TILED_GEMM_ROWS) {
 #if ATTENTION_YMM
         const float* head_keys = k_cache.data_ptr<float>() + kv * k_cache.stride(0);
-        for (int64_t r0 = 0; r0 < rows; r0 += 3)
-          with_count<3>(std::min<int64_t>(3, rows - r0), [&](auto r) {
-            head_scores_avx2<decltype(r)::value>(qh + r0 * d, head_keys, d, j0, j1, scores.data() + r0 * chunk,
-                                                 chunk);
-          });
+        for (int64_t jb = j0; jb < j1; jb += L2_KEYS) {
+          const int64_t je = std::min(j1, jb + L2_KEYS);
+          for (int64_t r0 = 0; r0 < rows; r0 += 3)
+            with_count<3>(std::min<int64_t>(3, rows - r0), [&](auto r) {
+              head_scores_avx2<decltype(r)::value>(qh + r0 * d, head_keys, d, jb, je,
+                                                   scores.data() + r0 * chunk + (jb - j0), chunk);
+            });
+        }
 #endif
         for (int64_t r = 0; r < rows; r++) {
           float* out = scores.data() + r * chunk;
@@ -655,7 +669,7 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
             out[j] = row_mask ? score + row_mask[j] : score;
           }
         }
-      } else if (rows < GEMM_ROWS) {
+      } else if (!native && rows < GEMM_ROWS) {
         for (int64_t j = j0; j < j1; j++) {
           const float* kj = cache_row(k_cache, kv, j, d, cache_bf16, key.data());
           for (int64_t r = 0; r < rows; r++) {
@@ -713,11 +727,14 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
 #if ATTENTION_YMM
       if (native) {
         const float* head_values = v_cache.data_ptr<float>() + kv * v_cache.stride(0);
-        for (int64_t r0 = 0; r0 < rows; r0 += 4)
-          with_count<4>(std::min<int64_t>(4, rows - r0), [&](auto r) {
-            accumulate_values_avx2<decltype(r)::value>(scores.data() + r0 * chunk, chunk, head_values, d, j0, j1,
-                                                       acc_out + r0 * d);
-          });
+        for (int64_t jb = j0; jb < j1; jb += L2_KEYS) {
+          const int64_t je = std::min(j1, jb + L2_KEYS);
+          for (int64_t r0 = 0; r0 < rows; r0 += 4)
+            with_count<4>(std::min<int64_t>(4, rows - r0), [&](auto r) {
+              accumulate_values_avx2<decltype(r)::value>(scores.data() + r0 * chunk + (jb - j0), chunk, head_values,
+                                                         d, jb, je, acc_out + r0 * d);
+            });
+        }
         continue;
       }
 #endif
