@@ -528,9 +528,8 @@ void accumulate_values_avx2(const float* p, int64_t stride, const float* values,
 // From this many query rows per KV head (trees, prefill; GQA groups) a chunk's scores come from one matrix product
 // (torch's own GEMM, single-threaded inside the task) instead of a dot product per row and key: GEMM_ROWS where the
 // keys are read a row at a time (a bf16 cache, or no ymm paths), TILED_GEMM_ROWS where the register-tiled ymm paths
-// score up to 3 rows a pass over an fp32 cache. Tiled, 6-9 rows over 300-7,680 keys took 8-30% less than by the
-// GEMM, 12 rows level; the L2 blocks save 0-10% (bench/kernel_variants.py attention-layers TILED_GEMM_ROWS=4
-// TILED_GEMM_ROWS=10).
+// score up to 3 rows a pass over an fp32 cache: faster than the GEMM up to 9 rows, level at 12
+// (bench/kernel_variants.py attention-layers TILED_GEMM_ROWS=4 TILED_GEMM_ROWS=10; docs/benchmark-log.md).
 #ifndef GEMM_ROWS
 #define GEMM_ROWS 4
 #endif
@@ -547,9 +546,8 @@ void accumulate_values_avx2(const float* p, int64_t stride, const float* values,
 // From this many new tokens of one sequence the forward attends through PyTorch's SDPA (its CPU flash attention)
 // rather than attention() (decoder/model.py reads it as the module's sdpa_rows). SDPA beat attention() for every 2
 // to 512 rows over 256 to 4,096 keys on a 2-core AVX2 EPYC, fp32 and bf16. On AVX-512 hosts (an AMD EPYC and an
-// Intel Xeon with AMX) attention() is ahead up to 16 rows, most over long caches (smollm2 over 7,680 keys: fp32
-// forwards of 2 to 16 rows 1.2-1.4x faster, bf16 1.3-2.1x; over 256-1,024 keys level or ahead), and SDPA from 32
-// (bench/kernel_variants.py forward SDPA_ROWS=2 SDPA_ROWS=17 rows=2,4,8,16,32 context=7680).
+// Intel Xeon with AMX) attention() is ahead up to 16 rows, most over long caches, and SDPA from 32
+// (bench/kernel_variants.py forward SDPA_ROWS=2 SDPA_ROWS=17 rows=2,4,8,16,32 context=7680; docs/benchmark-log.md).
 #ifndef SDPA_ROWS
 #if defined(__AVX512F__)
 #define SDPA_ROWS 17
