@@ -31,7 +31,7 @@ import torch
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
-from specplan.decoder.gate import one_kind_of_step
+from specplan.decoder.gate import RecentYields, one_kind_of_step
 from specplan.decoder.model import ForwardItem, prefill_together, prompt_item
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree
@@ -104,8 +104,9 @@ class Scheduler:
         self.next_id = 0
         self.timed_step: tuple[int, bool, float] | None = None  # the last step: (sequences, all drafted, its start)
         # the mean yield ratio of the last step's requests with drafted steps (decoder/gate.py): a joiner's prior;
-        # None once the engine is idle
+        # None once the engine is idle, when a joiner's prior is the engine's recent drafted steps'
         self.batch_yield: float | None = None
+        self.recent_yields = RecentYields()
         target = engine.target
         # prefixes kept in the slots' caches: on the CPU kernels only (CUDA graphs are captured per cache state),
         # and where a prefix's keys do not depend on the whole prompt (RoPE scaled by the prompt's length; Phi-3)
@@ -244,8 +245,12 @@ class Scheduler:
                 self.free_slots.insert(0, slot)
                 failed.append(Completion(waiting.id, None, str(exc)))
                 continue
-            if run.gate is not None and self.batch_yield is not None:
-                run.gate.prior = self.batch_yield
+            if run.gate is not None:
+                run.gate.recent = self.recent_yields
+                if self.batch_yield is not None:
+                    run.gate.prior = self.batch_yield
+                else:
+                    run.gate.prior, run.gate.prior_from_first = self.recent_yields.prior, True
             joining.append(_Running(waiting.id, slot, run, waiting.submitted, request.prompt))
         if self.prefill_chunk:
             for entry in joining:

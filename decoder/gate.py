@@ -19,9 +19,12 @@ schedule's entry).
 A request's prior is the plan's own prediction (r = 1), or, for a request joining a batch in flight, the mean r of
 the batch's requests at its last step (Scheduler): the load in flight is the best evidence of the next request's, and
 joiners at the plan's r would outvote a batch whose drafts miss (one_kind_of_step), each batch of them paying a drafted
-step to learn what the batch knew. A request joining an idle engine starts at the plan's: a benchmark's warm-up, or
-the requests of an hour ago, are no evidence (docs/design.md: a prior over finished requests locked measured requests
-out after a warm-up unlike them).
+step to learn what the batch knew. A request joining an idle engine takes the mean of the engine's last YIELD_WINDOW
+drafted steps (any request's) beside PRIOR_STEPS at the plan's (RecentYields), but decides its first drafted step at
+the plan's r = 1: the engine's recent requests tell how far to trust the plan once the request has seen one drafted
+step of its own (where they missed, one that misses stops it; where they landed, it rides out an unlucky one), and they
+cannot keep it from drafting at all (docs/design.md: a prior over finished requests that decided from the first step
+locked measured requests out after a warm-up unlike them).
 
 A drafted step's price is the plan's until the engine has timed both kinds of step (StepClock): then it is their
 measured ratio at that batch size, or at the nearest one timed, scaled by the plan's prices at the two. The measure
@@ -123,16 +126,39 @@ class StepClock:
         return statistics.median(self.seconds[(batch, True)]) / statistics.median(self.seconds[(batch, False)])
 
 
+def shrunk_mean(prior: float, yields: deque[float]) -> float:
+    """The mean of `yields` beside PRIOR_STEPS pseudo-steps at `prior`."""
+    return (PRIOR_STEPS * prior + sum(yields)) / (PRIOR_STEPS + len(yields))
+
+
+class RecentYields:
+    """The engine's last drafted steps' yields (tokens over the plan's prediction), whichever requests drafted them:
+    the prior of a request joining an idle engine."""
+
+    def __init__(self) -> None:
+        self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)
+
+    @property
+    def prior(self) -> float:
+        return shrunk_mean(1.0, self.yields)
+
+
 class DraftGate:
     """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted, drafted)` after it."""
 
-    def __init__(self, pricing: Pricing, clock: StepClock | None = None, shadowed: bool = False) -> None:
+    def __init__(self, pricing: Pricing, clock: StepClock | None = None, shadowed: bool = False,
+                 recent: RecentYields | None = None) -> None:
         self.pricing = pricing
         self.clock = clock  # the engine's measured step costs; None: the plan's price alone
         self.shadowed = shadowed  # its drafter drafts in the shadow of the steps it sits out: it never probes
         self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
+        self.recent = recent  # the engine's, which its drafted steps join
         self.idle_steps = 0
-        self.prior = 1.0  # r before its first drafted step: the plan's prediction, or its batch's when it joined one
+        # the weight of PRIOR_STEPS in r: the plan's prediction, its batch's mean r when it joined one, the engine's
+        # recent drafted steps' when it joined an idle engine; `prior_from_first` while the first drafted step of its
+        # own is decided at the plan's r = 1 whatever the prior (an idle engine's recent requests cannot lock it out)
+        self.prior = 1.0
+        self.prior_from_first = False
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
         self.drafting = True
         # the last decision's grounds: what its drafted step should emit, at what price in plain steps; whether the
@@ -142,7 +168,9 @@ class DraftGate:
     @property
     def yield_ratio(self) -> float:
         """r: the request's tokens per drafted step over the plan's prediction (its prior before its first)."""
-        return (PRIOR_STEPS * self.prior + sum(self.yields)) / (PRIOR_STEPS + len(self.yields))
+        if self.prior_from_first and not self.yields:
+            return 1.0
+        return shrunk_mean(self.prior, self.yields)
 
     def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None) -> bool:
         """Whether the request (`context` tokens so far, `remaining` still to emit) drafts at the coming step of
@@ -206,12 +234,17 @@ class DraftGate:
         """The step just verified scored `drafted` draft tokens and emitted `emitted` (the accepted drafts and the
         target's next token)."""
         if self.drafting and self.priced is not None and drafted > 0:
-            self.yields.append(emitted / self.priced[0])
+            self._add_yield(emitted / self.priced[0])
 
     def observe_shadow(self, emitted: int) -> None:
         """A step the request sat out would have emitted `emitted` tokens had it drafted (Drafter.shadow_yields)."""
         if self.priced is not None:
-            self.yields.append(emitted / self.priced[0])
+            self._add_yield(emitted / self.priced[0])
+
+    def _add_yield(self, ratio: float) -> None:
+        self.yields.append(ratio)
+        if self.recent is not None:
+            self.recent.yields.append(ratio)
 
 
 def one_kind_of_step(gates: list[DraftGate]) -> None:

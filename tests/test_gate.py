@@ -13,7 +13,15 @@ from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Predictio
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.drafters import Drafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.gate import MEASURED_AT_LEAST, PROBE_SHARE, DraftGate, StepClock, one_kind_of_step
+from specplan.decoder.gate import (
+    MEASURED_AT_LEAST,
+    PROBE_SHARE,
+    YIELD_WINDOW,
+    DraftGate,
+    RecentYields,
+    StepClock,
+    one_kind_of_step,
+)
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 
@@ -44,6 +52,31 @@ def test_a_request_stops_drafting_when_its_drafts_fail_and_probes_again():
     for _ in range(10):
         assert unpriced.drafts(8, 100)
         unpriced.observe(1, 4)
+
+
+def test_an_idle_engines_recent_yields_set_the_prior_from_a_requests_first_drafted_step():
+    """A drafted step costs 2 plain ones (3 tokens predicted for 1.5x). After the engine's recent drafted steps
+    yielded a fifth of the prediction, a request joining the idle engine still drafts its first step (decided at the
+    plan's r = 1: the recent requests cannot lock it out); one yielding half stops it (r = (2 x 0.36 + 0.5) / 3), where
+    after recent steps that landed it drafts on; a request's drafted steps join the engine's."""
+    def joining(recent_yields: list[float]) -> DraftGate:
+        recent = RecentYields()
+        recent.yields.extend(recent_yields)
+        gate = DraftGate(lambda batch, context: (3.0, 1.5), recent=recent)
+        gate.prior, gate.prior_from_first = recent.prior, True
+        return gate
+
+    after_misses, after_landings = joining([0.2] * YIELD_WINDOW), joining([1.0] * YIELD_WINDOW)
+    assert after_misses.prior == pytest.approx((2 + 0.2 * YIELD_WINDOW) / (2 + YIELD_WINDOW))
+    for gate in (after_misses, after_landings):
+        assert gate.drafts(1, 100)
+        gate.observe(1.5, 4)
+        assert gate.recent.yields[-1] == 0.5
+    assert not after_misses.drafts(1, 100) and after_landings.drafts(1, 100)
+    unaided = DraftGate(lambda batch, context: (3.0, 1.5))  # the plan's prior alone: (2 + 0.5) / 3 pays
+    assert unaided.drafts(1, 100)
+    unaided.observe(1.5, 4)
+    assert unaided.drafts(1, 100)
 
 
 def test_skewed_yields_that_pay_on_average_keep_drafting():
@@ -489,11 +522,11 @@ def test_a_request_whose_drafts_miss_does_not_draft_to_time_the_clock():
     assert fresh.drafting and missing.drafting
 
 
-def test_a_request_joining_a_batch_takes_its_yield_as_prior_and_one_joining_an_idle_engine_the_plans(tiny_pair,
-                                                                                                      monkeypatch):
+def test_a_request_joining_a_batch_takes_its_yield_as_prior_and_one_joining_an_idle_engine_the_engines(tiny_pair,
+                                                                                                        monkeypatch):
     """At 2 in flight, a third request joins when the short second one ends: its prior is the mean r of the last
-    step's requests (the load in flight), not the plan's; once the engine is idle, the next request starts at the
-    plan's r = 1 (a warm-up's yields are no evidence of the load after it). Every request's tokens stay its own."""
+    step's requests (the load in flight), not the plan's; once the engine is idle, the next request's prior is the
+    engine's recent drafted steps', from its own first drafted step on. Every request's tokens stay its own."""
     _, target, _ = tiny_pair
     make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
     gen = torch.Generator().manual_seed(7)
@@ -516,9 +549,13 @@ def test_a_request_joining_a_batch_takes_its_yield_as_prior_and_one_joining_an_i
     assert priors_on_admission[0] is None and runs[0].gate.prior == runs[1].gate.prior == 1.0
     joined = priors_on_admission[1]
     assert joined is not None and joined != 1.0 and runs[2].gate.prior == joined
+    assert not runs[2].gate.prior_from_first
     assert scheduler.batch_yield is None
+    recent = list(scheduler.recent_yields.yields)
+    assert len(recent) == YIELD_WINDOW
     results[3] = next(iter(scheduler.run([Request(motif * 4, 8)]))).result.tokens
-    assert runs[3].gate.prior == 1.0
+    assert runs[3].gate.prior == pytest.approx((2 + sum(recent)) / (2 + YIELD_WINDOW)) != 1.0
+    assert runs[3].gate.prior_from_first
     for i, request in enumerate(requests + [Request(motif * 4, 8)]):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens
