@@ -246,11 +246,7 @@ class Scheduler:
                 failed.append(Completion(waiting.id, None, str(exc)))
                 continue
             if run.gate is not None:
-                run.gate.recent = self.recent_yields
-                if self.batch_yield is not None:
-                    run.gate.prior = self.batch_yield
-                else:
-                    run.gate.prior, run.gate.prior_from_first = self.recent_yields.prior, True
+                run.gate.join(self.recent_yields, self.batch_yield)
             joining.append(_Running(waiting.id, slot, run, waiting.submitted, request.prompt))
         if self.prefill_chunk:
             for entry in joining:

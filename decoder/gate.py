@@ -146,13 +146,12 @@ class RecentYields:
 class DraftGate:
     """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted, drafted)` after it."""
 
-    def __init__(self, pricing: Pricing, clock: StepClock | None = None, shadowed: bool = False,
-                 recent: RecentYields | None = None) -> None:
+    def __init__(self, pricing: Pricing, clock: StepClock | None = None, shadowed: bool = False) -> None:
         self.pricing = pricing
         self.clock = clock  # the engine's measured step costs; None: the plan's price alone
         self.shadowed = shadowed  # its drafter drafts in the shadow of the steps it sits out: it never probes
         self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
-        self.recent = recent  # the engine's, which its drafted steps join
+        self.recent: RecentYields | None = None  # the engine's, which its drafted steps join (`join`)
         self.idle_steps = 0
         # the weight of PRIOR_STEPS in r: the plan's prediction, its batch's mean r when it joined one, the engine's
         # recent drafted steps' when it joined an idle engine; `prior_from_first` while the first drafted step of its
@@ -164,6 +163,15 @@ class DraftGate:
         # the last decision's grounds: what its drafted step should emit, at what price in plain steps; whether the
         # decision is firm (a step timing the clock, a probe, nothing priced); whether its drafter reads tokens first
         self.expected, self.step_cost, self.firm, self.reads_first = 0.0, 1.0, True, False
+
+    def join(self, recent: RecentYields, batch_yield: float | None) -> None:
+        """The request joins an engine whose recent drafted steps are `recent`, and whose batch in flight has the mean
+        r `batch_yield` (None: the engine is idle): its prior."""
+        self.recent = recent
+        if batch_yield is not None:
+            self.prior = batch_yield
+        else:
+            self.prior, self.prior_from_first = recent.prior, True
 
     @property
     def yield_ratio(self) -> float:

@@ -62,8 +62,8 @@ def test_an_idle_engines_recent_yields_set_the_prior_from_a_requests_first_draft
     def joining(recent_yields: list[float]) -> DraftGate:
         recent = RecentYields()
         recent.yields.extend(recent_yields)
-        gate = DraftGate(lambda batch, context: (3.0, 1.5), recent=recent)
-        gate.prior, gate.prior_from_first = recent.prior, True
+        gate = DraftGate(lambda batch, context: (3.0, 1.5))
+        gate.join(recent, None)
         return gate
 
     after_misses, after_landings = joining([0.2] * YIELD_WINDOW), joining([1.0] * YIELD_WINDOW)
