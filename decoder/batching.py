@@ -102,7 +102,8 @@ class Scheduler:
         self.cancelled: set[int] = set()
         self.step_done: list[Completion] = []
         self.next_id = 0
-        self.timed_step: tuple[int, bool, float] | None = None  # the last step: (sequences, all drafted, its start)
+        # the last step: (sequences, all drafted, its start, later by the seconds its drafters read before drafting)
+        self.timed_step: tuple[int, bool, float] | None = None
         # the mean yield ratio of the last step's requests with drafted steps (decoder/gate.py): a joiner's prior;
         # None once the engine is idle, when a joiner's prior is the engine's recent drafted steps'
         self.batch_yield: float | None = None
@@ -155,13 +156,17 @@ class Scheduler:
             for run in gated:
                 run.drafter.drafting = run.gate.drafting
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
-        # the step's kind for the clock: plain where no tree has a draft token, drafted where some have and every
-        # sequence chose to draft (a trie without a match drafts nothing: at 8 in flight most drafted steps hold one)
+        # the step's kind for the clock: plain where no tree has a draft token, drafted where some have and at least
+        # half the sequences chose to draft (a trie without a match drafts nothing: at 8 in flight most drafted steps
+        # hold one; where a few sit out, the step costs nearly what one where all draft does, and a batch whose
+        # joiners' draft models have their prompts still to read may never have another drafted step to time)
         trees = {entry.run.tree.size > 1 for entry in running}
-        kind = (False if trees == {False} else
-                True if all(entry.run.drafter.drafts_now() for entry in running) else None)
+        choosing = sum(entry.run.drafter.drafts_now() for entry in running)
+        kind = False if trees == {False} else True if 2 * choosing >= len(running) else None
         starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)
-        self.timed_step = (len(running), kind, started) if kind is not None and not chunks and not starting else None
+        reading = sum(entry.run.drafter.reading_seconds for entry in running if entry.run.tree.size > 1)
+        self.timed_step = ((len(running), kind, started + reading) if kind is not None and not chunks and not starting
+                           else None)
         items += [item for _, item in chunks]
         target = self.engine.target
         logits = target.forward_many(items) if len(items) > 1 else [target.forward(*items[0])]
@@ -181,8 +186,9 @@ class Scheduler:
 
     def _time_last_step(self, now: float) -> None:
         """The last step's seconds, from its start to this one's (the server's work between them included), to the
-        engine's clock: a step in which every sequence chose to draft (a trie without a match drafting nothing) or
-        none drafted, no prompt prefilled since, no drafter starting its sequence (Drafter.started_now)."""
+        engine's clock: a step in which at least half the sequences chose to draft (a trie without a match drafting
+        nothing) or none drafted, no prompt prefilled since, no drafter starting its sequence untimed
+        (Drafter.started_now); less what its drafters read before drafting (Drafter.started_reading)."""
         clock = self.engine.clock
         if clock is not None and self.timed_step is not None:
             batch, drafted, started = self.timed_step

@@ -13,7 +13,7 @@ import torch
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import ScheduleEntry, TokenTree
 from specplan.decoder.draft_rules import NO_STOP, ChainStop, DraftRule, draft_confidence
-from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask
+from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask, prefill_together
 from specplan.decoder.sampling import SamplingParams, probabilities
 from specplan.decoder.tree import (
     DETERMINISTIC,
@@ -34,10 +34,16 @@ class Drafter(ABC):
     shadows: bool = False  # whether it drafts in the shadow of the steps it sits out (`shadow_yields`)
     drafting: bool = True  # the coming step's decision: False, `idle` gives the step's tree instead of `propose`
     rule: DraftRule | None = None  # an engine's drafting rule, deciding the length of every step (draft_rules.py)
-    # The last proposal paid a start (a draft model reading the prompt or the steps it sat out, a retrieval cache's
-    # first build): that step is no measure of what a drafted step costs (decoder/gate.py, StepClock)
+    # The last proposal paid a start not timed apart (a retrieval cache's first build): that step is no measure of
+    # what a drafted step costs (decoder/gate.py, StepClock)
     started_now: bool = False
-    started_reading: tuple[int, float] | None = None  # that start's tokens read and seconds, where it read any
+    # The tokens the last proposal read before drafting (a draft model's prompt, the steps it sat out) and their
+    # seconds, timed apart: the rest of its step is what a drafted step costs
+    started_reading: tuple[int, float] | None = None
+
+    @property
+    def reading_seconds(self) -> float:
+        return self.started_reading[1] if self.started_reading is not None else 0.0
 
     def start_tokens(self) -> int:
         """The tokens the drafter reads at its next drafted step before it drafts (a draft model's prompt, the steps
@@ -262,16 +268,31 @@ class SequoiaDrafter(Drafter):
         for the next: `update`)."""
         return (len(self.unprefilled) if self.unprefilled is not None else 0) + max(len(self.pending) - 1, 0)
 
-    def _read_prompt(self) -> None:
-        """The prefill `reset` deferred, as it would have run then (timed: the sequence's start); the roots of the
-        steps since wait in `pending`. A step reading either is not what a drafted step costs (`started_now`)."""
-        self.started_now = self.start_tokens() > 0
-        self.started_reading = None
-        if self.unprefilled is not None:
+    @staticmethod
+    def _read_first(drafters: list[SequoiaDrafter]) -> None:
+        """What each drafter reads before it drafts, timed apart from the drafted step (`started_reading`): the
+        prefill `reset` deferred, as it would have run then; the roots of the steps it sat out but the last (the
+        chain of its drafted step feeds that one with the root, as after any step whose last token was a leaf),
+        every drafter's in one batched forward whose seconds they share by tokens."""
+        tokens, seconds = [0] * len(drafters), [0.0] * len(drafters)
+        for i, drafter in enumerate(drafters):
+            if drafter.unprefilled is not None:
+                began = time.perf_counter()
+                drafter.model.prefill(torch.tensor(drafter.unprefilled, dtype=torch.long), drafter.cache, logits=False)
+                tokens[i], seconds[i] = len(drafter.unprefilled), time.perf_counter() - began
+                drafter.unprefilled = None
+        behind = [i for i, drafter in enumerate(drafters) if len(drafter.pending) > 1]
+        if behind:
             began = time.perf_counter()
-            self.model.prefill(torch.tensor(self.unprefilled, dtype=torch.long), self.cache, logits=False)
-            self.started_reading = (len(self.unprefilled), time.perf_counter() - began)
-            self.unprefilled = None
+            prefill_together(drafters[0].model, [torch.tensor(drafters[i].pending[:-1]) for i in behind],
+                             [drafters[i].cache for i in behind])
+            shared = (time.perf_counter() - began) / sum(len(drafters[i].pending) - 1 for i in behind)
+            for i in behind:
+                tokens[i] += len(drafters[i].pending) - 1
+                seconds[i] += shared * (len(drafters[i].pending) - 1)
+                drafters[i].pending = drafters[i].pending[-1:]
+        for drafter, read, took in zip(drafters, tokens, seconds):
+            drafter.started_reading = (read, took) if read else None
 
     def target_tree_sizes(self):
         return (self.max_tree_size,)
@@ -297,8 +318,7 @@ class SequoiaDrafter(Drafter):
         roots, then one per level over the sequences still drafting. A chain with a `chain_stop` ends after a
         token drafted with too little confidence (and is dropped if too short)."""
         model = drafters[0].model
-        for drafter in drafters:
-            drafter._read_prompt()
+        SequoiaDrafter._read_first(drafters)
         widest = max((drafter.shape for drafter in drafters), key=lambda shape: len(shape.parents))
         tokens = [[root] + [0] * (len(drafter.shape.parents) - 1) for drafter, root in zip(drafters, roots)]
         sizes = [len(t) for t in tokens]

@@ -254,9 +254,10 @@ class SpeculativeEngine:
                 self.clock.begin_step()
             run.decide(1)
             item = run.propose()
+            reading = run.drafter.reading_seconds
             finished = run.advance(self.target.forward(*item))
             drafted = run.tree.size > 1
             if self.clock is not None and not (drafted and run.drafter.started_now):
-                self.clock.record(1, drafted, time.perf_counter() - start)
+                self.clock.record(1, drafted, time.perf_counter() - start - reading)
             if finished:
                 return run.result()

@@ -74,7 +74,8 @@ Pricing = Callable[[int, int], "tuple[float, float] | None"]
 class StepClock:
     """What the engine's decoding steps cost now, per batch size: the seconds from one step's start to the next's, of
     steps in which every sequence drafted and of steps in which none did (steps that shared the machine with a
-    prompt's prefill, or in which a drafter read tokens before drafting, are not timed; decoder/batching.py)."""
+    prompt's prefill are not timed; those in which a drafter read tokens before drafting are timed less that reading,
+    which it times apart; decoder/batching.py)."""
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], deque[float]] = {}

@@ -836,11 +836,11 @@ def prefill_in_chunks(model: Any, tokens: torch.Tensor, cache: Any, chunk: int, 
 
 
 def prefill_together(model: LeanModel, prompts: list[torch.Tensor], caches: list[KVCache],
-                     prompt_lengths: list[int]) -> None:
+                     prompt_lengths: list[int] | None = None) -> None:
     """Several sequences' prompt tokens (each at most a prefill chunk) appended to their own caches (empty, or
     holding a prefix kept from the slot's last sequence) in one batched forward (LeanModel.forward_many), each
-    causal over its own cache; `prompt_lengths`: each whole prompt's."""
-    for cache, length in zip(caches, prompt_lengths):
+    causal over its own cache; `prompt_lengths`: each whole prompt's (None: the tokens continue the caches' own)."""
+    for cache, length in zip(caches, prompt_lengths or ()):
         cache.prompt_length = length
     graphed, model.graphed = model.graphed, None  # eagerly, as LeanModel.prefill: no graph per prompts' shape
     try:

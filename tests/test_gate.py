@@ -203,43 +203,27 @@ def test_an_untimed_batch_size_drafts_then_sits_out_until_both_kinds_are_timed()
     assert clock.wanted(1) is True
 
 
-def test_a_step_in_which_a_draft_model_reads_its_prompt_is_not_timed(tiny_pair, monkeypatch):
-    """A Sequoia draft reads a request's prompt at its first drafted step: that step's time is the draft's prefill
-    as much as a drafted step's, and the clock must not take it for the price of drafting."""
+@torch.inference_mode()
+@pytest.mark.parametrize("sitting_out, timed_drafted", [(1, True), (3, False)])
+def test_a_step_where_most_sequences_draft_is_timed_as_a_drafted_one(tiny_pair, sitting_out, timed_drafted):
+    """Where a few of a step's sequences sit out, the step costs nearly what one where all draft does, and at 8 in
+    flight joiners whose draft models have their prompts to read may sit out every drafted step: a step where at least
+    half the sequences draft is timed as a drafted step; one where fewer do, not at all."""
     _, target, draft = tiny_pair
-    make = lambda: SequoiaDrafter(draft, [-1, 0, 0, 1, 2, 3])  # noqa: E731
-    steps: list[dict] = []  # per step from the second: whether a draft read its prompt, the last step's timing
-    time_last_step, read_prompt = Scheduler._time_last_step, SequoiaDrafter._read_prompt
 
-    def tick(self, now):
-        steps.append({"read": False, "timed": None})
-        time_last_step(self, now)
+    class SittingOut(SequoiaDrafter):
+        def drafts_now(self) -> bool:
+            return False
 
-    def reading(self):
-        steps[-1]["read"] |= self.unprefilled is not None
-        read_prompt(self)
+    slots = iter(range(4))
 
-    class Recording(StepClock):  # whose prices keep every request drafting, whatever the tiny models' steps take
-        def record(self, batch, drafted, seconds):
-            steps[-1]["timed"] = drafted
-            super().record(batch, drafted, seconds)
+    def make() -> SequoiaDrafter:  # the first slots' drafters never draft
+        return (SittingOut if next(slots) < sitting_out else SequoiaDrafter)(draft, [-1, 0, 0])
 
-        def drafted_step_cost(self, batch):
-            return 0.5
-
-        def start_cost(self, batch, tokens):
-            return None
-
-    monkeypatch.setattr(Scheduler, "_time_last_step", tick)
-    monkeypatch.setattr(SequoiaDrafter, "_read_prompt", reading)
-    gen = torch.Generator().manual_seed(7)
-    requests = [Request(torch.randint(0, 250, (n,), generator=gen).tolist(), m)
-                for n, m in ((9, 30), (25, 22), (14, 35), (40, 18), (6, 26))]
-    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (2.0, 1.2), clock=Recording())
-    list(Scheduler(engine, drafters_per_slot(make), 3).run(requests))
-    assert sum(step["read"] for step in steps) >= 2  # the first requests, and those joining later
-    assert any(step["timed"] for step in steps)  # drafted steps were timed ...
-    assert not any(last["read"] and step["timed"] for last, step in zip(steps, steps[1:]))  # ... none that read
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0, 0]), clock=StepClock())
+    list(Scheduler(engine, drafters_per_slot(make), 4).run([Request(list(range(5 + i, 30 + i)), 12) for i in range(4)]))
+    assert ((4, True) in engine.clock.seconds) == timed_drafted
+    assert (4, False) not in engine.clock.seconds  # every step drafted, some sequences' at least
 
 
 def test_requests_sitting_out_probe_together():
@@ -328,20 +312,50 @@ def test_a_probe_counts_the_reading_its_drafter_does_first():
     assert probes(True) == 0
 
 
-def test_a_draft_model_reads_the_steps_it_sat_out_before_drafting(tiny_pair):
-    """A Sequoia drafter that sat steps out has their roots to read first: its start tokens count them, and the step
-    that reads them is a start (untimed), not a drafted step's cost."""
+def test_a_draft_model_reads_the_steps_it_sat_out_before_drafting_timed_apart(tiny_pair):
+    """A Sequoia drafter that sat steps out has their roots to read first: its start tokens count them, and it reads
+    them (and its prompt, at its first drafted step) in a forward of their own, timed apart, so that the rest of the
+    step is what a drafted step costs; the last root it sat out is fed with the step's root, as after any leaf."""
     _, target, draft = tiny_pair
     drafter = SequoiaDrafter(draft, [-1, 0, 0, 1])
     drafter.reset(list(range(5, 25)), 64)
     assert drafter.start_tokens() == 19
-    drafter._read_prompt()
-    assert drafter.started_now and drafter.start_tokens() == 0
-    for root in (30, 31, 32):
+    SequoiaDrafter._read_first([drafter])
+    assert drafter.start_tokens() == 0 and drafter.cache.length == 19
+    assert drafter.started_reading[0] == 19 and drafter.reading_seconds > 0 and not drafter.started_now
+    for root in (24, 30, 31):
         drafter.idle(root)
-    assert drafter.start_tokens() == 2  # the first root is what any drafted step feeds
-    drafter._read_prompt()
-    assert drafter.started_now
+    assert drafter.start_tokens() == 2  # the last root sat out is what the drafted step's chain feeds
+    SequoiaDrafter._read_first([drafter])
+    assert drafter.started_reading[0] == 2 and drafter.cache.length == 21 and drafter.pending == [31]
+    SequoiaDrafter._read_first([drafter])
+    assert drafter.started_reading is None and drafter.reading_seconds == 0.0
+
+
+@torch.inference_mode()
+def test_a_step_whose_drafters_read_first_is_timed_less_their_reading(tiny_pair, monkeypatch):
+    """At 8 in flight nearly every drafted step has some draft model catching up on steps it sat out: the clock times
+    such a step less that reading. The first step of 4 requests (each draft model reading its long prompt there) is
+    timed as a drafted step at 4, at less than its drafters' reading."""
+    _, target, draft = tiny_pair
+    engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0]), pricing=lambda batch, context: (1.5, 1.2),
+                               clock=StepClock())
+    recorded: list[tuple[int, bool, float]] = []
+    record = engine.clock.record
+    engine.clock.record = lambda *step: (recorded.append(step), record(*step))
+    reads: list[float] = []
+    propose_many = SequoiaDrafter.propose_many
+
+    def noting_reads(drafters, *args):
+        trees = propose_many(drafters, *args)
+        reads.append(sum(drafter.reading_seconds for drafter in drafters))
+        return trees
+
+    monkeypatch.setattr(SequoiaDrafter, "propose_many", staticmethod(noting_reads))
+    scheduler = Scheduler(engine, drafters_per_slot(lambda: SequoiaDrafter(draft, [-1, 0])), concurrency=4)
+    list(scheduler.run([Request([5 + (i * 7 + j) % 90 for j in range(400)], 8) for i in range(4)]))
+    assert recorded[0][:2] == (4, True)
+    assert 0 < recorded[0][2] < reads[0]
 
 
 def test_a_shadowed_request_never_probes_and_resumes_when_its_shadow_drafts_pay():
