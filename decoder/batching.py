@@ -102,7 +102,7 @@ class Scheduler:
         self.cancelled: set[int] = set()
         self.step_done: list[Completion] = []
         self.next_id = 0
-        # the last step: (sequences, all drafted, its start, later by the seconds its drafters read before drafting)
+        # the last step: (sequences, drafted, its start, later by the seconds its drafters read before drafting)
         self.timed_step: tuple[int, bool, float] | None = None
         # the mean yield ratio of the last step's requests with drafted steps (decoder/gate.py): a joiner's prior;
         # None once the engine is idle, when a joiner's prior is the engine's recent drafted steps'

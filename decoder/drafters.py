@@ -128,6 +128,13 @@ class Drafter(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot be the bottom of a hierarchy")
 
 
+def _seconds_since(began: float, device: torch.device) -> float:
+    """The seconds since `began`, the work queued on `device` (a GPU's) done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - began
+
+
 def forward_all(model: LeanModel, items: list[ForwardItem]) -> list[torch.Tensor]:
     return model.forward_many(items) if len(items) > 1 else [model.forward(*items[0])]
 
@@ -274,19 +281,20 @@ class SequoiaDrafter(Drafter):
         prefill `reset` deferred, as it would have run then; the roots of the steps it sat out but the last (the
         chain of its drafted step feeds that one with the root, as after any step whose last token was a leaf),
         every drafter's in one batched forward whose seconds they share by tokens."""
+        model = drafters[0].model
         tokens, seconds = [0] * len(drafters), [0.0] * len(drafters)
         for i, drafter in enumerate(drafters):
             if drafter.unprefilled is not None:
                 began = time.perf_counter()
-                drafter.model.prefill(torch.tensor(drafter.unprefilled, dtype=torch.long), drafter.cache, logits=False)
-                tokens[i], seconds[i] = len(drafter.unprefilled), time.perf_counter() - began
+                model.prefill(torch.tensor(drafter.unprefilled, dtype=torch.long), drafter.cache, logits=False)
+                tokens[i], seconds[i] = len(drafter.unprefilled), _seconds_since(began, model.device)
                 drafter.unprefilled = None
         behind = [i for i, drafter in enumerate(drafters) if len(drafter.pending) > 1]
         if behind:
             began = time.perf_counter()
-            prefill_together(drafters[0].model, [torch.tensor(drafters[i].pending[:-1]) for i in behind],
+            prefill_together(model, [torch.tensor(drafters[i].pending[:-1]) for i in behind],
                              [drafters[i].cache for i in behind])
-            shared = (time.perf_counter() - began) / sum(len(drafters[i].pending) - 1 for i in behind)
+            shared = _seconds_since(began, model.device) / sum(len(drafters[i].pending) - 1 for i in behind)
             for i in behind:
                 tokens[i] += len(drafters[i].pending) - 1
                 seconds[i] += shared * (len(drafters[i].pending) - 1)

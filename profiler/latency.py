@@ -631,11 +631,6 @@ def _wall_clock(device: torch.device, work: Callable[[], object]) -> Callable[[]
     return call
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed_call(model: Forward, cache: KVCache | TransformersCache, tokens: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None) -> Callable[[], float]:
     def call() -> float:
