@@ -61,7 +61,7 @@ PRIOR_STEPS = 2
 # The share of a request's time sitting out that its probes may cost (a probe's step over a plain one, and its
 # drafter's catching up): within the 3% a plan may cost against one-token decoding where its drafts never pay
 PROBE_SHARE = 0.03
-# The steps of each kind (every sequence drafting, none) a batch size's measured price is the median of: recent enough
+# The steps of each kind (most sequences drafting, none) a batch size's measured price is the median of: recent enough
 # to follow the machine's spells, enough to ride out a step that the OS or a prefill elsewhere slowed
 MEASURED_STEPS = 16
 # Steps of each kind timed before their ratio replaces the plan's price
@@ -73,9 +73,9 @@ Pricing = Callable[[int, int], "tuple[float, float] | None"]
 
 class StepClock:
     """What the engine's decoding steps cost now, per batch size: the seconds from one step's start to the next's, of
-    steps in which every sequence drafted and of steps in which none did (steps that shared the machine with a
-    prompt's prefill are not timed; those in which a drafter read tokens before drafting are timed less that reading,
-    which it times apart; decoder/batching.py)."""
+    steps in which at least half the sequences drafted and of steps in which none did (steps that shared the machine
+    with a prompt's prefill are not timed; those in which a drafter read tokens before drafting are timed less that
+    reading, which it times apart; decoder/batching.py)."""
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], deque[float]] = {}
