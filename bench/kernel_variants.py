@@ -1,11 +1,11 @@
 """Backs the CPU kernels' tuning constants (decoder/kernels/): TILE_W x TILE_X, the register tile for
 more than ROW_TILE activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how far ahead a block-format or fp32 row
-is requested; GEMM_ROWS, the query rows per KV head from which attention scores a chunk with one GEMM;
-TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
+is requested; TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
 Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; X8_ACT_TILE, the same over 8 interleaved
 Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-tiled ymm paths, and
 TILED_GEMM_ROWS and L2_KEYS, where those hand a chunk to the GEMM and how many keys they take at a time; SDPA_ROWS, the
-new tokens of one sequence from which a forward attends through torch's SDPA. The
+new tokens of one sequence from which a forward attends through torch's SDPA (PROMPT_ROWS where each decoding row
+attends alone, ATTENTION_CHUNK its keys per chunk). The
 kernels are built with other -D values and timed on whole passes over real weights, and on attention over a long cache.
 
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
@@ -13,8 +13,8 @@ kernels are built with other -D values and timed on whole passes over real weigh
     .venv/bin/python bench/kernel_variants.py q8k-tile 4 6 8                    # Q4_K/Q6_K rows per pass, the same
     .venv/bin/python bench/kernel_variants.py q4k-x8 2 4 6                      # Q4_K: the file's rows or 8 interleaved
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
-    .venv/bin/python bench/kernel_variants.py attention 4 ATTENTION_YMM=0      # GEMM_ROWS or other NAME=VALUE,...
-    .venv/bin/python bench/kernel_variants.py attention-layers TILED_GEMM_ROWS=4 TILED_GEMM_ROWS=10,L2_KEYS=512
+    .venv/bin/python bench/kernel_variants.py attention ATTENTION_YMM=0 ATTENTION_YMM=1   # NAME=VALUE,...
+    .venv/bin/python bench/kernel_variants.py attention-layers TILED_GEMM_ROWS=10 TILED_GEMM_ROWS=1000
     .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
     .venv/bin/python bench/kernel_variants.py forward AVX2_DIRECT_ROWS_F32=4,TORCH_GEMM_ROWS_F32=5 \
         AVX2_DIRECT_ROWS_F32=16,TORCH_GEMM_ROWS_F32=17 [dtype=gguf rows=16,32 context=7680]   # whole smollm2 forwards
@@ -182,15 +182,14 @@ ATTENTION_LAYER_SHAPES = ((9, 3, 1, 1), (9, 3, 2, 1), (9, 3, 3, 1), (9, 3, 2, 4)
 
 def attention(variants: list[str]) -> None:
     """One layer's attention of n new tokens over 300, 4096 and 7680 cached keys (fp32 cache, head size 64), the
-    variants (NAME=VALUE,...; a bare number is a GEMM_ROWS) interleaved."""
-    named = {v: f"GEMM_ROWS={v}" if v.isdigit() else v for v in variants}
-    built = {v: build(dict(item.split("=") for item in name.split(","))) for v, name in named.items()}
+    variants (NAME=VALUE,...) interleaved."""
+    built = {v: build(dict(item.split("=") for item in v.split(","))) for v in variants}
     for heads, kv_heads, n in ATTENTION_SHAPES:
         for length in (300, 4096, 7680):
             q = torch.randn(heads * n, 64)
             keys, values = torch.randn(kv_heads, 8192, 64), torch.randn(kv_heads, 8192, 64)
             mask = torch.zeros(n, length) if n > 1 else torch.empty(0)
-            calls = {v: partial(kernels.attention, q, [keys], [values], [n], [length], [mask], 0.125, 0.0)
+            calls = {v: partial(kernels.attention, q, [keys], [values], [n], [length], [mask], 0.125, 0.0, False)
                      for v, kernels in built.items()}
             medians = interleaved_medians(calls, repeats=100)
             print(f"{heads}/{kv_heads} n={n} L={length}: " + ", ".join(f"{v} {s * 1e6:.0f} us" for v, s in
@@ -208,7 +207,7 @@ def attention_layers(variants: list[str]) -> None:
             q = torch.randn(batch * n * heads, 64)
             mask = torch.zeros(n, length) if n > 1 else torch.empty(0)
             calls = {v: partial(run_all, [partial(kernels.attention, q, [c[0] for c in layer], [c[1] for c in layer],
-                                                  [n] * batch, [length] * batch, [mask] * batch, 0.125, 0.0)
+                                                  [n] * batch, [length] * batch, [mask] * batch, 0.125, 0.0, False)
                                           for layer in layers]) for v, kernels in built.items()}
             medians = interleaved_medians(calls, repeats=9, warmup=1)
             print(f"{heads}/{kv_heads} n={n} B={batch} L={length}: " + ", ".join(

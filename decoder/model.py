@@ -51,6 +51,8 @@ KEPT_GRAPH_CACHES = 4
 KERNEL_BLOCKS = {torch.float32: 16, torch.bfloat16: 32}
 KERNEL_VECTOR = 16
 KERNEL_FORMATS = {torch.float32: "F32", torch.bfloat16: "BF16"}  # the kernels' names (GGML's) of plain weights
+# GGUF block formats whose matmuls round their input to 8-bit blocks (llama.cpp's Q8_K) in the CPU kernels
+INPUT_ROUNDING_FORMATS = ("Q4_K", "Q6_K")
 
 
 class MatmulWeight(NamedTuple):
@@ -274,6 +276,9 @@ class LeanModel:
         # safetensors file once, and a single tensor kept from it keeps the whole file's pages mapped
         take = lambda name: params[name].detach().to(self.device, copy=release)  # noqa: E731
         self.block_weights = block_weights or {}
+        # Q4_K and Q6_K matmuls round their input to 8 bits: a last-bit difference before them moves logits by
+        # hundredths, so each decoding row attends alone (kernels.attention's exact), as one-token decoding's would
+        self.exact_attention = any(weight.format in INPUT_ROUNDING_FORMATS for weight in self.block_weights.values())
         self.embed: torch.Tensor | BlockWeight = self.block_weights.get("model.embed_tokens.weight") or take(
             "model.embed_tokens.weight")
         self.lm_head = (self.block_weights.get("lm_head.weight") or take("lm_head.weight")
@@ -562,11 +567,10 @@ class LeanModel:
     def _forward_kernels(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """_forward_operators' arithmetic in a few CPU kernel calls per layer (decoder/kernels/cpu_kernels.cpp), for
         the rows of one or several sequences at once: the norms, projections and MLP over all their rows, RoPE fused
-        with each sequence's cache writes, attention per sequence over its own keys (one kernel call for the batch;
-        one sequence of several rows: SDPA), the residual add fused into the next norm. Logits per item."""
+        with each sequence's cache writes, attention per sequence over its own keys (_attend), the residual add fused
+        into the next norm. Logits per item."""
         kernels, shape, arch = self.kernels, self.shape, self.architecture
         eps, gemma, gelu = shape.rms_eps, arch.gemma_norm, arch.activation != "silu"
-        softcap = arch.attention_softcap or 0.0
         counts = [item.tokens.shape[0] for item in items]
         starts = [item.cache.length for item in items]
         ends = [start + count for start, count in zip(starts, counts)]
@@ -588,8 +592,6 @@ class LeanModel:
                 cache.tokens[start:end] = item.tokens
             mask = None if item.mask is None else item.mask.float()
             item_masks.append(self._layer_masks(mask, item.positions, cache, end, None))
-        no_mask = torch.empty(0)
-        sdpa = len(items) == 1 and counts[0] >= kernels.sdpa_rows and not softcap  # the host's limit: cpu_kernels.cpp
         residual = None  # each block's output, added to x by the next norm
         for i, layer in enumerate(self.layers):
             views = [item.cache.layer_views[i] for item in items]
@@ -605,16 +607,7 @@ class LeanModel:
                     item.cache.root_queries[i] = q[shape.heads * first:shape.heads * (first + count)].view(
                         shape.heads, count, shape.head_dim)[:, 0]
                 first += count
-            if sdpa:  # [heads, n, d] -> [n, heads * d]
-                n, end = counts[0], ends[0]
-                attended = F.scaled_dot_product_attention(
-                    q.view(1, shape.heads, n, shape.head_dim), keys[0][None, :, :end], values[0][None, :, :end],
-                    attn_mask=_sdpa_form(item_masks[0][i], self), scale=arch.attention_scale,
-                    enable_gqa=shape.kv_heads != shape.heads)[0]
-                attended = attended.transpose(0, 1).reshape(n, self.q_size)
-            else:
-                masks = [no_mask if layer_masks[i] is None else layer_masks[i] for layer_masks in item_masks]
-                attended = kernels.attention(q, keys, values, counts, ends, masks, arch.attention_scale, softcap)
+            attended = self._attend(q, keys, values, counts, ends, [layer_masks[i] for layer_masks in item_masks])
             out = self._linear(attended, layer["wo"], layer["bo"])
             if arch.sandwich_norms:
                 out = kernels.rms_norm(out, None, layer["post_attention_layernorm"], eps, gemma)
@@ -636,6 +629,41 @@ class LeanModel:
             first += count
         scored = self._logits(torch.cat(logits))  # one output matmul for the batch
         return list(scored.split([row.shape[0] for row in logits]))
+
+    def _attend(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], counts: list[int],
+                ends: list[int], masks: list[torch.Tensor | None]) -> torch.Tensor:
+        """One layer's attention on the CPU kernels: q [rows * heads, head_dim] as rope_store returns it (each
+        sequence's block [heads, n, head_dim]) over each sequence's keys and values [kv_heads, slots, head_dim] up to
+        its end; [rows, heads * head_dim]. A prompt (from the kernels' prompt_rows new tokens; not under a soft cap)
+        attends through SDPA, as it would alone, so a request's cache does not depend on the prompts prefilled beside
+        it; the other sequences' rows in one kernels.attention call. One sequence of several rows attends through SDPA
+        from the host's sdpa_rows, except where the matmuls round their input (exact_attention): there each decoding
+        row's bits are its own (cpu_kernels.cpp)."""
+        shape, scale = self.shape, self.architecture.attention_scale
+        softcap = self.architecture.attention_softcap or 0.0
+        exact = self.exact_attention
+        first_prompt_rows = self.kernels.sdpa_rows if len(counts) == 1 and not exact else self.kernels.prompt_rows
+        prompts = [b for b, n in enumerate(counts) if n >= first_prompt_rows and not softcap]
+        if not prompts:
+            return self.kernels.attention(q, keys, values, counts, ends, [_kernel_mask(m) for m in masks], scale,
+                                          softcap, exact)
+        blocks = list(q.split([shape.heads * n for n in counts]))
+        decoding = [b for b in range(len(counts)) if b not in prompts]
+        attended: list[torch.Tensor | None] = [None] * len(counts)
+        if decoding:
+            rows = self.kernels.attention(torch.cat([blocks[b] for b in decoding]), [keys[b] for b in decoding],
+                                          [values[b] for b in decoding], [counts[b] for b in decoding],
+                                          [ends[b] for b in decoding], [_kernel_mask(masks[b]) for b in decoding],
+                                          scale, softcap, exact)
+            for b, part in zip(decoding, rows.split([counts[b] for b in decoding])):
+                attended[b] = part
+        for b in prompts:  # [heads, n, d] -> [n, heads * d]
+            n, end = counts[b], ends[b]
+            out = F.scaled_dot_product_attention(
+                blocks[b].view(1, shape.heads, n, shape.head_dim), keys[b][None, :, :end], values[b][None, :, :end],
+                attn_mask=_sdpa_form(masks[b], self), scale=scale, enable_gqa=shape.kv_heads != shape.heads)[0]
+            attended[b] = out.transpose(0, 1).reshape(n, self.q_size)
+        return attended[0] if len(counts) == 1 else torch.cat(attended)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of the final-normed hidden rows `h`: the output matmul, Gemma's soft cap, and -inf
@@ -802,6 +830,11 @@ def cuda_grouped_attention(n: int, keys: int, fp32: bool) -> bool:
     """Whether a GPU forward of n rows over `keys` keys runs attention as grouped matmuls rather than SDPA (see
     LeanModel._attention); profiler/roofline.py prices the two paths apart."""
     return 2 <= n <= 64 and (fp32 or keys >= 4096)
+
+
+def _kernel_mask(mask: torch.Tensor | None) -> torch.Tensor:
+    """A mask as kernels.attention takes it: an empty tensor for none."""
+    return torch.empty(0) if mask is None else mask
 
 
 def _sdpa_form(mask: torch.Tensor | None, model: LeanModel) -> torch.Tensor | None:

@@ -22,8 +22,9 @@ from specplan.decoder.api import load_forward
 from specplan.decoder.cpu_kernels import compiler, kernels
 from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.model import LeanModel
+from specplan.decoder.model import ForwardItem, LeanModel
 from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.tree import ancestor_matrix, tree_attention_mask
 from specplan.decoder.trie import Trie, TrieSettings
 
 from toy import assert_sequoia_samples_follow_the_target, hf_greedy, toy_model
@@ -153,10 +154,12 @@ def test_plain_weights_multiply_as_torch(dtype):
             torch.testing.assert_close(got.double(), expected, rtol=8e-3, atol=2e-2)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["gemm-rows", "exact"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("length, n", [(37, 1), (1500, 1), (900, 5)])
-def test_attention_is_softmax_over_the_cache_with_grouped_heads_and_a_mask(cache_dtype, length, n):
-    """Keys split in chunks across threads and merged: 1500 keys make several chunks per KV head."""
+@pytest.mark.parametrize("length, n", [(37, 1), (1500, 1), (900, 5), (1050, 64)])
+def test_attention_is_softmax_over_the_cache_with_grouped_heads_and_a_mask(cache_dtype, length, n, exact):
+    """Keys split in chunks across threads and merged: 1500 keys make several chunks per KV head; 64 new tokens
+    cross a chunk's boundary."""
     heads, kv_heads, d, slots = 6, 2, 48, 1600
     gen = torch.Generator().manual_seed(length + n)
     q = torch.randn(heads, n, d, generator=gen)
@@ -173,28 +176,29 @@ def test_attention_is_softmax_over_the_cache_with_grouped_heads_and_a_mask(cache
     for softcap in (0.0, 1.5):  # Gemma 2's soft cap bends the scores before the mask
         scores = softcap * torch.tanh(products / softcap) if softcap else products
         expected = ((scores + (0 if mask is None else mask)).softmax(-1) @ group_values).transpose(0, 1)
-        got = attend(K, q, keys, values, length, mask, 0.125, softcap)
+        got = attend(K, q, keys, values, length, mask, 0.125, softcap, exact)
         torch.testing.assert_close(got, expected.reshape(n, heads * d), rtol=1e-4, atol=1e-5)
     if mask is not None:  # one mask per KV head (a sliding window over a cache whose slots keep their positions)
         per_head = mask.expand(kv_heads, n, length).clone()
         per_head[1, :, :600] = float("-inf")
-        got = attend(K, q, keys, values, length, per_head, 0.125, 0.0)
+        got = attend(K, q, keys, values, length, per_head, 0.125, 0.0, exact)
         scores = products + per_head.repeat_interleave(heads // kv_heads, 0)
         expected = (scores.softmax(-1) @ group_values).transpose(0, 1).reshape(n, heads * d)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-def attend(kernels, q, keys, values, length, mask, scale, softcap):
+def attend(kernels, q, keys, values, length, mask, scale, softcap, exact=False):
     """The attention kernel over one sequence: q [heads, n, d]."""
     mask = torch.empty(0) if mask is None else mask
     return kernels.attention(q.reshape(-1, q.shape[-1]).contiguous(), [keys], [values], [q.shape[1]], [length],
-                             [mask], scale, softcap)
+                             [mask], scale, softcap, exact)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_ragged_attention_scores_each_sequence_over_its_own_keys(cache_dtype):
     """Several sequences in one call (a batched step): rows, lengths and masks of their own, each equal to the
-    sequence attended alone; the RoPE store writes each sequence's keys into its own cache from its own start."""
+    sequence attended alone (to the bit where each row attends alone); the RoPE store writes each sequence's keys
+    into its own cache from its own start."""
     heads, kv_heads, d = 6, 2, 32
     gen = torch.Generator().manual_seed(3)
     counts, lengths = [1, 4, 1, 3], [40, 700, 1300, 5]
@@ -204,11 +208,15 @@ def test_ragged_attention_scores_each_sequence_over_its_own_keys(cache_dtype):
     masks = [None if n == 1 else torch.zeros(n, length) for n, length in zip(counts, lengths)]
     masks[1][2, :650] = float("-inf")
     masks[3][:, 3:] = torch.full((3, 2), float("-inf")).triu(-1)[:, :2]
-    together = K.attention(torch.cat([q.reshape(-1, d) for q in qs]), [k for k, _ in caches], [v for _, v in caches],
-                           counts, lengths, [torch.empty(0) if m is None else m for m in masks], 0.2, 0.0)
-    alone = torch.cat([attend(K, q, k, v, length, m, 0.2, 0.0)
-                       for q, (k, v), length, m in zip(qs, caches, lengths, masks)])
-    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+    for exact in (True, False):
+        together = K.attention(torch.cat([q.reshape(-1, d) for q in qs]), [k for k, _ in caches],
+                               [v for _, v in caches], counts, lengths,
+                               [torch.empty(0) if m is None else m for m in masks], 0.2, 0.0, exact)
+        alone = torch.cat([attend(K, q, k, v, length, m, 0.2, 0.0, exact)
+                           for q, (k, v), length, m in zip(qs, caches, lengths, masks)])
+        if exact:
+            assert torch.equal(together, alone)
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
     for b in (0, 1):
         k, v = caches[b]
         expected = ((qs[b] @ k[:, :lengths[b]].float().repeat_interleave(3, 0).transpose(1, 2) * 0.2
@@ -227,6 +235,95 @@ def test_ragged_attention_scores_each_sequence_over_its_own_keys(cache_dtype):
         assert torch.equal(k[:, start:start + n], rows[:, heads:heads + kv_heads].transpose(0, 1))
         assert torch.equal(v[:, start:start + n], rows[:, heads + kv_heads:].transpose(0, 1))
         first += n
+
+
+TREE = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 7, 8, 9, 10, 11, 13, 14, 15]  # 20 nodes, each path's nodes apart
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    """The tree's nodes from the root to `node`."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def assert_decoding_rows_attend_alone(kernels, cache_dtype: torch.dtype) -> None:
+    """With `exact`, every node of a tree attended over its prefix and ancestors, with its siblings' and cousins'
+    keys between them hidden by the mask and another sequence in the call, is bit for bit the same token attended
+    alone after its ancestors' keys (one-token decoding), over prefixes that end inside, at and past a chunk of keys
+    (a tree over 236 keys spans the boundary at 256)."""
+    heads, kv_heads, d, n = 6, 2, 64, len(TREE)
+    gen = torch.Generator().manual_seed(11)
+    mask = None
+    for prefix in (7, 236, 256, 700):
+        keys = torch.randn(kv_heads, prefix + n, d, generator=gen).to(cache_dtype)
+        values = torch.randn(kv_heads, prefix + n, d, generator=gen).to(cache_dtype)
+        q = torch.randn(heads, n, d, generator=gen)
+        mask = tree_attention_mask(ancestor_matrix(TREE), prefix, torch.float32)
+        other = (torch.randn(heads, 1, d, generator=gen), torch.randn(kv_heads, 90, d, generator=gen).to(cache_dtype))
+        together = kernels.attention(torch.cat([q.reshape(-1, d), other[0].reshape(-1, d)]), [keys, other[1]],
+                                     [values, other[1]], [n, 1], [prefix + n, 90], [mask, torch.empty(0)], 0.125, 0.0,
+                                     True)
+        for node in range(n):
+            slots = list(range(prefix)) + [prefix + u for u in path_to(node, TREE)]
+            alone = attend(kernels, q[:, node:node + 1].contiguous(), keys[:, slots].contiguous(),
+                           values[:, slots].contiguous(), len(slots), None, 0.125, 0.0, True)
+            assert torch.equal(together[node], alone[0]), (prefix, node)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_decoding_rows_attention_is_its_own_whatever_shares_the_call(cache_dtype):
+    assert_decoding_rows_attend_alone(K, cache_dtype)
+
+
+def k_quant_model() -> LeanModel:
+    """Two layers of 256-wide matrices in Q4_K and Q6_K, as Q4_K_M ships them (random blocks)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    blocks = {}
+    for seed, (name, parameter) in enumerate(model.named_parameters()):
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            kind = "Q6_K" if any(part in name for part in ("v_proj", "down_proj", "lm_head")) else "Q4_K"
+            blocks[name], values = random_blocks(kind, *parameter.shape, seed=seed)
+            with torch.no_grad():
+                parameter.copy_(values)
+    return LeanModel(model, block_weights=blocks)
+
+
+@torch.inference_mode()
+def test_a_tree_verifies_with_one_token_decodings_logits_to_the_bit_on_k_quants():
+    """Q4_K and Q6_K matmuls round their input to 8 bits: a last-bit difference in the attention before them moves a
+    logit by hundredths and can turn a greedy choice. Each node of a 20-node tree, scored beside another sequence,
+    gets the logits one-token decoding gives the same token after its ancestors, to the bit (the matmuls work in
+    integers per row, the attention sums each row alone)."""
+    lean = k_quant_model()
+    gen = torch.Generator().manual_seed(5)
+    prompt, tokens = torch.randint(0, 512, (300,), generator=gen), torch.randint(0, 512, (len(TREE),), generator=gen)
+    depths = torch.tensor([len(path_to(v, TREE)) - 1 for v in range(len(TREE))])
+
+    def prefilled():
+        cache = lean.new_cache(400)
+        lean.prefill(prompt, cache, logits=False)
+        return cache
+
+    cache, beside = prefilled(), lean.new_cache(64)
+    lean.prefill(tokens[:9], beside, logits=False)
+    mask = tree_attention_mask(ancestor_matrix(TREE), cache.length, torch.float32)
+    tree_logits, _ = lean.forward_many([ForwardItem(tokens, cache.length + depths, cache, mask, None),
+                                        ForwardItem(tokens[9:10], torch.tensor([9]), beside, None, None)])
+    for node in range(len(TREE)):
+        decoding = prefilled()
+        for u in path_to(node, TREE):
+            logits = lean.forward(tokens[u:u + 1], torch.tensor([decoding.length]), decoding, None)
+            decoding.commit(None, 1)
+        assert torch.equal(logits[0], tree_logits[node]), node
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -381,6 +478,8 @@ def test_the_avx2_and_the_portable_builds_compute_as_this_hosts(march):
     mask[:, 200:] = float("-inf")
     torch.testing.assert_close(attend(other, q, keys, values, 290, mask, 0.2, 0.0),
                                attend(K, q, keys, values, 290, mask, 0.2, 0.0), rtol=1e-4, atol=1e-5)
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        assert_decoding_rows_attend_alone(other, cache_dtype)
 
 
 @torch.inference_mode()

@@ -7,7 +7,7 @@
 //                Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), each block decoded in registers as it streams: no dequantized copy;
 //   rope_store   q/k (optionally RMS-normed per head) rotated, k and v written to the layer's cache slots;
 //   attention    softmax(q k^T * scale + mask) v over the cache for few query rows, grouped KV heads, keys split
-//                in chunks across threads and merged (flash-decoding);
+//                in fixed chunks across threads and merged (flash-decoding), each decoding row's bits its own;
 //   rms_norm     with the residual add fused; gated_activation (SiLU or GELU-tanh gate times up); dequantize and
 //                dequantize_rows (an embedding lookup in a block format).
 // Arithmetic is fp32; bf16 tensors are widened on load and rounded (nearest-even) on store, where the eager
@@ -464,7 +464,8 @@ inline __m128 hsum8_four(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 // scores[r * stride + (j - j0)] = q_r . key_j for R rows q [R, d] and keys j0..j1 of a [slots, d] block; d % 8 == 0.
-// KT keys per pass share each query vector: R x KT accumulators + KT keys + 1 query of the 16 registers.
+// KT keys per pass share each query vector: R x KT accumulators + KT keys + 1 query of the 16 registers. Every
+// score is the same sum, whatever R, KT or the key's place in the pass.
 template <int R>
 void head_scores_avx2(const float* q, const float* keys, int64_t d, int64_t j0, int64_t j1, float* scores,
                       int64_t stride) {
@@ -493,43 +494,66 @@ void head_scores_avx2(const float* q, const float* keys, int64_t d, int64_t j0, 
       __m256 acc = _mm256_setzero_ps();
       for (int64_t e = 0; e < d; e += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + e), _mm256_loadu_ps(keys + j * d + e), acc);
-      scores[r * stride + (j - j0)] = hsum8(acc);
+      scores[r * stride + (j - j0)] = _mm_cvtss_f32(hsum8_four(acc, acc, acc, acc));  // summed as a grouped key's
     }
 }
 
-// acc[r] += sum_j p[r * stride + (j - j0)] value_j for NR rows [NR, d] over values j0..j1 of a [slots, d] block;
-// d % 16 == 0. One 16-float slice at a time: 2 NR accumulators, the slice's two value vectors, the broadcast weight.
-template <int NR>
-void accumulate_values_avx2(const float* p, int64_t stride, const float* values, int64_t d, int64_t j0, int64_t j1,
-                            float* acc) {
-  for (int64_t e = 0; e < d; e += 16) {
-    __m256 lo[NR], hi[NR];
+// acc[r] += sum_j p[r * stride + (j - j0)] value_j over values j0..j1 of a [slots, d] block for the 16-float slice
+// from e of NR rows [NR, d], and with SUM sums[r] += sum_j p[...] key by key, in order (every lane the same sum). 2 NR
+// accumulators, the slice's two value vectors, the broadcast weight (and the NR sums).
+template <int NR, bool SUM>
+inline void accumulate_slice_avx2(const float* p, int64_t stride, const float* values, int64_t d, int64_t e,
+                                  int64_t j0, int64_t j1, float* acc, __m256* sums) {
+  __m256 lo[NR], hi[NR];
+  for (int r = 0; r < NR; r++) {
+    lo[r] = _mm256_loadu_ps(acc + r * d + e);
+    hi[r] = _mm256_loadu_ps(acc + r * d + e + 8);
+  }
+  for (int64_t j = j0; j < j1; j++) {
+    const __m256 v_lo = _mm256_loadu_ps(values + j * d + e), v_hi = _mm256_loadu_ps(values + j * d + e + 8);
     for (int r = 0; r < NR; r++) {
-      lo[r] = _mm256_loadu_ps(acc + r * d + e);
-      hi[r] = _mm256_loadu_ps(acc + r * d + e + 8);
-    }
-    for (int64_t j = j0; j < j1; j++) {
-      const __m256 v_lo = _mm256_loadu_ps(values + j * d + e), v_hi = _mm256_loadu_ps(values + j * d + e + 8);
-      for (int r = 0; r < NR; r++) {
-        const __m256 weight = _mm256_broadcast_ss(p + r * stride + (j - j0));
-        lo[r] = _mm256_fmadd_ps(weight, v_lo, lo[r]);
-        hi[r] = _mm256_fmadd_ps(weight, v_hi, hi[r]);
-      }
-    }
-    for (int r = 0; r < NR; r++) {
-      _mm256_storeu_ps(acc + r * d + e, lo[r]);
-      _mm256_storeu_ps(acc + r * d + e + 8, hi[r]);
+      const __m256 weight = _mm256_broadcast_ss(p + r * stride + (j - j0));
+      lo[r] = _mm256_fmadd_ps(weight, v_lo, lo[r]);
+      hi[r] = _mm256_fmadd_ps(weight, v_hi, hi[r]);
+      if constexpr (SUM) sums[r] = _mm256_add_ps(sums[r], weight);
     }
   }
+  for (int r = 0; r < NR; r++) {
+    _mm256_storeu_ps(acc + r * d + e, lo[r]);
+    _mm256_storeu_ps(acc + r * d + e + 8, hi[r]);
+  }
+}
+
+// acc[r] += sum_j p[r * stride + (j - j0)] value_j for NR rows [NR, d] over values j0..j1 of a [slots, d] block,
+// d % 16 == 0, and where `total` is given total[r] += sum_j p[...] key by key (riding along the first slice).
+template <int NR>
+void accumulate_values_avx2(const float* p, int64_t stride, const float* values, int64_t d, int64_t j0, int64_t j1,
+                            float* acc, float* total) {
+  __m256 sums[NR];
+  for (int r = 0; r < NR; r++) sums[r] = _mm256_set1_ps(total ? total[r] : 0.0f);
+  if (total) accumulate_slice_avx2<NR, true>(p, stride, values, d, 0, j0, j1, acc, sums);
+  else accumulate_slice_avx2<NR, false>(p, stride, values, d, 0, j0, j1, acc, sums);
+  for (int64_t e = 16; e < d; e += 16) accumulate_slice_avx2<NR, false>(p, stride, values, d, e, j0, j1, acc, sums);
+  if (total)
+    for (int r = 0; r < NR; r++) total[r] = _mm256_cvtss_f32(sums[r]);
 }
 
 #endif
 
-// From this many query rows per KV head (trees, prefill; GQA groups) a chunk's scores come from one matrix product
-// (torch's own GEMM, single-threaded inside the task) instead of a dot product per row and key: GEMM_ROWS where the
+// A sequence's new tokens below PROMPT_ROWS are decoding rows (a token, a draft tree, a chain). With `exact`,
+// attention() gives each of them the bits it would have as the one new token of its sequence, its ancestors
+// committed before it, whatever else the call holds (the other nodes of its tree, whose keys its mask hides, other
+// sequences): every score one dot product per (row, key) in one order, the keys in fixed chunks (below), and so a
+// tree verifies with the logits one-token decoding computes. decoder/model.py asks for it where the matmuls round
+// their input to 8 bits (Q4_K, Q6_K), which turns a last-bit difference into logits hundredths apart, and then sends
+// only prompts (from PROMPT_ROWS rows) to SDPA. Without it, a chunk of GEMM_ROWS / TILED_GEMM_ROWS query rows per KV
+// head or more is scored by one matrix product (torch's GEMM, single-threaded inside the task): GEMM_ROWS where
 // keys are read a row at a time (a bf16 cache, or no ymm paths), TILED_GEMM_ROWS where the register-tiled ymm paths
-// score up to 3 rows a pass over an fp32 cache: faster than the GEMM up to 9 rows, level at 12
-// (bench/kernel_variants.py attention-layers TILED_GEMM_ROWS=4 TILED_GEMM_ROWS=10; docs/benchmark-log.md).
+// score 3 rows a pass over an fp32 cache: faster than the GEMM up to 9 rows, level at 12, behind from 24
+// (bench/kernel_variants.py attention-layers TILED_GEMM_ROWS=10 TILED_GEMM_ROWS=1000; docs/benchmark-log.md).
+#ifndef PROMPT_ROWS
+#define PROMPT_ROWS 65
+#endif
 #ifndef GEMM_ROWS
 #define GEMM_ROWS 4
 #endif
@@ -537,17 +561,11 @@ void accumulate_values_avx2(const float* p, int64_t stride, const float* values,
 #define TILED_GEMM_ROWS 10
 #endif
 
-// The tiled paths take this many keys (and then their values) at a time through every group of rows in turn, so
-// that a task's later groups find them in the L2 rather than in memory.
-#ifndef L2_KEYS
-#define L2_KEYS 512
-#endif
-
-// From this many new tokens of one sequence the forward attends through PyTorch's SDPA (its CPU flash attention)
-// rather than attention() (decoder/model.py reads it as the module's sdpa_rows). SDPA beat attention() for every 2
-// to 512 rows over 256 to 4,096 keys on a 2-core AVX2 EPYC, fp32 and bf16. On AVX-512 hosts (an AMD EPYC and an
-// Intel Xeon with AMX) attention() is ahead up to 16 rows, most over long caches, and SDPA from 32
-// (bench/kernel_variants.py forward SDPA_ROWS=2 SDPA_ROWS=17 rows=2,4,8,16,32 context=7680; docs/benchmark-log.md).
+// Without `exact`, from this many new tokens of one sequence the forward attends through PyTorch's SDPA (its CPU
+// flash attention) rather than attention() (decoder/model.py reads it as the module's sdpa_rows). SDPA beat
+// attention() for every 2 to 512 rows over 256 to 4,096 keys on a 2-core AVX2 EPYC, fp32 and bf16. On AVX-512 hosts
+// (an AMD EPYC and an Intel Xeon with AMX) attention() is ahead up to 16 rows, most over long caches, and SDPA from
+// 32 (bench/kernel_variants.py forward SDPA_ROWS=2 SDPA_ROWS=17 rows=2,4,8,16,32 context=7680; docs/benchmark-log.md).
 #ifndef SDPA_ROWS
 #if defined(__AVX512F__)
 #define SDPA_ROWS 17
@@ -556,31 +574,125 @@ void accumulate_values_avx2(const float* p, int64_t stride, const float* values,
 #endif
 #endif
 
-constexpr int64_t ATTENTION_CHUNK = 256;
-constexpr int64_t MAX_SCORES = 1 << 18;  // a task's scores buffer: 1 MB
+// The tiled paths take this many keys (and then their values) at a time through every group of rows in turn, so
+// that a task's later groups find them in the L2 rather than in memory.
+#ifndef L2_KEYS
+#define L2_KEYS 512
+#endif
+
+// Keys per chunk, below which a split costs more (a merge) than it spreads; a task takes a run of a head's chunks.
+// With `exact` each chunk keeps a state of its own, and a decoding row's keys are summed in chunks of this many of
+// the keys it sees, counted from the first: the slots' chunks below the last boundary at or before the sequence's
+// first new key, then the rest (its tail) split where the row's own count of keys reaches the next boundary, which
+// only a tree spanning that boundary does. Without it a task's run is one state.
+#ifndef ATTENTION_CHUNK
+#define ATTENTION_CHUNK 256
+#endif
+constexpr int64_t MAX_SCORES = 1 << 20;  // a task's scores buffer: 4 MB
 
 // One sequence's share of a ragged attention call: its rows, keys, mask and where its tasks and running state sit.
 struct AttentionPart {
   int64_t rows = 0;            // group * n_b: per KV head, row g * n_b + i is head kv * group + g, query i
   int64_t length = 0;          // keys
-  int64_t chunk = 0, chunks = 0;
-  int64_t first_task = 0;      // its tasks: kv_heads * chunks from here
-  int64_t first_state = 0;     // its running max/sum entries: kv_heads * chunks * rows from here
+  bool decoding = false;       // fewer than PROMPT_ROWS new tokens
+  int64_t tail = 0;            // decoding: the keys from here are the last chunk, the tail (a prompt: length)
+  int64_t chunks = 0;          // per KV head: the slots' chunks below `tail`, then the tail
+  int64_t group = 0;           // chunks per task (its keys, then its values, streamed in one pass)
+  int64_t tasks = 0;           // per KV head: chunks / group, rounded up
+  int64_t states = 0;          // running states per KV head and row: a chunk's, or one of the tail's two parts
+  int64_t first_task = 0;      // its tasks: kv_heads * tasks from here
+  int64_t first_state = 0;     // its running max/sum entries: kv_heads * states * rows from here
   const float* q = nullptr;    // [heads, n_b, d] in fp32
   const float* mask = nullptr; // additive, or null: every key visible
   int64_t mask_row = 0, mask_head = 0;  // the mask's row stride, and KV head kv's offset (0 where heads share one)
 };
 
+// p = e^(s - top) over each row's keys j0..j1 (their scores [rows, stride] in `scores`, -inf after the last key up to
+// a whole 16-key vector, replaced by p; a hidden key's -inf gives an exact 0, wherever it sits), then the row's sums
+// of p and of p v into its state: with `exact`, key by key in order (an exact 0 anywhere leaves them as they were),
+// else p's in 16-key vectors.
+void settle_chunk(float* scores, int64_t stride, int64_t rows, int64_t j0, int64_t j1, const torch::Tensor& v_cache,
+                  int64_t kv, int64_t d, bool cache_bf16, bool native, bool exact, float* run_max, float* run_sum,
+                  float* acc_out, float* value_block) {
+  const int64_t span = j1 - j0;
+  constexpr float none = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; r++) {
+    float* row = scores + r * stride;
+    v16f tops = splat(none);
+    for (int64_t j = 0; j < span; j += 16) tops = load(row + j) > tops ? load(row + j) : tops;
+    float top = none;
+    for (int i = 0; i < 16; i++) top = std::max(top, tops[i]);
+    run_max[r] = top;
+    run_sum[r] = 0.0f;
+    if (top == none) {
+      std::fill(row, row + span, 0.0f);
+      continue;
+    }
+    v16f sums = {};
+    for (int64_t j = 0; j < span; j += 16) {  // whole vectors only: a key's p is the same in any of them
+      const v16f p = vexp(load(row + j) - top);
+      store(row + j, p);
+      sums += p;
+    }
+    if (!exact) run_sum[r] = hsum(sums);
+  }
+  std::fill(acc_out, acc_out + rows * d, 0.0f);
+#if ATTENTION_YMM
+  if (native) {
+    const float* head_values = v_cache.data_ptr<float>() + kv * v_cache.stride(0);
+    for (int64_t jb = j0; jb < j1; jb += L2_KEYS) {
+      const int64_t je = std::min(j1, jb + L2_KEYS);
+      for (int64_t r0 = 0; r0 < rows; r0 += 4)
+        with_count<4>(std::min<int64_t>(4, rows - r0), [&](auto r) {
+          accumulate_values_avx2<decltype(r)::value>(scores + r0 * stride + (jb - j0), stride, head_values, d, jb,
+                                                     je, acc_out + r0 * d, exact ? run_sum + r0 : nullptr);
+        });
+    }
+    return;
+  }
+#endif
+  // acc_r += sum_j p_rj v_j and sum_r += p_rj, 16 keys at a time: each accumulator slice is loaded and stored once
+  // per block
+  for (int64_t jb = j0; jb < j1; jb += 16) {
+    const int64_t count = std::min<int64_t>(16, j1 - jb);
+    for (int64_t j = 0; j < count; j++) {
+      const float* vj = cache_row(v_cache, kv, jb + j, d, cache_bf16, value_block + j * d);
+      if (vj != value_block + j * d) std::copy(vj, vj + d, value_block + j * d);
+    }
+    for (int64_t r = 0; exact && r < rows; r++) {
+      const float* p = scores + r * stride + (jb - j0);
+      for (int64_t j = 0; j < count; j++) run_sum[r] += p[j];
+    }
+    int64_t e = 0;
+    for (; e + 16 <= d; e += 16) {  // one 16-wide slice of the 16 values in registers, every row over it
+      v16f slice[16];
+      for (int64_t j = 0; j < count; j++) slice[j] = load(value_block + j * d + e);
+      for (int64_t r = 0; r < rows; r++) {
+        const float* p = scores + r * stride + (jb - j0);
+        v16f a = load(acc_out + r * d + e);
+        for (int64_t j = 0; j < count; j++) a += p[j] * slice[j];
+        store(acc_out + r * d + e, a);
+      }
+    }
+    for (; e < d; e++)
+      for (int64_t r = 0; r < rows; r++) {
+        const float* p = scores + r * stride + (jb - j0);
+        for (int64_t j = 0; j < count; j++) acc_out[r * d + e] += p[j] * value_block[j * d + e];
+      }
+  }
+}
+
 // softmax(softcap(q k^T * scale) + mask) v for each of several sequences over its own keys: q [n * heads, d] as
 // rope_store returns it (sequence b's block [heads, n_b, d], n_b = counts[b]) over the first lengths[b] slots of
-// k_caches[b]/v_caches[b] [kv_heads, slots, d] (heads share a KV head in groups, as GQA); masks[b] additive,
-// [n_b, >= length] or one per KV head [kv_heads, n_b, >= length], or an empty tensor (every key visible);
-// softcap(s) = cap tanh(s / cap) where cap > 0 (Gemma 2), else s. Each (sequence, KV head, chunk of keys) is a task
-// holding its rows' running max, sum and weighted values; the chunks of a head are merged at the end. Returns
-// [n, heads * d] in q's dtype, the sequences' rows one after another.
+// k_caches[b]/v_caches[b] [kv_heads, slots, d] (heads share a KV head in groups, as GQA), its new keys the last n_b;
+// masks[b] additive, [n_b, >= length] or one per KV head [kv_heads, n_b, >= length], or an empty tensor (every key
+// visible); softcap(s) = cap tanh(s / cap) where cap > 0 (Gemma 2), else s; `exact`: each decoding row's bits its
+// own (above). Each (sequence, KV head, run of chunks of keys) is a task holding each chunk's running max, sum and
+// weighted values for its rows; a head's chunks are merged at the end, in order.
+// Returns [n, heads * d] in q's dtype, the sequences' rows one after another.
 torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                         std::vector<int64_t> counts, std::vector<int64_t> lengths, std::vector<torch::Tensor> masks,
-                        double scale, double softcap) {
+                        double scale, double softcap, bool exact) {
   const int64_t d = q.size(1), kv_heads = k_caches.empty() ? 1 : k_caches[0].size(0);
   const RaggedRows ragged(counts);
   const int64_t n = ragged.total(), sequences = static_cast<int64_t>(counts.size());
@@ -589,19 +701,24 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
   check_caches(k_caches, v_caches, counts, k_caches[0].scalar_type(), d, "attention");
   TORCH_CHECK(lengths.size() == counts.size() && masks.size() == counts.size(), "attention: one length and mask each");
   const bool cache_bf16 = k_caches[0].scalar_type() == torch::kBFloat16;
+#if ATTENTION_YMM
+  const bool native = !cache_bf16 && d % 16 == 0;
+#else
+  const bool native = false;
+#endif
   const auto qf = q.to(torch::kFloat32).contiguous();
   std::vector<torch::Tensor> float_masks(sequences);
   std::vector<AttentionPart> parts(sequences);
+  // a head's chunks spread over the threads in a few tasks of consecutive chunks (a task's keys and values stream
+  // in long runs), at most MAX_SCORES scores a task; a batch spreads over its sequences before it splits their keys
   const int64_t threads = at::get_num_threads();
-  // chunks of at least ATTENTION_CHUNK keys (below that a split costs more, a merge pass, than it spreads), and of
-  // at most MAX_SCORES scores per task; a batch spreads over its sequences before it splits their keys
   const int64_t per_head = std::max<int64_t>(1, (2 * threads + kv_heads * sequences - 1) / (kv_heads * sequences));
-  int64_t tasks = 0, states = 0, widest = 0;
+  int64_t tasks = 0, states = 0;
   for (int64_t b = 0; b < sequences; b++) {
     AttentionPart& part = parts[b];
     part.rows = group * counts[b];
     part.length = lengths[b];
-    TORCH_CHECK(part.length >= 0 && part.length <= k_caches[b].size(1), "attention: length beyond the cache");
+    TORCH_CHECK(part.length >= counts[b] && part.length <= k_caches[b].size(1), "attention: length beyond the cache");
     part.q = qf.data_ptr<float>() + heads * ragged.first[b] * d;
     if (masks[b].numel() > 0) {
       float_masks[b] = masks[b].to(torch::kFloat32);
@@ -613,40 +730,47 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
       part.mask_row = m.stride(dims - 2);
       part.mask_head = dims == 3 ? m.stride(0) : 0;
     }
-    const int64_t largest = std::max<int64_t>(ATTENTION_CHUNK, MAX_SCORES / std::max<int64_t>(part.rows, 1));
-    int64_t chunk = std::min<int64_t>(largest, std::max<int64_t>(ATTENTION_CHUNK, (part.length + per_head - 1) / per_head));
-    part.chunk = (chunk + 15) / 16 * 16;
-    part.chunks = (part.length + part.chunk - 1) / part.chunk;
+    part.decoding = counts[b] < PROMPT_ROWS;
+    if (part.decoding) {
+      part.tail = (part.length - counts[b]) / ATTENTION_CHUNK * ATTENTION_CHUNK;
+      part.chunks = part.tail / ATTENTION_CHUNK + (part.length > part.tail ? 1 : 0);
+      part.states = part.chunks + 1;
+    } else {
+      part.tail = part.length;
+      part.chunks = part.states = (part.length + ATTENTION_CHUNK - 1) / ATTENTION_CHUNK;
+    }
+    const int64_t widest = std::max<int64_t>(1, MAX_SCORES / (std::max<int64_t>(part.rows, 1) * ATTENTION_CHUNK));
+    part.group = std::min(widest, std::max<int64_t>(1, (part.chunks + per_head - 1) / per_head));
+    part.tasks = (part.chunks + part.group - 1) / part.group;
     part.first_task = tasks;
     part.first_state = states;
-    tasks += kv_heads * part.chunks;
-    states += kv_heads * part.chunks * part.rows;
-    widest = std::max(widest, part.rows * part.chunk);
+    tasks += kv_heads * part.tasks;
+    states += kv_heads * part.states * part.rows;
   }
   std::vector<int64_t> task_part(tasks);
   for (int64_t b = 0; b < sequences; b++)
     std::fill(task_part.begin() + parts[b].first_task,
-              task_part.begin() + parts[b].first_task + kv_heads * parts[b].chunks, b);
-  std::vector<float> run_max(states), run_sum(states), run_acc(states * d);
+              task_part.begin() + parts[b].first_task + kv_heads * parts[b].tasks, b);
+  constexpr float none = -std::numeric_limits<float>::infinity();
+  std::vector<float> run_max(states, none), run_sum(states), run_acc(states * d);
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(widest), key(d);
-    std::vector<float> value_block(16 * d);
+    std::vector<float> scores, second, key(d), value_block(16 * d);
     for (int64_t task = begin; task < end; task++) {
       const int64_t b = task_part[task];
       const AttentionPart& part = parts[b];
       const torch::Tensor &k_cache = k_caches[b], &v_cache = v_caches[b];
-      const int64_t local = task - part.first_task, rows = part.rows, chunk = part.chunk, n_b = counts[b];
-      const int64_t kv = local / part.chunks, j0 = (local % part.chunks) * chunk;
-      const int64_t j1 = std::min(part.length, j0 + chunk), span = j1 - j0;
+      const int64_t local = task - part.first_task, rows = part.rows, n_b = counts[b];
+      const int64_t kv = local / part.tasks, c0 = (local % part.tasks) * part.group;
+      const int64_t c1 = std::min(part.chunks, c0 + part.group);
+      // chunk c holds keys c * ATTENTION_CHUNK on, to the next chunk's start or the last key
+      const auto chunk_end = [&](int64_t c) { return c + 1 == part.chunks ? part.length : (c + 1) * ATTENTION_CHUNK; };
+      const int64_t j0 = c0 * ATTENTION_CHUNK, j1 = chunk_end(c1 - 1), span = j1 - j0, stride = (span + 15) / 16 * 16;
+      if (static_cast<int64_t>(scores.size()) < rows * stride) scores.resize(rows * stride);
       const float* qh = part.q + kv * rows * d;
       const float* head_mask = part.mask ? part.mask + kv * part.mask_head : nullptr;
-#if ATTENTION_YMM
-      const bool native = !cache_bf16 && d % 16 == 0;
-#else
-      const bool native = false;
-#endif
-      if (native && rows < TILED_GEMM_ROWS) {
+      const bool alone = part.decoding && (exact || rows < (native ? TILED_GEMM_ROWS : GEMM_ROWS));
+      if (native && alone) {
 #if ATTENTION_YMM
         const float* head_keys = k_cache.data_ptr<float>() + kv * k_cache.stride(0);
         for (int64_t jb = j0; jb < j1; jb += L2_KEYS) {
@@ -654,12 +778,12 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
           for (int64_t r0 = 0; r0 < rows; r0 += 3)
             with_count<3>(std::min<int64_t>(3, rows - r0), [&](auto r) {
               head_scores_avx2<decltype(r)::value>(qh + r0 * d, head_keys, d, jb, je,
-                                                   scores.data() + r0 * chunk + (jb - j0), chunk);
+                                                   scores.data() + r0 * stride + (jb - j0), stride);
             });
         }
 #endif
         for (int64_t r = 0; r < rows; r++) {
-          float* out = scores.data() + r * chunk;
+          float* out = scores.data() + r * stride;
           const float* row_mask = head_mask ? head_mask + (r % n_b) * part.mask_row + j0 : nullptr;
           for (int64_t j = 0; j < span; j++) {
             float score = out[j] * fscale;
@@ -667,24 +791,24 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
             out[j] = row_mask ? score + row_mask[j] : score;
           }
         }
-      } else if (!native && rows < GEMM_ROWS) {
+      } else if (alone) {
         for (int64_t j = j0; j < j1; j++) {
           const float* kj = cache_row(k_cache, kv, j, d, cache_bf16, key.data());
           for (int64_t r = 0; r < rows; r++) {
             float score = dot_row(qh + r * d, kj, d) * fscale;
             if (cap > 0.0f) score = cap * std::tanh(score / cap);
             if (head_mask) score += head_mask[(r % n_b) * part.mask_row + j];
-            scores[r * chunk + (j - j0)] = score;
+            scores[r * stride + (j - j0)] = score;
           }
         }
-      } else {  // q [rows, d] times the chunk's keys [span, d]^T in fp32 (a bf16 cache's keys widened first)
+      } else {  // q [rows, d] times the keys [span, d]^T in fp32 (a bf16 cache's keys widened first)
         const torch::Tensor q_rows = torch::from_blob(const_cast<float*>(qh), {rows, d}, torch::kFloat32);
         const torch::Tensor products =
             at::linear(q_rows, k_cache[kv].narrow(0, j0, span).to(torch::kFloat32)).contiguous();
         const float* product = products.data_ptr<float>();
         for (int64_t r = 0; r < rows; r++) {
           const float* row_mask = head_mask ? head_mask + (r % n_b) * part.mask_row + j0 : nullptr;
-          float* out = scores.data() + r * chunk;
+          float* out = scores.data() + r * stride;
           if (cap > 0.0f) {
             for (int64_t j = 0; j < span; j++)
               out[j] = cap * std::tanh(product[r * span + j] * fscale / cap) + (row_mask ? row_mask[j] : 0.0f);
@@ -696,90 +820,61 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
           for (; j < span; j++) out[j] = product[r * span + j] * fscale + (row_mask ? row_mask[j] : 0.0f);
         }
       }
-      const int64_t state = part.first_state + local * rows;
-      float* acc_out = run_acc.data() + state * d;
-      std::fill(acc_out, acc_out + rows * d, 0.0f);
-      for (int64_t r = 0; r < rows; r++) {
-        float* row = scores.data() + r * chunk;
-        v16f tops = splat(-std::numeric_limits<float>::infinity());
-        int64_t jt = 0;
-        for (; jt + 16 <= span; jt += 16) tops = load(row + jt) > tops ? load(row + jt) : tops;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int i = 0; i < 16; i++) top = std::max(top, tops[i]);
-        for (; jt < span; jt++) top = std::max(top, row[jt]);
-        float total = 0.0f;
-        if (top != -std::numeric_limits<float>::infinity()) {
-          int64_t j = 0;
-          for (; j + 16 <= span; j += 16) {
-            const v16f p = vexp(load(row + j) - top);
-            store(row + j, p);
-            total += hsum(p);
-          }
-          for (; j < span; j++) { row[j] = std::exp(row[j] - top); total += row[j]; }
-        } else {
-          std::fill(row, row + span, 0.0f);
-        }
-        run_max[state + r] = top;
-        run_sum[state + r] = total;
-      }
-#if ATTENTION_YMM
-      if (native) {
-        const float* head_values = v_cache.data_ptr<float>() + kv * v_cache.stride(0);
-        for (int64_t jb = j0; jb < j1; jb += L2_KEYS) {
-          const int64_t je = std::min(j1, jb + L2_KEYS);
-          for (int64_t r0 = 0; r0 < rows; r0 += 4)
-            with_count<4>(std::min<int64_t>(4, rows - r0), [&](auto r) {
-              accumulate_values_avx2<decltype(r)::value>(scores.data() + r0 * chunk + (jb - j0), chunk, head_values,
-                                                         d, jb, je, acc_out + r0 * d);
-            });
-        }
+      for (int64_t r = 0; r < rows; r++)  // whole 16-key vectors, the last one's missing keys hidden
+        std::fill(scores.data() + r * stride + span, scores.data() + (r + 1) * stride, none);
+      if (!exact) {  // the task's keys one state (its first chunk's), as long a run as the threads allow
+        const int64_t state = part.first_state + (kv * part.states + c0) * rows;
+        settle_chunk(scores.data(), stride, rows, j0, j1, v_cache, kv, d, cache_bf16, native, false,
+                     run_max.data() + state, run_sum.data() + state, run_acc.data() + state * d, value_block.data());
         continue;
       }
-#endif
-      // acc_r += sum_j p_rj v_j, 16 keys at a time: each accumulator slice is loaded and stored once per block
-      for (int64_t jb = j0; jb < j1; jb += 16) {
-        const int64_t count = std::min<int64_t>(16, j1 - jb);
-        for (int64_t j = 0; j < count; j++) {
-          const float* vj = cache_row(v_cache, kv, jb + j, d, cache_bf16, value_block.data() + j * d);
-          if (vj != value_block.data() + j * d) std::copy(vj, vj + d, value_block.data() + j * d);
-        }
-        int64_t e = 0;
-        for (; e + 16 <= d; e += 16) {  // one 16-wide slice of the 16 values in registers, every row over it
-          v16f slice[16];
-          for (int64_t j = 0; j < count; j++) slice[j] = load(value_block.data() + j * d + e);
+      for (int64_t c = c0; c < c1; c++) {
+        const int64_t cj0 = c * ATTENTION_CHUNK, cj1 = chunk_end(c), cspan = cj1 - cj0;
+        float* chunk_scores = scores.data() + (cj0 - j0);
+        // a tree spanning a boundary: each row's keys past the ATTENTION_CHUNK-th it sees in the tail go to a
+        // second part, as one-token decoding's chunks would hold them
+        bool split = false;
+        const int64_t second_stride = (cspan + 15) / 16 * 16;
+        if (part.decoding && c + 1 == part.chunks) {
           for (int64_t r = 0; r < rows; r++) {
-            const float* p = scores.data() + r * chunk + (jb - j0);
-            v16f a = load(acc_out + r * d + e);
-            for (int64_t j = 0; j < count; j++) a += p[j] * slice[j];
-            store(acc_out + r * d + e, a);
+            float* row = chunk_scores + r * stride;
+            int64_t seen = 0, j = 0;
+            for (; j < cspan && seen < ATTENTION_CHUNK; j++) seen += row[j] != none;
+            if (j == cspan) continue;
+            if (!split) second.assign(rows * second_stride, none);
+            split = true;
+            std::copy(row + j, row + cspan, second.data() + r * second_stride + j);
+            std::fill(row + j, row + cspan, none);
           }
         }
-        for (; e < d; e++)
-          for (int64_t r = 0; r < rows; r++) {
-            const float* p = scores.data() + r * chunk + (jb - j0);
-            for (int64_t j = 0; j < count; j++) acc_out[r * d + e] += p[j] * value_block[j * d + e];
-          }
+        const int64_t state = part.first_state + (kv * part.states + c) * rows;
+        settle_chunk(chunk_scores, stride, rows, cj0, cj1, v_cache, kv, d, cache_bf16, native, true,
+                     run_max.data() + state, run_sum.data() + state, run_acc.data() + state * d, value_block.data());
+        if (split)
+          settle_chunk(second.data(), second_stride, rows, cj0, cj1, v_cache, kv, d, cache_bf16, native, true,
+                       run_max.data() + state + rows, run_sum.data() + state + rows,
+                       run_acc.data() + (state + rows) * d, value_block.data());
       }
     }
   });
   auto out = torch::empty({n, heads * d}, q.options());
   const bool out_bf16 = q.scalar_type() == torch::kBFloat16;
-  // every (query row, head): row t's heads in order; the merge reads each of its chunks' running state
+  // every (query row, head): row t's heads in order; the merge reads each of its states in order
   at::parallel_for(0, n * heads, 64, [&](int64_t begin, int64_t end) {  // a few rows: no fork
     std::vector<float> merged(d);
     for (int64_t th = begin; th < end; th++) {
       const int64_t t = th / heads, head = th % heads, b = ragged.sequence[t], i = ragged.offset[t];
       const AttentionPart& part = parts[b];
       const int64_t kv = head / group, r = (head % group) * counts[b] + i;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < part.chunks; c++)
-        top = std::max(top, run_max[part.first_state + (kv * part.chunks + c) * part.rows + r]);
+      float top = none;
+      for (int64_t c = 0; c < part.states; c++)
+        top = std::max(top, run_max[part.first_state + (kv * part.states + c) * part.rows + r]);
       std::fill(merged.begin(), merged.end(), 0.0f);
       float total = 0.0f;
-      for (int64_t c = 0; c < part.chunks; c++) {
-        const int64_t state = part.first_state + (kv * part.chunks + c) * part.rows + r;
+      for (int64_t c = 0; c < part.states; c++) {
+        const int64_t state = part.first_state + (kv * part.states + c) * part.rows + r;
         const float part_max = run_max[state];
-        if (part_max == -std::numeric_limits<float>::infinity()) continue;
+        if (part_max == none) continue;
         const float weight = std::exp(part_max - top);
         total += weight * run_sum[state];
         const float* acc = run_acc.data() + state * d;
@@ -795,6 +890,7 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("prompt_rows") = PROMPT_ROWS;
   m.attr("sdpa_rows") = SDPA_ROWS;
   m.def("formats", [] { return std::vector<std::string>(FORMAT_NAMES, FORMAT_NAMES + FORMAT_COUNT); });
   m.def("linear", &linear);
