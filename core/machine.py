@@ -1,5 +1,6 @@
 """What this machine is: CPU model and the instruction-set flags that matter for inference kernels, and whether
-timings taken on one machine describe another."""
+timings taken on one machine describe another. A CPU's family, model and stepping (`cpu_id`) tell apart processors
+that a virtual machine names alike ("AMD EPYC") with the same flags."""
 
 from __future__ import annotations
 
@@ -10,18 +11,27 @@ INTERESTING_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni",
 
 
 def cpu_info() -> dict:
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags, fields = platform.processor() or platform.machine(), set(), {}
     try:
         with open("/proc/cpuinfo") as handle:
             for line in handle:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "model name":
+                    model = value
+                elif key == "flags":
+                    flags = set(value.split())
+                elif key in ("cpu family", "model", "stepping"):
+                    fields.setdefault(key, value)
+                elif not key and fields:  # the first processor's block ends
+                    break
     except OSError:
         pass
-    return {"cpu": model, "cpu_flags": [f for f in INTERESTING_CPU_FLAGS if f in flags],
+    info = {"cpu": model, "cpu_flags": [f for f in INTERESTING_CPU_FLAGS if f in flags],
             "logical_cores": os.cpu_count()}
+    if len(fields) == 3:
+        info["cpu_id"] = f"family {fields['cpu family']} model {fields['model']} stepping {fields['stepping']}"
+    return info
 
 
 def machine_identity(hardware: dict) -> dict:
@@ -31,7 +41,7 @@ def machine_identity(hardware: dict) -> dict:
         link = (hardware.get("host_link") or {}).get("name") if setup else None
         return {"device": "cuda", "gpu": hardware.get("gpu"), **setup, **({"host_link": link} if link else {})}
     return {"device": "cpu", "cpu": hardware.get("cpu"), "cpu_flags": list(hardware.get("cpu_flags") or []),
-            "threads": hardware.get("threads")}
+            "threads": hardware.get("threads"), **({"cpu_id": hardware["cpu_id"]} if hardware.get("cpu_id") else {})}
 
 
 def this_machine(device: str) -> dict:
@@ -40,13 +50,16 @@ def this_machine(device: str) -> dict:
     if device.startswith("cuda"):
         return {"device": "cuda", "gpu": torch.cuda.get_device_name(torch.device(device))}
     info = cpu_info()
-    return {"device": "cpu", "cpu": info["cpu"], "cpu_flags": info["cpu_flags"], "threads": torch.get_num_threads()}
+    return machine_identity({**info, "device": "cpu", "threads": torch.get_num_threads()})
 
 
 def machine_difference(recorded: dict, current: dict) -> str | None:
-    """None if both identities agree, else what differs, e.g. "cpu_flags [avx2, fma] there, [...] here"."""
+    """None if both identities agree, else what differs, e.g. "cpu_flags [avx2, fma] there, [...] here" (the CPU's
+    family, model and stepping only where both record them: profiles before them did not)."""
     keys = [key for key in ("device", "gpu", "gpus", "offload", "cpu", "cpu_flags", "threads")
             if recorded.get(key) != current.get(key)]
+    if recorded.get("cpu_id") and current.get("cpu_id") and recorded["cpu_id"] != current["cpu_id"]:
+        keys.append("cpu_id")
     if not keys:
         return None
     return "; ".join(f"{key} {recorded.get(key)} there, {current.get(key)} here" for key in keys)

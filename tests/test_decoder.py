@@ -292,6 +292,20 @@ def test_show_reports_prints_their_tables_and_plots_a_summary(bench_tiny_sequoia
     assert code == 2 and "only when all are plan bench reports" in stderr
 
 
+def test_a_cpu_of_the_same_name_and_flags_is_told_apart_by_its_family_model_and_stepping():
+    from specplan.core.machine import machine_difference, machine_identity
+
+    here = machine_identity({"device": "cpu", "cpu": "AMD EPYC", "cpu_flags": ["avx2", "avx512f"], "threads": 2,
+                             "cpu_id": "family 25 model 17 stepping 1", "torch": "2.13.0"})
+    assert here["cpu_id"] == "family 25 model 17 stepping 1" and "torch" not in here
+    there = {**here, "cpu_id": "family 25 model 1 stepping 1"}
+    assert machine_difference(there, here) == ("cpu_id family 25 model 1 stepping 1 there, "
+                                               "family 25 model 17 stepping 1 here")
+    recorded_before_ids = {key: value for key, value in here.items() if key != "cpu_id"}
+    assert machine_difference(recorded_before_ids, here) is None
+    assert machine_difference(here, recorded_before_ids) is None
+
+
 def test_bench_and_generate_say_when_the_plans_profile_is_from_another_machine(run_cli, write_yaml_file, tmp_path):
     from specplan.core.machine import machine_difference, this_machine
     from specplan.core.plan_schema import load_plan
