@@ -298,17 +298,53 @@ def serving_table(levels: list[LevelResult]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class LevelLine:
+    """One system's aggregate tokens/s against concurrency: at each, the mean of its runs and their range."""
+
+    label: str
+    points: list[tuple[int, float, float, float]]  # (concurrency, mean, lowest, highest)
+
+
+def level_lines(levels: list[LevelResult]) -> list[LevelLine]:
+    """Each system's line, in the order the systems first appear; where fixed settings were served (`setting-N`,
+    ours-ar being off), also the best of them at each concurrency (by mean): the schedule's yardstick."""
+    runs: dict[str, dict[int, list[float]]] = {}
+    for r in levels:
+        runs.setdefault(r.system, {}).setdefault(r.concurrency, []).append(r.tokens_per_second)
+    lines = [LevelLine(system, [(c, float(np.mean(rates)), min(rates), max(rates)) for c, rates in sorted(by.items())])
+             for system, by in runs.items()]
+    fixed = [line for line in lines if line.label.startswith("setting-") or line.label == "ours-ar"]
+    if any(line.label.startswith("setting-") for line in fixed):
+        best = {}
+        for line in fixed:
+            for point in line.points:
+                if point[0] not in best or point[1] > best[point[0]][1]:
+                    best[point[0]] = point
+        lines.append(LevelLine("best fixed setting (off included)", [best[c] for c in sorted(best)]))
+    return lines
+
+
 def plot_levels(levels: list[LevelResult], png: str | os.PathLike, title: str) -> None:
+    """Aggregate tokens/s against concurrency (level_lines): the runs' range as error bars, the best fixed setting
+    dashed."""
     from specplan.core.plotting import pyplot, save_png
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for system in dict.fromkeys(r.system for r in levels):
-        points = sorted((r.concurrency, r.tokens_per_second) for r in levels if r.system == system)
-        ax.plot([c for c, _ in points], [t for _, t in points], marker="o", label=system)
+    lines = level_lines(levels)
+    for line in lines:
+        concurrency, mean, low, high = (list(column) for column in zip(*line.points))
+        if line.label.startswith("best fixed"):
+            ax.plot(concurrency, mean, linestyle="--", color="gray", label=line.label)
+        else:
+            ax.errorbar(concurrency, mean, yerr=[np.subtract(mean, low), np.subtract(high, mean)], marker="o",
+                        capsize=3, label=line.label)
     ax.set_xscale("log", base=2)
+    ticks = sorted({point[0] for line in lines for point in line.points})
+    ax.set_xticks(ticks, [str(c) for c in ticks])
     ax.set_xlabel("concurrent requests (closed loop)")
-    ax.set_ylabel("aggregate output tokens/s")
+    ax.set_ylabel("aggregate output tokens/s (mean of the runs, their range)")
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)

@@ -134,6 +134,24 @@ def test_the_serving_benchmark_writes_each_level_as_it_finishes_and_resumes(run_
     assert code == 2 and "line 3 is not a serving benchmark result" in err
 
 
+def test_a_grids_plot_averages_repeated_runs_and_draws_the_best_fixed_setting():
+    """plan show RUN1.jsonl RUN2.jsonl --plot: each system's mean over the runs at a concurrency with their range, and
+    the best of the fixed settings (ours-ar being off) by mean at each concurrency."""
+    from specplan.serving import LevelResult, level_lines
+
+    def level(system: str, concurrency: int, rate: float) -> LevelResult:
+        return LevelResult(system, concurrency, 4, 256, 256 / rate, rate, None, None, None, None, 0, "cpu")
+
+    levels = [level("ours", 1, 30.0), level("ours-ar", 1, 24.0), level("setting-2", 1, 28.0),
+              level("ours", 4, 40.0), level("ours-ar", 4, 44.0), level("setting-2", 4, 36.0),
+              level("ours", 1, 26.0), level("ours-ar", 1, 22.0), level("setting-2", 1, 29.0)]
+    lines = {line.label: line.points for line in level_lines(levels)}
+    assert lines["ours"] == [(1, 28.0, 26.0, 30.0), (4, 40.0, 40.0, 40.0)]
+    assert lines["best fixed setting (off included)"] == [(1, 28.5, 28.0, 29.0), (4, 44.0, 44.0, 44.0)]
+    assert "best fixed setting (off included)" not in {line.label for line in level_lines(
+        [r for r in levels if r.system != "setting-2"])}
+
+
 def test_transformers_static_batches_send_each_batch_when_the_last_is_done():
     """hf-batch: C prompts per padded batch, the next batch sent only when every row of the last has stopped; each
     row's tokens counted up to its end-of-sequence token, its first token at the batch's first step."""
