@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -325,6 +326,9 @@ def level_lines(levels: list[LevelResult]) -> list[LevelLine]:
     return lines
 
 
+PLOT_LABELS = {"ours": "ours: the plan", "ours-ar": "ours-ar: one-token (off)"}
+
+
 def plot_levels(levels: list[LevelResult], png: str | os.PathLike, title: str) -> None:
     """Aggregate tokens/s against concurrency (level_lines): the runs' range as error bars, the best fixed setting
     dashed."""
@@ -339,13 +343,13 @@ def plot_levels(levels: list[LevelResult], png: str | os.PathLike, title: str) -
             ax.plot(concurrency, mean, linestyle="--", color="gray", label=line.label)
         else:
             ax.errorbar(concurrency, mean, yerr=[np.subtract(mean, low), np.subtract(high, mean)], marker="o",
-                        capsize=3, label=line.label)
+                        capsize=3, label=PLOT_LABELS.get(line.label, line.label))
     ax.set_xscale("log", base=2)
     ticks = sorted({point[0] for line in lines for point in line.points})
     ax.set_xticks(ticks, [str(c) for c in ticks])
     ax.set_xlabel("concurrent requests (closed loop)")
-    ax.set_ylabel("aggregate output tokens/s (mean of the runs, their range)")
-    ax.set_title(title)
+    ax.set_ylabel("aggregate output tokens/s")
+    ax.set_title(textwrap.fill(title, 80), fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     save_png(fig, png)

@@ -29,7 +29,10 @@ def show_files(paths: list[str | os.PathLike], plot: str | os.PathLike | None = 
             raise UserError("--compare applies to profiles only")
         levels = [level for p in paths for level in load_levels(p)]
         if plot is not None:
-            plot_levels(levels, plot, ", ".join(Path(p).stem for p in paths))
+            stems = [Path(p).stem for p in paths]
+            shared = os.path.commonprefix(stems).rstrip(".-_")
+            title = stems[0] if len(stems) == 1 else f"{shared or ', '.join(stems)}: {len(stems)} runs (mean, range)"
+            plot_levels(levels, plot, title)
         return serving_table(levels)
     if paths and all(Path(p).suffix == ".json" for p in paths):
         from specplan.bench import load_report, markdown_table, plot_summary
