@@ -158,7 +158,7 @@ def q4k_x8(tiles: list[str]) -> None:
     for data, cols in matrices:
         interleaved = plain.interleave("Q4_K", data, data.shape[0], cols)
         if interleaved is None:
-            raise SystemExit("this host's kernels keep Q4_K in the file's layout (AVX-512, or no AVX2)")
+            raise SystemExit("this host's kernels keep Q4_K in the file's layout (no AVX2)")
         packed.append((interleaved[1], cols, data.shape[0]))
     calls = {"file rows": lambda inputs: [plain.linear(inputs[cols], "Q4_K", data, None, data.shape[0])
                                           for data, cols in matrices]}

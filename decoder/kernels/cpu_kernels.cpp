@@ -142,7 +142,7 @@ torch::Tensor linear(torch::Tensor x, const std::string& format_name, torch::Ten
 }
 
 // A weight in `format` ([rows, row bytes] uint8) in the layout this build's matmuls read fastest, and that layout's
-// name; nullopt where it is the file's own (Q4_K on AVX2 without AVX-512: 8 rows interleaved, linear.cpp).
+// name; nullopt where it is the file's own (Q4_K on AVX2 and AVX-512: 8 rows interleaved, linear.cpp).
 c10::optional<std::tuple<std::string, torch::Tensor>> interleave(const std::string& format_name, torch::Tensor weight,
                                                                  int64_t rows, int64_t cols) {
 #ifdef SPECPLAN_Q4K_X8

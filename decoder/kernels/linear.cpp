@@ -946,8 +946,8 @@ void linear_q8k(const float* x, int64_t n, int64_t k, const uint8_t* weight, con
 // (8 x 2 x 15 x 127 < 2^15) before one vpmaddwd applies the 8 rows' scales: per 32 values and 8 rows, 8 multiplies
 // and one scaling instead of 8 multiplies and 8 scalings, and each row's float sum sits in a lane of its own (no
 // horizontal sum). Every row count takes this path, so a row's result does not depend on how many rows a forward
-// scores. Used where its measurement says so (cpu-2c-avx2: bench/kernel_variants.py q4k-x8); AVX-512 hosts keep
-// dot_q4k_block.
+// scores. Used on AVX2 and AVX-512 hosts alike, where it beats dot_q4k_block on one-row and batched passes
+// (bench/kernel_variants.py q4k-x8; the log); dot_q4k_block serves matrices of rows not a multiple of 8.
 //
 // One group block (Q4K_X8_BLOCK_BYTES): 8 rows' block `b`:
 //   d[8], dmin[8] (fp16) | scales[8 sub-blocks][8 rows] | mins[4 sub-block pairs][8 rows][2] | qs[4 chunks][8 groups

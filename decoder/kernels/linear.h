@@ -34,8 +34,8 @@ void linear_bf16_native(const uint16_t* x, int64_t n, int64_t k, const uint16_t*
                         float* out_f, c10::BFloat16* out_h, int64_t rows);
 #endif
 
-// Q4_K weights with 8 rows interleaved (linear.cpp), on AVX2 hosts without AVX-512
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512BW__)
+// Q4_K weights with 8 rows interleaved (linear.cpp), on AVX2 and AVX-512 hosts
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SPECPLAN_Q4K_X8 1
 inline constexpr int64_t Q4K_X8_ROWS = 8;
 inline constexpr int64_t Q4K_X8_BLOCK_BYTES = 160 + Q4K_X8_ROWS * 128;  // 8 rows' 256 values (linear.cpp)
