@@ -14,9 +14,7 @@ import sys
 from collections import defaultdict
 
 from specplan.core.plan_schema import load_plan, setting_name
-from specplan.serving import load_levels
-
-FIXED_PREFIXES = ("setting-", "ours-ar")  # the fixed settings a schedule is held against (ours-ar: drafting off)
+from specplan.serving import is_fixed_setting, load_levels
 
 
 def predicted_rates(plan_path: str) -> dict[str, list[float | None]]:
@@ -48,7 +46,7 @@ def main(plan_path: str, runs: list[str]) -> None:
     systems = sorted({system for system, _ in measured})
     for concurrency in sorted({c for _, c in measured}):
         means = {s: statistics.mean(measured[(s, concurrency)]) for s in systems if (s, concurrency) in measured}
-        fixed = {s: rate for s, rate in means.items() if s.startswith(FIXED_PREFIXES)}
+        fixed = {s: rate for s, rate in means.items() if is_fixed_setting(s)}
         best = max(fixed, key=fixed.get)
         line = [f"C={concurrency:2d}"]
         for system, rate in means.items():

@@ -307,6 +307,15 @@ class LevelLine:
     points: list[tuple[int, float, float, float]]  # (concurrency, mean, lowest, highest)
 
 
+BEST_FIXED = "best fixed setting (off included)"
+
+
+def is_fixed_setting(system: str) -> bool:
+    """A system serving one drafting setting at every batch size (`plan serve --setting N`; ours-ar: off), which a
+    schedule is held against."""
+    return system.startswith("setting-") or system == "ours-ar"
+
+
 def level_lines(levels: list[LevelResult]) -> list[LevelLine]:
     """Each system's line, in the order the systems first appear; where fixed settings were served (`setting-N`,
     ours-ar being off), also the best of them at each concurrency (by mean): the schedule's yardstick."""
@@ -315,14 +324,14 @@ def level_lines(levels: list[LevelResult]) -> list[LevelLine]:
         runs.setdefault(r.system, {}).setdefault(r.concurrency, []).append(r.tokens_per_second)
     lines = [LevelLine(system, [(c, float(np.mean(rates)), min(rates), max(rates)) for c, rates in sorted(by.items())])
              for system, by in runs.items()]
-    fixed = [line for line in lines if line.label.startswith("setting-") or line.label == "ours-ar"]
-    if any(line.label.startswith("setting-") for line in fixed):
+    fixed = [line for line in lines if is_fixed_setting(line.label)]
+    if len(fixed) > 1:
         best = {}
         for line in fixed:
             for point in line.points:
                 if point[0] not in best or point[1] > best[point[0]][1]:
                     best[point[0]] = point
-        lines.append(LevelLine("best fixed setting (off included)", [best[c] for c in sorted(best)]))
+        lines.append(LevelLine(BEST_FIXED, [best[c] for c in sorted(best)]))
     return lines
 
 
@@ -339,7 +348,7 @@ def plot_levels(levels: list[LevelResult], png: str | os.PathLike, title: str) -
     lines = level_lines(levels)
     for line in lines:
         concurrency, mean, low, high = (list(column) for column in zip(*line.points))
-        if line.label.startswith("best fixed"):
+        if line.label == BEST_FIXED:
             ax.plot(concurrency, mean, linestyle="--", color="gray", label=line.label)
         else:
             ax.errorbar(concurrency, mean, yerr=[np.subtract(mean, low), np.subtract(high, mean)], marker="o",
