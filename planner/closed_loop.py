@@ -48,6 +48,10 @@ class SettingPrice:
 
 
 OFF = SettingPrice(1.0)
+# A schedule drafts at a batch size only where predicted at least this much faster than one-token decoding: served
+# runs of one setting spread by several percent around their price (docs/benchmark-log.md), and smollm2's fp32
+# Lookahead, scheduled at B = 3-6 for a predicted 2% gain, lost 8% served at 4 requests on cpu-2c.
+MIN_SPEEDUP = 1.05
 
 
 @dataclass(frozen=True)
@@ -145,9 +149,11 @@ def step_seconds(profile: LatencyProfile, batch: int, setting: SettingPrice, con
 
 
 def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, largest: int, context: int,
-                   method: str) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+                   method: str, min_speedup: float = MIN_SPEEDUP
+                   ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """At each batch size 1..`largest`, the setting of `prices` (keyed by decoding length: nodes per sequence, root
-    included) giving the most output tokens/s over the batch at `context`, or none; ranges of equal settings merged.
+    included) giving the most output tokens/s over the batch at `context` if that is at least `min_speedup` times
+    none's, else none; ranges of equal settings merged.
     Also every setting's tokens/s per batch size ({"off": [...], "L_d=4": [...]}, named as `method` names them; None:
     rows beyond what was profiled at that batch size)."""
     chosen: list[tuple[int | None, float, float, float]] = []  # per B: (length, tokens/step, tokens/s, speedup)
@@ -169,5 +175,7 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
             rates[name[length]].append(rate)
             if rate > best[2]:
                 best = (length, price.tokens_per_step, rate)
+        if best[2] < min_speedup * off:
+            best = (None, 1.0, off)
         chosen.append((best[0], best[1], best[2], best[2] / off))
     return BatchSchedule.merged(context, chosen), rates

@@ -36,7 +36,7 @@ from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.core.profile_schema import LatencyProfile
 from specplan.decoder.draft_rules import HEURISTIC_GROWTH, HEURISTIC_SHRINK
-from specplan.planner.closed_loop import SettingPrice, schedule_table
+from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table
 
 CHAIN_KNOB_ENGINES = ("llama.cpp", "hf")
 P_MIN_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # llama-server's --spec-draft-p-min: 0, 0.05, ..., 0.95
@@ -161,12 +161,13 @@ def chain_setting_prices(chains: list[DraftChainTrace], decoding_lengths: set[in
 
 
 def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, largest_batch: int, max_depth: int,
-                   context: int | None = None, prefill_per_token: float = 0.0
+                   context: int | None = None, prefill_per_token: float = 0.0, min_speedup: float = MIN_SPEEDUP
                    ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """The draft length per batch size of a draft model's chain, the table vLLM (num_speculative_tokens_per_batch_size)
     and TensorRT-LLM (draft_len_schedule) take: at each B, every K = 0..max_depth priced on the profile's batched
     step t(B, K + 1) + o(K + 1, B) plus K batched draft steps, its tokens per step the exact T = 0 replay of a fixed
-    K over the chain traces; the K with the most output tokens/s over the batch (0: off), ranges of equal K merged.
+    K over the chain traces; the K with the most output tokens/s over the batch if at least `min_speedup` times K = 0's
+    (else 0: off), ranges of equal K merged.
     Also every K's predicted tokens/s per batch size 1, 2, ... ({"off": [...], "K=2": [...]}; None: not priced).
     `prefill_per_token`: the draft's prompt prefill spread over the tokens a sequence emits (the Sequoia solver's
     prompt_prefill_per_token), paid by each drafting sequence.
@@ -180,4 +181,4 @@ def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, large
     largest = min(largest_batch, max(profile.batch_sizes), profile.largest_fitting_batch(context) or largest_batch)
     prices = {d: replace(price, host_seconds=price.tokens_per_step * prefill_per_token)
               for d, price in chain_setting_prices(chains, set(range(2, max_depth + 2))).items()}
-    return schedule_table(prices, profile, largest, context, "sequoia")
+    return schedule_table(prices, profile, largest, context, "sequoia", min_speedup)

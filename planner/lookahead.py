@@ -38,7 +38,7 @@ from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Predictio
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
 from specplan.decoder.trie import Trie, accepted_run
-from specplan.planner.closed_loop import SettingPrice, schedule_table
+from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table
 
 DECODING_LENGTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 BRANCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -124,12 +124,14 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
                     decoding_lengths: tuple[int, ...] = DECODING_LENGTHS,
                     branch_lengths: tuple[int, ...] = BRANCH_LENGTHS,
                     largest_batch: int | None = None, stand_in: bool = False, contexts: tuple[int, ...] = (),
-                    output_tokens: int | None = None) -> tuple[Plan, list[LookaheadCandidate]]:
+                    output_tokens: int | None = None, min_speedup: float = MIN_SPEEDUP
+                    ) -> tuple[Plan, list[LookaheadCandidate]]:
     """The best (L_d, L_b) and the ranked grid; with `largest_batch`, the plan's schedule up to that batch size.
     `stand_in`: the acceptance file is another model's outputs, priced on the profile's model (a modeled GPU).
     `contexts`: the schedule's tables, one priced at each (default: one, at the replay's mean context).
     `output_tokens`: solved for requests of that many new tokens (a trie drafts an output's later tokens better, having
-    read more of it: a plan solved on long outputs overrates short requests)."""
+    read more of it: a plan solved on long outputs overrates short requests).
+    `min_speedup`: the schedule drafts at a batch size only where predicted that much faster than none."""
     acceptance = load_lookahead_acceptance(acceptance_path)
     records = acceptance.cut(output_tokens)
     profile = load_profile(profile_path) if profile_path is not None else None
@@ -164,16 +166,16 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
         if profile is None:
             raise UserError("a schedule per batch size is priced on a profile: give --profile")
         plan.schedule, rates = lookahead_schedule(records, plan.settings, profile, largest_batch,
-                                                  decoding_lengths, contexts)
+                                                  decoding_lengths, contexts, min_speedup)
         plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, "
                                                 "each decoding length replayed under the plan's trie",
-                                   "tokens_per_second": rates}
+                                   "min_speedup": min_speedup, "tokens_per_second": rates}
     return plan, candidates
 
 
 def lookahead_schedule(records: list[LookaheadRecord], settings: TrieSettings, profile: LatencyProfile,
-                       largest_batch: int, decoding_lengths: tuple[int, ...], contexts: tuple[int, ...] = ()
-                       ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+                       largest_batch: int, decoding_lengths: tuple[int, ...], contexts: tuple[int, ...] = (),
+                       min_speedup: float = MIN_SPEEDUP) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """The setting per batch size (see the module's docstring), ranges of equal settings merged, priced at the
     replay's mean context, or one table per context of `contexts`; and every setting's predicted tokens/s per batch
     size 1, 2, ... in the first table ({"off": [...], "L_d=4": [...]}; None: not priced)."""
@@ -184,7 +186,7 @@ def lookahead_schedule(records: list[LookaheadRecord], settings: TrieSettings, p
     prices = {d: setting_price(result) for d, result in replays.items()}
     tables, rates = [], {}
     for context in sorted(priced_at):
-        table, table_rates = schedule_table(prices, profile, largest, context, "lookahead")
+        table, table_rates = schedule_table(prices, profile, largest, context, "lookahead", min_speedup)
         tables.append(table)
         rates = rates or table_rates
     return BatchSchedule.by_context(tables), rates

@@ -45,6 +45,7 @@ from specplan.core.model_names import same_model
 from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, TokenTree
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
+from specplan.planner.closed_loop import MIN_SPEEDUP
 from specplan.planner.draft_chain import CHAIN_KNOB_ENGINES, best_knobs, chain_schedule
 from specplan.planner.engines import EngineRules, engine_rules
 
@@ -597,11 +598,12 @@ def rank_candidates(tables: Tables, profile: LatencyProfile | None = None,
 
 def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, profile_path: str | Path | None = None,
                   context: int | None = None, engine: str = "specplan", heads: int | None = None,
-                  batches: int | None = None, stand_in: bool = False, schedule_contexts: tuple[int, ...] = ()
-                  ) -> tuple[Plan, list[Candidate]]:
+                  batches: int | None = None, stand_in: bool = False, schedule_contexts: tuple[int, ...] = (),
+                  min_speedup: float = MIN_SPEEDUP) -> tuple[Plan, list[Candidate]]:
     """The best tree `engine` executes (planner/engines.py), and the ranked (n, d) it was chosen from. For another
     engine than our own decoder the plan also records the unconstrained optimum, what the engine's rules cost.
-    `batches`: a chain engine's plan also carries the draft length for every batch size up to this one."""
+    `batches`: a chain engine's plan also carries the draft length for every batch size up to this one, drafting only
+    where predicted at least `min_speedup` times as fast as one-token decoding."""
     if max_size < 1:
         raise UserError(f"the largest tree size must be >= 1, got {max_size}")
     if max_depth < 0:
@@ -655,7 +657,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
                                  "sources": [str(source) for source in rules.sources],
                                  "unconstrained": asdict(unconstrained)}
     if batches is not None:
-        _schedule_chain(plan, rules, acceptance, profile, batches, max_depth, context, schedule_contexts)
+        _schedule_chain(plan, rules, acceptance, profile, batches, max_depth, context, schedule_contexts, min_speedup)
     elif schedule_contexts:
         raise UserError("--contexts prices a schedule per batch size at each context: it goes with --batches")
     if stand_in:
@@ -665,7 +667,8 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
 
 
 def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptance, profile: LatencyProfile | None,
-                    batches: int, max_depth: int, context: int | None, contexts: tuple[int, ...] = ()) -> None:
+                    batches: int, max_depth: int, context: int | None, contexts: tuple[int, ...] = (),
+                    min_speedup: float = MIN_SPEEDUP) -> None:
     """The chain's draft length per batch size (planner/draft_chain.py: chain_schedule), one table per context of
     `contexts` if given; the plan's chain grows to the longest the schedule drafts, its batch-1 prediction kept."""
     if rules.shape != "chain":
@@ -677,7 +680,7 @@ def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptanc
         raise UserError("--batches replays the acceptance file's chain traces, recorded at temperature 0")
     largest_depth = min(max_depth, rules.max_draft_tokens or max_depth)
     prefill = prompt_prefill_per_token(acceptance, profile) or 0.0
-    tables = [chain_schedule(acceptance.chains, profile, batches, largest_depth, at, prefill)
+    tables = [chain_schedule(acceptance.chains, profile, batches, largest_depth, at, prefill, min_speedup)
               for at in (sorted(contexts) or [context])]
     schedule, rates = BatchSchedule.by_context([table for table, _ in tables]), tables[0][1]
     drafted = max((entry.decoding_length or 1) - 1 for table in schedule.tables for entry in table.entries)
@@ -686,7 +689,7 @@ def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptanc
     plan.schedule = schedule
     plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, each draft "
                                             "length replayed over the chain traces",
-                               "tokens_per_second": rates,
+                               "min_speedup": min_speedup, "tokens_per_second": rates,
                                "largest_fitting_batch": profile.largest_fitting_batch(schedule.context)}
 
 

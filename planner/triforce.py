@@ -25,7 +25,7 @@ from specplan.core.model_names import same_model
 from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
-from specplan.planner.closed_loop import SettingPrice, schedule_table
+from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table
 from specplan.planner.triforce_cost import (
     GAMMA1,
     GAMMA2,
@@ -53,7 +53,7 @@ def _decoded_settings(candidate: TriForceCandidate, bottom: str) -> dict[str, in
 
 def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, context: int | None = None,
                    bottom_seconds: float | None = None, two_level: bool = False,
-                   rebuild_below: float = 0.0, min_speedup: float = 1.0, largest_batch: int | None = None
+                   rebuild_below: float = 0.0, min_speedup: float = MIN_SPEEDUP, largest_batch: int | None = None
                    ) -> tuple[Plan, list[TriForceCandidate]]:
     """The plan at `context`; with `largest_batch`, its schedule up to that batch size (`triforce_schedule`)."""
     if not math.isfinite(min_speedup) or min_speedup <= 0:
@@ -83,16 +83,17 @@ def solve_triforce(acceptance_path: str | Path, profile_path: str | Path, contex
     plan = _assemble(settings, best, exact, search, record, acceptance, acceptance_path, profile, profile_path,
                      bottom_seconds, min_speedup)
     if largest_batch is not None:
-        plan.schedule, rates = triforce_schedule(plan, entries, profile, largest_batch, bottom_seconds)
+        plan.schedule, rates = triforce_schedule(plan, entries, profile, largest_batch, bottom_seconds, min_speedup)
         plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, each "
                                                 "chain length gamma2 replayed over the traces at the plan's levels",
-                                   "tokens_per_second": rates}
+                                   "min_speedup": min_speedup, "tokens_per_second": rates}
     plan.solver["seconds"] = time.perf_counter() - started
     return plan, search.candidates
 
 
 def triforce_schedule(plan: Plan, entries: list[TriForceEntry], profile: LatencyProfile, largest_batch: int,
-                      bottom_seconds: float | None) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+                      bottom_seconds: float | None, min_speedup: float = MIN_SPEEDUP
+                      ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """The chain length per batch size: at each B, gamma2 = 1..the plan's (its bottom, gamma1 and retrieval cache
     kept) or none, whichever gives the most output tokens/s over the batch (planner/closed_loop.py: schedule_table,
     each setting's price from triforce_cost.setting_price), at the plan's context plus half a continuation."""
@@ -106,7 +107,7 @@ def triforce_schedule(plan: Plan, entries: list[TriForceEntry], profile: Latency
     prices = _setting_prices(plan.settings, entry, profile, bottom_seconds, set(range(2, largest_nodes + 1)))
     context = int(round(plan.settings.context + np.mean([len(t.middle) for t in entry.traces]) / 2))
     largest = min(largest_batch, max(profile.batch_sizes), profile.largest_fitting_batch(context) or largest_batch)
-    return schedule_table(prices, profile, largest, context, "triforce")
+    return schedule_table(prices, profile, largest, context, "triforce", min_speedup)
 
 
 def plan_setting_prices(plan: Plan, nodes: set[int]) -> dict[int, SettingPrice]:

@@ -31,6 +31,7 @@ from specplan.core.choices import (
 from specplan.core.errors import UserError
 from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
 from specplan.core.plan_schema import Plan
+from specplan.planner.closed_loop import MIN_SPEEDUP
 from specplan.planner.export import EXPORT_FORMATS, VLLM_METHODS
 from specplan.profiler.datasets import DATASETS
 from specplan.profiler.haystack import served_prompts
@@ -144,6 +145,15 @@ def _check_offload(offload: str | None, resident_layers: int | None) -> None:
     if resident_layers is not None and offload != "weights":
         raise UserError("--resident-layers says how many layers an offloaded target keeps on the device: it needs "
                         "--offload weights")
+
+
+def _min_speedup_option(help: str) -> Callable:
+    def finite(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
+        if not math.isfinite(value):
+            raise UserError(f"--min-speedup must be a positive number, got {value}")
+        return value
+    return click.option("--min-speedup", type=click.FloatRange(min=0, min_open=True), default=MIN_SPEEDUP,
+                        show_default=True, callback=finite, help=help)
 
 
 def _stand_in_option() -> Callable:
@@ -410,19 +420,21 @@ def solve() -> None:
               help="a chain engine's plan (--engine vllm, trtllm-draft, llama.cpp): also schedule the draft length "
                    "for every batch size up to this one (a profile with --batches): the most output tokens/s over "
                    "the batch, or none")
+@_min_speedup_option("with --batches: draft at a batch size only where predicted this much faster than one-token "
+                     "decoding")
 @_schedule_contexts_option()
 @_stand_in_option()
 @_output()
 def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int,
                       context: int | None, top: int, engine: str, heads: int | None, batches: int | None,
-                      schedule_contexts: str | None, stand_in: bool, output: Path) -> None:
+                      min_speedup: float, schedule_contexts: str | None, stand_in: bool, output: Path) -> None:
     """Sequoia: the optimal token tree and its size/depth for this hardware (and a serving engine's rules)."""
     from specplan.core.plan_schema import save_plan
     from specplan.planner.sequoia import solve_sequoia
     from specplan.show import describe_engine_cost, describe_schedule
 
     plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, context, engine, heads, batches,
-                                 stand_in, tuple(_int_list(schedule_contexts) or ()))
+                                 stand_in, tuple(_int_list(schedule_contexts) or ()), min_speedup)
     header = f"{'n':>5} {'d':>3} {'G(n,d)':>8}"
     if profile_path is not None:
         header += f" {'step ms':>9} {'speedup':>8} {'tok/s':>8}"
@@ -465,6 +477,8 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
 @click.option("--batches", type=click.IntRange(min=1),
               help="also schedule the decoding length for every batch size up to this one (a profile with "
                    "--batches): the setting giving the most output tokens/s over the batch, or none")
+@_min_speedup_option("with --batches: draft at a batch size only where predicted this much faster than one-token "
+                     "decoding")
 @_schedule_contexts_option()
 @_stand_in_option()
 @click.option("--max-new-tokens", type=click.IntRange(min=1),
@@ -475,8 +489,8 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
                         branch_lengths: str | None, top: int, engine: str, max_ngrams: str | None,
                         draft_lengths: str | None, trie_depths: str | None, bfs_breadths: str | None,
                         match_types: str | None, stop_tokens: str | None, batches: int | None,
-                        schedule_contexts: str | None, stand_in: bool, max_new_tokens: int | None,
-                        output: Path) -> None:
+                        min_speedup: float, schedule_contexts: str | None, stand_in: bool,
+                        max_new_tokens: int | None, output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
     --engine, a serving engine's n-gram knobs by exact replay of its rule."""
     from specplan.core.plan_schema import save_plan
@@ -484,9 +498,10 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     from specplan.show import describe_schedule
 
     if engine != "specplan":
-        if batches is not None or stand_in or schedule_contexts or max_new_tokens is not None:
-            raise UserError("--batches, --contexts, --stand-in and --max-new-tokens go with our Lookahead trie, not "
-                            "with --engine")
+        if (batches is not None or stand_in or schedule_contexts or max_new_tokens is not None
+                or min_speedup != MIN_SPEEDUP):
+            raise UserError("--batches, --min-speedup, --contexts, --stand-in and --max-new-tokens go with our "
+                            "Lookahead trie, not with --engine")
         grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths, match_types)
         _solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stop_tokens, top, output)
         return
@@ -496,7 +511,7 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     if min(d_grid) < 1 or min(b_grid) < 1:
         raise UserError("decoding lengths L_d and branch lengths L_b must be >= 1")
     plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid, batches, stand_in,
-                                   tuple(_int_list(schedule_contexts) or ()), max_new_tokens)
+                                   tuple(_int_list(schedule_contexts) or ()), max_new_tokens, min_speedup)
     _echo_ranked(ranked[:top], [("L_d", lambda c: c.decoding_length), ("L_b", lambda c: c.branch_length)],
                  profile_path is not None)
     save_plan(plan, output)
@@ -582,8 +597,8 @@ def _note_inexact_replay(plan: Plan) -> None:
 @click.option("--two-level", is_flag=True, help="no bottom drafter: retrieval-cache self-speculation only")
 @click.option("--rebuild-below", type=float, default=0.0, show_default=True,
               help="also rebuild when the rolling acceptance falls below this")
-@click.option("--min-speedup", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="speculate only if predicted faster than this times one-token decoding")
+@_min_speedup_option("speculate (with --batches: at each batch size) only where predicted this much faster than "
+                     "one-token decoding")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True)
 @click.option("--batches", type=click.IntRange(min=1),
               help="also schedule the chain length gamma2 for every batch size up to this one (a profile with "
@@ -596,8 +611,6 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
     from specplan.planner.triforce import solve_triforce
     from specplan.show import describe_schedule
 
-    if not math.isfinite(min_speedup):
-        raise UserError(f"--min-speedup must be a positive number, got {min_speedup}")
     plan, ranked = solve_triforce(acceptance_path, profile_path, context, two_level=two_level,
                                   rebuild_below=rebuild_below, min_speedup=min_speedup, largest_batch=batches)
     click.echo(f"{'drafter':<9} {'g1':>3} {'g2':>3} {'B':>5} {'s':>3} {'R':>4} {'a_mid':>6} {'a_bot':>6} "

@@ -37,6 +37,7 @@ from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
+from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table
 from specplan.planner.draft_chain import chain_schedule
 from specplan.planner.export import export_plan
 from specplan.planner.lookahead import lookahead_schedule, plan_setting_prices, replay
@@ -75,11 +76,42 @@ def test_the_schedule_drafts_where_it_pays_and_turns_off_where_the_batch_is_comp
     assert schedule.entry_for(1).speculate and schedule.entry_for(1).speedup > 1.2
     assert not schedule.entry_for(8).speculate and schedule.entry_for(8).speedup == 1.0
     assert schedule.entry_for(100) == schedule.entries[-1]
-    for batch in range(1, 9):  # each range's setting is the best priced at every batch size it covers
-        entry = schedule.entry_for(batch)
-        name = f"L_d={entry.decoding_length}" if entry.speculate else "off"
-        assert rates[name][batch - 1] == max(r[batch - 1] for r in rates.values() if r[batch - 1] is not None)
+    for batch in range(1, 9):  # each range's setting is the best priced at every batch size it covers, or off
+        entry = schedule.entry_for(batch)  # where the best is not MIN_SPEEDUP times off's
+        best = max(r[batch - 1] for r in rates.values() if r[batch - 1] is not None)
+        if entry.speculate:
+            assert rates[f"L_d={entry.decoding_length}"][batch - 1] == best
+        else:
+            assert best < MIN_SPEEDUP * rates["off"][batch - 1]
     assert len(rates["off"]) == 8 and set(rates) == {"off", "L_d=2", "L_d=4", "L_d=8"}
+
+
+def test_a_schedule_drafts_only_where_predicted_ahead_by_its_margin(run_cli, tmp_path):
+    """A step of 1 or 2 rows costs the same, so a setting emitting 1.03 tokens a step is priced 1.03x off: inside
+    the served runs' spread, so off by default; drafting where asked for less, and at 1.10 tokens a step."""
+    flat = LatencyProfile.from_dict({"kind": "profile/latency", "models": {"target": "toy"}, "target": {
+        "t_seconds": {1: 0.010, 2: 0.010}, "contexts": {64: {"t_seconds": {1: 0.010, 2: 0.010},
+                                                              "batches": {2: {"t_seconds": {1: 0.02, 2: 0.02}}}}}}},
+        "synthetic")
+    for gain, min_speedup, drafts in ((1.03, MIN_SPEEDUP, False), (1.03, 1.0, True), (1.10, MIN_SPEEDUP, True)):
+        schedule, rates = schedule_table({2: SettingPrice(gain, rows=2.0)}, flat, 2, 64, "lookahead", min_speedup)
+        assert rates["L_d=2"][0] == pytest.approx(gain * rates["off"][0])
+        assert schedule.entry_for(1).speculate == drafts and schedule.entry_for(2).speculate == drafts
+    acceptance, profile = tmp_path / "a.yaml", tmp_path / "p.yaml"
+    acceptance.write_text(yaml.safe_dump(LookaheadAcceptance(
+        "toy", {"vocab_size": 64, "sha256": "x"}, repetitive_records()).to_dict()))
+    profile.write_text(yaml.safe_dump(profile_document()))
+    solve = ("solve", "lookahead", "--acceptance", acceptance, "--profile", profile, "--decoding-lengths", "4,8",
+             "--branch-lengths", "2,4", "--batches", 8)
+    code, _, stderr = run_cli(*solve, "-o", tmp_path / "plan.yaml")
+    assert code == 0 and load_plan(tmp_path / "plan.yaml").solver["schedule"]["min_speedup"] == MIN_SPEEDUP, stderr
+    code, _, stderr = run_cli(*solve, "--min-speedup", 1000, "-o", tmp_path / "never.yaml")
+    never = load_plan(tmp_path / "never.yaml")
+    assert code == 0 and not any(entry.speculate for entry in never.schedule.entries), stderr
+    for bad in ("nan", "0"):
+        code, _, stderr = run_cli(*solve, "--min-speedup", bad, "-o", tmp_path / "bad.yaml")
+        assert code == 2 and "--min-speedup" in stderr and len(stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "bad.yaml").exists()
 
 
 def test_plan_solve_lookahead_batches_writes_the_schedule_and_plan_show_prints_and_plots_it(run_cli, tmp_path):
