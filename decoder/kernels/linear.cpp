@@ -250,15 +250,16 @@ template <> struct Block<F32> {  // fp32 rows need no blocks: one 16-float vecto
 #ifndef F32_PREFETCH_BYTES
 #define F32_PREFETCH_BYTES 256
 #endif
-// With AVX-512 on an Intel Xeon with AMX, fp32 rows asked for 4096 bytes ahead stream at torch's one-row rate and
-// 1.3-1.5x faster than without for 2-4 rows, where the prefetcher alone left the passes short of DRAM's rate (matmul
-// passes over smollm2's layers; its forward of 1-4 rows 1.2-1.4x faster: bench/kernel_variants.py forward
-// AVX512_F32_PREFETCH_BYTES=0 AVX512_F32_PREFETCH_BYTES=4096 rows=1,2,3,4). The AMD EPYC's were measured without.
+// With AVX-512 the hardware prefetcher alone leaves fp32 passes short of DRAM's rate. On an Intel Xeon with AMX, rows
+// asked for 4096 bytes ahead stream at torch's one-row rate and 1.3-1.5x faster than without for 2-4 rows (smollm2's
+// forward of 1-4 rows 1.2-1.4x faster); on a 2-core AMD EPYC, 2048 bytes ahead run its forward of one row 1.09-1.15x
+// and of 4 rows 1.0-1.17x faster, of 2 rows 3% slower (bench/kernel_variants.py forward
+// AVX512_F32_PREFETCH_BYTES=0 AVX512_F32_PREFETCH_BYTES=2048 AVX512_F32_PREFETCH_BYTES=4096 rows=1,2,3,4).
 #ifndef AVX512_F32_PREFETCH_BYTES
 #ifdef __AMX_TILE__
 #define AVX512_F32_PREFETCH_BYTES 4096
 #else
-#define AVX512_F32_PREFETCH_BYTES 0
+#define AVX512_F32_PREFETCH_BYTES 2048
 #endif
 #endif
 
