@@ -153,7 +153,7 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
                    ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """At each batch size 1..`largest`, the setting of `prices` (keyed by decoding length: nodes per sequence, root
     included) giving the most output tokens/s over the batch at `context` if that is at least `min_speedup` times
-    none's, else none; ranges of equal settings merged.
+    none's (below 1: drafting even where predicted slower), else none; ranges of equal settings merged.
     Also every setting's tokens/s per batch size ({"off": [...], "L_d=4": [...]}, named as `method` names them; None:
     rows beyond what was profiled at that batch size)."""
     chosen: list[tuple[int | None, float, float, float]] = []  # per B: (length, tokens/step, tokens/s, speedup)
@@ -165,7 +165,7 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
             raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
         off = batch / step_seconds(profile, batch, OFF, [context])
         rates["off"].append(off)
-        best: tuple[int | None, float, float] = (None, 1.0, off)
+        best: tuple[int | None, float, float] = (None, 1.0, 0.0)  # the best drafted setting
         for length, price in prices.items():
             try:
                 rate = batch * price.tokens_per_step / step_seconds(profile, batch, price, [context])
@@ -175,7 +175,7 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
             rates[name[length]].append(rate)
             if rate > best[2]:
                 best = (length, price.tokens_per_step, rate)
-        if best[2] < min_speedup * off:
+        if best[0] is None or best[2] < min_speedup * off:
             best = (None, 1.0, off)
         chosen.append((best[0], best[1], best[2], best[2] / off))
     return BatchSchedule.merged(context, chosen), rates

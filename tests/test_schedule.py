@@ -88,12 +88,14 @@ def test_the_schedule_drafts_where_it_pays_and_turns_off_where_the_batch_is_comp
 
 def test_a_schedule_drafts_only_where_predicted_ahead_by_its_margin(run_cli, tmp_path):
     """A step of 1 or 2 rows costs the same, so a setting emitting 1.03 tokens a step is priced 1.03x off: inside
-    the served runs' spread, so off by default; drafting where asked for less, and at 1.10 tokens a step."""
+    the served runs' spread, so off by default; drafting where asked for less, and at 1.10 tokens a step; a setting
+    priced 0.90x off drafts only where asked to draft at half off's rate."""
     flat = LatencyProfile.from_dict({"kind": "profile/latency", "models": {"target": "toy"}, "target": {
         "t_seconds": {1: 0.010, 2: 0.010}, "contexts": {64: {"t_seconds": {1: 0.010, 2: 0.010},
                                                               "batches": {2: {"t_seconds": {1: 0.02, 2: 0.02}}}}}}},
         "synthetic")
-    for gain, min_speedup, drafts in ((1.03, MIN_SPEEDUP, False), (1.03, 1.0, True), (1.10, MIN_SPEEDUP, True)):
+    for gain, min_speedup, drafts in ((1.03, MIN_SPEEDUP, False), (1.03, 1.0, True), (1.10, MIN_SPEEDUP, True),
+                                      (0.90, 1.0, False), (0.90, 0.5, True)):
         schedule, rates = schedule_table({2: SettingPrice(gain, rows=2.0)}, flat, 2, 64, "lookahead", min_speedup)
         assert rates["L_d=2"][0] == pytest.approx(gain * rates["off"][0])
         assert schedule.entry_for(1).speculate == drafts and schedule.entry_for(2).speculate == drafts
