@@ -667,8 +667,8 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
 
 
 def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptance, profile: LatencyProfile | None,
-                    batches: int, max_depth: int, context: int | None, contexts: tuple[int, ...] = (),
-                    min_speedup: float = MIN_SPEEDUP) -> None:
+                    batches: int, max_depth: int, context: int | None, contexts: tuple[int, ...],
+                    min_speedup: float) -> None:
     """The chain's draft length per batch size (planner/draft_chain.py: chain_schedule), one table per context of
     `contexts` if given; the plan's chain grows to the longest the schedule drafts, its batch-1 prediction kept."""
     if rules.shape != "chain":
