@@ -1,6 +1,7 @@
 """A schedule against its fixed settings, from `plan bench --concurrency ... --settings ... [--rules ...]` runs:
-per concurrency, every system's aggregate tokens/s (the mean over the runs given, and their spread), the best fixed
-setting (ours-ar: off), the schedule's ratio to it and to off, and each system's measured / predicted: the load's
+per concurrency, every system's aggregate tokens/s (the mean over the runs and rounds given, and their spread), the best
+fixed setting (ours-ar: off), the schedule's ratio to it and to off (ratio of the means, and the range of the ratios
+within each round, where the two ran side by side), and each system's measured / predicted: the load's
 price the bench wrote beside it (planner/closed_loop.py; and the price at the measured tokens per step), or for
 results from before, the plan solver's decode-step rate at B = the concurrency.
 
@@ -33,11 +34,13 @@ def predicted_rates(plan_path: str) -> dict[str, list[float | None]]:
 
 def main(plan_path: str, runs: list[str]) -> None:
     measured: dict[tuple[str, int], list[float]] = defaultdict(list)
+    side_by_side: dict[tuple[str, int], dict[tuple[int, int], float]] = defaultdict(dict)  # (run, round) -> tokens/s
     priced: dict[tuple[str, int], list[tuple[float, float | None]]] = defaultdict(list)  # (measured/price, /repriced)
-    for run in runs:
+    for number, run in enumerate(runs):
         for level in load_levels(run):
             key = (level.system, level.concurrency)
             measured[key].append(level.tokens_per_second)
+            side_by_side[key][(number, level.round)] = level.tokens_per_second
             if level.predicted_tokens_per_second:
                 priced[key].append((level.tokens_per_second / level.predicted_tokens_per_second,
                                     level.tokens_per_second / level.repriced_tokens_per_second
@@ -56,8 +59,17 @@ def main(plan_path: str, runs: list[str]) -> None:
             line.append(f"{system} {rate:.1f}{spread}{ratio}")
         print("; ".join(line))
         if "ours" in means and "ours-ar" in means:
-            print(f"      schedule / best fixed ({best}) {means['ours'] / fixed[best]:.3f}, schedule / off "
-                  f"{means['ours'] / means['ours-ar']:.3f}")
+            paired = side_by_side[("ours", concurrency)]
+            off = side_by_side[("ours-ar", concurrency)]
+            print(f"      schedule / best fixed ({best}) {means['ours'] / fixed[best]:.3f}"
+                  f"{_round_range(paired, side_by_side[(best, concurrency)])}, schedule / off "
+                  f"{means['ours'] / means['ours-ar']:.3f}{_round_range(paired, off)}")
+
+
+def _round_range(ours: dict[tuple[int, int], float], other: dict[tuple[int, int], float]) -> str:
+    """The range of ours / other over the rounds both ran in, where there are several."""
+    ratios = [ours[key] / other[key] for key in ours.keys() & other.keys()]
+    return f" (rounds {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)})" if len(ratios) > 1 else ""
 
 
 def _ratio(priced: list[tuple[float, float | None]], decode_rates: list[float | None] | None, concurrency: int,

@@ -938,6 +938,9 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
                                  "comma-separated")
 @click.option("--requests-per-client", type=click.IntRange(min=1), default=REQUESTS_PER_CLIENT, show_default=True,
               help="with --concurrency: each client's requests at a level (more: a steadier low concurrency)")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="with --concurrency: serve every system this many times a level, in the reverse order every other "
+                   "round (the spread between rounds is the machine's noise, and no system always runs first)")
 @click.option("--llama-server-drafts", "server_drafts",
               help="with --concurrency and a --draft (or a plan's): also llama-server drafting up to each of these "
                    "draft lengths (--spec-draft-n-max N, its other knobs at llama.cpp's defaults: systems "
@@ -962,7 +965,7 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @_backend_option(None)
 @_output(help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
-          levels: str | None, rules: str | None, settings: str | None, requests_per_client: int,
+          levels: str | None, rules: str | None, settings: str | None, requests_per_client: int, rounds: int,
           server_drafts: str | None, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, one_document: bool,
@@ -978,11 +981,12 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
     if levels is not None:
         _serving_bench(plan_path, dataset, prompts, max_new_tokens, baselines, _int_list(levels),
                        _int_list(settings) if settings else [], [r for r in (rules or "").split(",") if r],
-                       _int_list(server_drafts) if server_drafts else [], requests_per_client, target, draft, dtype,
-                       chat, context, one_document, output)
+                       _int_list(server_drafts) if server_drafts else [], requests_per_client, rounds, target, draft,
+                       dtype, chat, context, one_document, output)
         return
-    if settings or rules or server_drafts:
-        raise UserError("--settings, --rules and --llama-server-drafts go with --concurrency (the serving benchmark)")
+    if settings or rules or server_drafts or rounds != 1:
+        raise UserError("--settings, --rules, --rounds and --llama-server-drafts go with --concurrency (the serving "
+                        "benchmark)")
     baselines = baselines if baselines is not None else "hf,hf-assisted,ours-ar"
     lookup_plan = load_plan(plan_path) if plan_path is not None else None
     if lookup_plan is not None and lookup_plan.method != "prompt-lookup":
@@ -1012,8 +1016,8 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
 
 def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
                    levels: list[int], settings: list[int], rules: list[str], server_drafts: list[int],
-                   requests_per_client: int, target: str | None, draft: str | None, dtype: str | None, chat: bool,
-                   context: int | None, one_document: bool, output: Path) -> None:
+                   requests_per_client: int, rounds: int, target: str | None, draft: str | None, dtype: str | None,
+                   chat: bool, context: int | None, one_document: bool, output: Path) -> None:
     """plan bench --concurrency: our server and llama.cpp's, closed loop, at each concurrency (specplan/serving.py)."""
     import os
 
@@ -1117,7 +1121,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     for system in systems:
         system.predict = prices.get(system.name)
     run_serving_bench(systems, encoded, levels, max_new_tokens, requests_per_client, output, lambda text: len(
-        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), machine, _progress)
+        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), machine, _progress, rounds)
     click.echo(f"wrote {output}")
 
 

@@ -101,6 +101,7 @@ class LevelResult:
     repriced_tokens_per_second: float | None = None  # the load priced again at the measured tokens per step
     output_lengths: list[int] | None = None  # each prompt's output tokens, in the level's prompt order
     drafted_share: float | None = None  # of the requests' steps, those in which they drafted (ours)
+    round: int = 0  # which of the level's rounds (plan bench --rounds): every system once a round
 
     @classmethod
     def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
@@ -254,7 +255,7 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
 
     names = [f.name for f in fields(LevelResult)]
     optional = {"predicted_tokens_per_second", "tokens_per_step", "repriced_tokens_per_second",  # older results
-                "output_lengths", "drafted_share"}
+                "output_lengths", "drafted_share", "round"}
     levels = []
     for number, line in enumerate(read_text(Path(path)).splitlines(), 1):
         if not line.strip():
@@ -263,7 +264,8 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
             entry = json.loads(line)
             level = LevelResult(**{name: entry[name] for name in names if name in entry or name not in optional})
             if not (isinstance(level.system, str) and isinstance(level.concurrency, int) and level.concurrency >= 1
-                    and isinstance(level.tokens_per_second, (int, float)) and level.tokens_per_second >= 0):
+                    and isinstance(level.tokens_per_second, (int, float)) and level.tokens_per_second >= 0
+                    and isinstance(level.round, int) and level.round >= 0):
                 raise ValueError
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             raise UserError(f"{path}: line {number} is not a serving benchmark result") from None
@@ -274,19 +276,21 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
 
 
 def serving_table(levels: list[LevelResult]) -> str:
-    """Aggregate tokens/s per system and concurrency, each with its ratio to ours-ar's at that concurrency, to the
+    """Aggregate tokens/s per system and concurrency, each with its ratio to ours-ar's at that concurrency (in its
+    round), to the
     load's price where the bench priced it (and to the price at the measured tokens per step), the tokens per step
     the server reported (ours: with the share of steps drafted), and the latencies (ms): time per output token and
     time to first token, p50/p95."""
-    baseline = {r.concurrency: r.tokens_per_second for r in levels if r.system == "ours-ar"}
+    baseline = {(r.concurrency, r.round): r.tokens_per_second for r in levels if r.system == "ours-ar"}
     lines = ["| system | concurrency | tokens/s | vs ours-ar | vs price (repriced) | tokens/step | TPOT p50/p95 ms | "
              "TTFT p50/p95 ms | requests |", "|---|---|---|---|---|---|---|---|---|"]
 
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value * 1e3:.0f}"
 
-    for r in sorted(levels, key=lambda r: (r.concurrency, r.system)):
-        ratio = f"{r.tokens_per_second / baseline[r.concurrency]:.2f}" if baseline.get(r.concurrency) else "-"
+    for r in sorted(levels, key=lambda r: (r.concurrency, r.system, r.round)):
+        off = baseline.get((r.concurrency, r.round))
+        ratio = f"{r.tokens_per_second / off:.2f}" if off else "-"
         priced = f"{r.tokens_per_second / r.predicted_tokens_per_second:.2f}" if r.predicted_tokens_per_second else "-"
         if r.repriced_tokens_per_second:
             priced += f" ({r.tokens_per_second / r.repriced_tokens_per_second:.2f})"
@@ -364,14 +368,15 @@ def plot_levels(levels: list[LevelResult], png: str | os.PathLike, title: str) -
     save_png(fig, png)
 
 
-def done_levels(path: Path) -> set[tuple[str, int]]:
+def done_levels(path: Path) -> set[tuple[str, int, int]]:
+    """(system, concurrency, round) of the results already in `path`."""
     if not path.is_file():
         return set()
     done = set()
     for line in path.read_text().splitlines():
         try:
             entry = json.loads(line)
-            done.add((entry["system"], int(entry["concurrency"])))
+            done.add((entry["system"], int(entry["concurrency"]), int(entry.get("round", 0))))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             continue
     return done
@@ -379,57 +384,71 @@ def done_levels(path: Path) -> set[tuple[str, int]]:
 
 def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: list[int], max_tokens: int,
                       requests_per_client: int, results: Path, count_tokens: Callable[[str], int], machine: str,
-                      say: Callable[[str], None]) -> list[LevelResult]:
-    """Every system at every concurrency (systems interleaved within a level, so that a slow spell of the machine
-    falls on all of them); results appended to `results` (JSON lines) as they finish, those done skipped."""
+                      say: Callable[[str], None], rounds: int = 1) -> list[LevelResult]:
+    """Every system at every concurrency, `rounds` times (systems interleaved within a level, so that a slow spell of
+    the machine falls on all of them, in the reverse order every other round, so that none always runs first);
+    results appended to `results` (JSON lines) as they finish, those done skipped."""
     done = done_levels(results)
     finished = []
     for concurrency in levels:
-        for system in systems:
-            if (system.name, concurrency) in done:
-                say(f"{system.name} at concurrency {concurrency}: done before, skipped")
-                continue
-            level_prompts = prompts_at_level(prompts, concurrency, requests_per_client)
-            # warmed up on the prompts reversed: no measured prompt may sit in an engine's prompt cache already
-            warmup = [prompt[::-1] for prompt in level_prompts[:concurrency]]
-            if system.in_process is not None:
-                system.in_process(warmup, concurrency, WARMUP_TOKENS)
-                timings, failed = system.in_process(level_prompts, concurrency, max_tokens), 0
-            else:
-                server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"))
-                try:
-                    server.wait_ready()
-                    asyncio.run(closed_loop(server.url, warmup, concurrency, WARMUP_TOKENS, count_tokens))
-                    timings, failed = asyncio.run(closed_loop(server.url, level_prompts, concurrency, max_tokens,
-                                                              count_tokens))
-                finally:
-                    server.stop()
-            if not timings:
-                raise UserError(f"{system.name}: every request failed at concurrency {concurrency}")
-            result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
-            # each prompt's output as long as the server's (greedy: the target's own text, whoever decodes it)
-            lengths = result.output_lengths = [max_tokens] * len(level_prompts)
-            for timing in timings:
-                if timing.prompt is not None:
-                    lengths[timing.prompt] = max(timing.tokens, 1)
-            priced = ""
-            if system.predict is not None:
-                result.predicted_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens, None,
-                                                                    lengths)
-                priced = f", {result.tokens_per_second / result.predicted_tokens_per_second:.2f}x its price"
-                if result.tokens_per_step:
-                    result.repriced_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens,
-                                                                       result.tokens_per_step, lengths)
-                    priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at "
-                               f"{result.tokens_per_step:.2f} tokens/step)")
-            drafted = f", {result.drafted_share:.0%} of steps drafted" if result.drafted_share is not None else ""
-            say(f"{system.name} at concurrency {concurrency}: {result.tokens_per_second:.1f} tokens/s{priced}"
-                f"{drafted}, TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, "
-                f"TTFT p50 {1e3 * (result.ttft_p50 or 0):.0f} ms")
-            with open(results, "a") as handle:
-                handle.write(json.dumps(asdict(result)) + "\n")
-            finished.append(result)
+        for round_ in range(rounds):
+            for system in systems if round_ % 2 == 0 else systems[::-1]:
+                where = f"{system.name} at concurrency {concurrency}" + (f", round {round_ + 1}" if rounds > 1 else "")
+                if (system.name, concurrency, round_) in done:
+                    say(f"{where}: done before, skipped")
+                    continue
+                result = _serve_level(system, prompts, concurrency, max_tokens, requests_per_client, results,
+                                      count_tokens, machine, round_, where, say)
+                with open(results, "a") as handle:
+                    handle.write(json.dumps(asdict(result)) + "\n")
+                finished.append(result)
     return finished
+
+
+def _serve_level(system: System, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                 requests_per_client: int, results: Path, count_tokens: Callable[[str], int], machine: str,
+                 round_: int, where: str, say: Callable[[str], None]) -> LevelResult:
+    """One system at one concurrency: its server started, warmed up, driven closed loop, stopped; the level's result
+    (priced where the system has a price)."""
+    level_prompts = prompts_at_level(prompts, concurrency, requests_per_client)
+    # warmed up on the prompts reversed: no measured prompt may sit in an engine's prompt cache already
+    warmup = [prompt[::-1] for prompt in level_prompts[:concurrency]]
+    if system.in_process is not None:
+        system.in_process(warmup, concurrency, WARMUP_TOKENS)
+        timings, failed = system.in_process(level_prompts, concurrency, max_tokens), 0
+    else:
+        server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"))
+        try:
+            server.wait_ready()
+            asyncio.run(closed_loop(server.url, warmup, concurrency, WARMUP_TOKENS, count_tokens))
+            timings, failed = asyncio.run(closed_loop(server.url, level_prompts, concurrency, max_tokens,
+                                                      count_tokens))
+        finally:
+            server.stop()
+    if not timings:
+        raise UserError(f"{where}: every request failed")
+    result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
+    result.round = round_
+    # each prompt's output as long as the server's (greedy: the target's own text, whoever decodes it)
+    lengths = result.output_lengths = [max_tokens] * len(level_prompts)
+    for timing in timings:
+        if timing.prompt is not None:
+            lengths[timing.prompt] = max(timing.tokens, 1)
+    priced = ""
+    if system.predict is not None:
+        result.predicted_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens, None,
+                                                            lengths)
+        priced = f", {result.tokens_per_second / result.predicted_tokens_per_second:.2f}x its price"
+        if result.tokens_per_step:
+            result.repriced_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens,
+                                                               result.tokens_per_step, lengths)
+            priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at "
+                       f"{result.tokens_per_step:.2f} tokens/step)")
+    drafted = f", {result.drafted_share:.0%} of steps drafted" if result.drafted_share is not None else ""
+    say(f"{where}: {result.tokens_per_second:.1f} tokens/s{priced}"
+        f"{drafted}, TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, "
+        f"TTFT p50 {1e3 * (result.ttft_p50 or 0):.0f} ms")
+    return result
 
 
 def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_per_client: int,

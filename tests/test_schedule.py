@@ -530,6 +530,7 @@ def test_bench_settings_need_the_serving_benchmark_and_a_plan_with_a_schedule(ru
     for args, message in [
         (["--plan", plan, "--settings", "2"], "go with --concurrency"),
         (["--plan", plan, "--rules", "llama.cpp"], "go with --concurrency"),
+        (["--plan", plan, "--rounds", "2"], "go with --concurrency"),
         (["--plan", plan, "--concurrency", "1", "--rules", "vllm-magic"], "unknown drafting rule"),
         (["--target", "tiny-random-llama", "--concurrency", "1", "--settings", "2"], "a --plan with a schedule"),
         (["--plan", plan, "--concurrency", "1", "--settings", "2,9"],
@@ -556,6 +557,37 @@ def test_the_serving_bench_runs_its_systems_in_the_order_named_and_the_plan_last
                                "--baselines", baselines, "--settings", settings, "-o", tmp_path / "grid.jsonl")
         assert code == 0, err
     assert orders == [["ours", "ours-ar", "setting-2", "setting-4"], ["ours-ar", "setting-4", "setting-2", "ours"]]
+
+
+def test_serving_rounds_alternate_the_order_and_a_rerun_serves_only_the_rounds_not_done(tmp_path):
+    """--rounds 3: every system once a round, in the reverse order every other round, each result with its round;
+    a rerun with more rounds serves only those missing; the grid's table compares each system with off in its round."""
+    from specplan.serving import RequestTiming, System, load_levels, run_serving_bench, serving_table
+
+    served = []
+
+    def system(name: str, tokens_per_second: float) -> System:
+        def run(prompts, concurrency, max_tokens):  # each round's machine faster than the last
+            if max_tokens > 16:  # not the warm-up
+                served.append(name)
+            seconds = max_tokens / (tokens_per_second * max(served.count(name), 1))
+            return [RequestTiming(0.0, 0.1, seconds, max_tokens, prompt=i) for i in range(len(prompts))]
+        return System(name, in_process=run)
+
+    systems = [system("ours-ar", 20.0), system("ours", 30.0)]
+    results = tmp_path / "grid.jsonl"
+    run_serving_bench(systems, [[1, 2, 3]] * 4, [2], 40, 1, results, len, "test", lambda line: None, rounds=3)
+    assert served == ["ours-ar", "ours", "ours", "ours-ar", "ours-ar", "ours"]
+    levels = load_levels(results)
+    assert [(r.system, r.round) for r in levels] == [("ours-ar", 0), ("ours", 0), ("ours", 1), ("ours-ar", 1),
+                                                     ("ours-ar", 2), ("ours", 2)]
+    served.clear()
+    run_serving_bench(systems, [[1, 2, 3]] * 4, [2], 40, 1, results, len, "test", lambda line: None, rounds=4)
+    assert served == ["ours", "ours-ar"]  # round 4 (reversed) only
+    table = serving_table(load_levels(results))
+    assert [line.split(" | ")[2:4] for line in table.splitlines()[2:]] == [
+        ["60.0", "1.50"], ["120.0", "1.50"], ["180.0", "1.50"], ["60.0", "1.50"],  # round 4 first served again
+        ["40.0", "1.00"], ["80.0", "1.00"], ["120.0", "1.00"], ["40.0", "1.00"]]
 
 
 @pytest.mark.parametrize("bottom", ["trie", "model"])
