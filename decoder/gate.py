@@ -38,8 +38,9 @@ does not say, and a batch size reached as requests join (their prefill steps go 
 A drafter that reads tokens before it can draft (a draft model's prompt, at its sequence's first drafted step; the
 tokens of the steps it sat out) has that reading priced too, once the clock has timed one: a request starts or
 resumes drafting only if drafting its remaining tokens saves more than the reading costs, and a probe's reading counts
-against the probe's share. A draft model catching up costs about as much per step sat out as the probe share allows,
-so a request whose draft model stopped paying seldom probes.
+against the probe's share; a probe that would read before any reading is timed waits (its cost unknown, it cannot be
+held to the share, and the batch waits for every reading). A draft model catching up costs about as much per step sat
+out as the probe share allows, so a request whose draft model stopped paying seldom probes.
 
 Why a plain mean: a step's yield is skewed (most drafted steps emit one or two tokens, a few emit many), so an average
 that weighs the last steps most sits below its mean most of the time and declines drafts that pay on average
@@ -204,7 +205,10 @@ class DraftGate:
         elif expected >= step_cost:
             drafting, self.firm = start_repaid, False
         else:
-            drafting = not self.shadowed and self._probe_due(batch, step_cost, start)
+            # a probe whose drafter reads first waits for a reading timed: at an unknown price it cannot be held to
+            # its share (readings are timed where requests start drafting because their drafts pay)
+            drafting = (not self.shadowed and self._probe_due(batch, step_cost, start)
+                        and (start_tokens == 0 or self.clock is None or bool(self.clock.start_rates)))
             self.firm = drafting  # a probe
         self.overrule(drafting)
         return drafting

@@ -312,6 +312,30 @@ def test_a_probe_counts_the_reading_its_drafter_does_first():
     assert probes(True) == 0
 
 
+def test_a_probe_whose_draft_reads_first_waits_for_a_reading_timed():
+    """Requests sitting out probe together; where their draft models must read their prompts first and no reading is
+    timed yet, none probes (a reading's cost unknown, no probe can be held to its share); once one is timed (a request
+    that started drafting because its drafts pay), their probes are priced with it: here cheap enough to go ahead."""
+    clock = StepClock()
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(4, True, 0.040)
+        clock.record(4, False, 0.020)
+
+    def sitting_out() -> list[DraftGate]:
+        gates = [DraftGate(lambda batch, context: (3.0, 1.5), clock) for _ in range(4)]
+        for gate in gates:
+            gate.yields.extend([0.3] * YIELD_WINDOW)  # below break-even
+            gate.idle_steps = 1000  # long enough that a probe is due
+        return gates
+
+    clock.step = math.ceil(1.0 / PROBE_SHARE) - 1  # a probe's step costs one plain step more: at its period's multiples
+    clock.begin_step()
+    assert not any(gate.drafts(4, 500, start_tokens=400, remaining=50) for gate in sitting_out())
+    assert all(gate.drafts(4, 500) for gate in sitting_out())  # nothing to read: due probes go ahead
+    clock.record_start(400, 0.004)  # a tenth of a plain step for the 400 tokens
+    assert all(gate.drafts(4, 500, start_tokens=400, remaining=50) for gate in sitting_out())
+
+
 def test_a_draft_model_reads_the_steps_it_sat_out_before_drafting_timed_apart(tiny_pair):
     """A Sequoia drafter that sat steps out has their roots to read first: its start tokens count them, and it reads
     them (and its prompt, at its first drafted step) in a forward of their own, timed apart, so that the rest of the
