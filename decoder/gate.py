@@ -196,7 +196,7 @@ class DraftGate:
         start = self._start_cost(batch, start_tokens)
         expected = self.yield_ratio * tokens  # what its next drafted step should emit
         # drafting the remaining tokens saves remaining x (1 - step_cost / expected) plain steps; the start must be less
-        start_repaid = start == 0 or remaining is None or remaining * (1.0 - step_cost / expected) > start
+        start_repaid = not start or remaining is None or remaining * (1.0 - step_cost / expected) > start
         # a drafted step times the clock only where this request's own yield pays at the price known so far
         wanted = self.clock.wanted(batch, drafted_too=expected >= step_cost) if self.clock is not None else None
         self.expected, self.step_cost = expected, step_cost
@@ -205,10 +205,7 @@ class DraftGate:
         elif expected >= step_cost:
             drafting, self.firm = start_repaid, False
         else:
-            # a probe whose drafter reads first waits for a reading timed: at an unknown price it cannot be held to
-            # its share (readings are timed where requests start drafting because their drafts pay)
-            drafting = (not self.shadowed and self._probe_due(batch, step_cost, start)
-                        and (start_tokens == 0 or self.clock is None or bool(self.clock.start_rates)))
+            drafting = not self.shadowed and self._probe_due(batch, step_cost, start)
             self.firm = drafting  # a probe
         self.overrule(drafting)
         return drafting
@@ -228,18 +225,22 @@ class DraftGate:
         there = self.pricing(near, context) if near != batch else None
         return measured * planned / (there[0] / there[1]) if there is not None else measured
 
-    def _start_cost(self, batch: int, start_tokens: int) -> float:
-        """The drafter's reading before it drafts, in plain steps at `batch` sequences; 0 while unpriced."""
-        cost = self.clock.start_cost(batch, start_tokens) if self.clock is not None and start_tokens else None
-        return cost or 0.0
+    def _start_cost(self, batch: int, start_tokens: int) -> float | None:
+        """The drafter's reading before it drafts, in plain steps at `batch` sequences: 0 with nothing to read (or no
+        clock); None while the clock has not priced a reading (a request whose drafts pay starts anyway, and times
+        one; a probe waits)."""
+        if not start_tokens or self.clock is None:
+            return 0.0
+        return self.clock.start_cost(batch, start_tokens)
 
-    def _probe_due(self, batch: int, step_cost: float, start: float) -> bool:
+    def _probe_due(self, batch: int, step_cost: float, start: float | None) -> bool:
         """Whether a request sitting steps out drafts at the coming one: once its probe (the step's extra cost, shared
         by the batch's requests probing together, and its own reading, `start`, which the batch waits for) costs
         at most PROBE_SHARE of the time it sat out; with a clock, at the steps numbered a multiple of the period that
-        share gives a probe (every request of the step reads the same period: the same batch size and clock)."""
+        share gives a probe (every request of the step reads the same period: the same batch size and clock). A
+        reading not priced yet (None) cannot be held to that share: no probe."""
         extra = max(step_cost - 1.0, 0.0)
-        if (self.idle_steps + 1) * PROBE_SHARE < extra + batch * start:
+        if start is None or (self.idle_steps + 1) * PROBE_SHARE < extra + batch * start:
             return False
         return self.clock is None or self.clock.step % max(1, math.ceil(extra / PROBE_SHARE)) == 0
 

@@ -398,7 +398,8 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
                     say(f"{where}: done before, skipped")
                     continue
                 result = _serve_level(system, prompts, concurrency, max_tokens, requests_per_client, results,
-                                      count_tokens, machine, round_, where, say)
+                                      count_tokens, machine, where, say)
+                result.round = round_
                 with open(results, "a") as handle:
                     handle.write(json.dumps(asdict(result)) + "\n")
                 finished.append(result)
@@ -407,7 +408,7 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
 
 def _serve_level(system: System, prompts: list[list[int]], concurrency: int, max_tokens: int,
                  requests_per_client: int, results: Path, count_tokens: Callable[[str], int], machine: str,
-                 round_: int, where: str, say: Callable[[str], None]) -> LevelResult:
+                 where: str, say: Callable[[str], None]) -> LevelResult:
     """One system at one concurrency: its server started, warmed up, driven closed loop, stopped; the level's result
     (priced where the system has a price)."""
     level_prompts = prompts_at_level(prompts, concurrency, requests_per_client)
@@ -428,7 +429,6 @@ def _serve_level(system: System, prompts: list[list[int]], concurrency: int, max
     if not timings:
         raise UserError(f"{where}: every request failed")
     result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
-    result.round = round_
     # each prompt's output as long as the server's (greedy: the target's own text, whoever decodes it)
     lengths = result.output_lengths = [max_tokens] * len(level_prompts)
     for timing in timings:
