@@ -7,6 +7,8 @@ roots its draft models had still to read.
 
     .venv/bin/python bench/load_in_process.py plans/qwen2.5-coder-1.5b.sequoia-v64k.cpu-2c.gguf.yaml --concurrency 8 \
         --dataset specbench:qa,math_reasoning,translation,extraction --no-chat --prompts 16 --rounds 2
+    .venv/bin/python bench/load_in_process.py plans/smollm2-135m.lookahead.cpu-2c.fp32.batched.yaml --concurrency 1 \
+        --dataset specbench:summarization,rag,coding --against setting-2 --rounds 4
     .venv/bin/python bench/load_in_process.py plans/smollm2-135m.triforce-7680.cpu-2c-amx.fp32.batched.yaml \
         --concurrency 1 --dataset specbench:summarization,rag --context 7680 --one-document --prompts 4 \
         --max-new-tokens 128
@@ -75,10 +77,10 @@ def describe(name: str, result: dict) -> str:
         kind = ("with prefills" if step["joined"] else
                 f"B = {step['batch']} " + ("drafted" if step["drafted"] else "plain"))
         by_kind[kind].append(step["seconds"])
-    kinds = ", ".join(f"{kind} {len(s)} x {1e3 * statistics.median(s):.0f} ms" for kind, s in sorted(by_kind.items()))
+    kinds = ", ".join(f"{kind} {len(s)} x {1e3 * statistics.median(s):.1f} ms" for kind, s in sorted(by_kind.items()))
     heavy = [f"{s['batch']}/{s['drafted']}/{s['unread']}: {s['seconds']:.2f} s" for s in result["steps"]
              if s["drafted"] and s["unread"] > 2 * s["batch"]]
-    return (f"  {name:<9} {result['tokens_per_second']:6.2f} tokens/s ({result['wall']:.1f} s), "
+    return (f"  {name:<10} {result['tokens_per_second']:6.2f} tokens/s ({result['wall']:.1f} s), "
             f"{result['drafted_share']:.0%} of steps drafted; steps: {kinds}"
             + (f"; drafted steps reading sat-out roots (batch/drafting/roots): {', '.join(heavy)}" if heavy else ""))
 
@@ -95,22 +97,30 @@ def main() -> None:
                         "(as `plan bench --context` builds them)")
     parser.add_argument("--one-document", action="store_true", help="the long prompts all about one document")
     parser.add_argument("--rounds", type=int, default=2, help="plan and one-token runs, their order alternating")
+    parser.add_argument("--against", default="one-token", metavar="one-token|setting-N",
+                        help="the plan against one-token decoding, or against one of its settings at every step "
+                        "(`plan serve --setting N`: drafting N nodes, no schedule, no decisions)")
     args = parser.parse_args()
     plan = load_decoder(args.plan, device="cpu")
-    plain = load_decoder(None, target=plan.plan.models.target, dtype=plan.plan.models.dtype, device="cpu")
+    if args.against.startswith("setting-"):
+        plain = load_decoder(args.plan, device="cpu")
+        plain.fix_setting(int(args.against.removeprefix("setting-")))
+    else:
+        plain = load_decoder(None, target=plan.plan.models.target, dtype=plan.plan.models.dtype, device="cpu")
     prompts = served_prompts(args.dataset, plan.tokenizer, args.prompts, not args.no_chat, args.context,
                              args.one_document)
     print(f"{args.plan}: {args.dataset}{' (raw)' if args.no_chat else ''}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens at {args.concurrency} in flight")
     ratios = []
     for round_ in range(args.rounds):
-        order = (("plan", plan), ("one-token", plain)) if round_ % 2 == 0 else (("one-token", plain), ("plan", plan))
+        other = args.against
+        order = (("plan", plan), (other, plain)) if round_ % 2 == 0 else ((other, plain), ("plan", plan))
         results = {name: run(decoder, prompts, args.concurrency, args.max_new_tokens) for name, decoder in order}
-        ratios.append(results["plan"]["tokens_per_second"] / results["one-token"]["tokens_per_second"])
-        print(f"round {round_ + 1} ({' then '.join(name for name, _ in order)}): plan / one-token {ratios[-1]:.3f}")
+        ratios.append(results["plan"]["tokens_per_second"] / results[other]["tokens_per_second"])
+        print(f"round {round_ + 1} ({' then '.join(name for name, _ in order)}): plan / {other} {ratios[-1]:.3f}")
         for name, _ in order:
             print(describe(name, results[name]))
-    print(f"plan / one-token over {len(ratios)} rounds: {', '.join(f'{r:.3f}' for r in ratios)}; "
+    print(f"plan / {args.against} over {len(ratios)} rounds: {', '.join(f'{r:.3f}' for r in ratios)}; "
           f"mean {statistics.mean(ratios):.3f}")
 
 
