@@ -5,6 +5,7 @@ same loop with a one-node tree."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ class GenerationResult:
     accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per target forward
     stop_reason: str = "length"
     drafted_per_step: list[int] = field(default_factory=list)  # draft nodes each forward scored beside its root
+    # the per-request decisions' steps by why ("pays: drafts", "sits out: plain"; decoder/gate.py REASONS); {} ungated
+    decisions: dict[str, int] = field(default_factory=dict)
 
     @property
     def drafted_steps(self) -> int:
@@ -84,6 +87,7 @@ class SequenceRun:
         self.out: list[int] = []
         self.accepted_per_step: list[int] = []
         self.drafted_per_step: list[int] = []
+        self.decisions: Counter[str] = Counter()
         self.stop_reason = "length"
         self.root = -1
         self.batch = 1  # sequences in the coming step (decide)
@@ -144,6 +148,7 @@ class SequenceRun:
             self.drafter.started_reading = None
         if self.gate is not None:
             self.gate.observe(len(new), tree.size - 1)
+            self.decisions[f"{self.gate.reason}: {'drafts' if self.gate.drafting else 'plain'}"] += 1
         if self.drafter.rule is not None:
             self.drafter.rule.observe(tree.size - 1, len(path) - 1, self.batch)
         keep = min(self.max_new_tokens - len(self.out),
@@ -170,7 +175,7 @@ class SequenceRun:
     def result(self) -> GenerationResult:
         return GenerationResult(self.out, self.prefill_seconds, time.perf_counter() - self.started,
                                 len(self.accepted_per_step), self.accepted_per_step, self.stop_reason,
-                                self.drafted_per_step)
+                                self.drafted_per_step, dict(self.decisions))
 
 
 class SpeculativeEngine:

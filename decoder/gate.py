@@ -70,6 +70,10 @@ MEASURED_AT_LEAST = 4
 
 # (batch size, the request's context) -> (predicted tokens per step, speedup) or None
 Pricing = Callable[[int, int], "tuple[float, float] | None"]
+# Why a request drafted or sat a step out (DraftGate.reason), counted per request (GenerationResult.decisions):
+# nothing priced there; the clock timing a kind of step; its drafts pay the price; they would, but not the reading its
+# drafter does first; they do not; a probe; the batch's mean overruling it (one_kind_of_step)
+REASONS = ("unpriced", "timing", "pays", "start not repaid", "sits out", "probe", "batch")
 
 
 class StepClock:
@@ -165,6 +169,7 @@ class DraftGate:
         # the last decision's grounds: what its drafted step should emit, at what price in plain steps; whether the
         # decision is firm (a step timing the clock, a probe, nothing priced); whether its drafter reads tokens first
         self.expected, self.step_cost, self.firm, self.reads_first = 0.0, 1.0, True, False
+        self.reason = "unpriced"  # the last decision's, one of REASONS
 
     def join(self, recent: RecentYields, batch_yield: float | None) -> None:
         """The request joins an engine whose recent drafted steps are `recent`, and whose batch in flight has the mean
@@ -189,7 +194,7 @@ class DraftGate:
         self.priced = self.pricing(batch, context)
         self.firm, self.reads_first = True, start_tokens > 0
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
-            self.drafting = True
+            self.drafting, self.reason = True, "unpriced"
             return True
         tokens, speedup = self.priced
         step_cost = self._step_cost(batch, context, tokens / speedup)
@@ -202,11 +207,14 @@ class DraftGate:
         self.expected, self.step_cost = expected, step_cost
         if wanted is not None and (start_repaid or not wanted):  # the few steps that time each kind
             drafting, self.firm = wanted, False  # where the batch's answers differ, its mean settles the step's kind
+            self.reason = "timing"
         elif expected >= step_cost:
             drafting, self.firm = start_repaid, False
+            self.reason = "pays" if start_repaid else "start not repaid"
         else:
             drafting = not self.shadowed and self._probe_due(batch, step_cost, start)
             self.firm = drafting  # a probe
+            self.reason = "probe" if drafting else "sits out"
         self.overrule(drafting)
         return drafting
 
@@ -271,4 +279,7 @@ def one_kind_of_step(gates: list[DraftGate]) -> None:
         return
     pays = statistics.mean(g.expected for g in gates) >= statistics.mean(g.step_cost for g in gates)
     for gate in gates:
-        gate.overrule(pays and (gate.drafting or not gate.reads_first))
+        drafting = pays and (gate.drafting or not gate.reads_first)
+        if drafting != gate.drafting:
+            gate.reason = "batch"
+        gate.overrule(drafting)

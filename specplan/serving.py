@@ -25,6 +25,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -70,6 +71,7 @@ class RequestTiming:
     steps: int | None = None  # the target forwards the server reports having taken (None: not reported)
     prompt: int | None = None  # its prompt's index in the level's prompts
     drafted_steps: int | None = None  # of those, the forwards in which it drafted (ours: None elsewhere)
+    decisions: dict[str, int] | None = None  # its steps by why it drafted or not (ours, with the decisions)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -102,6 +104,7 @@ class LevelResult:
     output_lengths: list[int] | None = None  # each prompt's output tokens, in the level's prompt order
     drafted_share: float | None = None  # of the requests' steps, those in which they drafted (ours)
     round: int = 0  # which of the level's rounds (plan bench --rounds): every system once a round
+    decisions: dict[str, int] | None = None  # the requests' steps by why they drafted or not (decoder/gate.py)
 
     @classmethod
     def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
@@ -117,7 +120,7 @@ class LevelResult:
         return cls(system, concurrency, len(timings), tokens, end - start, tokens / (end - start),
                    percentile(tpots, 50), percentile(tpots, 95), percentile(ttfts, 50), percentile(ttfts, 95),
                    failed, machine, tokens_per_step=measured_tokens_per_step(timings),
-                   drafted_share=drafted_share(timings))
+                   drafted_share=drafted_share(timings), decisions=counted_decisions(timings))
 
 
 def measured_tokens_per_step(timings: list[RequestTiming]) -> float | None:
@@ -130,6 +133,12 @@ def drafted_share(timings: list[RequestTiming]) -> float | None:
     """The share of the requests' target forwards in which they drafted, over those whose server reported it."""
     reported = [t for t in timings if t.steps and t.drafted_steps is not None]
     return sum(t.drafted_steps for t in reported) / sum(t.steps for t in reported) if reported else None
+
+
+def counted_decisions(timings: list[RequestTiming]) -> dict[str, int] | None:
+    """The requests' steps by why they drafted or not, summed over the requests whose server reported them."""
+    reported = [t.decisions for t in timings if t.decisions]
+    return dict(sum((Counter(d) for d in reported), Counter())) if reported else None
 
 
 def free_port() -> int:
@@ -188,7 +197,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    first, text, counted, steps, drafted = None, [], None, None, None
+    first, text, counted, steps, drafted, decisions = None, [], None, None, None, None
     async with session.post(url + "/v1/completions", json=body) as reply:
         if reply.status != 200:
             raise UserError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
@@ -206,9 +215,10 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
             counted = usage.get("completion_tokens") or timings.get("predicted_n") or counted
             steps = reported_forwards(timings) or steps
             drafted = timings.get("drafted_steps", drafted)
+            decisions = timings.get("decisions", decisions)
     done = time.perf_counter()
     return RequestTiming(sent, first, done, counted if counted is not None else count_tokens("".join(text)), steps,
-                         drafted_steps=drafted)
+                         drafted_steps=drafted, decisions=decisions)
 
 
 def reported_forwards(timings: dict) -> int | None:
@@ -255,7 +265,7 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
 
     names = [f.name for f in fields(LevelResult)]
     optional = {"predicted_tokens_per_second", "tokens_per_step", "repriced_tokens_per_second",  # older results
-                "output_lengths", "drafted_share", "round"}
+                "output_lengths", "drafted_share", "round", "decisions"}
     levels = []
     for number, line in enumerate(read_text(Path(path)).splitlines(), 1):
         if not line.strip():
@@ -445,8 +455,11 @@ def _serve_level(system: System, prompts: list[list[int]], concurrency: int, max
             priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at "
                        f"{result.tokens_per_step:.2f} tokens/step)")
     drafted = f", {result.drafted_share:.0%} of steps drafted" if result.drafted_share is not None else ""
+    plain = sorted(((n, why) for why, n in (result.decisions or {}).items() if why.endswith(": plain")), reverse=True)
+    why_plain = ", ".join(f"{why.removesuffix(': plain')} {n}" for n, why in plain)
+    sat_out = f" (steps without drafting, by why: {why_plain})" if plain else ""
     say(f"{where}: {result.tokens_per_second:.1f} tokens/s{priced}"
-        f"{drafted}, TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, "
+        f"{drafted}{sat_out}, TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, "
         f"TTFT p50 {1e3 * (result.ttft_p50 or 0):.0f} ms")
     return result
 

@@ -16,6 +16,7 @@ from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.gate import (
     MEASURED_AT_LEAST,
     PROBE_SHARE,
+    REASONS,
     YIELD_WINDOW,
     DraftGate,
     RecentYields,
@@ -136,6 +137,31 @@ def test_requests_sitting_steps_out_keep_their_own_greedy_tokens(method, concurr
                                                                         SamplingParams()).tokens
     alone = SpeculativeEngine(target, make(), pricing=lambda batch, context: PRICE_RARELY_PAID)
     assert alone.generate(requests[0].prompt, 40, SamplingParams()).tokens == results[0]
+
+
+def test_each_decision_says_why_and_a_request_counts_its_steps_by_why(tiny_pair):
+    """The gate names each decision (REASONS), the batch's overruling included; a request's result counts its steps
+    by why, the counts adding up to its steps (what `plan bench` reports of a served level)."""
+    assert DraftGate(lambda batch, context: None).drafts(4, 100) and _decided([]).reason == "pays"
+    assert not _decided([0.3] * 8).drafting and _decided([0.3] * 8).reason == "sits out"
+    probing = DraftGate(lambda batch, context: (3.0, 1.5))
+    probing.yields.extend([0.3] * 8)
+    probing.idle_steps = 1000
+    assert probing.drafts(4, 100) and probing.reason == "probe"
+    timing = DraftGate(lambda batch, context: (3.0, 1.5), StepClock())
+    assert timing.drafts(4, 100) and timing.reason == "timing"
+    batch = [_decided([0.8] * 8), _decided([1.0] * 8), _decided([0.4] * 8)]
+    one_kind_of_step(batch)
+    assert [g.reason for g in batch] == ["pays", "pays", "batch"] and all(g.drafting for g in batch)
+    assert {g.reason for g in (_decided([0.3]), probing, timing)} <= set(REASONS)
+    _, target, _ = tiny_pair
+    engine = SpeculativeEngine(target, TrieDrafter(Trie(TrieSettings(decoding_length=8, branch_length=3))),
+                               pricing=lambda batch, context: PRICE_RARELY_PAID)
+    result = engine.generate(list(range(3, 40)), 30, SamplingParams())
+    assert sum(result.decisions.values()) == result.steps
+    assert result.decisions.get("sits out: plain", 0) > 0
+    assert set(result.decisions) <= {f"{why}: {kind}" for why in REASONS for kind in ("drafts", "plain")}
+    assert SpeculativeEngine(target).generate(list(range(3, 40)), 5, SamplingParams()).decisions == {}
 
 
 def test_the_clock_prices_a_drafted_step_once_both_kinds_are_timed():

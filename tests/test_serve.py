@@ -188,3 +188,25 @@ def test_a_response_reports_its_target_forwards_and_the_bench_reads_them(server)
     assert all(t.drafted_steps == 0 for t in timings) and drafted_share(timings) == 0.0
     assert reported_forwards({"predicted_n": 10, "draft_n": 6, "draft_n_accepted": 4}) == 6  # llama-server's
     assert reported_forwards({"predicted_n": 10}) is None
+
+
+def test_the_bench_sums_the_requests_decisions_and_keeps_them_with_the_level(tmp_path):
+    """A response carries its request's steps by why it drafted or not (ours, where it decided); a level sums them
+    over the requests that reported them and keeps them in its results file."""
+    from dataclasses import asdict
+
+    from specplan.decoder.engine import GenerationResult
+    from specplan.serve import _timings
+    from specplan.serving import LevelResult, RequestTiming, load_levels
+
+    decided = GenerationResult([5, 6, 7], 0.1, 0.2, 2, decisions={"pays: drafts": 1, "sits out: plain": 1})
+    assert _timings(decided)["decisions"] == {"pays: drafts": 1, "sits out: plain": 1}
+    assert "decisions" not in _timings(GenerationResult([5], 0.1, 0.2, 1))
+    timings = [RequestTiming(0.0, 0.1, 1.0, 10, 8, 0, 5, {"pays: drafts": 5, "sits out: plain": 3}),
+               RequestTiming(0.0, 0.2, 1.5, 10, 9, 1, 6, {"pays: drafts": 6, "timing: plain": 3}),
+               RequestTiming(0.0, 0.2, 1.5, 10, 10, 2)]  # a server that reports none
+    level = LevelResult.summarize("ours", 2, timings, 0, "test")
+    assert level.decisions == {"pays: drafts": 11, "sits out: plain": 3, "timing: plain": 3}
+    path = tmp_path / "levels.jsonl"
+    path.write_text(json.dumps(asdict(level)) + "\n" + json.dumps({**asdict(level), "decisions": None}) + "\n")
+    assert [r.decisions for r in load_levels(path)] == [level.decisions, None]
