@@ -30,10 +30,11 @@ A drafted step's price is the plan's until the engine has timed both kinds of st
 measured ratio at that batch size, or at the nearest one timed, scaled by the plan's prices at the two. The measure
 carries what no profile does: the server's own work between steps, and the spell the machine is in (a VM's slow
 spells slow a one-row step over a long context more than a drafted step's many rows). A batch size not yet timed has
-its first steps drafted, then plain, until a few of each are timed; drafted ones only where the request's own yield
-pays at the price known so far (the nearest batch size timed, else the plan's): timing a loss buys nothing the estimate
-does not say, and a batch size reached as requests join (their prefill steps go untimed) would time it for many steps
-(docs/design.md). Where the requests of a step answer differently, their mean settles its kind (one_kind_of_step).
+its first steps drafted, then plain, until a few of each are timed, unless one within a factor of two of it (beyond
+B = 1) has been (TIMED_NEAR_FACTOR); drafted ones only where the request's own yield pays at the price known so far (the
+nearest batch size timed, else the plan's): timing a loss buys nothing the estimate does not say, and a batch size
+reached as requests join (their prefill steps go untimed) would time it for many steps (docs/design.md). Where the
+requests of a step answer differently, their mean settles its kind (one_kind_of_step).
 
 A drafter that reads tokens before it can draft (a draft model's prompt, at its sequence's first drafted step; the
 tokens of the steps it sat out) has that reading priced too, once the clock has timed one: a request starts or
@@ -67,6 +68,12 @@ PROBE_SHARE = 0.03
 MEASURED_STEPS = 16
 # Steps of each kind timed before their ratio replaces the plan's price
 MEASURED_AT_LEAST = 4
+# A batch size beyond one within this factor of one whose steps of both kinds are timed takes its price from there
+# (scaled by the plan's prices at the two) instead of timing its own: a served closed loop passes through every batch
+# size up to C as requests join and leave, and timing each anew sat out a fifth of a TriForce load's steps at C = 8,
+# while a drafted step's price in plain ones moves by 5-10% from B to 2B (t(B, n) profiles). B = 1 is timed apart:
+# there one row runs a matrix-vector product, and the first rows beyond it cost the most.
+TIMED_NEAR_FACTOR = 2
 
 # (batch size, the request's context) -> (predicted tokens per step, speedup) or None
 Pricing = Callable[[int, int], "tuple[float, float] | None"]
@@ -98,8 +105,11 @@ class StepClock:
 
     def wanted(self, batch: int, drafted_too: bool = True) -> bool | None:
         """The kind of step at `batch` sequences still to be timed (True: a drafted one), drafted first unless not
-        `drafted_too`; None once those are. Every request in a step reads the same answer, so the step is of one
-        kind."""
+        `drafted_too`; None once those are, or where a batch size near it is (TIMED_NEAR_FACTOR). Every request in a
+        step reads the same answer, so the step is of one kind."""
+        near = self.nearest_timed(batch)
+        if batch > 1 and near is not None and near > 1 and max(near, batch) <= TIMED_NEAR_FACTOR * min(near, batch):
+            return None
         for drafted in (True, False) if drafted_too else (False,):
             if not self._timed(batch, drafted):
                 return drafted

@@ -300,19 +300,23 @@ def test_the_clock_learns_what_a_draft_models_start_costs(tiny_pair):
 
 def test_an_untimed_batch_size_is_priced_from_the_nearest_timed_one():
     """A drafted step measured at 4 plain ones at B = 2, where the plan priced 2 (3 tokens for 1.5x): at B = 3, where
-    the plan prices 2.5 (3 tokens for 1.2x), the estimate is 4 x 2.5 / 2 = 5 plain steps: 3 tokens do not pay it, so
-    B = 3 times plain steps only and none of its steps is drafted to time it. Where the estimate pays, drafted steps
-    are timed first, as at a batch size with nothing timed anywhere."""
-    prices = {2: (3.0, 1.5), 3: (3.0, 1.2), 4: (3.0, 3.0)}
+    the plan prices 2.5 (3 tokens for 1.2x), the estimate is 4 x 2.5 / 2 = 5 plain steps: 3 tokens do not pay it;
+    at B = 4 (3 tokens for 3x) 4 x 1 / 2 = 2: they do. Both lie within TIMED_NEAR_FACTOR of B = 2 and time nothing of
+    their own. Beyond it (B = 5, priced as B = 4) a batch size times its own steps: plain only where the estimate does
+    not pay (none of its steps drafted to time it), drafted first where it does; B = 1 always times its own."""
+    prices = {1: (3.0, 1.5), 2: (3.0, 1.5), 3: (3.0, 1.2), 4: (3.0, 3.0), 5: (3.0, 3.0), 6: (3.0, 1.2)}
     clock = StepClock()
     for _ in range(MEASURED_AT_LEAST):
         clock.record(2, True, 0.080)
         clock.record(2, False, 0.020)
     gate = DraftGate(lambda batch, context: prices[batch], clock)
     assert gate._step_cost(3, 100, 2.5) == pytest.approx(5.0)
-    assert not gate.drafts(3, 100) and clock.wanted(3, drafted_too=False) is False
+    assert not gate.drafts(3, 100) and clock.wanted(3) is None and gate.reason == "sits out"
     assert gate._step_cost(4, 100, 1.0) == pytest.approx(2.0)  # 4 x 1 / 2: 3 tokens pay it
-    assert gate.drafts(4, 100) and clock.wanted(4) is True
+    assert gate.drafts(4, 100) and clock.wanted(4) is None and gate.reason == "pays"
+    assert gate.drafts(5, 100) and clock.wanted(5) is True and gate.reason == "timing"
+    assert not gate.drafts(6, 100) and clock.wanted(6, drafted_too=False) is False
+    assert clock.wanted(1) is True
 
 
 def test_a_probe_counts_the_reading_its_drafter_does_first():
