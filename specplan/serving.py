@@ -41,8 +41,10 @@ SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-B
 SLOT_TREE_ROOM = 64  # a slot's tokens beyond its prompt and output: the largest draft tree a step scores
 # Each warm-up request's new tokens, every system alike: enough steps for a server's start to pass before the measured
 # load (kernels built, graphs captured, and our StepClock's first timings of each kind of step at the level's batch
-# size: a start, four drafted steps and four plain ones; decoder/gate.py), as it has in a server that runs for hours
-WARMUP_TOKENS = 16
+# size: a start, four drafted steps and four plain ones; decoder/gate.py), as it has in a server that runs for hours,
+# at the most tokens a drafted step emits here (TriForce 8K: 5-6; at 16 tokens the clock timed C = 8 in the measured
+# load, a fifth of its request-steps sat out)
+WARMUP_TOKENS = 64
 
 
 # (a level's prompts, C, max tokens, tokens per step or None: the plan's, each prompt's output tokens or None: the
