@@ -562,13 +562,13 @@ def test_the_serving_bench_runs_its_systems_in_the_order_named_and_the_plan_last
 def test_serving_rounds_alternate_the_order_and_a_rerun_serves_only_the_rounds_not_done(tmp_path):
     """--rounds 3: every system once a round, in the reverse order every other round, each result with its round;
     a rerun with more rounds serves only those missing; the grid's table compares each system with off in its round."""
-    from specplan.serving import RequestTiming, System, load_levels, run_serving_bench, serving_table
+    from specplan.serving import WARMUP_TOKENS, RequestTiming, System, load_levels, run_serving_bench, serving_table
 
     served = []
 
     def system(name: str, tokens_per_second: float) -> System:
         def run(prompts, concurrency, max_tokens):  # each round's machine faster than the last
-            if max_tokens > 16:  # not the warm-up
+            if max_tokens != WARMUP_TOKENS:
                 served.append(name)
             seconds = max_tokens / (tokens_per_second * max(served.count(name), 1))
             return [RequestTiming(0.0, 0.1, seconds, max_tokens, prompt=i) for i in range(len(prompts))]
