@@ -39,6 +39,8 @@ from specplan.core.plan_schema import load_plan
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.decoder.gate import PRIOR_STEPS, YIELD_WINDOW
 from specplan.decoder.trie import Trie, accepted_run
+from specplan.planner.closed_loop import SettingPrice
+from specplan.planner.closed_loop import step_seconds as closed_loop_step
 from specplan.planner.lookahead import replay, solved_records
 
 
@@ -77,9 +79,8 @@ def shadows(sequences: list[Sequence], tries: dict[int, Trie], lengths: list[int
 
 
 def step_seconds(profile: LatencyProfile, rows: list[int], contexts: list[int]) -> float:
-    """A step of len(rows) sequences, each its rows: t(B, n) at their mean rows, and the engine's overhead."""
-    batch, n = len(rows), float(np.mean(rows))
-    return profile.batch_latency(batch, n, contexts) + float(profile.engine_overhead(n, batch))
+    """A step of len(rows) sequences, each its rows: the planner's price of a step at their mean rows."""
+    return closed_loop_step(profile, len(rows), SettingPrice(1.0, rows=float(np.mean(rows))), contexts)
 
 
 def allocate(profile: LatencyProfile, contexts: list[int], expected: list[dict[int, float]]) -> list[int]:

@@ -107,8 +107,8 @@ class StepClock:
         """The kind of step at `batch` sequences still to be timed (True: a drafted one), drafted first unless not
         `drafted_too`; None once those are, or where a batch size near it is (TIMED_NEAR_FACTOR). Every request in a
         step reads the same answer, so the step is of one kind."""
-        near = self.nearest_timed(batch)
-        if batch > 1 and near is not None and near > 1 and max(near, batch) <= TIMED_NEAR_FACTOR * min(near, batch):
+        near = self.nearest_timed(batch) if batch > 1 else None
+        if near is not None and near > 1 and max(near, batch) <= TIMED_NEAR_FACTOR * min(near, batch):
             return None
         for drafted in (True, False) if drafted_too else (False,):
             if not self._timed(batch, drafted):
