@@ -15,11 +15,11 @@ BACKENDS = ("auto",) + FORWARDS  # auto: lean where it runs the architecture (de
 # plan bench's baselines (specplan/bench.py): transformers', our one-token decoding, TriForce's own variants (TriForce
 # plans only), llama.cpp on the same GGUF (the llamacpp extra; llama.cpp-draft: a llama.cpp plan's draft-model knobs)
 # plan bench --concurrency: servers driven over HTTP (specplan/serving.py); ours: the plan given (ours-fixed: with
-# --fixed-drafting), ours-ar: our one-token
+# --fixed-drafting; ours-unshared: with --no-sharing), ours-ar: our one-token
 # decoding; llama-server: llama.cpp's server, plain or with its speculative modes (-draft: --draft's GGUF); hf-batch:
 # transformers' generate on padded static batches, in process
 REQUESTS_PER_CLIENT = 2  # the serving benchmark's requests per client at a level, by default: 2C in all
-SERVING_BASELINES = ("ours", "ours-fixed", "ours-ar", "llama-server", "llama-server-ngram-simple",
+SERVING_BASELINES = ("ours", "ours-fixed", "ours-unshared", "ours-ar", "llama-server", "llama-server-ngram-simple",
                      "llama-server-ngram-map-k", "llama-server-draft", "llama-server-export", "hf-batch")
 BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "streaming", "llama.cpp",
              "llama.cpp-lookup", "llama.cpp-draft")

@@ -30,6 +30,11 @@ learning); a draft-model chain's (a Sequoia plan whose tree is a chain, solved f
 length, `decoding_length` - 1 tokens, at most the plan's chain; a TriForce hierarchy's vary its chain's length, gamma2 =
 `decoding_length` - 1 (the middle level's rounds collect at least that many tokens), at most the plan's gamma2, its
 bottom, gamma1 and retrieval cache kept. A plan without a schedule is the batch-1 plan at every batch size.
+
+A Lookahead plan solved with `--share-rows` also carries `sharing: {trie, context, tokens_per_step: {length: tokens},
+step_seconds: {batch size: [seconds at 1, 2, ... rows per sequence]}}` (RowSharing): instead of one decoding length
+for the whole batch, each step's rows go to the requests whose drafts are expected to land (decoder/sharing.py),
+priced on that table.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from specplan.core.errors import UserError
 from specplan.core.fileio import check_plain_values, plain, read_yaml, write_yaml
 from specplan.core.method_settings import NgramTreeSettings, PromptLookupSettings, TrieSettings, TriForceSettings
 from specplan.core.model_names import same_model
-from specplan.core.validate import FORMAT_VERSION, MAX_VOCABULARY, Fields
+from specplan.core.validate import FORMAT_VERSION, MAX_SECONDS, MAX_VOCABULARY, Fields, token_count_key
 
 PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce", "plan/prompt-lookup")
 MAX_TREE_NODES = 1 << 16  # far above any tree a target verifies in one forward
@@ -352,6 +357,56 @@ class BatchSchedule:
         return out
 
 
+@dataclass(frozen=True)
+class RowSharing:
+    """A Lookahead plan's rows shared among the requests of a step (decoder/sharing.py): the trie they draft from,
+    each decoding length's tokens per step on the workload the plan was solved on (a request's prior), and a step's
+    seconds at each batch size with each number of rows per sequence, 1 to the trie's decoding length, priced at
+    `context` (t(B, n), the engine's overhead and the trie's work)."""
+
+    trie: TrieSettings
+    context: int
+    tokens_per_step: dict[int, float]  # decoding length -> tokens per step; 1 (no draft) -> 1.0
+    step_seconds: dict[int, tuple[float, ...]]  # batch size -> seconds at 1, 2, ..., trie.decoding_length rows
+
+    @property
+    def lengths(self) -> list[int]:
+        """The decoding lengths a request may be given, 1 (none) first."""
+        return sorted(self.tokens_per_step)
+
+    def seconds(self, batch: int, rows: float) -> float:
+        """A step of `batch` sequences at `rows` rows per sequence on average (interpolated between whole rows; the
+        largest batch size priced beyond it, per sequence)."""
+        largest = max(self.step_seconds)
+        table = self.step_seconds[min(batch, largest)]
+        rows = min(max(rows, 1.0), float(len(table)))
+        low = int(rows)
+        seconds = table[low - 1] + (rows - low) * (table[low] - table[low - 1]) if rows > low else table[low - 1]
+        return seconds * batch / largest if batch > largest else seconds
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> RowSharing:
+        trie = TrieSettings.from_fields(f.sub("trie"))
+        tokens = f.int_keyed_numbers("tokens_per_step", low=1.0, max_key=trie.decoding_length)
+        if tokens.get(1) != 1.0 or any(value > length for length, value in tokens.items()):
+            raise f.fail("'tokens_per_step' must hold 1: 1.0 and, at each decoding length, at most that many tokens")
+        raw = f.sub("step_seconds")
+        batches = sorted(token_count_key(key, raw.where) for key in raw.data)
+        if batches != list(range(1, len(batches) + 1)):
+            raise raw.fail("the batch sizes must run 1, 2, ... without a gap")
+        steps = {}
+        for key in raw.data:
+            values = raw.number_list(key, low=0.0, high=MAX_SECONDS)
+            if len(values) != trie.decoding_length or min(values) <= 0:
+                raise raw.fail(f"batch {key}: {trie.decoding_length} positive seconds, one per rows per sequence")
+            steps[token_count_key(key, raw.where)] = tuple(values)
+        return cls(trie, f.token_count("context"), tokens, dict(sorted(steps.items())))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"trie": self.trie.to_dict(), "context": self.context, "tokens_per_step": dict(self.tokens_per_step),
+                "step_seconds": {batch: list(values) for batch, values in self.step_seconds.items()}}
+
+
 @dataclass
 class Plan:
     """A solved plan of any method; `params` holds the method-specific section (for Sequoia, the tree)."""
@@ -368,6 +423,7 @@ class Plan:
     tokenizer: dict[str, Any] = field(default_factory=dict)
     engine: str = "specplan"  # the engine whose rules the tree was solved within (planner/engines.py)
     schedule: BatchSchedule | None = None  # the setting per batch size (`--batches`); None: this one at every size
+    sharing: RowSharing | None = None  # a step's rows shared by the requests' yields (`--share-rows`)
     source: str = field(default="plan", compare=False)  # the file it was read from, for error messages
 
     @property
@@ -451,6 +507,10 @@ class Plan:
                              "hierarchies, not " + {"sequoia": "a branching tree", "triforce": "a plan without a "
                                                     "middle level or one that drafts nothing"}.get(method, method))
             plan.schedule = BatchSchedule.from_fields(f.sub("schedule"), largest)
+        if f.has("sharing"):
+            if method != "lookahead":
+                raise f.fail("rows shared by the requests' yields ('sharing') are for Lookahead plans")
+            plan.sharing = RowSharing.from_fields(f.sub("sharing"))
         return plan
 
     def to_dict(self) -> dict[str, Any]:
@@ -468,6 +528,8 @@ class Plan:
         out["prediction"] = self.prediction.to_dict()
         if self.schedule is not None:
             out["schedule"] = self.schedule.to_dict()
+        if self.sharing is not None:
+            out["sharing"] = self.sharing.to_dict()
         out["inputs"] = self.inputs
         out["solver"] = self.solver
         out["provenance"] = self.provenance

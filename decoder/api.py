@@ -32,6 +32,7 @@ from specplan.decoder.gate import StepClock
 from specplan.decoder.model import SUPPORTED_ARCHITECTURES, LeanModel, ModelShape
 from specplan.decoder.offload import DEVICE_RESERVE_BYTES, STREAM_BUFFERS
 from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.sharing import SharedRows
 from specplan.decoder.transformers_forward import TransformersForward
 from specplan.decoder.trie import Trie
 
@@ -70,15 +71,28 @@ class Decoder:
         self.make_drafter = make_drafter
         self.target_forward = target_forward
         # each request drafts at a step only while its own drafts pay at the plan's price, once measured at the
-        # steps' own (decoder/gate.py)
+        # steps' own (decoder/gate.py); or, a plan solved to share a step's rows, by the rows it is given
+        # (decoder/sharing.py)
         self.engine = SpeculativeEngine(self.target_forward, make_drafter(), target.stop_token_ids, verify,
                                         plan.predicted_at if plan is not None else None,
-                                        plan.schedule if plan is not None else None, StepClock())
+                                        plan.schedule if plan is not None else None, StepClock(),
+                                        SharedRows(plan.sharing) if plan is not None and plan.sharing else None)
         self.slot_drafters: dict[int, Drafter] = {}  # a batch's slots beyond the first (slot 0: the engine's)
 
     def draft_every_step(self) -> None:
-        """Draft at every step of every request, as the plan says, whatever the request's drafts yield."""
-        self.engine.pricing = None
+        """Draft at every step of every request, as the plan's schedule says, whatever the request's drafts yield."""
+        self.engine.pricing = self.engine.sharing = None
+
+    def unshared(self) -> None:
+        """The plan as it would run without its `sharing`: its own trie, each request's drafting decided by the
+        schedule and its own drafts (decoder/gate.py); the static schedule shared rows are measured against
+        (`plan serve --no-sharing`)."""
+        plan = self.plan
+        settings = plan.settings.check()
+        self.engine.sharing = None
+        self.make_drafter = lambda: _for_one_sequence(plan, TrieDrafter(Trie(settings)))
+        self.engine.drafter = self.make_drafter()
+        self.slot_drafters.clear()
 
     def use_rule(self, name: str) -> None:
         """Decide every step's draft length by an engine's own rule (decoder/draft_rules.py: RULES) instead of the
@@ -115,7 +129,8 @@ class Decoder:
         if self.plan is None or self.plan.method not in ("lookahead", "sequoia", "triforce"):
             raise UserError("--setting runs a Lookahead plan, a Sequoia chain or a TriForce hierarchy at one drafting "
                             "length")
-        largest = self.plan.largest_setting or self.engine.drafter.max_tree_size
+        largest = self.engine.drafter.max_tree_size if self.plan.sharing else self.plan.largest_setting
+        largest = largest or self.engine.drafter.max_tree_size
         if largest < 2:
             raise UserError("--setting: this plan drafts at no batch size (its tree is the root alone)")
         if not 2 <= length <= largest:
@@ -132,7 +147,7 @@ class Decoder:
     def _draft_with(self, make_drafter: Callable[[], Drafter]) -> None:
         """Every request's drafter from `make_drafter` from now on, which decides its own lengths: no schedule, no
         per-request decisions."""
-        self.engine.schedule = self.engine.pricing = None
+        self.engine.schedule = self.engine.pricing = self.engine.sharing = None
         self.make_drafter = make_drafter
         self.engine.drafter = make_drafter()
         self.slot_drafters.clear()
@@ -333,7 +348,7 @@ def load_decoder(plan_path: str | Path | None = None, target: str | None = None,
             raise UserError(f"{plan_path}: the plan was made for another tokenizer "
                             f"({plan.tokenizer.get('vocab_size')} tokens) than {target_name}'s "
                             f"({fingerprint['vocab_size']} tokens)")
-        settings = plan.settings.check()
+        settings = (plan.sharing.trie if plan.sharing is not None else plan.settings).check()
 
         return Decoder(target_model, lambda: _for_one_sequence(plan, TrieDrafter(Trie(settings))), plan, verify,
                        target_forward)

@@ -31,7 +31,7 @@ import torch
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
-from specplan.decoder.gate import RecentYields, one_kind_of_step
+from specplan.decoder.gate import RecentYields
 from specplan.decoder.model import ForwardItem, prefill_together, prompt_item
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree
@@ -148,13 +148,8 @@ class Scheduler:
         self._time_last_step(started)
         if self.engine.clock is not None:
             self.engine.clock.begin_step()
-        for entry in running:  # each sequence the schedule's setting of its own context at this batch size
-            entry.run.decide(len(running))
+        self.engine.decide([entry.run for entry in running])
         gated = [entry.run for entry in running if entry.run.gate is not None]
-        if len(gated) > 1:
-            one_kind_of_step([run.gate for run in gated])
-            for run in gated:
-                run.drafter.drafting = run.gate.drafting
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
         # the step's kind for the clock: plain where no tree has a draft token, drafted where some have and at least
         # half the sequences chose to draft (a trie without a match drafts nothing: at 8 in flight most drafted steps

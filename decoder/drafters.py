@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -79,13 +79,14 @@ class Drafter(ABC):
         """The target accepted `accepted` (node indices, root first); `next_token` is the next root, or None
         when generation ends inside the accepted path."""
 
-    def shadow_yields(self) -> list[int]:
-        """For steps the sequence sat out, the tokens each would have emitted had it drafted, as the text has
-        settled them since the last call: a drafter whose drafts cost no forward (a trie) drafts in the shadow of the
-        steps it sits out, so that the per-request decision sees what drafting would yield without paying for a
-        probe (decoder/gate.py). Greedy, the count is exactly what the drafted step would have emitted (the tree's
-        longest path the text follows, and the target's next token); sampled, it is the greedy walk's estimate.
-        [] for a drafter whose drafts cost a forward."""
+    def shadow_yields(self) -> list[ShadowDraft]:
+        """For steps the sequence sat out (and, sharing a step's rows, every step: TrieDrafter.survey), the drafts it
+        would have scored, each walked by the text until the text left it, since the last call: a drafter whose
+        drafts cost no forward (a trie) drafts in the shadow of the steps it sits out, so that the per-request
+        decision sees what drafting would yield without paying for a probe (decoder/gate.py). Greedy, a draft's
+        `emitted` is exactly what the drafted step would have emitted (the tree's longest path the text follows, and
+        the target's next token); sampled, it is the greedy walk's estimate. [] for a drafter whose drafts cost a
+        forward."""
         return []
 
     def finish(self) -> None:
@@ -407,19 +408,32 @@ class SequoiaDrafter(Drafter):
 
 @dataclass
 class ShadowDraft:
-    """A draft of a step its sequence sat out (TrieDrafter.idle), walked down by the text that followed."""
+    """A draft of a step its sequence sat out (TrieDrafter.idle), or the longest it could have scored
+    (TrieDrafter.survey), walked down by the text that followed."""
 
     tokens: list[int]
     parents: list[int]
     node: int = 0  # the deepest node the text has followed so far
-    matched: int = 0  # the drafted tokens on the way to it
+    path: list[int] = field(default_factory=list)  # the nodes on the way to it, root excluded (increasing)
+    after: int | None = None  # a survey's: what the sequence's last settled survey emitted (decoder/sharing.py)
+
+    @property
+    def emitted(self) -> int:
+        """What the step would have emitted: the drafted tokens the text followed and the target's next token."""
+        return len(self.path) + 1
+
+    def emitted_within(self, nodes: int) -> int:
+        """What the draft cut to its first `nodes` nodes would have emitted: a trie's retrieval adds nodes in one
+        order whatever its length, so its first nodes are its shorter draft (decoder/trie.py)."""
+        return 1 + sum(1 for node in self.path if node < nodes)
 
     def follow(self, token: int) -> bool:
         """The text's next token: True while the path can still grow (it matched a child that has children)."""
         child = next((i for i, p in enumerate(self.parents) if p == self.node and self.tokens[i] == token), None)
         if child is None:
             return False
-        self.node, self.matched = child, self.matched + 1
+        self.node = child
+        self.path.append(child)
         return child in self.parents
 
 
@@ -437,8 +451,10 @@ class TrieDrafter(Drafter):
 
     def __init__(self, trie: Trie, shared: bool = False) -> None:
         self.trie = trie
-        self.pending: list[ShadowDraft] = []  # drafts of steps sat out, the text not past them yet
-        self.settled: list[int] = []  # what each settled one would have emitted (shadow_yields)
+        self.pending: list[ShadowDraft] = []  # drafts of steps sat out (or surveyed), the text not past them yet
+        self.settled: list[ShadowDraft] = []  # those the text has left since the last shadow_yields
+        self.surveyed: tuple[list[int], list[int]] | None = None  # this step's longest draft (`survey`)
+        self.last_emitted: int | None = None  # what the last settled survey would have emitted
         self.shared = shared
         self.max_tree_size = trie.settings.decoding_length
         self.sequence = np.zeros(0, dtype=np.int64)
@@ -462,7 +478,7 @@ class TrieDrafter(Drafter):
         self.live_request = True
 
     def finish(self) -> None:
-        self.pending, self.settled = [], []
+        self.pending, self.settled, self.surveyed, self.last_emitted = [], [], None, None
         if not self.live_request:
             return
         if self.shared:
@@ -474,9 +490,22 @@ class TrieDrafter(Drafter):
     def target_tree_sizes(self):
         return tuple(range(1, self.max_tree_size + 1))  # a retrieved tree has any size up to decoding_length
 
+    def survey(self, root: int) -> int:
+        """The longest draft the coming step could score (the trie's decoding length), retrieved before the step's
+        rows are handed out (decoder/sharing.py) and followed in the shadow whatever part of it is scored; its
+        size. `propose` then scores its first `decoding_length` nodes, `idle` none."""
+        self._enter(root)
+        tokens, parents = self.trie.retrieve(self.sequence, self.length + 1, self.max_tree_size)
+        self.surveyed = (tokens.tolist(), parents.tolist())
+        if len(tokens) > 1:
+            self.pending.append(ShadowDraft(*self.surveyed, after=self.last_emitted))
+        return len(tokens)
+
     def idle(self, root):
         self._enter(root)  # the trie still learns the text
-        if self.decoding_length > 1:  # the draft this step would have scored, settled as the text goes on
+        if self.surveyed is not None:  # its shadow is pending already
+            self.surveyed = None
+        elif self.decoding_length > 1:  # the draft this step would have scored, settled as the text goes on
             tokens, parents = self.trie.retrieve(self.sequence, self.length + 1, self.decoding_length)
             if len(tokens) > 1:  # a step without a match drafts nothing either way
                 self.pending.append(ShadowDraft(tokens.tolist(), parents.tolist()))
@@ -499,6 +528,9 @@ class TrieDrafter(Drafter):
         if not self.drafts_now():
             return self.idle(root)
         self._enter(root)
+        if self.surveyed is not None:
+            (tokens, parents), self.surveyed = self.surveyed, None
+            return DraftTree(tokens[:self.decoding_length], parents[:self.decoding_length])
         tokens, parents = self.trie.retrieve(self.sequence, self.length + 1, self.decoding_length)
         return DraftTree(tokens.tolist(), parents.tolist())
 
@@ -522,7 +554,8 @@ class TrieDrafter(Drafter):
             if all(shadow.follow(token) for token in emitted):
                 pending.append(shadow)
             else:
-                self.settled.append(shadow.matched + 1)
+                self.settled.append(shadow)
+                self.last_emitted = shadow.emitted
         self.pending = pending
 
     def extend(self, tokens):

@@ -14,9 +14,10 @@ import torch
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.decoder.drafters import Drafter, NoDrafter
-from specplan.decoder.gate import DraftGate, Pricing, StepClock
+from specplan.decoder.gate import DraftGate, Pricing, StepClock, one_kind_of_step
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
 from specplan.decoder.sampling import SamplingParams
+from specplan.decoder.sharing import SharedRows
 from specplan.decoder.tree import DraftTree, ancestor_matrix, tree_attention_mask
 from specplan.decoder.verify import VerificationRule, choose_rule
 
@@ -75,11 +76,13 @@ class SequenceRun:
                  params: SamplingParams, seed: int | None, max_new_tokens: int, stop_ids: set[int],
                  masks: TreeMasks, on_tokens: Callable[[list[int]], None] | None = None,
                  pricing: Pricing | None = None, schedule: BatchSchedule | None = None,
-                 clock: StepClock | None = None) -> None:
+                 clock: StepClock | None = None, sharing: SharedRows | None = None) -> None:
         self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
         self.schedule = schedule
+        self.sharing = sharing  # the engine's, which decides this request's rows and learns from its surveys
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
-        self.gate = DraftGate(pricing, clock, drafter.shadows) if pricing is not None and drafter.gated else None
+        self.gate = (DraftGate(pricing, clock, drafter.shadows)
+                     if pricing is not None and drafter.gated and sharing is None else None)
         self.clock = clock
         drafter.drafting = True
         self.generator = torch.Generator(device=target.device).manual_seed(seed if seed is not None else 0)
@@ -160,10 +163,11 @@ class SequenceRun:
             self.drafter.update(tree, path[:keep + 1], None)
         else:
             self.drafter.update(tree, path, next_token)
-        shadows = self.drafter.shadow_yields()  # drained every step, whether or not a gate reads them
-        if self.gate is not None:
-            for emitted in shadows:
-                self.gate.observe_shadow(emitted)
+        for shadow in self.drafter.shadow_yields():  # drained every step, whether or not anything reads them
+            if self.gate is not None:
+                self.gate.observe_shadow(shadow.emitted)
+            if self.sharing is not None:
+                self.sharing.observe(shadow)
         self.out.extend(new[:keep])
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
@@ -181,13 +185,15 @@ class SequenceRun:
 class SpeculativeEngine:
     def __init__(self, target: LeanModel, drafter: Drafter | None = None, stop_ids: Collection[int] | None = None,
                  rule: str | None = None, pricing: Pricing | None = None, schedule: BatchSchedule | None = None,
-                 clock: StepClock | None = None) -> None:
+                 clock: StepClock | None = None, sharing: SharedRows | None = None) -> None:
         """`pricing`: the plan's predicted tokens per step and speedup per batch size (Plan.predicted_at), against
         which each request decides step by step whether to draft (decoder/gate.py); None: every step drafts.
         `schedule`: the plan's setting per batch size and context, which each request follows step by step.
         `clock`: the steps' measured costs, which price a drafted step once measured (decoder/gate.py); None: the
-        plan's price alone."""
+        plan's price alone. `sharing`: each step's rows shared by the requests' expected yields (decoder/sharing.py),
+        in place of the schedule and the per-request decisions."""
         self.target = target
+        self.sharing = sharing
         self.pricing = pricing
         self.clock = clock
         self.schedule = schedule
@@ -242,11 +248,27 @@ class SpeculativeEngine:
         if keep_prefix:
             cache.keep_prefix(prompt)
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
-                          self.stop_ids, self.masks, on_tokens, self.pricing, self.schedule, self.clock)
+                          self.stop_ids, self.masks, on_tokens, self.pricing, self.schedule, self.clock,
+                          self.sharing if drafter.shadows else None)
         if prefill:
             run.prefill(prompt)
             run.prefill_seconds = run.started - start
         return run
+
+    def decide(self, runs: list[SequenceRun]) -> None:
+        """How much each of `runs`, the sequences of the coming step, drafts: the step's rows shared by their expected
+        yields; else each its own decision (SequenceRun.decide), made one kind of step where they differ."""
+        if self.sharing is not None and all(run.sharing is not None for run in runs):
+            for run, rows in zip(runs, self.sharing.decide([run.drafter for run in runs], [run.root for run in runs])):
+                run.decisions[f"shared: {'drafts' if rows > 1 else 'plain'}"] += 1
+            return
+        for run in runs:
+            run.decide(len(runs))
+        gated = [run for run in runs if run.gate is not None]
+        if len(gated) > 1:
+            one_kind_of_step([run.gate for run in gated])
+            for run in gated:
+                run.drafter.drafting = run.gate.drafting
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
@@ -257,7 +279,7 @@ class SpeculativeEngine:
             start = time.perf_counter()
             if self.clock is not None:
                 self.clock.begin_step()
-            run.decide(1)
+            self.decide([run])
             item = run.propose()
             reading = run.drafter.reading_seconds
             finished = run.advance(self.target.forward(*item))

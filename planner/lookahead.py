@@ -34,11 +34,12 @@ from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.method_settings import TrieSettings
 from specplan.core.model_names import same_model
-from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction
+from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, RowSharing
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
 from specplan.decoder.trie import Trie, accepted_run
 from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table
+from specplan.planner.closed_loop import step_seconds as served_step_seconds
 
 DECODING_LENGTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 BRANCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -124,14 +125,16 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
                     decoding_lengths: tuple[int, ...] = DECODING_LENGTHS,
                     branch_lengths: tuple[int, ...] = BRANCH_LENGTHS,
                     largest_batch: int | None = None, stand_in: bool = False, contexts: tuple[int, ...] = (),
-                    output_tokens: int | None = None, min_speedup: float = MIN_SPEEDUP
-                    ) -> tuple[Plan, list[LookaheadCandidate]]:
+                    output_tokens: int | None = None, min_speedup: float = MIN_SPEEDUP,
+                    share_rows: tuple[int, int] | None = None) -> tuple[Plan, list[LookaheadCandidate]]:
     """The best (L_d, L_b) and the ranked grid; with `largest_batch`, the plan's schedule up to that batch size.
     `stand_in`: the acceptance file is another model's outputs, priced on the profile's model (a modeled GPU).
     `contexts`: the schedule's tables, one priced at each (default: one, at the replay's mean context).
     `output_tokens`: solved for requests of that many new tokens (a trie drafts an output's later tokens better, having
     read more of it: a plan solved on long outputs overrates short requests).
-    `min_speedup`: the schedule drafts at a batch size only where predicted that much faster than none."""
+    `min_speedup`: the schedule drafts at a batch size only where predicted that much faster than none.
+    `share_rows`: (L_d, L_b) of a trie whose rows the requests of a step share by their own yields (RowSharing), priced
+    at the schedule's first context."""
     acceptance = load_lookahead_acceptance(acceptance_path)
     records = acceptance.cut(output_tokens)
     profile = load_profile(profile_path) if profile_path is not None else None
@@ -170,7 +173,32 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
         plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, "
                                                 "each decoding length replayed under the plan's trie",
                                    "min_speedup": min_speedup, "tokens_per_second": rates}
+    if share_rows is not None:
+        if largest_batch is None:
+            raise UserError("--share-rows prices a step's rows at every batch size: it goes with --batches")
+        plan.sharing = row_sharing(records, TrieSettings.sized(*share_rows), profile, largest_batch,
+                                   decoding_lengths, plan.schedule.context)
     return plan, candidates
+
+
+def row_sharing(records: list[LookaheadRecord], trie: TrieSettings, profile: LatencyProfile, largest_batch: int,
+                decoding_lengths: tuple[int, ...], context: int) -> RowSharing:
+    """The table a step's rows are shared by (core/plan_schema.py: RowSharing): each of `decoding_lengths` up to the
+    trie's replayed under it (every request's prior), and a step's seconds at every batch size up to the largest
+    profiled and every number of rows per sequence up to the trie's decoding length, the trie's retrieval at its
+    full length included (sharing retrieves it every step, decoder/sharing.py)."""
+    largest = min(largest_batch, max(profile.batch_sizes))
+    lengths = sorted({d for d in decoding_lengths if 2 <= d < trie.decoding_length} | {trie.decoding_length})
+    replays = {d: replay(records, trie, d) for d in lengths}
+    longest = replays[trie.decoding_length]
+    host = longest.trie_seconds / longest.steps
+    try:
+        steps = {batch: tuple(served_step_seconds(profile, batch, SettingPrice(1.0, float(rows), host), [context])
+                              for rows in range(1, trie.decoding_length + 1)) for batch in range(1, largest + 1)}
+    except (UserError, ValueError) as exc:
+        raise UserError(f"--share-rows: the profile does not price {trie.decoding_length} rows per sequence at every "
+                        f"batch size ({exc}): profile larger --sizes, or share a shorter trie") from None
+    return RowSharing(trie, context, {1: 1.0, **{d: result.tokens_per_step for d, result in replays.items()}}, steps)
 
 
 def lookahead_schedule(records: list[LookaheadRecord], settings: TrieSettings, profile: LatencyProfile,

@@ -119,6 +119,12 @@ def _fixed_drafting_option():
                              "yield too little to pay at the plan's price sits steps out; decoder/gate.py)")
 
 
+def _no_sharing_option():
+    return click.option("--no-sharing", is_flag=True,
+                        help="a plan solved with --share-rows: each request drafts as the plan's schedule and its own "
+                             "drafts say, instead of by the rows a step shares out (decoder/sharing.py)")
+
+
 def _chat_option():
     return click.option("--chat/--no-chat", default=True, show_default=True,
                         help="apply the target's chat template to prompts (a model without one takes them as given)")
@@ -484,13 +490,16 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
 @click.option("--max-new-tokens", type=click.IntRange(min=1),
               help="solve for requests of this many new tokens: each acceptance output cut to its first N (default: "
                    "whole; a trie drafts late tokens better, having read more of the output)")
+@click.option("--share-rows", metavar="L_D,L_B",
+              help="with --batches: the decoder shares each step's rows among the requests by their own drafts' "
+                   "yields, under a trie of these lengths (e.g. 8,4), instead of one length for the batch")
 @_output()
 def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decoding_lengths: str | None,
                         branch_lengths: str | None, top: int, engine: str, max_ngrams: str | None,
                         draft_lengths: str | None, trie_depths: str | None, bfs_breadths: str | None,
                         match_types: str | None, stop_tokens: str | None, batches: int | None,
                         min_speedup: float, schedule_contexts: str | None, stand_in: bool,
-                        max_new_tokens: int | None, output: Path) -> None:
+                        max_new_tokens: int | None, share_rows: str | None, output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
     --engine, a serving engine's n-gram knobs by exact replay of its rule."""
     from specplan.core.plan_schema import save_plan
@@ -499,9 +508,9 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
 
     if engine != "specplan":
         if (batches is not None or stand_in or schedule_contexts or max_new_tokens is not None
-                or min_speedup != MIN_SPEEDUP):
-            raise UserError("--batches, --min-speedup, --contexts, --stand-in and --max-new-tokens go with our "
-                            "Lookahead trie, not with --engine")
+                or min_speedup != MIN_SPEEDUP or share_rows):
+            raise UserError("--batches, --min-speedup, --contexts, --stand-in, --max-new-tokens and --share-rows go "
+                            "with our Lookahead trie, not with --engine")
         grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths, match_types)
         _solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stop_tokens, top, output)
         return
@@ -510,8 +519,12 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     b_grid = tuple(_int_list(branch_lengths) or BRANCH_LENGTHS)
     if min(d_grid) < 1 or min(b_grid) < 1:
         raise UserError("decoding lengths L_d and branch lengths L_b must be >= 1")
+    shared = _int_list(share_rows) if share_rows else None
+    if shared is not None and (len(shared) != 2 or not 1 <= shared[1] < shared[0]):
+        raise UserError(f"--share-rows takes L_D,L_B with 1 <= L_B < L_D, got {share_rows!r}")
     plan, ranked = solve_lookahead(acceptance_path, profile_path, d_grid, b_grid, batches, stand_in,
-                                   tuple(_int_list(schedule_contexts) or ()), max_new_tokens, min_speedup)
+                                   tuple(_int_list(schedule_contexts) or ()), max_new_tokens, min_speedup,
+                                   tuple(shared) if shared else None)
     _echo_ranked(ranked[:top], [("L_d", lambda c: c.decoding_length), ("L_b", lambda c: c.branch_length)],
                  profile_path is not None)
     save_plan(plan, output)
@@ -698,6 +711,7 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
               help="with --requests: the most requests in flight (continuous batching)")
 @_prefill_chunk_option()
 @_fixed_drafting_option()
+@_no_sharing_option()
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(DTYPES), help="default: the plan's, else fp32")
@@ -719,7 +733,8 @@ def export(plan_file: Path, fmt: str, draft_path: str | None, heads: int | None,
 @_backend_option(None)
 @_offload_options()
 def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | None, requests_path: Path | None,
-             concurrency: int, prefill_chunk: int, fixed_drafting: bool, target: str | None, draft: str | None,
+             concurrency: int, prefill_chunk: int, fixed_drafting: bool, no_sharing: bool, target: str | None,
+             draft: str | None,
              dtype: str | None, draft_dtype: str | None, max_new_tokens: int, temperature: float | None,
              top_p: float | None, top_k: int, seed: int, verify: str | None, chat: bool, device: str | None,
              stream: bool, as_json: bool, backend: str | None, offload: str | None,
@@ -733,6 +748,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
     if sum(given is not None for given in (prompt, prompt_file, requests_path)) != 1:
         raise UserError("give exactly one of --prompt, --prompt-file and --requests")
     _check_offload(offload, resident_layers)
+    _check_no_sharing(plan_path, no_sharing)
     if requests_path is not None:
         from specplan.core.request_file import load_requests
 
@@ -741,8 +757,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
         entries = load_requests(requests_path)
         decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
                                backend=backend, offload=offload, resident_layers=resident_layers)
-        if fixed_drafting:
-            decoder.draft_every_step()
+        _drafting_options(decoder, fixed_drafting, no_sharing)
         failed = _generate_requests(decoder, entries, concurrency, max_new_tokens, temperature, top_p, top_k, seed,
                                     chat, as_json, prefill_chunk)
         if failed:
@@ -757,8 +772,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
             raise UserError(f"{prompt_file}: cannot read: {exc.strerror}") from None
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
                            backend=backend, offload=offload, resident_layers=resident_layers)
-    if fixed_drafting:
-        decoder.draft_every_step()
+    _drafting_options(decoder, fixed_drafting, no_sharing)
     defaults = decoder.default_params()
     params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
                             top_p=defaults.top_p if top_p is None else top_p, top_k=top_k or defaults.top_k)
@@ -801,6 +815,7 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
               help="the most requests decoded together (continuous batching)")
 @_prefill_chunk_option()
 @_fixed_drafting_option()
+@_no_sharing_option()
 @click.option("--rule", type=click.Choice(DRAFT_RULES),
               help="decide each step's draft length by a serving engine's own rule (its defaults), on the drafter it "
                    "was made for: trtllm-auto on a Lookahead plan's n-grams, the others on a Sequoia chain plan's "
@@ -818,7 +833,8 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @_offload_options()
 def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
           verify: str | None, device: str | None, backend: str | None, host: str, port: int, concurrency: int,
-          prefill_chunk: int, fixed_drafting: bool, rule: str | None, setting: int | None, max_queue: int,
+          prefill_chunk: int, fixed_drafting: bool, no_sharing: bool, rule: str | None, setting: int | None,
+          max_queue: int,
           max_new_tokens: int,
           context: int | None, offload: str | None, resident_layers: int | None) -> None:
     """An OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions) over continuous batching."""
@@ -828,10 +844,10 @@ def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: 
     _check_offload(offload, resident_layers)
     if rule is not None and setting is not None:
         raise UserError("--rule and --setting each decide the draft length: give one")
+    _check_no_sharing(plan_path, no_sharing)
     decoder = load_decoder(plan_path, target, draft, dtype, draft_dtype, verify, log=_progress, device=device,
                            backend=backend, offload=offload, resident_layers=resident_layers)
-    if fixed_drafting:
-        decoder.draft_every_step()
+    _drafting_options(decoder, fixed_drafting, no_sharing)
     if rule is not None:
         from specplan.planner.engines import DRAFT_RULE_SOURCES
 
@@ -847,6 +863,22 @@ def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: 
     name = target or (decoder.plan.models.target if decoder.plan else "model")
     serve_forever(decoder, name, ServeOptions(concurrency, max_queue, max_new_tokens, prefill_chunk, context), host,
                   port, _progress)
+
+
+def _check_no_sharing(plan_path: Path | None, no_sharing: bool) -> None:
+    """Before any model loads: --no-sharing names a plan that shares rows."""
+    if no_sharing:
+        from specplan.core.plan_schema import load_plan
+
+        if plan_path is None or load_plan(plan_path).sharing is None:
+            raise UserError("--no-sharing: the plan shares no rows (solve it with --share-rows)")
+
+
+def _drafting_options(decoder, fixed_drafting: bool, no_sharing: bool) -> None:
+    if fixed_drafting:
+        decoder.draft_every_step()
+    if no_sharing:
+        decoder.unshared()
 
 
 def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens: int, temperature: float | None,
@@ -1074,10 +1106,10 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     for name in dict.fromkeys(names):
         if name == "ours-ar":
             systems.append(System(name, plan_serve_command(["--target", target, "--dtype", dtype], slot)))
-        elif name in ("ours", "ours-fixed"):
+        elif name in ("ours", "ours-fixed", "ours-unshared"):
             if plan_path is None:
                 raise UserError(f"{name} serves a --plan")
-            fixed = ["--fixed-drafting"] if name == "ours-fixed" else []
+            fixed = {"ours-fixed": ["--fixed-drafting"], "ours-unshared": ["--no-sharing"]}.get(name, [])
             systems.append(System(name, plan_serve_command(["--plan", str(plan_path), *fixed], slot)))
         elif name.startswith("rule-"):
             systems.append(System(name, plan_serve_command(["--plan", str(plan_path), "--rule",

@@ -517,7 +517,7 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
                                      output_tokens).tokens_per_second
         return price
 
-    policies = {"ours": scheduled, "ours-fixed": scheduled, "ours-ar": lambda batch: OFF,
+    policies = {"ours": scheduled, "ours-fixed": scheduled, "ours-unshared": scheduled, "ours-ar": lambda batch: OFF,
                 **{f"setting-{d}": lambda batch, d=d: prices[d] for d in settings if d in prices}}
     return {name: priced(policy) for name, policy in policies.items()}
 

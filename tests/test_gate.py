@@ -470,7 +470,7 @@ def test_a_tries_shadow_drafts_settle_to_what_drafting_would_have_emitted():
     root = prompt[-1]
     for token in text:
         shadowed.update(shadowed.idle(root), [0], token)
-        settled += shadowed.shadow_yields()
+        settled += [shadow.emitted for shadow in shadowed.shadow_yields()]
         root = token
     expected = []
     for step in range(len(text)):
@@ -523,7 +523,7 @@ def test_firm_decisions_are_not_made_one_kind():
 def test_one_kind_steps_keep_every_requests_greedy_tokens(concurrency, tiny_pair, monkeypatch):
     """Lookahead requests at a price some of their drafts pay: the batch's steps, where the requests' decisions
     differ, drafted by all or none; each request's greedy tokens its own."""
-    from specplan.decoder import batching
+    from specplan.decoder import engine as engine_module
 
     mixed = []
 
@@ -531,7 +531,7 @@ def test_one_kind_steps_keep_every_requests_greedy_tokens(concurrency, tiny_pair
         mixed.append(len({gate.drafting for gate in gates}) > 1)
         one_kind_of_step(gates)
 
-    monkeypatch.setattr(batching, "one_kind_of_step", resolved)
+    monkeypatch.setattr(engine_module, "one_kind_of_step", resolved)
     _, target, _ = tiny_pair
     make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
     gen = torch.Generator().manual_seed(5)

@@ -155,7 +155,7 @@ def test_a_plan_solved_for_short_requests_replays_and_reprices_their_outputs_onl
     assert whole.tokens_per_step == pytest.approx(replay(records, written.settings, 4).tokens_per_step)
     code, _, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--engine", "vllm",
                               "--max-new-tokens", 10, "-o", tmp_path / "x")
-    assert code == 2 and "--max-new-tokens go with our Lookahead trie" in stderr
+    assert code == 2 and "--max-new-tokens and --share-rows go with our Lookahead trie" in stderr
 
 
 def lookahead_plan_with(schedule: dict) -> dict:
