@@ -1,7 +1,8 @@
 """A schedule against its fixed settings, from `plan bench --concurrency ... --settings ... [--rules ...]` runs:
 per concurrency, every system's aggregate tokens/s (the mean over the runs and rounds given, and their spread), the best
 fixed setting (ours-ar: off), the schedule's ratio to it and to off (ratio of the means, and the range of the ratios
-within each round, where the two ran side by side), and each system's measured / predicted: the load's
+within each round, where the two ran side by side; a plan's shared rows also against the plan without them,
+ours-unshared), and each system's measured / predicted: the load's
 price the bench wrote beside it (planner/closed_loop.py; and the price at the measured tokens per step), or for
 results from before, the plan solver's decode-step rate at B = the concurrency.
 
@@ -64,6 +65,10 @@ def main(plan_path: str, runs: list[str]) -> None:
             print(f"      schedule / best fixed ({best}) {means['ours'] / fixed[best]:.3f}"
                   f"{_round_range(paired, side_by_side[(best, concurrency)])}, schedule / off "
                   f"{means['ours'] / means['ours-ar']:.3f}{_round_range(paired, off)}")
+        if "ours" in means and "ours-unshared" in means:  # a plan's shared rows against its static schedule
+            unshared = side_by_side[("ours-unshared", concurrency)]
+            print(f"      shared rows / unshared {means['ours'] / means['ours-unshared']:.3f}"
+                  f"{_round_range(side_by_side[('ours', concurrency)], unshared)}")
 
 
 def _round_range(ours: dict[tuple[int, int], float], other: dict[tuple[int, int], float]) -> str:

@@ -32,9 +32,9 @@ length, `decoding_length` - 1 tokens, at most the plan's chain; a TriForce hiera
 bottom, gamma1 and retrieval cache kept. A plan without a schedule is the batch-1 plan at every batch size.
 
 A Lookahead plan solved with `--share-rows` also carries `sharing: {trie, context, tokens_per_step: {length: tokens},
-step_seconds: {batch size: [seconds at 1, 2, ... rows per sequence]}}` (RowSharing): instead of one decoding length
-for the whole batch, each step's rows go to the requests whose drafts are expected to land (decoder/sharing.py),
-priced on that table.
+step_seconds: {batch size: [seconds at 1, 2, ... rows per sequence]}, min_speedup}` (RowSharing): instead of one
+decoding length for the whole batch, each step's rows go to the requests whose drafts are expected to land
+(decoder/sharing.py), priced on that table.
 """
 
 from __future__ import annotations
@@ -362,12 +362,14 @@ class RowSharing:
     """A Lookahead plan's rows shared among the requests of a step (decoder/sharing.py): the trie they draft from,
     each decoding length's tokens per step on the workload the plan was solved on (a request's prior), and a step's
     seconds at each batch size with each number of rows per sequence, 1 to the trie's decoding length, priced at
-    `context` (t(B, n), the engine's overhead and the trie's work)."""
+    `context` (t(B, n), the engine's overhead and the trie's work); a step drafts only where its allocation is
+    expected `min_speedup` times as fast as none (the schedule's margin)."""
 
     trie: TrieSettings
     context: int
     tokens_per_step: dict[int, float]  # decoding length -> tokens per step; 1 (no draft) -> 1.0
     step_seconds: dict[int, tuple[float, ...]]  # batch size -> seconds at 1, 2, ..., trie.decoding_length rows
+    min_speedup: float = 1.0
 
     @property
     def lengths(self) -> list[int]:
@@ -400,11 +402,13 @@ class RowSharing:
             if len(values) != trie.decoding_length or min(values) <= 0:
                 raise raw.fail(f"batch {key}: {trie.decoding_length} positive seconds, one per rows per sequence")
             steps[token_count_key(key, raw.where)] = tuple(values)
-        return cls(trie, f.token_count("context"), tokens, dict(sorted(steps.items())))
+        return cls(trie, f.token_count("context"), tokens, dict(sorted(steps.items())),
+                   f.number("min_speedup", required=False, low=0.5, high=10.0, default=1.0))
 
     def to_dict(self) -> dict[str, Any]:
         return {"trie": self.trie.to_dict(), "context": self.context, "tokens_per_step": dict(self.tokens_per_step),
-                "step_seconds": {batch: list(values) for batch, values in self.step_seconds.items()}}
+                "step_seconds": {batch: list(values) for batch, values in self.step_seconds.items()},
+                "min_speedup": self.min_speedup}
 
 
 @dataclass

@@ -13,8 +13,9 @@ priced both: each request's own mean lost to the static schedule, this won at ev
 The rows are then handed out one request's next decoding length at a time, the most expected tokens per extra row
 first, and the step keeps the allocation whose expected tokens per second peak on the plan's step prices (t(B, n) at
 the mean rows per sequence): requests whose drafts land get long drafts, those whose drafts miss get none, and none
-drafts where no draft is expected to repay its rows. Each sequence's tree is verified alone, so greedy output and the
-sampled distribution are the target's whatever rows it was given.
+drafts where no allocation is expected to beat plain steps by the plan's margin (`min_speedup`, the schedule's: a
+served step spreads by several percent around its price). Each sequence's tree is verified alone, so greedy output
+and the sampled distribution are the target's whatever rows it was given.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class SharedRows:
     def allocate(self, expected: list[list[float]], sizes: list[int]) -> list[int]:
         """Each sequence's rows (1: its root alone), from `expected` (per sequence, its tokens at each of `lengths`)
         and `sizes` (its longest draft's nodes): one sequence's next length at a time, the most expected tokens per
-        extra row first, keeping the allocation whose expected tokens per second over the batch peak."""
+        extra row first, keeping the allocation whose expected tokens per second over the batch peak, if that beats
+        plain steps by the plan's margin."""
         batch = len(expected)
         # per sequence: its choices as (rows, expected tokens), rows increasing (lengths beyond its draft's size
         # score that draft whole)
@@ -78,7 +80,8 @@ class SharedRows:
             rows = sum(choices[i][c][0] for i, c in enumerate(chosen))
             return sum(choices[i][c][1] for i, c in enumerate(chosen)) / self.table.seconds(batch, rows / batch)
 
-        best, best_rate = list(chosen), rate()
+        plain_rate = rate()
+        best, best_rate = list(chosen), plain_rate
         while True:
             upgrades = [((options[c + 1][1] - options[c][1]) / (options[c + 1][0] - options[c][0]), -i)
                         for i, (options, c) in enumerate(zip(choices, chosen)) if c + 1 < len(options)]
@@ -88,6 +91,8 @@ class SharedRows:
             now = rate()
             if now > best_rate:
                 best, best_rate = list(chosen), now
+        if best_rate < self.table.min_speedup * plain_rate:  # within the margin a served step's price has
+            return [1] * batch
         return [choices[i][c][0] for i, c in enumerate(best)]
 
     def decide(self, drafters: list[TrieDrafter], roots: list[int]) -> list[int]:

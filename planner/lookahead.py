@@ -177,16 +177,17 @@ def solve_lookahead(acceptance_path: str | Path, profile_path: str | Path | None
         if largest_batch is None:
             raise UserError("--share-rows prices a step's rows at every batch size: it goes with --batches")
         plan.sharing = row_sharing(records, TrieSettings.sized(*share_rows), profile, largest_batch,
-                                   decoding_lengths, plan.schedule.context)
+                                   decoding_lengths, plan.schedule.context, min_speedup)
     return plan, candidates
 
 
 def row_sharing(records: list[LookaheadRecord], trie: TrieSettings, profile: LatencyProfile, largest_batch: int,
-                decoding_lengths: tuple[int, ...], context: int) -> RowSharing:
+                decoding_lengths: tuple[int, ...], context: int, min_speedup: float = MIN_SPEEDUP) -> RowSharing:
     """The table a step's rows are shared by (core/plan_schema.py: RowSharing): each of `decoding_lengths` up to the
     trie's replayed under it (every request's prior), and a step's seconds at every batch size up to the largest
     profiled and every number of rows per sequence up to the trie's decoding length, the trie's retrieval at its
-    full length included (sharing retrieves it every step, decoder/sharing.py)."""
+    full length included (sharing retrieves it every step, decoder/sharing.py); a step drafts only where its
+    allocation is expected `min_speedup` times as fast as none, the schedule's margin."""
     largest = min(largest_batch, max(profile.batch_sizes))
     lengths = sorted({d for d in decoding_lengths if 2 <= d < trie.decoding_length} | {trie.decoding_length})
     replays = {d: replay(records, trie, d) for d in lengths}
@@ -198,7 +199,8 @@ def row_sharing(records: list[LookaheadRecord], trie: TrieSettings, profile: Lat
     except (UserError, ValueError) as exc:
         raise UserError(f"--share-rows: the profile does not price {trie.decoding_length} rows per sequence at every "
                         f"batch size ({exc}): profile larger --sizes, or share a shorter trie") from None
-    return RowSharing(trie, context, {1: 1.0, **{d: result.tokens_per_step for d, result in replays.items()}}, steps)
+    return RowSharing(trie, context, {1: 1.0, **{d: result.tokens_per_step for d, result in replays.items()}}, steps,
+                      min_speedup)
 
 
 def lookahead_schedule(records: list[LookaheadRecord], settings: TrieSettings, profile: LatencyProfile,

@@ -4,6 +4,8 @@ whoever shares its steps."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.sharing import SharedRows
 from specplan.decoder.trie import Trie
+from specplan.planner.closed_loop import MIN_SPEEDUP
 
 TRIE = TrieSettings.sized(8, 4)
 
@@ -57,6 +60,9 @@ def test_the_rows_go_to_the_requests_whose_drafts_land_and_to_none_where_no_draf
     assert cheap.allocate([landing, landing], [3, 8]) == [3, 8]  # a request's draft is all it can score
     dear = SharedRows(sharing_table(extra_row=0.010))
     assert dear.allocate([landing, missing], [8, 8]) == [1, 1]
+    # expected 1.9x as fast as plain steps, and drafted; not where the plan asks a step to be expected 2x as fast
+    assert SharedRows(replace(sharing_table(0.0005), min_speedup=1.8)).allocate([landing, missing], [8, 8]) == [8, 1]
+    assert SharedRows(replace(sharing_table(0.0005), min_speedup=2.0)).allocate([landing, missing], [8, 8]) == [1, 1]
     # the engine's yields after a class of step replace the plan's replay, beside PRIOR_STEPS of it
     assert cheap.expected(None) == pytest.approx([1.0, 1.2, 1.4, 1.5])
     for _ in range(50):
@@ -101,6 +107,7 @@ def test_plan_solve_share_rows_writes_the_table_and_bad_lengths_are_one_line(run
     assert code == 0, stderr
     sharing = load_plan(plan).sharing
     assert sharing.trie == TrieSettings.sized(8, 4) and sharing.lengths == [1, 2, 4, 8]
+    assert sharing.min_speedup == MIN_SPEEDUP
     assert sorted(sharing.step_seconds) == [1, 2, 3, 4] and sharing.tokens_per_step[8] > sharing.tokens_per_step[2]
     # the profile's one-sequence steps barely grow with rows; its batched ones grow in proportion
     assert sharing.step_seconds[1][7] < 1.2 * sharing.step_seconds[1][0] < sharing.step_seconds[4][1]
