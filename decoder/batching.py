@@ -103,7 +103,7 @@ class Scheduler:
         self.step_done: list[Completion] = []
         self.next_id = 0
         # the last step: (sequences, drafted, its start, later by the seconds its drafters read before drafting)
-        self.timed_step: tuple[int, bool, float] | None = None
+        self.timed_step: tuple[int, bool | None, float] | None = None
         # the mean yield ratio of the last step's requests with drafted steps (decoder/gate.py): a joiner's prior;
         # None once the engine is idle, when a joiner's prior is the engine's recent drafted steps'
         self.batch_yield: float | None = None
@@ -160,8 +160,7 @@ class Scheduler:
         kind = False if trees == {False} else True if 2 * choosing >= len(running) else None
         starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)
         reading = sum(entry.run.drafter.reading_seconds for entry in running if entry.run.tree.size > 1)
-        self.timed_step = ((len(running), kind, started + reading) if kind is not None and not chunks and not starting
-                           else None)
+        self.timed_step = (len(running), kind, started + reading) if not chunks and not starting else None
         items += [item for _, item in chunks]
         target = self.engine.target
         logits = target.forward_many(items) if len(items) > 1 else [target.forward(*items[0])]
@@ -184,10 +183,13 @@ class Scheduler:
         engine's clock: a step in which at least half the sequences chose to draft (a trie without a match drafting
         nothing) or none drafted, no prompt prefilled since, no drafter starting its sequence untimed
         (Drafter.started_now); less what its drafters read before drafting (Drafter.started_reading)."""
-        clock = self.engine.clock
-        if clock is not None and self.timed_step is not None:
+        clock, sharing = self.engine.clock, self.engine.sharing
+        if self.timed_step is not None:
             batch, drafted, started = self.timed_step
-            clock.record(batch, drafted, now - started)
+            if clock is not None and drafted is not None:
+                clock.record(batch, drafted, now - started)
+            if sharing is not None:  # a step whose rows were shared: its time against the table's price
+                sharing.timed(now - started)
 
     def _prompt_chunks(self) -> list[tuple[_Running, ForwardItem]]:
         """With a prefill chunk: the next prompt tokens of the sequences prefilling, oldest first, at most

@@ -149,6 +149,8 @@ class SequenceRun:
         if self.clock is not None and self.drafter.started_reading is not None:
             self.clock.record_start(*self.drafter.started_reading)
             self.drafter.started_reading = None
+        if self.sharing is not None:
+            self.sharing.emitted(self.drafter, len(new))
         if self.gate is not None:
             self.gate.observe(len(new), tree.size - 1)
             self.decisions[f"{self.gate.reason}: {'drafts' if self.gate.drafting else 'plain'}"] += 1
@@ -286,5 +288,7 @@ class SpeculativeEngine:
             drafted = run.tree.size > 1
             if self.clock is not None and not (drafted and run.drafter.started_now):
                 self.clock.record(1, drafted, time.perf_counter() - start - reading)
+            if self.sharing is not None:
+                self.sharing.timed(time.perf_counter() - start)
             if finished:
                 return run.result()

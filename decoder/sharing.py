@@ -20,13 +20,21 @@ and the sampled distribution are the target's whatever rows it was given.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 from specplan.core.plan_schema import RowSharing
 from specplan.decoder.drafters import ShadowDraft, TrieDrafter
-from specplan.decoder.gate import PRIOR_STEPS
+from specplan.decoder.gate import MEASURED_AT_LEAST, MEASURED_STEPS, PRIOR_STEPS
 
 # A request's last settled survey emitted 1, 2, 3, ... or at least this many tokens: the classes of steps the engine
 # keeps its yields after (beyond three drafted tokens, runs are alike)
 AFTER_BUCKETS = 4
+# The drafted request-steps whose tokens beyond the root, against what the allocation expected of them, scale the
+# next expectations: enough for the engine's mix of requests, recent enough to follow it
+YIELD_CHECKS = 64
+# Tokens beyond the root, at the expected count, beside those drafted steps: a few steps' worth
+YIELD_CHECK_PRIOR = 8.0
 
 
 class SharedRows:
@@ -38,6 +46,27 @@ class SharedRows:
         self.prior = [table.tokens_per_step[length] for length in self.lengths]
         self.sums = [[0.0] * len(self.lengths) for _ in range(AFTER_BUCKETS)]
         self.counts = [0] * AFTER_BUCKETS
+        # the served truth the table is held to: drafted request-steps' (expected, emitted) tokens beyond the root,
+        # and each step's measured seconds over its price, of plain steps and of steps with drafts
+        self.checks: deque[tuple[float, float]] = deque(maxlen=YIELD_CHECKS)
+        self.step_ratios: dict[bool, deque[float]] = {kind: deque(maxlen=MEASURED_STEPS) for kind in (False, True)}
+        self.priced: tuple[float, bool] | None = None  # the step in flight: its price, whether any sequence drafts
+        self.given: dict[int, float] = {}  # id(drafter) -> the tokens its drafted step in flight is expected to emit
+
+    @property
+    def yield_scale(self) -> float:
+        """The tokens beyond the root that drafted steps emitted over those expected of them (1 before any)."""
+        return ((YIELD_CHECK_PRIOR + sum(emitted for _, emitted in self.checks))
+                / (YIELD_CHECK_PRIOR + sum(expected for expected, _ in self.checks)))
+
+    @property
+    def cost_scale(self) -> float:
+        """A step with drafts over its price, against a plain step over its price, as measured (1 before a few of
+        each are timed): the profile prices the engine alone, in the spell it was taken in."""
+        plain, drafted = self.step_ratios[False], self.step_ratios[True]
+        if min(len(plain), len(drafted)) < MEASURED_AT_LEAST:
+            return 1.0
+        return statistics.median(drafted) / statistics.median(plain)
 
     def expected(self, after: int | None) -> list[float]:
         """Tokens a step would emit at each of `lengths`, after a survey that emitted `after` (None: the request's
@@ -76,9 +105,12 @@ class SharedRows:
             choices.append(options)
         chosen = [0] * batch  # index into each sequence's choices
 
+        cost_scale = self.cost_scale
+
         def rate() -> float:
             rows = sum(choices[i][c][0] for i, c in enumerate(chosen))
-            return sum(choices[i][c][1] for i, c in enumerate(chosen)) / self.table.seconds(batch, rows / batch)
+            seconds = self.table.seconds(batch, rows / batch) * (cost_scale if rows > batch else 1.0)
+            return sum(choices[i][c][1] for i, c in enumerate(chosen)) / seconds
 
         plain_rate = rate()
         best, best_rate = list(chosen), plain_rate
@@ -97,10 +129,33 @@ class SharedRows:
 
     def decide(self, drafters: list[TrieDrafter], roots: list[int]) -> list[int]:
         """The coming step's rows for each sequence in flight (its drafter, its root): each surveys its longest
-        draft, then drafts the rows it is given, which are returned."""
+        draft, then drafts the rows it is given, which are returned. The tokens expected beyond the root are scaled by
+        what drafted steps have emitted against their expectation (`yield_scale`), a step with drafts priced by what
+        such steps have cost against plain ones (`cost_scale`)."""
         sizes = [drafter.survey(root) for drafter, root in zip(drafters, roots)]
-        rows = self.allocate([self.expected(drafter.last_emitted) for drafter in drafters], sizes)
-        for drafter, given in zip(drafters, rows):
+        scale = self.yield_scale
+        expected = [[1.0 + scale * (tokens - 1.0) for tokens in self.expected(drafter.last_emitted)]
+                    for drafter in drafters]
+        rows = self.allocate(expected, sizes)
+        self.given = {}
+        for drafter, given, tokens, size in zip(drafters, rows, expected, sizes):
             drafter.draft_nodes(given)
             drafter.drafting = given > 1
+            if given > 1:  # the expectation of the length it was given (its draft's whole, beyond its size)
+                self.given[id(drafter)] = next(value for length, value in zip(self.lengths, tokens)
+                                               if min(length, size) == given)
+        self.priced = (self.table.seconds(len(rows), sum(rows) / len(rows)), max(rows) > 1)
         return rows
+
+    def emitted(self, drafter: TrieDrafter, tokens: int) -> None:
+        """The step in flight emitted `tokens` for `drafter`'s sequence."""
+        expected = self.given.pop(id(drafter), None)
+        if expected is not None:
+            self.checks.append((expected - 1.0, tokens - 1.0))
+
+    def timed(self, seconds: float) -> None:
+        """The step in flight took `seconds` (from its start to the next step's, no prefill between)."""
+        if self.priced is not None:
+            price, drafted = self.priced
+            self.step_ratios[drafted].append(seconds / price)
+            self.priced = None

@@ -17,13 +17,15 @@ from specplan.core.errors import UserError
 from specplan.core.method_settings import TrieSettings
 from specplan.core.plan_schema import Plan, RowSharing, load_plan
 from specplan.decoder.api import Decoder
-from specplan.decoder.batching import Request
+from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.drafters import ShadowDraft, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.sharing import SharedRows
 from specplan.decoder.trie import Trie
 from specplan.planner.closed_loop import MIN_SPEEDUP
+
+from toy import SAMPLES, VOCAB, assert_distributed_as_target, drafters_per_slot, first_tokens_distribution, toy_model
 
 TRIE = TrieSettings.sized(8, 4)
 
@@ -71,6 +73,28 @@ def test_the_rows_go_to_the_requests_whose_drafts_land_and_to_none_where_no_draf
             shadow.follow(token)
         cheap.observe(shadow)
     assert cheap.expected(6)[-1] > 7.5 and cheap.expected(1) == pytest.approx([1.0, 1.2, 1.4, 1.5])
+
+
+def test_the_served_truth_scales_what_the_table_expects_and_prices():
+    """Drafted steps that emit less than expected, or cost more against plain ones than the table says, take the rows
+    back."""
+    landing, missing = [1.0, 1.9, 2.8, 3.5], [1.0, 1.02, 1.03, 1.03]
+    missed = SharedRows(sharing_table(extra_row=0.0005))
+    sequence = TrieDrafter(Trie(TRIE))
+    for _ in range(40):
+        missed.given = {id(sequence): 3.5}
+        missed.emitted(sequence, 1)  # expected 2.5 tokens beyond the root, emitted none
+    assert missed.yield_scale < 0.1
+    drafters = [TrieDrafter(Trie(TRIE)) for _ in range(2)]
+    for drafter in drafters:
+        drafter.reset([1, 2, 3, 1, 2, 3, 1, 2], 64)
+    assert missed.decide(drafters, [3, 3]) == [1, 1]
+    dear = SharedRows(sharing_table(extra_row=0.0005))
+    assert dear.allocate([landing, missing], [8, 8]) == [8, 1]
+    for drafted, ratio in [(False, 1.0), (True, 3.0)] * 4:  # steps with drafts took 3x their price, plain ones 1x
+        dear.priced = (0.02, drafted)
+        dear.timed(0.02 * ratio)
+    assert dear.cost_scale == pytest.approx(3.0) and dear.allocate([landing, missing], [8, 8]) == [1, 1]
 
 
 def test_a_plan_carries_its_shared_rows_and_a_bad_table_is_one_line():
@@ -157,3 +181,27 @@ def test_no_sharing_on_a_plan_without_shared_rows_is_one_line(run_cli, tmp_path)
                       "tokens_per_second": 1.0, "speedup": 1.2}]})))
     code, _, stderr = run_cli("generate", "--plan", plan, "--prompt", "hi", "--no-sharing", "--max-new-tokens", 2)
     assert code == 2 and "shares no rows" in stderr and len(stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_sampled_requests_under_shared_rows_are_distributed_as_the_target():
+    """Sampled requests (each its own seed) whose rows a step shares out, beside requests of another prompt: the
+    first two tokens of the measured prompt follow transformers' distribution (chi-square)."""
+    target_hf, target = toy_model(20, family="llama-32")
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    measured, other = [1, 4, 2, 5, 3, 1, 4, 2, 5, 3, 1, 4], [3, 3, 1, 0, 3, 3, 1]
+    requests = []
+    for seed in range(SAMPLES):
+        requests.append(Request(measured, 2, params, seed))
+        if seed % 8 == 0:
+            requests.append(Request(other, 1 + seed % 3, params, SAMPLES + seed))
+    make = lambda: TrieDrafter(Trie(TRIE))  # noqa: E731
+    engine = SpeculativeEngine(target, make(), sharing=SharedRows(sharing_table(extra_row=0.0001)))
+    counts, drafted = np.zeros((VOCAB, VOCAB)), 0
+    for completion in Scheduler(engine, drafters_per_slot(make), 3).run(requests):
+        drafted += completion.result.drafted_steps
+        if requests[completion.id].prompt == measured:
+            tokens = completion.result.tokens
+            counts[tokens[0], tokens[1]] += 1
+    assert drafted > SAMPLES  # most requests drafted
+    assert_distributed_as_target(counts, first_tokens_distribution(target_hf, measured, params))
