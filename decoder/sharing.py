@@ -20,6 +20,7 @@ and the sampled distribution are the target's whatever rows it was given.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from collections import deque
 
@@ -91,7 +92,8 @@ class SharedRows:
         """Each sequence's rows (1: its root alone), from `expected` (per sequence, its tokens at each of `lengths`)
         and `sizes` (its longest draft's nodes): one sequence's next length at a time, the most expected tokens per
         extra row first, keeping the allocation whose expected tokens per second over the batch peak, if that beats
-        plain steps by the plan's margin."""
+        plain steps by the plan's margin. Runs every step for every sequence: the sums are kept as it goes and the
+        next upgrade comes off a heap."""
         batch = len(expected)
         # per sequence: its choices as (rows, expected tokens), rows increasing (lengths beyond its draft's size
         # score that draft whole)
@@ -103,26 +105,25 @@ class SharedRows:
                 if not options or rows > options[-1][0]:
                     options.append((rows, value))
             choices.append(options)
-        chosen = [0] * batch  # index into each sequence's choices
-
         cost_scale = self.cost_scale
-
-        def rate() -> float:
-            rows = sum(choices[i][c][0] for i, c in enumerate(chosen))
-            seconds = self.table.seconds(batch, rows / batch) * (cost_scale if rows > batch else 1.0)
-            return sum(choices[i][c][1] for i, c in enumerate(chosen)) / seconds
-
-        plain_rate = rate()
-        best, best_rate = list(chosen), plain_rate
-        while True:
-            upgrades = [((options[c + 1][1] - options[c][1]) / (options[c + 1][0] - options[c][0]), -i)
-                        for i, (options, c) in enumerate(zip(choices, chosen)) if c + 1 < len(options)]
-            if not upgrades or max(upgrades)[0] <= 0:
-                break
-            chosen[-max(upgrades)[1]] += 1
-            now = rate()
-            if now > best_rate:
-                best, best_rate = list(chosen), now
+        rows, tokens = batch, sum(options[0][1] for options in choices)
+        plain_rate = best_rate = tokens / self.table.seconds(batch, 1.0)
+        chosen, best = [0] * batch, [0] * batch
+        # upgrades as (-expected tokens per extra row, sequence); a sequence's next enters once it takes this one
+        heap = [(-(o[1][1] - o[0][1]) / (o[1][0] - o[0][0]), i) for i, o in enumerate(choices) if len(o) > 1]
+        heapq.heapify(heap)
+        while heap and heap[0][0] < 0:
+            _, i = heapq.heappop(heap)
+            options, c = choices[i], chosen[i]
+            rows += options[c + 1][0] - options[c][0]
+            tokens += options[c + 1][1] - options[c][1]
+            chosen[i] = c + 1
+            if c + 2 < len(options):
+                step_up = options[c + 2]
+                heapq.heappush(heap, (-(step_up[1] - options[c + 1][1]) / (step_up[0] - options[c + 1][0]), i))
+            rate = tokens / (self.table.seconds(batch, rows / batch) * cost_scale)
+            if rate > best_rate:
+                best, best_rate = list(chosen), rate
         if best_rate < self.table.min_speedup * plain_rate:  # within the margin a served step's price has
             return [1] * batch
         return [choices[i][c][0] for i, c in enumerate(best)]

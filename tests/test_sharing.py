@@ -189,7 +189,7 @@ def test_sampled_requests_under_shared_rows_are_distributed_as_the_target():
     first two tokens of the measured prompt follow transformers' distribution (chi-square)."""
     target_hf, target = toy_model(20, family="llama-32")
     params = SamplingParams(temperature=0.8, top_p=0.95)
-    measured, other = [1, 4, 2, 5, 3, 1, 4, 2, 5, 3, 1, 4], [3, 3, 1, 0, 3, 3, 1]
+    measured, other = [1, 4, 2, 5, 3], [3, 3, 1, 0]  # the slot's trie learns the outputs: later requests draft
     requests = []
     for seed in range(SAMPLES):
         requests.append(Request(measured, 2, params, seed))
