@@ -469,7 +469,8 @@ def _serve_level(system: System, prompts: list[list[int]], concurrency: int, max
 def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_per_client: int,
                    say: Callable[[str], None]) -> dict[str, LevelPricer]:
     """The price of each level's load (planner/closed_loop.py) for the systems a plan's profile prices: the schedule
-    (ours, ours-fixed), each fixed setting, and no drafting (ours-ar); none where the plan or its profile cannot.
+    (ours, ours-fixed, ours-unshared: shared rows are priced at the schedule), each fixed setting, and no drafting
+    (ours-ar); none where the plan or its profile cannot.
     A Lookahead slot's trie learns from the `requests_per_client` requests it serves in a level (a fresh server a
     level), each output cut to `max_tokens`; a draft model's chain is priced from the plan's chain traces, its
     prefill paid by the requests that join a batch it drafts at; a TriForce hierarchy from its acceptance traces, its
@@ -517,8 +518,10 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
                                      output_tokens).tokens_per_second
         return price
 
-    policies = {"ours": scheduled, "ours-fixed": scheduled, "ours-unshared": scheduled, "ours-ar": lambda batch: OFF,
+    policies = {"ours": scheduled, "ours-fixed": scheduled, "ours-ar": lambda batch: OFF,
                 **{f"setting-{d}": lambda batch, d=d: prices[d] for d in settings if d in prices}}
+    if plan.sharing is not None:  # shared or not, the plan's load is priced at its schedule
+        policies["ours-unshared"] = scheduled
     return {name: priced(policy) for name, policy in policies.items()}
 
 
