@@ -129,8 +129,8 @@ class Decoder:
         if self.plan is None or self.plan.method not in ("lookahead", "sequoia", "triforce"):
             raise UserError("--setting runs a Lookahead plan, a Sequoia chain or a TriForce hierarchy at one drafting "
                             "length")
-        largest = self.engine.drafter.max_tree_size if self.plan.sharing else self.plan.largest_setting
-        largest = largest or self.engine.drafter.max_tree_size
+        # a plan's shared rows run on their own trie, whose length bounds the settings; else the plan's
+        largest = (None if self.plan.sharing else self.plan.largest_setting) or self.engine.drafter.max_tree_size
         if largest < 2:
             raise UserError("--setting: this plan drafts at no batch size (its tree is the root alone)")
         if not 2 <= length <= largest:

@@ -182,7 +182,8 @@ class Scheduler:
         """The last step's seconds, from its start to this one's (the server's work between them included), to the
         engine's clock: a step in which at least half the sequences chose to draft (a trie without a match drafting
         nothing) or none drafted, no prompt prefilled since, no drafter starting its sequence untimed
-        (Drafter.started_now); less what its drafters read before drafting (Drafter.started_reading)."""
+        (Drafter.started_now); less what its drafters read before drafting (Drafter.started_reading). With shared rows,
+        every such step, whatever its kind, to the sharing's step prices (decoder/sharing.py)."""
         clock, sharing = self.engine.clock, self.engine.sharing
         if self.timed_step is not None:
             batch, drafted, started = self.timed_step
