@@ -9,10 +9,14 @@ break-even it steps without drafting (the root alone: exact as any tree is, so g
 distribution are those of the target). A drafter whose drafts cost no forward (a trie) still drafts at the steps it
 sits out, in the shadow: nothing is scored, and the text that follows tells what each such draft would have emitted,
 which enters the same mean, so the request resumes as soon as its text turns predictable. Any other drafts once more,
-to see whether it has, when such probes cost at most PROBE_SHARE of the time it sits out. With an engine's clock, the
-requests sitting out probe together, at the steps numbered a multiple of the probe period: a probe costs the whole
-step a draft forward (a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of
-one each. A step whose drafter had nothing to propose (a trie without a match) cost a plain step and does not count.
+to see whether it has, when such probes cost at most PROBE_SHARE of the time it sits out, as its own r expects them to:
+a probe's step costs its price less the tokens r expects of it, so a request just under break-even probes often (its
+yield swings across the line from step to step: a TriForce request whose drafts landed stopped at the first few that
+missed and, probing as though each probe emitted one token, never drafted again), one whose drafts fail outright
+seldom. With an engine's clock, the requests sitting out probe together, at the steps numbered a multiple of their
+probe period, a power of two so that the periods of requests at different yields nest: a probe costs the whole step a
+draft forward (a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of one
+each. A step whose drafter had nothing to propose (a trie without a match) cost a plain step and does not count.
 How much it drafts when it does is the plan's setting at the step's batch size and the request's context (its
 schedule's entry).
 
@@ -222,7 +226,7 @@ class DraftGate:
             drafting, self.firm = start_repaid, False
             self.reason = "pays" if start_repaid else "start not repaid"
         else:
-            drafting = not self.shadowed and self._probe_due(batch, step_cost, start)
+            drafting = not self.shadowed and self._probe_due(batch, step_cost - expected, start)
             self.firm = drafting  # a probe
             self.reason = "probe" if drafting else "sits out"
         self.overrule(drafting)
@@ -251,16 +255,15 @@ class DraftGate:
             return 0.0
         return self.clock.start_cost(batch, start_tokens)
 
-    def _probe_due(self, batch: int, step_cost: float, start: float | None) -> bool:
-        """Whether a request sitting steps out drafts at the coming one: once its probe (the step's extra cost, shared
-        by the batch's requests probing together, and its own reading, `start`, which the batch waits for) costs
-        at most PROBE_SHARE of the time it sat out; with a clock, at the steps numbered a multiple of the period that
-        share gives a probe (every request of the step reads the same period: the same batch size and clock). A
-        reading not priced yet (None) cannot be held to that share: no probe."""
-        extra = max(step_cost - 1.0, 0.0)
-        if start is None or (self.idle_steps + 1) * PROBE_SHARE < extra + batch * start:
+    def _probe_due(self, batch: int, loss: float, start: float | None) -> bool:
+        """Whether a request sitting steps out drafts at the coming one: once its probe (the plain steps a drafted step
+        loses at its expected yield, `loss`, and its own reading, `start`, which the batch waits for) costs at most
+        PROBE_SHARE of the time it sat out; with a clock, at the steps numbered a multiple of the period that share
+        gives a probe, rounded up to a power of two (requests at different yields probe together at the longer one's
+        steps). A reading not priced yet (None) cannot be held to that share: no probe."""
+        if start is None or (self.idle_steps + 1) * PROBE_SHARE < loss + batch * start:
             return False
-        return self.clock is None or self.clock.step % max(1, math.ceil(extra / PROBE_SHARE)) == 0
+        return self.clock is None or self.clock.step % probe_period(loss) == 0
 
     def observe(self, emitted: int, drafted: int) -> None:
         """The step just verified scored `drafted` draft tokens and emitted `emitted` (the accepted drafts and the
@@ -277,6 +280,12 @@ class DraftGate:
         self.yields.append(ratio)
         if self.recent is not None:
             self.recent.yields.append(ratio)
+
+
+def probe_period(loss: float) -> int:
+    """The steps between the probes of requests sitting out whose probe loses `loss` plain steps: the power of two at
+    or above the steps whose PROBE_SHARE pays that loss."""
+    return 1 << max(0, math.ceil(math.log2(max(loss, PROBE_SHARE) / PROBE_SHARE)))
 
 
 def one_kind_of_step(gates: list[DraftGate]) -> None:

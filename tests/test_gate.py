@@ -1,5 +1,6 @@
 """Per-request drafting decisions (decoder/gate.py): a request whose drafts yield too little at the plan's price sits
-steps out, probing again at PROBE_SHARE of the time it sits out, and its tokens stay its own."""
+steps out, probing again when PROBE_SHARE of the time it sat out pays what a probe is expected to lose, and its
+tokens stay its own."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from specplan.decoder.gate import (
     RecentYields,
     StepClock,
     one_kind_of_step,
+    probe_period,
+    shrunk_mean,
 )
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
@@ -32,19 +35,22 @@ from toy import drafters_per_slot
 def test_a_request_stops_drafting_when_its_drafts_fail_and_probes_again():
     """Predicted 3 tokens a step for 1.5x (a drafted step costs 2 plain ones): a request emitting 1 token per drafted
     step falls below break-even (yield 1/3 of the prediction, 0.5x) within a few steps, then drafts once in the
-    steps whose PROBE_SHARE pays a probe's extra plain step; one whose drafts land keeps drafting; where nothing is
-    priced every step drafts."""
+    steps whose PROBE_SHARE pays what a probe loses at its yield (2 plain steps less the 3 r tokens it expects, r its
+    window's mean beside the prior: settled at (2 + 8 / 3) / 10); one whose drafts land keeps drafting; where nothing
+    is priced every step drafts."""
     gate = DraftGate(lambda batch, context: (3.0, 1.5))
     decisions = []
-    for _ in range(80):
+    for _ in range(400):
         decisions.append(gate.drafts(4, 100))
         gate.observe(1, 4)
     first_off = decisions.index(False)
     assert 1 < first_off <= 5
-    probe_every = math.ceil(1.0 / PROBE_SHARE)
-    assert not any(decisions[first_off:first_off + probe_every - 1])
-    later = decisions[first_off:]
-    assert sum(later) == len(later) // probe_every and decisions[first_off + probe_every - 1]
+    probes = [step for step in range(first_off, len(decisions)) if decisions[step]]
+    settled_loss = 2.0 - 3.0 * shrunk_mean(1.0, [1 / 3] * YIELD_WINDOW)
+    assert settled_loss == pytest.approx(0.6)
+    gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
+    assert gaps[0] < gaps[-1]  # at first the window holds drafts before the stop: r nearer break-even, probes sooner
+    assert set(gaps[YIELD_WINDOW:]) == {math.ceil(settled_loss / PROBE_SHARE)}
     landing = DraftGate(lambda batch, context: (3.0, 1.5))
     for _ in range(20):
         assert landing.drafts(1, 100)
@@ -252,24 +258,50 @@ def test_a_step_where_most_sequences_draft_is_timed_as_a_drafted_one(tiny_pair, 
     assert (4, False) not in engine.clock.seconds  # every step drafted, some sequences' at least
 
 
+def test_a_request_just_under_break_even_probes_often_one_far_under_seldom():
+    """A drafted step measured at 6 plain ones (a TriForce chain's, over a long context), 7 tokens predicted: a request
+    whose drafts yielded 0.83 of that (5.8 tokens) loses 0.2 plain steps a probe and probes every 8 steps; one whose
+    drafts yielded 0.4 (2.8 tokens: 3.2 lost) every 128. Their probes' yields are not fed back here."""
+    clock = StepClock()
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(1, True, 0.120)
+        clock.record(1, False, 0.020)
+
+    def probes(ratio: float) -> int:
+        gate = DraftGate(lambda batch, context: (7.0, 1.4), clock)
+        gate.prior = ratio
+        gate.yields.extend([ratio] * YIELD_WINDOW)
+        count = 0
+        for _ in range(512):
+            clock.begin_step()
+            count += gate.drafts(1, 7680)
+        return count
+
+    assert probe_period(6.0 - 7.0 * 0.83) == 8 and probe_period(6.0 - 7.0 * 0.4) == 128
+    assert probes(0.83) == 512 // 8 and probes(0.4) == 512 // 128
+
+
 def test_requests_sitting_out_probe_together():
-    """With a clock, requests whose drafts fail probe at the same steps (one draft forward for the batch's probes),
-    once per period of PROBE_SHARE, whenever each of them stopped drafting."""
+    """With a clock, requests whose drafts fail probe at the same steps (one draft forward for the batch's probes):
+    their periods are powers of two, so a request whose window still holds drafts that landed (nearer break-even,
+    probing more often) probes at every step the other does; once both windows hold only misses, at the same steps,
+    once per period."""
     clock = StepClock()
     for _ in range(MEASURED_AT_LEAST):  # a drafted step measured at 2 plain ones at B = 2
         clock.record(2, True, 0.040)
         clock.record(2, False, 0.020)
     gates = [DraftGate(lambda batch, context: (3.0, 1.5), clock) for _ in range(2)]
     decisions: list[list[bool]] = []
-    for step in range(200):
+    for step in range(600):
         clock.begin_step()
         decisions.append([gate.drafts(2, 100) for gate in gates])
         gates[0].observe(1, 4)
         gates[1].observe(3 if step < 13 else 1, 4)  # the second's drafts land for a while, then fail
-    later = decisions[40:]
-    assert all(first == second for first, second in later)
-    period = math.ceil(1.0 / PROBE_SHARE)  # a probe's step costs one plain step more
-    assert sum(first for first, _ in later) == pytest.approx(len(later) / period, abs=1)
+    assert all(second for first, second in decisions[40:] if first)
+    settled = decisions[300:]
+    assert all(first == second for first, second in settled)
+    period = probe_period(2.0 - 3.0 * shrunk_mean(1.0, [1 / 3] * YIELD_WINDOW))
+    assert period == 32 and sum(first for first, _ in settled) == pytest.approx(len(settled) / period, abs=1)
 
 
 def test_a_request_starts_drafting_only_where_its_drafts_can_repay_the_start():
@@ -321,8 +353,8 @@ def test_an_untimed_batch_size_is_priced_from_the_nearest_timed_one():
 
 def test_a_probe_counts_the_reading_its_drafter_does_first():
     """A drafted step measured at 2 plain ones: a request sitting out probes once PROBE_SHARE of its idle steps pays
-    the probe's extra plain step. A draft model that must read each step sat out (1 token a step, a tenth of a plain
-    step each, at 2 in flight) costs more than that share: such a request does not probe."""
+    what the probe loses at its yield. A draft model that must read each step sat out (1 token a step, a tenth of a
+    plain step each, at 2 in flight) costs more than that share: such a request does not probe."""
     clock = StepClock()
     for _ in range(MEASURED_AT_LEAST):
         clock.record(2, True, 0.040)
@@ -338,7 +370,8 @@ def test_a_probe_counts_the_reading_its_drafter_does_first():
             count += gate.drafts(2, 100, start_tokens=gate.idle_steps if reads_idle_steps else 0, remaining=500)
         return count
 
-    assert probes(False) == pytest.approx(200 / math.ceil(1.0 / PROBE_SHARE), abs=1)
+    loss = 2.0 - 3.0 * shrunk_mean(1.0, [0.3] * 8)
+    assert probes(False) == pytest.approx(200 / probe_period(loss), abs=1)
     assert probes(True) == 0
 
 
@@ -358,7 +391,7 @@ def test_a_probe_whose_draft_reads_first_waits_for_a_reading_timed():
             gate.idle_steps = 1000  # long enough that a probe is due
         return gates
 
-    clock.step = math.ceil(1.0 / PROBE_SHARE) - 1  # a probe's step costs one plain step more: at its period's multiples
+    clock.step = probe_period(2.0 - 3.0 * shrunk_mean(1.0, [0.3] * YIELD_WINDOW)) - 1  # probes at its multiples
     clock.begin_step()
     assert not any(gate.drafts(4, 500, start_tokens=400, remaining=50) for gate in sitting_out())
     assert all(gate.drafts(4, 500) for gate in sitting_out())  # nothing to read: due probes go ahead
