@@ -14,7 +14,8 @@ a probe's step costs its price less the tokens r expects of it, so a request jus
 yield swings across the line from step to step; docs/design.md), one whose drafts fail outright seldom. With an
 engine's clock, the requests sitting out probe together, at the steps numbered a multiple of their probe period, a
 power of two so that the periods of requests at different yields nest: a probe costs the whole step a draft forward
-(a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of one each. A step whose drafter had nothing to propose (a trie without a match) cost a plain step and does not count.
+(a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of one each. A step
+whose drafter had nothing to propose (a trie without a match) cost a plain step and does not count.
 How much it drafts when it does is the plan's setting at the step's batch size and the request's context (its
 schedule's entry).
 
