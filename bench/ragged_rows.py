@@ -1,0 +1,68 @@
+"""A step of B sequences where k of them draft n rows and the others one (the ragged steps a plan's shared rows make),
+timed on the lean forward, against the price the plan's sharing table gives it (`RowSharing.seconds` at the same mean
+rows per sequence, measured at uniform rows): each as a multiple of the plain step of B rows.
+
+    .venv/bin/python bench/ragged_rows.py plans/smollm2-135m.lookahead.cpu-2c-zen5.fp32.shared.yaml --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specplan.core.models import load_model
+from specplan.core.plan_schema import load_plan
+from specplan.decoder.api import load_forward
+from specplan.decoder.model import ForwardItem, causal_mask
+from specplan.profiler.latency import random_cache
+
+# (sequences drafting, rows each): a few drafting long, most drafting, and every one at uniform rows, the table's own
+SHAPES = ((0, 1), (1, 2), (1, 4), (2, 4), (4, 4), (8, 4), (16, 2), (16, 4))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("plan")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--passes", type=int, default=15)
+    args = parser.parse_args()
+    plan = load_plan(args.plan)
+    if plan.sharing is None:
+        raise SystemExit(f"{args.plan}: no sharing table (solve with --share-rows)")
+    table, batch, context = plan.sharing, args.batch, plan.sharing.context
+    model = load_forward(load_model(plan.models.target, plan.models.dtype), "cpu")
+    caches = [random_cache(model, context, max(n for _, n in SHAPES)) for _ in range(batch)]
+    shapes = [(k, n) for k, n in SHAPES if k <= batch]
+
+    def step(drafting: int, rows: int) -> list[ForwardItem]:
+        items = []
+        for i, cache in enumerate(caches):
+            m = rows if i < drafting else 1
+            mask = causal_mask(context, m, model.dtype, model.device) if m > 1 else None
+            items.append(ForwardItem(torch.randint(0, model.shape.vocab, (m,)), torch.arange(context, context + m),
+                                     cache, mask))
+        return items
+
+    timed: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
+    with torch.inference_mode():
+        for _ in range(args.passes):
+            for shape in shapes:  # interleaved, so that a slow spell touches every shape alike
+                items = step(*shape)
+                model.forward_many(items)
+                start = time.perf_counter()
+                model.forward_many(items)
+                timed[shape].append(time.perf_counter() - start)
+    plain, plain_price = statistics.median(timed[(0, 1)]), table.seconds(batch, 1.0)
+    print(f"B = {batch}, {context} keys, {plan.models.target} {plan.models.dtype}; medians of {args.passes} passes")
+    for k, n in shapes:
+        rows = batch + k * (n - 1)
+        measured, price = statistics.median(timed[(k, n)]), table.seconds(batch, rows / batch)
+        print(f"{k:2d} x {n} ({rows:3d} rows): measured {measured * 1e3:6.1f} ms, {measured / plain:.3f} of plain; "
+              f"the table {price * 1e3:6.1f} ms, {price / plain_price:.3f}")
+
+
+if __name__ == "__main__":
+    main()
