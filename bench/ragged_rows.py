@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from specplan.core.errors import UserError
 from specplan.core.models import load_model
 from specplan.core.plan_schema import load_plan
 from specplan.decoder.api import load_forward
@@ -29,9 +30,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--passes", type=int, default=15)
     args = parser.parse_args()
-    plan = load_plan(args.plan)
+    try:
+        plan = load_plan(args.plan)
+    except UserError as error:
+        parser.error(str(error))
     if plan.sharing is None:
-        raise SystemExit(f"{args.plan}: no sharing table (solve with --share-rows)")
+        parser.error(f"{args.plan}: no sharing table (solve with --share-rows)")
     table, batch, context = plan.sharing, args.batch, plan.sharing.context
     model = load_forward(load_model(plan.models.target, plan.models.dtype), "cpu")
     caches = [random_cache(model, context, max(n for _, n in SHAPES)) for _ in range(batch)]
