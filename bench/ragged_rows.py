@@ -1,6 +1,8 @@
 """A step of B sequences where k of them draft n rows and the others one (the ragged steps a plan's shared rows make),
 timed on the lean forward, against the price the plan's sharing table gives it (`RowSharing.seconds` at the same mean
-rows per sequence, measured at uniform rows): each as a multiple of the plain step of B rows.
+rows per sequence, measured at uniform rows): each as a multiple of the plain step of B rows. The drafting sequences sit
+first in the batch or spread through it: the attention kernel's threads once took contiguous shares of its tasks, and
+the first placement gave one thread the trees.
 
     .venv/bin/python bench/ragged_rows.py plans/smollm2-135m.lookahead.cpu-2c-zen5.fp32.shared.yaml --batch 16
 """
@@ -41,32 +43,36 @@ def main() -> None:
     caches = [random_cache(model, context, max(n for _, n in SHAPES)) for _ in range(batch)]
     shapes = [(k, n) for k, n in SHAPES if k <= batch]
 
-    def step(drafting: int, rows: int) -> list[ForwardItem]:
+    def step(drafting: int, rows: int, spread: bool) -> list[ForwardItem]:
+        # the drafting sequences first in the batch, or spread through it every batch / drafting places
+        chosen = set(list(range(0, batch, batch // drafting))[:drafting] if spread else range(drafting))
         items = []
         for i, cache in enumerate(caches):
-            m = rows if i < drafting else 1
+            m = rows if i in chosen else 1
             mask = causal_mask(context, m, model.dtype, model.device) if m > 1 else None
             items.append(ForwardItem(torch.randint(0, model.shape.vocab, (m,)), torch.arange(context, context + m),
                                      cache, mask))
         return items
 
-    timed: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
+    # (drafting, rows, spread): the sequences drafting first in the batch, or spread through it
+    cases = [(k, n, spread) for k, n in shapes for spread in ((False, True) if 1 < k < batch else (False,))]
+    timed: dict[tuple[int, int, bool], list[float]] = {case: [] for case in cases}
     with torch.inference_mode():
         for _ in range(args.passes):
-            for shape in shapes:  # interleaved, so that a slow spell touches every shape alike
-                items = step(*shape)
+            for case in cases:  # interleaved, so that a slow spell touches every case alike
+                items = step(*case)
                 model.forward_many(items)
                 start = time.perf_counter()
                 model.forward_many(items)
-                timed[shape].append(time.perf_counter() - start)
-    plain, plain_price = statistics.median(timed[(0, 1)]), table.seconds(batch, 1.0)
+                timed[case].append(time.perf_counter() - start)
+    plain, plain_price = statistics.median(timed[(0, 1, False)]), table.seconds(batch, 1.0)
     print(f"B = {batch}, {context} keys, {plan.models.target} {plan.models.dtype}; medians of {args.passes} passes")
-    for k, n in shapes:
+    for k, n, spread in cases:
         rows = batch + k * (n - 1)
-        measured, price = statistics.median(timed[(k, n)]), table.seconds(batch, rows / batch)
-        print(f"{k:2d} x {n} ({rows:3d} rows): measured {measured * 1e3:6.1f} ms, {measured / plain:.3f} of plain; "
-              f"the table {price * 1e3:6.1f} ms, {price / plain_price:.3f}")
-
+        measured, price = statistics.median(timed[(k, n, spread)]), table.seconds(batch, rows / batch)
+        where = "spread" if spread else "first " if 1 < k < batch else "      "
+        print(f"{k:2d} x {n} {where} ({rows:3d} rows): measured {measured * 1e3:6.1f} ms, {measured / plain:.3f} of "
+              f"plain; the table {price * 1e3:6.1f} ms, {price / plain_price:.3f}")
 
 if __name__ == "__main__":
     main()

@@ -21,10 +21,12 @@
 #include <torch/python.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -754,9 +756,23 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
   constexpr float none = -std::numeric_limits<float>::infinity();
   std::vector<float> run_max(states, none), run_sum(states), run_acc(states * d);
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  // The tasks, costliest first (rows times keys), go to whichever thread is free: in a ragged batch (a few sequences
+  // scoring a tree of several rows, the rest one) the threads' contiguous shares of the task list would hold unequal
+  // work. Each task writes only its own states, so the order it runs in leaves every result's bits as they were.
+  std::vector<int64_t> order(tasks), cost(tasks);
+  for (int64_t task = 0; task < tasks; task++) {
+    const AttentionPart& part = parts[task_part[task]];
+    const int64_t c0 = ((task - part.first_task) % part.tasks) * part.group;
+    const int64_t c1 = std::min(part.chunks, c0 + part.group);
+    cost[task] = part.rows * ((c1 == part.chunks ? part.length : c1 * ATTENTION_CHUNK) - c0 * ATTENTION_CHUNK);
+  }
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, second, key(d), value_block(16 * d);
-    for (int64_t task = begin; task < end; task++) {
+    for (int64_t next = next_task++; next < tasks; next = next_task++) {
+      const int64_t task = order[next];
       const int64_t b = task_part[task];
       const AttentionPart& part = parts[b];
       const torch::Tensor &k_cache = k_caches[b], &v_cache = v_caches[b];
