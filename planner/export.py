@@ -178,14 +178,14 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
     chain = Fields(plan.solver, f"{plan.source}: solver").sub("chain_knobs", required=False) \
         if plan.engine == fmt else None
     best = chain.sub("best") if chain is not None else None
+    if fmt == "llama.cpp" and plan.schedule is not None:  # its slots, drafting or not
+        return _llama_server_at(plan, draft_path, best, concurrency, context)
     if chain is not None and not chain.boolean("enabled", default=True):
         return Export("{}" if fmt == "hf" else "",
                       f"{fmt} without a draft model: no setting of its knobs was predicted faster than its one-token "
                       f"decoding on the profile (the best, draft {best.integer('draft_max', low=1)} tokens: "
                       f"{best.number('tokens_per_step', low=1.0):.2f} tokens/step, "
                       f"{best.number('speedup', low=0.0):.2f}x)")
-    if fmt == "llama.cpp" and plan.schedule is not None:
-        return _llama_server_at(plan, draft_path, best, concurrency, context)
     if fmt == "llama.cpp":
         draft_min, p_min = (best.integer("draft_min", low=0), best.number("p_min", low=0.0, high=1.0)) \
             if best is not None else (0, 0.0)

@@ -361,6 +361,11 @@ def test_llama_server_gets_the_schedules_setting_at_the_stated_concurrency():
     assert flags_at(4) == [word for word in export_plan(plan, "llama.cpp", "draft.gguf", concurrency=4).content.split()
                            if word not in ("-np", "4", "-c", "16384")] and "--spec-draft-model" in flags_at(4)
     assert flags_at(8) == []
+    # solved for llama.cpp's own knobs, none of which pays: still the slots for the concurrency stated
+    plan.engine = "llama.cpp"
+    plan.solver["chain_knobs"] = {"enabled": False, "best": {"draft_max": 2, "draft_min": 0, "p_min": 0.8,
+                                                             "tokens_per_step": 1.9, "speedup": 0.8}}
+    assert export_plan(plan, "llama.cpp", "draft.gguf", concurrency=8, context=2048).content == "-np 8 -c 16384"
 
 
 def test_sglang_takes_an_eagle_chains_schedule_as_adaptive_tiers_and_a_draft_model_at_one_concurrency():
