@@ -75,5 +75,6 @@ def main() -> None:
         print(f"{k:2d} x {n} {where} ({rows:3d} rows): measured {measured * 1e3:6.1f} ms, {measured / plain:.3f} of "
               f"plain; the table {price * 1e3:6.1f} ms, {price / plain_price:.3f}")
 
+
 if __name__ == "__main__":
     main()

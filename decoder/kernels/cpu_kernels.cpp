@@ -607,6 +607,12 @@ struct AttentionPart {
   const float* q = nullptr;    // [heads, n_b, d] in fp32
   const float* mask = nullptr; // additive, or null: every key visible
   int64_t mask_row = 0, mask_head = 0;  // the mask's row stride, and KV head kv's offset (0 where heads share one)
+
+  // its task `local` (of KV head local / tasks) takes chunks chunk_begin(local) to chunk_stop(local), exclusive
+  int64_t chunk_begin(int64_t local) const { return (local % tasks) * group; }
+  int64_t chunk_stop(int64_t local) const { return std::min(chunks, chunk_begin(local) + group); }
+  // chunk c holds keys c * ATTENTION_CHUNK on, to the next chunk's start or the last key
+  int64_t chunk_end(int64_t c) const { return c + 1 == chunks ? length : (c + 1) * ATTENTION_CHUNK; }
 };
 
 // p = e^(s - top) over each row's keys j0..j1 (their scores [rows, stride] in `scores`, -inf after the last key up to
@@ -762,9 +768,8 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
   std::vector<int64_t> order(tasks), cost(tasks);
   for (int64_t task = 0; task < tasks; task++) {
     const AttentionPart& part = parts[task_part[task]];
-    const int64_t c0 = ((task - part.first_task) % part.tasks) * part.group;
-    const int64_t c1 = std::min(part.chunks, c0 + part.group);
-    cost[task] = part.rows * ((c1 == part.chunks ? part.length : c1 * ATTENTION_CHUNK) - c0 * ATTENTION_CHUNK);
+    const int64_t local = task - part.first_task;
+    cost[task] = part.rows * (part.chunk_end(part.chunk_stop(local) - 1) - part.chunk_begin(local) * ATTENTION_CHUNK);
   }
   std::iota(order.begin(), order.end(), int64_t{0});
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
@@ -777,11 +782,8 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
       const AttentionPart& part = parts[b];
       const torch::Tensor &k_cache = k_caches[b], &v_cache = v_caches[b];
       const int64_t local = task - part.first_task, rows = part.rows, n_b = counts[b];
-      const int64_t kv = local / part.tasks, c0 = (local % part.tasks) * part.group;
-      const int64_t c1 = std::min(part.chunks, c0 + part.group);
-      // chunk c holds keys c * ATTENTION_CHUNK on, to the next chunk's start or the last key
-      const auto chunk_end = [&](int64_t c) { return c + 1 == part.chunks ? part.length : (c + 1) * ATTENTION_CHUNK; };
-      const int64_t j0 = c0 * ATTENTION_CHUNK, j1 = chunk_end(c1 - 1), span = j1 - j0, stride = (span + 15) / 16 * 16;
+      const int64_t kv = local / part.tasks, c0 = part.chunk_begin(local), c1 = part.chunk_stop(local);
+      const int64_t j0 = c0 * ATTENTION_CHUNK, j1 = part.chunk_end(c1 - 1), span = j1 - j0, stride = (span + 15) / 16 * 16;
       if (static_cast<int64_t>(scores.size()) < rows * stride) scores.resize(rows * stride);
       const float* qh = part.q + kv * rows * d;
       const float* head_mask = part.mask ? part.mask + kv * part.mask_head : nullptr;
@@ -845,7 +847,7 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
         continue;
       }
       for (int64_t c = c0; c < c1; c++) {
-        const int64_t cj0 = c * ATTENTION_CHUNK, cj1 = chunk_end(c), cspan = cj1 - cj0;
+        const int64_t cj0 = c * ATTENTION_CHUNK, cj1 = part.chunk_end(c), cspan = cj1 - cj0;
         float* chunk_scores = scores.data() + (cj0 - j0);
         // a tree spanning a boundary: each row's keys past the ATTENTION_CHUNK-th it sees in the tail go to a
         // second part, as one-token decoding's chunks would hold them
