@@ -1,8 +1,10 @@
 """A step of B sequences where k of them draft n rows and the others one (the ragged steps a plan's shared rows make),
-timed on the lean forward, against the price the plan's sharing table gives it (`RowSharing.seconds` at the same mean
-rows per sequence, measured at uniform rows): each as a multiple of the plain step of B rows. The drafting sequences sit
-first in the batch or spread through it: the attention kernel's threads once took contiguous shares of its tasks, and
-the first placement gave one thread the trees.
+timed on the lean forward, against the price the plan's sharing table gives it (`RowSharing.seconds` at the same total
+of rows: the uniform steps either side, and where the plan carries one sequence's forward timed at every total, that
+forward's step from one total to the next) and against the straight line between the uniform steps alone: each as a
+multiple of the plain step of B rows. The drafting sequences sit first in the batch or spread through it: the
+attention kernel's threads once took contiguous shares of its tasks, and the first placement gave one thread the
+trees.
 
     .venv/bin/python bench/ragged_rows.py plans/smollm2-135m.lookahead.cpu-2c-zen5.fp32.shared.yaml --batch 16
 """
@@ -10,6 +12,7 @@ the first placement gave one thread the trees.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -24,7 +27,7 @@ from specplan.profiler.latency import random_cache
 
 # (sequences drafting, rows each): a few extra rows one per sequence, a few drafting long, most drafting, and every
 # one at uniform rows, the table's own
-SHAPES = ((0, 1), (1, 2), (2, 2), (4, 2), (8, 2), (1, 4), (2, 4), (4, 4), (8, 4), (16, 2), (16, 4))
+SHAPES = ((0, 1), (1, 2), (2, 2), (4, 2), (5, 2), (8, 2), (1, 4), (2, 4), (4, 4), (8, 4), (16, 2), (16, 4))
 
 
 def main() -> None:
@@ -66,14 +69,17 @@ def main() -> None:
                 start = time.perf_counter()
                 model.forward_many(items)
                 timed[case].append(time.perf_counter() - start)
-    plain, plain_price = statistics.median(timed[(0, 1, False)]), table.seconds(batch, 1.0)
-    print(f"B = {batch}, {context} keys, {plan.models.target} {plan.models.dtype}; medians of {args.passes} passes")
+    linear = dataclasses.replace(table, row_seconds=())
+    plain, plain_price = statistics.median(timed[(0, 1, False)]), table.seconds(batch, batch)
+    print(f"B = {batch}, {context} keys, {plan.models.target} {plan.models.dtype}; medians of {args.passes} passes; "
+          f"the table {'with' if table.row_seconds else 'without'} every total timed")
     for k, n, spread in cases:
         rows = batch + k * (n - 1)
-        measured, price = statistics.median(timed[(k, n, spread)]), table.seconds(batch, rows / batch)
+        measured, price = statistics.median(timed[(k, n, spread)]), table.seconds(batch, rows)
         where = "spread" if spread else "first " if 1 < k < batch else "      "
         print(f"{k:2d} x {n} {where} ({rows:3d} rows): measured {measured * 1e3:6.1f} ms, {measured / plain:.3f} of "
-              f"plain; the table {price * 1e3:6.1f} ms, {price / plain_price:.3f}")
+              f"plain; the table {price * 1e3:6.1f} ms, {price / plain_price:.3f}; the straight line "
+              f"{linear.seconds(batch, rows) / plain_price:.3f}")
 
 
 if __name__ == "__main__":

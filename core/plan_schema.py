@@ -363,13 +363,16 @@ class RowSharing:
     each decoding length's tokens per step on the workload the plan was solved on (a request's prior), and a step's
     seconds at each batch size with each number of rows per sequence, 1 to the trie's decoding length, priced at
     `context` (t(B, n), the engine's overhead and the trie's work); a step drafts only where its allocation is
-    expected `min_speedup` times as fast as none (the schedule's margin)."""
+    expected `min_speedup` times as fast as none (the schedule's margin). `row_seconds`, where the profile timed one
+    sequence's forward at every number of rows (`plan profile --row-totals`): that forward's seconds at 1, 2, ...
+    rows, which price the steps whose rows are not a multiple of the batch size (`seconds`)."""
 
     trie: TrieSettings
     context: int
     tokens_per_step: dict[int, float]  # decoding length -> tokens per step; 1 (no draft) -> 1.0
     step_seconds: dict[int, tuple[float, ...]]  # batch size -> seconds at 1, 2, ..., trie.decoding_length rows
     min_speedup: float = 1.0
+    row_seconds: tuple[float, ...] = ()  # one sequence's forward of 1, 2, ... rows at `context`
 
     @property
     def lengths(self) -> list[int]:
@@ -377,14 +380,28 @@ class RowSharing:
         return sorted(self.tokens_per_step)
 
     def seconds(self, batch: int, rows: float) -> float:
-        """A step of `batch` sequences at `rows` rows per sequence on average (interpolated between whole rows; the
-        largest batch size priced beyond it, per sequence)."""
+        """A step of `batch` sequences scoring `rows` rows in all: on the straight line between the table's uniform
+        steps either side (rows // batch rows per sequence and one more), moved, where `row_seconds` reaches the
+        upper one, by as much as one sequence's forward of `rows` rows sits off the same line between its own
+        timings at those two totals: a forward scores its rows in passes of a few (decoder/kernels/linear.cpp), so
+        the first row of a pass costs the pass, which a line between uniform steps spreads over all of them. The
+        largest batch size priced beyond it, per sequence."""
         largest = max(self.step_seconds)
-        table = self.step_seconds[min(batch, largest)]
-        rows = min(max(rows, 1.0), float(len(table)))
-        low = int(rows)
-        seconds = table[low - 1] + (rows - low) * (table[low] - table[low - 1]) if rows > low else table[low - 1]
-        return seconds * batch / largest if batch > largest else seconds
+        if batch > largest:
+            return self.seconds(largest, rows * largest / batch) * batch / largest
+        table = self.step_seconds[batch]
+        per_sequence = min(max(rows / batch, 1.0), float(len(table)))
+        low = int(per_sequence)
+        share = per_sequence - low
+        if not share:
+            return table[low - 1]
+        seconds = table[low - 1] + share * (table[low] - table[low - 1])
+        below, above = batch * low, batch * (low + 1)
+        if above <= len(self.row_seconds):
+            forward = np.interp([below, batch * per_sequence, above], np.arange(1, len(self.row_seconds) + 1),
+                                self.row_seconds)
+            seconds += forward[1] - (forward[0] + share * (forward[2] - forward[0]))
+        return float(seconds)
 
     @classmethod
     def from_fields(cls, f: Fields) -> RowSharing:
@@ -402,13 +419,17 @@ class RowSharing:
             if len(values) != trie.decoding_length or min(values) <= 0:
                 raise raw.fail(f"batch {key}: {trie.decoding_length} positive seconds, one per rows per sequence")
             steps[token_count_key(key, raw.where)] = tuple(values)
+        row_seconds = f.number_list("row_seconds", required=False, low=0.0, high=MAX_SECONDS) or []
+        if any(value <= 0 for value in row_seconds):
+            raise f.fail("'row_seconds' must be positive seconds, one per number of rows from 1")
         return cls(trie, f.token_count("context"), tokens, dict(sorted(steps.items())),
-                   f.number("min_speedup", required=False, low=0.5, high=10.0, default=1.0))
+                   f.number("min_speedup", required=False, low=0.5, high=10.0, default=1.0), tuple(row_seconds))
 
     def to_dict(self) -> dict[str, Any]:
         return {"trie": self.trie.to_dict(), "context": self.context, "tokens_per_step": dict(self.tokens_per_step),
                 "step_seconds": {batch: list(values) for batch, values in self.step_seconds.items()},
-                "min_speedup": self.min_speedup}
+                "min_speedup": self.min_speedup,
+                **({"row_seconds": list(self.row_seconds)} if self.row_seconds else {})}
 
 
 @dataclass

@@ -202,6 +202,16 @@ class LatencyProfile:
         return {L: LatencyCurve(points) for L, points in by_context.items()}
 
     @property
+    def every_size_up_to(self) -> int:
+        """The largest N such that the target's forward of one sequence was timed at every n <= N at every profiled
+        context (`plan profile --row-totals N`; 2 for the sizes 1, 2, 4, ...)."""
+        by_context = self.target_by_context or {self.target_context or 0: self.target_t_seconds}
+        largest = 0
+        while all(largest + 1 in points for points in by_context.values()):
+            largest += 1
+        return largest
+
+    @property
     def batch_sizes(self) -> list[int]:
         """The batch sizes B the target's step was profiled at (1: every profile)."""
         return sorted({1} | {B for batches in self.target_batches.values() for B in batches})

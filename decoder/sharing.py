@@ -11,11 +11,11 @@ boilerplate phrase), so a request's last step says more of its next than its ave
 priced both: each request's own mean lost to the static schedule, this won at every concurrency).
 
 The rows are then handed out one request's next decoding length at a time, the most expected tokens per extra row
-first, and the step keeps the allocation whose expected tokens per second peak on the plan's step prices (t(B, n) at
-the mean rows per sequence): requests whose drafts land get long drafts, those whose drafts miss get none, and none
-drafts where no allocation is expected to beat plain steps by the plan's margin (`min_speedup`, the schedule's: a
-served step spreads by several percent around its price). Each sequence's tree is verified alone, so greedy output
-and the sampled distribution are the target's whatever rows it was given.
+first, and the step keeps the allocation whose expected tokens per second peak on the plan's step prices (at the
+step's total of rows: RowSharing.seconds): requests whose drafts land get long drafts, those whose drafts miss get
+none, and none drafts where no allocation is expected to beat plain steps by the plan's margin (`min_speedup`, the
+schedule's: a served step spreads by several percent around its price). Each sequence's tree is verified alone, so
+greedy output and the sampled distribution are the target's whatever rows it was given.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class SharedRows:
             choices.append(options)
         cost_scale = self.cost_scale
         rows, tokens = batch, sum(options[0][1] for options in choices)
-        plain_rate = best_rate = tokens / self.table.seconds(batch, 1.0)
+        plain_rate = best_rate = tokens / self.table.seconds(batch, batch)
         chosen, best = [0] * batch, [0] * batch
         # upgrades as (-expected tokens per extra row, sequence); a sequence's next enters once it takes this one
         heap = [(-(o[1][1] - o[0][1]) / (o[1][0] - o[0][0]), i) for i, o in enumerate(choices) if len(o) > 1]
@@ -121,7 +121,7 @@ class SharedRows:
             if c + 2 < len(options):
                 step_up = options[c + 2]
                 heapq.heappush(heap, (-(step_up[1] - options[c + 1][1]) / (step_up[0] - options[c + 1][0]), i))
-            rate = tokens / (self.table.seconds(batch, rows / batch) * cost_scale)
+            rate = tokens / (self.table.seconds(batch, rows) * cost_scale)
             if rate > best_rate:
                 best, best_rate = list(chosen), rate
         if best_rate < self.table.min_speedup * plain_rate:  # within the margin a served step's price has
@@ -145,7 +145,7 @@ class SharedRows:
             if given > 1:  # the expectation of the length it was given (its draft's whole, beyond its size)
                 self.given[id(drafter)] = next(value for length, value in zip(self.lengths, tokens)
                                                if min(length, size) == given)
-        self.priced = (self.table.seconds(len(rows), sum(rows) / len(rows)), max(rows) > 1)
+        self.priced = (self.table.seconds(len(rows), sum(rows)), max(rows) > 1)
         return rows
 
     def emitted(self, drafter: TrieDrafter, tokens: int) -> None:

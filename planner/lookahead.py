@@ -186,8 +186,9 @@ def row_sharing(records: list[LookaheadRecord], trie: TrieSettings, profile: Lat
     """The table a step's rows are shared by (core/plan_schema.py: RowSharing): each of `decoding_lengths` up to the
     trie's replayed under it (every request's prior), and a step's seconds at every batch size up to the largest
     profiled and every number of rows per sequence up to the trie's decoding length, the trie's retrieval at its
-    full length included (sharing retrieves it every step, decoder/sharing.py); a step drafts only where its
-    allocation is expected `min_speedup` times as fast as none, the schedule's margin."""
+    full length included (sharing retrieves it every step, decoder/sharing.py), and one sequence's forward at every
+    total of rows where the profile timed them all (`--row-totals`); a step drafts only where its allocation is
+    expected `min_speedup` times as fast as none, the schedule's margin."""
     largest = min(largest_batch, max(profile.batch_sizes))
     lengths = sorted({d for d in decoding_lengths if 2 <= d < trie.decoding_length} | {trie.decoding_length})
     replays = {d: replay(records, trie, d) for d in lengths}
@@ -199,8 +200,12 @@ def row_sharing(records: list[LookaheadRecord], trie: TrieSettings, profile: Lat
     except (UserError, ValueError) as exc:
         raise UserError(f"--share-rows: the profile does not price {trie.decoding_length} rows per sequence at every "
                         f"batch size ({exc}): profile larger --sizes, or share a shorter trie") from None
+    # one sequence's forward at every total a table step reaches, where profiled (from two sequences, one drafting:
+    # 4 rows; below, no step falls between uniform ones)
+    totals = min(profile.every_size_up_to, largest * trie.decoding_length)
+    row_seconds = tuple(float(t) for t in profile.latency(np.arange(1, totals + 1), context)) if totals >= 4 else ()
     return RowSharing(trie, context, {1: 1.0, **{d: result.tokens_per_step for d, result in replays.items()}}, steps,
-                      min_speedup)
+                      min_speedup, row_seconds)
 
 
 def lookahead_schedule(records: list[LookaheadRecord], settings: TrieSettings, profile: LatencyProfile,

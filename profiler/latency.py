@@ -89,6 +89,12 @@ class ProfileRequest:
     offload: str | None = None  # weights | kv: what a modeled GPU keeps in host memory where it does not fit
     host_link: str | None = None  # the modeled GPUs' link to host memory (default: the catalogue GPU's own)
     resident: str = "fill"  # fill: keep on the device what fits; none: stream every layer or cached token
+    row_totals: int = 0  # also time the target's forward of one sequence at every n up to this (priced ragged steps)
+
+    @property
+    def target_sizes(self) -> list[int]:
+        """The n at which the target's forward of one sequence is timed: `sizes` and every n up to `row_totals`."""
+        return sorted(set(self.sizes) | set(range(1, self.row_totals + 1)))
 
     def roles(self) -> list[tuple[str, str, str]]:
         """(role, model, dtype) for each model to profile."""
@@ -110,6 +116,8 @@ def run_profile(request: ProfileRequest, output: Path, resume: bool = False,
             raise UserError("fp16 is modeled only: --gpu NAME of a GPU not at hand (this decoder runs fp32 and bf16)")
         if not modeled_gpu:
             torch_dtype(dtype)
+    if request.row_totals and (modeled_gpu or request.gpu == "cpu"):
+        raise UserError("--row-totals times forwards at every number of rows: it measures the machine at hand")
     if request.calibrate and not modeled_gpu:
         raise UserError("--calibrate fits the cost model of a GPU not at hand: it needs --gpu NAME")
     if not request.sizes or min(request.sizes) < 1 or 1 not in request.sizes:
@@ -138,9 +146,9 @@ def _load(name: str, dtype: str, log) -> LoadedModel:
 
 
 def _check_contexts(name: str, shape: ModelShape, request: ProfileRequest) -> None:
-    longest = max(request.contexts) + max(request.sizes)
+    longest = max(request.contexts) + max(request.target_sizes)
     if longest > shape.max_context:
-        raise UserError(f"context {max(request.contexts)} + {max(request.sizes)} new tokens exceeds {name}'s "
+        raise UserError(f"context {max(request.contexts)} + {max(request.target_sizes)} new tokens exceeds {name}'s "
                         f"maximum context of {shape.max_context}")
 
 
@@ -199,7 +207,8 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
                         f"{backend} backend")
     calls: dict[str, Callable[[], float]] = {}
     for L in request.contexts:
-        calls.update(_calls_at(forwards, L, request.sizes, _budgets_below(request.budgets, L) if retrieval else []))
+        calls.update(_calls_at(forwards, L, request.sizes, _budgets_below(request.budgets, L) if retrieval else [],
+                               request.target_sizes))
     batches = [B for B in request.batches if B > 1]
     if batches and not all(hasattr(model, "forward_many") for model in forwards.values()):
         raise UserError(f"batched steps run on the lean backend; this target runs on the {backend} backend")
@@ -267,7 +276,7 @@ def _measure(request: ProfileRequest, device: torch.device, output: Path, resume
     document["settings"] = {"engine": f"specplan, {backend} forward", "threads": request.threads,
                             "warmup": request.warmup, "timed_after_same_size": device.type == "cpu",
                             "round_robin": "all points per pass",
-                            "repeats": request.repeats,
+                            "repeats": request.repeats, "row_totals": request.row_totals,
                             "cuda_graphs": device.type == "cuda" and backend != "transformers",
                             "cpu_kernels": getattr(forwards["target"], "kernels", None) is not None,
                             "timer": "cuda events" if device.type == "cuda" else "time.perf_counter",
@@ -505,11 +514,11 @@ def _time_pass(calls: dict[str, Callable[[], float]]) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def _calls_at(models: dict[str, Forward], context: int, sizes: list[int], budgets: list[int]
-              ) -> dict[str, Callable[[], float]]:
+def _calls_at(models: dict[str, Forward], context: int, sizes: list[int], budgets: list[int],
+              target_sizes: list[int] | None = None) -> dict[str, Callable[[], float]]:
     """A timed call ("role|context|n") per forward of n new tokens over `context` cached tokens, for every model
-    and n in `sizes`, and ("retrieval_build|context|budget") per retrieval-cache build of the target for every
-    budget in `budgets`.
+    and n in `sizes` (the target's in `target_sizes`, where given), and ("retrieval_build|context|budget") per
+    retrieval-cache build of the target for every budget in `budgets`.
 
     On the CPU each timed forward comes right after an untimed one of the same size, as in decoding, where one
     step's size is close to the last one's: timed right after a 512-token forward, a one-token forward of
@@ -517,8 +526,9 @@ def _calls_at(models: dict[str, Forward], context: int, sizes: list[int], budget
     calls = {}
     pool = torch.cuda.graph_pool_handle() if any(m.device.type == "cuda" for m in models.values()) else None
     for role, model in models.items():
-        cache = random_cache(model, context, max(sizes))
-        for n in sizes:
+        role_sizes = (target_sizes or sizes) if role == "target" else sizes
+        cache = random_cache(model, context, max(role_sizes))
+        for n in role_sizes:
             tokens = torch.randint(0, model.shape.vocab, (n,), device=model.device)
             positions = torch.arange(context, context + n, device=model.device)
             mask = causal_mask(context, n, model.dtype, model.device) if n > 1 else None

@@ -223,6 +223,9 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--sizes", help="new-token counts n, comma-separated [1,2,4,...,512]")
 @click.option("--batches", help="batch sizes B: also time steps of B sequences of n new tokens each, t(B, n), "
                                 "with B x n up to 256 rows, comma-separated [1]")
+@click.option("--row-totals", type=click.IntRange(min=0), default=0,
+              help="also time the target's forward of one sequence at every n up to this, by which `plan solve "
+                   "lookahead --share-rows` prices steps whose rows are not a multiple of the batch size [0]")
 @click.option("--budgets", help="TriForce retrieval budgets to time a cache build at, where below the context "
                                 "[256,512,1024,2048,4096]")
 @click.option("--window-prefill", help="SINKS,WINDOW: also time a StreamingLLM drafter's prefill of its window "
@@ -252,7 +255,7 @@ def _int_list(text: str | None) -> list[int] | None:
 @_output()
 def profile(target: str | None, model_old: str | None, draft: str | None, dtype: str, draft_dtype: str | None,
             draft_vocab: int | None, contexts: str | None, sizes: str | None, batches: str | None,
-            budgets: str | None,
+            row_totals: int, budgets: str | None,
             window_prefill: str | None, gpu: str | None, calibrate: tuple[str, ...], gpus: int, offload: str | None,
             host_link: str | None, resident: str, threads: int | None,
             repeats: int | None, quick: bool, resume: bool, backend: str, engine: str, output: Path) -> None:
@@ -263,7 +266,7 @@ def profile(target: str | None, model_old: str | None, draft: str | None, dtype:
 
     request = ProfileRequest(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype,
                              draft_vocab=draft_vocab, gpu=gpu, calibrate=list(calibrate), backend=backend, gpus=gpus,
-                             offload=offload, host_link=host_link, resident=resident)
+                             offload=offload, host_link=host_link, resident=resident, row_totals=row_totals)
     if quick:
         request.sizes, request.repeats, request.warmup = list(QUICK_SIZES), 3, 1
     request.contexts = _int_list(contexts) or request.contexts
@@ -280,6 +283,9 @@ def profile(target: str | None, model_old: str | None, draft: str | None, dtype:
     if engine == "llama.cpp":
         from specplan.core.profile_schema import save_profile
         from specplan.llamacpp import profile_llamacpp
+
+        if row_totals:
+            raise UserError("--row-totals prices our decoder's shared rows: it goes with --engine specplan")
 
         profiled = save_profile(profile_llamacpp(request, log=_progress), output)
     else:

@@ -114,7 +114,11 @@ def describe_profile(profile: LatencyProfile) -> str:
                          f"{kept} kept on the device")
     by_context = profile.target_by_context or {profile.target_context or "?": profile.target_t_seconds}
     sizes = sorted({n for points in by_context.values() for n in points})
-    lines.append("target: t(n) in ms")
+    every = profile.every_size_up_to
+    if every > 8:  # timed at every n up to it (--row-totals): shown at powers of two and beyond
+        sizes = [n for n in sizes if n > every or n & (n - 1) == 0]
+    lines.append("target: t(n) in ms" + (f" (timed at every n up to {every}; shown at powers of two)"
+                                          if every > 8 else ""))
     lines.append("  " + f"{'n':>6}" + "".join(f"{'L=' + str(L):>12}" for L in by_context))
     for n in sizes:
         row = "".join(f"{points[n] * 1e3:>12.2f}" if n in points else f"{'':>12}" for points in by_context.values())

@@ -345,6 +345,7 @@ def test_every_catalogue_gpu_prices_a_7b_token_by_its_bandwidth():
     (["--model", "tiny-random-llama", "--window-prefill", "1024"], "SINKS,WINDOW"),
     (["--model", "tiny-random-llama", "--window-prefill", "4,100000"], "does not fit"),
     (["--model", "tiny-random-llama", "--dtype", "fp16"], "fp16 is modeled only"),
+    (["--model", "tiny-random-llama", "--gpu", "a100-80g", "--row-totals", "8"], "the machine at hand"),
     (["--model", "tiny-random-llama", "--gpu", "a100-80g", "--calibrate", "profiles/smollm2-135m.h100.bf16.yaml"],
      "not on a100-80g"),
     (["--model", "tiny-random-llama", "--gpu", "h100", "--calibrate", "profiles/smollm2-135m.cpu-2c.fp32.yaml"],
@@ -387,9 +388,12 @@ def test_a_batched_profile_prices_steps_of_many_sequences(run_cli, tmp_path):
     t(n); between profiled batch sizes linear in B; sequences at mixed contexts priced at their mean context."""
     out = tmp_path / "batched.yaml"
     code, stdout, stderr = run_cli("profile", "--target", "tiny-random-llama", "--draft", "tiny-random-llama-draft",
-                                   *QUICK, "--batches", "1,2,4,64", "--budgets", "", "-o", out)
+                                   *QUICK, "--batches", "1,2,4,64", "--budgets", "", "--row-totals", "12", "-o", out)
     assert code == 0, stderr
     profile = load_profile(out)
+    # --row-totals: the target's one-sequence forward at every n up to 12 besides the sizes, the draft's at the sizes
+    assert profile.every_size_up_to == 12 and "timed at every n up to 12" in stdout
+    assert set(profile.raw["draft"]["contexts"][64]["t_seconds"]) == {1, 2, 4, 8}
     assert set(profile.target_batches) == {16, 64}
     assert set(profile.target_batches[64]) == {2, 4, 64}
     assert set(profile.target_batches[64][4]) == {1, 2, 4, 8} and set(profile.target_batches[64][64]) == {1, 2, 4}

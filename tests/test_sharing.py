@@ -4,6 +4,7 @@ whoever shares its steps."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -97,14 +98,38 @@ def test_the_served_truth_scales_what_the_table_expects_and_prices():
     assert dear.cost_scale == pytest.approx(3.0) and dear.allocate([landing, missing], [8, 8]) == [1, 1]
 
 
+def forward_in_passes(rows: float) -> float:
+    """A forward that scores its rows in passes of four: 10 ms a pass, 0.1 ms a row."""
+    return 0.010 * math.ceil(rows / 4) + 0.0001 * rows
+
+
+def test_a_step_is_priced_at_its_total_of_rows_where_every_total_was_timed():
+    """Steps cost 20 ms plus a forward that scores its rows in passes of four: the table prices every total of rows
+    as timed, and a request whose drafts land one row deep is not given that row, which would open a pass; on the
+    straight line between uniform steps it would be."""
+    tokens = {1: 1.0, 2: 1.8, 4: 2.6, 8: 3.0}
+    steps = {b: tuple(0.020 + forward_in_passes(b * n) for n in range(1, 9)) for b in range(1, 5)}
+    table = RowSharing(TRIE, 64, tokens, steps, row_seconds=tuple(forward_in_passes(t) for t in range(1, 33)))
+    for batch in range(1, 5):
+        for rows in range(batch, 8 * batch + 1):
+            assert table.seconds(batch, rows) == pytest.approx(0.020 + forward_in_passes(rows)), (batch, rows)
+    straight = replace(table, row_seconds=())
+    assert straight.seconds(4, 5) < 0.85 * table.seconds(4, 5)
+    one_deep, missing = [1.0, 2.0, 2.1, 2.1], [1.0, 1.0, 1.0, 1.0]
+    assert SharedRows(straight).allocate([one_deep] + [missing] * 3, [8] * 4) == [2, 1, 1, 1]
+    assert SharedRows(table).allocate([one_deep] + [missing] * 3, [8] * 4) == [1, 1, 1, 1]
+
+
 def test_a_plan_carries_its_shared_rows_and_a_bad_table_is_one_line():
     document = lookahead_plan_with({"entries": [{"batches": [1, 4], "speculate": True, "decoding_length": 4,
                                                  "tokens_per_step": 1.4, "tokens_per_second": 1.0, "speedup": 1.2}]})
     table = sharing_table(0.001)
     plan = Plan.from_dict({**document, "sharing": table.to_dict()}, "p.yaml")
     assert plan.sharing == table and Plan.from_dict(plan.to_dict(), "again").sharing == table
-    assert table.seconds(2, 1.5) == pytest.approx((table.step_seconds[2][0] + table.step_seconds[2][1]) / 2)
-    assert table.seconds(8, 1) == pytest.approx(2 * table.step_seconds[4][0])  # beyond the table, per sequence
+    assert table.seconds(2, 3) == pytest.approx((table.step_seconds[2][0] + table.step_seconds[2][1]) / 2)
+    assert table.seconds(8, 8) == pytest.approx(2 * table.step_seconds[4][0])  # beyond the table, per sequence
+    timed = replace(table, row_seconds=(0.01, 0.02, 0.03, 0.04))
+    assert Plan.from_dict({**document, "sharing": timed.to_dict()}, "p.yaml").sharing == timed
     good = table.to_dict()
     for broken, message in [
         ({**good, "tokens_per_step": {1: 1.0, 2: 3.0}}, "at most that many tokens"),
@@ -112,6 +137,8 @@ def test_a_plan_carries_its_shared_rows_and_a_bad_table_is_one_line():
         ({**good, "step_seconds": {1: [0.01] * 8, 3: [0.01] * 8}}, "without a gap"),
         ({**good, "step_seconds": {1: [0.01] * 7}}, "one per rows per sequence"),
         ({**good, "step_seconds": {1: [float("nan")] * 8}}, "nan|finite|number"),
+        ({**good, "row_seconds": [0.01, 0.0]}, "row_seconds"),
+        ({**good, "row_seconds": "fast"}, "row_seconds"),
     ]:
         with pytest.raises(UserError, match=message):
             Plan.from_dict({**document, "sharing": broken}, "p.yaml")
@@ -135,6 +162,15 @@ def test_plan_solve_share_rows_writes_the_table_and_bad_lengths_are_one_line(run
     assert sorted(sharing.step_seconds) == [1, 2, 3, 4] and sharing.tokens_per_step[8] > sharing.tokens_per_step[2]
     # the profile's one-sequence steps barely grow with rows; its batched ones grow in proportion
     assert sharing.step_seconds[1][7] < 1.2 * sharing.step_seconds[1][0] < sharing.step_seconds[4][1]
+    assert sharing.row_seconds == ()  # t(n) at 1, 2, 4, 8 rows: no total between uniform steps timed
+    dense = profile_document()
+    for points in (dense["target"]["t_seconds"], dense["target"]["contexts"][64]["t_seconds"]):
+        points.update({n: 0.010 * math.ceil(n / 4) for n in range(1, 41)})
+    profile.write_text(yaml.safe_dump(dense))
+    code, _, stderr = run_cli(*solve, "--share-rows", "8,4", "-o", plan)
+    assert code == 0, stderr
+    # every total up to the largest batch's longest drafts: 4 x 8 rows
+    assert load_plan(plan).sharing.row_seconds == pytest.approx([0.010 * math.ceil(n / 4) for n in range(1, 33)])
     for bad in ("8", "4,8", "x,2"):
         code, _, stderr = run_cli(*solve, "--share-rows", bad, "-o", tmp_path / "bad.yaml")
         assert code == 2 and len(stderr.strip().splitlines()) == 1 and not (tmp_path / "bad.yaml").exists()
