@@ -1,8 +1,8 @@
 """Backs the CPU kernels' tuning constants (decoder/kernels/): TILE_W x TILE_X, the register tile for
 more than ROW_TILE activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how far ahead a block-format or fp32 row
 is requested; TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
-Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; X8_ACT_TILE, the same over 8 interleaved
-Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-tiled ymm paths, and
+Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; AVX2_ROW_TILE, the same over an fp32, Q4_1, Q5_0
+or Q8_0 row on AVX2; X8_ACT_TILE, the same over 8 interleaved Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-tiled ymm paths, and
 TILED_GEMM_ROWS and L2_KEYS, where those hand a chunk to the GEMM and how many keys they take at a time; SDPA_ROWS, the
 new tokens of one sequence from which a forward attends through torch's SDPA (PROMPT_ROWS where each decoding row
 attends alone, ATTENTION_CHUNK its keys per chunk). The
@@ -12,6 +12,7 @@ kernels are built with other -D values and timed on whole passes over real weigh
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
     .venv/bin/python bench/kernel_variants.py q8k-tile 4 6 8                    # Q4_K/Q6_K rows per pass, the same
     .venv/bin/python bench/kernel_variants.py q4k-x8 2 4 6                      # Q4_K: the file's rows or 8 interleaved
+    .venv/bin/python bench/kernel_variants.py row-tile AVX2_ROW_TILE=4,AVX2_BALANCED_PASSES=0 AVX2_ROW_TILE=5  # AVX2
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
     .venv/bin/python bench/kernel_variants.py attention ATTENTION_YMM=0 ATTENTION_YMM=1   # NAME=VALUE,...
     .venv/bin/python bench/kernel_variants.py attention-layers TILED_GEMM_ROWS=10 TILED_GEMM_ROWS=1000
@@ -72,10 +73,10 @@ def kernel_matmul(kernels, kind: str, x: torch.Tensor, weight: torch.Tensor) -> 
     return kernels.linear(x, kind, weight, None, weight.shape[0])
 
 
-def block_pass(kernels, kind: str, matrices: list[tuple[torch.Tensor, int]]) -> None:
-    """One row through every (GGUF blocks [rows, bytes], columns) matrix."""
+def block_pass(kernels, kind: str, matrices: list[tuple[torch.Tensor, int]], rows: int = 1) -> None:
+    """`rows` activation rows through every (GGUF blocks [rows, bytes], columns) matrix."""
     for data, cols in matrices:
-        kernels.linear(torch.ones(1, cols), kind, data, None, data.shape[0])
+        kernels.linear(torch.ones(rows, cols), kind, data, None, data.shape[0])
 
 
 def tiles(shapes: list[str]) -> None:
@@ -108,16 +109,33 @@ def prefetch_f32(distances: list[str]) -> None:
         print(", ".join(f"{label} {size / s / 1e9:.1f} GB/s" for label, s in medians.items()), flush=True)
 
 
-def k_quant_matrices(kind: str, limit: int | None = None, name_part: str = "") -> list[tuple[torch.Tensor, int]]:
-    """qwen2.5-coder-1.5b's `kind` (Q4_K, Q6_K) layer matrices whose names contain `name_part`, as (GGUF blocks
-    [rows, bytes], columns), the first `limit` of them."""
+def k_quant_matrices(kind: str, limit: int | None = None, name_part: str = "", model: str = "qwen2.5-coder-1.5b",
+                     layers: bool = True) -> list[tuple[torch.Tensor, int]]:
+    """`model`'s `kind` (Q4_K, Q6_K, or any block format) matrices whose names contain `name_part` (the layers', or
+    every one), as (GGUF blocks [rows, bytes], columns), the first `limit` of them."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(preset_gguf("qwen2.5-coder-1.5b")))
-    tensors = [t for t in reader.tensors if t.tensor_type.name == kind and t.name.startswith("blk.")
+    reader = GGUFReader(str(preset_gguf(model)))
+    tensors = [t for t in reader.tensors if t.tensor_type.name == kind and (t.name.startswith("blk.") or not layers)
                and name_part in t.name][:limit]
     return [(torch.from_numpy(np.array(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)), int(t.shape[0]))
             for t in tensors]
+
+
+def row_tile(variants: list[str]) -> None:
+    """AVX2_ROW_TILE and AVX2_BALANCED_PASSES (NAME=VALUE,...): passes of n activation rows over the block matrices
+    AVX2's direct passes take (smollm2's Q4_1 layers and Q8_0 output, qwen2.5-coder-0.5b's Q5_0 layers), one variant
+    each, interleaved; ms per pass."""
+    streams = {"Q4_1": k_quant_matrices("Q4_1", model="smollm2-135m"),
+               "Q8_0": k_quant_matrices("Q8_0", model="smollm2-135m", layers=False),
+               "Q5_0": k_quant_matrices("Q5_0", model="qwen2.5-coder-0.5b")}
+    built = {variant: build(dict(item.split("=") for item in variant.split(","))) for variant in variants}
+    for kind, matrices in streams.items():
+        for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16):
+            medians = interleaved_medians({label: partial(block_pass, kernels, kind, matrices, n)
+                                           for label, kernels in built.items()}, repeats=9)
+            print(f"{kind} n={n}: " + ", ".join(f"{label} {s * 1e3:.2f} ms" for label, s in medians.items()),
+                  flush=True)
 
 
 def prefetch(distances: list[str]) -> None:
@@ -261,5 +279,5 @@ def forward(variants: list[str]) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     {"tiles": tiles, "prefetch": prefetch, "prefetch-f32": prefetch_f32, "attention": attention, "gemm": gemm,
-     "forward": forward, "q8k-tile": q8k_tile, "q4k-x8": q4k_x8,
+     "forward": forward, "q8k-tile": q8k_tile, "q4k-x8": q4k_x8, "row-tile": row_tile,
      "attention-layers": attention_layers}[sys.argv[1]](sys.argv[2:])

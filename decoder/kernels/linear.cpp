@@ -26,9 +26,13 @@ namespace {
 // TILE_W weight rows as fp32 (decoded once into a buffer) and run register tiles over them. The limits are
 // measured (matmul passes over smollm2-135m's layers on a 2-core EPYC, bench/kernel_variants.py): fp32 rows
 // stream best in tiles from 5 rows on, bf16 from 9, decoded blocks from 17 (from 32 rows, decoding once beats a
-// pass per 8). With AVX2's 16 registers fp32 takes passes of 4 rows (two ymm accumulators per row), up to 64 rows:
-// smollm2's matmul passes of 6-16 rows ran 2-3x faster so than in register tiles or torch's GEMM, and its forwards
-// of 24-48 rows faster too (bench/kernel_variants.py forward; TORCH_GEMM_ROWS_F32 in cpu_kernels.cpp).
+// pass per 8). With AVX2's 16 registers fp32 and the native blocks take passes of up to 5 rows (two ymm accumulators
+// per row beside a block's four widened pieces), up to 64 rows: smollm2's matmul passes of 6-16 rows ran 2-3x faster
+// so than in register tiles or torch's GEMM, and its forwards of 24-48 rows faster too (bench/kernel_variants.py
+// forward; TORCH_GEMM_ROWS_F32 in cpu_kernels.cpp). A pass costs about as much for 1 row as for 5 there, so a
+// matmul's rows are shared evenly among the passes it needs (BALANCED_PASSES): against passes of 4, Q4_1, Q5_0 and
+// Q8_0 passes of 5 rows 28-31% faster, 9 and 10 rows 15-21%, every other count up to 16 within 2%
+// (bench/kernel_variants.py row-tile, a 2-core Zen 2 EPYC).
 #ifdef __AVX512F__
 // On an Intel Xeon with AMX, with the fp32 rows prefetched (AVX512_F32_PREFETCH_BYTES), direct passes beat the tiles up
 // to 16 rows: smollm2's forward of 6-12 rows 1.1-1.3x faster (bench/kernel_variants.py forward
@@ -44,13 +48,22 @@ constexpr int ROW_TILE = 8;
 constexpr int64_t DIRECT_ROWS_F32 = AVX512_DIRECT_ROWS_F32, DIRECT_ROWS_BF16 = 8, DIRECT_ROWS_BLOCKS = 16;
 #else
 #ifndef AVX2_ROW_TILE
-#define AVX2_ROW_TILE 4
+#define AVX2_ROW_TILE 5
+#endif
+#ifndef AVX2_BALANCED_PASSES
+#define AVX2_BALANCED_PASSES 1
 #endif
 #ifndef AVX2_DIRECT_ROWS_F32
 #define AVX2_DIRECT_ROWS_F32 64
 #endif
 constexpr int ROW_TILE = AVX2_ROW_TILE;
 constexpr int64_t DIRECT_ROWS_F32 = AVX2_DIRECT_ROWS_F32, DIRECT_ROWS_BF16 = 2, DIRECT_ROWS_BLOCKS = 2;
+#endif
+constexpr bool BALANCED_PASSES =
+#if !defined(__AVX512F__) && AVX2_BALANCED_PASSES
+    true;
+#else
+    false;
 #endif
 // Q4_1, Q5_0 and Q8_0 rows on AVX2 take their native ymm dot products in direct passes up to fp32's row limit
 constexpr bool NATIVE_BLOCKS =
@@ -454,6 +467,16 @@ void decode_row(const uint8_t* row, int64_t k, float* y) {
 template <typename Fn>
 inline void with_tile(int nr, Fn&& fn) { with_count<ROW_TILE>(nr, fn); }
 
+// The activation rows of the next pass over a weight row, `done` of n scored: ROW_TILE, or with BALANCED_PASSES the
+// passes ROW_TILE at a time takes, their rows shared out evenly (AVX2, 6 rows: 3 + 3, not 5 + 1; a pass of 1 row
+// costs most of a pass of 5, and 3 + 3 what 4 + 2 did).
+inline int pass_rows(int64_t n, int64_t done) {
+  const int64_t left = n - done;
+  if constexpr (!BALANCED_PASSES) return static_cast<int>(std::min<int64_t>(ROW_TILE, left));
+  const int64_t passes = (left + ROW_TILE - 1) / ROW_TILE;
+  return static_cast<int>((left + passes - 1) / passes);
+}
+
 inline void store_row_outputs(const float* part, int nr, float bias, int64_t i, int64_t r, int64_t rows, float* out_f,
                               c10::BFloat16* out_h) {
   for (int j = 0; j < nr; j++) {
@@ -531,8 +554,8 @@ void linear_rows(const float* x, int64_t n, int64_t k, const uint8_t* weight, in
       float part[ROW_TILE];
       for (int64_t r = begin; r < end; r++) {
         const uint8_t* row = weight + r * row_bytes;
-        for (int64_t i = 0; i < n; i += ROW_TILE) {
-          const int nr = static_cast<int>(std::min<int64_t>(ROW_TILE, n - i));
+        for (int64_t i = 0, nr = 0; i < n; i += nr) {
+          nr = pass_rows(n, i);
           with_tile(nr, [&](auto tile) {
             constexpr int NR = decltype(tile)::value;
             if constexpr (F == F32) dot_f32<NR>(reinterpret_cast<const float*>(row), x + i * k, k, k, part);
