@@ -1,12 +1,13 @@
-"""Backs the CPU kernels' tuning constants (decoder/kernels/): TILE_W x TILE_X, the register tile for
-more than ROW_TILE activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how far ahead a block-format or fp32 row
-is requested; TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
-Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; AVX2_ROW_TILE, the same over an fp32, Q4_1, Q5_0
-or Q8_0 row on AVX2; X8_ACT_TILE, the same over 8 interleaved Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-tiled ymm paths, and
-TILED_GEMM_ROWS and L2_KEYS, where those hand a chunk to the GEMM and how many keys they take at a time; SDPA_ROWS, the
-new tokens of one sequence from which a forward attends through torch's SDPA (PROMPT_ROWS where each decoding row
-attends alone, ATTENTION_CHUNK its keys per chunk). The
-kernels are built with other -D values and timed on whole passes over real weights, and on attention over a long cache.
+"""Backs the CPU kernels' tuning constants (decoder/kernels/): TILE_W x TILE_X, the register tile for more than ROW_TILE
+activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how far ahead a block-format or fp32 row is requested;
+TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
+Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; AVX2_ROW_TILE and AVX2_BALANCED_PASSES, the
+same over an fp32, Q4_1, Q5_0 or Q8_0 row on AVX2 and how a matmul's rows are shared among its passes; X8_ACT_TILE,
+the same over 8 interleaved Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-
+tiled ymm paths, and TILED_GEMM_ROWS and L2_KEYS, where those hand a chunk to the GEMM and how many keys they take at
+a time; SDPA_ROWS, the new tokens of one sequence from which a forward attends through torch's SDPA (PROMPT_ROWS
+where each decoding row attends alone, ATTENTION_CHUNK its keys per chunk). The kernels are built with other -D
+values and timed on whole passes over real weights, and on attention over a long cache.
 
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b

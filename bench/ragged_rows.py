@@ -27,7 +27,8 @@ from specplan.profiler.latency import random_cache
 
 # (sequences drafting, rows each): a few extra rows one per sequence, a few drafting long, most drafting, and every
 # one at uniform rows, the table's own
-SHAPES = ((0, 1), (1, 2), (2, 2), (4, 2), (5, 2), (8, 2), (1, 4), (2, 4), (4, 4), (8, 4), (1, 8), (2, 8), (16, 2), (16, 4))
+SHAPES = ((0, 1), (1, 2), (2, 2), (4, 2), (5, 2), (8, 2), (1, 4), (2, 4), (4, 4), (8, 4), (1, 8), (2, 8), (16, 2),
+          (16, 4))
 
 
 def main() -> None:
