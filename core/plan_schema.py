@@ -398,10 +398,17 @@ class RowSharing:
         seconds = table[low - 1] + share * (table[low] - table[low - 1])
         below, above = batch * low, batch * (low + 1)
         if above <= len(self.row_seconds):
-            forward = np.interp([below, batch * per_sequence, above], np.arange(1, len(self.row_seconds) + 1),
-                                self.row_seconds)
-            seconds += forward[1] - (forward[0] + share * (forward[2] - forward[0]))
-        return float(seconds)
+            forward = self.row_seconds
+            seconds += self._forward(batch * per_sequence) - (
+                forward[below - 1] + share * (forward[above - 1] - forward[below - 1]))
+        return seconds
+
+    def _forward(self, rows: float) -> float:
+        """One sequence's forward of `rows` rows (linear between whole rows: a step beyond the largest batch size
+        is priced at a fraction of it)."""
+        low = int(rows)
+        value = self.row_seconds[low - 1]
+        return value + (rows - low) * (self.row_seconds[low] - value) if rows > low else value
 
     @classmethod
     def from_fields(cls, f: Fields) -> RowSharing:
