@@ -9,6 +9,8 @@ roots its draft models had still to read.
         --dataset specbench:qa,math_reasoning,translation,extraction --no-chat --prompts 16 --rounds 2
     .venv/bin/python bench/load_in_process.py plans/smollm2-135m.lookahead.cpu-2c.fp32.batched.yaml --concurrency 1 \
         --dataset specbench:summarization,rag,coding --against setting-2 --rounds 4
+    .venv/bin/python bench/load_in_process.py plans/smollm2-135m.lookahead.cpu-2c-avx2.gguf.shared.yaml \
+        --concurrency 4 --no-chat --prompts 16 --against unshared --rounds 4
     .venv/bin/python bench/load_in_process.py plans/smollm2-135m.triforce-7680.cpu-2c-amx.fp32.batched.yaml \
         --concurrency 1 --dataset specbench:summarization,rag --context 7680 --one-document --prompts 4 \
         --max-new-tokens 128
@@ -97,14 +99,18 @@ def main() -> None:
                         "(as `plan bench --context` builds them)")
     parser.add_argument("--one-document", action="store_true", help="the long prompts all about one document")
     parser.add_argument("--rounds", type=int, default=2, help="plan and one-token runs, their order alternating")
-    parser.add_argument("--against", default="one-token", metavar="one-token|setting-N",
-                        help="the plan against one-token decoding, or against one of its settings at every step "
-                        "(`plan serve --setting N`: drafting N nodes, no schedule, no decisions)")
+    parser.add_argument("--against", default="one-token", metavar="one-token|setting-N|unshared",
+                        help="the plan against one-token decoding, against one of its settings at every step "
+                        "(`plan serve --setting N`: drafting N nodes, no schedule, no decisions), or a plan with "
+                        "shared rows against itself without them (`plan serve --no-sharing`)")
     args = parser.parse_args()
     plan = load_decoder(args.plan, device="cpu")
     if args.against.startswith("setting-"):
         plain = load_decoder(args.plan, device="cpu")
         plain.fix_setting(int(args.against.removeprefix("setting-")))
+    elif args.against == "unshared":
+        plain = load_decoder(args.plan, device="cpu")
+        plain.unshared()
     else:
         plain = load_decoder(None, target=plan.plan.models.target, dtype=plan.plan.models.dtype, device="cpu")
     prompts = served_prompts(args.dataset, plan.tokenizer, args.prompts, not args.no_chat, args.context,
