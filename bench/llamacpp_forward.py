@@ -5,6 +5,11 @@ logits computed (llama.cpp with logits_all, as a verification forward needs), ou
 round by round so that the machine's drift hits both alike.
 
     .venv/bin/python bench/llamacpp_forward.py smollm2-135m gguf,fp32,bf16 [--rounds 3]
+
+With --prefill N,...: a prompt of n tokens into an empty cache instead (no logits, as a prefill before the last
+token needs none; llama.cpp in one batch of n, without logits_all), tokens/s of each.
+
+    .venv/bin/python bench/llamacpp_forward.py qwen2.5-coder-1.5b gguf --prefill 64,256,512
 """
 
 from __future__ import annotations
@@ -70,11 +75,49 @@ def compare(name: str, dtype: str, rounds: int) -> list[str]:
     return lines
 
 
+@torch.inference_mode()
+def compare_prefill(name: str, dtype: str, sizes: list[int], rounds: int) -> list[str]:
+    loaded = load_model(name, dtype)
+    path = gguf_for(loaded)
+    ours = load_forward(loaded, "cpu")
+    threads = torch.get_num_threads()
+    llama = llama_cpp().Llama(model_path=str(path), n_ctx=max(sizes) + 8, n_threads=threads, n_threads_batch=threads,
+                              n_batch=max(sizes), n_ubatch=max(sizes), verbose=False)
+    ids = torch.randint(100, 5000, (max(sizes),), generator=torch.Generator().manual_seed(0))
+    cache = ours.new_cache(max(sizes))
+    lines = []
+    for n in sizes:
+        prompt = ids[:n]
+
+        def ours_prefill(prompt: torch.Tensor = prompt) -> None:
+            cache.length = 0
+            ours.prefill(prompt, cache, chunk=prompt.shape[0], logits=False)
+
+        def llama_prefill(prompt: torch.Tensor = prompt) -> None:
+            llama.reset()
+            llama.eval(prompt.tolist())
+
+        timings: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
+        for _ in range(rounds):
+            for system, seconds in interleaved_medians({"ours": ours_prefill, "llama.cpp": llama_prefill},
+                                                       max(3, REPEATS // 5), warmup=1).items():
+                timings[system].append(seconds)
+        ours_rate, llama_rate = (n / statistics.median(timings[system]) for system in ("ours", "llama.cpp"))
+        lines.append(f"{name} {dtype} ({path.name}) prefill of {n}: ours {ours_rate:.1f} tokens/s, llama.cpp "
+                     f"{llama_rate:.1f} tokens/s, ours/llama.cpp {ours_rate / llama_rate:.2f}")
+        print(lines[-1], flush=True)
+    return lines
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("dtypes", nargs="?", default="gguf,fp32,bf16")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefill", help="prompt sizes: time prefills into an empty cache instead")
     args = parser.parse_args()
     for dtype in args.dtypes.split(","):
-        compare(args.model, dtype, args.rounds)
+        if args.prefill:
+            compare_prefill(args.model, dtype, [int(n) for n in args.prefill.split(",")], args.rounds)
+        else:
+            compare(args.model, dtype, args.rounds)
