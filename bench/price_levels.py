@@ -46,7 +46,7 @@ def main() -> None:
         price = prices.get(level.system)
         if price is None:
             continue
-        sent = prompts_at_level(prompts, level.concurrency, args.requests_per_client)
+        sent = prompts_at_level(prompts, level.concurrency, args.requests_per_client, level.round)
         lengths = level.output_lengths or recorded.get(level.concurrency)  # None: every output at the max
         predicted = price(sent, level.concurrency, args.max_new_tokens, None, lengths)
         again = ""

@@ -398,8 +398,9 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
                       requests_per_client: int, results: Path, count_tokens: Callable[[str], int], machine: str,
                       say: Callable[[str], None], rounds: int = 1) -> list[LevelResult]:
     """Every system at every concurrency, `rounds` times (systems interleaved within a level, so that a slow spell of
-    the machine falls on all of them, in the reverse order every other round, so that none always runs first);
-    results appended to `results` (JSON lines) as they finish, those done skipped."""
+    the machine falls on all of them, in the reverse order every other round, so that none always runs first; each
+    round's requests in an order of its own: prompts_at_level); results appended to `results` (JSON lines) as they
+    finish, those done skipped."""
     done = done_levels(results)
     finished = []
     for concurrency in levels:
@@ -409,8 +410,8 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
                 if (system.name, concurrency, round_) in done:
                     say(f"{where}: done before, skipped")
                     continue
-                result = _serve_level(system, prompts, concurrency, max_tokens, requests_per_client, results,
-                                      count_tokens, machine, where, say)
+                result = _serve_level(system, prompts_at_level(prompts, concurrency, requests_per_client, round_),
+                                      concurrency, max_tokens, results, count_tokens, machine, where, say)
                 result.round = round_
                 with open(results, "a") as handle:
                     handle.write(json.dumps(asdict(result)) + "\n")
@@ -418,12 +419,11 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
     return finished
 
 
-def _serve_level(system: System, prompts: list[list[int]], concurrency: int, max_tokens: int,
-                 requests_per_client: int, results: Path, count_tokens: Callable[[str], int], machine: str,
-                 where: str, say: Callable[[str], None]) -> LevelResult:
-    """One system at one concurrency: its server started, warmed up, driven closed loop, stopped; the level's result
-    (priced where the system has a price)."""
-    level_prompts = prompts_at_level(prompts, concurrency, requests_per_client)
+def _serve_level(system: System, level_prompts: list[list[int]], concurrency: int, max_tokens: int,
+                 results: Path, count_tokens: Callable[[str], int], machine: str, where: str,
+                 say: Callable[[str], None]) -> LevelResult:
+    """One system at one concurrency, sent `level_prompts` in that order: its server started, warmed up, driven closed
+    loop, stopped; the level's result (priced where the system has a price)."""
     # warmed up on the prompts reversed: no measured prompt may sit in an engine's prompt cache already
     warmup = [prompt[::-1] for prompt in level_prompts[:concurrency]]
     if system.in_process is not None:
@@ -525,10 +525,18 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
     return {name: priced(policy) for name, policy in policies.items()}
 
 
-def prompts_at_level(prompts: list[list[int]], concurrency: int, requests_per_client: int) -> list[list[int]]:
-    """The prompts the C clients of one level send, in the order they take them."""
+def prompts_at_level(prompts: list[list[int]], concurrency: int, requests_per_client: int,
+                     round_: int = 0) -> list[list[int]]:
+    """The prompts the C clients of one level send, in the order they take them: in `prompts`' order in the first
+    round, in an order drawn for each later one (the same for every system of that round). A closed loop served the
+    same order twice repeats its arrivals (which requests share steps, when each joins and is prefilled), and two
+    servers doing the same steps read 10-15% apart by those alone; rounds in other orders sample them."""
     count = requests_per_client * concurrency
-    return [prompts[i % len(prompts)] for i in range(count)]
+    sent = [prompts[i % len(prompts)] for i in range(count)]
+    if round_ == 0:
+        return sent
+    order = np.random.default_rng(round_).permutation(count)
+    return [sent[i] for i in order]
 
 
 def slot_context(prompts: list[list[int]], max_tokens: int) -> int:

@@ -595,6 +595,33 @@ def test_serving_rounds_alternate_the_order_and_a_rerun_serves_only_the_rounds_n
         ["40.0", "1.00"], ["80.0", "1.00"], ["120.0", "1.00"], ["40.0", "1.00"]]
 
 
+def test_each_round_sends_its_requests_in_an_order_of_its_own_the_same_for_every_system(tmp_path):
+    """A closed loop served the same order twice repeats its arrivals: round 0 sends the prompts in order, every
+    later round a permutation of the same requests, drawn once for the round and sent to every system alike."""
+    from specplan.serving import RequestTiming, System, prompts_at_level, run_serving_bench
+
+    prompts = [[i] for i in range(8)]
+    assert prompts_at_level(prompts, 2, 4) == prompts
+    orders = [prompts_at_level(prompts, 2, 4, round_) for round_ in (1, 2)]
+    assert all(sorted(order) == prompts and order != prompts for order in orders) and orders[0] != orders[1]
+    assert prompts_at_level(prompts, 2, 4, 1) == orders[0]  # drawn the same again (a rerun, bench/price_levels.py)
+    assert prompts_at_level(prompts[:3], 2, 3) == [[0], [1], [2], [0], [1], [2]]
+
+    sent: dict[tuple[str, int], list[list[int]]] = {}
+
+    def system(name: str) -> System:
+        def run(level_prompts, concurrency, max_tokens):
+            if max_tokens == 40:
+                sent[(name, sum(key[0] == name for key in sent))] = level_prompts
+            return [RequestTiming(0.0, 0.1, 1.0, max_tokens, prompt=i) for i in range(len(level_prompts))]
+        return System(name, in_process=run)
+
+    run_serving_bench([system("ours-ar"), system("ours")], prompts, [2], 40, 4, tmp_path / "grid.jsonl", len,
+                      "test", lambda line: None, rounds=3)
+    for round_ in range(3):
+        assert sent[("ours-ar", round_)] == sent[("ours", round_)] == prompts_at_level(prompts, 2, 4, round_)
+
+
 @pytest.mark.parametrize("bottom", ["trie", "model"])
 def test_a_triforce_hierarchy_follows_its_schedule_and_every_request_keeps_its_greedy_tokens(bottom, tiny_pair,
                                                                                            monkeypatch):
