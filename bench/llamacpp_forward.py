@@ -28,6 +28,7 @@ from specplan.llamacpp import gguf_for, llama_cpp
 ROWS = (1, 4, 16)
 CONTEXTS = (256, 4096)
 REPEATS = 15
+PREFILL_REPEATS = 3  # a prefill of hundreds of tokens takes seconds
 
 
 def time_point(ours, llama, cache, ids: torch.Tensor, context: int, n: int, rounds: int) -> tuple[float, float]:
@@ -51,14 +52,20 @@ def time_point(ours, llama, cache, ids: torch.Tensor, context: int, n: int, roun
     return statistics.median(timings["ours"]), statistics.median(timings["llama.cpp"])
 
 
-@torch.inference_mode()
-def compare(name: str, dtype: str, rounds: int) -> list[str]:
+def load_both(name: str, dtype: str, context: int, **options) -> tuple:
+    """Our lean forward of `name` and llama.cpp on the same GGUF, same threads, `context` tokens: (ours, llama, gguf
+    path)."""
     loaded = load_model(name, dtype)
     path = gguf_for(loaded)
-    ours = load_forward(loaded, "cpu")
     threads = torch.get_num_threads()
-    llama = llama_cpp().Llama(model_path=str(path), n_ctx=max(CONTEXTS) + max(ROWS) + 8, n_threads=threads,
-                              n_threads_batch=threads, n_batch=512, logits_all=True, verbose=False)
+    llama = llama_cpp().Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                              verbose=False, **options)
+    return load_forward(loaded, "cpu"), llama, path
+
+
+@torch.inference_mode()
+def compare(name: str, dtype: str, rounds: int) -> list[str]:
+    ours, llama, path = load_both(name, dtype, max(CONTEXTS) + max(ROWS) + 8, n_batch=512, logits_all=True)
     ids = torch.randint(100, 5000, (max(CONTEXTS) + max(ROWS),), generator=torch.Generator().manual_seed(0))
     cache = ours.new_cache(max(CONTEXTS) + max(ROWS))
     lines = []
@@ -77,12 +84,7 @@ def compare(name: str, dtype: str, rounds: int) -> list[str]:
 
 @torch.inference_mode()
 def compare_prefill(name: str, dtype: str, sizes: list[int], rounds: int) -> list[str]:
-    loaded = load_model(name, dtype)
-    path = gguf_for(loaded)
-    ours = load_forward(loaded, "cpu")
-    threads = torch.get_num_threads()
-    llama = llama_cpp().Llama(model_path=str(path), n_ctx=max(sizes) + 8, n_threads=threads, n_threads_batch=threads,
-                              n_batch=max(sizes), n_ubatch=max(sizes), verbose=False)
+    ours, llama, path = load_both(name, dtype, max(sizes) + 8, n_batch=max(sizes), n_ubatch=max(sizes))
     ids = torch.randint(100, 5000, (max(sizes),), generator=torch.Generator().manual_seed(0))
     cache = ours.new_cache(max(sizes))
     lines = []
@@ -100,7 +102,7 @@ def compare_prefill(name: str, dtype: str, sizes: list[int], rounds: int) -> lis
         timings: dict[str, list[float]] = {"ours": [], "llama.cpp": []}
         for _ in range(rounds):
             for system, seconds in interleaved_medians({"ours": ours_prefill, "llama.cpp": llama_prefill},
-                                                       max(3, REPEATS // 5), warmup=1).items():
+                                                       PREFILL_REPEATS, warmup=1).items():
                 timings[system].append(seconds)
         ours_rate, llama_rate = (n / statistics.median(timings[system]) for system in ("ours", "llama.cpp"))
         lines.append(f"{name} {dtype} ({path.name}) prefill of {n}: ours {ours_rate:.1f} tokens/s, llama.cpp "

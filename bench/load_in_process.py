@@ -109,6 +109,8 @@ def main() -> None:
         plain = load_decoder(args.plan, device="cpu")
         plain.fix_setting(int(args.against.removeprefix("setting-")))
     elif args.against == "unshared":
+        if plan.plan.sharing is None:
+            parser.error(f"{args.plan} shares no rows (solved without --share-rows): nothing to compare unshared")
         plain = load_decoder(args.plan, device="cpu")
         plain.unshared()
     else:

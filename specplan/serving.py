@@ -528,9 +528,9 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
 def prompts_at_level(prompts: list[list[int]], concurrency: int, requests_per_client: int,
                      round_: int = 0) -> list[list[int]]:
     """The prompts the C clients of one level send, in the order they take them: in `prompts`' order in the first
-    round, in an order drawn for each later one (the same for every system of that round). A closed loop served the
-    same order twice repeats its arrivals (which requests share steps, when each joins and is prefilled), and two
-    servers doing the same steps read 10-15% apart by those alone; rounds in other orders sample them."""
+    round, in an order drawn for each later one (the same for every system of that round): a closed loop served the
+    same order twice repeats its arrivals (which requests share steps, when each joins and is prefilled), so rounds
+    in other orders sample those as they sample the machine."""
     count = requests_per_client * concurrency
     sent = [prompts[i % len(prompts)] for i in range(count)]
     if round_ == 0:
