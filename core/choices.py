@@ -28,8 +28,8 @@ BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "s
 ENGINES = ("specplan", "sequoia", "vllm", "medusa", "eagle1", "trtllm", "trtllm-draft", "sglang",
            "llama.cpp", "hf")
 # the engines whose n-gram drafting `plan solve lookahead --engine` replays (planner/prompt_lookup.py; SGLang's trie:
-# planner/sglang_ngram.py)
-LOOKUP_ENGINES = ("hf", "llama.cpp", "vllm", "sglang")
+# planner/sglang_ngram.py); llama.cpp: llama-cpp-python's prompt lookup, llama-server: the server's ngram-simple
+LOOKUP_ENGINES = ("hf", "llama.cpp", "vllm", "sglang", "llama-server")
 # the forwards a profile may time: ours, and llama.cpp's own (`plan profile --engine llama.cpp`, for its plans)
 TIMED_FORWARDS = FORWARDS + ("llama.cpp",)
 # a modeled GPU's offloading (profiler/offload.py): what stays in host memory, what stays on the device, over which link

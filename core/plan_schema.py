@@ -29,7 +29,9 @@ entries vary the decoding length under the plan's own trie (`speculate: false`: 
 learning); a draft-model chain's (a Sequoia plan whose tree is a chain, solved for a chain engine) vary the draft
 length, `decoding_length` - 1 tokens, at most the plan's chain; a TriForce hierarchy's vary its chain's length, gamma2 =
 `decoding_length` - 1 (the middle level's rounds collect at least that many tokens), at most the plan's gamma2, its
-bottom, gamma1 and retrieval cache kept. A plan without a schedule is the batch-1 plan at every batch size.
+bottom, gamma1 and retrieval cache kept; an engine's n-gram chain (a prompt-lookup plan for llama-server) varies its
+tokens drafted, `decoding_length` - 1, at most the plan's num_tokens, its n-gram kept. A plan without a schedule is
+the batch-1 plan at every batch size.
 
 A Lookahead plan solved with `--share-rows` also carries `sharing: {trie, context, tokens_per_step: {length: tokens},
 step_seconds: {batch size: [seconds at 1, 2, ... rows per sequence]}, min_speedup}` (RowSharing): instead of one
@@ -465,14 +467,17 @@ class Plan:
     @property
     def largest_setting(self) -> int | None:
         """The most nodes per sequence, root included, a schedule's entry or a fixed setting may ask of the plan's
-        drafter (a Lookahead trie's decoding length, a chain's size, a hierarchy's gamma2 + 1); None: its drafter
-        takes no length (a branching tree, a streaming draft, a plan that drafts nothing)."""
+        drafter (a Lookahead trie's decoding length, a chain's size, a hierarchy's gamma2 + 1, an engine's n-gram
+        chain's tokens + 1); None: its drafter takes no length (a branching tree, a streaming draft, an n-gram tree,
+        a plan that drafts nothing)."""
         if self.method == "lookahead":
             return self.settings.decoding_length
         if self.method == "sequoia" and self.tree.is_chain:
             return self.tree.size
         if self.method == "triforce" and self.settings.speculate and self.settings.bottom != "streaming":
             return self.settings.gamma2 + 1
+        if self.method == "prompt-lookup" and isinstance(self.settings, PromptLookupSettings) and self.settings.enabled:
+            return self.settings.num_tokens + 1
         return None
 
     def predicted_at(self, batch: int, context: int | None = None) -> tuple[float, float] | None:
@@ -501,7 +506,8 @@ class Plan:
             solver=_finite_mapping(data.get("solver"), f"{where}: solver"),
             provenance=_finite_mapping(data.get("provenance"), f"{where}: provenance"),
             sampling=_finite_mapping(data.get("sampling"), f"{where}: sampling"),
-            engine=f.string("engine", required=False, default="specplan", choices=ENGINES),
+            engine=f.string("engine", required=False, default="specplan",
+                            choices=tuple(dict.fromkeys(ENGINES + LOOKUP_ENGINES))),
             source=where,
         )
         tokens_per_step = plan.prediction.tokens_per_step
@@ -535,9 +541,11 @@ class Plan:
         if f.has("schedule"):
             largest = plan.largest_setting
             if largest is None:
-                raise f.fail("a schedule per batch size is for Lookahead plans, draft-model chains and TriForce "
-                             "hierarchies, not " + {"sequoia": "a branching tree", "triforce": "a plan without a "
-                                                    "middle level or one that drafts nothing"}.get(method, method))
+                raise f.fail("a schedule per batch size is for Lookahead plans, draft-model chains, n-gram chains "
+                             "and TriForce hierarchies, not " + {
+                                 "sequoia": "a branching tree", "triforce": "a plan without a middle level or one "
+                                 "that drafts nothing", "prompt-lookup": "an n-gram tree or one that drafts nothing"
+                             }.get(method, method))
             plan.schedule = BatchSchedule.from_fields(f.sub("schedule"), largest)
         if f.has("sharing"):
             if method != "lookahead":

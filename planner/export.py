@@ -28,10 +28,12 @@ from specplan.planner.engines import (
     check_tree,
     engine_rules,
 )
+from specplan.planner.prompt_lookup import LLAMA_SERVER_NGRAM
 
 EXPORT_FORMATS = tuple(engine for engine in ENGINES if engine != "specplan")
 NEEDS_DRAFT_PATH = ("vllm", "trtllm", "trtllm-draft", "sglang", "llama.cpp", "hf")
 VLLM_METHODS = ("draft_model", "eagle", "eagle3")  # a chain: a draft model, or an EAGLE head
+LOOKUP_FORMATS = {"llama-server": "llama.cpp"}  # an n-gram engine's export format, where not the engine's own name
 GROWMAP_MAX_NODES = 4096  # the growmap holds a dense n x n mask: 16 M entries here
 
 
@@ -96,7 +98,7 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
     if fmt not in EXPORT_FORMATS:
         raise UserError(f"unknown export format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
     if plan.method == "prompt-lookup":
-        return _export_prompt_lookup(plan, fmt)
+        return _export_prompt_lookup(plan, fmt, concurrency, context)
     tree = plan.tree
     if tree is None:
         raise UserError(f"{plan.source}: a {plan.kind} has no token tree to export")
@@ -260,6 +262,27 @@ def _llama_server_at(plan: Plan, draft_path: str, best: Fields | None, concurren
                   f"(batch sizes {entry.low}-{entry.high})")
 
 
+def _llama_server_ngram(plan: Plan, concurrency: int | None, context: int) -> Export:
+    """llama-server's ngram-simple flags for `concurrency` requests in flight: the schedule's draft length there (the
+    plan's own without a schedule), its n-gram the plan's, `-np` slots of `context` tokens each."""
+    if concurrency is None:
+        raise UserError("llama-server takes one n-gram setting for all its slots: give --concurrency, the requests "
+                        "you serve at once, and the plan's setting there is exported")
+    settings = plan.settings
+    slots = f"-np {concurrency} -c {concurrency * context}"
+    drafted = settings.num_tokens if settings.enabled else None
+    if plan.schedule is not None:
+        entry = plan.schedule.entry_for(concurrency, context)
+        drafted = entry.decoding_length - 1 if entry.speculate else None
+    if drafted is None:
+        return Export(slots, f"llama-server -m TARGET.gguf <these flags>: at {concurrency} requests no n-gram "
+                             "drafting was predicted to pay, so no --spec-type")
+    return Export(f"{slots} --spec-type ngram-simple --spec-ngram-simple-size-n {settings.max_ngram} "
+                  f"--spec-ngram-simple-size-m {drafted}",
+                  f"llama-server -m TARGET.gguf <these flags> (llama.cpp build {LLAMA_SERVER_NGRAM.commit}'s "
+                  f"ngram-simple, as replayed)")
+
+
 def import_tree(data: str | bytes, fmt: str) -> TokenTree:
     """Inverse of export_plan: the tree an export holds (for a chain format, the chain of its draft length)."""
     try:
@@ -303,11 +326,16 @@ def _chain_length(text: str, fmt: str) -> int:
     return int(flags[flags.index("--spec-draft-n-max") + 1]) if flags else 0
 
 
-def _export_prompt_lookup(plan: Plan, fmt: str) -> Export:
+def _export_prompt_lookup(plan: Plan, fmt: str, concurrency: int | None, context: int) -> Export:
     """An engine's n-gram knobs, for that engine alone (its matching rule is what the plan replayed)."""
-    if fmt != plan.engine:
+    own_format = LOOKUP_FORMATS.get(plan.engine, plan.engine)
+    if fmt != own_format:
         raise UserError(f"{plan.source}: this plan replays {plan.engine}'s n-gram drafting; export it as --format "
-                        f"{plan.engine}, or solve with --engine {fmt}")
+                        f"{own_format}, or solve with --engine {fmt}")
+    if plan.engine == "llama-server":
+        return _llama_server_ngram(plan, concurrency, context)
+    if plan.schedule is not None:
+        raise UserError(f"{plan.source}: {plan.engine}'s n-gram drafting takes no table per batch size here")
     settings = plan.settings
     if not settings.enabled:
         sglang = fmt == "sglang"

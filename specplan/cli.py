@@ -475,9 +475,9 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
 @click.option("--branch-lengths", help="L_b grid, comma-separated (default 1..16)")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True)
 @click.option("--engine", type=click.Choice(("specplan",) + LOOKUP_ENGINES), default="specplan", show_default=True,
-              help="specplan: our Lookahead trie; hf, llama.cpp, vllm: that engine's prompt lookup, sglang: its NGRAM "
-                   "trie, each replayed by its own rule (a llama.cpp plan is priced on `plan profile --engine "
-                   "llama.cpp`)")
+              help="specplan: our Lookahead trie; hf, llama.cpp (llama-cpp-python), vllm: that engine's prompt "
+                   "lookup, llama-server: its ngram-simple, sglang: its NGRAM trie, each replayed by its own rule (a "
+                   "llama.cpp plan is priced on `plan profile --engine llama.cpp`)")
 @click.option("--max-ngrams", help="prompt lookup: longest n-grams matched, comma-separated (default 1..4)")
 @click.option("--draft-lengths", help="prompt lookup: tokens drafted (sglang: num_draft_tokens - 1), comma-separated "
                                       "(default 1..16)")
@@ -487,15 +487,16 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
 @click.option("--stop-tokens", help="prompt lookup (hf): the target's stop token ids, where the acceptance file "
                                     "does not record them")
 @click.option("--batches", type=click.IntRange(min=1),
-              help="also schedule the decoding length for every batch size up to this one (a profile with "
-                   "--batches): the setting giving the most output tokens/s over the batch, or none")
+              help="also schedule the decoding length (llama-server: the tokens drafted) for every batch size up to "
+                   "this one (a profile with --batches): the setting giving the most output tokens/s over the batch, "
+                   "or none")
 @_min_speedup_option("with --batches: draft at a batch size only where predicted this much faster than one-token "
                      "decoding")
 @_schedule_contexts_option()
 @_stand_in_option()
 @click.option("--max-new-tokens", type=click.IntRange(min=1),
               help="solve for requests of this many new tokens: each acceptance output cut to its first N (default: "
-                   "whole; a trie drafts late tokens better, having read more of the output)")
+                   "whole; a trie or an n-gram lookup drafts late tokens better, having read more of the output)")
 @click.option("--share-rows", metavar="L_D,L_B",
               help="with --batches: the decoder shares each step's rows among the requests by their own drafts' "
                    "yields, under a trie of these lengths (e.g. 8,4), instead of one length for the batch")
@@ -513,12 +514,13 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     from specplan.show import describe_schedule
 
     if engine != "specplan":
-        if (batches is not None or stand_in or schedule_contexts or max_new_tokens is not None
-                or min_speedup != MIN_SPEEDUP or share_rows):
-            raise UserError("--batches, --min-speedup, --contexts, --stand-in, --max-new-tokens and --share-rows go "
-                            "with our Lookahead trie, not with --engine")
+        if stand_in or schedule_contexts or share_rows:
+            raise UserError("--contexts, --stand-in and --share-rows go with our Lookahead trie, not with --engine")
+        if min_speedup != MIN_SPEEDUP and batches is None:
+            raise UserError("--min-speedup goes with --batches")
         grid = _lookup_grid(engine, max_ngrams, draft_lengths, trie_depths, bfs_breadths, match_types)
-        _solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stop_tokens, top, output)
+        _solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stop_tokens, top, output, batches,
+                             min_speedup, max_new_tokens)
         return
 
     d_grid = tuple(_int_list(decoding_lengths) or DECODING_LENGTHS)
@@ -584,16 +586,21 @@ def _lookup_grid(engine: str, max_ngrams: str | None, draft_lengths: str | None,
 
 
 def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engine: str, grid: list,
-                         stop_tokens: str | None, top: int, output: Path) -> None:
+                         stop_tokens: str | None, top: int, output: Path, batches: int | None,
+                         min_speedup: float, output_tokens: int | None) -> None:
     from specplan.core.plan_schema import save_plan
     from specplan.planner.prompt_lookup import LOOKUP_NAMES, solve_prompt_lookup
+    from specplan.show import describe_schedule
 
     stops = tuple(_int_list(stop_tokens)) if stop_tokens else None
-    plan, ranked = solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stops)
+    plan, ranked = solve_prompt_lookup(acceptance_path, profile_path, engine, grid, stops, batches, min_speedup,
+                                       output_tokens)
     knobs = [(key, lambda c, key=key: getattr(c.settings, key)) for key in ranked[0].settings.to_dict()
              if key != "enabled"]
     _echo_ranked(ranked[:top], knobs, profile_path is not None)
     save_plan(plan, output)
+    if plan.schedule is not None:
+        click.echo(describe_schedule(plan.schedule, plan.method))
     chosen = ", ".join(f"{key} {value}" for key, value in plan.settings.to_dict().items() if key != "enabled")
     click.echo(f"replayed {len(ranked)} settings of {engine}'s {LOOKUP_NAMES[engine]} in "
                f"{plan.solver['seconds']:.1f} s; chose {chosen}; wrote {output}")
@@ -984,6 +991,9 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
               help="with --concurrency and a --draft (or a plan's): also llama-server drafting up to each of these "
                    "draft lengths (--spec-draft-n-max N, its other knobs at llama.cpp's defaults: systems "
                    "llama-server-draft-N), comma-separated")
+@click.option("--llama-server-ngrams", "server_ngrams", metavar="N:M,...",
+              help="with --concurrency: also llama-server with --spec-type ngram-simple looking up N tokens and "
+                   "drafting up to M (systems llama-server-ngram-N-M), comma-separated")
 @click.option("--target", help="override the plan's target model")
 @click.option("--draft", help="override the plan's draft model")
 @click.option("--dtype", type=click.Choice(DTYPES))
@@ -1005,7 +1015,7 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @_output(help="report.json (a .md table and a .png plot are written beside it)")
 def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
           levels: str | None, rules: str | None, settings: str | None, requests_per_client: int, rounds: int,
-          server_drafts: str | None, target: str | None,
+          server_drafts: str | None, server_ngrams: str | None, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, one_document: bool,
           device: str | None, reprice: bool, backend: str | None, output: Path) -> None:
@@ -1020,12 +1030,13 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
     if levels is not None:
         _serving_bench(plan_path, dataset, prompts, max_new_tokens, baselines, _int_list(levels),
                        _int_list(settings) if settings else [], [r for r in (rules or "").split(",") if r],
-                       _int_list(server_drafts) if server_drafts else [], requests_per_client, rounds, target, draft,
+                       _int_list(server_drafts) if server_drafts else [], _ngram_pairs(server_ngrams),
+                       requests_per_client, rounds, target, draft,
                        dtype, chat, context, one_document, output)
         return
-    if settings or rules or server_drafts or rounds != 1:
-        raise UserError("--settings, --rules, --rounds and --llama-server-drafts go with --concurrency (the serving "
-                        "benchmark)")
+    if settings or rules or server_drafts or server_ngrams or rounds != 1:
+        raise UserError("--settings, --rules, --rounds, --llama-server-drafts and --llama-server-ngrams go with "
+                        "--concurrency (the serving benchmark)")
     baselines = baselines if baselines is not None else "hf,hf-assisted,ours-ar"
     lookup_plan = load_plan(plan_path) if plan_path is not None else None
     if lookup_plan is not None and lookup_plan.method != "prompt-lookup":
@@ -1053,10 +1064,24 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
     click.echo(f"wrote {output} (+ .md, .png)")
 
 
+def _ngram_pairs(text: str | None) -> list[tuple[int, int]]:
+    """--llama-server-ngrams N:M,...: (size_n, size_m) pairs, each >= 1 (llama.cpp's own limits)."""
+    pairs = []
+    for item in (text or "").split(","):
+        if not item:
+            continue
+        parts = item.split(":")
+        if len(parts) != 2 or not all(part.isdigit() and int(part) >= 1 for part in parts):
+            raise UserError(f"--llama-server-ngrams takes N:M pairs of positive integers, got {item!r}")
+        pairs.append((int(parts[0]), int(parts[1])))
+    return pairs
+
+
 def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: int, baselines: str | None,
                    levels: list[int], settings: list[int], rules: list[str], server_drafts: list[int],
-                   requests_per_client: int, rounds: int, target: str | None, draft: str | None, dtype: str | None,
-                   chat: bool, context: int | None, one_document: bool, output: Path) -> None:
+                   server_ngrams: list[tuple[int, int]], requests_per_client: int, rounds: int, target: str | None,
+                   draft: str | None, dtype: str | None, chat: bool, context: int | None, one_document: bool,
+                   output: Path) -> None:
     """plan bench --concurrency: our server and llama.cpp's, closed loop, at each concurrency (specplan/serving.py)."""
     import os
 
@@ -1096,7 +1121,10 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
         raise UserError(f"unknown drafting rule {unknown_rules[0]!r} (choose from {', '.join(DRAFT_RULES)})"
                         if unknown_rules else "--rules runs a plan's drafter under each rule: give a --plan")
     names += [f"setting-{length}" for length in settings] + [f"rule-{name}" for name in rules]
-    names += [f"llama-server-draft-{length}" for length in server_drafts] + (["ours"] if plan_path else [])
+    names += [f"llama-server-draft-{length}" for length in server_drafts]
+    names += [f"llama-server-ngram-{n}-{m}" for n, m in server_ngrams]
+    # a prompt-lookup plan holds an engine's n-gram knobs, which llama-server-export serves; ours serves the others
+    names += ["ours"] if plan is not None and plan.method != "prompt-lookup" else []
     if server_drafts and min(server_drafts) < 1:
         raise UserError("--llama-server-drafts takes draft lengths >= 1")
     target = target or (plan.models.target if plan else None)
@@ -1142,7 +1170,8 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
             extra: list[str] | Callable[[int], list[str]] = {
                 "llama-server": [], "llama-server-ngram-simple": ["--spec-type", "ngram-simple"],
                 "llama-server-ngram-map-k": ["--spec-type", "ngram-map-k"]}.get(name, [])
-            if name.startswith("llama-server-draft") or name == "llama-server-export":
+            lookup_export = name == "llama-server-export" and plan is not None and plan.method == "prompt-lookup"
+            if name.startswith("llama-server-draft") or (name == "llama-server-export" and not lookup_export):
                 if not draft:
                     raise UserError(f"{name} needs a --draft model (its GGUF)")
                 draft_gguf = str(load_model(draft, "gguf", log=_progress).gguf_file())
@@ -1151,10 +1180,14 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
                 extra = ["--spec-type", "draft-simple", "--spec-draft-model", draft_gguf]
                 if name != "llama-server-draft":
                     extra += ["--spec-draft-n-max", name.removeprefix("llama-server-draft-")]
+            elif name.startswith("llama-server-ngram-") and name not in SERVING_BASELINES:
+                size_n, size_m = name.removeprefix("llama-server-ngram-").split("-")
+                extra = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", size_n,
+                         "--spec-ngram-simple-size-m", size_m]
             elif name == "llama-server-export":
                 if plan is None:
                     raise UserError("llama-server-export serves a --plan's llama.cpp export")
-                extra = exported_llama_server_flags(plan, draft_gguf, slot)
+                extra = exported_llama_server_flags(plan, None if lookup_export else draft_gguf, slot)
             systems.append(System(name, llama_server_command(gguf, threads, extra, slot)))
     machine = machine_label({**this_machine("cpu"), "threads": threads})  # the servers' threads
     for system in systems:

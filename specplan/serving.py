@@ -482,6 +482,9 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
     from specplan.planner.lookahead import plan_setting_prices
     from specplan.planner.triforce import plan_setting_prices as triforce_setting_prices
 
+    if plan.method == "prompt-lookup":
+        say("an engine's n-gram knobs run in that engine: its served load is not priced here")
+        return {}
     profile_file = (plan.inputs.get("profile") or {}).get("file")
     no_drafter = plan.method == "sequoia" and plan.tree is not None and plan.tree.size == 1
     if (plan.schedule is None and not no_drafter) or not profile_file or not Path(profile_file).is_file():
@@ -640,8 +643,10 @@ def llama_server_command(gguf: Path, threads: int, extra: list[str] | Callable[[
     return command
 
 
-def exported_llama_server_flags(plan: Plan, draft_gguf: str, slot: int = SLOT_CONTEXT) -> Callable[[int], list[str]]:
-    """The flags `plan export --format llama.cpp --concurrency C` writes for `plan` (its slots set by the bench)."""
+def exported_llama_server_flags(plan: Plan, draft_gguf: str | None, slot: int = SLOT_CONTEXT
+                                ) -> Callable[[int], list[str]]:
+    """The flags `plan export --format llama.cpp --concurrency C` writes for `plan` (its slots set by the bench;
+    `draft_gguf`: the draft model's file, None for an n-gram plan)."""
     from specplan.planner.export import export_plan
 
     def flags(concurrency: int) -> list[str]:
