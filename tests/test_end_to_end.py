@@ -46,6 +46,7 @@ def test_lookahead_workflow_is_lossless(run_cli, tmp_path, smollm2):
                                    "--decoding-lengths", "2,4,8", "--branch-lengths", "1,3", "-o", plan)
     assert code == 0, stderr
     decoder = load_decoder(plan)
+    decoder.draft_every_step()  # the per-request decisions time the steps: the replay is of the plan's drafting
     replayed = yaml_load(plan)["prediction"]["tokens_per_step"]
     tokens = steps = 0
     for prompt in read_dataset(str(dataset)):

@@ -154,8 +154,8 @@ def test_a_plan_solved_for_short_requests_replays_and_reprices_their_outputs_onl
     whole = plan_setting_prices(written, {4}, output_tokens=40)[4]
     assert whole.tokens_per_step == pytest.approx(replay(records, written.settings, 4).tokens_per_step)
     code, _, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--engine", "vllm",
-                              "--max-new-tokens", 10, "-o", tmp_path / "x")
-    assert code == 2 and "--max-new-tokens and --share-rows go with our Lookahead trie" in stderr
+                              "--share-rows", "8,4", "-o", tmp_path / "x")
+    assert code == 2 and "--share-rows go with our Lookahead trie" in stderr
 
 
 def lookahead_plan_with(schedule: dict) -> dict:
