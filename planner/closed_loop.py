@@ -149,13 +149,19 @@ def step_seconds(profile: LatencyProfile, batch: int, setting: SettingPrice, con
 
 
 def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, largest: int, context: int,
-                   method: str, min_speedup: float = MIN_SPEEDUP
+                   method: str, min_speedup: float = MIN_SPEEDUP,
+                   priced_step: Callable[[int, int, SettingPrice], float] | None = None
                    ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """At each batch size 1..`largest`, the setting of `prices` (keyed by decoding length: nodes per sequence, root
     included) giving the most output tokens/s over the batch at `context` if that is at least `min_speedup` times
     none's (below 1: drafting even where predicted slower), else none; ranges of equal settings merged.
+    `priced_step(batch, length, price)`: a setting's step in seconds (default: `step_seconds` at its rows).
     Also every setting's tokens/s per batch size ({"off": [...], "L_d=4": [...]}, named as `method` names them; None:
     rows beyond what was profiled at that batch size)."""
+    def at_its_rows(batch: int, _: int, price: SettingPrice) -> float:
+        return step_seconds(profile, batch, price, [context])
+
+    priced_step = priced_step or at_its_rows
     chosen: list[tuple[int | None, float, float, float]] = []  # per B: (length, tokens/step, tokens/s, speedup)
     name = {length: setting_name(method, length) for length in prices}
     rates: dict[str, list[float | None]] = {"off": [], **{name[d]: [] for d in prices}}
@@ -168,7 +174,7 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
         best: tuple[int | None, float, float] = (None, 1.0, 0.0)  # the best drafted setting
         for length, price in prices.items():
             try:
-                rate = batch * price.tokens_per_step / step_seconds(profile, batch, price, [context])
+                rate = batch * price.tokens_per_step / priced_step(batch, length, price)
             except (UserError, ValueError):  # B x n beyond the rows profiled at this batch size
                 rates[name[length]].append(None)
                 continue

@@ -50,10 +50,10 @@ from specplan.core.method_settings import (
     PromptLookupSettings,
 )
 from specplan.core.model_names import same_model
-from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, setting_name
+from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
-from specplan.planner.closed_loop import MIN_SPEEDUP, OFF, SettingPrice, step_seconds
+from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table, step_seconds
 from specplan.planner.engines import HF_CANDIDATES, Source
 from specplan.planner.sglang_ngram import SGLANG_TRIE, SGLANG_WORKER, NgramTreeProposer
 
@@ -372,37 +372,22 @@ def lookup_schedule(replays: list[LookupReplay], profile: LatencyProfile, larges
                     min_speedup: float = MIN_SPEEDUP) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """The draft length per batch size of one n-gram rule's `replays` (one per draft length, none longer than the
     batch-1 setting's, as vLLM clamps its table to num_speculative_tokens): at each B, each length's replayed tokens
-    per step over its mean step price at the replays' mean context. An n-gram drafts only where it matches, so a
-    batch's sequences draft unequal lengths: a step of B sequences is priced at t(B, n) of their mean rows, over the
-    replay's steps themselves at B = 1 and over BATCH_DRAWS batches of B of them drawn at random beyond. The length
-    with the most output tokens/s over the batch if `min_speedup` times none's, else none."""
+    per step over its mean step price at the replays' mean context (`schedule_table`). An n-gram drafts only where it
+    matches, so a batch's sequences draft unequal lengths: a step of B sequences is priced at t(B, n) of their mean
+    rows, over the replay's steps themselves at B = 1 and over BATCH_DRAWS batches of B of them drawn at random
+    beyond."""
     if not profile.target_batches:
         raise UserError("a schedule per batch size needs a profile with --batches (t(B, n))")
     context = int(round(float(np.mean(np.concatenate([r.step_contexts for r in replays])))))
     largest = min(largest_batch, max(profile.batch_sizes))
+    drafted = {r.settings.num_tokens + 1: r.step_drafts for r in replays}
     rng = np.random.default_rng(0)
-    names = {r.settings.num_tokens + 1: setting_name("prompt-lookup", r.settings.num_tokens + 1) for r in replays}
-    rates: dict[str, list[float | None]] = {"off": [], **{name: [] for name in names.values()}}
-    chosen: list[tuple[int | None, float, float, float]] = []
-    for batch in range(1, largest + 1):
-        off = batch / step_seconds(profile, batch, OFF, [context])
-        rates["off"].append(off)
-        best: tuple[int | None, float, float] = (None, 1.0, 0.0)
-        for replay in replays:
-            length = replay.settings.num_tokens + 1
-            drafts = replay.step_drafts[:, None] if batch == 1 else rng.choice(replay.step_drafts, (BATCH_DRAWS, batch))
-            rows, counts = np.unique(1.0 + drafts.mean(axis=1), return_counts=True)
-            try:
-                seconds = sum(count * step_seconds(profile, batch, SettingPrice(replay.tokens_per_step, rows=float(n)),
-                                                   [context]) for n, count in zip(rows, counts)) / counts.sum()
-            except (UserError, ValueError):  # B x n beyond the rows profiled at this batch size
-                rates[names[length]].append(None)
-                continue
-            rate = batch * replay.tokens_per_step / seconds
-            rates[names[length]].append(rate)
-            if rate > best[2]:
-                best = (length, replay.tokens_per_step, rate)
-        if best[0] is None or best[2] < min_speedup * off:
-            best = (None, 1.0, off)
-        chosen.append((best[0], best[1], best[2], best[2] / off))
-    return BatchSchedule.merged(context, chosen), rates
+
+    def mean_step(batch: int, length: int, price: SettingPrice) -> float:
+        drafts = drafted[length][:, None] if batch == 1 else rng.choice(drafted[length], (BATCH_DRAWS, batch))
+        rows, counts = np.unique(1.0 + drafts.mean(axis=1), return_counts=True)
+        return sum(count * step_seconds(profile, batch, replace(price, rows=float(n)), [context])
+                   for n, count in zip(rows, counts)) / counts.sum()
+
+    prices = {r.settings.num_tokens + 1: SettingPrice(r.tokens_per_step) for r in replays}
+    return schedule_table(prices, profile, largest, context, "prompt-lookup", min_speedup, mean_step)
