@@ -245,11 +245,8 @@ def _llama_server_at(plan: Plan, draft_path: str, best: Fields | None, concurren
                      context: int) -> Export:
     """llama-server's flags for `concurrency` requests in flight (it takes one draft length for all its slots): the
     schedule's draft length there, `-np` slots of `context` tokens each."""
-    if concurrency is None:
-        raise UserError("llama-server takes one draft length for all its slots: give --concurrency, the requests "
-                        "you serve at once, and the schedule's setting there is exported")
+    slots = _llama_server_slots(concurrency, context)
     entry = plan.schedule.entry_for(concurrency, context)
-    slots = f"-np {concurrency} -c {concurrency * context}"
     if not entry.speculate:
         return Export(slots, f"llama-server -m TARGET.gguf <these flags>: at {concurrency} requests no draft length "
                              "was predicted to pay, so no draft model")
@@ -262,14 +259,20 @@ def _llama_server_at(plan: Plan, draft_path: str, best: Fields | None, concurren
                   f"(batch sizes {entry.low}-{entry.high})")
 
 
+def _llama_server_slots(concurrency: int | None, context: int) -> str:
+    """llama-server's `concurrency` slots of `context` tokens each: it takes one speculative setting for all of them,
+    so its flags are exported for the requests the user serves at once."""
+    if concurrency is None:
+        raise UserError("llama-server takes one speculative setting for all its slots: give --concurrency, the "
+                        "requests you serve at once, and the plan's setting there is exported")
+    return f"-np {concurrency} -c {concurrency * context}"
+
+
 def _llama_server_ngram(plan: Plan, concurrency: int | None, context: int) -> Export:
     """llama-server's ngram-simple flags for `concurrency` requests in flight: the schedule's draft length there (the
     plan's own without a schedule), its n-gram the plan's, `-np` slots of `context` tokens each."""
-    if concurrency is None:
-        raise UserError("llama-server takes one n-gram setting for all its slots: give --concurrency, the requests "
-                        "you serve at once, and the plan's setting there is exported")
+    slots = _llama_server_slots(concurrency, context)
     settings = plan.settings
-    slots = f"-np {concurrency} -c {concurrency * context}"
     drafted = settings.num_tokens if settings.enabled else None
     if plan.schedule is not None:
         entry = plan.schedule.entry_for(concurrency, context)

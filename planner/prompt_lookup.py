@@ -133,6 +133,13 @@ class LookupReplay:
         return self.tokens / self.steps
 
 
+def accepted(draft: np.ndarray, sequence: np.ndarray, position: int) -> int:
+    """The draft's longest prefix that equals the target's greedy continuation sequence[position:]."""
+    truth = sequence[position:position + len(draft)]
+    mismatches = np.flatnonzero(draft[:len(truth)] != truth)
+    return int(mismatches[0]) if len(mismatches) else len(truth)
+
+
 class ChainLookup:
     """The engines whose lookup drafts one chain (transformers, llama.cpp, vLLM): `lookup_draft`, cut at stop tokens
     where the engine cuts."""
@@ -152,9 +159,7 @@ class ChainLookup:
         if self.rule.cut_at_stop_tokens and len(self.stops):
             hits = np.flatnonzero(np.isin(draft, self.stops))
             draft = draft[:hits[0]] if len(hits) else draft
-        truth = sequence[position:position + len(draft)]
-        mismatches = np.flatnonzero(draft[:len(truth)] != truth)
-        return len(draft), int(mismatches[0]) if len(mismatches) else len(truth)
+        return len(draft), accepted(draft, sequence, position)
 
 
 def ngram_simple_draft(history: np.ndarray, sampled: int, size_n: int, size_m: int) -> np.ndarray:
@@ -192,9 +197,7 @@ class ServerNgramSimple:
         just sampled."""
         draft = ngram_simple_draft(sequence[:position - 1], int(sequence[position - 1]), self.settings.max_ngram,
                                    self.settings.num_tokens)[:max(len(sequence) - position - 1, 0)]
-        truth = sequence[position:position + len(draft)]
-        mismatches = np.flatnonzero(draft != truth)
-        return len(draft), int(mismatches[0]) if len(mismatches) else len(draft)
+        return len(draft), accepted(draft, sequence, position)
 
 
 def replay_steps(records: list[LookaheadRecord], proposer: ChainLookup | ServerNgramSimple | NgramTreeProposer
