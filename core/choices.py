@@ -30,8 +30,9 @@ ENGINES = ("specplan", "sequoia", "vllm", "medusa", "eagle1", "trtllm", "trtllm-
 # the engines whose n-gram drafting `plan solve lookahead --engine` replays (planner/prompt_lookup.py; SGLang's trie:
 # planner/sglang_ngram.py); llama.cpp: llama-cpp-python's prompt lookup, llama-server: the server's ngram-simple
 LOOKUP_ENGINES = ("hf", "llama.cpp", "vllm", "sglang", "llama-server")
-# the forwards a profile may time: ours, and llama.cpp's own (`plan profile --engine llama.cpp`, for its plans)
-TIMED_FORWARDS = FORWARDS + ("llama.cpp",)
+# the forwards a profile may time: ours, llama.cpp's own (`plan profile --engine llama.cpp`, for its plans) and
+# llama-server's steps of its slots (`plan profile --engine llama-server`)
+TIMED_FORWARDS = FORWARDS + ("llama.cpp", "llama-server")
 # a modeled GPU's offloading (profiler/offload.py): what stays in host memory, what stays on the device, over which link
 OFFLOAD_KINDS = ("weights", "kv")
 RESIDENT_POLICIES = ("fill", "none")

@@ -84,10 +84,10 @@ LLAMA_SERVER_NGRAM = Source(
     "size_n + size_m + 1 tokens; tools/server/server-context.cpp (get_n_draft_max) cuts a draft to the tokens the "
     "request has left but one")
 
-# the profiles that price each engine's steps (vLLM's, SGLang's and llama-server's: ours, until one of theirs exists;
-# llama.cpp's own forward profile times one sequence, and llama-server batches its slots)
+# the profiles that price each engine's steps (vLLM's and SGLang's: ours, until one of theirs exists; llama-server's:
+# its own steps, `plan profile --engine llama-server`, or ours standing in)
 ENGINE_FORWARDS = {"hf": FORWARDS, "llama.cpp": ("llama.cpp",), "vllm": FORWARDS, "sglang": FORWARDS,
-                   "llama-server": FORWARDS}
+                   "llama-server": ("llama-server",) + FORWARDS}
 VLLM_NGRAM = Source(
     "vllm-project/vllm", "vllm/v1/spec_decode/ngram_proposer.py", "016e8ede870e3c087fdcdfb36ed3622112712f10",
     "_find_longest_matched_ngram_and_propose_tokens: the longest n-gram in [prompt_lookup_min, prompt_lookup_max] "

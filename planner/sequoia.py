@@ -38,7 +38,7 @@ import numpy as np
 from numba import njit
 
 from specplan.core.acceptance_schema import DraftChainTrace, SequoiaAcceptance, load_sequoia_acceptance
-from specplan.core.choices import FORWARDS, TIMED_FORWARDS
+from specplan.core.choices import FORWARDS
 from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.model_names import same_model
@@ -610,7 +610,7 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         raise UserError(f"the largest tree depth must be >= 0, got {max_depth}")
     acceptance = load_sequoia_acceptance(acceptance_path)
     # llama.cpp's plans are priced on its own forward and draft step (`plan profile --engine llama.cpp`)
-    backends = TIMED_FORWARDS if engine == "llama.cpp" else FORWARDS
+    backends = FORWARDS + ("llama.cpp",) if engine == "llama.cpp" else FORWARDS
     profile = load_profile(profile_path, backends) if profile_path is not None else None
     models = _models(acceptance, profile, f"{acceptance_path} and {profile_path}", stand_in)
 

@@ -249,9 +249,12 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
 @click.option("--resume", is_flag=True, help="go on from the timing passes an interrupted run completed")
 @_backend_option("auto")
-@click.option("--engine", type=click.Choice(("specplan", "llama.cpp")), default="specplan", show_default=True,
+@click.option("--engine", type=click.Choice(("specplan", "llama.cpp", "llama-server")), default="specplan",
+              show_default=True,
               help="llama.cpp: time llama.cpp's own forward of the model's GGUF (the llamacpp extra), and with "
-                   "--draft the draft's step, for `plan solve lookahead|sequoia --engine llama.cpp`")
+                   "--draft the draft's step, for `plan solve lookahead|sequoia --engine llama.cpp`; llama-server: "
+                   "time its server's steps of B slots (--batches) verifying n rows each (make bench-server), for "
+                   "`plan solve lookahead --engine llama-server`")
 @_output()
 def profile(target: str | None, model_old: str | None, draft: str | None, dtype: str, draft_dtype: str | None,
             draft_vocab: int | None, contexts: str | None, sizes: str | None, batches: str | None,
@@ -288,6 +291,11 @@ def profile(target: str | None, model_old: str | None, draft: str | None, dtype:
             raise UserError("--row-totals prices our decoder's shared rows: it goes with --engine specplan")
 
         profiled = save_profile(profile_llamacpp(request, log=_progress), output)
+    elif engine == "llama-server":
+        from specplan.core.profile_schema import save_profile
+        from specplan.server_profile import profile_llama_server
+
+        profiled = save_profile(profile_llama_server(request, log=_progress), output)
     else:
         profiled = run_profile(request, output, resume, log=_progress)
     click.echo(describe_profile(profiled))
@@ -1088,14 +1096,13 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     import torch
 
     from specplan.core.machine import machine_label, this_machine
-    from specplan.core.models import cache_dir, load_model
+    from specplan.core.models import load_model
     from specplan.core.plan_schema import load_plan
-    from specplan.llamacpp import FILE_TYPES
     from specplan.serving import (
         System,
         exported_llama_server_flags,
-        llama_quantize,
         llama_server_command,
+        llama_server_gguf,
         plan_serve_command,
         run_serving_bench,
         serving_prices,
@@ -1161,12 +1168,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
             systems.append(System(name, in_process=transformers_static_batches(
                 loaded.model, stops[0] if pad is None else pad, stops)))
         else:
-            source = loaded.gguf_file()
-            if source is None:
-                raise UserError(f"{target}: llama-server runs a GGUF file; this model has none")
-            kind = FILE_TYPES[dtype][0] if dtype != "gguf" else None  # llama.cpp's name of the dtype
-            gguf = source if kind is None else llama_quantize(
-                source, cache_dir() / "llamacpp" / f"{source.stem}.{kind}.gguf", kind)
+            gguf = llama_server_gguf(loaded)
             extra: list[str] | Callable[[int], list[str]] = {
                 "llama-server": [], "llama-server-ngram-simple": ["--spec-type", "ngram-simple"],
                 "llama-server-ngram-map-k": ["--spec-type", "ngram-map-k"]}.get(name, [])

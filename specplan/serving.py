@@ -29,12 +29,16 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import numpy as np
 
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import Plan
+
+if TYPE_CHECKING:
+    from specplan.core.models import LoadedModel
 
 SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
 SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-Bench prompt and its output fit
@@ -225,10 +229,11 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
 
 def reported_forwards(timings: dict) -> int | None:
     """The target forwards a server reports: ours, `steps`; llama-server, each forward's one token beyond the
-    accepted drafts (predicted_n - draft_n_accepted, where it drafts)."""
+    accepted drafts (predicted_n - draft_n_accepted; it leaves the draft counts out of a request that drafted
+    nothing: a forward a token)."""
     if timings.get("steps"):
         return int(timings["steps"])
-    if timings.get("draft_n") and timings.get("predicted_n"):
+    if timings.get("predicted_n"):
         return int(timings["predicted_n"]) - int(timings.get("draft_n_accepted") or 0)
     return None
 
@@ -662,6 +667,21 @@ def exported_llama_server_flags(plan: Plan, draft_gguf: str | None, slot: int = 
         return kept
 
     return flags
+
+
+def llama_server_gguf(loaded: LoadedModel) -> Path:
+    """The GGUF llama-server runs for `loaded`: at dtype gguf the file as shipped, else that file re-encoded at the
+    dtype (F32, BF16) by llama.cpp's own llama-quantize, once."""
+    from specplan.core.models import cache_dir
+    from specplan.llamacpp import FILE_TYPES
+
+    source = loaded.gguf_file()
+    if source is None:
+        raise UserError(f"{loaded.name}: llama-server runs a GGUF file; this model has none")
+    if loaded.dtype == "gguf":
+        return source
+    kind = FILE_TYPES[loaded.dtype][0]  # llama.cpp's name of the dtype
+    return llama_quantize(source, cache_dir() / "llamacpp" / f"{source.stem}.{kind}.gguf", kind)
 
 
 def llama_quantize(source: Path, target: Path, kind: str) -> Path:

@@ -187,7 +187,8 @@ def test_a_response_reports_its_target_forwards_and_the_bench_reads_them(server)
     assert measured_tokens_per_step(timings) == 1.0
     assert all(t.drafted_steps == 0 for t in timings) and drafted_share(timings) == 0.0
     assert reported_forwards({"predicted_n": 10, "draft_n": 6, "draft_n_accepted": 4}) == 6  # llama-server's
-    assert reported_forwards({"predicted_n": 10}) is None
+    assert reported_forwards({"predicted_n": 10}) == 10  # a request of llama-server's that drafted nothing
+    assert reported_forwards({}) is None
 
 
 def test_the_bench_sums_the_requests_decisions_and_keeps_them_with_the_level(tmp_path):
