@@ -40,3 +40,8 @@ HOST_LINK_NAMES = ("pcie3-x16", "pcie4-x16", "pcie5-x16", "pcie4-x8", "nvlink-c2
 # the serving engines' own drafting rules our decoder runs (`plan serve --rule`, `plan bench --rules`;
 # decoder/draft_rules.py)
 DRAFT_RULES = ("trtllm-auto", "hf-heuristic", "hf-constant", "llama.cpp", "sglang-ema")
+# MiB of host memory a server keeps its slots' lost prefixes in (decoder/prompt_cache.py; `plan serve --cache-ram`):
+# llama-server's default is 8192, on hosts that serve larger models than ours
+DEFAULT_PROMPT_CACHE_MIB = 2048
+# the shortest prefix it saves (a chat template's system turn, which every slot holds, is not worth a copy)
+MIN_SAVED_TOKENS = 64

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from specplan.core.choices import BACKENDS, TIMED_FORWARDS
+from specplan.core.choices import BACKENDS, DEFAULT_PROMPT_CACHE_MIB, TIMED_FORWARDS
 from specplan.core.errors import UserError
 from specplan.core.machine import machine_difference, this_machine
 from specplan.core.method_settings import TrieSettings
@@ -167,9 +167,11 @@ class Decoder:
             drafter.use_slot(slot)
         return drafter
 
-    def scheduler(self, concurrency: int, prefill_chunk: int = 0) -> Scheduler:
-        """A continuous-batching scheduler over this decoder's target and drafters (decoder/batching.py)."""
-        return Scheduler(self.engine, self.drafter_for_slot, concurrency, prefill_chunk)
+    def scheduler(self, concurrency: int, prefill_chunk: int = 0, prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB
+                  ) -> Scheduler:
+        """A continuous-batching scheduler over this decoder's target and drafters (decoder/batching.py), its
+        slots' lost prefixes kept in up to `prompt_cache_mib` of host memory (decoder/prompt_cache.py)."""
+        return Scheduler(self.engine, self.drafter_for_slot, concurrency, prefill_chunk, prompt_cache_mib)
 
     def check_memory(self, concurrency: int, max_len: int) -> None:
         """Refuse, before any work, a concurrency whose caches of `max_len` slots do not fit the free memory."""

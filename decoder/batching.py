@@ -10,7 +10,9 @@ slots, and waiting requests join: the prompts admitted together are prefilled to
 with a `prefill_chunk`, their prompts ride along the decode steps, at most that many prompt tokens a step, so that
 the sequences in flight keep decoding while a request joins (vLLM's chunked prefill). A
 slot's cache keeps what its last sequence left, so that a prompt sharing a prefix with it (a chat template's system
-turn, a conversation's earlier turns) prefills only the rest, as llama-server's slots reuse their prompt caches.
+turn, a conversation's earlier turns) prefills only the rest, as llama-server's slots reuse their prompt caches; what
+a slot would lose is saved in host memory, where any slot's later request may start from it (decoder/prompt_cache.py,
+llama-server's --cache-ram).
 A request's tokens do not depend on who shares its steps: greedy output is its own one-request greedy output, and
 sampled output is drawn from its own seeded stream.
 
@@ -28,11 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specplan.core.choices import DEFAULT_PROMPT_CACHE_MIB
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
 from specplan.decoder.gate import RecentYields
 from specplan.decoder.model import ForwardItem, prefill_together, prompt_item
+from specplan.decoder.prompt_cache import PromptCache
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree
 
@@ -83,7 +87,7 @@ class Scheduler:
     each) and advances every running sequence by one speculative step; `run` does both over a list."""
 
     def __init__(self, engine: SpeculativeEngine, drafter_for_slot: Callable[[int], Drafter], concurrency: int,
-                 prefill_chunk: int = 0) -> None:
+                 prefill_chunk: int = 0, prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB) -> None:
         if concurrency < 1:
             raise UserError(f"the concurrency must be >= 1, got {concurrency}")
         if prefill_chunk < 0:
@@ -113,6 +117,9 @@ class Scheduler:
         # and where a prefix's keys do not depend on the whole prompt (RoPE scaled by the prompt's length; Phi-3)
         self.keep_prefixes = (getattr(target, "kernels", None) is not None and target.graphed is None
                               and target.long_rope is None and not target.position_dependent_rope)
+        # prefixes the slots would lose, kept in host memory for any slot's later request
+        self.prompt_cache = (PromptCache(prompt_cache_mib * 2**20) if self.keep_prefixes and prompt_cache_mib > 0
+                             else None)
 
     def submit(self, request: Request) -> int:
         self.waiting.append(_Waiting(self.next_id, request, time.perf_counter()))
@@ -240,10 +247,13 @@ class Scheduler:
                 continue
             slot = self.free_slots.pop(0)
             request = waiting.request
+            role = "target" + (f".{slot}" if slot else "")
+            held = self.engine.target.kept_cache(role) if self.prompt_cache is not None else None
+            if held is not None:
+                self.prompt_cache.reuse(held, request.prompt)
             try:
                 run = self.engine.start(request.prompt, request.max_new_tokens, request.params, request.seed,
-                                        request.on_tokens, self.drafter_for_slot(slot),
-                                        "target" + (f".{slot}" if slot else ""), prefill=False,
+                                        request.on_tokens, self.drafter_for_slot(slot), role, prefill=False,
                                         keep_prefix=self.keep_prefixes)
             except UserError as exc:  # this request fails alone
                 self.free_slots.insert(0, slot)

@@ -391,6 +391,11 @@ class LeanModel:
             raise UserError(f"a cache of {max_len} tokens exceeds the model's maximum context {self.shape.max_context}")
         return KVCache(self.shape, max_len, self.dtype, self.device, streamed_to=self.device if host else None)
 
+    def kept_cache(self, role: str) -> KVCache | None:
+        """The cache this model last handed `role`, as its sequence left it (None: none yet)."""
+        kept = self.kept_caches.get(role)
+        return next(iter(kept.values())) if kept else None
+
     def cache_for(self, max_len: int, role: str, exact: bool = False, keep: bool = False) -> KVCache:
         """An empty cache of `max_len` slots for `role` (the engine's "target", a drafter's own): the one this
         model kept for that role and size, emptied, else a new one (kept in its place). With `keep` (no CUDA

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specplan.core.choices import MIN_SAVED_TOKENS
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule, setting_name
 from specplan.core.profile_schema import LatencyProfile
@@ -79,6 +80,7 @@ def closed_loop_price(profile: LatencyProfile, prompts: list[list[int]], concurr
     queue = deque(range(len(prompts)))
     arrivals: deque[tuple[float, int]] = deque((0.0, queue.popleft()) for _ in range(min(concurrency, len(queue))))
     slots_held = list(held or [[] for _ in range(concurrency)])
+    saved = SavedPrefixes()
     free = list(range(concurrency))
     running: list[tuple[int, int, float]] = []  # (request, slot, tokens emitted)
     now = prefill_total = 0.0
@@ -91,7 +93,8 @@ def closed_loop_price(profile: LatencyProfile, prompts: list[list[int]], concurr
             joining.append((request, slot))
         if joining:
             joined = setting_for(len(running) + len(joining))  # the batch they join
-            seconds = sum(_prefill(profile, prompts[request], slots_held[slot], joined) for request, slot in joining)
+            seconds = sum(_prefill(profile, prompts[request], saved.reuse(slots_held[slot], prompts[request]), joined)
+                          for request, slot in joining)
             now += seconds
             prefill_total += seconds
             running += [(request, slot, 0.0) for request, slot in joining]
@@ -120,10 +123,31 @@ def closed_loop_price(profile: LatencyProfile, prompts: list[list[int]], concurr
     return LoadPrice(tokens / now, now, tokens, prefill_total, steps, batch_total / max(steps, 1))
 
 
+class SavedPrefixes:
+    """The server's prompt cache (decoder/prompt_cache.py) as the price sees it: the prompts slots lost, every one
+    kept (the memory budget holds them)."""
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    def reuse(self, held: list[int], prompt: list[int]) -> list[int]:
+        """What a slot holding `held` starts `prompt` from: its own prefix or a saved one, whichever shares more
+        (`held` saved where the prompt keeps less than half of it)."""
+        def shared(tokens: list[int]) -> int:
+            return len(os.path.commonprefix([tokens, prompt[:-1]]))
+
+        saved = max(self.prompts, key=shared, default=None)
+        best = saved if saved is not None and shared(saved) > shared(held) else held
+        kept = shared(held) if best is held else len(os.path.commonprefix([held, best]))
+        if len(held) >= MIN_SAVED_TOKENS and 2 * kept < len(held) and held not in self.prompts:
+            self.prompts.append(held)
+        return best
+
+
 def _prefill(profile: LatencyProfile, prompt: list[int], held: list[int], setting: SettingPrice) -> float:
     """A joining request's prefill: the target's over the prompt (all but its last token, the first step's root)
-    beyond the prefix its slot still holds; a draft model's over the whole prompt where the batch it joins drafts
-    (the draft reads it at its first drafted step, charged here)."""
+    beyond the prefix its slot holds (its own, or one the prompt cache kept); a draft model's over the whole prompt
+    where the batch it joins drafts (the draft reads it at its first drafted step, charged here)."""
     shared = len(os.path.commonprefix([prompt, held]))
     seconds = profile.prompt_prefill("target", max(len(prompt) - 1 - shared, 1)) or 0.0
     if setting.draft_model:

@@ -15,6 +15,7 @@ import click
 from specplan.core.choices import (
     BACKENDS,
     BASELINES,
+    DEFAULT_PROMPT_CACHE_MIB,
     DEVICES,
     DRAFT_RULES,
     DTYPES,
@@ -851,13 +852,16 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--context", type=click.IntRange(min=1),
               help="the most tokens a request may hold, prompt and output (default: the model's context); the KV "
                    "caches of --concurrency such requests must fit in memory")
+@click.option("--cache-ram", "prompt_cache_mib", type=click.IntRange(min=0), default=DEFAULT_PROMPT_CACHE_MIB,
+              show_default=True, help="MiB of host memory for the prefixes slots would lose, which later requests "
+                                      "sharing them start from (llama-server's --cache-ram; 0: none)")
 @_offload_options()
 def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
           verify: str | None, device: str | None, backend: str | None, host: str, port: int, concurrency: int,
           prefill_chunk: int, fixed_drafting: bool, no_sharing: bool, rule: str | None, setting: int | None,
           max_queue: int,
           max_new_tokens: int,
-          context: int | None, offload: str | None, resident_layers: int | None) -> None:
+          context: int | None, prompt_cache_mib: int, offload: str | None, resident_layers: int | None) -> None:
     """An OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions) over continuous batching."""
     from specplan.decoder.api import load_decoder
     from specplan.serve import ServeOptions, serve_forever
@@ -882,8 +886,8 @@ def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: 
         raise UserError(f"--context {context} exceeds the model's context of {longest}")
     decoder.check_memory(concurrency, context or longest)
     name = target or (decoder.plan.models.target if decoder.plan else "model")
-    serve_forever(decoder, name, ServeOptions(concurrency, max_queue, max_new_tokens, prefill_chunk, context), host,
-                  port, _progress)
+    serve_forever(decoder, name, ServeOptions(concurrency, max_queue, max_new_tokens, prefill_chunk, context,
+                                              prompt_cache_mib), host, port, _progress)
 
 
 def _check_no_sharing(plan_path: Path | None, no_sharing: bool) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from specplan.core.choices import DEFAULT_PROMPT_CACHE_MIB
 from specplan.core.errors import UserError
 from specplan.decoder.api import Decoder
 from specplan.decoder.batching import Completion, Request
@@ -50,6 +51,7 @@ class ServeOptions:
     max_new_tokens: int = 256
     prefill_chunk: int = 0
     context: int | None = None
+    prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB
 
 
 @dataclass
@@ -67,9 +69,10 @@ class EngineLoop:
     """The scheduler's loop, in a thread of its own (`start`) or the caller's (`run`); `submit` and `cancel` are
     safe to call from any thread."""
 
-    def __init__(self, decoder: Decoder, concurrency: int, max_queue: int, prefill_chunk: int = 0) -> None:
+    def __init__(self, decoder: Decoder, concurrency: int, max_queue: int, prefill_chunk: int = 0,
+                 prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB) -> None:
         self.decoder = decoder
-        self.scheduler = decoder.scheduler(concurrency, prefill_chunk)
+        self.scheduler = decoder.scheduler(concurrency, prefill_chunk, prompt_cache_mib)
         self.capacity = concurrency + max_queue
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -401,7 +404,8 @@ class RunningServer:
 def build(decoder: Decoder, model_name: str, options: ServeOptions) -> tuple[web.Application, EngineLoop]:
     if options.max_queue < 0:
         raise UserError(f"the queue limit must be >= 0, got {options.max_queue}")
-    engine = EngineLoop(decoder, options.concurrency, options.max_queue, options.prefill_chunk)
+    engine = EngineLoop(decoder, options.concurrency, options.max_queue, options.prefill_chunk,
+                        options.prompt_cache_mib)
     return Server(decoder, engine, model_name, options).app(), engine
 
 

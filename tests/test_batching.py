@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from specplan.core.choices import DEFAULT_PROMPT_CACHE_MIB
 from specplan.core.method_settings import RetrievalSettings, TrieSettings
 from specplan.core.models import load_model
 from specplan.decoder.batching import Request, Scheduler
@@ -201,6 +202,36 @@ def test_a_slot_keeps_the_prefix_a_next_prompt_shares_and_the_tokens_stay_its_ow
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(
             request.prompt, request.max_new_tokens, SamplingParams()).tokens, i
+
+
+@pytest.mark.parametrize("method", ["one-token", "lookahead", "sequoia"])
+def test_a_prefix_a_slot_lost_is_reused_from_the_prompt_cache_by_any_slot(method, tiny_pair, monkeypatch):
+    """Four long prompts through two slots, then the first two again: their slots hold the later two, so each repeat
+    starts from the prefix the prompt cache saved (llama-server's --cache-ram) and prefills nothing; without the
+    cache, everything again. Every request's greedy tokens equal its own one-request greedy tokens."""
+    import specplan.decoder.batching as batching
+
+    _, target, draft = tiny_pair
+    make = drafters(target, draft)[method]
+    firsts = [long_prompt(90 + 7 * i, seed=i) for i in range(4)]
+    prefilled = []
+    alone, together = target.prefill, batching.prefill_together
+    monkeypatch.setattr(target, "prefill", lambda tokens, *a, **k: prefilled.append(len(tokens)) or alone(
+        tokens, *a, **k))
+    monkeypatch.setattr(batching, "prefill_together", lambda model, pieces, *a: prefilled.extend(
+        len(p) for p in pieces) or together(model, pieces, *a))
+    for budget in (DEFAULT_PROMPT_CACHE_MIB, 0):
+        scheduler = Scheduler(SpeculativeEngine(target, make()), drafters_per_slot(make), 2, prompt_cache_mib=budget)
+        requests = [Request(prompt, 8) for prompt in firsts]
+        results = {c.id: c.result.tokens for c in scheduler.run(requests)}
+        prefilled.clear()
+        repeats = [Request(prompt, 8) for prompt in firsts[:2]]
+        results.update({c.id: c.result.tokens for c in scheduler.run(repeats)})
+        assert sum(prefilled) == (0 if budget else sum(len(p) - 1 for p in firsts[:2])), budget
+        for i, request in enumerate(requests + repeats):
+            assert results[i] == SpeculativeEngine(target, make()).generate(
+                request.prompt, request.max_new_tokens, SamplingParams()).tokens, (budget, i)
+    monkeypatch.undo()
 
 
 def test_triforce_requests_batched_keep_their_greedy_tokens(tiny_pair):

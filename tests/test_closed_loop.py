@@ -44,6 +44,16 @@ def test_clients_send_their_next_prompt_when_the_last_completes_and_a_slot_reuse
     assert uneven.steps == 5 and uneven.mean_batch == pytest.approx(7 / 5) and uneven.output_tokens == 7
 
 
+def test_a_prompt_a_slot_lost_is_priced_from_the_prompt_cache():
+    first, second = [1] * 80 + [2], [3] * 80 + [4]  # 80 prefilled tokens each, nothing shared
+    price = closed_loop_price(flat_profile(), [first, second, first], 1, 5, lambda batch: OFF)
+    # the second prompt keeps nothing of the first, which the cache saves; the first again starts from it
+    assert price.prefill_seconds == pytest.approx((80 + 80 + 1) * PREFILL_PER_TOKEN)  # a prefill reads 1 at least
+    short = [[5] * 20 + [6], [7] * 20 + [8], [5] * 20 + [6]]  # below MIN_SAVED_TOKENS: not saved
+    assert closed_loop_price(flat_profile(), short, 1, 5, lambda batch: OFF).prefill_seconds == pytest.approx(
+        3 * 20 * PREFILL_PER_TOKEN)
+
+
 def test_the_setting_follows_the_batch_in_flight():
     seen = []
 

@@ -1,0 +1,89 @@
+"""Prefixes kept in host memory across a server's slots (llama-server's `--cache-ram`, vLLM's prefix caching).
+
+A slot's cache keeps what its last sequence left (KVCache.held), which its next request reuses where their tokens
+agree. When that next request shares less than half of it, the slot's prefix is saved here before it is overwritten;
+a request whose prompt shares more with a saved prefix than with its slot's own starts from a copy of the saved keys
+and values instead (the same tokens at the same positions: the values a prefill would compute). Saved prefixes are
+dropped least recently used first beyond the memory budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specplan.core.choices import MIN_SAVED_TOKENS
+from specplan.decoder.model import KVCache
+
+
+def shared_prefix(tokens: np.ndarray, prompt: np.ndarray) -> int:
+    """How many leading ids the two agree on."""
+    length = min(len(tokens), len(prompt))
+    differ = np.flatnonzero(tokens[:length] != prompt[:length])
+    return int(differ[0]) if len(differ) else length
+
+
+@dataclass(eq=False)  # entries are told apart by identity
+class SavedPrefix:
+    tokens: np.ndarray  # [n] int64
+    keys: torch.Tensor  # [layers, kv_heads, n, head_dim]
+    values: torch.Tensor  # [layers, kv_heads, n, head_dim]
+
+    @property
+    def bytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class PromptCache:
+    """Saved prefixes, least recently used first out beyond `budget_bytes`."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.entries: list[SavedPrefix] = []  # least recently used first
+        self.bytes = 0
+
+    def reuse(self, cache: KVCache, prompt: list[int]) -> int:
+        """Ready a slot's `cache` for `prompt` (before KVCache.keep_prefix): save what it holds if the prompt keeps
+        less than half of it, and load the saved prefix sharing the most with the prompt where that beats the slot's
+        own. The tokens the cache then shares with the prompt (its last excluded: the first step's root)."""
+        if cache.key_positions is not None:  # slots are not positions: KVCache.keep_prefix keeps nothing either
+            return 0
+        wanted = np.asarray(prompt[:-1], dtype=np.int64)
+        held = np.asarray(cache.held[:cache.length] if cache.held is not None else [], dtype=np.int64)
+        own = shared_prefix(held, wanted)
+        best, best_shared = None, own
+        for entry in self.entries:
+            shared = shared_prefix(entry.tokens, wanted)
+            if shared > best_shared:
+                best, best_shared = entry, shared
+        count = 0 if best is None else min(len(best.tokens), cache.max_len)
+        kept = own if best is None else shared_prefix(held, best.tokens[:count])
+        if len(held) >= MIN_SAVED_TOKENS and 2 * kept < len(held):
+            self._save(cache, held)
+        if best is None:
+            return own
+        self.entries.remove(best)
+        self.entries.append(best)  # the most recently used
+        cache.k[:, :, :count] = best.keys[:, :, :count]
+        cache.v[:, :, :count] = best.values[:, :, :count]
+        cache.held, cache.length = best.tokens[:count].tolist(), count
+        return min(best_shared, count)
+
+    def _save(self, cache: KVCache, held: np.ndarray) -> None:
+        if any(shared_prefix(entry.tokens, held) == len(held) for entry in self.entries):
+            return  # a saved prefix already holds these tokens
+        entry = SavedPrefix(held, cache.k[:, :, :len(held)].clone(), cache.v[:, :, :len(held)].clone())
+        if entry.bytes > self.budget_bytes:
+            return
+        for shorter in [e for e in self.entries if shared_prefix(held, e.tokens) == len(e.tokens)]:
+            self._drop(shorter)  # prefixes of the new one
+        self.entries.append(entry)
+        self.bytes += entry.bytes
+        while self.bytes > self.budget_bytes:
+            self._drop(self.entries[0])
+
+    def _drop(self, entry: SavedPrefix) -> None:
+        self.entries.remove(entry)
+        self.bytes -= entry.bytes
