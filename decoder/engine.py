@@ -33,6 +33,7 @@ class GenerationResult:
     drafted_per_step: list[int] = field(default_factory=list)  # draft nodes each forward scored beside its root
     # the per-request decisions' steps by why ("pays: drafts", "sits out: plain"; decoder/gate.py REASONS); {} ungated
     decisions: dict[str, int] = field(default_factory=dict)
+    cached_prompt_tokens: int = 0  # of the prompt, those its slot's cache held (a kept prefix), not prefilled
 
     @property
     def drafted_steps(self) -> int:
@@ -96,6 +97,7 @@ class SequenceRun:
         self.batch = 1  # sequences in the coming step (decide)
         self.tree: DraftTree | None = None
         self.prefill_seconds = 0.0
+        self.cached_prompt_tokens = cache.length  # a prefix the slot's cache kept (KVCache.keep_prefix)
         self.started = 0.0  # when decoding began (perf_counter)
         self.first_token_at: float | None = None  # when the first token was emitted (perf_counter)
 
@@ -181,7 +183,7 @@ class SequenceRun:
     def result(self) -> GenerationResult:
         return GenerationResult(self.out, self.prefill_seconds, time.perf_counter() - self.started,
                                 len(self.accepted_per_step), self.accepted_per_step, self.stop_reason,
-                                self.drafted_per_step, dict(self.decisions))
+                                self.drafted_per_step, dict(self.decisions), self.cached_prompt_tokens)
 
 
 class SpeculativeEngine:

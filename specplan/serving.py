@@ -78,6 +78,7 @@ class RequestTiming:
     prompt: int | None = None  # its prompt's index in the level's prompts
     drafted_steps: int | None = None  # of those, the forwards in which it drafted (ours: None elsewhere)
     decisions: dict[str, int] | None = None  # its steps by why it drafted or not (ours, with the decisions)
+    cached: int | None = None  # its prompt tokens the server's cache held, not prefilled (its report's cache_n)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -111,6 +112,7 @@ class LevelResult:
     drafted_share: float | None = None  # of the requests' steps, those in which they drafted (ours)
     round: int = 0  # which of the level's rounds (plan bench --rounds): every system once a round
     decisions: dict[str, int] | None = None  # the requests' steps by why they drafted or not (decoder/gate.py)
+    cached_share: float | None = None  # of the prompt tokens sent, those the server's caches held (cache_n)
 
     @classmethod
     def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
@@ -203,7 +205,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    first, text, counted, steps, drafted, decisions = None, [], None, None, None, None
+    first, text, counted, steps, drafted, decisions, cached = None, [], None, None, None, None, None
     async with session.post(url + "/v1/completions", json=body) as reply:
         if reply.status != 200:
             raise UserError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
@@ -222,9 +224,10 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
             steps = reported_forwards(timings) or steps
             drafted = timings.get("drafted_steps", drafted)
             decisions = timings.get("decisions", decisions)
+            cached = timings.get("cache_n", cached)
     done = time.perf_counter()
     return RequestTiming(sent, first, done, counted if counted is not None else count_tokens("".join(text)), steps,
-                         drafted_steps=drafted, decisions=decisions)
+                         drafted_steps=drafted, decisions=decisions, cached=cached)
 
 
 def reported_forwards(timings: dict) -> int | None:
@@ -272,7 +275,7 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
 
     names = [f.name for f in fields(LevelResult)]
     optional = {"predicted_tokens_per_second", "tokens_per_step", "repriced_tokens_per_second",  # older results
-                "output_lengths", "drafted_share", "round", "decisions"}
+                "output_lengths", "drafted_share", "round", "decisions", "cached_share"}
     levels = []
     for number, line in enumerate(read_text(Path(path)).splitlines(), 1):
         if not line.strip():
@@ -446,6 +449,9 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
     if not timings:
         raise UserError(f"{where}: every request failed")
     result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
+    reported = [t for t in timings if t.cached is not None and t.prompt is not None]
+    if reported:
+        result.cached_share = sum(t.cached for t in reported) / sum(len(level_prompts[t.prompt]) for t in reported)
     # each prompt's output as long as the server's (greedy: the target's own text, whoever decodes it)
     lengths = result.output_lengths = [max_tokens] * len(level_prompts)
     for timing in timings:
@@ -462,6 +468,8 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
             priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at "
                        f"{result.tokens_per_step:.2f} tokens/step)")
     drafted = f", {result.drafted_share:.0%} of steps drafted" if result.drafted_share is not None else ""
+    if result.cached_share is not None:
+        drafted += f", {result.cached_share:.0%} of prompt tokens cached"
     plain = sorted(((n, why) for why, n in (result.decisions or {}).items() if why.endswith(": plain")), reverse=True)
     why_plain = ", ".join(f"{why.removesuffix(': plain')} {n}" for n, why in plain)
     sat_out = f" (steps without drafting, by why: {why_plain})" if plain else ""

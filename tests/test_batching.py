@@ -226,8 +226,12 @@ def test_a_prefix_a_slot_lost_is_reused_from_the_prompt_cache_by_any_slot(method
         results = {c.id: c.result.tokens for c in scheduler.run(requests)}
         prefilled.clear()
         repeats = [Request(prompt, 8) for prompt in firsts[:2]]
-        results.update({c.id: c.result.tokens for c in scheduler.run(repeats)})
+        again = list(scheduler.run(repeats))
+        results.update({c.id: c.result.tokens for c in again})
         assert sum(prefilled) == (0 if budget else sum(len(p) - 1 for p in firsts[:2])), budget
+        # what a server reports as each request's cache_n
+        assert sorted(c.result.cached_prompt_tokens for c in again) == sorted(
+            len(p) - 1 if budget else 0 for p in firsts[:2])
         for i, request in enumerate(requests + repeats):
             assert results[i] == SpeculativeEngine(target, make()).generate(
                 request.prompt, request.max_new_tokens, SamplingParams()).tokens, (budget, i)

@@ -183,6 +183,7 @@ def test_a_response_reports_its_target_forwards_and_the_bench_reads_them(server)
     prompts = [decoder.tokenizer("once upon a time")["input_ids"], decoder.tokenizer("far away")["input_ids"]]
     timings, failed = asyncio.run(closed_loop(running.url, prompts, 2, 5, lambda text: 0))
     assert failed == 0 and all(t.steps == t.tokens == 5 for t in timings)  # one-token decoding: a token a forward
+    assert all(0 <= t.cached < len(prompts[t.prompt]) for t in timings)  # the prompt tokens its slot's cache held
     assert sorted(t.prompt for t in timings) == [0, 1]  # which prompt each answers: the price takes its length
     assert measured_tokens_per_step(timings) == 1.0
     assert all(t.drafted_steps == 0 for t in timings) and drafted_share(timings) == 0.0
