@@ -10,9 +10,9 @@ slots, and waiting requests join: the prompts admitted together are prefilled to
 with a `prefill_chunk`, their prompts ride along the decode steps, at most that many prompt tokens a step, so that
 the sequences in flight keep decoding while a request joins (vLLM's chunked prefill). A
 slot's cache keeps what its last sequence left, so that a prompt sharing a prefix with it (a chat template's system
-turn, a conversation's earlier turns) prefills only the rest, as llama-server's slots reuse their prompt caches; what
-a slot would lose is saved in host memory, where any slot's later request may start from it (decoder/prompt_cache.py,
-llama-server's --cache-ram).
+turn, a conversation's earlier turns) prefills only the rest, as llama-server's slots reuse their prompt caches: a
+joining request takes the free slot holding the longest prefix of its prompt, and what a slot would lose is saved in
+host memory, where any slot's later request may start from it (decoder/prompt_cache.py, llama-server's --cache-ram).
 A request's tokens do not depend on who shares its steps: greedy output is its own one-request greedy output, and
 sampled output is drawn from its own seeded stream.
 
@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specplan.core.choices import DEFAULT_PROMPT_CACHE_MIB
@@ -36,7 +37,7 @@ from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
 from specplan.decoder.gate import RecentYields
 from specplan.decoder.model import ForwardItem, prefill_together, prompt_item
-from specplan.decoder.prompt_cache import PromptCache
+from specplan.decoder.prompt_cache import PromptCache, shared_prefix
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree
 
@@ -245,8 +246,8 @@ class Scheduler:
                 self.cancelled.discard(waiting.id)
                 failed.append(Completion(waiting.id, None, "cancelled", cancelled=True))
                 continue
-            slot = self.free_slots.pop(0)
             request = waiting.request
+            slot = self._slot_for(request.prompt)
             role = "target" + (f".{slot}" if slot else "")
             held = self.engine.target.kept_cache(role) if self.prompt_cache is not None else None
             if held is not None:
@@ -284,6 +285,20 @@ class Scheduler:
             if entry not in together:
                 entry.run.prefill(entry.prompt)
         return failed
+
+    def _slot_for(self, prompt: list[int]) -> int:
+        """The free slot a request takes: the one whose cache holds the longest prefix of its prompt (llama-server's
+        choice by prompt similarity), else the lowest."""
+        best, shared = 0, 0
+        if self.keep_prefixes:
+            wanted = np.asarray(prompt[:-1], dtype=np.int64)
+            for index, slot in enumerate(self.free_slots):
+                cache = self.engine.target.kept_cache("target" + (f".{slot}" if slot else ""))
+                if cache is not None and cache.held is not None:
+                    held = shared_prefix(np.asarray(cache.held[:cache.length], dtype=np.int64), wanted)
+                    if held > shared:
+                        best, shared = index, held
+        return self.free_slots.pop(best)
 
     def abort(self, reason: str) -> list[Completion]:
         """After a step that raised: the completions it had made, and every sequence in flight failed with `reason`

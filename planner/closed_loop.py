@@ -5,7 +5,8 @@ is prefilled as it joins (the target's prefill of its prompt, less the prefix it
 slot's last request), the batch fills and drains as requests start and finish, and `plan bench --concurrency` counts
 every output token over the whole wall time. This module replays that load step by step as the decoder's scheduler
 runs it (decoder/batching.py): C clients each send their next prompt when their last one completes; waiting requests
-join free slots (the lowest first) between steps and are prefilled there before the next step; each step, every
+join free slots (the one holding the longest prefix of the prompt, else the lowest) between steps and are prefilled
+there beyond that prefix, or one the prompt cache kept, before the next step; each step, every
 sequence in flight gains its setting's tokens per step, the setting chosen for the batch size in flight; the step costs
 t(B, n) at the sequences' contexts, the engine's overhead o(n, B), each drafter's host work and the draft model's
 levels. Tokens per step are the replays' means (every sequence advances alike: the waves of a closed loop drain only
@@ -89,7 +90,8 @@ def closed_loop_price(profile: LatencyProfile, prompts: list[list[int]], concurr
         joining = []
         while arrivals and arrivals[0][0] <= now and free:
             _, request = arrivals.popleft()
-            slot = free.pop(0)
+            slot = free.pop(max(range(len(free)), key=lambda i: (  # the longest prefix held, else the lowest slot
+                len(os.path.commonprefix([slots_held[free[i]], prompts[request][:-1]])), -i)))
             joining.append((request, slot))
         if joining:
             joined = setting_for(len(running) + len(joining))  # the batch they join

@@ -238,6 +238,19 @@ def test_a_prefix_a_slot_lost_is_reused_from_the_prompt_cache_by_any_slot(method
     monkeypatch.undo()
 
 
+def test_a_request_takes_the_free_slot_holding_its_prompt(tiny_pair):
+    """Two slots left holding two prompts; the second prompt again, alone: it takes the second slot, not the lowest
+    free one, and prefills nothing (no prompt cache: the slot's own prefix)."""
+    _, target, _ = tiny_pair
+    firsts = [long_prompt(70, seed=i) for i in range(2)]
+    scheduler = Scheduler(SpeculativeEngine(target, NoDrafter()), lambda slot: NoDrafter(), 2, prompt_cache_mib=0)
+    list(scheduler.run([Request(prompt, 4) for prompt in firsts]))
+    (again,) = scheduler.run([Request(firsts[1], 4)])
+    assert again.result.cached_prompt_tokens == len(firsts[1]) - 1
+    assert again.result.tokens == SpeculativeEngine(target, NoDrafter()).generate(firsts[1], 4,
+                                                                                 SamplingParams()).tokens
+
+
 def test_triforce_requests_batched_keep_their_greedy_tokens(tiny_pair):
     """Four long-context requests through TriForce's hierarchy (each its own retrieval cache and StreamingLLM
     draft), two in flight: each equals transformers' greedy output."""
