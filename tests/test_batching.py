@@ -169,25 +169,31 @@ def test_prompts_prefilled_in_chunks_along_the_decode_steps_keep_every_request_i
                                                                         SamplingParams()).tokens, i
 
 
+def counted_prefills(target, monkeypatch) -> list[int]:
+    """The prompt tokens each prefill of `target` computes, alone or batched, appended as they run."""
+    import specplan.decoder.batching as batching
+
+    prefilled: list[int] = []
+    alone, together = target.prefill, batching.prefill_together
+    monkeypatch.setattr(target, "prefill", lambda tokens, *a, **k: prefilled.append(len(tokens)) or alone(
+        tokens, *a, **k))
+    monkeypatch.setattr(batching, "prefill_together", lambda model, pieces, *a: prefilled.extend(
+        len(p) for p in pieces) or together(model, pieces, *a))
+    return prefilled
+
+
 @pytest.mark.parametrize("method", ["one-token", "lookahead", "sequoia"])
 def test_a_slot_keeps_the_prefix_a_next_prompt_shares_and_the_tokens_stay_its_own(method, tiny_pair, monkeypatch):
     """Prompts sharing a 20-token head (a chat template's system turn), one repeating an earlier prompt exactly, one
     continuing an earlier prompt and its output (a conversation's next turn), two slots: the slots prefill only
     what their caches do not hold, and every request's greedy tokens equal its own one-request greedy tokens.
     A one-request generation in between (slot 0's cache) leaves no stale prefix behind."""
-    import specplan.decoder.batching as batching
-
     _, target, draft = tiny_pair
     make = drafters(target, draft)[method]
     gen = torch.Generator().manual_seed(7)
     head = torch.randint(0, 250, (20,), generator=gen).tolist()
     tails = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (6, 11, 3, 9)]
-    prefilled = []
-    alone, together = target.prefill, batching.prefill_together
-    monkeypatch.setattr(target, "prefill", lambda tokens, *a, **k: prefilled.append(len(tokens)) or alone(
-        tokens, *a, **k))
-    monkeypatch.setattr(batching, "prefill_together", lambda model, pieces, *a: prefilled.extend(
-        len(p) for p in pieces) or together(model, pieces, *a))
+    prefilled = counted_prefills(target, monkeypatch)
     engine = SpeculativeEngine(target, make())
     scheduler = Scheduler(engine, drafters_per_slot(make), 2)
     requests = [Request(head + tail, 12) for tail in tails]
@@ -209,17 +215,10 @@ def test_a_prefix_a_slot_lost_is_reused_from_the_prompt_cache_by_any_slot(method
     """Four long prompts through two slots, then the first two again: their slots hold the later two, so each repeat
     starts from the prefix the prompt cache saved (llama-server's --cache-ram) and prefills nothing; without the
     cache, everything again. Every request's greedy tokens equal its own one-request greedy tokens."""
-    import specplan.decoder.batching as batching
-
     _, target, draft = tiny_pair
     make = drafters(target, draft)[method]
     firsts = [long_prompt(90 + 7 * i, seed=i) for i in range(4)]
-    prefilled = []
-    alone, together = target.prefill, batching.prefill_together
-    monkeypatch.setattr(target, "prefill", lambda tokens, *a, **k: prefilled.append(len(tokens)) or alone(
-        tokens, *a, **k))
-    monkeypatch.setattr(batching, "prefill_together", lambda model, pieces, *a: prefilled.extend(
-        len(p) for p in pieces) or together(model, pieces, *a))
+    prefilled = counted_prefills(target, monkeypatch)
     for budget in (DEFAULT_PROMPT_CACHE_MIB, 0):
         scheduler = Scheduler(SpeculativeEngine(target, make()), drafters_per_slot(make), 2, prompt_cache_mib=budget)
         requests = [Request(prompt, 8) for prompt in firsts]
