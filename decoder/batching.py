@@ -248,7 +248,7 @@ class Scheduler:
                 continue
             request = waiting.request
             slot = self._slot_for(request.prompt)
-            role = "target" + (f".{slot}" if slot else "")
+            role = _target_role(slot)
             held = self.engine.target.kept_cache(role) if self.prompt_cache is not None else None
             if held is not None:
                 self.prompt_cache.reuse(held, request.prompt)
@@ -293,7 +293,7 @@ class Scheduler:
         if self.keep_prefixes:
             wanted = np.asarray(prompt[:-1], dtype=np.int64)
             for index, slot in enumerate(self.free_slots):
-                cache = self.engine.target.kept_cache("target" + (f".{slot}" if slot else ""))
+                cache = self.engine.target.kept_cache(_target_role(slot))
                 if cache is not None and cache.held is not None:
                     held = shared_prefix(np.asarray(cache.held[:cache.length], dtype=np.int64), wanted)
                     if held > shared:
@@ -335,6 +335,11 @@ class Scheduler:
         if self.keep_prefixes:
             run.cache.held = (entry.prompt + run.out)[:run.cache.length]
         self.free_slots.append(entry.slot)
+
+
+def _target_role(slot: int) -> str:
+    """The target cache's role of a slot (slot 0: the one-request decoder's own, "target")."""
+    return "target" + (f".{slot}" if slot else "")
 
 
 def _draft(running: list[_Running]) -> list[DraftTree]:

@@ -44,12 +44,12 @@ class PromptCache:
         self.entries: list[SavedPrefix] = []  # least recently used first
         self.bytes = 0
 
-    def reuse(self, cache: KVCache, prompt: list[int]) -> int:
+    def reuse(self, cache: KVCache, prompt: list[int]) -> None:
         """Ready a slot's `cache` for `prompt` (before KVCache.keep_prefix): save what it holds if the prompt keeps
         less than half of it, and load the saved prefix sharing the most with the prompt where that beats the slot's
-        own. The tokens the cache then shares with the prompt (its last excluded: the first step's root)."""
+        own."""
         if cache.key_positions is not None:  # slots are not positions: KVCache.keep_prefix keeps nothing either
-            return 0
+            return
         wanted = np.asarray(prompt[:-1], dtype=np.int64)
         held = np.asarray(cache.held[:cache.length] if cache.held is not None else [], dtype=np.int64)
         own = shared_prefix(held, wanted)
@@ -63,13 +63,12 @@ class PromptCache:
         if len(held) >= MIN_SAVED_TOKENS and 2 * kept < len(held):
             self._save(cache, held)
         if best is None:
-            return own
+            return
         self.entries.remove(best)
         self.entries.append(best)  # the most recently used
         cache.k[:, :, :count] = best.keys[:, :, :count]
         cache.v[:, :, :count] = best.values[:, :, :count]
         cache.held, cache.length = best.tokens[:count].tolist(), count
-        return min(best_shared, count)
 
     def _save(self, cache: KVCache, held: np.ndarray) -> None:
         if any(shared_prefix(entry.tokens, held) == len(held) for entry in self.entries):

