@@ -25,6 +25,10 @@ step of B sequences of n new tokens each, every sequence over its own cache of L
 `engine_overhead_batches: {B: {n: seconds}}`: the continuous-batching engine's time per step outside the forward for B
 sequences of n-node trees (after short prompts: the host's work does not depend on the context). A profile without
 them is B = 1.
+
+`plan profile --engine llama-server --draft` also gives, per context, the draft's `chains: {B: {k: seconds}}`: the
+draft model's work in llama-server's step drafting k tokens for each of B sequences (its k batched decodes and its
+re-decoding of the k + 1 rows the target verified), what the server's step costs beyond the target's t(B, k + 1).
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class LatencyProfile:
     overhead_context: int | None = None  # the context engine_overhead_seconds was timed at
     target_batches: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # {L: {B: {n: s}}}
     draft_batches: dict[int, dict[int, float]] = field(default_factory=dict)  # {L: {B: one-token step s}}
+    draft_chains: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # {L: {B: {k: s}}}
     overhead_batches: dict[int, dict[int, float]] = field(default_factory=dict)  # {B: {n: engine seconds per step}}
     unfit_batches: dict[int, set[int]] = field(default_factory=dict)  # {L: the modeled B whose caches do not fit}
     models: dict[str, str] = field(default_factory=dict)  # {role: model name}
@@ -129,12 +134,16 @@ class LatencyProfile:
         draft_step = draft.seconds("step_seconds", required=False) if draft else None
         draft_by_context: dict[int, float] = {}
         draft_batches: dict[int, dict[int, float]] = {}
+        draft_chains: dict[int, dict[int, dict[int, float]]] = {}
         if draft is not None and draft.has("contexts"):
             for context, entry in draft.by_token_count("contexts").items():
                 draft_by_context[context] = entry.seconds("step_seconds")
                 if entry.has("batches"):
                     draft_batches[context] = {B: batch.seconds("step_seconds")
                                               for B, batch in entry.by_token_count("batches").items()}
+                if entry.has("chains"):
+                    draft_chains[context] = entry.by_token_count_numbers("chains", low=0.0, high=MAX_SECONDS,
+                                                                         max_key=MAX_FORWARD_TOKENS)
         window_prefills = {}
         for role, section in (("target", target), ("draft", draft)):
             if section is not None and section.has("window_prefill"):
@@ -163,6 +172,7 @@ class LatencyProfile:
             overhead_context=target.token_count("engine_overhead_context", required=False),
             target_batches=target_batches,
             draft_batches=draft_batches,
+            draft_chains=draft_chains,
             unfit_batches={L: unfit for L, unfit in unfit_batches.items() if unfit},
             overhead_batches=target.by_token_count_numbers("engine_overhead_batches", low=0.0, high=MAX_SECONDS,
                                                            max_key=MAX_FORWARD_TOKENS)
@@ -269,6 +279,19 @@ class LatencyProfile:
             if batch <= max(points):
                 at_context[L] = _linear(points, batch)
         return _linear(at_context, context if context is not None else min(at_context)) if at_context else None
+
+    def draft_chain_seconds(self, batch: int, decodes: float, context: float | None = None) -> float | None:
+        """The draft's work in a step where each of `batch` sequences made `decodes` draft decodes: the engine's
+        measured work (`chains`: linear in the decodes, the batch size and the context, clamped to what was
+        measured), else that many one-token steps of the batch (draft_batch_step); None unless profiled."""
+        if not self.draft_chains:
+            step = self.draft_batch_step(batch, context)
+            return None if step is None else decodes * step
+        at_context = {}
+        for L, by_batch in self.draft_chains.items():
+            at_batch = {B: _linear(points, decodes) for B, points in by_batch.items() if points}
+            at_context[L] = _linear(at_batch, batch)
+        return _linear(at_context, context if context is not None else min(at_context))
 
     def retrieval_build(self, context: float, budget: int) -> float | None:
         """Seconds per retrieval-cache build keeping `budget` of `context` tokens: linear in the budget at each

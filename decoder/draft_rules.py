@@ -13,9 +13,9 @@ Read from each engine's code (planner/engines.py keeps the sources with their co
   after a draft accepted whole, else takes 1 away (at least 1); the assistant stops after a token whose probability
   is below assistant_confidence_threshold (0.4). With scikit-learn installed transformers re-tunes that threshold
   from an ROC curve every step; without it (as here) the threshold stays.
-- llama.cpp (common/common.h, common_params_speculative_draft; common/speculative.cpp): up to n_max (3) tokens, each
-  the draft sampler's top candidate, stopping after one whose probability over the sampler's top 10 is below p_min
-  (0: never); a draft shorter than n_min (0) is dropped.
+- llama.cpp's llama-server (common/common.h, common_params_speculative_draft; common/speculative.cpp, draft-simple):
+  up to n_max (3) tokens, each the draft sampler's top candidate, stopping before one whose probability over the
+  sampler's top 10 is below p_min (0: never; that token is not drafted); a draft shorter than n_min (0) is dropped.
 - SGLang (speculative/adaptive_spec_params.py, adaptive_step_router.py): per batch-size tier (the largest key at or
   below the batch size; default tiers 1, 8, 32, 64 with candidate steps [1, 3, 5, 7], [0, 1, 3], [0, 1], [0]) an EMA
   (alpha 0.2) of the batch's mean accepted drafts; after 10 warm-up steps, every 5 steps the tier's steps move to the
@@ -55,13 +55,15 @@ def draft_confidence(logits: torch.Tensor, top_k: int | None) -> torch.Tensor:
 
 @dataclass
 class ChainStop:
-    """When a draft model's chain stops before its length: after a token whose confidence is below `below`, that
-    confidence taken over the draft's `top_k` candidates (None: all); a chain of fewer than `min_tokens` drafted
-    tokens is dropped (the target scores the root alone)."""
+    """When a draft model's chain stops before its length: at a token whose confidence is below `below`, that
+    confidence taken over the draft's `top_k` candidates (None: all), the token kept as the chain's last
+    (`keeps_last`: transformers) or not drafted (llama-server); a chain of fewer than `min_tokens` drafted tokens is
+    dropped (the target scores the root alone)."""
 
     below: float = 0.0
     top_k: int | None = None
     min_tokens: int = 0
+    keeps_last: bool = True
 
 
 NO_STOP = ChainStop()
@@ -115,7 +117,7 @@ class LlamaCppDraft(DraftRule):
     p_min: float = LLAMACPP_DEFAULT_P_MIN
 
     def __post_init__(self) -> None:
-        self.stop = ChainStop(self.p_min, DRAFT_SAMPLER_TOP_K, self.n_min)
+        self.stop = ChainStop(self.p_min, DRAFT_SAMPLER_TOP_K, self.n_min, keeps_last=False)
 
     def tokens(self, batch: int) -> int:
         return self.n_max

@@ -376,7 +376,7 @@ class SequoiaDrafter(Drafter):
                             draft_probs[i][v] = probs[row]
                     stop = drafters[i].chain_stop
                     if stop.below > 0 and float(draft_confidence(scored[-1:], stop.top_k)[0]) < stop.below:
-                        sizes[i] = depth + 2  # the chain ends with the token just drafted
+                        sizes[i] = depth + 2 if stop.keeps_last else depth + 1  # the token just drafted in or out
                     else:
                         still.append(i)
                 live = still

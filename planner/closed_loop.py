@@ -163,10 +163,11 @@ def step_seconds(profile: LatencyProfile, batch: int, setting: SettingPrice, con
     seconds = profile.batch_latency(batch, setting.rows, contexts) + float(profile.engine_overhead(setting.rows, batch))
     seconds += batch * setting.host_seconds
     if setting.draft_levels:
-        draft = profile.draft_batch_step(batch, setting.draft_context or float(np.mean(contexts)))
+        draft = profile.draft_chain_seconds(batch, setting.draft_levels,
+                                            setting.draft_context or float(np.mean(contexts)))
         if draft is None:
             raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
-        seconds += setting.draft_levels * draft
+        seconds += draft
     if setting.middle_rounds:
         rows = setting.middle_rows
         seconds += setting.middle_rounds * (profile.batch_latency(batch, rows, setting.middle_context)
@@ -193,7 +194,7 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
     rates: dict[str, list[float | None]] = {"off": [], **{name[d]: [] for d in prices}}
     drafts = any(price.draft_levels for price in prices.values())
     for batch in range(1, largest + 1):
-        if drafts and profile.draft_batch_step(batch, context) is None:
+        if drafts and profile.draft_chain_seconds(batch, 1, context) is None:
             raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
         off = batch / step_seconds(profile, batch, OFF, [context])
         rates["off"].append(off)

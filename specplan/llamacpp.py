@@ -160,10 +160,10 @@ class DraftChainSettings:
 
 
 class DraftModelChain:
-    """llama.cpp's draft-model drafting rule (common/speculative.cpp, planner/engines.py cites it) behind
-    llama-cpp-python's draft-model interface (a callable from the token ids so far to the drafted ids): the draft
-    catches up on the tokens its cache lacks, then drafts its sampler's top candidate (probability over the top
-    DRAFT_SAMPLER_TOP_K) up to draft_max tokens, stopping after one below p_min; a draft shorter than draft_min
+    """llama-server's draft-model drafting rule (common/speculative.cpp, draft-simple; planner/engines.py cites it)
+    behind llama-cpp-python's draft-model interface (a callable from the token ids so far to the drafted ids): the
+    draft catches up on the tokens its cache lacks, then drafts its sampler's top candidate (probability over the top
+    DRAFT_SAMPLER_TOP_K) up to draft_max tokens, stopping before one below p_min; a draft shorter than draft_min
     is dropped."""
 
     def __init__(self, settings: DraftChainSettings, context: int) -> None:
@@ -185,9 +185,10 @@ class DraftModelChain:
         while True:
             logits = np.ctypeslib.as_array(self.llama._ctx.get_logits(), shape=(self.llama.n_vocab(),))
             top = np.sort(np.partition(logits, -DRAFT_SAMPLER_TOP_K)[-DRAFT_SAMPLER_TOP_K:])[::-1]
-            confidence = 1.0 / np.exp(top - top[0]).sum()
+            if 1.0 / np.exp(top - top[0]).sum() < self.settings.p_min:
+                break
             drafted.append(int(np.argmax(logits)))
-            if len(drafted) >= self.settings.draft_max or confidence < self.settings.p_min:
+            if len(drafted) >= self.settings.draft_max:
                 break
             forward_after(self.llama, len(self.cached), drafted[-1:])
             self.cached = self.cached + drafted[-1:]

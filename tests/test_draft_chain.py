@@ -13,11 +13,11 @@ import yaml
 from specplan.core.acceptance_schema import DraftChainTrace, SequoiaAcceptance, load_sequoia_acceptance
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import load_plan
-from specplan.core.profile_schema import load_profile
+from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.decoder.drafters import SequoiaDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
-from specplan.planner.draft_chain import ChainKnobs, replay
+from specplan.planner.draft_chain import ChainKnobs, draft_work, replay
 from specplan.planner.export import export_plan, import_tree
 from specplan.planner.sequoia import SequoiaTables, rank_candidates
 from specplan.profiler.acceptance import measure_sequoia
@@ -26,6 +26,10 @@ from toy import VOCAB, toy_model
 
 PROFILE = "profiles/qwen2.5-coder-1.5b+0.5b.cpu-2c.bf16.yaml"  # no draft vocabulary limit
 UNIT_COSTS = np.ones(64)  # every forward one unit, drafts free: the replay's speedup is tokens per step
+
+
+def FREE_DRAFTS(decodes: int) -> float:
+    return 0.0
 OUTSIDE_VOCABULARY = 100_000  # a pad id no token has
 
 
@@ -34,7 +38,7 @@ def trace(match: str, confidence: list[float]) -> DraftChainTrace:
 
 
 def tokens_per_step(chains: list[DraftChainTrace], **knobs) -> float:
-    return replay(chains, ChainKnobs(**knobs), 0.0, UNIT_COSTS).tokens_per_step
+    return replay(chains, ChainKnobs(**knobs), FREE_DRAFTS, UNIT_COSTS).tokens_per_step
 
 
 def test_replay_without_a_confidence_stop_is_what_the_decoder_does():
@@ -51,39 +55,55 @@ def test_replay_without_a_confidence_stop_is_what_the_decoder_does():
         assert predicted == pytest.approx(4 * 40 / steps, rel=1e-12)
 
 
-def test_llama_cpp_keeps_the_token_below_draft_p_min_then_stops():
+def test_llama_server_stops_before_the_token_below_its_p_min():
     chain = trace("11011111", [0.9, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9])
-    # p_min 0.5, draft-max 4: step 1 drafts 2 (the second is below 0.5, kept), both hit: 3 tokens; step 2 at
-    # position 3 drafts 4, all hit: 5 tokens, the end
-    assert tokens_per_step([chain], engine="llama.cpp", draft_max=4, p_min=0.5) == 8 / 2
+    # p_min 0.5, draft-max 4: step 1 drafts 1 (the second candidate is below 0.5, not drafted), a hit: 2 tokens;
+    # step 2 at position 2 drafts 4 and misses at once: 1 token; step 3 at position 3 drafts 4, all hit: 5, the end
+    assert tokens_per_step([chain], engine="llama.cpp", draft_max=4, p_min=0.5) == 8 / 3
     # without the stop, step 1 drafts 4 and misses the third: 3 tokens; step 2 from position 3: 5
     assert tokens_per_step([chain], engine="llama.cpp", draft_max=4) == 8 / 2
-    # draft-min 3 drops every draft shorter than 3: position 0 drafts 2 (dropped: 1 token), position 1 drafts 1
-    # (0.3, dropped: 1 token), position 2 drafts 4 and misses at once (1 token), position 3 drafts 4 hits (5 tokens)
+    # draft-min 3 drops every draft shorter than 3: position 0 drafts 1 (dropped: 1 token), position 1 drafts none
+    # (1 token), position 2 drafts 4 and misses at once (1 token), position 3 drafts 4 hits (5 tokens)
     knobs = ChainKnobs("llama.cpp", 4, draft_min=3, p_min=0.5)
-    replayed = replay([chain], knobs, 0.0, UNIT_COSTS)
+    replayed = replay([chain], knobs, FREE_DRAFTS, UNIT_COSTS)
     assert replayed.tokens_per_step == 8 / 4
 
 
-def test_draft_cost_counts_every_drafted_token():
+def test_draft_cost_counts_every_draft_decode():
     chain = trace("1111", [0.9, 0.9, 0.9, 0.9])
     costs = np.arange(64, dtype=float) + 10.0  # t(n) = 10 + n
-    replayed = replay([chain], ChainKnobs("llama.cpp", 3), 2.0, costs)
-    # step 1 drafts 3 (all hit): 4 tokens, the end; 3 drafts at 2 and t(4) = 14
+    replayed = replay([chain], ChainKnobs("llama.cpp", 3), lambda decodes: 2.0 * decodes, costs)
+    # step 1 drafts 3 (all hit): 4 tokens, the end; 3 decodes at 2 and t(4) = 14
     assert replayed.step_seconds == 3 * 2.0 + 14.0
     assert replayed.speedup == pytest.approx(4 * 11.0 / 20.0)
 
 
-def test_llama_cpp_decodes_a_whole_accepted_drafts_last_token_and_prefills_each_prompt():
-    chain = DraftChainTrace(np.ones(8, dtype=bool), np.full(8, 0.9), prompt_tokens=100)
+def test_llama_server_pays_a_refused_candidates_decode_and_re_decodes_the_verified_rows():
+    chain = DraftChainTrace(np.ones(8, dtype=bool), np.array([0.9] * 4 + [0.3] + [0.9] * 3), prompt_tokens=100)
     costs = np.arange(64, dtype=float) + 10.0
-    knobs = ChainKnobs("llama.cpp", 3)
-    # two steps of 4 tokens; the second decodes the first step's last draft first: 3 + 4 drafts at 2, two t(4) = 14,
-    # and the prompt's prefill (100 tokens at 0.05)
-    replayed = replay([chain], knobs, 2.0, costs, lambda tokens: 0.05 * tokens)
-    assert replayed.step_seconds * 2 == pytest.approx(5.0 + 7 * 2.0 + 2 * 14.0)
-    transformers = replay([chain], ChainKnobs("hf", 3), 2.0, costs, lambda tokens: 0.05 * tokens)
-    assert transformers.step_seconds * 2 == pytest.approx(5.0 + 6 * 2.0 + 2 * 14.0)
+    profile = LatencyProfile(target_t_seconds={1: 11.0}, draft_step_seconds=2.0)
+    llama = replay([chain], ChainKnobs("llama.cpp", 3, p_min=0.5), draft_work("llama.cpp", profile, None), costs,
+                   lambda tokens: 0.05 * tokens)
+    # position 0: 3 drafted, all hit (3 decodes and the re-decoding at 2, t(4) = 14); position 4: the candidate
+    # (0.3) refused after its decode (1 + 1 at 2, t(1) = 11); position 5: 2 drafted, the room left (2 + 1 at 2,
+    # t(3) = 13); and the prompt's prefill (100 tokens at 0.05)
+    assert llama.step_seconds * 3 == pytest.approx(5.0 + (8 + 14) + (4 + 11) + (6 + 13))
+    transformers = replay([chain], ChainKnobs("hf", 3), draft_work("hf", profile, None), costs,
+                          lambda tokens: 0.05 * tokens)
+    assert transformers.step_seconds * 2 == pytest.approx(5.0 + 2 * (3 * 2.0 + 14.0))
+
+
+def test_llama_servers_measured_draft_work_prices_its_chains():
+    """A profile with llama-server's measured draft work (`chains`) prices a step by it, linear in the decodes and
+    the batch size, clamped to what was measured; without it, one batched draft step per decode."""
+    profile = LatencyProfile(target_t_seconds={1: 11.0}, draft_step_seconds=2.0,
+                             draft_chains={512: {1: {1: 0.01, 3: 0.02}, 4: {1: 0.02, 3: 0.05}}})
+    assert profile.draft_chain_seconds(1, 2, 512) == pytest.approx(0.015)
+    assert profile.draft_chain_seconds(2, 3, 512) == pytest.approx(0.02 + 0.03 / 3)
+    assert profile.draft_chain_seconds(4, 5, 512) == pytest.approx(0.05)
+    assert draft_work("llama.cpp", profile, 512)(2) == pytest.approx(0.015)
+    plain = LatencyProfile(target_t_seconds={1: 11.0}, draft_step_seconds=2.0)
+    assert plain.draft_chain_seconds(1, 3) == 6.0 and plain.draft_chain_seconds(2, 3) is None
 
 
 def test_transformers_heuristic_schedule_grows_and_shrinks():
@@ -154,11 +174,11 @@ def test_a_chain_engine_plan_carries_and_exports_its_knobs(engine, run_cli, tmp_
         assert config["assistant_confidence_threshold"] == 0.0
 
 
-@pytest.mark.parametrize("p_min, most_per_step", [(0.0, 5.0), (1.01, 2.0)])
-def test_llama_cpp_python_runs_the_draft_rule(p_min, most_per_step):
-    """llama.cpp's draft-model rule behind llama-cpp-python's draft interface (specplan/llamacpp.py), the model
+@pytest.mark.parametrize("p_min, fewest_per_step, most_per_step", [(0.0, 1.01, 5.0), (1.01, 1.0, 1.0)])
+def test_llama_cpp_python_runs_the_draft_rule(p_min, fewest_per_step, most_per_step):
+    """llama-server's draft-model rule behind llama-cpp-python's draft interface (specplan/llamacpp.py), the model
     drafting for itself: greedy output unchanged; draft-max 4 yields up to 5 tokens a step, and a p_min no
-    probability reaches stops every draft after its first token (at most 2 a step)."""
+    probability reaches drafts nothing (one token a step)."""
     pytest.importorskip("llama_cpp")
     from specplan.core.models import load_model
     from specplan.llamacpp import DraftChainSettings, LlamaCpp
@@ -170,7 +190,7 @@ def test_llama_cpp_python_runs_the_draft_rule(p_min, most_per_step):
     tokens, extra = chained.generate(ids, 24, SamplingParams(), 0)
     assert tokens == plain
     decode_tokens, _ = extra["decode"]
-    assert 1.0 < decode_tokens / extra["decode_forwards"] <= most_per_step
+    assert fewest_per_step <= decode_tokens / extra["decode_forwards"] <= most_per_step
 
 
 def test_a_chain_plan_drafts_nothing_where_no_setting_pays(run_cli, write_yaml_file, tmp_path):
@@ -224,7 +244,7 @@ def test_the_replay_counts_transformers_assisted_generation_forwards(tokens, sch
                                max_new_tokens=40, eos_token_id=None, pad_token_id=OUTSIDE_VOCABULARY)
     finally:
         hook.remove()
-    replayed = replay(run.chains, ChainKnobs("hf", tokens, schedule=schedule), 0.0, UNIT_COSTS)
+    replayed = replay(run.chains, ChainKnobs("hf", tokens, schedule=schedule), FREE_DRAFTS, UNIT_COSTS)
     assert replayed.tokens_per_step > 1.2  # the drafts are accepted often enough for the count to mean something
     assert replayed.tokens_per_step == pytest.approx(6 * 40 / len(forwards), rel=1e-12)
 

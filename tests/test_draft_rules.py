@@ -107,12 +107,14 @@ def test_every_request_keeps_its_greedy_tokens_under_each_chain_rule(rule, tiny_
             request.prompt, request.max_new_tokens, SamplingParams()).tokens, i
 
 
-def test_a_chain_stops_after_a_token_drafted_with_too_little_confidence(tiny_pair):
-    """A threshold above every confidence: each chain ends after its first token; with two drafted tokens required
-    as well (llama.cpp's n_min), every chain is dropped and the target scores the root alone."""
+def test_a_chain_stops_at_a_token_drafted_with_too_little_confidence(tiny_pair):
+    """A threshold above every confidence: transformers' chain ends after its first token, llama-server's before it
+    (nothing drafted: the target scores the root alone), as it does where two drafted tokens are required as well
+    (its n_min)."""
     _, target, draft = tiny_pair
     prompt = torch.randint(0, 250, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    for rule, size in ((HfAssisted(threshold=1.01), 2), (LlamaCppDraft(n_min=2, p_min=1.01), 1)):
+    for rule, size in ((HfAssisted(threshold=1.01), 2), (LlamaCppDraft(p_min=1.01), 1),
+                       (LlamaCppDraft(n_min=2, p_min=1.01), 1), (LlamaCppDraft(p_min=0.0), 6)):
         drafter = SequoiaDrafter(draft, list(range(-1, 5)))
         drafter.rule = rule
         engine = SpeculativeEngine(target, drafter)

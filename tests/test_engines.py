@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -63,7 +64,7 @@ def test_every_engine_has_rules_with_sources():
     for name, rules in RULES.items():
         assert rules.name == name
         assert name == "specplan" or rules.sources, name
-        assert all(len(source.commit) == 40 for source in rules.sources)
+        assert all(re.fullmatch(r"[0-9a-f]{40}|b[0-9]+", source.commit) for source in rules.sources)
 
 
 def test_the_rules_reject_the_counter_examples():

