@@ -282,15 +282,17 @@ class LatencyProfile:
 
     def draft_chain_seconds(self, batch: int, decodes: float, context: float | None = None) -> float | None:
         """The draft's work in a step where each of `batch` sequences made `decodes` draft decodes: the engine's
-        measured work (`chains`: linear in the decodes, the batch size and the context, clamped to what was
-        measured), else that many one-token steps of the batch (draft_batch_step); None unless profiled."""
+        measured work (`chains`: at each batch size its least-squares line over the decodes, each point being the
+        difference of two measured medians; then linear in the batch size and the context, clamped), else that
+        many one-token steps of the batch (draft_batch_step); None unless profiled."""
         if not self.draft_chains:
             step = self.draft_batch_step(batch, context)
             return None if step is None else decodes * step
         at_context = {}
         for L, by_batch in self.draft_chains.items():
-            at_batch = {B: _linear(points, decodes) for B, points in by_batch.items() if points}
-            at_context[L] = _linear(at_batch, batch)
+            lines = {B: least_squares_line(points) for B, points in by_batch.items() if points}
+            at_context[L] = _linear({B: max(fixed + slope * decodes, 0.0) for B, (fixed, slope) in lines.items()},
+                                    batch)
         return _linear(at_context, context if context is not None else min(at_context))
 
     def retrieval_build(self, context: float, budget: int) -> float | None:
@@ -412,6 +414,16 @@ def covering(keys: Iterable[int], low: float, high: float) -> list[int]:
     first = max([k for k in ordered if k <= low], default=ordered[0])
     last = min([k for k in ordered if k >= high], default=ordered[-1])
     return [k for k in ordered if first <= k <= last]
+
+
+def least_squares_line(points: dict[int, float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points; through the origin for one point."""
+    xs = np.array(sorted(points), dtype=np.float64)
+    ys = np.array([points[x] for x in sorted(points)])
+    if len(xs) == 1:
+        return 0.0, float(ys[0] / xs[0])
+    slope, intercept = np.polyfit(xs, ys, 1)
+    return float(intercept), float(slope)
 
 
 def _linear(points: dict[int, float], x: float) -> float:

@@ -1105,9 +1105,10 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     from specplan.core.plan_schema import load_plan
     from specplan.serving import (
         System,
-        exported_llama_server_flags,
         llama_server_command,
+        llama_server_flags,
         llama_server_gguf,
+        llama_server_needs_draft,
         plan_serve_command,
         run_serving_bench,
         serving_prices,
@@ -1173,29 +1174,13 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
             systems.append(System(name, in_process=transformers_static_batches(
                 loaded.model, stops[0] if pad is None else pad, stops)))
         else:
-            gguf = llama_server_gguf(loaded)
-            extra: list[str] | Callable[[int], list[str]] = {
-                "llama-server": [], "llama-server-ngram-simple": ["--spec-type", "ngram-simple"],
-                "llama-server-ngram-map-k": ["--spec-type", "ngram-map-k"]}.get(name, [])
-            lookup_export = name == "llama-server-export" and plan is not None and plan.method == "prompt-lookup"
-            if name.startswith("llama-server-draft") or (name == "llama-server-export" and not lookup_export):
+            draft_gguf = None
+            if llama_server_needs_draft(name, plan):
                 if not draft:
                     raise UserError(f"{name} needs a --draft model (its GGUF)")
                 draft_gguf = str(load_model(draft, "gguf", log=_progress).gguf_file())
-            if name.startswith("llama-server-draft"):
-                # a draft model alone is loaded but not drafted with: --spec-type draft-simple turns it on
-                extra = ["--spec-type", "draft-simple", "--spec-draft-model", draft_gguf]
-                if name != "llama-server-draft":
-                    extra += ["--spec-draft-n-max", name.removeprefix("llama-server-draft-")]
-            elif name.startswith("llama-server-ngram-") and name not in SERVING_BASELINES:
-                size_n, size_m = name.removeprefix("llama-server-ngram-").split("-")
-                extra = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", size_n,
-                         "--spec-ngram-simple-size-m", size_m]
-            elif name == "llama-server-export":
-                if plan is None:
-                    raise UserError("llama-server-export serves a --plan's llama.cpp export")
-                extra = exported_llama_server_flags(plan, None if lookup_export else draft_gguf, slot)
-            systems.append(System(name, llama_server_command(gguf, threads, extra, slot)))
+            systems.append(System(name, llama_server_command(llama_server_gguf(loaded), threads,
+                                                             llama_server_flags(name, draft_gguf, plan, slot), slot)))
     machine = machine_label({**this_machine("cpu"), "threads": threads})  # the servers' threads
     for system in systems:
         system.predict = prices.get(system.name)

@@ -36,6 +36,7 @@ import torch
 
 from specplan.core.errors import UserError
 from specplan.core.models import load_model
+from specplan.core.profile_schema import least_squares_line
 from specplan.profiler import hardware
 from specplan.profiler.latency import ProfileRequest, profile_document
 from specplan.serving import (
@@ -173,11 +174,8 @@ def _draft_flags(draft_gguf: Path, tokens: int) -> list[str]:
 
 
 def _slope(work: dict[int, float]) -> float:
-    """The least-squares slope of the draft's work over the tokens drafted (through the origin for one point)."""
-    ks = np.array(sorted(work), dtype=np.float64)
-    seconds = np.array([work[k] for k in sorted(work)])
-    slope = float(np.polyfit(ks, seconds, 1)[0]) if len(ks) > 1 else float(seconds[0] / ks[0])
-    return max(slope, MIN_DRAFT_STEP_SECONDS)
+    """A draft decode's share of the draft's work: the slope of its least-squares line over the tokens drafted."""
+    return max(least_squares_line(work)[1], MIN_DRAFT_STEP_SECONDS)
 
 
 def _time_point(gguf: Path, request: ProfileRequest, batch: int, rows: int, flags: list[str], prompt: list[int],

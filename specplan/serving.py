@@ -113,6 +113,7 @@ class LevelResult:
     round: int = 0  # which of the level's rounds (plan bench --rounds): every system once a round
     decisions: dict[str, int] | None = None  # the requests' steps by why they drafted or not (decoder/gate.py)
     cached_share: float | None = None  # of the prompt tokens sent, those the server's caches held (cache_n)
+    command: list[str] | None = None  # the server's command at this concurrency, its port left out
 
     @classmethod
     def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
@@ -275,7 +276,7 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
 
     names = [f.name for f in fields(LevelResult)]
     optional = {"predicted_tokens_per_second", "tokens_per_step", "repriced_tokens_per_second",  # older results
-                "output_lengths", "drafted_share", "round", "decisions", "cached_share"}
+                "output_lengths", "drafted_share", "round", "decisions", "cached_share", "command"}
     levels = []
     for number, line in enumerate(read_text(Path(path)).splitlines(), 1):
         if not line.strip():
@@ -449,6 +450,10 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
     if not timings:
         raise UserError(f"{where}: every request failed")
     result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
+    if system.command is not None:
+        argv = system.command(0, concurrency)
+        port = argv.index("--port") if "--port" in argv else len(argv)
+        result.command = argv[:port] + argv[port + 2:]
     reported = [t for t in timings if t.cached is not None and t.prompt is not None]
     if reported:
         result.cached_share = sum(t.cached for t in reported) / sum(len(level_prompts[t.prompt]) for t in reported)
@@ -489,6 +494,7 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
     prefill paid by the requests that join a batch it drafts at; a TriForce hierarchy from its acceptance traces, its
     first retrieval-cache build paid likewise."""
     from specplan.core.acceptance_schema import load_sequoia_acceptance
+    from specplan.core.choices import FORWARDS, TIMED_FORWARDS
     from specplan.core.profile_schema import load_profile
     from specplan.planner.closed_loop import OFF, SettingPrice, closed_loop_price
     from specplan.planner.draft_chain import chain_setting_prices
@@ -503,7 +509,10 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
     if (plan.schedule is None and not no_drafter) or not profile_file or not Path(profile_file).is_file():
         say("a served load is priced for a plan with a schedule, its profile at hand: not priced here")
         return {}
-    profile = load_profile(profile_file)
+    profile = load_profile(profile_file, TIMED_FORWARDS)
+    if profile.backend not in FORWARDS:
+        say(f"{profile_file} times {profile.backend}'s steps, not our server's: its served load is not priced here")
+        return {}
     if "target" not in profile.prompt_prefills:
         say(f"{profile_file} has no target prefills (profile with --batches, re-measured): the load is not priced")
         return {}
@@ -654,6 +663,36 @@ def llama_server_command(gguf: Path, threads: int, extra: list[str] | Callable[[
                 str(threads), "-np", str(concurrency), "-c", str(slot * concurrency), "--no-webui", *flags]
 
     return command
+
+
+def llama_server_needs_draft(name: str, plan: Plan | None) -> bool:
+    """Whether the llama-server system `name` drafts with a draft model: llama-server-draft[-N], and the export of a
+    plan that is not an n-gram plan."""
+    return name.startswith("llama-server-draft") or (
+        name == "llama-server-export" and (plan is None or plan.method != "prompt-lookup"))
+
+
+def llama_server_flags(name: str, draft_gguf: str | None, plan: Plan | None, slot: int = SLOT_CONTEXT
+                       ) -> list[str] | Callable[[int], list[str]]:
+    """The speculative flags of the llama-server system `name` (plan bench's): none, its own n-gram modes, drafting
+    with `draft_gguf` (up to N tokens: llama-server-draft-N), n-grams of N tokens drafting up to M
+    (llama-server-ngram-N-M), or `plan`'s export at each concurrency (llama-server-export)."""
+    if name.startswith("llama-server-draft"):
+        # a draft model alone is loaded but not drafted with: --spec-type draft-simple turns it on
+        flags = ["--spec-type", "draft-simple", "--spec-draft-model", str(draft_gguf)]
+        return flags + (["--spec-draft-n-max", name.removeprefix("llama-server-draft-")]
+                        if name != "llama-server-draft" else [])
+    if name in ("llama-server-ngram-simple", "llama-server-ngram-map-k"):
+        return ["--spec-type", name.removeprefix("llama-server-")]
+    if name.startswith("llama-server-ngram-"):
+        size_n, size_m = name.removeprefix("llama-server-ngram-").split("-")
+        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", size_n, "--spec-ngram-simple-size-m",
+                size_m]
+    if name == "llama-server-export":
+        if plan is None:
+            raise UserError("llama-server-export serves a --plan's llama.cpp export")
+        return exported_llama_server_flags(plan, draft_gguf if llama_server_needs_draft(name, plan) else None, slot)
+    return []
 
 
 def exported_llama_server_flags(plan: Plan, draft_gguf: str | None, slot: int = SLOT_CONTEXT

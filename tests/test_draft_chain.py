@@ -94,14 +94,15 @@ def test_llama_server_pays_a_refused_candidates_decode_and_re_decodes_the_verifi
 
 
 def test_llama_servers_measured_draft_work_prices_its_chains():
-    """A profile with llama-server's measured draft work (`chains`) prices a step by it, linear in the decodes and
-    the batch size, clamped to what was measured; without it, one batched draft step per decode."""
+    """A profile with llama-server's measured draft work (`chains`) prices a step by it: its least-squares line in
+    the decodes at each batch size, linear in between; without it, one batched draft step per decode."""
     profile = LatencyProfile(target_t_seconds={1: 11.0}, draft_step_seconds=2.0,
-                             draft_chains={512: {1: {1: 0.01, 3: 0.02}, 4: {1: 0.02, 3: 0.05}}})
-    assert profile.draft_chain_seconds(1, 2, 512) == pytest.approx(0.015)
-    assert profile.draft_chain_seconds(2, 3, 512) == pytest.approx(0.02 + 0.03 / 3)
-    assert profile.draft_chain_seconds(4, 5, 512) == pytest.approx(0.05)
-    assert draft_work("llama.cpp", profile, 512)(2) == pytest.approx(0.015)
+                             draft_chains={512: {1: {1: 0.01, 2: 0.03, 3: 0.02}, 4: {1: 0.02, 3: 0.05}}})
+    assert profile.draft_chain_seconds(1, 2, 512) == pytest.approx(0.02)  # the line through the noisy middle point
+    assert profile.draft_chain_seconds(1, 4, 512) == pytest.approx(0.03)
+    assert profile.draft_chain_seconds(2, 3, 512) == pytest.approx(0.025 + (0.05 - 0.025) / 3)
+    assert profile.draft_chain_seconds(4, 5, 512) == pytest.approx(0.08)  # on the line beyond the measured k
+    assert draft_work("llama.cpp", profile, 512)(2) == pytest.approx(0.02)
     plain = LatencyProfile(target_t_seconds={1: 11.0}, draft_step_seconds=2.0)
     assert plain.draft_chain_seconds(1, 3) == 6.0 and plain.draft_chain_seconds(2, 3) is None
 

@@ -368,6 +368,49 @@ def test_llama_server_gets_the_schedules_setting_at_the_stated_concurrency():
     assert export_plan(plan, "llama.cpp", "draft.gguf", concurrency=8, context=2048).content == "-np 8 -c 16384"
 
 
+def test_the_llama_server_grid_summary_pools_one_command_served_under_two_names(tmp_path):
+    """bench/llama_server_grid.py: at C = 8 the export is llama-server's own no-draft command (the plan drafts
+    nothing there): the two names' runs are one setting, the best of the grid; at C = 4 the export drafts, its own
+    command. Results without recorded commands have them rebuilt from the names and the plan; a fixed draft length
+    is read against the plan's prediction of it."""
+    plan = chain_plan(SHRINKING)
+    plan.solver["schedule"] = {"tokens_per_second": {"off": [10.0] * 7 + [35.0], "K=2": [None] * 7 + [28.0]}}
+    plan_path = tmp_path / "plan.yaml"
+    save_plan(plan, plan_path)
+
+    def level(system: str, concurrency: int, rate: float, round_: int) -> dict:
+        return {"system": system, "concurrency": concurrency, "requests": 8, "output_tokens": 512,
+                "wall_seconds": 512 / rate, "tokens_per_second": rate, "tpot_p50": None, "tpot_p95": None,
+                "ttft_p50": None, "ttft_p95": None, "failed": 0, "machine": "cpu", "round": round_}
+
+    rows = [level("llama-server", 8, 40.0, 0), level("llama-server-export", 8, 37.0, 0),
+            level("llama-server-draft-2", 8, 30.0, 0), level("llama-server", 8, 38.0, 1),
+            level("llama-server-export", 8, 41.0, 1), level("llama-server-draft-2", 8, 31.0, 1),
+            level("llama-server", 4, 20.0, 0), level("llama-server-export", 4, 22.0, 0), level("ours", 4, 30.0, 0)]
+    results = tmp_path / "grid.jsonl"
+    results.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    script = [sys.executable, "bench/llama_server_grid.py", str(results), "--plan", str(plan_path)]
+    lines = subprocess.run(script, capture_output=True, text=True, check=True).stdout.splitlines()
+    at_four, at_eight = lines
+    assert "export / best 1.10 (llama-server)" in at_four and "ours / best 1.50" in at_four
+    assert "pooled by command: export / best 1.10 (llama-server-export: 1 runs; best llama-server)" in at_four
+    assert "export / best 1.00 (llama-server)" in at_eight  # 39.0 against 39.0 by name
+    assert "pooled by command: export / best 1.00 (llama-server = llama-server-export: 4 runs" in at_eight
+    assert "llama-server-draft-2 / llama-server 0.78 (predicted 0.80)" in at_eight  # the plan's K = 2 and off at B = 8
+    eight = [row for row in rows if row["concurrency"] == 8]
+    apart = {"llama-server-export": ["-ts", "1"], "llama-server-draft-2": ["-ts", "2"]}
+    for row in eight:  # recorded commands, the export's apart from llama-server's
+        row["command"] = ["llama-server", "-m", "t.gguf", *apart.get(row["system"], [])]
+    results.write_text("\n".join(json.dumps(row) for row in eight) + "\n")
+    recorded = subprocess.run(script[:3], capture_output=True, text=True, check=True).stdout
+    assert "pooled by command: export / best 1.00 (llama-server-export: 2 runs; best llama-server)" in recorded
+    eight[1].pop("command")
+    results.write_text("\n".join(json.dumps(row) for row in eight) + "\n")
+    refused = subprocess.run(script[:3], capture_output=True, text=True)
+    # an export's command rebuilt needs the plan: one line
+    assert refused.returncode == 2 and refused.stderr.startswith("error:") and len(refused.stderr.splitlines()) == 1
+
+
 def test_sglang_takes_an_eagle_chains_schedule_as_adaptive_tiers_and_a_draft_model_at_one_concurrency():
     """An EAGLE head's chain (`--method eagle`): SGLang's adaptive-steps config, a tier keyed at each range's first
     batch size with its draft length the one candidate; routed as SGLang routes (the largest key at or below the
