@@ -43,8 +43,10 @@ from specplan.serving import (
     SLOT_CONTEXT,
     RunningProcess,
     System,
+    draft_model_flags,
     llama_server_command,
     llama_server_gguf,
+    ngram_simple_flags,
 )
 
 # The passage the prompt repeats: its tokens, each kept at its first occurrence, are the cycle the model copies
@@ -163,14 +165,12 @@ class TimedPoint:
 
 def _ngram_flags(rows: int) -> list[str]:
     """llama-server drafting rows - 1 tokens by a 1-token n-gram lookup (none for one row)."""
-    return [] if rows == 1 else ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1",
-                                 "--spec-ngram-simple-size-m", str(rows - 1)]
+    return [] if rows == 1 else ngram_simple_flags(1, rows - 1)
 
 
 def _draft_flags(draft_gguf: Path, tokens: int) -> list[str]:
     """llama-server drafting exactly `tokens` tokens a step by the draft model."""
-    return ["--spec-type", "draft-simple", "--spec-draft-model", str(draft_gguf), "--spec-draft-n-max", str(tokens),
-            "--spec-draft-n-min", str(tokens), "--spec-draft-p-min", "0"]
+    return [*draft_model_flags(str(draft_gguf), tokens), "--spec-draft-n-min", str(tokens), "--spec-draft-p-min", "0"]
 
 
 def _slope(work: dict[int, float]) -> float:

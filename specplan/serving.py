@@ -672,22 +672,32 @@ def llama_server_needs_draft(name: str, plan: Plan | None) -> bool:
         name == "llama-server-export" and (plan is None or plan.method != "prompt-lookup"))
 
 
+def draft_model_flags(draft_gguf: str, most: int | None = None) -> list[str]:
+    """llama-server drafting with the draft model in `draft_gguf`, up to `most` tokens a step (None: its default)."""
+    # a draft model alone is loaded but not drafted with: --spec-type draft-simple turns it on
+    flags = ["--spec-type", "draft-simple", "--spec-draft-model", draft_gguf]
+    return flags + (["--spec-draft-n-max", str(most)] if most is not None else [])
+
+
+def ngram_simple_flags(size_n: int, size_m: int) -> list[str]:
+    """llama-server's ngram-simple drafting: the last `size_n` tokens looked up, up to `size_m` drafted."""
+    return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(size_n), "--spec-ngram-simple-size-m",
+            str(size_m)]
+
+
 def llama_server_flags(name: str, draft_gguf: str | None, plan: Plan | None, slot: int = SLOT_CONTEXT
                        ) -> list[str] | Callable[[int], list[str]]:
     """The speculative flags of the llama-server system `name` (plan bench's): none, its own n-gram modes, drafting
     with `draft_gguf` (up to N tokens: llama-server-draft-N), n-grams of N tokens drafting up to M
     (llama-server-ngram-N-M), or `plan`'s export at each concurrency (llama-server-export)."""
     if name.startswith("llama-server-draft"):
-        # a draft model alone is loaded but not drafted with: --spec-type draft-simple turns it on
-        flags = ["--spec-type", "draft-simple", "--spec-draft-model", str(draft_gguf)]
-        return flags + (["--spec-draft-n-max", name.removeprefix("llama-server-draft-")]
-                        if name != "llama-server-draft" else [])
+        most = name.removeprefix("llama-server-draft-")
+        return draft_model_flags(str(draft_gguf), int(most) if most.isdigit() else None)
     if name in ("llama-server-ngram-simple", "llama-server-ngram-map-k"):
         return ["--spec-type", name.removeprefix("llama-server-")]
     if name.startswith("llama-server-ngram-"):
         size_n, size_m = name.removeprefix("llama-server-ngram-").split("-")
-        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", size_n, "--spec-ngram-simple-size-m",
-                size_m]
+        return ngram_simple_flags(int(size_n), int(size_m))
     if name == "llama-server-export":
         if plan is None:
             raise UserError("llama-server-export serves a --plan's llama.cpp export")
