@@ -288,12 +288,15 @@ class LatencyProfile:
         if not self.draft_chains:
             step = self.draft_batch_step(batch, context)
             return None if step is None else decodes * step
-        at_context = {}
-        for L, by_batch in self.draft_chains.items():
-            lines = {B: least_squares_line(points) for B, points in by_batch.items() if points}
-            at_context[L] = _linear({B: max(fixed + slope * decodes, 0.0) for B, (fixed, slope) in lines.items()},
-                                    batch)
+        at_context = {L: _linear({B: max(fixed + slope * decodes, 0.0) for B, (fixed, slope) in lines.items()}, batch)
+                      for L, lines in self._draft_chain_lines.items()}
         return _linear(at_context, context if context is not None else min(at_context))
+
+    @functools.cached_property
+    def _draft_chain_lines(self) -> dict[int, dict[int, tuple[float, float]]]:
+        """{L: {B: (intercept, slope)}} of the measured draft work, fitted once: the replays price every step."""
+        return {L: {B: least_squares_line(points) for B, points in by_batch.items() if points}
+                for L, by_batch in self.draft_chains.items()}
 
     def retrieval_build(self, context: float, budget: int) -> float | None:
         """Seconds per retrieval-cache build keeping `budget` of `context` tokens: linear in the budget at each

@@ -171,8 +171,8 @@ def chain_setting_prices(chains: list[DraftChainTrace], decoding_lengths: set[in
     over the chain traces, d rows for the target, K batched draft forwards, and the draft's prefill of each prompt."""
     unit = np.ones(max(decoding_lengths, default=1) + 1)  # replay's prices, unused by a fixed K's tokens/step
     return {d: SettingPrice(replay(chains, ChainKnobs("chain", d - 1), lambda decodes: 0.0, unit).tokens_per_step,
-                            rows=d,
-                            draft_levels=d - 1, draft_model=True) for d in sorted(decoding_lengths) if d >= 2}
+                            rows=d, draft_levels=d - 1, draft_model=True)
+            for d in sorted(decoding_lengths) if d >= 2}
 
 
 def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, largest_batch: int, max_depth: int,
