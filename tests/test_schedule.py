@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import runpy
 import subprocess
 import sys
 import zipfile
@@ -368,7 +369,7 @@ def test_llama_server_gets_the_schedules_setting_at_the_stated_concurrency():
     assert export_plan(plan, "llama.cpp", "draft.gguf", concurrency=8, context=2048).content == "-np 8 -c 16384"
 
 
-def test_the_llama_server_grid_summary_pools_one_command_served_under_two_names(tmp_path):
+def test_the_llama_server_grid_summary_pools_one_command_served_under_two_names(tmp_path, monkeypatch, capsys):
     """bench/llama_server_grid.py: at C = 8 the export is llama-server's own no-draft command (the plan drafts
     nothing there): the two names' runs are one setting, the best of the grid; at C = 4 the export drafts, its own
     command. Results without recorded commands have them rebuilt from the names and the plan; a fixed draft length
@@ -389,9 +390,20 @@ def test_the_llama_server_grid_summary_pools_one_command_served_under_two_names(
             level("llama-server", 4, 20.0, 0), level("llama-server-export", 4, 22.0, 0), level("ours", 4, 30.0, 0)]
     results = tmp_path / "grid.jsonl"
     results.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    script = [sys.executable, "bench/llama_server_grid.py", str(results), "--plan", str(plan_path)]
-    lines = subprocess.run(script, capture_output=True, text=True, check=True).stdout.splitlines()
-    at_four, at_eight = lines
+
+    def grid(*args: str) -> tuple[int, str, str]:  # the script run in this process: no interpreter started per run
+        monkeypatch.setattr(sys, "argv", ["llama_server_grid.py", str(results), *args])
+        try:
+            runpy.run_path("bench/llama_server_grid.py", run_name="__main__")
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    code, out, _ = grid("--plan", str(plan_path))
+    assert code == 0
+    at_four, at_eight = out.splitlines()
     assert "export / best 1.10 (llama-server)" in at_four and "ours / best 1.50" in at_four
     assert "pooled by command: export / best 1.10 (llama-server-export: 1 runs; best llama-server)" in at_four
     assert "export / best 1.00 (llama-server)" in at_eight  # 39.0 against 39.0 by name
@@ -402,13 +414,14 @@ def test_the_llama_server_grid_summary_pools_one_command_served_under_two_names(
     for row in eight:  # recorded commands, the export's apart from llama-server's
         row["command"] = ["llama-server", "-m", "t.gguf", *apart.get(row["system"], [])]
     results.write_text("\n".join(json.dumps(row) for row in eight) + "\n")
-    recorded = subprocess.run(script[:3], capture_output=True, text=True, check=True).stdout
+    code, recorded, _ = grid()
+    assert code == 0
     assert "pooled by command: export / best 1.00 (llama-server-export: 2 runs; best llama-server)" in recorded
     eight[1].pop("command")
     results.write_text("\n".join(json.dumps(row) for row in eight) + "\n")
-    refused = subprocess.run(script[:3], capture_output=True, text=True)
+    code, _, err = grid()
     # an export's command rebuilt needs the plan: one line
-    assert refused.returncode == 2 and refused.stderr.startswith("error:") and len(refused.stderr.splitlines()) == 1
+    assert code == 2 and err.startswith("error:") and len(err.splitlines()) == 1
 
 
 def test_sglang_takes_an_eagle_chains_schedule_as_adaptive_tiers_and_a_draft_model_at_one_concurrency():
