@@ -6,14 +6,15 @@ count and chat template give the same prompts in the same order).
         --max-new-tokens 64 [--context 7680 --one-document]
 
 Each level is priced with the outputs as long as the server's (recorded since; before, every output at the max, unless
-another run of the level recorded them).
+another run of the level recorded them), its slots' requests as the level sent them (its requests over its
+concurrency), a Lookahead trie's yield replayed on the served prompts' own records where the plan was solved on them
+all; beside it, the price the run recorded.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from specplan.core.choices import REQUESTS_PER_CLIENT
 from specplan.core.models import load_model
 from specplan.core.plan_schema import load_plan
 from specplan.profiler.haystack import served_prompts
@@ -31,30 +32,34 @@ def main() -> None:
     parser.add_argument("--no-chat", action="store_true")
     parser.add_argument("--context", type=int, help="long prompts built from --dataset, as plan bench --context")
     parser.add_argument("--one-document", action="store_true")
-    parser.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT)
     args = parser.parse_args()
     plan = load_plan(args.plan)
     levels = [level for results in args.results for level in load_levels(results)]
     recorded = {level.concurrency: level.output_lengths for level in levels if level.output_lengths}
     settings = sorted({int(level.system.removeprefix("setting-")) for level in levels
                        if level.system.startswith("setting-")})
-    prices = serving_prices(plan, settings, args.max_new_tokens, args.requests_per_client, print)
     tokenizer = load_model(plan.models.target, plan.models.dtype or "fp32").tokenizer
     prompts = served_prompts(args.dataset, tokenizer, args.prompts, not args.no_chat, args.context or None,
                              args.one_document)
+    prices = {}  # requests per client -> the systems' prices (a slot's trie learns from that many requests)
     for level in sorted(levels, key=lambda level: (level.concurrency, level.system)):
-        price = prices.get(level.system)
+        per_client = (level.requests + level.failed) // level.concurrency
+        if per_client not in prices:
+            prices[per_client], _ = serving_prices(plan, settings, args.max_new_tokens, per_client, print, prompts)
+        price = prices[per_client].get(level.system)
         if price is None:
             continue
-        sent = prompts_at_level(prompts, level.concurrency, args.requests_per_client, level.round)
+        sent = prompts_at_level(prompts, level.concurrency, per_client, level.round)
         lengths = level.output_lengths or recorded.get(level.concurrency)  # None: every output at the max
         predicted = price(sent, level.concurrency, args.max_new_tokens, None, lengths)
         again = ""
         if level.tokens_per_step:
             repriced = price(sent, level.concurrency, args.max_new_tokens, level.tokens_per_step, lengths)
             again = f", x{level.tokens_per_second / repriced:.2f} at {level.tokens_per_step:.2f} tokens/step"
+        recorded_price = (f"; recorded price {level.predicted_tokens_per_second:.1f}"
+                          if level.predicted_tokens_per_second else "")
         print(f"C={level.concurrency:2d} {level.system:10s} {level.tokens_per_second:6.1f} tokens/s: "
-              f"x{level.tokens_per_second / predicted:.2f} of its price ({predicted:.1f}){again}")
+              f"x{level.tokens_per_second / predicted:.2f} of its price ({predicted:.1f}){again}{recorded_price}")
 
 
 if __name__ == "__main__":

@@ -233,12 +233,26 @@ def setting_price(result: ReplayResult) -> SettingPrice:
 
 
 def plan_setting_prices(plan: Plan, decoding_lengths: set[int], requests_per_trie: int | None = None,
-                        output_tokens: int | None = None) -> dict[int, SettingPrice]:
+                        output_tokens: int | None = None, records: list[LookaheadRecord] | None = None
+                        ) -> dict[int, SettingPrice]:
     """Each of `decoding_lengths` (the plan's schedule's, fixed settings') priced under the plan's trie, replayed on
-    the acceptance file the plan was solved on, a fresh trie every `requests_per_trie` records (see replay), each
-    output cut to its first `output_tokens` (default: as the plan was solved)."""
-    records = solved_records(plan, output_tokens)
+    `records` (default: the acceptance file the plan was solved on), a fresh trie every `requests_per_trie` records
+    (see replay), each output cut to its first `output_tokens` (default: as the plan was solved)."""
+    records = records or solved_records(plan, output_tokens)
     return {d: setting_price(replay(records, plan.settings, d, requests_per_trie)) for d in sorted(decoding_lengths)}
+
+
+def served_records(plan: Plan, prompts: list[list[int]], output_tokens: int | None = None
+                   ) -> list[LookaheadRecord] | None:
+    """The records of the plan's acceptance file whose prompts a load sends, in the order the load first sends them,
+    each output cut to its first `output_tokens`: that load's own replay, for a served subset of the prompts the plan
+    was solved on drafts as those prompts do, not as all of them. None when a prompt is not among them (an unseen
+    load, priced on the records the plan was solved on)."""
+    by_prompt = {tuple(record.prompt): record for record in solved_records(plan, output_tokens)}
+    sent = list(dict.fromkeys(tuple(prompt) for prompt in prompts))
+    if not sent or any(prompt not in by_prompt for prompt in sent):
+        return None
+    return [by_prompt[prompt] for prompt in sent]
 
 
 def solved_records(plan: Plan, output_tokens: int | None = None) -> list[LookaheadRecord]:

@@ -1149,7 +1149,8 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     encoded = served_prompts(dataset, loaded.tokenizer, prompts, chat, context, one_document)
     slot = slot_context(encoded, max_new_tokens)
     threads = os.cpu_count() or 1
-    prices = serving_prices(plan, settings, max_new_tokens, requests_per_client, _progress) if plan else {}
+    prices, basis = serving_prices(plan, settings, max_new_tokens, requests_per_client, _progress, encoded) \
+        if plan else ({}, None)
     systems = []
     for name in dict.fromkeys(names):
         if name == "ours-ar":
@@ -1184,6 +1185,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     machine = machine_label({**this_machine("cpu"), "threads": threads})  # the servers' threads
     for system in systems:
         system.predict = prices.get(system.name)
+        system.price_basis = basis if system.predict is not None else None
     run_serving_bench(systems, encoded, levels, max_new_tokens, requests_per_client, output, lambda text: len(
         loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), machine, _progress, rounds)
     click.echo(f"wrote {output}")

@@ -66,6 +66,7 @@ class System:
     environment: dict[str, str] = field(default_factory=dict)
     in_process: Callable[[list[list[int]], int, int], list[RequestTiming]] | None = None  # (prompts, C, max_tokens)
     predict: LevelPricer | None = None  # the price of a level's load, at the plan's acceptance or a measured one
+    price_basis: str | None = None  # what the price's drafting yield was replayed on (serving_prices)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class LevelResult:
     decisions: dict[str, int] | None = None  # the requests' steps by why they drafted or not (decoder/gate.py)
     cached_share: float | None = None  # of the prompt tokens sent, those the server's caches held (cache_n)
     command: list[str] | None = None  # the server's command at this concurrency, its port left out
+    price_basis: str | None = None  # what predicted_tokens_per_second's drafting yield was replayed on
 
     @classmethod
     def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
@@ -276,7 +278,8 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
 
     names = [f.name for f in fields(LevelResult)]
     optional = {"predicted_tokens_per_second", "tokens_per_step", "repriced_tokens_per_second",  # older results
-                "output_lengths", "drafted_share", "round", "decisions", "cached_share", "command"}
+                "output_lengths", "drafted_share", "round", "decisions", "cached_share", "command",
+                "price_basis"}
     levels = []
     for number, line in enumerate(read_text(Path(path)).splitlines(), 1):
         if not line.strip():
@@ -466,6 +469,7 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
     if system.predict is not None:
         result.predicted_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens, None,
                                                             lengths)
+        result.price_basis = system.price_basis
         priced = f", {result.tokens_per_second / result.predicted_tokens_per_second:.2f}x its price"
         if result.tokens_per_step:
             result.repriced_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens,
@@ -485,48 +489,56 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
 
 
 def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_per_client: int,
-                   say: Callable[[str], None]) -> dict[str, LevelPricer]:
+                   say: Callable[[str], None], prompts: list[list[int]] | None = None
+                   ) -> tuple[dict[str, LevelPricer], str | None]:
     """The price of each level's load (planner/closed_loop.py) for the systems a plan's profile prices: the schedule
     (ours, ours-fixed, ours-unshared: shared rows are priced at the schedule), each fixed setting, and no drafting
-    (ours-ar); none where the plan or its profile cannot.
+    (ours-ar); none where the plan or its profile cannot. Also what the drafting's yield was replayed on.
     A Lookahead slot's trie learns from the `requests_per_client` requests it serves in a level (a fresh server a
-    level), each output cut to `max_tokens`; a draft model's chain is priced from the plan's chain traces, its
-    prefill paid by the requests that join a batch it drafts at; a TriForce hierarchy from its acceptance traces, its
-    first retrieval-cache build paid likewise."""
+    level), each output cut to `max_tokens`, replayed on the served `prompts`' own acceptance records where the plan
+    was solved on all of them (planner.lookahead.served_records); a draft model's chain is priced from the plan's
+    chain traces, its prefill paid by the requests that join a batch it drafts at; a TriForce hierarchy from its
+    acceptance traces, its first retrieval-cache build paid likewise."""
     from specplan.core.acceptance_schema import load_sequoia_acceptance
     from specplan.core.choices import FORWARDS, TIMED_FORWARDS
     from specplan.core.profile_schema import load_profile
     from specplan.planner.closed_loop import OFF, SettingPrice, closed_loop_price
     from specplan.planner.draft_chain import chain_setting_prices
-    from specplan.planner.lookahead import plan_setting_prices
+    from specplan.planner.lookahead import plan_setting_prices, served_records
     from specplan.planner.triforce import plan_setting_prices as triforce_setting_prices
 
     if plan.method == "prompt-lookup":
         say("an engine's n-gram knobs run in that engine: its served load is not priced here")
-        return {}
+        return {}, None
     profile_file = (plan.inputs.get("profile") or {}).get("file")
     no_drafter = plan.method == "sequoia" and plan.tree is not None and plan.tree.size == 1
     if (plan.schedule is None and not no_drafter) or not profile_file or not Path(profile_file).is_file():
         say("a served load is priced for a plan with a schedule, its profile at hand: not priced here")
-        return {}
+        return {}, None
     profile = load_profile(profile_file, TIMED_FORWARDS)
     if profile.backend not in FORWARDS:
         say(f"{profile_file} times {profile.backend}'s steps, not our server's: its served load is not priced here")
-        return {}
+        return {}, None
     if "target" not in profile.prompt_prefills:
         say(f"{profile_file} has no target prefills (profile with --batches, re-measured): the load is not priced")
-        return {}
+        return {}, None
     tables = plan.schedule.tables if plan.schedule is not None else ()
     lengths = {e.decoding_length for table in tables for e in table.entries if e.speculate} | set(settings)
+    basis = "the plan's acceptance traces"
     if no_drafter:  # the plan runs no drafter at all
-        prices, off = {}, OFF
+        prices, off, basis = {}, OFF, None
     elif plan.method == "lookahead":
-        prices, off = plan_setting_prices(plan, lengths, requests_per_client, max_tokens), OFF
+        served = served_records(plan, prompts or [], max_tokens)
+        basis = (f"the served prompts' own acceptance records ({len(served)} prompts)" if served is not None else
+                 "the plan's acceptance records (the served prompts are not all among them)")
+        prices, off = plan_setting_prices(plan, lengths, requests_per_client, max_tokens, served), OFF
     elif plan.method == "triforce":
         prices, off = triforce_setting_prices(plan, lengths), OFF
     else:
         chains = load_sequoia_acceptance(plan.inputs["acceptance"]["file"]).chains
         prices, off = chain_setting_prices(chains, lengths), OFF  # the draft reads a prompt when it first drafts
+    if basis is not None:
+        say(f"drafting priced on {basis}")
 
     def scheduled(batch: int) -> SettingPrice:
         entry = plan.schedule.entry_for(batch) if plan.schedule is not None and not no_drafter else None
@@ -547,7 +559,7 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
                 **{f"setting-{d}": lambda batch, d=d: prices[d] for d in settings if d in prices}}
     if plan.sharing is not None:  # shared or not, the plan's load is priced at its schedule
         policies["ours-unshared"] = scheduled
-    return {name: priced(policy) for name, policy in policies.items()}
+    return {name: priced(policy) for name, policy in policies.items()}, basis
 
 
 def prompts_at_level(prompts: list[list[int]], concurrency: int, requests_per_client: int,

@@ -88,10 +88,11 @@ def test_plan_bench_prices_each_system_of_a_lookahead_schedule(run_cli, tmp_path
                               "--decoding-lengths", "4,8", "--branch-lengths", "2,4", "--batches", 8, "-o", plan_path)
     assert code == 0, stderr
     plan, said = load_plan(plan_path), []
-    assert serving_prices(plan, [4], 32, 2, said.append) == {} and "no target prefills" in said[0]
+    assert serving_prices(plan, [4], 32, 2, said.append) == ({}, None) and "no target prefills" in said[0]
     document["target"]["prefill_seconds"] = {16: 0.016, 64: 0.064}
     profile.write_text(yaml.safe_dump(document))
-    prices = serving_prices(plan, [4], 32, 2, said.append)
+    prices, basis = serving_prices(plan, [4], 32, 2, said.append)
+    assert basis.startswith("the plan's acceptance records") and basis in said[-1]
     assert set(prices) == {"ours", "ours-fixed", "ours-ar", "setting-4"}
     prompts = [list(range(10, 30))] * 16
     alone, crowded = plan.schedule.entry_for(1), plan.schedule.entry_for(8)
@@ -101,3 +102,43 @@ def test_plan_bench_prices_each_system_of_a_lookahead_schedule(run_cli, tmp_path
     assert prices["ours"](prompts, 8, 32, None) == pytest.approx(prices["ours-ar"](prompts, 8, 32, None))
     # priced again at a measured tokens per step of 1: drafting costs its rows and yields nothing
     assert prices["setting-4"](prompts[:2], 1, 32, 1.0) < prices["ours-ar"](prompts[:2], 1, 32, None)
+
+
+def test_a_load_of_the_prompts_a_lookahead_plan_was_solved_on_is_priced_on_their_own_records(run_cli, tmp_path):
+    """A served subset of the solved prompts drafts as those prompts do: its price replays their records, in the
+    order the load sends them; a load with a prompt the plan never saw is priced on all the records."""
+    from test_schedule import profile_document
+
+    from specplan.core.acceptance_schema import LookaheadAcceptance, LookaheadRecord
+    from specplan.core.plan_schema import load_plan
+    from specplan.planner.lookahead import plan_setting_prices, replay, served_records
+    from specplan.serving import serving_prices
+
+    phrase = list(range(10, 22))
+    repeating = [LookaheadRecord(f"r{i}", "toy", phrase * 2 + [30 + i], (phrase * 4)[i:i + 40]) for i in range(3)]
+    novel = [LookaheadRecord(f"n{i}", "toy", [40 + i, 41 + i, 42 + i], list(range(100 + 40 * i, 140 + 40 * i)))
+             for i in range(3)]
+    acceptance, profile, plan_path = (tmp_path / name for name in ("a.yaml", "p.yaml", "plan.yaml"))
+    acceptance.write_text(yaml.safe_dump(LookaheadAcceptance(
+        "toy", {"vocab_size": 512, "sha256": "x"}, repeating + novel).to_dict()))
+    document = profile_document()
+    document["target"]["prefill_seconds"] = {16: 0.016, 64: 0.064}
+    profile.write_text(yaml.safe_dump(document))
+    code, _, stderr = run_cli("solve", "lookahead", "--acceptance", acceptance, "--profile", profile,
+                              "--decoding-lengths", "4,8", "--branch-lengths", "2,4", "--batches", 8, "-o", plan_path)
+    assert code == 0, stderr
+    plan = load_plan(plan_path)
+    sent = [novel[1].prompt, repeating[0].prompt, novel[1].prompt]
+    assert served_records(plan, sent) == [novel[1], repeating[0]]
+    assert served_records(plan, sent + [[7, 8, 9]]) is None
+    prices, basis = serving_prices(plan, [4], 40, 2, lambda line: None, [r.prompt for r in repeating])
+    assert basis.startswith("the served prompts' own acceptance records (3 prompts)")
+    served = plan_setting_prices(plan, {4}, 2, 40, repeating)[4]
+    everything = plan_setting_prices(plan, {4}, 2, 40)[4]
+    assert served.tokens_per_step == pytest.approx(replay(repeating, plan.settings, 4, 2).tokens_per_step)
+    assert served.tokens_per_step > everything.tokens_per_step  # the novel outputs draft nothing
+    level = [r.prompt for r in repeating]
+    assert prices["setting-4"](level, 1, 40, None) == pytest.approx(
+        prices["setting-4"](level, 1, 40, served.tokens_per_step))
+    _, unseen = serving_prices(plan, [4], 40, 2, lambda line: None, [[7, 8, 9]])
+    assert unseen.startswith("the plan's acceptance records")

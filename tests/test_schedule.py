@@ -610,7 +610,7 @@ def test_the_serving_bench_runs_its_systems_in_the_order_named_and_the_plan_last
     plan.write_text(yaml.safe_dump(lookahead_plan_with(BatchSchedule(64, (
         ScheduleEntry(1, 2, True, 8, 2.1, 150.0, 1.6), ScheduleEntry(3, 16, False, None, 1.0, 400.0, 1.0))).to_dict())))
     orders = []
-    monkeypatch.setattr(specplan.serving, "serving_prices", lambda *args: {})
+    monkeypatch.setattr(specplan.serving, "serving_prices", lambda *args: ({}, None))
     monkeypatch.setattr(specplan.serving, "run_serving_bench",
                         lambda systems, *args: orders.append([system.name for system in systems]))
     for baselines, settings in [("ours,ours-ar", "2,4"), ("ours-ar", "4,2")]:
