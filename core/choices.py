@@ -27,6 +27,8 @@ BASELINES = ("hf", "hf-assisted", "hf-prompt-lookup", "ours-ar", "two-level", "s
 # specplan: our own decoder, any tree
 ENGINES = ("specplan", "sequoia", "vllm", "medusa", "eagle1", "trtllm", "trtllm-draft", "sglang",
            "llama.cpp", "hf")
+EXPORT_FORMATS = tuple(engine for engine in ENGINES if engine != "specplan")  # `plan export --format`
+VLLM_METHODS = ("draft_model", "eagle", "eagle3")  # a chain for vLLM: a draft model, or an EAGLE head
 # the engines whose n-gram drafting `plan solve lookahead --engine` replays (planner/prompt_lookup.py; SGLang's trie:
 # planner/sglang_ngram.py); llama.cpp: llama-cpp-python's prompt lookup, llama-server: the server's ngram-simple
 LOOKUP_ENGINES = ("hf", "llama.cpp", "vllm", "sglang", "llama-server")
@@ -40,6 +42,10 @@ HOST_LINK_NAMES = ("pcie3-x16", "pcie4-x16", "pcie5-x16", "pcie4-x8", "nvlink-c2
 # the serving engines' own drafting rules our decoder runs (`plan serve --rule`, `plan bench --rules`;
 # decoder/draft_rules.py)
 DRAFT_RULES = ("trtllm-auto", "hf-heuristic", "hf-constant", "llama.cpp", "sglang-ema")
+# A schedule drafts at a batch size only where predicted at least this much faster than one-token decoding: served
+# runs of one setting spread by several percent around their price (docs/benchmark-log.md), and smollm2's fp32
+# Lookahead, scheduled at B = 3-6 for a predicted 2% gain, lost 8% served at 4 requests on cpu-2c.
+MIN_SPEEDUP = 1.05
 # MiB of host memory a server keeps its slots' lost prefixes in (decoder/prompt_cache.py; `plan serve --cache-ram`):
 # llama-server's default is 8192, on hosts that serve larger models than ours
 DEFAULT_PROMPT_CACHE_MIB = 2048

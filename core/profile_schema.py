@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.interpolate import PchipInterpolator
 
 from specplan.core.choices import FORWARDS, PROFILE_DTYPES, TIMED_FORWARDS
 from specplan.core.errors import UserError
@@ -54,6 +53,8 @@ class LatencyCurve:
     """t(n) from measured points, interpolated monotonically (PCHIP) between them; no extrapolation."""
 
     def __init__(self, t_seconds: dict[int, float]) -> None:
+        from scipy.interpolate import PchipInterpolator  # scipy takes seconds to import: not for every CLI command
+
         self.points = dict(sorted(t_seconds.items()))
         sizes = np.array(list(self.points), dtype=np.float64)
         times = np.array(list(self.points.values()), dtype=np.float64)

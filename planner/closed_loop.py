@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specplan.core.choices import MIN_SAVED_TOKENS
+from specplan.core.choices import MIN_SAVED_TOKENS, MIN_SPEEDUP
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule, setting_name
 from specplan.core.profile_schema import LatencyProfile
@@ -50,10 +50,6 @@ class SettingPrice:
 
 
 OFF = SettingPrice(1.0)
-# A schedule drafts at a batch size only where predicted at least this much faster than one-token decoding: served
-# runs of one setting spread by several percent around their price (docs/benchmark-log.md), and smollm2's fp32
-# Lookahead, scheduled at B = 3-6 for a predicted 2% gain, lost 8% served at 4 requests on cpu-2c.
-MIN_SPEEDUP = 1.05
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,12 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from specplan.core.acceptance_schema import DraftChainTrace
+from specplan.core.choices import MIN_SPEEDUP
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.core.profile_schema import LatencyProfile
 from specplan.decoder.draft_rules import HEURISTIC_GROWTH, HEURISTIC_SHRINK
-from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table
+from specplan.planner.closed_loop import SettingPrice, schedule_table
 
 CHAIN_KNOB_ENGINES = ("llama.cpp", "hf")
 P_MIN_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # llama-server's --spec-draft-p-min: 0, 0.05, ..., 0.95

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from specplan.core.choices import ENGINES
+from specplan.core.choices import EXPORT_FORMATS, VLLM_METHODS
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule, Plan, TokenTree
 from specplan.core.validate import Fields
@@ -30,9 +30,7 @@ from specplan.planner.engines import (
 )
 from specplan.planner.prompt_lookup import LLAMA_SERVER_NGRAM
 
-EXPORT_FORMATS = tuple(engine for engine in ENGINES if engine != "specplan")
 NEEDS_DRAFT_PATH = ("vllm", "trtllm", "trtllm-draft", "sglang", "llama.cpp", "hf")
-VLLM_METHODS = ("draft_model", "eagle", "eagle3")  # a chain: a draft model, or an EAGLE head
 LOOKUP_FORMATS = {"llama-server": "llama.cpp"}  # an n-gram engine's export format, where not the engine's own name
 GROWMAP_MAX_NODES = 4096  # the growmap holds a dense n x n mask: 16 M entries here
 

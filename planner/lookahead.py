@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from specplan.core.acceptance_schema import LookaheadAcceptance, LookaheadRecord, load_lookahead_acceptance
+from specplan.core.choices import MIN_SPEEDUP
 from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.method_settings import TrieSettings
@@ -38,7 +39,7 @@ from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Predictio
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
 from specplan.decoder.trie import Trie, accepted_run
-from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table
+from specplan.planner.closed_loop import SettingPrice, schedule_table
 from specplan.planner.closed_loop import step_seconds as served_step_seconds
 
 DECODING_LENGTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)

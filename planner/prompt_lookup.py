@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from specplan.core.acceptance_schema import LookaheadRecord, load_lookahead_acceptance
-from specplan.core.choices import FORWARDS
+from specplan.core.choices import FORWARDS, MIN_SPEEDUP
 from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.method_settings import (
@@ -53,7 +53,7 @@ from specplan.core.model_names import same_model
 from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
-from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table, step_seconds
+from specplan.planner.closed_loop import SettingPrice, schedule_table, step_seconds
 from specplan.planner.engines import HF_CANDIDATES, Source
 from specplan.planner.sglang_ngram import SGLANG_TRIE, SGLANG_WORKER, NgramTreeProposer
 

@@ -38,14 +38,13 @@ import numpy as np
 from numba import njit
 
 from specplan.core.acceptance_schema import DraftChainTrace, SequoiaAcceptance, load_sequoia_acceptance
-from specplan.core.choices import FORWARDS
+from specplan.core.choices import FORWARDS, MIN_SPEEDUP
 from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.model_names import same_model
 from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, TokenTree
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
-from specplan.planner.closed_loop import MIN_SPEEDUP
 from specplan.planner.draft_chain import CHAIN_KNOB_ENGINES, best_knobs, chain_schedule
 from specplan.planner.engines import EngineRules, engine_rules
 

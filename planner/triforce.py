@@ -18,6 +18,7 @@ from specplan.core.acceptance_schema import (
     TriForceEntry,
     load_triforce_acceptance,
 )
+from specplan.core.choices import MIN_SPEEDUP
 from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, TriForceSettings
@@ -25,7 +26,7 @@ from specplan.core.model_names import same_model
 from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
-from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table
+from specplan.planner.closed_loop import SettingPrice, schedule_table
 from specplan.planner.triforce_cost import (
     GAMMA1,
     GAMMA2,

@@ -20,22 +20,22 @@ from specplan.core.choices import (
     DRAFT_RULES,
     DTYPES,
     ENGINES,
+    EXPORT_FORMATS,
     HOST_LINK_NAMES,
     LOOKUP_ENGINES,
+    MIN_SPEEDUP,
     OFFLOAD_KINDS,
     PROFILE_DTYPES,
     REQUESTS_PER_CLIENT,
     RESIDENT_POLICIES,
     SERVING_BASELINES,
     VERIFICATION_RULES,
+    VLLM_METHODS,
 )
 from specplan.core.errors import UserError
 from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
 from specplan.core.plan_schema import Plan
-from specplan.planner.closed_loop import MIN_SPEEDUP
-from specplan.planner.export import EXPORT_FORMATS, VLLM_METHODS
 from specplan.profiler.datasets import DATASETS
-from specplan.profiler.haystack import served_prompts
 
 PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
                 + ") or PATH[:category[,...]]: a Spec-Bench-style .jsonl, a .txt file or a folder of them")
@@ -1103,6 +1103,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     from specplan.core.machine import machine_label, this_machine
     from specplan.core.models import load_model
     from specplan.core.plan_schema import load_plan
+    from specplan.profiler.haystack import served_prompts
     from specplan.serving import (
         System,
         llama_server_command,

@@ -192,8 +192,7 @@ def _kind_and_target(path: Path) -> tuple[str, str]:
 def commands_for(original: Path, mutated: Path, out: Path, index: int = 0) -> list[list[str]]:
     """The commands that read a file of this format (the mutated file in the place of the original). Every plan kind
     goes through every export format; solves run with `--engine` cycled by `index` over every engine they take."""
-    from specplan.core.choices import ENGINES, LOOKUP_ENGINES
-    from specplan.planner.export import EXPORT_FORMATS
+    from specplan.core.choices import ENGINES, EXPORT_FORMATS, LOOKUP_ENGINES
 
     m = str(mutated)
     if original.suffix == ".json":  # a plan bench report

@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
-from specplan.core.choices import ENGINES
+from specplan.core.choices import ENGINES, EXPORT_FORMATS
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import TokenTree, load_plan
 from specplan.planner.engines import RULES, EngineRules, engine_rules
-from specplan.planner.export import EXPORT_FORMATS, export_plan, import_tree
+from specplan.planner.export import export_plan, import_tree
 from specplan.planner.sequoia import (
     LevelLimitedTables,
     SequoiaTables,

@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from specplan.core.acceptance_schema import DraftChainTrace, LookaheadAcceptance, LookaheadRecord
+from specplan.core.choices import MIN_SPEEDUP
 from specplan.core.errors import UserError
 from specplan.core.method_settings import TrieSettings
 from specplan.core.models import cache_dir
@@ -38,7 +39,7 @@ from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
-from specplan.planner.closed_loop import MIN_SPEEDUP, SettingPrice, schedule_table
+from specplan.planner.closed_loop import SettingPrice, schedule_table
 from specplan.planner.draft_chain import chain_schedule
 from specplan.planner.export import export_plan
 from specplan.planner.lookahead import lookahead_schedule, plan_setting_prices, replay

@@ -14,6 +14,7 @@ import yaml
 from test_schedule import lookahead_plan_with, profile_document, repetitive_records
 
 from specplan.core.acceptance_schema import LookaheadAcceptance
+from specplan.core.choices import MIN_SPEEDUP
 from specplan.core.errors import UserError
 from specplan.core.method_settings import TrieSettings
 from specplan.core.plan_schema import Plan, RowSharing, load_plan
@@ -24,7 +25,6 @@ from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.sharing import SharedRows
 from specplan.decoder.trie import Trie
-from specplan.planner.closed_loop import MIN_SPEEDUP
 
 from toy import SAMPLES, VOCAB, assert_distributed_as_target, drafters_per_slot, first_tokens_distribution, toy_model
 
