@@ -3,8 +3,9 @@ per concurrency, every system's aggregate tokens/s (the mean over the runs and r
 fixed setting (ours-ar: off), the schedule's ratio to it and to off (ratio of the means, and the range of the ratios
 within each round, where the two ran side by side; a plan's shared rows also against the plan without them,
 ours-unshared), and each system's measured / predicted: the load's
-price the bench wrote beside it (planner/closed_loop.py; and the price at the measured tokens per step), or for
-results from before, the plan solver's decode-step rate at B = the concurrency.
+price the bench wrote beside it (planner/closed_loop.py; and the price at the measured tokens per step; the records
+its drafting was replayed on printed first), or for results from before, the plan solver's decode-step rate at B = the
+concurrency.
 
     .venv/bin/python bench/schedule_grid.py PLAN.yaml RUN1.jsonl [RUN2.jsonl ...]
 """
@@ -37,9 +38,11 @@ def main(plan_path: str, runs: list[str]) -> None:
     measured: dict[tuple[str, int], list[float]] = defaultdict(list)
     side_by_side: dict[tuple[str, int], dict[tuple[int, int], float]] = defaultdict(dict)  # (run, round) -> tokens/s
     priced: dict[tuple[str, int], list[tuple[float, float | None]]] = defaultdict(list)  # (measured/price, /repriced)
+    bases: set[str] = set()
     for number, run in enumerate(runs):
         for level in load_levels(run):
             key = (level.system, level.concurrency)
+            bases |= {level.price_basis} if level.price_basis else set()
             measured[key].append(level.tokens_per_second)
             side_by_side[key][(number, level.round)] = level.tokens_per_second
             if level.predicted_tokens_per_second:
@@ -47,6 +50,8 @@ def main(plan_path: str, runs: list[str]) -> None:
                                     level.tokens_per_second / level.repriced_tokens_per_second
                                     if level.repriced_tokens_per_second else None))
     predicted = predicted_rates(plan_path)
+    for basis in sorted(bases):
+        print(f"drafting priced on {basis}")
     systems = sorted({system for system, _ in measured})
     for concurrency in sorted({c for _, c in measured}):
         means = {s: statistics.mean(measured[(s, concurrency)]) for s in systems if (s, concurrency) in measured}
