@@ -239,17 +239,15 @@ def plan_setting_prices(plan: Plan, decoding_lengths: set[int], requests_per_tri
     """Each of `decoding_lengths` (the plan's schedule's, fixed settings') priced under the plan's trie, replayed on
     `records` (default: the acceptance file the plan was solved on), a fresh trie every `requests_per_trie` records
     (see replay), each output cut to its first `output_tokens` (default: as the plan was solved)."""
-    records = records or solved_records(plan, output_tokens)
+    records = records if records is not None else solved_records(plan, output_tokens)
     return {d: setting_price(replay(records, plan.settings, d, requests_per_trie)) for d in sorted(decoding_lengths)}
 
 
-def served_records(plan: Plan, prompts: list[list[int]], output_tokens: int | None = None
-                   ) -> list[LookaheadRecord] | None:
-    """The records of the plan's acceptance file whose prompts a load sends, in the order the load first sends them,
-    each output cut to its first `output_tokens`: that load's own replay, for a served subset of the prompts the plan
-    was solved on drafts as those prompts do, not as all of them. None when a prompt is not among them (an unseen
-    load, priced on the records the plan was solved on)."""
-    by_prompt = {tuple(record.prompt): record for record in solved_records(plan, output_tokens)}
+def served_records(records: list[LookaheadRecord], prompts: list[list[int]]) -> list[LookaheadRecord] | None:
+    """Of `records` (a plan's solved_records), those whose prompts a load sends, in the order the load first sends
+    them: that load's own replay, for a served subset of the prompts a plan was solved on drafts as those prompts do,
+    not as all of them. None when a prompt is not among them (an unseen load, priced on all the records)."""
+    by_prompt = {tuple(record.prompt): record for record in records}
     sent = list(dict.fromkeys(tuple(prompt) for prompt in prompts))
     if not sent or any(prompt not in by_prompt for prompt in sent):
         return None

@@ -504,7 +504,7 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
     from specplan.core.profile_schema import load_profile
     from specplan.planner.closed_loop import OFF, SettingPrice, closed_loop_price
     from specplan.planner.draft_chain import chain_setting_prices
-    from specplan.planner.lookahead import plan_setting_prices, served_records
+    from specplan.planner.lookahead import plan_setting_prices, served_records, solved_records
     from specplan.planner.triforce import plan_setting_prices as triforce_setting_prices
 
     if plan.method == "prompt-lookup":
@@ -524,17 +524,20 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
         return {}, None
     tables = plan.schedule.tables if plan.schedule is not None else ()
     lengths = {e.decoding_length for table in tables for e in table.entries if e.speculate} | set(settings)
-    basis = "the plan's acceptance traces"
+    basis = None
     if no_drafter:  # the plan runs no drafter at all
-        prices, off, basis = {}, OFF, None
+        prices, off = {}, OFF
     elif plan.method == "lookahead":
-        served = served_records(plan, prompts or [], max_tokens)
+        records = solved_records(plan, max_tokens)
+        served = served_records(records, prompts or [])
         basis = (f"the served prompts' own acceptance records ({len(served)} prompts)" if served is not None else
                  "the plan's acceptance records (the served prompts are not all among them)")
-        prices, off = plan_setting_prices(plan, lengths, requests_per_client, max_tokens, served), OFF
+        prices, off = plan_setting_prices(plan, lengths, requests_per_client, records=served or records), OFF
     elif plan.method == "triforce":
+        basis = "the plan's acceptance traces"
         prices, off = triforce_setting_prices(plan, lengths), OFF
     else:
+        basis = "the plan's acceptance traces"
         chains = load_sequoia_acceptance(plan.inputs["acceptance"]["file"]).chains
         prices, off = chain_setting_prices(chains, lengths), OFF  # the draft reads a prompt when it first drafts
     if basis is not None:

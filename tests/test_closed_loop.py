@@ -111,7 +111,7 @@ def test_a_load_of_the_prompts_a_lookahead_plan_was_solved_on_is_priced_on_their
 
     from specplan.core.acceptance_schema import LookaheadAcceptance, LookaheadRecord
     from specplan.core.plan_schema import load_plan
-    from specplan.planner.lookahead import plan_setting_prices, replay, served_records
+    from specplan.planner.lookahead import plan_setting_prices, replay, served_records, solved_records
     from specplan.serving import serving_prices
 
     phrase = list(range(10, 22))
@@ -129,8 +129,8 @@ def test_a_load_of_the_prompts_a_lookahead_plan_was_solved_on_is_priced_on_their
     assert code == 0, stderr
     plan = load_plan(plan_path)
     sent = [novel[1].prompt, repeating[0].prompt, novel[1].prompt]
-    assert served_records(plan, sent) == [novel[1], repeating[0]]
-    assert served_records(plan, sent + [[7, 8, 9]]) is None
+    assert served_records(solved_records(plan), sent) == [novel[1], repeating[0]]
+    assert served_records(solved_records(plan), sent + [[7, 8, 9]]) is None
     prices, basis = serving_prices(plan, [4], 40, 2, lambda line: None, [r.prompt for r in repeating])
     assert basis.startswith("the served prompts' own acceptance records (3 prompts)")
     served = plan_setting_prices(plan, {4}, 2, 40, repeating)[4]
