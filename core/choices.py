@@ -46,6 +46,12 @@ DRAFT_RULES = ("trtllm-auto", "hf-heuristic", "hf-constant", "llama.cpp", "sglan
 # runs of one setting spread by several percent around their price (docs/benchmark-log.md), and smollm2's fp32
 # Lookahead, scheduled at B = 3-6 for a predicted 2% gain, lost 8% served at 4 requests on cpu-2c.
 MIN_SPEEDUP = 1.05
+# Below that margin a schedule's entry is off, but keeps its best drafting setting as a candidate where that is
+# predicted at least this fast, and a request times it before sitting out (decoder/gate.py): the steps' measured prices
+# then decide. A server's own work between steps, which no profile times, moves drafting's price by this much:
+# `plan serve` streaming to clients on a 2-core host added ~3 ms to a ~18 ms one-token step of smollm2 Q4_1
+# (cpu-2c-zen3), where drafting priced 0.98x served 1.11x.
+CANDIDATE_SPEEDUP = 0.9
 # MiB of host memory a server keeps its slots' lost prefixes in (decoder/prompt_cache.py; `plan serve --cache-ram`):
 # llama-server's default is 8192, on hosts that serve larger models than ours
 DEFAULT_PROMPT_CACHE_MIB = 2048

@@ -30,8 +30,11 @@ learning); a draft-model chain's (a Sequoia plan whose tree is a chain, solved f
 length, `decoding_length` - 1 tokens, at most the plan's chain; a TriForce hierarchy's vary its chain's length, gamma2 =
 `decoding_length` - 1 (the middle level's rounds collect at least that many tokens), at most the plan's gamma2, its
 bottom, gamma1 and retrieval cache kept; an engine's n-gram chain (a prompt-lookup plan for llama-server) varies its
-tokens drafted, `decoding_length` - 1, at most the plan's num_tokens, its n-gram kept. A plan without a schedule is
-the batch-1 plan at every batch size.
+tokens drafted, `decoding_length` - 1, at most the plan's num_tokens, its n-gram kept. An entry that does not
+speculate may keep a `candidate: {decoding_length, tokens_per_step, speedup}`, its best drafting setting where that is
+predicted within the margin (CANDIDATE_SPEEDUP up to MIN_SPEEDUP, core/choices.py): requests that decide step by step
+whether to draft (decoder/gate.py) draft it only once the steps' measured prices say it pays; engines' tables and
+fixed settings read the entry as off. A plan without a schedule is the batch-1 plan at every batch size.
 
 A Lookahead plan solved with `--share-rows` also carries `sharing: {trie, context, tokens_per_step: {length: tokens},
 step_seconds: {batch size: [seconds at 1, 2, ... rows per sequence]}, min_speedup}` (RowSharing): instead of one
@@ -242,6 +245,26 @@ def setting_name(method: str, nodes: int | None) -> str:
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """An "off" entry's best drafting setting, predicted below the schedule's margin but at least CANDIDATE_SPEEDUP
+    times one-token decoding: where each request decides step by step whether to draft (decoder/gate.py), it drafts
+    this once the steps' measured prices say it pays (a server's own work between steps, which no profile times, can
+    tip it), and never otherwise."""
+
+    decoding_length: int
+    tokens_per_step: float  # per sequence
+    speedup: float  # over no speculation at the entry's `low` sequences
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> Candidate:
+        return cls(f.token_count("decoding_length", low=2), f.number("tokens_per_step", low=1.0),
+                   f.number("speedup", low=0.0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class ScheduleEntry:
     """The setting for steps of `low`..`high` sequences, and what it is predicted to give there."""
 
@@ -252,6 +275,22 @@ class ScheduleEntry:
     tokens_per_step: float  # per sequence
     tokens_per_second: float  # over the whole batch, at `low` sequences
     speedup: float  # over no speculation at `low` sequences
+    candidate: Candidate | None = None  # off only: the setting a per-request decision may draft once measured to pay
+
+    def nodes(self, gated: bool) -> int:
+        """The nodes per sequence, root included, a drafter drafts at this entry: the setting's; off, its candidate's
+        where a per-request decision (`gated`) keeps it from drafting until measured to pay; else 1 (none)."""
+        if self.speculate:
+            return self.decoding_length
+        return self.candidate.decoding_length if gated and self.candidate is not None else 1
+
+    @property
+    def price(self) -> tuple[float, float] | None:
+        """The tokens per step and the speedup a drafted step at this entry is held to: the setting's, off its
+        candidate's; None where it drafts nothing."""
+        if self.speculate:
+            return self.tokens_per_step, self.speedup
+        return (self.candidate.tokens_per_step, self.candidate.speedup) if self.candidate is not None else None
 
     @classmethod
     def from_fields(cls, f: Fields) -> ScheduleEntry:
@@ -262,15 +301,19 @@ class ScheduleEntry:
             raise f.fail("'batches' must be [low, high], batch sizes with 1 <= low <= high")
         speculate = f.boolean("speculate", default=True)
         length = f.token_count("decoding_length", required=speculate, low=2) if speculate else None
+        if speculate and f.has("candidate"):
+            raise f.fail("'candidate' is for entries that do not speculate")
+        candidate = Candidate.from_fields(f.sub("candidate")) if f.has("candidate") else None
         return cls(bounds[0], bounds[1], bool(speculate), length, f.number("tokens_per_step", low=1.0),
-                   f.number("tokens_per_second", low=0.0), f.number("speedup", low=0.0))
+                   f.number("tokens_per_second", low=0.0), f.number("speedup", low=0.0), candidate)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"batches": [self.low, self.high], "speculate": self.speculate}
         if self.decoding_length is not None:
             out["decoding_length"] = self.decoding_length
-        return {**out, "tokens_per_step": self.tokens_per_step, "tokens_per_second": self.tokens_per_second,
-                "speedup": self.speedup}
+        out = {**out, "tokens_per_step": self.tokens_per_step, "tokens_per_second": self.tokens_per_second,
+               "speedup": self.speedup}
+        return {**out, "candidate": self.candidate.to_dict()} if self.candidate is not None else out
 
 
 @dataclass(frozen=True)
@@ -284,15 +327,20 @@ class BatchSchedule:
     longer: tuple[BatchSchedule, ...] = ()
 
     @classmethod
-    def merged(cls, context: int | None, per_batch: list[tuple[int | None, float, float, float]]) -> BatchSchedule:
+    def merged(cls, context: int | None, per_batch: list[tuple[int | None, float, float, float, Candidate | None]]
+               ) -> BatchSchedule:
         """The schedule of a setting chosen for each batch size 1, 2, ...: (decoding length, None: off; tokens per
-        step, tokens/s, speedup), each range of equal settings one entry predicted at its first size."""
+        step, tokens/s, speedup; off, its candidate or None), each range of equal settings (and candidates' lengths)
+        one entry predicted at its first size."""
         entries: list[ScheduleEntry] = []
-        for batch, (length, per_step, rate, speedup) in enumerate(per_batch, start=1):
-            if entries and entries[-1].decoding_length == length:
-                entries[-1] = replace(entries[-1], high=batch)
+        for batch, (length, per_step, rate, speedup, candidate) in enumerate(per_batch, start=1):
+            last = entries[-1] if entries else None
+            if (last is not None and last.decoding_length == length
+                    and _candidate_length(last.candidate) == _candidate_length(candidate)):
+                entries[-1] = replace(last, high=batch)
             else:
-                entries.append(ScheduleEntry(batch, batch, length is not None, length, per_step, rate, speedup))
+                entries.append(ScheduleEntry(batch, batch, length is not None, length, per_step, rate, speedup,
+                                             candidate))
         return cls(context, tuple(entries))
 
     @classmethod
@@ -331,8 +379,9 @@ class BatchSchedule:
             if entry.low != expected:
                 raise f.fail(f"the batch ranges must be contiguous from 1: expected a range from {expected}, got "
                              f"[{entry.low}, {entry.high}]")
-            if largest_draft is not None and (entry.decoding_length or 0) > largest_draft:
-                raise f.fail(f"decoding length {entry.decoding_length} exceeds the plan's {largest_draft}")
+            most = max(entry.decoding_length or 0, _candidate_length(entry.candidate) or 0)
+            if largest_draft is not None and most > largest_draft:
+                raise f.fail(f"decoding length {most} exceeds the plan's {largest_draft}")
             expected = entry.high + 1
         longer: tuple[BatchSchedule, ...] = ()
         if f.has("longer"):
@@ -357,6 +406,10 @@ class BatchSchedule:
         if self.longer:
             out["longer"] = [table.to_dict() for table in self.longer]
         return out
+
+
+def _candidate_length(candidate: Candidate | None) -> int | None:
+    return candidate.decoding_length if candidate is not None else None
 
 
 @dataclass(frozen=True)
@@ -484,10 +537,9 @@ class Plan:
         """The tokens per step and the speedup over one-token decoding the plan predicts for its drafted steps at
         `batch` sequences of `context` tokens (its schedule's entry there, else its batch-1 prediction): the price a
         request's own drafts are held to (decoder/gate.py). None where nothing is priced (no profile) or the schedule
-        is off."""
+        is off without a candidate (ScheduleEntry.price)."""
         if self.schedule is not None:
-            entry = self.schedule.entry_for(batch, context)
-            return (entry.tokens_per_step, entry.speedup) if entry.speculate else None
+            return self.schedule.entry_for(batch, context).price
         if self.prediction.speedup is None:
             return None
         return self.prediction.tokens_per_step, self.prediction.speedup

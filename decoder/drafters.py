@@ -92,9 +92,10 @@ class Drafter(ABC):
     def finish(self) -> None:
         """The sequence is done (a batch's slot frees it): let go of what only it needed."""
 
-    def follow(self, entry: ScheduleEntry) -> None:
-        """Draft with a plan schedule's setting for the batch size of the coming step (core/plan_schema.py)."""
-        self.draft_nodes(entry.decoding_length if entry.speculate else 1)
+    def follow(self, entry: ScheduleEntry, gated: bool = False) -> None:
+        """Draft with a plan schedule's setting for the batch size of the coming step (core/plan_schema.py); an off
+        entry's candidate where a per-request decision (`gated`) keeps it from drafting until it pays."""
+        self.draft_nodes(entry.nodes(gated))
 
     def draft_nodes(self, nodes: int) -> None:
         """Draft trees of up to `nodes` nodes, root included, from the coming step on (1: none)."""

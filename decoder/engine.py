@@ -123,7 +123,7 @@ class SequenceRun:
         if self.drafter.rule is not None:
             self.drafter.draft_nodes(self.drafter.rule.tokens(batch) + 1)
         elif self.schedule is not None:
-            self.drafter.follow(self.schedule.entry_for(batch, self.cache.length))
+            self.drafter.follow(self.schedule.entry_for(batch, self.cache.length), gated=self.gate is not None)
         if self.gate is not None:
             self.drafter.drafting = self.gate.drafts(batch, self.cache.length, self.drafter.start_tokens(),
                                                      self.max_new_tokens - len(self.out))

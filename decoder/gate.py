@@ -34,9 +34,12 @@ measured ratio at that batch size, or at the nearest one timed, scaled by the pl
 carries what no profile does: the server's own work between steps, and the spell the machine is in (a VM's slow
 spells slow a one-row step over a long context more than a drafted step's many rows). A batch size not yet timed has
 its first steps drafted, then plain, until a few of each are timed, unless one within a factor of two of it (beyond
-B = 1) has been (TIMED_NEAR_FACTOR); drafted ones only where the request's own yield pays at the price known so far (the
-nearest batch size timed, else the plan's): timing a loss buys nothing the estimate does not say, and a batch size
-reached as requests join (their prefill steps go untimed) would time it for many steps (docs/design.md). Where the
+B = 1) has been (TIMED_NEAR_FACTOR); drafted ones only where the request's own yield comes within CANDIDATE_SPEEDUP of
+paying at the price known so far (the nearest batch size timed, else the plan's): within that, the server's own work
+between steps, which no profile times, can tip it (core/choices.py), and an "off" schedule entry keeps such a setting as
+its candidate to be timed (core/plan_schema.py: Candidate); further below, timing a loss buys nothing the estimate
+does not say, and a batch size reached as requests join (their prefill steps go untimed) would time it for many steps
+(docs/design.md). Where the
 requests of a step answer differently, their mean settles its kind (one_kind_of_step).
 
 A drafter that reads tokens before it can draft (a draft model's prompt, at its sequence's first drafted step; the
@@ -57,6 +60,8 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
+
+from specplan.core.choices import CANDIDATE_SPEEDUP
 
 # The drafted steps a request's yield is averaged over: few enough that a request whose text turns unpredictable stops
 # drafting within a few steps (a reply of 64 tokens has 30-60 steps), enough that one unlucky step does not stop it
@@ -215,8 +220,9 @@ class DraftGate:
         expected = self.yield_ratio * tokens  # what its next drafted step should emit
         # drafting the remaining tokens saves remaining x (1 - step_cost / expected) plain steps; the start must be less
         start_repaid = not start or remaining is None or remaining * (1.0 - step_cost / expected) > start
-        # a drafted step times the clock only where this request's own yield pays at the price known so far
-        wanted = self.clock.wanted(batch, drafted_too=expected >= step_cost) if self.clock is not None else None
+        # a drafted step times the clock only where this request's own yield comes near paying at the price known
+        wanted = (self.clock.wanted(batch, drafted_too=expected >= CANDIDATE_SPEEDUP * step_cost)
+                  if self.clock is not None else None)
         self.expected, self.step_cost = expected, step_cost
         if wanted is not None and (start_repaid or not wanted):  # the few steps that time each kind
             drafting, self.firm = wanted, False  # where the batch's answers differ, its mean settles the step's kind

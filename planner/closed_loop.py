@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specplan.core.choices import MIN_SAVED_TOKENS, MIN_SPEEDUP
+from specplan.core.choices import CANDIDATE_SPEEDUP, MIN_SAVED_TOKENS, MIN_SPEEDUP
 from specplan.core.errors import UserError
-from specplan.core.plan_schema import BatchSchedule, setting_name
+from specplan.core.plan_schema import BatchSchedule, Candidate, setting_name
 from specplan.core.profile_schema import LatencyProfile
 
 # A completed request's client sends its next one this long after the server's last token (the HTTP round trip on
@@ -177,15 +177,16 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
                    ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """At each batch size 1..`largest`, the setting of `prices` (keyed by decoding length: nodes per sequence, root
     included) giving the most output tokens/s over the batch at `context` if that is at least `min_speedup` times
-    none's (below 1: drafting even where predicted slower), else none; ranges of equal settings merged.
-    `priced_step(batch, length, price)`: a setting's step in seconds (default: `step_seconds` at its rows).
+    none's (below 1: drafting even where predicted slower), else none, which keeps that setting as its candidate where
+    it is predicted at least CANDIDATE_SPEEDUP times none's (core/plan_schema.py: Candidate); ranges of equal settings
+    merged. `priced_step(batch, length, price)`: a setting's step in seconds (default: `step_seconds` at its rows).
     Also every setting's tokens/s per batch size ({"off": [...], "L_d=4": [...]}, named as `method` names them; None:
     rows beyond what was profiled at that batch size)."""
     def at_its_rows(batch: int, _: int, price: SettingPrice) -> float:
         return step_seconds(profile, batch, price, [context])
 
     priced_step = priced_step or at_its_rows
-    chosen: list[tuple[int | None, float, float, float]] = []  # per B: (length, tokens/step, tokens/s, speedup)
+    chosen: list[tuple[int | None, float, float, float, Candidate | None]] = []  # per B (BatchSchedule.merged)
     name = {length: setting_name(method, length) for length in prices}
     rates: dict[str, list[float | None]] = {"off": [], **{name[d]: [] for d in prices}}
     drafts = any(price.draft_levels for price in prices.values())
@@ -204,7 +205,11 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
             rates[name[length]].append(rate)
             if rate > best[2]:
                 best = (length, price.tokens_per_step, rate)
-        if best[0] is None or best[2] < min_speedup * off:
-            best = (None, 1.0, off)
-        chosen.append((best[0], best[1], best[2], best[2] / off))
+        length, per_step, rate = best
+        if length is not None and rate >= min_speedup * off:
+            chosen.append((length, per_step, rate, rate / off, None))
+        else:
+            candidate = (Candidate(length, per_step, rate / off)
+                         if length is not None and rate >= min(CANDIDATE_SPEEDUP, min_speedup) * off else None)
+            chosen.append((None, 1.0, off, 1.0, candidate))
     return BatchSchedule.merged(context, chosen), rates

@@ -339,8 +339,11 @@ def describe_schedule(schedule: BatchSchedule, method: str) -> str:
         for e in table.entries:
             setting = setting_name(method, e.decoding_length if e.speculate else None)
             span = f"{e.low}" if e.low == e.high else f"{e.low}-{e.high}"
+            candidate = (f"  candidate {setting_name(method, e.candidate.decoding_length)}: "
+                         f"{e.candidate.tokens_per_step:.3f} tok/step, {e.candidate.speedup:.3f}x, drafted where "
+                         "measured to pay" if e.candidate is not None else "")
             lines.append(f"  {span:>9} {setting:>10} {e.tokens_per_step:>9.3f} {e.tokens_per_second:>8.1f} "
-                         f"{e.speedup:>7.3f}")
+                         f"{e.speedup:>7.3f}{candidate}")
         covered = table.up_to_context or covered
     return "\n".join(lines)
 

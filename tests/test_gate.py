@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from specplan.core.choices import CANDIDATE_SPEEDUP
 from specplan.core.method_settings import TrieSettings
 from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, ScheduleEntry
 from specplan.decoder.batching import Request, Scheduler
@@ -621,6 +622,23 @@ def test_a_request_whose_drafts_miss_does_not_draft_to_time_the_clock():
     assert not missing.drafts(8, 100) and not missing.firm and clock.wanted(8, drafted_too=False) is False
     one_kind_of_step([fresh, missing])  # mean expected (3 + 1.5) / 2 >= 2
     assert fresh.drafting and missing.drafting
+
+
+def test_a_setting_priced_just_below_break_even_is_timed_and_drafted_where_measured_to_pay():
+    """An off entry's candidate (2 tokens for 0.95x: 2.1 plain steps) within CANDIDATE_SPEEDUP of paying: a fresh
+    request drafts to time it, then drafts on where the steps measure a drafted one at 1.2 plain ones and sits out
+    where at 2.4; one priced far below (0.8x) times plain steps only."""
+    for measured, drafts in ((1.2, True), (2.4, False)):
+        clock = StepClock()
+        gate = DraftGate(lambda batch, context: (2.0, 0.95), clock, shadowed=True)
+        assert gate.drafts(1, 100) and gate.reason == "timing"
+        for _ in range(MEASURED_AT_LEAST):
+            clock.record(1, True, 0.010 * measured)
+            clock.record(1, False, 0.010)
+        assert gate.drafts(1, 100) == drafts and gate.reason == ("pays" if drafts else "sits out")
+    far = DraftGate(lambda batch, context: (2.0, 0.8), StepClock(), shadowed=True)
+    assert not far.drafts(1, 100) and far.clock.wanted(1, drafted_too=False) is False
+    assert 0.8 < CANDIDATE_SPEEDUP < 0.95
 
 
 def test_a_request_joining_a_batch_takes_its_yield_as_prior_and_one_joining_an_idle_engine_the_engines(tiny_pair,

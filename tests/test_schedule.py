@@ -17,12 +17,13 @@ import torch
 import yaml
 
 from specplan.core.acceptance_schema import DraftChainTrace, LookaheadAcceptance, LookaheadRecord
-from specplan.core.choices import MIN_SPEEDUP
+from specplan.core.choices import CANDIDATE_SPEEDUP, MIN_SPEEDUP
 from specplan.core.errors import UserError
 from specplan.core.method_settings import TrieSettings
 from specplan.core.models import cache_dir
 from specplan.core.plan_schema import (
     BatchSchedule,
+    Candidate,
     Plan,
     PlanModels,
     Prediction,
@@ -37,6 +38,7 @@ from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.draft_rules import SglangEma
 from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
+from specplan.decoder.gate import StepClock
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 from specplan.planner.closed_loop import SettingPrice, schedule_table
@@ -101,6 +103,12 @@ def test_a_schedule_drafts_only_where_predicted_ahead_by_its_margin(run_cli, tmp
         schedule, rates = schedule_table({2: SettingPrice(gain, rows=2.0)}, flat, 2, 64, "lookahead", min_speedup)
         assert rates["L_d=2"][0] == pytest.approx(gain * rates["off"][0])
         assert schedule.entry_for(1).speculate == drafts and schedule.entry_for(2).speculate == drafts
+        # off, within CANDIDATE_SPEEDUP of paying, the entry keeps the setting as its candidate, at its own price
+        candidate = schedule.entry_for(1).candidate
+        assert (candidate is not None) == (not drafts and gain >= CANDIDATE_SPEEDUP)
+        assert candidate is None or (candidate.decoding_length == 2 and candidate.speedup == pytest.approx(gain))
+    schedule, _ = schedule_table({2: SettingPrice(0.85, rows=2.0)}, flat, 2, 64, "lookahead", MIN_SPEEDUP)
+    assert schedule.entries == (ScheduleEntry(1, 2, False, None, 1.0, 100.0, 1.0),)  # far below: no candidate
     acceptance, profile = tmp_path / "a.yaml", tmp_path / "p.yaml"
     acceptance.write_text(yaml.safe_dump(LookaheadAcceptance(
         "toy", {"vocab_size": 64, "sha256": "x"}, repetitive_records()).to_dict()))
@@ -168,11 +176,21 @@ def lookahead_plan_with(schedule: dict) -> dict:
 
 def test_a_plan_carries_its_schedule_and_a_bad_one_is_one_line():
     schedule = BatchSchedule(64, (ScheduleEntry(1, 2, True, 8, 2.1, 150.0, 1.6),
-                                  ScheduleEntry(3, 16, False, None, 1.0, 400.0, 1.0)))
+                                  ScheduleEntry(3, 4, False, None, 1.0, 300.0, 1.0, Candidate(4, 1.4, 0.97)),
+                                  ScheduleEntry(5, 16, False, None, 1.0, 400.0, 1.0)))
     document = lookahead_plan_with(schedule.to_dict())
     plan = Plan.from_dict(document, "p.yaml")
     assert plan.schedule == schedule and Plan.from_dict(plan.to_dict(), "again").schedule == schedule
+    # a drafted step's price: the setting's, an off entry's candidate's, none beyond; a drafter without a per-request
+    # decision drafts no candidate
+    assert [plan.predicted_at(b) for b in (1, 3, 5)] == [(2.1, 1.6), (1.4, 0.97), None]
+    assert [(e.nodes(gated=True), e.nodes(gated=False)) for e in schedule.entries] == [(8, 8), (4, 1), (1, 1)]
+    off = {"batches": [1, 1], "speculate": False, "tokens_per_step": 1.0, "tokens_per_second": 1.0, "speedup": 1.0}
+    candidate = {"decoding_length": 4, "tokens_per_step": 1.4, "speedup": 0.97}
     for broken, message in [
+        ({"entries": [{**schedule.entries[0].to_dict(), "candidate": candidate}]}, "do not speculate"),
+        ({"entries": [{**off, "candidate": {**candidate, "decoding_length": 9}}]}, "exceeds the plan's 8"),
+        ({"entries": [{**off, "candidate": {**candidate, "speedup": "fast"}}]}, "speedup"),
         ({"entries": [{**schedule.entries[0].to_dict(), "batches": [2, 3]}]}, "contiguous from 1"),
         ({"entries": [{**schedule.entries[0].to_dict(), "decoding_length": 32}]}, "exceeds the plan's 8"),
         ({"entries": [{**schedule.entries[0].to_dict(), "batches": [3, 1]}]}, "1 <= low <= high"),
@@ -209,6 +227,28 @@ def test_the_decoder_follows_the_schedule_and_every_request_keeps_its_greedy_tok
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens, i
+
+
+def test_an_off_entrys_candidate_drafts_only_where_requests_decide_and_time_it(tiny_pair):
+    """Off at every batch size with a candidate priced 0.95x: gated requests time its drafted steps (and, measured
+    to pay on a repetitive text, keep drafting it); without per-request decisions nothing drafts. Every request's
+    greedy tokens stay its own."""
+    _, target, _ = tiny_pair
+    schedule = BatchSchedule(None, (ScheduleEntry(1, 8, False, None, 1.0, 1.0, 1.0, Candidate(6, 2.0, 0.95)),))
+    make = lambda: TrieDrafter(Trie(TrieSettings.sized(8, 3)))  # noqa: E731
+    gen = torch.Generator().manual_seed(5)
+    phrase = torch.randint(0, 250, (12,), generator=gen).tolist()
+    requests = [Request(phrase * 3 + [i], n) for i, n in enumerate((30, 6, 8))]
+    for pricing, drafts in ((lambda batch, context: schedule.entry_for(batch, context).price, True), (None, False)):
+        clock = StepClock()
+        scheduler = Scheduler(SpeculativeEngine(target, make(), pricing=pricing, schedule=schedule, clock=clock),
+                              drafters_per_slot(make), 2)
+        results = {c.id: c.result for c in scheduler.run(requests)}
+        assert any(r.drafted_steps for r in results.values()) == drafts
+        assert all(max(r.drafted_per_step, default=0) <= 5 for r in results.values())
+        for i, request in enumerate(requests):
+            assert results[i].tokens == SpeculativeEngine(target, make()).generate(
+                request.prompt, request.max_new_tokens, SamplingParams()).tokens, i
 
 
 def test_a_fixed_setting_drafts_that_length_at_every_batch_size(tiny_pair):
