@@ -60,6 +60,7 @@ class Ticket:
 
     request: Request
     events: asyncio.Queue
+    stream: bool = False  # its tokens go to the client step by step (else only its completion: no event a step)
     scheduler_id: int | None = None  # set by the engine thread
     cancelled: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # the event loop its events go to
@@ -129,7 +130,7 @@ class EngineLoop:
             if kind == "submit":
                 ticket.loop = loop
                 request = ticket.request
-                request.on_tokens = _forwarder(ticket, loop)
+                request.on_tokens = _forwarder(ticket, loop) if ticket.stream else None
                 ticket.scheduler_id = self.scheduler.submit(request)
                 self.tickets[ticket.scheduler_id] = ticket
                 if ticket.cancelled:
@@ -278,7 +279,8 @@ class Server:
         except UserError as exc:
             return _error(400, str(exc))
         loop = asyncio.get_running_loop()
-        ticket = Ticket(Request(parsed.prompt, parsed.max_new_tokens, parsed.params, parsed.seed), asyncio.Queue())
+        ticket = Ticket(Request(parsed.prompt, parsed.max_new_tokens, parsed.params, parsed.seed), asyncio.Queue(),
+                        stream=parsed.stream)
         try:
             self.engine.submit(ticket, loop)
         except QueueFull as exc:
