@@ -285,26 +285,34 @@ class Server:
             self.engine.submit(ticket, loop)
         except QueueFull as exc:
             return _error(503, str(exc))
+        watch = asyncio.create_task(self._watch(request, ticket))
         try:
             if parsed.stream:
                 return await self._stream(request, ticket, parsed)
             return await self._whole(request, ticket, parsed)
         finally:
+            watch.cancel()
             self.engine.in_flight -= 1
 
-    async def _next_event(self, request: web.Request, ticket: Ticket) -> tuple[str, Any] | None:
-        """The ticket's next event, or None once the client has gone (its sequence then cancelled)."""
+    async def _next_event(self, ticket: Ticket) -> tuple[str, Any] | None:
+        """The ticket's next event, or None once its client has gone (`_watch`)."""
+        event = await ticket.events.get()
+        return None if event[0] == "gone" else event
+
+    async def _watch(self, request: web.Request, ticket: Ticket) -> None:
+        """Every DISCONNECT_POLL_SECONDS, whether the client is still there; once it has gone, its sequence is
+        cancelled and its handler woken. One task a request: a timed wait for each event cost the HTTP thread, which
+        shares the cores with the forward, a task and a timer a step."""
         while True:
-            try:
-                return await asyncio.wait_for(ticket.events.get(), DISCONNECT_POLL_SECONDS)
-            except asyncio.TimeoutError:
-                if request.transport is None or request.transport.is_closing():
-                    self.engine.cancel(ticket)
-                    return None
+            await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+            if request.transport is None or request.transport.is_closing():
+                self.engine.cancel(ticket)
+                ticket.events.put_nowait(("gone", None))
+                return
 
     async def _whole(self, request: web.Request, ticket: Ticket, parsed: Parsed) -> web.StreamResponse:
         while True:
-            event = await self._next_event(request, ticket)
+            event = await self._next_event(ticket)
             if event is None:
                 return web.Response(status=499)
             if event[0] == "done":
@@ -346,7 +354,7 @@ class Server:
             if parsed.chat:
                 await response.write(chunk(None, None, first=True))
             while True:
-                event = await self._next_event(request, ticket)
+                event = await self._next_event(ticket)
                 if event is None:
                     return response
                 if event[0] == "tokens":

@@ -73,15 +73,21 @@ def test_a_malformed_request_gets_400_and_the_server_keeps_serving(server, body,
     assert client(running).completions.create(model="m", prompt="still there?", max_tokens=3).usage.completion_tokens
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_sequence(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_mid_reply_frees_its_sequence(server, stream):
     _, running = server
     url = urlparse(running.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    body = json.dumps({"prompt": "a long one", "max_tokens": 3000, "temperature": 0, "stream": True})
+    body = json.dumps({"prompt": "a long one", "max_tokens": 3000, "temperature": 0, "stream": stream})
     connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200
-    response.fp.readline()  # the first event
+    if stream:
+        response = connection.getresponse()
+        assert response.status == 200
+        response.fp.readline()  # the first event
+    else:  # gone while its whole reply is still being decoded
+        deadline = time.monotonic() + 30
+        while not running.engine.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
     connection.close()
     scheduler = running.engine.scheduler
     deadline = time.monotonic() + 30
