@@ -39,8 +39,7 @@ paying at the price known so far (the nearest batch size timed, else the plan's)
 between steps, which no profile times, can tip it (core/choices.py), and an "off" schedule entry keeps such a setting as
 its candidate to be timed (core/plan_schema.py: Candidate); further below, timing a loss buys nothing the estimate
 does not say, and a batch size reached as requests join (their prefill steps go untimed) would time it for many steps
-(docs/design.md). Where the
-requests of a step answer differently, their mean settles its kind (one_kind_of_step).
+(docs/design.md). Where the requests of a step answer differently, their mean settles its kind (one_kind_of_step).
 
 A drafter that reads tokens before it can draft (a draft model's prompt, at its sequence's first drafted step; the
 tokens of the steps it sat out) has that reading priced too, once the clock has timed one: a request starts or

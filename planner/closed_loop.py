@@ -210,6 +210,6 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
             chosen.append((length, per_step, rate, rate / off, None))
         else:
             candidate = (Candidate(length, per_step, rate / off)
-                         if length is not None and rate >= min(CANDIDATE_SPEEDUP, min_speedup) * off else None)
+                         if length is not None and rate >= CANDIDATE_SPEEDUP * off else None)
             chosen.append((None, 1.0, off, 1.0, candidate))
     return BatchSchedule.merged(context, chosen), rates
