@@ -196,7 +196,7 @@ class Scheduler:
         if self.timed_step is not None:
             batch, drafted, started = self.timed_step
             if clock is not None and drafted is not None:
-                clock.record(batch, drafted, now - started)
+                clock.step_done(batch, drafted, now - started)
             if sharing is not None:  # a step whose rows were shared: its time against the table's price
                 sharing.timed(now - started)
 

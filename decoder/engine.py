@@ -289,7 +289,7 @@ class SpeculativeEngine:
             finished = run.advance(self.target.forward(*item))
             drafted = run.tree.size > 1
             if self.clock is not None and not (drafted and run.drafter.started_now):
-                self.clock.record(1, drafted, time.perf_counter() - start - reading)
+                self.clock.step_done(1, drafted, time.perf_counter() - start - reading)
             if self.sharing is not None:
                 self.sharing.timed(time.perf_counter() - start)
             if finished:

@@ -75,6 +75,10 @@ PROBE_SHARE = 0.03
 MEASURED_STEPS = 16
 # Steps of each kind timed before their ratio replaces the plan's price
 MEASURED_AT_LEAST = 4
+# The first steps of each kind at a batch size are not timed: a forward's first calls at new shapes are dear (a TriForce
+# hierarchy's first drafted steps took 480-594 ms, later ones 248-272, on cpu-2c-zen3), and a price kept from them sat
+# a TriForce load out of steps that paid; the serving bench's warm-up requests run them
+UNTIMED_FIRST_STEPS = 4
 # A batch size beyond one within this factor of one whose steps of both kinds are timed takes its price from there
 # (scaled by the plan's prices at the two) instead of timing its own: a served closed loop passes through every batch
 # size up to C as requests join and leave, and timing each anew sat out a fifth of a TriForce load's steps at C = 8,
@@ -93,16 +97,25 @@ REASONS = ("unpriced", "timing", "pays", "start not repaid", "sits out", "probe"
 class StepClock:
     """What the engine's decoding steps cost now, per batch size: the seconds from one step's start to the next's, of
     steps in which at least half the sequences drafted and of steps in which none did (steps that shared the machine
-    with a prompt's prefill are not timed; those in which a drafter read tokens before drafting are timed less that
-    reading, which it times apart; decoder/batching.py)."""
+    with a prompt's prefill are not timed, nor each kind's first UNTIMED_FIRST_STEPS at a batch size; those in which a
+    drafter read tokens before drafting are timed less that reading, which it times apart; decoder/batching.py)."""
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], deque[float]] = {}
+        self.seen: dict[tuple[int, bool], int] = {}  # steps of each kind the engine finished, timed or not
         self.step = 0  # the steps begun: the requests sitting out probe together at multiples of their period
         self.start_rates: deque[float] = deque(maxlen=MEASURED_STEPS)  # a drafter's start: seconds per token read
 
     def begin_step(self) -> None:
         self.step += 1
+
+    def step_done(self, batch: int, drafted: bool, seconds: float) -> None:
+        """A step of `batch` sequences the engine timed: recorded unless among the first UNTIMED_FIRST_STEPS of its
+        kind at that batch size."""
+        key = (batch, drafted)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] > UNTIMED_FIRST_STEPS:
+            self.record(batch, drafted, seconds)
 
     def record(self, batch: int, drafted: bool, seconds: float) -> None:
         self.seconds.setdefault((batch, drafted), deque(maxlen=MEASURED_STEPS)).append(seconds)

@@ -19,6 +19,7 @@ from specplan.decoder.gate import (
     MEASURED_AT_LEAST,
     PROBE_SHARE,
     REASONS,
+    UNTIMED_FIRST_STEPS,
     YIELD_WINDOW,
     DraftGate,
     RecentYields,
@@ -183,6 +184,21 @@ def test_the_clock_prices_a_drafted_step_once_both_kinds_are_timed():
         clock.record(1, False, 0.010)
     assert clock.drafted_step_cost(2) == pytest.approx(0.033 / 0.020)
     assert clock.drafted_step_cost(1) is None
+
+
+def test_each_kinds_first_steps_at_a_batch_size_are_not_timed():
+    """A forward's first calls at new shapes are dear: the engine's first UNTIMED_FIRST_STEPS steps of each kind at a
+    batch size do not price it, the later ones do."""
+    clock = StepClock()
+    for _ in range(UNTIMED_FIRST_STEPS):
+        clock.step_done(1, True, 0.5)
+        clock.step_done(1, False, 0.1)
+    assert clock.wanted(1) is True and clock.drafted_step_cost(1) is None
+    for _ in range(MEASURED_AT_LEAST):
+        clock.step_done(1, True, 0.25)
+        clock.step_done(1, False, 0.1)
+        clock.step_done(2, False, 0.2)
+    assert clock.drafted_step_cost(1) == pytest.approx(2.5) and not clock.seconds.get((2, False))
 
 
 def test_measured_steps_replace_the_plans_price():
