@@ -39,7 +39,9 @@ paying at the price known so far (the nearest batch size timed, else the plan's)
 between steps, which no profile times, can tip it (core/choices.py), and an "off" schedule entry keeps such a setting as
 its candidate to be timed (core/plan_schema.py: Candidate); further below, timing a loss buys nothing the estimate
 does not say, and a batch size reached as requests join (their prefill steps go untimed) would time it for many steps
-(docs/design.md). Where the requests of a step answer differently, their mean settles its kind (one_kind_of_step).
+(docs/design.md). Where the requests of a step answer differently, their mean settles its kind (one_kind_of_step),
+and a drafted step the clock wants is taken where their mean comes within CANDIDATE_SPEEDUP of paying: held to paying,
+a batch whose requests straddle that band never timed one, and priced its drafts at the plan's price for good.
 
 A drafter that reads tokens before it can draft (a draft model's prompt, at its sequence's first drafted step; the
 tokens of the steps it sat out) has that reading priced too, once the clock has timed one: a request starts or
@@ -310,10 +312,13 @@ def one_kind_of_step(gates: list[DraftGate]) -> None:
     rows it scores, and on a CPU the first rows beyond one a sequence are dear (t(2) against t(1) in the profile), so a
     step where a few requests draft costs the whole batch nearly a drafted step while only those few gain:
     where the decisions differ and none is firm, every request drafts if the batch's mean expected yield pays the
-    drafted step's price (those whose drafters need not read first), else none."""
+    drafted step's price (those whose drafters need not read first), else none. Where a request drafts to time the
+    clock, the mean need only come within CANDIDATE_SPEEDUP of the price, the band a request times a drafted step in."""
     if len({gate.drafting for gate in gates}) < 2 or any(gate.firm for gate in gates):
         return
-    pays = statistics.mean(g.expected for g in gates) >= statistics.mean(g.step_cost for g in gates)
+    timing = any(gate.drafting and gate.reason == "timing" for gate in gates)
+    share = CANDIDATE_SPEEDUP if timing else 1.0
+    pays = statistics.mean(g.expected for g in gates) >= share * statistics.mean(g.step_cost for g in gates)
     for gate in gates:
         drafting = pays and (gate.drafting or not gate.reads_first)
         if drafting != gate.drafting:

@@ -640,6 +640,26 @@ def test_a_request_whose_drafts_miss_does_not_draft_to_time_the_clock():
     assert fresh.drafting and missing.drafting
 
 
+def test_a_batch_within_the_timing_band_drafts_the_step_its_clock_wants():
+    """Plain steps timed at B = 4, drafted ones not (3 tokens for 1.5x: 2 plain steps): a request whose yield comes
+    within CANDIDATE_SPEEDUP of paying drafts to time one, one below sits out, and neither is firm. Their mean (1.86
+    tokens) pays no drafted step but lies within the band: the step drafts, or the clock, wanting one, never times
+    it; a mean below the band (1.44) does not."""
+    for sitting_out, drafts in ((0.45, True), (0.1, False)):
+        clock = StepClock()
+        for _ in range(MEASURED_AT_LEAST):
+            clock.record(4, False, 0.010)
+        timing, low = (DraftGate(lambda batch, context: (3.0, 1.5), clock) for _ in range(2))
+        timing.yields.extend([0.6] * 8)
+        low.yields.extend([sitting_out] * 8)
+        assert timing.drafts(4, 100) and timing.reason == "timing" and not timing.firm
+        assert not low.drafts(4, 100) and low.reason == "sits out" and not low.firm
+        mean = (timing.expected + low.expected) / 2
+        assert mean < 2.0 and (mean >= CANDIDATE_SPEEDUP * 2.0) == drafts
+        one_kind_of_step([timing, low])
+        assert timing.drafting == drafts and low.drafting == drafts
+
+
 def test_a_setting_priced_just_below_break_even_is_timed_and_drafted_where_measured_to_pay():
     """An off entry's candidate (2 tokens for 0.95x: 2.1 plain steps) within CANDIDATE_SPEEDUP of paying: a fresh
     request drafts to time it, then drafts on where the steps measure a drafted one at 1.2 plain ones and sits out
