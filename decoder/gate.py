@@ -15,7 +15,10 @@ yield swings across the line from step to step; docs/design.md), one whose draft
 engine's clock, the requests sitting out probe together, at the steps numbered a multiple of their probe period, a
 power of two so that the periods of requests at different yields nest: a probe costs the whole step a draft forward
 (a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of one each. A step
-whose drafter had nothing to propose (a trie without a match) cost a plain step and does not count.
+whose drafter had nothing to propose (a trie without a match) cost a plain step alone and does not count; beside
+other sequences it rode the batch's drafted step (the clock times such a step as drafted) and counts as the one token
+it emitted: a plan's tokens per step count such steps too, and counting only matched steps beside others overstated
+r (the smollm2 plan drafted B = 4 steps that emitted fewer tokens a second than its plain ones).
 How much it drafts when it does is the plan's setting at the step's batch size and the request's context (its
 schedule's entry).
 
@@ -197,6 +200,7 @@ class DraftGate:
         self.prior = 1.0
         self.prior_from_first = False
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
+        self.batch = 1  # the sequences of the step being decided
         self.drafting = True
         # the last decision's grounds: what its drafted step should emit, at what price in plain steps; whether the
         # decision is firm (a step timing the clock, a probe, nothing priced); whether its drafter reads tokens first
@@ -223,7 +227,7 @@ class DraftGate:
         """Whether the request (`context` tokens so far, `remaining` still to emit) drafts at the coming step of
         `batch` sequences; its drafter reads `start_tokens` first if it does (a draft model's prompt not read yet,
         the tokens of the steps it sat out)."""
-        self.priced = self.pricing(batch, context)
+        self.priced, self.batch = self.pricing(batch, context), batch
         self.firm, self.reads_first = True, start_tokens > 0
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
             self.drafting, self.reason = True, "unpriced"
@@ -286,8 +290,9 @@ class DraftGate:
 
     def observe(self, emitted: int, drafted: int) -> None:
         """The step just verified scored `drafted` draft tokens and emitted `emitted` (the accepted drafts and the
-        target's next token)."""
-        if self.drafting and self.priced is not None and drafted > 0:
+        target's next token). A drafting request whose drafter had nothing to propose (a trie without a match) counts
+        beside other sequences, as the one token it emitted: its batch's step was a drafted one, priced as such."""
+        if self.drafting and self.priced is not None and (drafted > 0 or self.batch > 1):
             self._add_yield(emitted / self.priced[0])
 
     def observe_shadow(self, emitted: int) -> None:

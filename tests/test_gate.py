@@ -107,6 +107,17 @@ def test_steps_without_a_draft_do_not_count():
     assert gate.yield_ratio == 1.0
 
 
+def test_beside_others_a_drafting_step_without_a_draft_counts_its_one_token():
+    """At 4 in flight the batch's step is a drafted one whether or not this request's trie matched: a step without a
+    draft counts as the one token it emitted (a third of the plan's 3), as the plan's tokens per step count it."""
+    gate = DraftGate(lambda batch, context: (3.0, 1.5))
+    for _ in range(8):
+        gate.drafts(4, 100)
+        gate.overrule(True)  # drafting, as its batch's mean decided
+        gate.observe(1, 0)
+    assert gate.yield_ratio == pytest.approx(shrunk_mean(1.0, [1 / 3] * 8)) and gate.yield_ratio < 0.5
+
+
 def test_the_plan_prices_drafted_steps_per_batch_size():
     entries = (ScheduleEntry(1, 2, True, 5, 2.4, 100.0, 1.3), ScheduleEntry(3, 3, True, 3, 1.8, 120.0, 1.05),
                ScheduleEntry(4, 16, False, None, 1.0, 130.0, 1.0))
