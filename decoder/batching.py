@@ -159,18 +159,15 @@ class Scheduler:
         self.engine.decide([entry.run for entry in running])
         gated = [entry.run for entry in running if entry.run.gate is not None]
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
-        # the step's kind for the clock: drafted where at least half the sequences chose to draft, though a trie
-        # without a match drafts nothing (beside others such a request counts its one token as a drafted step's yield,
-        # DraftGate.observe; at 8 in flight most drafted steps hold one; where a few sit out, the step costs nearly
-        # what one where all draft does, and a batch whose joiners' draft models have their prompts still to read
-        # may never have another drafted step to time); plain where no tree has a draft token; one sequence: drafted
-        # only where its tree has drafts (without, it cost a plain step, and its yield does not count)
+        # the step's kind for the clock: drafted where at least half the sequences chose to draft (where a few sit
+        # out, the step costs nearly what one where all draft does, and a batch whose joiners' draft models have their
+        # prompts still to read may never have another drafted step to time), though a trie without a match drafts
+        # nothing (at 8 in flight most drafted steps hold one; DraftGate.observe counts its one token) unless it is
+        # the only sequence, whose step then cost a plain one; plain where no tree has a draft token
         trees = {entry.run.tree.size > 1 for entry in running}
         choosing = sum(entry.run.drafter.drafts_now() for entry in running)
-        if 2 * choosing >= len(running) and (len(running) > 1 or trees == {True}):
-            kind = True
-        else:
-            kind = False if trees == {False} else None
+        drafted = 2 * choosing >= len(running) and (len(running) > 1 or True in trees)
+        kind = True if drafted else False if trees == {False} else None
         starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)
         reading = sum(entry.run.drafter.reading_seconds for entry in running if entry.run.tree.size > 1)
         self.timed_step = (len(running), kind, started + reading) if not chunks and not starting else None
