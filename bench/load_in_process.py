@@ -1,9 +1,9 @@
-"""A plan against one-token decoding of the same model, both at C requests in flight in this process (`generate_many`,
-no HTTP server), in interleaved rounds: where two servers of `plan bench --concurrency` differ by tens of percent
-running the same steps (the order the clients' requests arrive in decides whether a batch runs in lockstep), this
-says what the plan's own steps cost. Each run is warmed up first (WARMUP_TOKENS, as the serving bench does, on fresh
-drafters and clock), then every scheduler step is timed with its batch size, whether any sequence drafted, and the
-roots its draft models had still to read.
+"""A plan against one-token decoding of the same model (or its fixed settings), each at C requests in flight in this
+process (`generate_many`, no HTTP server), in rounds of rotating order: where two servers of `plan bench
+--concurrency` differ by tens of percent running the same steps (the order the clients' requests arrive in decides
+whether a batch runs in lockstep), this says what the plan's own steps cost. Each run is warmed up first
+(WARMUP_TOKENS, as the serving bench does, on fresh drafters and clock), then every scheduler step is timed with its
+batch size, whether any sequence drafted, and the roots its draft models had still to read.
 
     .venv/bin/python bench/load_in_process.py plans/qwen2.5-coder-1.5b.sequoia-v64k.cpu-2c.gguf.yaml --concurrency 8 \
         --dataset specbench:qa,math_reasoning,translation,extraction --no-chat --prompts 16 --rounds 2
@@ -11,9 +11,9 @@ roots its draft models had still to read.
         --dataset specbench:summarization,rag,coding --against setting-2 --rounds 4
     .venv/bin/python bench/load_in_process.py plans/smollm2-135m.lookahead.cpu-2c-avx2.gguf.shared.yaml \
         --concurrency 4 --no-chat --prompts 16 --against unshared --rounds 4
-    .venv/bin/python bench/load_in_process.py plans/smollm2-135m.triforce-7680.cpu-2c-amx.fp32.batched.yaml \
-        --concurrency 1 --dataset specbench:summarization,rag --context 7680 --one-document --prompts 4 \
-        --max-new-tokens 128
+    .venv/bin/python bench/load_in_process.py plans/smollm2-135m.triforce-7680.cpu-2c-zen3.fp32.batched.yaml \
+        --concurrency 4 --dataset haystack --context 7680 --one-document --prompts 8 --max-new-tokens 128 \
+        --against one-token,setting-4 --rounds 2
 """
 
 from __future__ import annotations
@@ -87,6 +87,23 @@ def describe(name: str, result: dict) -> str:
             + (f"; drafted steps reading sat-out roots (batch/drafting/roots): {', '.join(heavy)}" if heavy else ""))
 
 
+def against_decoder(plan_path: str, plan: Decoder, name: str, parser: argparse.ArgumentParser) -> Decoder:
+    """The system `name` (one of --against's) that the plan at `plan_path` runs against, loaded in this process."""
+    if name.startswith("setting-"):
+        fixed = load_decoder(plan_path, device="cpu")
+        fixed.fix_setting(int(name.removeprefix("setting-")))
+        return fixed
+    if name == "unshared":
+        if plan.plan.sharing is None:
+            parser.error(f"{plan_path} shares no rows (solved without --share-rows): nothing to compare unshared")
+        unshared = load_decoder(plan_path, device="cpu")
+        unshared.unshared()
+        return unshared
+    if name != "one-token":
+        parser.error(f"--against {name}: one-token, setting-N or unshared")
+    return load_decoder(None, target=plan.plan.models.target, dtype=plan.plan.models.dtype, device="cpu")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("plan")
@@ -98,38 +115,33 @@ def main() -> None:
     parser.add_argument("--context", type=int, help="long prompts of this many tokens built from --dataset's texts "
                         "(as `plan bench --context` builds them)")
     parser.add_argument("--one-document", action="store_true", help="the long prompts all about one document")
-    parser.add_argument("--rounds", type=int, default=2, help="plan and one-token runs, their order alternating")
-    parser.add_argument("--against", default="one-token", metavar="one-token|setting-N|unshared",
-                        help="the plan against one-token decoding, against one of its settings at every step "
-                        "(`plan serve --setting N`: drafting N nodes, no schedule, no decisions), or a plan with "
-                        "shared rows against itself without them (`plan serve --no-sharing`)")
+    parser.add_argument("--rounds", type=int, default=2, help="every system once a round, the order rotating")
+    parser.add_argument("--against", default="one-token", metavar="one-token|setting-N|unshared[,...]",
+                        help="what the plan runs against, one or several (comma-separated): one-token decoding, one "
+                        "of its settings at every step (`plan serve --setting N`: drafting N nodes, no schedule, no "
+                        "decisions), or a plan with shared rows without them (`plan serve --no-sharing`)")
     args = parser.parse_args()
     plan = load_decoder(args.plan, device="cpu")
-    if args.against.startswith("setting-"):
-        plain = load_decoder(args.plan, device="cpu")
-        plain.fix_setting(int(args.against.removeprefix("setting-")))
-    elif args.against == "unshared":
-        if plan.plan.sharing is None:
-            parser.error(f"{args.plan} shares no rows (solved without --share-rows): nothing to compare unshared")
-        plain = load_decoder(args.plan, device="cpu")
-        plain.unshared()
-    else:
-        plain = load_decoder(None, target=plan.plan.models.target, dtype=plan.plan.models.dtype, device="cpu")
+    others = args.against.split(",")
+    systems = [("plan", plan)] + [(name, against_decoder(args.plan, plan, name, parser)) for name in others]
     prompts = served_prompts(args.dataset, plan.tokenizer, args.prompts, not args.no_chat, args.context,
                              args.one_document)
     print(f"{args.plan}: {args.dataset}{' (raw)' if args.no_chat else ''}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens at {args.concurrency} in flight")
-    ratios = []
+    ratios: dict[str, list[float]] = defaultdict(list)
     for round_ in range(args.rounds):
-        other = args.against
-        order = (("plan", plan), (other, plain)) if round_ % 2 == 0 else ((other, plain), ("plan", plan))
+        shift = round_ % len(systems)
+        order = systems[shift:] + systems[:shift]
         results = {name: run(decoder, prompts, args.concurrency, args.max_new_tokens) for name, decoder in order}
-        ratios.append(results["plan"]["tokens_per_second"] / results[other]["tokens_per_second"])
-        print(f"round {round_ + 1} ({' then '.join(name for name, _ in order)}): plan / {other} {ratios[-1]:.3f}")
+        for name in others:
+            ratios[name].append(results["plan"]["tokens_per_second"] / results[name]["tokens_per_second"])
+        print(f"round {round_ + 1} ({' then '.join(name for name, _ in order)}): "
+              + ", ".join(f"plan / {name} {ratios[name][-1]:.3f}" for name in others))
         for name, _ in order:
             print(describe(name, results[name]))
-    print(f"plan / {args.against} over {len(ratios)} rounds: {', '.join(f'{r:.3f}' for r in ratios)}; "
-          f"mean {statistics.mean(ratios):.3f}")
+    for name in others:
+        print(f"plan / {name} over {args.rounds} rounds: {', '.join(f'{r:.3f}' for r in ratios[name])}; "
+              f"mean {statistics.mean(ratios[name]):.3f}")
 
 
 if __name__ == "__main__":
