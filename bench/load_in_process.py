@@ -19,6 +19,7 @@ batch size, whether any sequence drafted, and the roots its draft models had sti
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -88,7 +89,8 @@ def describe(name: str, result: dict) -> str:
 
 
 def against_decoder(plan_path: str, plan: Decoder, name: str, parser: argparse.ArgumentParser) -> Decoder:
-    """The system `name` (one of --against's) that the plan at `plan_path` runs against, loaded in this process."""
+    """The system `name` (one of --against's, checked) that the plan at `plan_path` runs against, loaded in this
+    process."""
     if name.startswith("setting-"):
         fixed = load_decoder(plan_path, device="cpu")
         fixed.fix_setting(int(name.removeprefix("setting-")))
@@ -99,8 +101,6 @@ def against_decoder(plan_path: str, plan: Decoder, name: str, parser: argparse.A
         unshared = load_decoder(plan_path, device="cpu")
         unshared.unshared()
         return unshared
-    if name != "one-token":
-        parser.error(f"--against {name}: one-token, setting-N or unshared")
     return load_decoder(None, target=plan.plan.models.target, dtype=plan.plan.models.dtype, device="cpu")
 
 
@@ -121,8 +121,11 @@ def main() -> None:
                         "of its settings at every step (`plan serve --setting N`: drafting N nodes, no schedule, no "
                         "decisions), or a plan with shared rows without them (`plan serve --no-sharing`)")
     args = parser.parse_args()
+    others = list(dict.fromkeys(args.against.split(",")))
+    for name in others:
+        if not re.fullmatch(r"one-token|unshared|setting-\d+", name):
+            parser.error(f"--against {name}: one-token, setting-N or unshared")
     plan = load_decoder(args.plan, device="cpu")
-    others = args.against.split(",")
     systems = [("plan", plan)] + [(name, against_decoder(args.plan, plan, name, parser)) for name in others]
     prompts = served_prompts(args.dataset, plan.tokenizer, args.prompts, not args.no_chat, args.context,
                              args.one_document)

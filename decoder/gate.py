@@ -17,8 +17,8 @@ power of two so that the periods of requests at different yields nest: a probe c
 (a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of one each. A step
 whose drafter had nothing to propose (a trie without a match) cost a plain step alone and does not count; beside
 other sequences it rode the batch's drafted step (the clock times such a step as drafted) and counts as the one token
-it emitted: a plan's tokens per step count such steps too, and counting only matched steps beside others overstated
-r (the smollm2 plan drafted B = 4 steps that emitted fewer tokens a second than its plain ones).
+it emitted: a plan's tokens per step count such steps too, and counting only matched steps beside others would
+overstate r.
 How much it drafts when it does is the plan's setting at the step's batch size and the request's context (its
 schedule's entry).
 
