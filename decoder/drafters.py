@@ -417,6 +417,8 @@ class ShadowDraft:
     node: int = 0  # the deepest node the text has followed so far
     path: list[int] = field(default_factory=list)  # the nodes on the way to it, root excluded (increasing)
     after: int | None = None  # a survey's: what the sequence's last settled survey emitted (decoder/sharing.py)
+    # False: the trie had no match, the step would have scored its root alone and emitted one token, whatever the text
+    matched: bool = True
 
     @property
     def emitted(self) -> int:
@@ -508,8 +510,10 @@ class TrieDrafter(Drafter):
             self.surveyed = None
         elif self.decoding_length > 1:  # the draft this step would have scored, settled as the text goes on
             tokens, parents = self.trie.retrieve(self.sequence, self.length + 1, self.decoding_length)
-            if len(tokens) > 1:  # a step without a match drafts nothing either way
+            if len(tokens) > 1:
                 self.pending.append(ShadowDraft(tokens.tolist(), parents.tolist()))
+            else:  # settled already: one token, which counts where such a step rides a batch's drafted one
+                self.settled.append(ShadowDraft([root], [-1], matched=False))
         return super().idle(root)
 
     def shadow_yields(self):

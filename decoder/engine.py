@@ -169,7 +169,7 @@ class SequenceRun:
             self.drafter.update(tree, path, next_token)
         for shadow in self.drafter.shadow_yields():  # drained every step, whether or not anything reads them
             if self.gate is not None:
-                self.gate.observe_shadow(shadow.emitted)
+                self.gate.observe_shadow(shadow.emitted, shadow.matched)
             if self.sharing is not None:
                 self.sharing.observe(shadow)
         self.out.extend(new[:keep])

@@ -18,7 +18,7 @@ power of two so that the periods of requests at different yields nest: a probe c
 whose drafter had nothing to propose (a trie without a match) cost a plain step alone and does not count; beside
 other sequences it rode the batch's drafted step (the clock times such a step as drafted) and counts as the one token
 it emitted: a plan's tokens per step count such steps too, and counting only matched steps beside others would
-overstate r.
+overstate r. A shadow step without a match counts the same way (beside others, as one token).
 How much it drafts when it does is the plan's setting at the step's batch size and the request's context (its
 schedule's entry).
 
@@ -295,9 +295,10 @@ class DraftGate:
         if self.drafting and self.priced is not None and (drafted > 0 or self.batch > 1):
             self._add_yield(emitted / self.priced[0])
 
-    def observe_shadow(self, emitted: int) -> None:
-        """A step the request sat out would have emitted `emitted` tokens had it drafted (Drafter.shadow_yields)."""
-        if self.priced is not None:
+    def observe_shadow(self, emitted: int, matched: bool = True) -> None:
+        """A step the request sat out would have emitted `emitted` tokens had it drafted (Drafter.shadow_yields);
+        without a `matched` draft, it counts as `observe` counts such a drafted step: beside other sequences only."""
+        if self.priced is not None and (matched or self.batch > 1):
             self._add_yield(emitted / self.priced[0])
 
     def _add_yield(self, ratio: float) -> None:

@@ -512,7 +512,8 @@ def _walk(tree, text: list[int]) -> int | None:
 
 def test_a_tries_shadow_drafts_settle_to_what_drafting_would_have_emitted():
     """Sitting out every step of a text, a trie drafter's shadow drafts settle to exactly what a drafted step would
-    have emitted at each of those steps (a twin drafter fed the same text drafts there for real)."""
+    have emitted at each of those steps (a twin drafter fed the same text drafts there for real), and each step
+    without a match is one unmatched shadow of one token."""
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2, 3]
     text = [4, 5, 1, 2, 3, 4, 6, 7, 1, 2, 3, 4, 5, 9, 1, 2, 8, 1, 2, 3, 4, 6, 7, 1, 2, 3, 4, 5, 0, 0]
     settings = TrieSettings(decoding_length=6, branch_length=3)
@@ -526,22 +527,39 @@ def test_a_tries_shadow_drafts_settle_to_what_drafting_would_have_emitted():
             root = token
         return drafter
 
-    shadowed, settled = TrieDrafter(Trie(settings)), []
+    shadowed, settled, unmatched = TrieDrafter(Trie(settings)), [], []
     shadowed.reset(prompt, 128)
     root = prompt[-1]
     for token in text:
         shadowed.update(shadowed.idle(root), [0], token)
-        settled += [shadow.emitted for shadow in shadowed.shadow_yields()]
+        for shadow in shadowed.shadow_yields():
+            (settled if shadow.matched else unmatched).append(shadow.emitted)
         root = token
-    expected = []
+    expected, without_match = [], 0
     for step in range(len(text)):
         twin = fed(step)
         tree = twin.propose(prompt[-1] if step == 0 else text[step - 1], SamplingParams(), "deterministic", None)
+        without_match += tree.size == 1
         emitted = _walk(tree, text[step:]) if tree.size > 1 else None
         if emitted is not None:
             expected.append(emitted)
     assert len(expected) > 10 and max(expected) > 2
     assert sorted(settled) == sorted(expected)
+    assert without_match > 0 and unmatched == [1] * without_match
+
+
+def test_a_shadow_step_without_a_match_counts_as_a_drafted_one_would():
+    """A trie without a match scores its root alone: at one sequence such a step is a plain one and does not count,
+    beside others it rides the batch's drafted step and counts as its one token (`observe`). Its shadow counts the
+    same way: a plan's tokens per step count such steps, and a mean over matched shadows alone overstated r."""
+    for batch, counts in ((1, False), (4, True)):
+        sitting_out = DraftGate(lambda batch, context: (2.0, 1.2), shadowed=True)
+        sitting_out.drafts(batch, 100)
+        sitting_out.observe_shadow(1, matched=False)
+        drafting = DraftGate(lambda batch, context: (2.0, 1.2), shadowed=True)
+        assert drafting.drafts(batch, 100)
+        drafting.observe(1, 0)
+        assert list(sitting_out.yields) == list(drafting.yields) == ([0.5] if counts else [])
 
 
 def _decided(yields: list[float], start_tokens: int = 0) -> DraftGate:
