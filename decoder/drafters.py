@@ -417,8 +417,11 @@ class ShadowDraft:
     node: int = 0  # the deepest node the text has followed so far
     path: list[int] = field(default_factory=list)  # the nodes on the way to it, root excluded (increasing)
     after: int | None = None  # a survey's: what the sequence's last settled survey emitted (decoder/sharing.py)
-    # False: the trie had no match, the step would have scored its root alone and emitted one token, whatever the text
-    matched: bool = True
+
+    @property
+    def matched(self) -> bool:
+        """False where the trie had no match: the step would have scored its root alone and emitted one token."""
+        return len(self.tokens) > 1
 
     @property
     def emitted(self) -> int:
@@ -513,7 +516,7 @@ class TrieDrafter(Drafter):
             if len(tokens) > 1:
                 self.pending.append(ShadowDraft(tokens.tolist(), parents.tolist()))
             else:  # settled already: one token, which counts where such a step rides a batch's drafted one
-                self.settled.append(ShadowDraft([root], [-1], matched=False))
+                self.settled.append(ShadowDraft([root], [-1]))
         return super().idle(root)
 
     def shadow_yields(self):

@@ -292,14 +292,19 @@ class DraftGate:
         """The step just verified scored `drafted` draft tokens and emitted `emitted` (the accepted drafts and the
         target's next token). A drafting request whose drafter had nothing to propose (a trie without a match) counts
         beside other sequences, as the one token it emitted: its batch's step was a drafted one, priced as such."""
-        if self.drafting and self.priced is not None and (drafted > 0 or self.batch > 1):
+        if self.drafting and self.priced is not None and self._counts(drafted > 0):
             self._add_yield(emitted / self.priced[0])
 
     def observe_shadow(self, emitted: int, matched: bool = True) -> None:
         """A step the request sat out would have emitted `emitted` tokens had it drafted (Drafter.shadow_yields);
         without a `matched` draft, it counts as `observe` counts such a drafted step: beside other sequences only."""
-        if self.priced is not None and (matched or self.batch > 1):
+        if self.priced is not None and self._counts(matched):
             self._add_yield(emitted / self.priced[0])
+
+    def _counts(self, matched: bool) -> bool:
+        """Whether a step (drafted or in the shadow) counts: one without a match only beside other sequences, where it
+        rode the batch's drafted step; alone it cost a plain one."""
+        return matched or self.batch > 1
 
     def _add_yield(self, ratio: float) -> None:
         self.yields.append(ratio)
