@@ -1,18 +1,19 @@
-"""Backs the CPU kernels' tuning constants (decoder/kernels/): TILE_W x TILE_X, the register tile for more than ROW_TILE
-activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how far ahead a block-format or fp32 row is requested;
-TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
-Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; AVX2_ROW_TILE and AVX2_BALANCED_PASSES, the
-same over an fp32, Q4_1, Q5_0 or Q8_0 row on AVX2 and how a matmul's rows are shared among its passes; X8_ACT_TILE,
-the same over 8 interleaved Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-
-tiled ymm paths, and TILED_GEMM_ROWS and L2_KEYS, where those hand a chunk to the GEMM and how many keys they take at
-a time; SDPA_ROWS, the new tokens of one sequence from which a forward attends through torch's SDPA (PROMPT_ROWS
-where each decoding row attends alone, ATTENTION_CHUNK its keys per chunk). The kernels are built with other -D
-values and timed on whole passes over real weights, and on attention over a long cache.
+"""Backs the CPU kernels' tuning constants (decoder/kernels/): TILE_W x TILE_X, the register tile for more than
+ROW_TILE activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how far ahead a block-format or fp32 row is
+requested; TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
+Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; AVX2_ROW_TILE and AVX2_BALANCED_PASSES, the same
+over an fp32, Q4_1, Q5_0 or Q8_0 row on AVX2 and how a matmul's rows are shared among its passes; X8_ACT_TILE, the
+same over 8 interleaved Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-tiled
+ymm paths, and TILED_GEMM_ROWS and L2_KEYS, where those hand a chunk to the GEMM and how many keys they take at a
+time; SDPA_ROWS, the new tokens of one sequence from which a forward attends through torch's SDPA (PROMPT_ROWS where
+each decoding row attends alone, ATTENTION_CHUNK its keys per chunk). The kernels are built with other -D values and
+timed on whole passes over real weights, and on attention over a long cache.
 
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
-    .venv/bin/python bench/kernel_variants.py q8k-tile 4 6 8                    # Q4_K/Q6_K rows per pass, the same
+    .venv/bin/python bench/kernel_variants.py q8k-tile 4 6 8 [rows=64,512]      # Q4_K/Q6_K rows per pass, the same
     .venv/bin/python bench/kernel_variants.py q4k-x8 2 4 6                      # Q4_K: the file's rows or 8 interleaved
+    .venv/bin/python bench/kernel_variants.py prefill X8_ACT_TILE=2 X8_ACT_TILE=4 [rows=64,512]  # qwen Q4_K_M
     .venv/bin/python bench/kernel_variants.py row-tile AVX2_ROW_TILE=4,AVX2_BALANCED_PASSES=0 AVX2_ROW_TILE=5  # AVX2
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
     .venv/bin/python bench/kernel_variants.py attention ATTENTION_YMM=0 ATTENTION_YMM=1   # NAME=VALUE,...
@@ -150,8 +151,16 @@ def prefetch(distances: list[str]) -> None:
         print(f"PREFETCH_BYTES={distance}: {', '.join(cells)}", flush=True)
 
 
+def rows_option(variants: list[str], default: str) -> tuple[list[str], list[int]]:
+    """The variants without a `rows=1,2,...` item, and the activation rows it names (else `default`'s)."""
+    rows = next((v.split("=")[1] for v in variants if v.startswith("rows=")), default)
+    return [v for v in variants if not v.startswith("rows=")], [int(n) for n in rows.split(",")]
+
+
 def q8k_tile(tiles: list[str]) -> None:
-    """Every K-quant matrix of qwen2.5-coder-1.5b's layers against n activation rows, per Q8K_ROW_TILE, interleaved."""
+    """Every K-quant matrix of qwen2.5-coder-1.5b's layers against n activation rows, per Q8K_ROW_TILE, interleaved
+    (rows=16,512: other n than decoding's)."""
+    tiles, sizes = rows_option(tiles, "1,2,4,8,16,64")
     matrices = [(kind, data, cols) for kind in ("Q4_K", "Q6_K") for data, cols in k_quant_matrices(kind)]
     variants = {f"Q8K_ROW_TILE={tile}": build({"Q8K_ROW_TILE": tile}) for tile in tiles}
 
@@ -159,7 +168,7 @@ def q8k_tile(tiles: list[str]) -> None:
         for kind, data, cols in matrices:
             kernels.linear(inputs[cols], kind, data, None, data.shape[0])
 
-    for n in (1, 2, 4, 8, 16, 64):
+    for n in sizes:
         inputs = {cols: torch.randn(n, cols) for _, _, cols in matrices}
         medians = interleaved_medians({t: partial(run, k, inputs) for t, k in variants.items()}, repeats=5, warmup=1)
         print(f"n={n}: " + ", ".join(f"{t} {s * 1e3:.0f} ms" for t, s in medians.items()), flush=True)
@@ -168,9 +177,10 @@ def q8k_tile(tiles: list[str]) -> None:
 def q4k_x8(tiles: list[str]) -> None:
     """Every Q4_K matrix of qwen2.5-coder-1.5b's layers against n activation rows: in the file's layout (one row at a
     time, Q8K_ROW_TILE activation rows a pass) and with 8 rows interleaved per X8_ACT_TILE, interleaved in time; the
-    largest difference of their outputs relative to the largest output."""
+    largest difference of their outputs relative to the largest output (rows=16,512: other n than decoding's)."""
     from specplan.decoder.cpu_kernels import kernels as host_kernels
 
+    tiles, sizes = rows_option(tiles, "1,2,4,8,16,64")
     plain = host_kernels()
     matrices = k_quant_matrices("Q4_K")
     packed = []
@@ -185,7 +195,7 @@ def q4k_x8(tiles: list[str]) -> None:
         calls[f"X8_ACT_TILE={tile}"] = partial(lambda kernels, inputs: [
             kernels.linear(inputs[cols], "Q4_Kx8", data, None, rows) for data, cols, rows in packed],
             build({"X8_ACT_TILE": tile}))
-    for n in (1, 2, 4, 8, 16, 64):
+    for n in sizes:
         inputs = {cols: torch.randn(n, cols) for _, cols in matrices}
         reference = calls["file rows"](inputs)
         error = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(
@@ -277,8 +287,32 @@ def forward(variants: list[str]) -> None:
             print(f"n={n}: " + ", ".join(f"{v} {s * 1e3:.1f} ms" for v, s in medians.items()), flush=True)
 
 
+def prefill(variants: list[str]) -> None:
+    """Whole prefills of n tokens into an empty cache (qwen2.5-coder-1.5b's Q4_K_M, no logits) on each variant
+    (NAME=VALUE,...), interleaved, three rounds; rows=64,512 the n to time."""
+    from specplan.decoder.api import load_forward
+
+    variants, sizes = rows_option(variants, "64,512")
+    model = load_forward(load_model("qwen2.5-coder-1.5b", "gguf"), "cpu")
+    cache = model.new_cache(max(sizes))
+    ids = torch.randint(100, 5000, (max(sizes),), generator=torch.Generator().manual_seed(0))
+    built = {variant: build(dict(item.split("=") for item in variant.split(","))) for variant in variants}
+
+    def run(kernels, n: int) -> None:
+        model.kernels = kernels
+        cache.length = 0
+        model.prefill(ids[:n], cache, chunk=n, logits=False)
+
+    with torch.inference_mode():
+        for n in sizes:
+            for _ in range(3):
+                medians = interleaved_medians({v: partial(run, kernels, n) for v, kernels in built.items()},
+                                              repeats=3, warmup=1)
+                print(f"n={n}: " + ", ".join(f"{v} {n / s:.1f} tokens/s" for v, s in medians.items()), flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
     {"tiles": tiles, "prefetch": prefetch, "prefetch-f32": prefetch_f32, "attention": attention, "gemm": gemm,
      "forward": forward, "q8k-tile": q8k_tile, "q4k-x8": q4k_x8, "row-tile": row_tile,
-     "attention-layers": attention_layers}[sys.argv[1]](sys.argv[2:])
+     "attention-layers": attention_layers, "prefill": prefill}[sys.argv[1]](sys.argv[2:])
