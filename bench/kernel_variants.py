@@ -3,7 +3,8 @@ ROW_TILE activation rows; PREFETCH_BYTES and F32_PREFETCH_BYTES, how far ahead a
 requested; TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torch's GEMM over decoded weight panels;
 Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; AVX2_ROW_TILE and AVX2_BALANCED_PASSES, the same
 over an fp32, Q4_1, Q5_0 or Q8_0 row on AVX2 and how a matmul's rows are shared among its passes; X8_ACT_TILE, the
-same over 8 interleaved Q4_K rows (and whether to interleave at all); ATTENTION_YMM, the attention's register-tiled
+same over 8 interleaved Q4_K rows (and whether to interleave at all), Q4K_X8_ZMM, whether AVX-512 pairs two such
+groups in a zmm; ATTENTION_YMM, the attention's register-tiled
 ymm paths, and TILED_GEMM_ROWS and L2_KEYS, where those hand a chunk to the GEMM and how many keys they take at a
 time; SDPA_ROWS, the new tokens of one sequence from which a forward attends through torch's SDPA (PROMPT_ROWS where
 each decoding row attends alone, ATTENTION_CHUNK its keys per chunk). The kernels are built with other -D values and
@@ -12,7 +13,7 @@ timed on whole passes over real weights, and on attention over a long cache.
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
     .venv/bin/python bench/kernel_variants.py q8k-tile 4 6 8 [rows=64,512]      # Q4_K/Q6_K rows per pass, the same
-    .venv/bin/python bench/kernel_variants.py q4k-x8 2 4 6                      # Q4_K: the file's rows or 8 interleaved
+    .venv/bin/python bench/kernel_variants.py q4k-x8 X8_ACT_TILE=4,Q4K_X8_ZMM=0 X8_ACT_TILE=4  # Q4_K: file's rows or x8
     .venv/bin/python bench/kernel_variants.py prefill X8_ACT_TILE=2 X8_ACT_TILE=4 [rows=64,512]  # qwen Q4_K_M
     .venv/bin/python bench/kernel_variants.py row-tile AVX2_ROW_TILE=4,AVX2_BALANCED_PASSES=0 AVX2_ROW_TILE=5  # AVX2
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
@@ -174,35 +175,36 @@ def q8k_tile(tiles: list[str]) -> None:
         print(f"n={n}: " + ", ".join(f"{t} {s * 1e3:.0f} ms" for t, s in medians.items()), flush=True)
 
 
-def q4k_x8(tiles: list[str]) -> None:
+def q4k_x8(variants: list[str]) -> None:
     """Every Q4_K matrix of qwen2.5-coder-1.5b's layers against n activation rows: in the file's layout (one row at a
-    time, Q8K_ROW_TILE activation rows a pass) and with 8 rows interleaved per X8_ACT_TILE, interleaved in time; the
-    largest difference of their outputs relative to the largest output (rows=16,512: other n than decoding's)."""
+    time, Q8K_ROW_TILE activation rows a pass) and with 8 rows interleaved on each variant (NAME=VALUE,...: X8_ACT_TILE,
+    Q4K_X8_ZMM), interleaved in time; the largest difference of their outputs relative to the largest output
+    (rows=16,512: other n than decoding's)."""
     from specplan.decoder.cpu_kernels import kernels as host_kernels
 
-    tiles, sizes = rows_option(tiles, "1,2,4,8,16,64")
+    variants, sizes = rows_option(variants, "1,2,4,8,16,64")
     plain = host_kernels()
     matrices = k_quant_matrices("Q4_K")
-    packed = []
-    for data, cols in matrices:
-        interleaved = plain.interleave("Q4_K", data, data.shape[0], cols)
-        if interleaved is None:
-            raise SystemExit("this host's kernels keep Q4_K in the file's layout (no AVX2)")
-        packed.append((interleaved[1], cols, data.shape[0]))
     calls = {"file rows": lambda inputs: [plain.linear(inputs[cols], "Q4_K", data, None, data.shape[0])
                                           for data, cols in matrices]}
-    for tile in tiles:
-        calls[f"X8_ACT_TILE={tile}"] = partial(lambda kernels, inputs: [
-            kernels.linear(inputs[cols], "Q4_Kx8", data, None, rows) for data, cols, rows in packed],
-            build({"X8_ACT_TILE": tile}))
+    for variant in variants:
+        kernels = build(dict(item.split("=") for item in variant.split(",")))
+        packed = []  # each build's own layout (Q4K_X8_ZMM pairs the groups' blocks)
+        for data, cols in matrices:
+            interleaved = kernels.interleave("Q4_K", data, data.shape[0], cols)
+            if interleaved is None:
+                raise SystemExit("this host's kernels keep Q4_K in the file's layout (no AVX2)")
+            packed.append((interleaved[1], cols, data.shape[0]))
+        calls[variant] = partial(lambda kernels, packed, inputs: [
+            kernels.linear(inputs[cols], "Q4_Kx8", data, None, rows) for data, cols, rows in packed], kernels, packed)
     for n in sizes:
         inputs = {cols: torch.randn(n, cols) for _, cols in matrices}
         reference = calls["file rows"](inputs)
-        error = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(
-            calls[list(calls)[-1]](inputs), reference))
+        error = max(float((a - b).abs().max() / b.abs().max()) for variant in variants
+                    for a, b in zip(calls[variant](inputs), reference))
         medians = interleaved_medians({t: partial(call, inputs) for t, call in calls.items()}, repeats=5, warmup=1)
         print(f"n={n}: " + ", ".join(f"{t} {s * 1e3:.0f} ms" for t, s in medians.items())
-              + f" (relative difference {error:.1e})", flush=True)
+              + f" (largest relative difference {error:.1e})", flush=True)
 
 
 ATTENTION_SHAPES = ((9, 3, 1), (9, 3, 2), (9, 3, 3), (12, 2, 1), (12, 2, 2))  # (heads, KV heads, new tokens)

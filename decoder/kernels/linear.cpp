@@ -980,6 +980,25 @@ void linear_q8k(const float* x, int64_t n, int64_t k, const uint8_t* weight, con
 #ifndef X8_ACT_TILE
 #define X8_ACT_TILE 4
 #endif
+// With AVX-512BW's byte and word arithmetic, a matmul of X8_ZMM_ROWS activation rows or more takes two groups a pass,
+// side by side in zmm registers (llama.cpp's AVX-512 Q4_K gemm does the same): qwen2.5-coder-1.5b's Q4_K matrices at
+// 16, 64 and 512 rows 1.2-1.5x faster than a group a pass; at 1-6 rows slower, level at 8 (bench/kernel_variants.py
+// q4k-x8 Q4K_X8_ZMM=0 Q4K_X8_ZMM=1 rows=...; a 2-core Zen 4 EPYC). Q4K_X8_ZMM=0 keeps a group a pass.
+#ifndef Q4K_X8_ZMM
+#define Q4K_X8_ZMM 1
+#endif
+#if defined(__AVX512BW__) && Q4K_X8_ZMM
+#define X8_GROUPS_PER_PASS 2
+#else
+#define X8_GROUPS_PER_PASS 1
+#endif
+#ifndef X8_ZMM_ROWS
+#define X8_ZMM_ROWS 9
+#endif
+// Activation rows per pass over a pair of groups (6 beat 4 and 8 at 64 and 512 rows)
+#ifndef X8_ZMM_ACT_TILE
+#define X8_ZMM_ACT_TILE 6
+#endif
 
 template <int NC>
 inline void dot_q4k_x8_block(const uint8_t* w, const Q8Rows& x, int64_t row0, int64_t block, __m256* acc) {
@@ -1030,6 +1049,99 @@ inline void dot_q4k_x8_block(const uint8_t* w, const Q8Rows& x, int64_t row0, in
   }
 }
 
+
+template <int G>
+struct X8Accumulator {
+  using type = __m256;
+};
+
+template <int NC>
+inline void dot_x8(const uint8_t* const* block, const Q8Rows& x, int64_t row0, int64_t b, __m256* acc) {
+  dot_q4k_x8_block<NC>(block[0], x, row0, b, acc);
+}
+
+inline void store_x8(float* out, __m256 acc, const float* bias) {
+  _mm256_storeu_ps(out, bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc);
+}
+
+#ifdef __AVX512BW__
+inline __m512i pair_256(const uint8_t* low, const uint8_t* high) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)), 1);
+}
+
+inline __m256i pair_128(const uint8_t* low, const uint8_t* high) {
+  return _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high)),
+                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
+}
+
+// Two groups' block `b` side by side (group g in a zmm's low half, g + 1 in its high half), on AVX-512BW: the same
+// integer sums and the same float operations per lane as dot_q4k_x8_block, so a row's result does not depend on
+// whether its group was paired; half the instructions per product.
+template <int NC>
+inline void dot_q4k_x8_pair_block(const uint8_t* w0, const uint8_t* w1, const Q8Rows& x, int64_t row0,
+                                  int64_t block, __m512* acc) {
+  const __m512 d = _mm512_cvtph_ps(pair_128(w0, w1)), dmin = _mm512_cvtph_ps(pair_128(w0 + 16, w1 + 16));
+  __m512i scale[8];  // int16 lanes 2r, 2r + 1 of each half: that group's row r's scale of sub-block j
+  for (int j = 0; j < 8; j++) {
+    const __m128i s = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w0 + 32 + 8 * j)),
+                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w1 + 32 + 8 * j)));
+    scale[j] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s, s), _mm_unpacklo_epi8(s, s)));
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int8_t* xq[NC];
+  __m512i sum[NC];
+  for (int a = 0; a < NC; a++) xq[a] = x.row_block(row0 + a, block), sum[a] = _mm512_setzero_si512();
+  for (int c = 0; c < 4; c++) {
+    __m512i low_sum[NC], high_sum[NC];
+    for (int a = 0; a < NC; a++) low_sum[a] = high_sum[a] = _mm512_setzero_si512();
+    for (int v = 0; v < 8; v++) {
+      const int64_t offset = 160 + 32 * (8 * c + v);
+      const __m512i packed = pair_256(w0 + offset, w1 + offset);
+      const __m512i low = _mm512_and_si512(packed, low4), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      for (int a = 0; a < NC; a++) {
+        int32_t x_low, x_high;
+        std::memcpy(&x_low, xq[a] + 64 * c + 4 * v, 4);
+        std::memcpy(&x_high, xq[a] + 64 * c + 32 + 4 * v, 4);
+        low_sum[a] = _mm512_add_epi16(low_sum[a], _mm512_maddubs_epi16(low, _mm512_set1_epi32(x_low)));
+        high_sum[a] = _mm512_add_epi16(high_sum[a], _mm512_maddubs_epi16(high, _mm512_set1_epi32(x_high)));
+      }
+    }
+    for (int a = 0; a < NC; a++)
+      sum[a] = _mm512_add_epi32(sum[a], _mm512_add_epi32(_mm512_madd_epi16(low_sum[a], scale[2 * c]),
+                                                         _mm512_madd_epi16(high_sum[a], scale[2 * c + 1])));
+  }
+  __m512i mins[4];
+  for (int p = 0; p < 4; p++) mins[p] = _mm512_cvtepu8_epi16(pair_128(w0 + 96 + 16 * p, w1 + 96 + 16 * p));
+  for (int a = 0; a < NC; a++) {
+    const int16_t* sums = x.block_sums32(row0 + a, block);
+    __m512i min_terms = _mm512_setzero_si512();
+    for (int p = 0; p < 4; p++) {
+      int32_t pair;
+      std::memcpy(&pair, sums + 2 * p, 4);
+      min_terms = _mm512_add_epi32(min_terms, _mm512_madd_epi16(mins[p], _mm512_set1_epi32(pair)));
+    }
+    const __m512 dx = _mm512_set1_ps(x.scale(row0 + a, block));
+    acc[a] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sum[a]), acc[a]);
+    acc[a] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(min_terms), acc[a]);
+  }
+}
+
+template <>
+struct X8Accumulator<2> {
+  using type = __m512;
+};
+
+template <int NC>
+inline void dot_x8(const uint8_t* const* block, const Q8Rows& x, int64_t row0, int64_t b, __m512* acc) {
+  dot_q4k_x8_pair_block<NC>(block[0], block[1], x, row0, b, acc);
+}
+
+inline void store_x8(float* out, __m512 acc, const float* bias) {
+  _mm512_storeu_ps(out, bias ? _mm512_add_ps(acc, _mm512_loadu_ps(bias)) : acc);
+}
+#endif
+
 }  // namespace
 
 void interleave_q4k(const uint8_t* data, int64_t rows, int64_t k, uint8_t* out) {
@@ -1051,29 +1163,42 @@ void interleave_q4k(const uint8_t* data, int64_t rows, int64_t k, uint8_t* out) 
     }
 }
 
+// Every activation row against the interleaved groups g .. g + G - 1 (their rows in one accumulator register each).
+template <int G>
+void x8_groups(const Q8Rows& q8, int64_t n, int64_t blocks, const uint8_t* weight, const float* bias, float* out,
+               int64_t rows, int64_t g) {
+  const uint8_t* group[G];
+  for (int h = 0; h < G; h++) group[h] = weight + (g + h) * blocks * Q4K_X8_BLOCK_BYTES;
+  constexpr int tile_rows = G == 1 ? X8_ACT_TILE : X8_ZMM_ACT_TILE;
+  for (int64_t i = 0; i < n; i += tile_rows) {
+    with_count<tile_rows>(std::min<int64_t>(tile_rows, n - i), [&](auto tile) {
+      constexpr int NC = decltype(tile)::value;
+      typename X8Accumulator<G>::type acc[NC] = {};
+      for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t* block[G];
+        for (int h = 0; h < G; h++) {
+          block[h] = group[h] + b * Q4K_X8_BLOCK_BYTES;
+          for (int line = 0; line < Q4K_X8_BLOCK_BYTES; line += 64)
+            __builtin_prefetch(block[h] + PREFETCH_BYTES + line);
+        }
+        dot_x8<NC>(block, q8, i, b, acc);
+      }
+      for (int a = 0; a < NC; a++)
+        store_x8(out + (i + a) * rows + Q4K_X8_ROWS * g, acc[a], bias ? bias + Q4K_X8_ROWS * g : nullptr);
+    });
+  }
+}
+
 void linear_q4k_x8(const float* x, int64_t n, int64_t k, const uint8_t* weight, const float* bias, float* out,
                    int64_t rows) {
   const Q8Rows q8(x, n, k);
-  const int64_t blocks = k / Q8_BLOCK, group_bytes = blocks * Q4K_X8_BLOCK_BYTES;
-  at::parallel_for(0, rows / Q4K_X8_ROWS, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; g++) {
-      const uint8_t* group = weight + g * group_bytes;
-      const __m256 group_bias = bias ? _mm256_loadu_ps(bias + Q4K_X8_ROWS * g) : _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; i += X8_ACT_TILE) {
-        with_count<X8_ACT_TILE>(std::min<int64_t>(X8_ACT_TILE, n - i), [&](auto tile) {
-          constexpr int NC = decltype(tile)::value;
-          __m256 acc[NC];
-          for (int a = 0; a < NC; a++) acc[a] = _mm256_setzero_ps();
-          for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t* block = group + b * Q4K_X8_BLOCK_BYTES;
-            for (int line = 0; line < Q4K_X8_BLOCK_BYTES; line += 64)
-              __builtin_prefetch(block + PREFETCH_BYTES + line);
-            dot_q4k_x8_block<NC>(block, q8, i, b, acc);
-          }
-          for (int a = 0; a < NC; a++)
-            _mm256_storeu_ps(out + (i + a) * rows + Q4K_X8_ROWS * g, _mm256_add_ps(acc[a], group_bias));
-        });
-      }
+  const int64_t blocks = k / Q8_BLOCK, groups = rows / Q4K_X8_ROWS;
+  const int64_t per_pass = n >= X8_ZMM_ROWS ? X8_GROUPS_PER_PASS : 1;
+  at::parallel_for(0, (groups + per_pass - 1) / per_pass, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; p++) {
+      const int64_t g = per_pass * p;
+      if (per_pass == 2 && g + 2 <= groups) x8_groups<X8_GROUPS_PER_PASS>(q8, n, blocks, weight, bias, out, rows, g);
+      else x8_groups<1>(q8, n, blocks, weight, bias, out, rows, g);
     }
   });
 }
