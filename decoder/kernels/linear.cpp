@@ -1049,7 +1049,6 @@ inline void dot_q4k_x8_block(const uint8_t* w, const Q8Rows& x, int64_t row0, in
   }
 }
 
-
 template <int G>
 struct X8Accumulator {
   using type = __m256;
@@ -1197,8 +1196,10 @@ void linear_q4k_x8(const float* x, int64_t n, int64_t k, const uint8_t* weight, 
   at::parallel_for(0, (groups + per_pass - 1) / per_pass, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; p++) {
       const int64_t g = per_pass * p;
-      if (per_pass == 2 && g + 2 <= groups) x8_groups<X8_GROUPS_PER_PASS>(q8, n, blocks, weight, bias, out, rows, g);
-      else x8_groups<1>(q8, n, blocks, weight, bias, out, rows, g);
+      if (per_pass > 1 && g + per_pass <= groups)
+        x8_groups<X8_GROUPS_PER_PASS>(q8, n, blocks, weight, bias, out, rows, g);
+      else
+        x8_groups<1>(q8, n, blocks, weight, bias, out, rows, g);  // a group a pass, or the last of an odd count
     }
   });
 }
