@@ -15,6 +15,7 @@ timed on whole passes over real weights, and on attention over a long cache.
     .venv/bin/python bench/kernel_variants.py q8k-tile 4 6 8 [rows=64,512]      # Q4_K/Q6_K rows per pass, the same
     .venv/bin/python bench/kernel_variants.py q4k-x8 X8_ACT_TILE=4,Q4K_X8_ZMM=0 X8_ACT_TILE=4  # Q4_K: file's rows or x8
     .venv/bin/python bench/kernel_variants.py prefill X8_ACT_TILE=2 X8_ACT_TILE=4 [rows=64,512]  # qwen Q4_K_M
+    .venv/bin/python bench/kernel_variants.py q5-0 haswell [rows=1,16]          # Q5_0 in its blocks or as Q8_0
     .venv/bin/python bench/kernel_variants.py row-tile AVX2_ROW_TILE=4,AVX2_BALANCED_PASSES=0 AVX2_ROW_TILE=5  # AVX2
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
     .venv/bin/python bench/kernel_variants.py attention ATTENTION_YMM=0 ATTENTION_YMM=1   # NAME=VALUE,...
@@ -191,10 +192,10 @@ def q4k_x8(variants: list[str]) -> None:
         kernels = build(dict(item.split("=") for item in variant.split(",")))
         packed = []  # each build's own layout (Q4K_X8_ZMM pairs the groups' blocks)
         for data, cols in matrices:
-            interleaved = kernels.interleave("Q4_K", data, data.shape[0], cols)
-            if interleaved is None:
+            repacked = kernels.repack("Q4_K", data, data.shape[0], cols)
+            if repacked is None:
                 raise SystemExit("this host's kernels keep Q4_K in the file's layout (no AVX2)")
-            packed.append((interleaved[1], cols, data.shape[0]))
+            packed.append((repacked[1], cols, data.shape[0]))
         calls[variant] = partial(lambda kernels, packed, inputs: [
             kernels.linear(inputs[cols], "Q4_Kx8", data, None, rows) for data, cols, rows in packed], kernels, packed)
     for n in sizes:
@@ -206,6 +207,34 @@ def q4k_x8(variants: list[str]) -> None:
         print(f"n={n}: " + ", ".join(f"{t} {s * 1e3:.0f} ms" for t, s in medians.items())
               + f" (largest relative difference {error:.1e})", flush=True)
 
+
+def q5_0(marches: list[str]) -> None:
+    """Every Q5_0 matrix of qwen2.5-coder-0.5b's layers against n activation rows, in the file's blocks and repacked
+    as Q8_0 (decoder/kernels/cpu_kernels.cpp, repack), interleaved in time, on the host's build and on each -march
+    named (haswell: the AVX2 paths); whether the two give bitwise the same products (rows=1,16: the n to time)."""
+    from specplan.decoder.cpu_kernels import kernels as march_kernels
+
+    marches, sizes = rows_option(marches, "1,2,3,4,5,8,12,16,17,32,64,256")
+    matrices = k_quant_matrices("Q5_0", model="qwen2.5-coder-0.5b")
+    for march in ["native", *marches]:
+        kernels = march_kernels(march)
+        layouts = {"Q5_0": [("Q5_0", data, cols) for data, cols in matrices],
+                   "as Q8_0": [("Q8_0", kernels.repack("Q5_0", data, data.shape[0], cols)[1], cols)
+                               for data, cols in matrices]}
+
+        for n in sizes:
+            inputs = {cols: torch.randn(n, cols) for _, cols in matrices}
+            same = all(torch.equal(a, b) for a, b in zip(layout_products(kernels, layouts["Q5_0"], inputs),
+                                                         layout_products(kernels, layouts["as Q8_0"], inputs)))
+            medians = interleaved_medians({name: partial(layout_products, kernels, layout, inputs)
+                                           for name, layout in layouts.items()}, repeats=7, warmup=1)
+            print(f"-march={march} n={n}: Q5_0 {medians['Q5_0'] * 1e3:.2f} ms, as Q8_0 {medians['as Q8_0'] * 1e3:.2f} "
+                  f"ms ({medians['Q5_0'] / medians['as Q8_0']:.2f}x); bitwise the same: {same}", flush=True)
+
+
+def layout_products(kernels, layout: list[tuple[str, torch.Tensor, int]], inputs: dict) -> list[torch.Tensor]:
+    """inputs' rows of each matrix's width times every (format, GGUF blocks [rows, bytes], columns) matrix."""
+    return [kernels.linear(inputs[cols], kind, data, None, data.shape[0]) for kind, data, cols in layout]
 
 ATTENTION_SHAPES = ((9, 3, 1), (9, 3, 2), (9, 3, 3), (12, 2, 1), (12, 2, 2))  # (heads, KV heads, new tokens)
 ATTENTION_LAYER_SHAPES = ((9, 3, 1, 1), (9, 3, 2, 1), (9, 3, 3, 1), (9, 3, 2, 4), (12, 2, 1, 1), (14, 2, 1, 4))  # .., B
@@ -317,4 +346,4 @@ if __name__ == "__main__":
     torch.set_num_threads(2)
     {"tiles": tiles, "prefetch": prefetch, "prefetch-f32": prefetch_f32, "attention": attention, "gemm": gemm,
      "forward": forward, "q8k-tile": q8k_tile, "q4k-x8": q4k_x8, "row-tile": row_tile,
-     "attention-layers": attention_layers, "prefill": prefill}[sys.argv[1]](sys.argv[2:])
+     "attention-layers": attention_layers, "prefill": prefill, "q5-0": q5_0}[sys.argv[1]](sys.argv[2:])

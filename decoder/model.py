@@ -346,27 +346,28 @@ class LeanModel:
 
     def _fused_weight(self, names: list[str], take) -> Weight:
         """The matmul weight of the parameters `names` stacked by rows (q/k/v, gate/up): one matrix, or, for GGUF
-        blocks of different formats, one per run of a format (Q4_K_M: q and k in Q4_K, v in Q6_K)."""
+        blocks the kernels take in different layouts, one per run of a layout (Q4_K_M: q and k in Q4_K, v in Q6_K;
+        Q5_0 and Q8_0 run together, as Q8_0)."""
         blocks = [self.block_weights.get(name) for name in names]
         if blocks[0] is None:
             return self._matmul_weight(torch.cat([take(name) for name in names]) if len(names) > 1 else take(names[0]))
-        runs: list[list[BlockWeight]] = []
-        for block in blocks:
-            if runs and runs[-1][0].format == block.format:
-                runs[-1].append(block)
+        runs: list[list[MatmulWeight]] = []
+        for weight in (self._matmul_weight(block) for block in blocks):
+            if runs and runs[-1][0].format == weight.format:
+                runs[-1].append(weight)
             else:
-                runs.append([block])
-        parts = tuple(self._matmul_weight(BlockWeight(run[0].format, sum(b.rows for b in run), run[0].cols,
-                                                      torch.cat([b.data for b in run]))) for run in runs)
+                runs.append([weight])
+        parts = tuple(run[0] if len(run) == 1 else MatmulWeight(torch.cat([w.data for w in run]), run[0].format,
+                                                                sum(w.rows for w in run)) for run in runs)
         return parts[0] if len(parts) == 1 else parts
 
     def _matmul_weight(self, weight: torch.Tensor | BlockWeight) -> torch.Tensor | MatmulWeight:
         """A weight as this model's matmuls take it: named by its format for the CPU kernels (GGUF blocks in the
-        layout the kernels read fastest: Q4_K's rows interleaved by 8 on AVX2), else the tensor."""
+        layout the kernels read fastest: Q4_K's rows interleaved by 8 on AVX2, Q5_0 as Q8_0), else the tensor."""
         if isinstance(weight, BlockWeight):
-            interleaved = self.kernels.interleave(weight.format, weight.data, weight.rows, weight.cols)
-            if interleaved is not None:
-                return MatmulWeight(interleaved[1], interleaved[0], weight.rows)
+            repacked = self.kernels.repack(weight.format, weight.data, weight.rows, weight.cols)
+            if repacked is not None:
+                return MatmulWeight(repacked[1], repacked[0], weight.rows)
             return MatmulWeight(weight.data, weight.format, weight.rows)
         if self.kernels is not None:
             return MatmulWeight(weight.contiguous(), KERNEL_FORMATS[weight.dtype], weight.shape[0])

@@ -111,10 +111,10 @@ def test_blocks_decode_exactly_as_gguf_py_and_multiply_as_the_decoded_matrix(kin
 
 def interleaved_q4k_linear(kernels, weight: BlockWeight):
     """kernels.linear over `weight` in the layout that build interleaves Q4_K into, None where it keeps the file's."""
-    interleaved = kernels.interleave(weight.format, weight.data, weight.rows, weight.cols)
-    if interleaved is None:
+    repacked = kernels.repack(weight.format, weight.data, weight.rows, weight.cols)
+    if repacked is None:
         return None
-    name, data = interleaved
+    name, data = repacked
     return lambda x, bias: kernels.linear(x, name, data, bias, weight.rows)
 
 
@@ -127,7 +127,7 @@ def test_interleaved_q4k_rows_multiply_as_the_files_rows():
     linear = interleaved_q4k_linear(K, weight)
     if linear is None:
         pytest.skip("this host's kernels keep Q4_K in the file's layout (no AVX2)")
-    assert K.interleave("Q4_K", weight.data[:36].contiguous(), 36, 768) is None
+    assert K.repack("Q4_K", weight.data[:36].contiguous(), 36, 768) is None
     bias = torch.randn(40)
     for n in (1, 3, 4, 5, 9, 70):
         x = torch.randn(n, 768, generator=torch.Generator().manual_seed(n))
@@ -449,6 +449,23 @@ def test_a_quantization_type_the_kernels_do_not_run_is_refused_in_one_line(tmp_p
         read_block_weights(path, LlamaConfig(num_hidden_layers=0))
 
 
+
+def assert_q5_0_runs_as_q8_0(kernels) -> None:
+    """A Q5_0 matrix repacked (the layout a model's matmuls take it in): Q8_0 blocks of the same values, whose
+    products are bitwise the Q5_0 blocks' for every number of rows (direct passes, register tiles, GEMM panels)."""
+    weight, values = random_blocks("Q5_0", 24, 512, seed=5)
+    kind, data = kernels.repack(weight.format, weight.data, weight.rows, weight.cols)
+    assert kind == "Q8_0" and data.shape == (24, 512 // 32 * 34)
+    assert torch.equal(kernels.dequantize(kind, data, 24, 512), values)
+    bias = torch.randn(24)
+    for n in (1, 2, 5, 9, 17, 80):
+        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n))
+        assert torch.equal(kernels.linear(x, kind, data, bias, 24), kernels.linear(x, "Q5_0", weight.data, bias, 24))
+
+
+def test_q5_0_matrices_run_as_the_q8_0_blocks_of_the_same_values():
+    assert_q5_0_runs_as_q8_0(K)
+
 @pytest.mark.check
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set levels")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
@@ -482,6 +499,7 @@ def test_the_avx2_and_the_portable_builds_compute_as_this_hosts(march):
     mask[:, 200:] = float("-inf")
     torch.testing.assert_close(attend(other, q, keys, values, 290, mask, 0.2, 0.0),
                                attend(K, q, keys, values, 290, mask, 0.2, 0.0), rtol=1e-4, atol=1e-5)
+    assert_q5_0_runs_as_q8_0(other)
     for cache_dtype in (torch.float32, torch.bfloat16):
         assert_decoding_rows_attend_alone(other, cache_dtype)
 

@@ -1291,4 +1291,18 @@ void decode_rows(int64_t format, const uint8_t* weight, int64_t row_bytes, int64
   });
 }
 
+void q5_0_as_q8_0(const uint8_t* data, int64_t blocks, uint8_t* out) {
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t* src = data + b * Block<Q5_0>::bytes;
+    uint8_t* o = out + b * Block<Q8_0>::bytes;
+    uint32_t qh; std::memcpy(&qh, src + 2, 4);
+    std::memcpy(o, src, 2);
+    for (int j = 0; j < 16; j++) {  // element j in the low nibble of byte j, j + 16 in the high; bit j of qh its fifth
+      const int low = (src[6 + j] & 15) | ((qh >> j) & 1) << 4, high = (src[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+      o[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(low - 16));
+      o[18 + j] = static_cast<uint8_t>(static_cast<int8_t>(high - 16));
+    }
+  }
+}
+
 }  // namespace specplan_kernels

@@ -47,6 +47,9 @@ void linear_q4k_x8(const float* x, int64_t n, int64_t k, const uint8_t* weight, 
                    int64_t rows);
 #endif
 
+// `blocks` Q5_0 blocks rewritten as the Q8_0 blocks of the same values: d kept, each q - 16 as an int8 (exact).
+void q5_0_as_q8_0(const uint8_t* data, int64_t blocks, uint8_t* out);
+
 // out[i] = row ids[i] of W (row i where ids is null), decoded to fp32 [n, cols].
 void decode_rows(int64_t format, const uint8_t* weight, int64_t row_bytes, int64_t cols, const int64_t* ids, int64_t n,
                  float* out);
