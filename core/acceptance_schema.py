@@ -129,6 +129,17 @@ class SequoiaAcceptance:
             out["chains"] = [chain.to_dict() for chain in self.chains]
         return out
 
+    def cut(self, output_tokens: int | None) -> SequoiaAcceptance:
+        """The acceptance with each chain trace cut to its first `output_tokens` positions (None: whole): the
+        continuations of requests of that many new tokens, over which the draft's prompt prefill is spread and
+        whose steps replay exactly. Traces are not extended: a continuation the file ended sooner stays as it is."""
+        if output_tokens is None:
+            return self
+        return replace(self, chains=[replace(chain, match=chain.match[:output_tokens],
+                                             confidence=chain.confidence[:output_tokens],
+                                             ranks=None if chain.ranks is None else chain.ranks[:output_tokens])
+                                     for chain in self.chains])
+
 
 def load_sequoia_acceptance(path: str | os.PathLike) -> SequoiaAcceptance:
     return SequoiaAcceptance.from_dict(read_yaml(path), str(path))

@@ -598,16 +598,26 @@ def rank_candidates(tables: Tables, profile: LatencyProfile | None = None,
 def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, profile_path: str | Path | None = None,
                   context: int | None = None, engine: str = "specplan", heads: int | None = None,
                   batches: int | None = None, stand_in: bool = False, schedule_contexts: tuple[int, ...] = (),
-                  min_speedup: float = MIN_SPEEDUP) -> tuple[Plan, list[Candidate]]:
+                  min_speedup: float = MIN_SPEEDUP, output_tokens: int | None = None) -> tuple[Plan, list[Candidate]]:
     """The best tree `engine` executes (planner/engines.py), and the ranked (n, d) it was chosen from. For another
     engine than our own decoder the plan also records the unconstrained optimum, what the engine's rules cost.
     `batches`: a chain engine's plan also carries the draft length for every batch size up to this one, drafting only
-    where predicted at least `min_speedup` times as fast as one-token decoding."""
+    where predicted at least `min_speedup` times as fast as one-token decoding. `output_tokens`: solved for requests
+    of that many new tokens (the chain traces cut to their first `output_tokens`; a draft model's prompt prefill is
+    spread over fewer tokens the shorter its requests)."""
     if max_size < 1:
         raise UserError(f"the largest tree size must be >= 1, got {max_size}")
     if max_depth < 0:
         raise UserError(f"the largest tree depth must be >= 0, got {max_depth}")
     acceptance = load_sequoia_acceptance(acceptance_path)
+    if output_tokens is not None:
+        traced = acceptance.extra.get("max_new_tokens")
+        if not acceptance.chains:
+            raise UserError(f"--max-new-tokens cuts {acceptance_path}'s chain traces, and it has none")
+        if isinstance(traced, int) and output_tokens > traced:
+            raise UserError(f"--max-new-tokens {output_tokens}: {acceptance_path} traced {traced} new tokens a "
+                            f"prompt; measure acceptance with --max-new-tokens {output_tokens} or solve for fewer")
+        acceptance = acceptance.cut(output_tokens)
     # llama.cpp's plans are priced on its own forward and draft step (`plan profile --engine llama.cpp`), or on
     # llama-server's steps and its draft model's work (`plan profile --engine llama-server --draft`)
     backends = FORWARDS + ("llama.cpp", "llama-server") if engine == "llama.cpp" else FORWARDS
@@ -660,6 +670,8 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         _schedule_chain(plan, rules, acceptance, profile, batches, max_depth, context, schedule_contexts, min_speedup)
     elif schedule_contexts:
         raise UserError("--contexts prices a schedule per batch size at each context: it goes with --batches")
+    if output_tokens is not None:
+        plan.inputs["acceptance"]["output_tokens"] = output_tokens
     if stand_in:
         plan.inputs["acceptance"]["stands_in"] = (f"measured for {acceptance.target} + {acceptance.draft}, standing "
                                                   f"in for {models.target} + {models.draft}")

@@ -446,17 +446,21 @@ def solve() -> None:
                      "decoding")
 @_schedule_contexts_option()
 @_stand_in_option()
+@click.option("--max-new-tokens", type=click.IntRange(min=1),
+              help="solve for requests of this many new tokens: each chain trace cut to its first N (default: whole; "
+                   "a draft model's prompt prefill weighs more the fewer tokens a request asks)")
 @_output()
 def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size: int, max_depth: int,
                       context: int | None, top: int, engine: str, heads: int | None, batches: int | None,
-                      min_speedup: float, schedule_contexts: str | None, stand_in: bool, output: Path) -> None:
+                      min_speedup: float, schedule_contexts: str | None, stand_in: bool, max_new_tokens: int | None,
+                      output: Path) -> None:
     """Sequoia: the optimal token tree and its size/depth for this hardware (and a serving engine's rules)."""
     from specplan.core.plan_schema import save_plan
     from specplan.planner.sequoia import solve_sequoia
     from specplan.show import describe_engine_cost, describe_schedule
 
     plan, ranked = solve_sequoia(acceptance_path, max_size, max_depth, profile_path, context, engine, heads, batches,
-                                 stand_in, tuple(_int_list(schedule_contexts) or ()), min_speedup)
+                                 stand_in, tuple(_int_list(schedule_contexts) or ()), min_speedup, max_new_tokens)
     header = f"{'n':>5} {'d':>3} {'G(n,d)':>8}"
     if profile_path is not None:
         header += f" {'step ms':>9} {'speedup':>8} {'tok/s':>8}"

@@ -538,7 +538,7 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
         prices, off = triforce_setting_prices(plan, lengths), OFF
     else:
         basis = "the plan's acceptance traces"
-        chains = load_sequoia_acceptance(plan.inputs["acceptance"]["file"]).chains
+        chains = load_sequoia_acceptance(plan.inputs["acceptance"]["file"]).cut(max_tokens).chains
         prices, off = chain_setting_prices(chains, lengths), OFF  # the draft reads a prompt when it first drafts
     if basis is not None:
         say(f"drafting priced on {basis}")

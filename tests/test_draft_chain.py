@@ -302,6 +302,37 @@ def test_a_sequoia_plan_at_t0_carries_its_trees_replayed_tokens_per_step(run_cli
     assert plan.prediction.tokens_per_step == pytest.approx(replay_tree(list(plan.tree.parents), chains))
 
 
+
+def test_a_sequoia_plan_for_shorter_requests_replays_cut_traces_and_spreads_the_drafts_prefill_over_fewer_tokens(
+        run_cli, write_yaml_file, tmp_path):
+    """`--max-new-tokens N`: the chain traces cut to their first N, the tree replayed over those, the draft's prompt
+    prefill spread over N tokens a prompt; N beyond what the file traced is refused in one line."""
+    from specplan.planner.sequoia import replay_tree
+
+    document = yaml.safe_load(open(chain_acceptance(tmp_path, with_ranks=True)))
+    document["max_new_tokens"] = 96
+    acceptance = write_yaml_file("traced.yaml", document)
+    profile = yaml.safe_load(open(PROFILE))
+    profile["draft"]["prefill_seconds"] = {128: 0.2, 512: 0.8}
+    priced = write_yaml_file("priced.yaml", profile)
+    prefills = {}
+    for tokens in (None, 24):
+        out = tmp_path / f"plan{tokens}.yaml"
+        code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--profile", priced, "--max-size",
+                                  8, "--max-depth", 4, *(["--max-new-tokens", tokens] if tokens else []), "-o", out)
+        assert code == 0, stderr
+        plan = load_plan(out)
+        assert plan.inputs["acceptance"].get("output_tokens") == tokens
+        chains = load_sequoia_acceptance(acceptance).cut(tokens).chains
+        assert all(len(chain.match) == (tokens or 96) for chain in chains)
+        assert plan.prediction.tokens_per_step == pytest.approx(replay_tree(list(plan.tree.parents), chains))
+        prefills[tokens] = plan.prediction.details["draft_prefill_seconds_per_token"]
+    assert prefills[None] == pytest.approx(0.2 * 200 / 128 / 96) and prefills[24] == pytest.approx(4 * prefills[None])
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance", acceptance, "--profile", priced, "--max-size", 8,
+                              "--max-depth", 4, "--max-new-tokens", 97, "-o", tmp_path / "refused.yaml")
+    assert code == 2 and "traced 96 new tokens a prompt" in stderr and len(stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "refused.yaml").exists()
+
 @pytest.mark.check  # against the llama-server that `make bench-server` builds
 def test_llama_server_drafts_with_the_exported_flags(run_cli, tmp_path):
     """The llama.cpp export's flags, given to llama-server with smollm2's GGUF as target and draft: it starts, and a
