@@ -65,7 +65,9 @@ constexpr bool BALANCED_PASSES =
 #else
     false;
 #endif
-// Q4_1, Q5_0 and Q8_0 rows on AVX2 take their native ymm dot products in direct passes up to fp32's row limit
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows on AVX2 take their native ymm dot products in direct passes up to fp32's row
+// limit (dot_blocks' 16-float vectors ran Q4_0 7-12x slower on an AVX2 build: 1-8 rows over 8960 x 1536 matrices, the
+// log's 2026-12-03 afternoon entry)
 constexpr bool NATIVE_BLOCKS =
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     true;
@@ -73,7 +75,7 @@ constexpr bool NATIVE_BLOCKS =
     false;
 #endif
 constexpr bool native_avx2(int64_t format) {
-  return NATIVE_BLOCKS && (format == Q4_1 || format == Q5_0 || format == Q8_0);
+  return NATIVE_BLOCKS && (format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0);
 }
 
 const v16i LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -380,34 +382,58 @@ inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t 
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// Q4_1, Q5_0 and Q8_0 blocks widened into four 8-lane ymm pieces (dot_blocks' 16-float vectors compile to a slow
-// loop on AVX2), decoded as dot_blocks decodes them: Q4_1 y = d q + m, Q5_0 y = d (q - 16), Q8_0 y = d q.
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks widened into four 8-lane ymm pieces (dot_blocks' 16-float vectors compile
+// to a slow loop on AVX2), decoded as dot_blocks decodes them: Q4_0 y = d (q - 8), Q4_1 y = d q + m,
+// Q5_0 y = d (q - 16), Q5_1 y = d q + m, Q8_0 y = d q.
 template <int F> inline void widen_avx2(const uint8_t* block, __m256 w[4]);
+
+// A block's 16 bytes of nibbles as four 8-value pieces: elements 8a .. 8a + 7
+inline void nibble_pieces(const uint8_t* nibbles, __m128i pieces[4]) {
+  const __m128i low_nibbles = _mm_set1_epi8(15);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles));
+  const __m128i lo = _mm_and_si128(bytes, low_nibbles), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+  pieces[0] = lo, pieces[1] = _mm_srli_si128(lo, 8), pieces[2] = hi, pieces[3] = _mm_srli_si128(hi, 8);
+}
+
+// Piece a's values with their fifth bits (bit j of qh for element j), as 8 int32
+inline __m256i with_fifth_bits(__m128i piece, uint32_t qh, int a) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i fifth = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(qh)), _mm256_add_epi32(lane, _mm256_set1_epi32(8 * a))),
+      _mm256_set1_epi32(1));
+  return _mm256_or_si256(_mm256_cvtepu8_epi32(piece), _mm256_slli_epi32(fifth, 4));
+}
+
+template <> inline void widen_avx2<Q4_0>(const uint8_t* block, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(half_at(block));
+  __m128i pieces[4];
+  nibble_pieces(block + 2, pieces);
+  for (int a = 0; a < 4; a++)
+    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(pieces[a]), _mm256_set1_epi32(8))), d);
+}
+
+template <> inline void widen_avx2<Q5_1>(const uint8_t* block, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(half_at(block)), m = _mm256_set1_ps(half_at(block + 2));
+  uint32_t qh; std::memcpy(&qh, block + 4, 4);
+  __m128i pieces[4];
+  nibble_pieces(block + 8, pieces);
+  for (int a = 0; a < 4; a++) w[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(with_fifth_bits(pieces[a], qh, a)), d, m);
+}
 
 template <> inline void widen_avx2<Q4_1>(const uint8_t* block, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(block)), m = _mm256_set1_ps(half_at(block + 2));
-  const __m128i low_nibbles = _mm_set1_epi8(15);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-  const __m128i lo = _mm_and_si128(bytes, low_nibbles), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-  const __m128i pieces[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  __m128i pieces[4];
+  nibble_pieces(block + 4, pieces);
   for (int a = 0; a < 4; a++) w[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pieces[a])), d, m);
 }
 
 template <> inline void widen_avx2<Q5_0>(const uint8_t* block, __m256 w[4]) {
-  const float d = half_at(block);
+  const __m256 d = _mm256_set1_ps(half_at(block));
   uint32_t qh; std::memcpy(&qh, block + 2, 4);
-  const __m128i low_nibbles = _mm_set1_epi8(15);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 6));
-  const __m128i lo = _mm_and_si128(bytes, low_nibbles), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-  const __m128i pieces[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};  // elements 8a .. 8a + 7
-  const __m256i high_bits = _mm256_set1_epi32(static_cast<int32_t>(qh)), one = _mm256_set1_epi32(1);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int a = 0; a < 4; a++) {  // element j's fifth bit is bit j of qh
-    const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(high_bits, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * a))),
-                                           one);
-    const __m256i q = _mm256_or_si256(_mm256_cvtepu8_epi32(pieces[a]), _mm256_slli_epi32(fifth, 4));
-    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))), _mm256_set1_ps(d));
-  }
+  __m128i pieces[4];
+  nibble_pieces(block + 6, pieces);
+  for (int a = 0; a < 4; a++)
+    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(with_fifth_bits(pieces[a], qh, a), _mm256_set1_epi32(16))), d);
 }
 
 template <> inline void widen_avx2<Q8_0>(const uint8_t* block, __m256 w[4]) {
