@@ -16,6 +16,7 @@ timed on whole passes over real weights, and on attention over a long cache.
     .venv/bin/python bench/kernel_variants.py q4k-x8 X8_ACT_TILE=4,Q4K_X8_ZMM=0 X8_ACT_TILE=4  # Q4_K: file's rows or x8
     .venv/bin/python bench/kernel_variants.py prefill X8_ACT_TILE=2 X8_ACT_TILE=4 [rows=64,512]  # qwen Q4_K_M
     .venv/bin/python bench/kernel_variants.py q5-0 haswell [rows=1,16]          # Q5_0 in its blocks or as Q8_0
+    .venv/bin/python bench/kernel_variants.py block-formats haswell            # Q4_0 .. Q8_0 passes, each build
     .venv/bin/python bench/kernel_variants.py row-tile AVX2_ROW_TILE=4,AVX2_BALANCED_PASSES=0 AVX2_ROW_TILE=5  # AVX2
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
     .venv/bin/python bench/kernel_variants.py attention ATTENTION_YMM=0 ATTENTION_YMM=1   # NAME=VALUE,...
@@ -232,6 +233,30 @@ def q5_0(marches: list[str]) -> None:
                   f"ms ({medians['Q5_0'] / medians['as Q8_0']:.2f}x); bitwise the same: {same}", flush=True)
 
 
+def block_formats(marches: list[str]) -> None:
+    """Passes of n activation rows over four random 8,960 x 1,536 matrices (gguf-py's quantizer) in each 32-value
+    block format, interleaved, on the host's build and on each -march named (haswell: AVX2's native ymm paths);
+    ms per pass (rows=1,4,8: the n to time)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from specplan.decoder.cpu_kernels import kernels as march_kernels
+
+    marches, sizes = rows_option(marches, "1,4,8")
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal((8960, 1536)).astype(np.float32) for _ in range(4)]
+    layouts = {kind: [(kind, torch.from_numpy(np.ascontiguousarray(quantize(v, GGMLQuantizationType[kind]))
+                                              .view(np.uint8).reshape(8960, -1)), 1536) for v in values]
+               for kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
+    for march in ["native", *marches]:
+        kernels = march_kernels(march)
+        for n in sizes:
+            inputs = {1536: torch.randn(n, 1536)}
+            medians = interleaved_medians({kind: partial(layout_products, kernels, layout, inputs)
+                                           for kind, layout in layouts.items()}, repeats=5, warmup=1)
+            print(f"-march={march} n={n}: " + ", ".join(f"{kind} {s * 1e3:.2f} ms" for kind, s in medians.items()),
+                  flush=True)
+
 def layout_products(kernels, layout: list[tuple[str, torch.Tensor, int]], inputs: dict) -> list[torch.Tensor]:
     """inputs' rows of each matrix's width times every (format, GGUF blocks [rows, bytes], columns) matrix."""
     return [kernels.linear(inputs[cols], kind, data, None, data.shape[0]) for kind, data, cols in layout]
@@ -346,4 +371,5 @@ if __name__ == "__main__":
     torch.set_num_threads(2)
     {"tiles": tiles, "prefetch": prefetch, "prefetch-f32": prefetch_f32, "attention": attention, "gemm": gemm,
      "forward": forward, "q8k-tile": q8k_tile, "q4k-x8": q4k_x8, "row-tile": row_tile,
-     "attention-layers": attention_layers, "prefill": prefill, "q5-0": q5_0}[sys.argv[1]](sys.argv[2:])
+     "attention-layers": attention_layers, "prefill": prefill, "q5-0": q5_0,
+     "block-formats": block_formats}[sys.argv[1]](sys.argv[2:])
