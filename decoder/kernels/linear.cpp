@@ -408,8 +408,10 @@ template <> inline void widen_avx2<Q4_0>(const uint8_t* block, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(block));
   __m128i pieces[4];
   nibble_pieces(block + 2, pieces);
-  for (int a = 0; a < 4; a++)
-    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(pieces[a]), _mm256_set1_epi32(8))), d);
+  for (int a = 0; a < 4; a++) {
+    const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(pieces[a]), _mm256_set1_epi32(8));
+    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+  }
 }
 
 template <> inline void widen_avx2<Q5_1>(const uint8_t* block, __m256 w[4]) {
@@ -432,8 +434,10 @@ template <> inline void widen_avx2<Q5_0>(const uint8_t* block, __m256 w[4]) {
   uint32_t qh; std::memcpy(&qh, block + 2, 4);
   __m128i pieces[4];
   nibble_pieces(block + 6, pieces);
-  for (int a = 0; a < 4; a++)
-    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(with_fifth_bits(pieces[a], qh, a), _mm256_set1_epi32(16))), d);
+  for (int a = 0; a < 4; a++) {
+    const __m256i q = _mm256_sub_epi32(with_fifth_bits(pieces[a], qh, a), _mm256_set1_epi32(16));
+    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+  }
 }
 
 template <> inline void widen_avx2<Q8_0>(const uint8_t* block, __m256 w[4]) {
