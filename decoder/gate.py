@@ -95,8 +95,9 @@ TIMED_NEAR_FACTOR = 2
 Pricing = Callable[[int, int], "tuple[float, float] | None"]
 # Why a request drafted or sat a step out (DraftGate.reason), counted per request (GenerationResult.decisions):
 # nothing priced there; the clock timing a kind of step; its drafts pay the price; they would, but not the reading its
-# drafter does first; they do not; a probe; the batch's mean overruling it (one_kind_of_step)
-REASONS = ("unpriced", "timing", "pays", "start not repaid", "sits out", "probe", "batch")
+# drafter does first; they do not; a probe; the batch's mean overruling it (one_kind_of_step); its drafter not able to
+# draft yet (`not_ready`)
+REASONS = ("unpriced", "timing", "pays", "start not repaid", "sits out", "probe", "batch", "not ready")
 
 
 class StepClock:
@@ -259,6 +260,12 @@ class DraftGate:
         """The coming step's decision, as the batch's step takes it (one_kind_of_step)."""
         self.drafting = drafting
         self.idle_steps = 0 if drafting else self.idle_steps + 1
+
+    def not_ready(self) -> None:
+        """Its drafter cannot draft at the coming step it decided to draft (a TriForce sequence's first step, whose
+        forward gives the query of its first build): a plain step, not a drafted one without a draft (`observe`)."""
+        self.overrule(False)
+        self.reason = "not ready"
 
     def _step_cost(self, batch: int, context: int, planned: float) -> float:
         """A drafted step's price in plain steps at `batch` sequences (the plan's: `planned`), on the clock where it

@@ -654,6 +654,33 @@ def test_a_drafted_step_is_timed_though_one_trie_has_no_match(tiny_pair):
     assert len(clock.seconds.get((4, True), ())) >= MEASURED_AT_LEAST
 
 
+def test_a_step_whose_drafter_cannot_draft_yet_leaves_the_requests_yield_alone(tiny_pair):
+    """A TriForce sequence's first step is plain whatever its decision (its forward gives the query of the first
+    build): beside another sequence it is not a drafted step without a draft, whose one token would count against
+    the request's yield (it did: a third of the price, every request of a C = 4 load then sitting out for ~50 steps)."""
+    from specplan.core.method_settings import RetrievalSettings
+    from specplan.decoder.triforce import HierarchicalDrafter, bottom_trie_settings
+
+    from toy import long_prompt
+
+    _, target, _ = tiny_pair
+
+    def make():
+        return HierarchicalDrafter(target, TrieDrafter(Trie(bottom_trie_settings(2))), 2, 4,
+                                   RetrievalSettings(256, 8, 16))
+
+    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (3.0, 1.5))
+    scheduler = Scheduler(engine, drafters_per_slot(make), 2)
+    for i in range(2):
+        scheduler.submit(Request(long_prompt(300 + 30 * i, i), 12))
+    scheduler.step()
+    runs = [entry.run for entry in scheduler.running]
+    assert len(runs) == 2 and all(run.tree.size == 1 for run in runs)
+    assert all(not run.gate.yields and run.decisions == {"not ready: plain": 1} for run in runs)
+    scheduler.step()
+    assert all(run.tree.size > 1 and len(run.gate.yields) == 1 for run in runs)
+
+
 def test_a_request_whose_drafts_miss_does_not_draft_to_time_the_clock():
     """Nothing timed yet at B = 8: a request at the plan's yield drafts to time the drafted step; one whose drafts
     emitted a third of the plan's tokens expects less than the planned price (3 tokens for 1.5x: 2 plain steps) and
