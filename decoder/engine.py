@@ -130,8 +130,9 @@ class SequenceRun:
 
     def propose(self, tree: DraftTree | None = None) -> ForwardItem:
         """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
-        if self.gate is not None and self.gate.drafting and self.gate.priced and not self.drafter.drafts_now():
-            self.gate.not_ready()
+        gate = self.gate
+        if gate is not None and gate.drafting and gate.priced is not None and not self.drafter.drafts_now():
+            gate.not_ready()
         if tree is None:
             tree = (self.drafter.propose(self.root, self.params, self.rule.draw, self.generator)
                     if self.drafter.drafts_now() else self.drafter.idle(self.root))
