@@ -18,7 +18,8 @@ power of two so that the periods of requests at different yields nest: a probe c
 whose drafter had nothing to propose (a trie without a match) cost a plain step alone and does not count; beside
 other sequences it rode the batch's drafted step (the clock times such a step as drafted) and counts as the one token
 it emitted: a plan's tokens per step count such steps too, and counting only matched steps beside others would
-overstate r. A shadow step without a match counts the same way (beside others, as one token).
+overstate r. A shadow step without a match counts the same way (beside others, as one token). A step whose drafter
+cannot draft yet (a TriForce sequence's first: `not_ready`) is a plain step and counts nothing.
 How much it drafts when it does is the plan's setting at the step's batch size and the request's context (its
 schedule's entry).
 
