@@ -38,7 +38,8 @@ measured ratio at that batch size, or at the nearest one timed, scaled by the pl
 carries what no profile does: the server's own work between steps, and the spell the machine is in (a VM's slow
 spells slow a one-row step over a long context more than a drafted step's many rows). A batch size not yet timed has
 its first steps drafted, then plain, until a few of each are timed, unless one within a factor of two of it (beyond
-B = 1) has been (TIMED_NEAR_FACTOR); drafted ones only where the request's own yield comes within CANDIDATE_SPEEDUP of
+B = 1) has been (TIMED_NEAR_FACTOR) and it has not yet run many steps (SETTLED_STEPS: where the load settles, a
+borrowed price is timed afresh); drafted ones only where the request's own yield comes within CANDIDATE_SPEEDUP of
 paying at the price known so far (the nearest batch size timed, else the plan's): within that, the server's own work
 between steps, which no profile times, can tip it (core/choices.py), and an "off" schedule entry keeps such a setting as
 its candidate to be timed (core/plan_schema.py: Candidate); further below, timing a loss buys nothing the estimate
@@ -91,6 +92,11 @@ UNTIMED_FIRST_STEPS = 4
 # while a drafted step's price in plain ones moves by 5-10% from B to 2B (t(B, n) profiles). B = 1 is timed apart:
 # there one row runs a matrix-vector product, and the first rows beyond it cost the most.
 TIMED_NEAR_FACTOR = 2
+# Timed steps at a batch size after which it times its own price where it borrowed a near one's: the batch size a load
+# settles at (C in a closed loop) runs hundreds of steps, and one borrowed there priced a TriForce hierarchy's drafted
+# step at B = 4 from B = 2's 5.3 plain steps where B = 4's own measured 3.8-4.0, sitting a C = 4 load out of most of its
+# steps; those passed through as requests join and leave run a few each
+SETTLED_STEPS = 32
 
 # (batch size, the request's context) -> (predicted tokens per step, speedup) or None
 Pricing = Callable[[int, int], "tuple[float, float] | None"]
@@ -132,10 +138,12 @@ class StepClock:
 
     def wanted(self, batch: int, drafted_too: bool = True) -> bool | None:
         """The kind of step at `batch` sequences still to be timed (True: a drafted one), drafted first unless not
-        `drafted_too`; None once those are, or where a batch size near it is (TIMED_NEAR_FACTOR). Every request in a
-        step reads the same answer, so the step is of one kind."""
+        `drafted_too`; None once those are, or where a batch size near it is (TIMED_NEAR_FACTOR) and it has not run
+        SETTLED_STEPS timed steps. Every request in a step reads the same answer, so the step is of one kind."""
         near = self.nearest_timed(batch) if batch > 1 else None
-        if near is not None and near > 1 and max(near, batch) <= TIMED_NEAR_FACTOR * min(near, batch):
+        settled = self.seen.get((batch, True), 0) + self.seen.get((batch, False), 0) >= SETTLED_STEPS
+        if (near is not None and near > 1 and max(near, batch) <= TIMED_NEAR_FACTOR * min(near, batch)
+                and not settled):
             return None
         for drafted in (True, False) if drafted_too else (False,):
             if not self._timed(batch, drafted):

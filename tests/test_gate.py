@@ -19,6 +19,7 @@ from specplan.decoder.gate import (
     MEASURED_AT_LEAST,
     PROBE_SHARE,
     REASONS,
+    SETTLED_STEPS,
     UNTIMED_FIRST_STEPS,
     YIELD_WINDOW,
     DraftGate,
@@ -377,6 +378,29 @@ def test_an_untimed_batch_size_is_priced_from_the_nearest_timed_one():
     assert gate.drafts(5, 100) and clock.wanted(5) is True and gate.reason == "timing"
     assert not gate.drafts(6, 100) and clock.wanted(6, drafted_too=False) is False
     assert clock.wanted(1) is True
+
+
+def test_a_batch_size_the_load_settles_at_times_its_own_price():
+    """B = 4 borrows B = 2's measured price (5 plain steps: within TIMED_NEAR_FACTOR) while it is passed through, and
+    a request yielding 0.8 of the plan's 6 tokens sits out. Once SETTLED_STEPS of its steps are timed (plain ones, all
+    that a load sitting out runs) it times its own drafted steps, the request's yield coming within CANDIDATE_SPEEDUP
+    of the borrowed price, and its own ratio (4 plain steps) prices the drafts from then on: they pay."""
+    clock = StepClock()
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(2, True, 0.100)
+        clock.record(2, False, 0.020)
+    gate = DraftGate(lambda batch, context: (6.0, 1.5), clock)
+    gate.yields.extend([0.75] * YIELD_WINDOW)  # r = (2 x 1 + 8 x 0.75) / 10 = 0.8
+    assert not gate.drafts(4, 100) and gate.reason == "sits out" and gate.step_cost == pytest.approx(5.0)
+    for _ in range(SETTLED_STEPS - 1):
+        clock.step_done(4, False, 0.025)
+    assert clock.wanted(4) is None and not gate.drafts(4, 100)
+    clock.step_done(4, False, 0.025)
+    assert gate.drafts(4, 100) and gate.reason == "timing"
+    for _ in range(UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST):
+        clock.step_done(4, True, 0.100)
+    assert clock.wanted(4) is None
+    assert gate.drafts(4, 100) and gate.reason == "pays" and gate.step_cost == pytest.approx(4.0)
 
 
 def test_a_probe_counts_the_reading_its_drafter_does_first():
