@@ -20,8 +20,8 @@ given), how it was solved (`solver`) and where it came from (`provenance`). Meth
 A plan solved with `--batches` also carries `schedule: {context, entries: [{batches: [low, high], speculate,
 decoding_length, tokens_per_step, tokens_per_second, speedup}, ...]}`: for each range of batch sizes (the sequences a
 step decodes together, ranges contiguous from 1), the setting predicted to give the most output tokens per second
-over the whole batch at `context`, and that prediction (speedup: over no speculation at the same batch size). The
-decoder picks the entry of the sequences in flight at each step; beyond the last range, the last entry. Solved with
+over the whole batch at `context`, and that prediction (speedup: over no speculation at the same batch size; with
+`speedups`, the drafted setting's, or an off entry's candidate's, at each batch size of the range). The decoder picks the entry of the sequences in flight at each step; beyond the last range, the last entry. Solved with
 `--contexts` too, the schedule holds one such table per context: the first with `up_to_context` (the longest
 sequence it covers), then `longer: [{context, up_to_context, entries}, ..., {context, entries}]`, each sequence
 following the table of its own current length. Lookahead's
@@ -276,6 +276,10 @@ class ScheduleEntry:
     tokens_per_second: float  # over the whole batch, at `low` sequences
     speedup: float  # over no speculation at `low` sequences
     candidate: Candidate | None = None  # off only: the setting a per-request decision may draft once measured to pay
+    # the priced setting's speedup (the setting's; off, its candidate's) at each of `low`..`high` sequences, which the
+    # clock's prices borrowed from a near batch size are scaled by (decoder/gate.py); empty in plans solved before it:
+    # the speedup at `low` holds at every size
+    speedups: tuple[float, ...] = ()
 
     def nodes(self, gated: bool) -> int:
         """The nodes per sequence, root included, a drafter drafts at this entry: the setting's; off, its candidate's
@@ -284,13 +288,16 @@ class ScheduleEntry:
             return self.decoding_length
         return self.candidate.decoding_length if gated and self.candidate is not None else 1
 
-    @property
-    def price(self) -> tuple[float, float] | None:
-        """The tokens per step and the speedup a drafted step at this entry is held to: the setting's, off its
-        candidate's; None where it drafts nothing."""
+    def price_at(self, batch: int) -> tuple[float, float] | None:
+        """The tokens per step and the speedup a drafted step of `batch` sequences is held to at this entry (beyond
+        `high`, at `high`): the setting's, off its candidate's; None where it drafts nothing."""
         if self.speculate:
-            return self.tokens_per_step, self.speedup
-        return (self.candidate.tokens_per_step, self.candidate.speedup) if self.candidate is not None else None
+            tokens, speedup = self.tokens_per_step, self.speedup
+        elif self.candidate is not None:
+            tokens, speedup = self.candidate.tokens_per_step, self.candidate.speedup
+        else:
+            return None
+        return tokens, (self.speedups[min(batch, self.high) - self.low] if self.speedups else speedup)
 
     @classmethod
     def from_fields(cls, f: Fields) -> ScheduleEntry:
@@ -304,8 +311,11 @@ class ScheduleEntry:
         if speculate and f.has("candidate"):
             raise f.fail("'candidate' is for entries that do not speculate")
         candidate = Candidate.from_fields(f.sub("candidate")) if f.has("candidate") else None
+        speedups = f.number_list("speedups", required=False, low=0.0) or ()
+        if speedups and (len(speedups) != bounds[1] - bounds[0] + 1 or not (speculate or candidate is not None)):
+            raise f.fail("'speedups' must hold one speedup per batch size of the range, of a setting or a candidate")
         return cls(bounds[0], bounds[1], bool(speculate), length, f.number("tokens_per_step", low=1.0),
-                   f.number("tokens_per_second", low=0.0), f.number("speedup", low=0.0), candidate)
+                   f.number("tokens_per_second", low=0.0), f.number("speedup", low=0.0), candidate, tuple(speedups))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"batches": [self.low, self.high], "speculate": self.speculate}
@@ -313,7 +323,9 @@ class ScheduleEntry:
             out["decoding_length"] = self.decoding_length
         out = {**out, "tokens_per_step": self.tokens_per_step, "tokens_per_second": self.tokens_per_second,
                "speedup": self.speedup}
-        return {**out, "candidate": self.candidate.to_dict()} if self.candidate is not None else out
+        if self.candidate is not None:
+            out["candidate"] = self.candidate.to_dict()
+        return {**out, "speedups": list(self.speedups)} if self.speedups else out
 
 
 @dataclass(frozen=True)
@@ -331,16 +343,18 @@ class BatchSchedule:
                ) -> BatchSchedule:
         """The schedule of a setting chosen for each batch size 1, 2, ...: (decoding length, None: off; tokens per
         step, tokens/s, speedup; off, its candidate or None), each range of equal settings (and candidates' lengths)
-        one entry predicted at its first size."""
+        one entry predicted at its first size, with its priced setting's speedup at each size (the setting's; off, its
+        candidate's, where it has one)."""
         entries: list[ScheduleEntry] = []
         for batch, (length, per_step, rate, speedup, candidate) in enumerate(per_batch, start=1):
             last = entries[-1] if entries else None
+            priced = (speedup,) if length is not None else (candidate.speedup,) if candidate is not None else ()
             if (last is not None and last.decoding_length == length
                     and _candidate_length(last.candidate) == _candidate_length(candidate)):
-                entries[-1] = replace(last, high=batch)
+                entries[-1] = replace(last, high=batch, speedups=last.speedups + priced)
             else:
                 entries.append(ScheduleEntry(batch, batch, length is not None, length, per_step, rate, speedup,
-                                             candidate))
+                                             candidate, priced))
         return cls(context, tuple(entries))
 
     @classmethod
@@ -537,9 +551,9 @@ class Plan:
         """The tokens per step and the speedup over one-token decoding the plan predicts for its drafted steps at
         `batch` sequences of `context` tokens (its schedule's entry there, else its batch-1 prediction): the price a
         request's own drafts are held to (decoder/gate.py). None where nothing is priced (no profile) or the schedule
-        is off without a candidate (ScheduleEntry.price)."""
+        is off without a candidate (ScheduleEntry.price_at)."""
         if self.schedule is not None:
-            return self.schedule.entry_for(batch, context).price
+            return self.schedule.entry_for(batch, context).price_at(batch)
         if self.prediction.speedup is None:
             return None
         return self.prediction.tokens_per_step, self.prediction.speedup

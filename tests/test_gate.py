@@ -127,6 +127,8 @@ def test_the_plan_prices_drafted_steps_per_batch_size():
     plan.schedule = BatchSchedule(None, entries)
     assert plan.predicted_at(2) == (2.4, 1.3) and plan.predicted_at(3) == (1.8, 1.05)
     assert plan.predicted_at(4) is None and plan.predicted_at(64) is None
+    plan.schedule = BatchSchedule(None, (ScheduleEntry(1, 4, True, 5, 2.4, 100.0, 1.3, speedups=(1.3, 1.2, 1.1, 1.0)),))
+    assert plan.predicted_at(3) == (2.4, 1.1) and plan.predicted_at(9) == (2.4, 1.0)  # beyond the last range: its last
     assert Plan("lookahead", PlanModels(target="t"), Prediction(2.4)).predicted_at(1) is None
 
 

@@ -107,6 +107,10 @@ def test_a_schedule_drafts_only_where_predicted_ahead_by_its_margin(run_cli, tmp
         candidate = schedule.entry_for(1).candidate
         assert (candidate is not None) == (not drafts and gain >= CANDIDATE_SPEEDUP)
         assert candidate is None or (candidate.decoding_length == 2 and candidate.speedup == pytest.approx(gain))
+        # the setting priced (drafted, or the candidate) carries its speedup at each batch size of the range
+        priced = schedule.entry_for(1).price_at
+        assert [priced(b) for b in (1, 2)] == ([None] * 2 if candidate is None and not drafts else
+                                               [(pytest.approx(gain), pytest.approx(gain))] * 2)
     schedule, _ = schedule_table({2: SettingPrice(0.85, rows=2.0)}, flat, 2, 64, "lookahead", MIN_SPEEDUP)
     assert schedule.entries == (ScheduleEntry(1, 2, False, None, 1.0, 100.0, 1.0),)  # far below: no candidate
     acceptance, profile = tmp_path / "a.yaml", tmp_path / "p.yaml"
@@ -175,15 +179,15 @@ def lookahead_plan_with(schedule: dict) -> dict:
 
 
 def test_a_plan_carries_its_schedule_and_a_bad_one_is_one_line():
-    schedule = BatchSchedule(64, (ScheduleEntry(1, 2, True, 8, 2.1, 150.0, 1.6),
+    schedule = BatchSchedule(64, (ScheduleEntry(1, 2, True, 8, 2.1, 150.0, 1.6, speedups=(1.6, 1.4)),
                                   ScheduleEntry(3, 4, False, None, 1.0, 300.0, 1.0, Candidate(4, 1.4, 0.97)),
                                   ScheduleEntry(5, 16, False, None, 1.0, 400.0, 1.0)))
     document = lookahead_plan_with(schedule.to_dict())
     plan = Plan.from_dict(document, "p.yaml")
     assert plan.schedule == schedule and Plan.from_dict(plan.to_dict(), "again").schedule == schedule
-    # a drafted step's price: the setting's, an off entry's candidate's, none beyond; a drafter without a per-request
-    # decision drafts no candidate
-    assert [plan.predicted_at(b) for b in (1, 3, 5)] == [(2.1, 1.6), (1.4, 0.97), None]
+    # a drafted step's price: the setting's at each batch size where the entry carries them (else at its first), an
+    # off entry's candidate's, none beyond; a drafter without a per-request decision drafts no candidate
+    assert [plan.predicted_at(b) for b in (1, 2, 3, 4, 5)] == [(2.1, 1.6), (2.1, 1.4), (1.4, 0.97), (1.4, 0.97), None]
     assert [(e.nodes(gated=True), e.nodes(gated=False)) for e in schedule.entries] == [(8, 8), (4, 1), (1, 1)]
     off = {"batches": [1, 1], "speculate": False, "tokens_per_step": 1.0, "tokens_per_second": 1.0, "speedup": 1.0}
     candidate = {"decoding_length": 4, "tokens_per_step": 1.4, "speedup": 0.97}
@@ -195,6 +199,9 @@ def test_a_plan_carries_its_schedule_and_a_bad_one_is_one_line():
         ({"entries": [{**schedule.entries[0].to_dict(), "decoding_length": 32}]}, "exceeds the plan's 8"),
         ({"entries": [{**schedule.entries[0].to_dict(), "batches": [3, 1]}]}, "1 <= low <= high"),
         ({"entries": []}, "non-empty list"),
+        ({"entries": [{**schedule.entries[0].to_dict(), "speedups": [1.6]}]}, "one speedup per batch size"),
+        ({"entries": [{**off, "speedups": [1.0]}]}, "of a setting or a candidate"),
+        ({"entries": [{**schedule.entries[0].to_dict(), "speedups": [1.6, float("nan")]}]}, "speedups"),
     ]:
         with pytest.raises(UserError, match=message):
             Plan.from_dict(lookahead_plan_with(broken), "p.yaml")
@@ -239,7 +246,8 @@ def test_an_off_entrys_candidate_drafts_only_where_requests_decide_and_time_it(t
     gen = torch.Generator().manual_seed(5)
     phrase = torch.randint(0, 250, (12,), generator=gen).tolist()
     requests = [Request(phrase * 3 + [i], n) for i, n in enumerate((30, 6, 8))]
-    for pricing, drafts in ((lambda batch, context: schedule.entry_for(batch, context).price, True), (None, False)):
+    for pricing, drafts in ((lambda batch, context: schedule.entry_for(batch, context).price_at(batch), True),
+                            (None, False)):
         clock = StepClock()
         scheduler = Scheduler(SpeculativeEngine(target, make(), pricing=pricing, schedule=schedule, clock=clock),
                               drafters_per_slot(make), 2)
