@@ -18,23 +18,24 @@ given), how it was solved (`solver`) and where it came from (`provenance`). Meth
   the best speculative setting's, which `plan bench` runs its TriForce baselines with.
 
 A plan solved with `--batches` also carries `schedule: {context, entries: [{batches: [low, high], speculate,
-decoding_length, tokens_per_step, tokens_per_second, speedup}, ...]}`: for each range of batch sizes (the sequences a
-step decodes together, ranges contiguous from 1), the setting predicted to give the most output tokens per second
-over the whole batch at `context`, and that prediction (speedup: over no speculation at the same batch size; with
-`speedups`, the drafted setting's, or an off entry's candidate's, at each batch size of the range). The decoder picks the entry of the sequences in flight at each step; beyond the last range, the last entry. Solved with
-`--contexts` too, the schedule holds one such table per context: the first with `up_to_context` (the longest
-sequence it covers), then `longer: [{context, up_to_context, entries}, ..., {context, entries}]`, each sequence
-following the table of its own current length. Lookahead's
-entries vary the decoding length under the plan's own trie (`speculate: false`: the root alone, the trie still
-learning); a draft-model chain's (a Sequoia plan whose tree is a chain, solved for a chain engine) vary the draft
-length, `decoding_length` - 1 tokens, at most the plan's chain; a TriForce hierarchy's vary its chain's length, gamma2 =
-`decoding_length` - 1 (the middle level's rounds collect at least that many tokens), at most the plan's gamma2, its
-bottom, gamma1 and retrieval cache kept; an engine's n-gram chain (a prompt-lookup plan for llama-server) varies its
-tokens drafted, `decoding_length` - 1, at most the plan's num_tokens, its n-gram kept. An entry that does not
-speculate may keep a `candidate: {decoding_length, tokens_per_step, speedup}`, its best drafting setting where that is
-predicted within the margin (CANDIDATE_SPEEDUP up to MIN_SPEEDUP, core/choices.py): requests that decide step by step
-whether to draft (decoder/gate.py) draft it only once the steps' measured prices say it pays; engines' tables and
-fixed settings read the entry as off. A plan without a schedule is the batch-1 plan at every batch size.
+decoding_length, tokens_per_step, tokens_per_second, speedup, speedups}, ...]}`: for each range of batch sizes (the
+sequences a step decodes together, ranges contiguous from 1), the setting predicted to give the most output tokens per
+second over the whole batch at `context`, and that prediction at the range's first size (speedup: over no speculation at
+the same batch size; `speedups`: the drafted setting's, or an off entry's candidate's, at each size of the range, absent
+in plans solved before them). The decoder picks the entry of the sequences in flight at each step; beyond the last
+range, the last entry. Solved with `--contexts` too, the schedule holds one such table per context: the first with
+`up_to_context` (the longest sequence it covers), then `longer: [{context, up_to_context, entries}, ..., {context,
+entries}]`, each sequence following the table of its own current length. Lookahead's entries vary the decoding length
+under the plan's own trie (`speculate: false`: the root alone, the trie still learning); a draft-model chain's (a
+Sequoia plan whose tree is a chain, solved for a chain engine) vary the draft length, `decoding_length` - 1 tokens, at
+most the plan's chain; a TriForce hierarchy's vary its chain's length, gamma2 = `decoding_length` - 1 (the middle
+level's rounds collect at least that many tokens), at most the plan's gamma2, its bottom, gamma1 and retrieval cache
+kept; an engine's n-gram chain (a prompt-lookup plan for llama-server) varies its tokens drafted, `decoding_length` - 1,
+at most the plan's num_tokens, its n-gram kept. An entry that does not speculate may keep a `candidate:
+{decoding_length, tokens_per_step, speedup}`, its best drafting setting where that is predicted within the margin
+(CANDIDATE_SPEEDUP up to MIN_SPEEDUP, core/choices.py): requests that decide step by step whether to draft
+(decoder/gate.py) draft it only once the steps' measured prices say it pays; engines' tables and fixed settings read the
+entry as off. A plan without a schedule is the batch-1 plan at every batch size.
 
 A Lookahead plan solved with `--share-rows` also carries `sharing: {trie, context, tokens_per_step: {length: tokens},
 step_seconds: {batch size: [seconds at 1, 2, ... rows per sequence]}, min_speedup}` (RowSharing): instead of one
