@@ -130,12 +130,12 @@ class SequenceRun:
 
     def propose(self, tree: DraftTree | None = None) -> ForwardItem:
         """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
-        gate = self.gate
-        if gate is not None and gate.drafting and gate.priced is not None and not self.drafter.drafts_now():
+        drafts_now, gate = self.drafter.drafts_now(), self.gate
+        if gate is not None and gate.drafting and gate.priced is not None and not drafts_now:
             gate.not_ready()
         if tree is None:
             tree = (self.drafter.propose(self.root, self.params, self.rule.draw, self.generator)
-                    if self.drafter.drafts_now() else self.drafter.idle(self.root))
+                    if drafts_now else self.drafter.idle(self.root))
         self.tree = tree
         prefix = self.cache.length
         positions = prefix + torch.tensor(tree.depths)
