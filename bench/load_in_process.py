@@ -3,7 +3,9 @@ process (`generate_many`, no HTTP server), in rounds of rotating order: where tw
 --concurrency` differ by tens of percent running the same steps (the order the clients' requests arrive in decides
 whether a batch runs in lockstep), this says what the plan's own steps cost. Each run is warmed up first
 (WARMUP_TOKENS, as the serving bench does, on fresh drafters and clock), then every scheduler step is timed with its
-batch size, whether any sequence drafted, and the roots its draft models had still to read.
+batch size, whether any sequence drafted, and the roots its draft models had still to read. `--as-served` sends
+the requests as the serving bench's clients do (its order per round, each client's next request a step after its
+last completed) where a served gap is in question.
 
     .venv/bin/python bench/load_in_process.py plans/qwen2.5-coder-1.5b.sequoia-v64k.cpu-2c.gguf.yaml --concurrency 8 \
         --dataset specbench:qa,math_reasoning,translation,extraction --no-chat --prompts 16 --rounds 2
@@ -22,13 +24,13 @@ import argparse
 import re
 import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from specplan.decoder.api import Decoder, load_decoder
-from specplan.decoder.batching import Request, Scheduler
+from specplan.decoder.batching import Completion, Request, Scheduler
 from specplan.decoder.gate import StepClock
 from specplan.profiler.haystack import served_prompts
-from specplan.serving import WARMUP_TOKENS
+from specplan.serving import WARMUP_TOKENS, prompts_at_level
 
 
 class StepLog:
@@ -60,18 +62,37 @@ class StepLog:
         Scheduler.step = self.step
 
 
-def run(decoder: Decoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> dict:
+def closed_loop(scheduler: Scheduler, requests: list[Request], concurrency: int) -> list[Completion]:
+    """`concurrency` clients, each sending its next request the step after its last one completed (a served client's
+    round trip: the response streams out as the next step starts), in `requests`' order."""
+    queue, done, arriving = deque(requests), [], min(concurrency, len(requests))
+    while queue or not scheduler.idle:
+        for _ in range(arriving if not scheduler.idle else max(arriving, 1)):
+            if queue:
+                scheduler.submit(queue.popleft())
+        finished = scheduler.step()
+        done += finished
+        arriving = len(finished)
+    return done
+
+
+def run(decoder: Decoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int, lagged: bool) -> dict:
     decoder.engine.clock = StepClock()
     decoder.restart()
     list(decoder.generate_many([Request(ids[::-1], WARMUP_TOKENS) for ids in prompts[:concurrency]], concurrency))
+    requests = [Request(ids, max_new_tokens) for ids in prompts]
     with StepLog() as log:
         began = time.perf_counter()
-        done = list(decoder.generate_many([Request(ids, max_new_tokens) for ids in prompts], concurrency))
+        done = (closed_loop(decoder.scheduler(concurrency), requests, concurrency) if lagged
+                else list(decoder.generate_many(requests, concurrency)))
         wall = time.perf_counter() - began
     tokens = sum(len(c.result.tokens) for c in done)
     steps = sum(c.result.steps for c in done)
     drafted = sum(c.result.drafted_steps for c in done)
-    return {"tokens_per_second": tokens / wall, "wall": wall, "drafted_share": drafted / steps, "steps": log.steps}
+    # the steps no request joined in: decoding alone, apart from the prefills (a long prompt's dominate a load's wall)
+    decoding = sum(step["seconds"] for step in log.steps if not step["joined"])
+    return {"tokens_per_second": tokens / wall, "wall": wall, "decoding_seconds": decoding,
+            "drafted_share": drafted / steps, "steps": log.steps}
 
 
 def describe(name: str, result: dict) -> str:
@@ -83,7 +104,8 @@ def describe(name: str, result: dict) -> str:
     kinds = ", ".join(f"{kind} {len(s)} x {1e3 * statistics.median(s):.1f} ms" for kind, s in sorted(by_kind.items()))
     heavy = [f"{s['batch']}/{s['drafted']}/{s['unread']}: {s['seconds']:.2f} s" for s in result["steps"]
              if s["drafted"] and s["unread"] > 2 * s["batch"]]
-    return (f"  {name:<10} {result['tokens_per_second']:6.2f} tokens/s ({result['wall']:.1f} s), "
+    return (f"  {name:<10} {result['tokens_per_second']:6.2f} tokens/s ({result['wall']:.1f} s, "
+            f"{result['decoding_seconds']:.1f} s in steps no request joined), "
             f"{result['drafted_share']:.0%} of steps drafted; steps: {kinds}"
             + (f"; drafted steps reading sat-out roots (batch/drafting/roots): {', '.join(heavy)}" if heavy else ""))
 
@@ -116,6 +138,10 @@ def main() -> None:
                         "(as `plan bench --context` builds them)")
     parser.add_argument("--one-document", action="store_true", help="the long prompts all about one document")
     parser.add_argument("--rounds", type=int, default=2, help="every system once a round, the order rotating")
+    parser.add_argument("--as-served", action="store_true", help="arrivals as `plan bench --concurrency` sends them: "
+                        "each round's prompts in its order (a fresh order each round after the first), each client's "
+                        "next request a step after its last one completed; without it, every request queued at once, "
+                        "in --dataset's order each round")
     parser.add_argument("--against", default="one-token", metavar="one-token|setting-N|unshared[,...]",
                         help="what the plan runs against, one or several (comma-separated): one-token decoding, one "
                         "of its settings at every step (`plan serve --setting N`: drafting N nodes, no schedule, no "
@@ -132,19 +158,26 @@ def main() -> None:
     print(f"{args.plan}: {args.dataset}{' (raw)' if args.no_chat else ''}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens at {args.concurrency} in flight")
     ratios: dict[str, list[float]] = defaultdict(list)
+    decoding: dict[str, list[float]] = defaultdict(list)  # the same, in the steps no request joined
     for round_ in range(args.rounds):
         shift = round_ % len(systems)
         order = systems[shift:] + systems[:shift]
-        results = {name: run(decoder, prompts, args.concurrency, args.max_new_tokens) for name, decoder in order}
+        sent = (prompts_at_level(prompts, args.concurrency, max(1, len(prompts) // args.concurrency), round_)
+                if args.as_served else prompts)
+        results = {name: run(decoder, sent, args.concurrency, args.max_new_tokens, args.as_served)
+                   for name, decoder in order}
         for name in others:
             ratios[name].append(results["plan"]["tokens_per_second"] / results[name]["tokens_per_second"])
+            decoding[name].append(results[name]["decoding_seconds"] / results["plan"]["decoding_seconds"])
         print(f"round {round_ + 1} ({' then '.join(name for name, _ in order)}): "
-              + ", ".join(f"plan / {name} {ratios[name][-1]:.3f}" for name in others))
+              + ", ".join(f"plan / {name} {ratios[name][-1]:.3f} (steps no request joined: {decoding[name][-1]:.3f})"
+                          for name in others))
         for name, _ in order:
             print(describe(name, results[name]))
     for name in others:
         print(f"plan / {name} over {args.rounds} rounds: {', '.join(f'{r:.3f}' for r in ratios[name])}; "
-              f"mean {statistics.mean(ratios[name]):.3f}")
+              f"mean {statistics.mean(ratios[name]):.3f}; in the steps no request joined, "
+              f"{', '.join(f'{r:.3f}' for r in decoding[name])}, mean {statistics.mean(decoding[name]):.3f}")
 
 
 if __name__ == "__main__":
