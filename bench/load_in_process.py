@@ -65,25 +65,24 @@ class StepLog:
 def closed_loop(scheduler: Scheduler, requests: list[Request], concurrency: int) -> list[Completion]:
     """`concurrency` clients, each sending its next request the step after its last one completed (a served client's
     round trip: the response streams out as the next step starts), in `requests`' order."""
-    queue, done, arriving = deque(requests), [], min(concurrency, len(requests))
+    queue, done, arriving = deque(requests), [], concurrency
     while queue or not scheduler.idle:
-        for _ in range(arriving if not scheduler.idle else max(arriving, 1)):
-            if queue:
-                scheduler.submit(queue.popleft())
+        for _ in range(min(arriving, len(queue))):
+            scheduler.submit(queue.popleft())
         finished = scheduler.step()
         done += finished
         arriving = len(finished)
     return done
 
 
-def run(decoder: Decoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int, lagged: bool) -> dict:
+def run(decoder: Decoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int, as_served: bool) -> dict:
     decoder.engine.clock = StepClock()
     decoder.restart()
     list(decoder.generate_many([Request(ids[::-1], WARMUP_TOKENS) for ids in prompts[:concurrency]], concurrency))
     requests = [Request(ids, max_new_tokens) for ids in prompts]
     with StepLog() as log:
         began = time.perf_counter()
-        done = (closed_loop(decoder.scheduler(concurrency), requests, concurrency) if lagged
+        done = (closed_loop(decoder.scheduler(concurrency), requests, concurrency) if as_served
                 else list(decoder.generate_many(requests, concurrency)))
         wall = time.perf_counter() - began
     tokens = sum(len(c.result.tokens) for c in done)
