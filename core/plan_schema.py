@@ -3,7 +3,8 @@
 Every plan names the models it was made for (`models`: target, draft, dtype, draft_dtype and, when the draft
 scores only part of the vocabulary, `draft_vocab`: the ids below it, plus the stop tokens), records its inputs
 (`inputs`), its prediction (`prediction.tokens_per_step`, `prediction.speedup` when a latency profile was
-given), how it was solved (`solver`) and where it came from (`provenance`). Method-specific fields:
+given), how it was solved (`solver`) and where it came from (`provenance`: its inputs' hashes and, from `plan solve`,
+the command that solved it). Method-specific fields:
 
 - plan/sequoia: `tree: {size, depth, parents}`: node 0 is the root (the last accepted token) with parent
   -1; nodes are in BFS order and the children of a node appear in rank order (rank 1 first).

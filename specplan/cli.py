@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -455,7 +457,6 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
                       min_speedup: float, schedule_contexts: str | None, stand_in: bool, max_new_tokens: int | None,
                       output: Path) -> None:
     """Sequoia: the optimal token tree and its size/depth for this hardware (and a serving engine's rules)."""
-    from specplan.core.plan_schema import save_plan
     from specplan.planner.sequoia import solve_sequoia
     from specplan.show import describe_engine_cost, describe_schedule
 
@@ -470,7 +471,7 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
         if c.speedup is not None:
             row += f" {c.step_seconds * 1e3:>9.3f} {c.speedup:>8.3f} {c.tokens_per_second:>8.2f}"
         click.echo(row)
-    save_plan(plan, output)
+    _save_solved(plan, output)
     if plan.engine != "specplan":
         click.echo(describe_engine_cost(plan))
     if plan.schedule is not None:
@@ -523,7 +524,6 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
                         max_new_tokens: int | None, share_rows: str | None, output: Path) -> None:
     """Lookahead: decoding length L_d and branch length L_b by exact offline replay of the trie; or, with
     --engine, a serving engine's n-gram knobs by exact replay of its rule."""
-    from specplan.core.plan_schema import save_plan
     from specplan.planner.lookahead import BRANCH_LENGTHS, DECODING_LENGTHS, solve_lookahead
     from specplan.show import describe_schedule
 
@@ -549,12 +549,21 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
                                    tuple(shared) if shared else None)
     _echo_ranked(ranked[:top], [("L_d", lambda c: c.decoding_length), ("L_b", lambda c: c.branch_length)],
                  profile_path is not None)
-    save_plan(plan, output)
+    _save_solved(plan, output)
     if plan.schedule is not None:
         click.echo(describe_schedule(plan.schedule, plan.method))
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
                f"{plan.settings.decoding_length}, L_b = {plan.settings.branch_length}; wrote {output}")
     _note_inexact_replay(plan)
+
+
+def _save_solved(plan: Plan, output: Path) -> None:
+    """Write a solved plan with the command that solved it in its provenance: solving it again is one copy away."""
+    from specplan.core.plan_schema import save_plan
+
+    argv = (click.get_current_context().find_root().obj or {}).get("argv")
+    provenance = plan.provenance if argv is None else {**plan.provenance, "command": shlex.join(["plan", *argv])}
+    save_plan(replace(plan, provenance=provenance), output)
 
 
 def _echo_ranked(rows: list, knobs: list[tuple[str, Callable[[Any], Any]]], priced: bool) -> None:
@@ -602,7 +611,6 @@ def _lookup_grid(engine: str, max_ngrams: str | None, draft_lengths: str | None,
 def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engine: str, grid: list,
                          stop_tokens: str | None, top: int, output: Path, batches: int | None,
                          min_speedup: float, output_tokens: int | None) -> None:
-    from specplan.core.plan_schema import save_plan
     from specplan.planner.prompt_lookup import LOOKUP_NAMES, solve_prompt_lookup
     from specplan.show import describe_schedule
 
@@ -612,7 +620,7 @@ def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engin
     knobs = [(key, lambda c, key=key: getattr(c.settings, key)) for key in ranked[0].settings.to_dict()
              if key != "enabled"]
     _echo_ranked(ranked[:top], knobs, profile_path is not None)
-    save_plan(plan, output)
+    _save_solved(plan, output)
     if plan.schedule is not None:
         click.echo(describe_schedule(plan.schedule, plan.method))
     chosen = ", ".join(f"{key} {value}" for key, value in plan.settings.to_dict().items() if key != "enabled")
@@ -647,7 +655,6 @@ def _note_inexact_replay(plan: Plan) -> None:
 def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int | None, two_level: bool,
                        rebuild_below: float, min_speedup: float, top: int, batches: int | None, output: Path) -> None:
     """TriForce: gamma1, gamma2, budget, chunk and rebuild stride by an expected-time-per-token model."""
-    from specplan.core.plan_schema import save_plan
     from specplan.planner.triforce import solve_triforce
     from specplan.show import describe_schedule
 
@@ -663,7 +670,7 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
             levels = (f"{'two-level' if c.gamma1 == 0 else 'hierarchy':<9} {c.gamma1:>3} {c.gamma2:>3} {c.budget:>5} "
                       f"{c.chunk:>3} {c.stride:>4} {c.middle_acceptance:>6.3f} {c.bottom_acceptance:>6.3f}")
         click.echo(f"{levels} {c.tokens_per_step:>8.2f} {c.seconds_per_token * 1e3:>7.2f} {c.speedup:>7.3f}")
-    save_plan(plan, output)
+    _save_solved(plan, output)
     if plan.schedule is not None:
         click.echo(describe_schedule(plan.schedule, plan.method))
     click.echo(f"wrote {output}")
@@ -1207,8 +1214,9 @@ def _one_line(message: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        cli.main(args=argv, prog_name="plan", standalone_mode=False)
+        cli.main(args=args, prog_name="plan", standalone_mode=False, obj={"argv": args})
     except UserError as exc:
         click.echo(ERROR_PREFIX + _one_line(str(exc)), err=True)
         return 2

@@ -276,6 +276,7 @@ def test_solve_and_show_triforce(run_cli, write_yaml_file, tmp_path):
     assert plan.settings.budget == 1024  # the better middle acceptance wins here
     assert plan.settings.bottom == "trie" and plan.settings.gamma2 >= plan.settings.gamma1
     assert 0 < plan.prediction.details["best_two_level"]["speedup"] < plan.prediction.speedup
+    assert plan.provenance["command"] == f"plan solve triforce --acceptance {acceptance} --profile {profile} -o {out}"
     useless_bottom = dict(TRIFORCE_ACCEPTANCE, entries=[dict(e, bottom=0.0) for e in TRIFORCE_ACCEPTANCE["entries"]])
     code, _, stderr = run_cli("solve", "triforce", "--acceptance", write_yaml_file("useless.yaml", useless_bottom),
                               "--profile", profile, "-o", tmp_path / "dropped.yaml")
