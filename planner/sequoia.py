@@ -682,7 +682,8 @@ def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptanc
                     batches: int, max_depth: int, context: int | None, contexts: tuple[int, ...],
                     min_speedup: float) -> None:
     """The chain's draft length per batch size (planner/draft_chain.py: chain_schedule), one table per context of
-    `contexts` if given; the plan's chain grows to the longest the schedule drafts, its batch-1 prediction kept."""
+    `contexts` if given; the plan's chain grows to the longest the schedule drafts (an off entry's candidate included),
+    its batch-1 prediction kept."""
     if rules.shape != "chain":
         raise UserError("--batches schedules a draft model's chain, the table vLLM and TensorRT-LLM take: solve with "
                         "--engine vllm, trtllm-draft or llama.cpp")
@@ -695,7 +696,7 @@ def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptanc
     tables = [chain_schedule(acceptance.chains, profile, batches, largest_depth, at, prefill, min_speedup)
               for at in (sorted(contexts) or [context])]
     schedule, rates = BatchSchedule.by_context([table for table, _ in tables]), tables[0][1]
-    drafted = max((entry.decoding_length or 1) - 1 for table in schedule.tables for entry in table.entries)
+    drafted = max(entry.nodes(gated=True) - 1 for table in schedule.tables for entry in table.entries)
     if drafted > plan.tree.depth:
         plan.tree = TokenTree.from_parents(list(range(-1, drafted)))
     plan.schedule = schedule

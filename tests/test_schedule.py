@@ -352,6 +352,22 @@ def test_a_chain_plan_round_trips_its_schedule_and_a_branching_tree_takes_none(t
         load_plan(path)
 
 
+
+@pytest.mark.slow
+def test_a_chain_plan_holds_the_chain_of_an_off_entrys_candidate(run_cli, tmp_path):
+    """On this profile one-token decoding wins at batch size 1 (the DP's chain: the root alone) while its off entry
+    keeps a K = 1 candidate that the per-request decisions may draft: the plan's chain must hold it."""
+    out = tmp_path / "chain.yaml"
+    code, _, stderr = run_cli("solve", "sequoia", "--acceptance",
+                              "acceptance/qwen2.5-coder-1.5b+0.5b-v64k.sequoia.specbench.t0.bf16.yaml", "--profile",
+                              "profiles/qwen2.5-coder-1.5b+0.5b-v64k.cpu-2c-zen5.gguf.batched.yaml", "--max-size", 9,
+                              "--max-depth", 8, "--engine", "vllm", "--batches", 16, "-o", out)
+    assert code == 0, stderr
+    plan = load_plan(out)
+    first = plan.schedule.entry_for(1)
+    assert not first.speculate and first.candidate is not None  # the case this test is about
+    assert plan.tree.depth == first.nodes(gated=True) - 1 >= 1
+
 @pytest.mark.parametrize("concurrency", [1, 3, 6])
 def test_a_draft_chain_following_its_schedule_keeps_every_request_its_greedy_tokens(concurrency, tiny_pair):
     """A chain of 3 cut to 1 token from 3 sequences and to none from 5, as requests join and leave (and the draft
