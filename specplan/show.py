@@ -328,7 +328,8 @@ def describe_plan(plan: Plan) -> str:
 
 
 def describe_schedule(schedule: BatchSchedule, method: str) -> str:
-    """A plan's setting per batch size, one line a range, with its prediction at the range's first size."""
+    """A plan's setting per batch size, one line a range, with its prediction at the range's first size (and the priced
+    setting's speedup at its last, where the plan carries one per size)."""
     lines = []
     covered = 0
     for table in schedule.tables:
@@ -342,8 +343,10 @@ def describe_schedule(schedule: BatchSchedule, method: str) -> str:
             candidate = (f"  candidate {setting_name(method, e.candidate.decoding_length)}: "
                          f"{e.candidate.tokens_per_step:.3f} tok/step, {e.candidate.speedup:.3f}x, drafted where "
                          "measured to pay" if e.candidate is not None else "")
+            last = (f"  ({'candidate ' if e.candidate is not None else ''}{e.speedups[-1]:.3f}x at {e.high})"
+                    if e.high > e.low and e.speedups else "")
             lines.append(f"  {span:>9} {setting:>10} {e.tokens_per_step:>9.3f} {e.tokens_per_second:>8.1f} "
-                         f"{e.speedup:>7.3f}{candidate}")
+                         f"{e.speedup:>7.3f}{candidate}{last}")
         covered = table.up_to_context or covered
     return "\n".join(lines)
 
