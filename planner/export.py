@@ -69,8 +69,16 @@ def sequoia_growmap(tree: TokenTree) -> dict[str, Any]:
 
 def _schedule_rows(plan: Plan, context: int) -> list[tuple[int, int, int]]:
     """A chain plan's schedule as (first batch size, last, draft tokens K; 0: off): the table of sequences of
-    `context` tokens, where the plan has one per context range (the engines' tables have a batch axis only)."""
-    return [(e.low, e.high, (e.decoding_length or 1) - 1) for e in _table_at(plan, context).entries]
+    `context` tokens, where the plan has one per context range (the engines' tables have a batch axis only); ranges
+    of equal K joined (off entries that differ only in the candidate our per-request decisions may draft)."""
+    rows: list[tuple[int, int, int]] = []
+    for e in _table_at(plan, context).entries:
+        drafted = (e.decoding_length or 1) - 1
+        if rows and rows[-1][2] == drafted:
+            rows[-1] = (rows[-1][0], e.high, drafted)
+        else:
+            rows.append((e.low, e.high, drafted))
+    return rows
 
 
 def _table_at(plan: Plan, context: int) -> BatchSchedule:

@@ -148,6 +148,17 @@ def test_plan_solve_lookahead_batches_writes_the_schedule_and_plan_show_prints_a
     assert code == 2 and "priced on a profile: give --profile" in stderr
 
 
+def test_plan_show_gives_a_ranges_price_at_its_last_batch_size():
+    from specplan.show import describe_schedule
+
+    shown = describe_schedule(BatchSchedule(64, (
+        ScheduleEntry(1, 1, True, 2, 1.25, 50.0, 1.23, speedups=(1.23,)),
+        ScheduleEntry(2, 16, False, None, 1.0, 69.0, 1.0, Candidate(2, 1.25, 1.023), (1.023,) * 14 + (0.917,)),
+        ScheduleEntry(17, 20, False, None, 1.0, 80.0, 1.0))), "lookahead").splitlines()
+    assert shown[2].endswith("1.230") and shown[4].endswith("1.000")  # one size, or none priced: nothing more
+    assert shown[3].endswith("drafted where measured to pay  (candidate 0.917x at 16)")
+
+
 def test_a_plan_solved_for_short_requests_replays_and_reprices_their_outputs_only(run_cli, tmp_path):
     acceptance, profile, plan = (tmp_path / name for name in ("a.yaml", "p.yaml", "plan.yaml"))
     records = repetitive_records()
@@ -410,6 +421,11 @@ def test_chain_schedules_export_as_vllm_and_tensorrt_llm_take_them():
         keys = sorted(schedule)
         trtllm = schedule[next(key for key in keys if key >= batch)]
         assert trtllm == (plan.schedule.entry_for(batch).decoding_length or 1) - 1
+    candidates = chain_plan(SHRINKING[:2] + (  # off in two entries with different candidates: one range off
+        ScheduleEntry(5, 6, False, None, 1.0, 140.0, 1.0, Candidate(3, 2.2, 0.98)),
+        ScheduleEntry(7, 8, False, None, 1.0, 150.0, 1.0)))
+    assert json.loads(export_plan(candidates, "vllm", "draft/path").content)["num_speculative_tokens_per_batch_size"] \
+        == [[1, 2, 3], [3, 4, 1], [5, 8, 0]]
     growing = chain_plan((ScheduleEntry(1, 2, True, 2, 1.8, 80.0, 1.2), ScheduleEntry(3, 8, True, 4, 2.4, 90.0, 1.1)))
     with pytest.raises(UserError, match="batch size 1 drafts the most"):
         export_plan(growing, "trtllm-draft", "draft/path")
