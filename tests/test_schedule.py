@@ -582,7 +582,8 @@ VLLM_WITH_THE_TABLE = "0.33.0"  # the release whose dynamic/utils.py the export 
 @pytest.mark.check
 def test_vllms_own_schedule_code_reads_the_export_as_the_plan_does():
     """vLLM's validator and dense lookup (vllm/v1/spec_decode/dynamic/utils.py of its wheel, fetched from PyPI; no
-    dependencies) take the exported table and give every batch size the plan's draft length."""
+    dependencies) take the exported table and give every batch size the plan's draft length (a made-up schedule and
+    the committed modeled Llama-3.1-8B ones)."""
     wheels = cache_dir() / f"vllm-{VLLM_WITH_THE_TABLE}"
     if not any(wheels.glob("*.whl")):
         fetched = subprocess.run([sys.executable, "-m", "pip", "download", f"vllm=={VLLM_WITH_THE_TABLE}", "--no-deps",
@@ -592,11 +593,12 @@ def test_vllms_own_schedule_code_reads_the_export_as_the_plan_does():
     wheel = next(wheels.glob("*.whl"))
     namespace: dict = {}
     exec(zipfile.ZipFile(wheel).read("vllm/v1/spec_decode/dynamic/utils.py").decode(), namespace)
-    plan = chain_plan(SHRINKING)
-    config = json.loads(export_plan(plan, "vllm", "draft/path").content)
-    dense = namespace["build_dynamic_sd_schedule_lookup"](config["num_speculative_tokens_per_batch_size"], 64,
-                                                          config["num_speculative_tokens"])
-    assert dense[1:] == [(plan.schedule.entry_for(b).decoding_length or 1) - 1 for b in range(1, 65)]
+    for plan, largest in ((chain_plan(SHRINKING), 64), (load_plan("plans/llama-3.1-8b.vllm-chain.h100.bf16.yaml"), 256),
+                          (load_plan("plans/llama-3.1-8b.vllm-chain.a100-80g.bf16.yaml"), 256)):
+        config = json.loads(export_plan(plan, "vllm", "draft/path").content)
+        dense = namespace["build_dynamic_sd_schedule_lookup"](config["num_speculative_tokens_per_batch_size"], largest,
+                                                              config["num_speculative_tokens"])
+        assert dense[1:] == [(plan.schedule.entry_for(b).decoding_length or 1) - 1 for b in range(1, largest + 1)]
 
 
 # --- a table per context range (`--contexts`) -------------------------------------------------------------------
