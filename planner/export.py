@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 import yaml
@@ -71,14 +72,9 @@ def _schedule_rows(plan: Plan, context: int) -> list[tuple[int, int, int]]:
     """A chain plan's schedule as (first batch size, last, draft tokens K; 0: off): the table of sequences of
     `context` tokens, where the plan has one per context range (the engines' tables have a batch axis only); ranges
     of equal K joined (off entries that differ only in the candidate our per-request decisions may draft)."""
-    rows: list[tuple[int, int, int]] = []
-    for e in _table_at(plan, context).entries:
-        drafted = (e.decoding_length or 1) - 1
-        if rows and rows[-1][2] == drafted:
-            rows[-1] = (rows[-1][0], e.high, drafted)
-        else:
-            rows.append((e.low, e.high, drafted))
-    return rows
+    runs = [(drafted, list(entries)) for drafted, entries
+            in groupby(_table_at(plan, context).entries, key=lambda e: (e.decoding_length or 1) - 1)]
+    return [(entries[0].low, entries[-1].high, drafted) for drafted, entries in runs]
 
 
 def _table_at(plan: Plan, context: int) -> BatchSchedule:
