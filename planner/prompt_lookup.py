@@ -33,6 +33,7 @@ llama.cpp's forward), so
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -371,14 +372,22 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
     return plan, candidates
 
 
+def ragged_step_seconds(profile: LatencyProfile, drafts: tuple[int, ...], price: SettingPrice, context: int) -> float:
+    """llama-server's step of one sequence per entry of `drafts` (the tokens each drafted): the sum of the steps of
+    each group of sequences with equal rows, as if each group ran its own forward. Timed with some slots drafting
+    beside plain ones (docs/benchmark-log.md, "llama-server's ragged steps"), such a step costs about that sum, far
+    above t(B, n) of the batch's mean rows, which priced drafts that then lost to no drafting."""
+    return sum(step_seconds(profile, slots, replace(price, rows=1.0 + draft), [context])
+               for draft, slots in Counter(drafts).items())
+
+
 def lookup_schedule(replays: list[LookupReplay], profile: LatencyProfile, largest_batch: int,
                     min_speedup: float = MIN_SPEEDUP) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """The draft length per batch size of one n-gram rule's `replays` (one per draft length, none longer than the
     batch-1 setting's, as vLLM clamps its table to num_speculative_tokens): at each B, each length's replayed tokens
     per step over its mean step price at the replays' mean context (`schedule_table`). An n-gram drafts only where it
-    matches, so a batch's sequences draft unequal lengths: a step of B sequences is priced at t(B, n) of their mean
-    rows, over the replay's steps themselves at B = 1 and over BATCH_DRAWS batches of B of them drawn at random
-    beyond."""
+    matches, so a batch's sequences draft unequal lengths: a step is priced as `ragged_step_seconds`, over the
+    replay's steps themselves at B = 1 and over BATCH_DRAWS batches of B of them drawn at random beyond."""
     if not profile.target_batches:
         raise UserError("a schedule per batch size needs a profile with --batches (t(B, n))")
     context = int(round(float(np.mean(np.concatenate([r.step_contexts for r in replays])))))
@@ -388,9 +397,9 @@ def lookup_schedule(replays: list[LookupReplay], profile: LatencyProfile, larges
 
     def mean_step(batch: int, length: int, price: SettingPrice) -> float:
         drafts = drafted[length][:, None] if batch == 1 else rng.choice(drafted[length], (BATCH_DRAWS, batch))
-        rows, counts = np.unique(1.0 + drafts.mean(axis=1), return_counts=True)
-        return sum(count * step_seconds(profile, batch, replace(price, rows=float(n)), [context])
-                   for n, count in zip(rows, counts)) / counts.sum()
+        mixes = Counter(tuple(sorted(row)) for row in drafts.tolist())
+        return sum(count * ragged_step_seconds(profile, mix, price, context)
+                   for mix, count in mixes.items()) / len(drafts)
 
     prices = {r.settings.num_tokens + 1: SettingPrice(r.tokens_per_step) for r in replays}
     return schedule_table(prices, profile, largest, context, "prompt-lookup", min_speedup, mean_step)

@@ -7,6 +7,8 @@ import yaml
 
 from specplan.core.plan_schema import load_plan
 from specplan.core.profile_schema import load_profile
+from specplan.planner.closed_loop import SettingPrice, step_seconds
+from specplan.planner.prompt_lookup import ragged_step_seconds
 from specplan.server_profile import cycle_prompt, passage_cycle
 
 from toy import one_error
@@ -64,6 +66,37 @@ def test_a_llama_server_profile_prices_llama_servers_lookup_and_no_other(few_out
                               "--engine", "vllm", "-o", tmp_path / "vllm.yaml")
     assert code == 2 and "llama-server forward" in stderr and one_error(stderr)
     assert not (tmp_path / "vllm.yaml").exists()
+
+
+def test_a_llama_server_step_of_unequal_drafts_costs_each_groups_forward():
+    """A step where one slot verifies 5 rows beside 3 plain slots costs what the two groups cost apart (as timed in
+    llama-server), more than t(4, 2) of their mean rows; equal drafts are one group."""
+    profile = load_profile(BATCHED_PROFILE)
+    price = SettingPrice(1.2)
+
+    def step(batch: int, rows: float) -> float:
+        return step_seconds(profile, batch, SettingPrice(1.2, rows=rows), [512])
+
+    ragged = ragged_step_seconds(profile, (0, 0, 4, 0), price, 512)
+    assert ragged == pytest.approx(step(3, 1.0) + step(1, 5.0))
+    assert ragged > step(4, 2.0)
+    assert ragged_step_seconds(profile, (2, 2), price, 512) == pytest.approx(step(2, 3.0))
+    assert ragged_step_seconds(profile, (0,), price, 512) == pytest.approx(step(1, 1.0))
+
+
+@pytest.mark.slow
+def test_llama_servers_n_grams_drafted_only_where_its_ragged_steps_pay(run_cli, tmp_path):
+    """On llama-server's own steps timed on cpu-2c, drafting 4 tokens at 2 and 4 slots read 0.96 and 0.93 of no
+    drafting served (docs/benchmark-log.md): priced as ragged steps, the schedule drafts at one slot only."""
+    out = tmp_path / "plan.yaml"
+    code, _, stderr = run_cli("solve", "lookahead", "--acceptance",
+                              "acceptance/smollm2-135m.lookahead.specbench-sum-rag-code.fp32.yaml", "--profile",
+                              "profiles/smollm2-135m.llama-server.cpu-2c.fp32.batched.yaml", "--batches", "16",
+                              "--engine", "llama-server", "--max-new-tokens", "64", "-o", out)
+    assert code == 0, stderr
+    entries = load_plan(out).schedule.entries
+    assert entries[0].speculate and (entries[0].low, entries[0].high) == (1, 1)
+    assert not any(entry.speculate for entry in entries[1:])
 
 
 def test_llama_servers_profile_refuses_what_it_does_not_time(run_cli, tmp_path):
