@@ -17,9 +17,9 @@ as their requests' output lengths differ); the prefills are the profile's `targe
 from __future__ import annotations
 
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from specplan.core.profile_schema import LatencyProfile
 # A completed request's client sends its next one this long after the server's last token (the HTTP round trip on
 # the loopback and the server's admission); the slot waits for it unless others keep the steps going.
 CLIENT_TURNAROUND_SECONDS = 0.002
+
+# The random batches of replayed steps a batch size's ragged step is priced over (its mean within about 1%).
+BATCH_DRAWS = 512
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,46 @@ def step_seconds(profile: LatencyProfile, batch: int, setting: SettingPrice, con
         seconds += setting.middle_rounds * (profile.batch_latency(batch, rows, setting.middle_context)
                                             + float(profile.engine_overhead(rows, batch)))
     return seconds
+
+
+def ragged_step_seconds(profile: LatencyProfile, slots: tuple[tuple[int, int], ...], price: SettingPrice,
+                        context: int) -> float:
+    """llama-server's step of one sequence per entry of `slots`, each (its target rows, its draft model's decodes):
+    the sum of the steps of each group of slots with equal rows, as if each group ran its own forward; where `price`
+    drafts with a model, plus the draft's work, which llama-server batches over the slots (docs/design.md): its
+    re-decoding of every slot's verified rows, then one batched decode per draft position of the slots still
+    drafting there, each priced as its share of the profile's measured work (`LatencyProfile.draft_chain_seconds`:
+    per batch size a line in the decodes, its slope a decode's; else one batched draft step each). Timed with some
+    slots drafting beside plain ones (docs/benchmark-log.md, "llama-server's ragged steps"), the target's step costs
+    about that sum, far above t(B, n) of the batch's mean rows, which priced drafts that then lost to no drafting."""
+    seconds = sum(step_seconds(profile, count, replace(price, rows=float(rows), draft_levels=0.0), [context])
+                  for rows, count in Counter(rows for rows, _ in slots).items())
+    if not price.draft_model:
+        return seconds
+    decodes = np.array([decodes for _, decodes in slots])
+    # every slot's verified rows re-decoded: inside the measured work's intercept, else one more batched draft step
+    seconds += _draft_work(profile, len(slots), 0 if profile.draft_chains else 1, context)
+    for position in range(1, int(decodes.max(initial=0)) + 1):  # one batched decode of the slots drafting this far
+        drafting = int((decodes >= position).sum())
+        seconds += _draft_work(profile, drafting, 1, context) - _draft_work(profile, drafting, 0, context)
+    return seconds
+
+
+def _draft_work(profile: LatencyProfile, batch: int, decodes: int, context: int) -> float:
+    work = profile.draft_chain_seconds(batch, decodes, context)
+    if work is None:
+        raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
+    return work
+
+
+def mean_ragged_step(profile: LatencyProfile, steps: np.ndarray, batch: int, price: SettingPrice, context: int,
+                     rng: np.random.Generator) -> float:
+    """The mean `ragged_step_seconds` of `batch` sequences each at one of a replay's `steps` ([steps, 2]: the target's
+    rows and the draft's decodes of each): over the steps themselves at B = 1, over BATCH_DRAWS batches of B of them
+    drawn at random beyond."""
+    draws = steps[:, None] if batch == 1 else steps[rng.choice(len(steps), (BATCH_DRAWS, batch))]
+    mixes = Counter(tuple(sorted(map(tuple, draw))) for draw in draws.tolist())
+    return sum(count * ragged_step_seconds(profile, mix, price, context) for mix, count in mixes.items()) / len(draws)
 
 
 def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, largest: int, context: int,

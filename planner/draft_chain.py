@@ -28,7 +28,7 @@ with the teacher-forced confidences there, an estimate. One-token decoding costs
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -39,7 +39,7 @@ from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.core.profile_schema import LatencyProfile
 from specplan.decoder.draft_rules import HEURISTIC_GROWTH, HEURISTIC_SHRINK
-from specplan.planner.closed_loop import SettingPrice, schedule_table
+from specplan.planner.closed_loop import SettingPrice, mean_ragged_step, schedule_table
 
 CHAIN_KNOB_ENGINES = ("llama.cpp", "hf")
 P_MIN_GRID = tuple(round(0.05 * i, 2) for i in range(20))  # llama-server's --spec-draft-p-min: 0, 0.05, ..., 0.95
@@ -72,14 +72,42 @@ def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: Call
     decodes; `forward_seconds[n]` = t(n) + o(n) for n = 1..draft_max + 1; `prefill_seconds(prompt tokens)`: the
     draft's prefill of a prompt, None where unpriced."""
     tokens = steps = drafted_total = seconds = ar_seconds = 0.0
+    for chain, walked in _walk(chains, knobs, len(forward_seconds) - 2):
+        if chain.prompt_tokens is not None:
+            seconds += prefill_seconds(chain.prompt_tokens) or 0.0
+        for step_tokens, drafted, decodes, verified in walked:
+            seconds += draft_seconds(decodes) + forward_seconds[verified]
+            drafted_total += drafted
+            tokens += step_tokens
+            steps += 1
+        ar_seconds += len(chain.match) * forward_seconds[1]
+    if tokens == 0:
+        raise UserError("the acceptance file's chain traces are empty")
+    return ChainKnobs(knobs.engine, knobs.draft_max, knobs.draft_min, knobs.p_min, knobs.schedule,
+                      float(tokens / steps), float(drafted_total / steps), float(seconds / steps),
+                      float(ar_seconds / seconds))
+
+
+def replayed_steps(chains: list[DraftChainTrace], knobs: ChainKnobs) -> tuple[float, np.ndarray]:
+    """`knobs`' tokens per step over `chains` and its steps ([steps, 2]: the target's rows and the draft's decodes of
+    each), the steps a batch of llama-server's slots mixes (planner/closed_loop.py: mean_ragged_step)."""
+    walked = [step for _, steps in _walk(chains, knobs, knobs.draft_max) for step in steps]
+    if not walked:
+        raise UserError("the acceptance file's chain traces are empty")
+    table = np.array(walked, dtype=np.int64)
+    return float(table[:, 0].mean()), table[:, [3, 2]]
+
+
+def _walk(chains: list[DraftChainTrace], knobs: ChainKnobs, largest_draft: int
+          ) -> Iterator[tuple[DraftChainTrace, list[tuple[int, int, int, int]]]]:
+    """Each chain with its steps under `knobs`' rule, each (tokens emitted, tokens drafted, draft decodes, the
+    target's rows), drafting at most `largest_draft` tokens (the heuristic schedule's growth stops there)."""
     k = knobs.draft_max
     for chain in chains:
         length = len(chain.match)
         if knobs.schedule == "constant":
             k = knobs.draft_max
-        if chain.prompt_tokens is not None:
-            seconds += prefill_seconds(chain.prompt_tokens) or 0.0
-        position = 0
+        position, steps = 0, []
         while position < length:
             room = min(k, length - position - 1)
             drafted = _drafted(chain, position, room, knobs.p_min)
@@ -90,20 +118,11 @@ def replay(chains: list[DraftChainTrace], knobs: ChainKnobs, draft_seconds: Call
                 accepted = _leading_matches(chain, position, drafted)
                 verified = drafted + 1
             step_tokens = min(accepted + 1, length - position)
-            seconds += draft_seconds(decodes) + forward_seconds[verified]
-            drafted_total += drafted
-            tokens += step_tokens
-            steps += 1
+            steps.append((step_tokens, drafted, decodes, verified))
             position += step_tokens
             if knobs.schedule == "heuristic":
-                grown = min(k + HEURISTIC_GROWTH, len(forward_seconds) - 2)  # priced up to the profile's largest n
-                k = grown if accepted == drafted else max(1, k - HEURISTIC_SHRINK)
-        ar_seconds += length * forward_seconds[1]
-    if tokens == 0:
-        raise UserError("the acceptance file's chain traces are empty")
-    return ChainKnobs(knobs.engine, knobs.draft_max, knobs.draft_min, knobs.p_min, knobs.schedule,
-                      float(tokens / steps), float(drafted_total / steps), float(seconds / steps),
-                      float(ar_seconds / seconds))
+                k = min(k + HEURISTIC_GROWTH, largest_draft) if accepted == drafted else max(1, k - HEURISTIC_SHRINK)
+        yield chain, steps
 
 
 def _drafted(chain: DraftChainTrace, position: int, room: int, p_min: float) -> int:
@@ -177,13 +196,16 @@ def chain_setting_prices(chains: list[DraftChainTrace], decoding_lengths: set[in
 
 
 def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, largest_batch: int, max_depth: int,
-                   context: int | None = None, prefill_per_token: float = 0.0, min_speedup: float = MIN_SPEEDUP
-                   ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+                   context: int | None = None, prefill_per_token: float = 0.0, min_speedup: float = MIN_SPEEDUP,
+                   knobs: ChainKnobs | None = None) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """The draft length per batch size of a draft model's chain, the table vLLM (num_speculative_tokens_per_batch_size)
     and TensorRT-LLM (draft_len_schedule) take: at each B, every K = 0..max_depth priced on the profile's batched
     step t(B, K + 1) + o(K + 1, B) plus K batched draft steps, its tokens per step the exact T = 0 replay of a fixed
     K over the chain traces; the K with the most output tokens/s over the batch if at least `min_speedup` times K = 0's
     (else 0: off), ranges of equal K merged.
+    With llama-server's `knobs` (its n-min and p-min; the draft length each K), each K is replayed under them and a
+    step priced as the replayed steps' mix of rows and draft decodes over the batch's slots (`mean_ragged_step`): a
+    p-min ends drafts early and an n-min drops short ones, so llama-server's slots draft unequal lengths.
     Also every K's predicted tokens/s per batch size 1, 2, ... ({"off": [...], "K=2": [...]}; None: not priced).
     `prefill_per_token`: the draft's prompt prefill spread over the tokens a sequence emits (the Sequoia solver's
     prompt_prefill_per_token), paid by each drafting sequence.
@@ -195,6 +217,20 @@ def chain_schedule(chains: list[DraftChainTrace], profile: LatencyProfile, large
         spans = [chain.prompt_tokens + len(chain.match) / 2 for chain in chains if chain.prompt_tokens is not None]
         context = int(round(float(np.mean(spans)))) if spans else min(profile.target_batches)
     largest = min(largest_batch, max(profile.batch_sizes), profile.largest_fitting_batch(context) or largest_batch)
-    prices = {d: replace(price, host_seconds=price.tokens_per_step * prefill_per_token)
-              for d, price in chain_setting_prices(chains, set(range(2, max_depth + 2))).items()}
-    return schedule_table(prices, profile, largest, context, "sequoia", min_speedup)
+    lengths = set(range(2, max_depth + 2))
+    if knobs is None:
+        prices = {d: replace(price, host_seconds=price.tokens_per_step * prefill_per_token)
+                  for d, price in chain_setting_prices(chains, lengths).items()}
+        return schedule_table(prices, profile, largest, context, "sequoia", min_speedup)
+    steps, prices = {}, {}
+    for d in sorted(lengths):
+        k = d - 1
+        per_step, steps[d] = replayed_steps(chains, replace(knobs, draft_max=k, draft_min=min(knobs.draft_min, k)))
+        prices[d] = SettingPrice(per_step, rows=d, draft_levels=k, draft_model=True,
+                                 host_seconds=per_step * prefill_per_token)
+    rng = np.random.default_rng(0)
+
+    def mean_step(batch: int, length: int, price: SettingPrice) -> float:
+        return mean_ragged_step(profile, steps[length], batch, price, context, rng)
+
+    return schedule_table(prices, profile, largest, context, "sequoia", min_speedup, mean_step)

@@ -33,7 +33,6 @@ llama.cpp's forward), so
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -54,7 +53,7 @@ from specplan.core.model_names import same_model
 from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
-from specplan.planner.closed_loop import SettingPrice, schedule_table, step_seconds
+from specplan.planner.closed_loop import SettingPrice, mean_ragged_step, schedule_table
 from specplan.planner.engines import HF_CANDIDATES, Source
 from specplan.planner.sglang_ngram import SGLANG_TRIE, SGLANG_WORKER, NgramTreeProposer
 
@@ -283,8 +282,6 @@ def _grid_knobs(grid: list[PromptLookupSettings | NgramTreeSettings]) -> dict[st
 
 
 # the engines whose n-gram drafting a plan schedules per batch size (llama-server: exported at the concurrency stated)
-# and the random batches of replayed steps each batch size's step is priced over (its mean within about 1%)
-BATCH_DRAWS = 512
 SCHEDULED_LOOKUPS = ("llama-server",)
 
 
@@ -372,34 +369,23 @@ def solve_prompt_lookup(acceptance_path: str | Path, profile_path: str | Path | 
     return plan, candidates
 
 
-def ragged_step_seconds(profile: LatencyProfile, drafts: tuple[int, ...], price: SettingPrice, context: int) -> float:
-    """llama-server's step of one sequence per entry of `drafts` (the tokens each drafted): the sum of the steps of
-    each group of sequences with equal rows, as if each group ran its own forward. Timed with some slots drafting
-    beside plain ones (docs/benchmark-log.md, "llama-server's ragged steps"), such a step costs about that sum, far
-    above t(B, n) of the batch's mean rows, which priced drafts that then lost to no drafting."""
-    return sum(step_seconds(profile, slots, replace(price, rows=1.0 + draft), [context])
-               for draft, slots in Counter(drafts).items())
-
-
 def lookup_schedule(replays: list[LookupReplay], profile: LatencyProfile, largest_batch: int,
                     min_speedup: float = MIN_SPEEDUP) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """The draft length per batch size of one n-gram rule's `replays` (one per draft length, none longer than the
     batch-1 setting's, as vLLM clamps its table to num_speculative_tokens): at each B, each length's replayed tokens
     per step over its mean step price at the replays' mean context (`schedule_table`). An n-gram drafts only where it
-    matches, so a batch's sequences draft unequal lengths: a step is priced as `ragged_step_seconds`, over the
-    replay's steps themselves at B = 1 and over BATCH_DRAWS batches of B of them drawn at random beyond."""
+    matches, so a batch's sequences draft unequal lengths: a step is priced as its groups of equal rows
+    (planner/closed_loop.py: mean_ragged_step)."""
     if not profile.target_batches:
         raise UserError("a schedule per batch size needs a profile with --batches (t(B, n))")
     context = int(round(float(np.mean(np.concatenate([r.step_contexts for r in replays])))))
     largest = min(largest_batch, max(profile.batch_sizes))
-    drafted = {r.settings.num_tokens + 1: r.step_drafts for r in replays}
+    steps = {r.settings.num_tokens + 1: np.stack([1 + r.step_drafts, np.zeros_like(r.step_drafts)], axis=1)
+             for r in replays}  # each step's target rows; an n-gram makes no draft decodes
     rng = np.random.default_rng(0)
 
     def mean_step(batch: int, length: int, price: SettingPrice) -> float:
-        drafts = drafted[length][:, None] if batch == 1 else rng.choice(drafted[length], (BATCH_DRAWS, batch))
-        mixes = Counter(tuple(sorted(row)) for row in drafts.tolist())
-        return sum(count * ragged_step_seconds(profile, mix, price, context)
-                   for mix, count in mixes.items()) / len(drafts)
+        return mean_ragged_step(profile, steps[length], batch, price, context, rng)
 
     prices = {r.settings.num_tokens + 1: SettingPrice(r.tokens_per_step) for r in replays}
     return schedule_table(prices, profile, largest, context, "prompt-lookup", min_speedup, mean_step)

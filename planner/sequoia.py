@@ -45,7 +45,7 @@ from specplan.core.model_names import same_model
 from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, TokenTree
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
-from specplan.planner.draft_chain import CHAIN_KNOB_ENGINES, best_knobs, chain_schedule
+from specplan.planner.draft_chain import CHAIN_KNOB_ENGINES, ChainKnobs, best_knobs, chain_schedule
 from specplan.planner.engines import EngineRules, engine_rules
 
 NEG_INF = -np.inf
@@ -693,15 +693,21 @@ def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptanc
         raise UserError("--batches replays the acceptance file's chain traces, recorded at temperature 0")
     largest_depth = min(max_depth, rules.max_draft_tokens or max_depth)
     prefill = prompt_prefill_per_token(acceptance, profile) or 0.0
-    tables = [chain_schedule(acceptance.chains, profile, batches, largest_depth, at, prefill, min_speedup)
+    knobs = None  # llama-server's n-min and p-min, which its export sets beside each concurrency's draft length
+    if plan.engine == "llama.cpp" and isinstance(plan.solver.get("chain_knobs"), dict):
+        best = plan.solver["chain_knobs"]["best"]
+        knobs = ChainKnobs("llama.cpp", best["draft_max"], best["draft_min"], best["p_min"])
+    tables = [chain_schedule(acceptance.chains, profile, batches, largest_depth, at, prefill, min_speedup, knobs)
               for at in (sorted(contexts) or [context])]
     schedule, rates = BatchSchedule.by_context([table for table, _ in tables]), tables[0][1]
     drafted = max(entry.nodes(gated=True) - 1 for table in schedule.tables for entry in table.entries)
     if drafted > plan.tree.depth:
         plan.tree = TokenTree.from_parents(list(range(-1, drafted)))
     plan.schedule = schedule
+    replayed = ("" if knobs is None else f" with llama-server's n-min {knobs.draft_min} and p-min {knobs.p_min}, a "
+                "step priced as its slots' mix of rows and draft decodes")
     plan.solver["schedule"] = {"algorithm": "the most output tokens/s over the batch at every batch size, each draft "
-                                            "length replayed over the chain traces",
+                                            f"length replayed over the chain traces{replayed}",
                                "min_speedup": min_speedup, "tokens_per_second": rates,
                                "largest_fitting_batch": profile.largest_fitting_batch(schedule.context)}
 

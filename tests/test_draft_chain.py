@@ -17,7 +17,7 @@ from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.decoder.drafters import SequoiaDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.sampling import SamplingParams
-from specplan.planner.draft_chain import ChainKnobs, draft_work, replay
+from specplan.planner.draft_chain import ChainKnobs, chain_schedule, draft_work, replay, replayed_steps
 from specplan.planner.export import export_plan, import_tree
 from specplan.planner.sequoia import SequoiaTables, rank_candidates
 from specplan.profiler.acceptance import measure_sequoia
@@ -25,6 +25,8 @@ from specplan.profiler.acceptance import measure_sequoia
 from toy import VOCAB, toy_model
 
 PROFILE = "profiles/qwen2.5-coder-1.5b+0.5b.cpu-2c.bf16.yaml"  # no draft vocabulary limit
+LLAMA_SERVER_PROFILE = "profiles/qwen2.5-coder-1.5b+0.5b.llama-server.cpu-2c-zen3.gguf.batched.yaml"  # its draft's work
+BATCHED_PROFILE = "profiles/qwen2.5-coder-1.5b+0.5b.cpu-2c.gguf.batched.yaml"  # our forward, our draft's batched steps
 UNIT_COSTS = np.ones(64)  # every forward one unit, drafts free: the replay's speedup is tokens per step
 
 
@@ -67,6 +69,32 @@ def test_llama_server_stops_before_the_token_below_its_p_min():
     knobs = ChainKnobs("llama.cpp", 4, draft_min=3, p_min=0.5)
     replayed = replay([chain], knobs, FREE_DRAFTS, UNIT_COSTS)
     assert replayed.tokens_per_step == 8 / 4
+
+
+def test_the_replayed_steps_are_the_replays_rows_and_draft_decodes():
+    chain = trace("11011111", [0.9, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9])
+    # as above, p_min 0.5: 1 drafted (2 decodes: the refused candidate's too), 2 rows; then 4 drafted, 5 rows, twice
+    per_step, steps = replayed_steps([chain], ChainKnobs("llama.cpp", 4, p_min=0.5))
+    assert per_step == 8 / 3 and steps.tolist() == [[2, 2], [5, 4], [5, 4]]
+
+
+@pytest.mark.parametrize("profile_path", [LLAMA_SERVER_PROFILE, BATCHED_PROFILE])
+def test_a_llama_server_chain_schedule_prices_the_knobs_its_export_sets(profile_path):
+    """llama-server's export sets the batch-1 setting's n-min and p-min beside each concurrency's draft length; the
+    schedule prices exactly that: at one slot each K's rate is the replay's of those knobs (on llama-server's measured
+    draft work, or our draft's steps and one more for its re-decoding), and its rows and draft decodes vary from step
+    to step (a p-min ends a draft before a doubtful token), so a batch's slots draft unequal lengths, priced as groups
+    (planner/closed_loop.py: mean_ragged_step)."""
+    profile = load_profile(profile_path, ("llama-server", "lean"))
+    match = np.array([i % 8 != 7 for i in range(64)])
+    chains = [DraftChainTrace(np.roll(match, shift), np.where(np.roll(match, shift), 0.9, 0.3)) for shift in range(4)]
+    _, rates = chain_schedule(chains, profile, 4, 4, context=512, knobs=ChainKnobs("llama.cpp", 4, p_min=0.5))
+    forward = np.zeros(6)
+    forward[1:] = profile.step_seconds(np.arange(1, 6), 512)
+    for k in range(1, 5):
+        alone = replay(chains, ChainKnobs("llama.cpp", k, p_min=0.5), draft_work("llama.cpp", profile, 512), forward)
+        assert rates[f"K={k}"][0] == pytest.approx(alone.tokens_per_step / alone.step_seconds, rel=1e-9)
+    assert len({tuple(step) for step in replayed_steps(chains, ChainKnobs("llama.cpp", 4, p_min=0.5))[1]}) > 1
 
 
 def test_draft_cost_counts_every_draft_decode():

@@ -1,19 +1,20 @@
-"""llama-server's own steps (specplan/server_profile.py) and the n-gram plans priced on them."""
+"""llama-server's own steps (specplan/server_profile.py) and the plans priced on them (n-grams, a draft's chains)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import yaml
 
 from specplan.core.plan_schema import load_plan
 from specplan.core.profile_schema import load_profile
-from specplan.planner.closed_loop import SettingPrice, step_seconds
-from specplan.planner.prompt_lookup import ragged_step_seconds
+from specplan.planner.closed_loop import SettingPrice, mean_ragged_step, ragged_step_seconds, step_seconds
 from specplan.server_profile import cycle_prompt, passage_cycle
 
 from toy import one_error
 
 BATCHED_PROFILE = "profiles/smollm2-135m.cpu-2c-avx2.fp32.batched.yaml"
+DRAFTED_PROFILE = "profiles/qwen2.5-coder-1.5b+0.5b.llama-server.cpu-2c-zen3.gguf.batched.yaml"  # its draft's work
 DRAFTED_STEP_COST = 1.5  # a made-up engine whose drafted rows cost half as much again as ours
 
 
@@ -70,18 +71,49 @@ def test_a_llama_server_profile_prices_llama_servers_lookup_and_no_other(few_out
 
 def test_a_llama_server_step_of_unequal_drafts_costs_each_groups_forward():
     """A step where one slot verifies 5 rows beside 3 plain slots costs what the two groups cost apart (as timed in
-    llama-server), more than t(4, 2) of their mean rows; equal drafts are one group."""
+    llama-server), more than t(4, 2) of their mean rows; equal drafts are one group. A draft model's work is batched
+    over the slots: every slot's verified rows re-decoded, then one decode per draft position of the slots drafting
+    that far, each a decode's share (the slope) of the measured work at that many slots."""
     profile = load_profile(BATCHED_PROFILE)
     price = SettingPrice(1.2)
 
     def step(batch: int, rows: float) -> float:
         return step_seconds(profile, batch, SettingPrice(1.2, rows=rows), [512])
 
-    ragged = ragged_step_seconds(profile, (0, 0, 4, 0), price, 512)
+    ragged = ragged_step_seconds(profile, ((1, 0), (1, 0), (5, 0), (1, 0)), price, 512)
     assert ragged == pytest.approx(step(3, 1.0) + step(1, 5.0))
     assert ragged > step(4, 2.0)
-    assert ragged_step_seconds(profile, (2, 2), price, 512) == pytest.approx(step(2, 3.0))
-    assert ragged_step_seconds(profile, (0,), price, 512) == pytest.approx(step(1, 1.0))
+    assert ragged_step_seconds(profile, ((3, 0), (3, 0)), price, 512) == pytest.approx(step(2, 3.0))
+    assert ragged_step_seconds(profile, ((1, 0),), price, 512) == pytest.approx(step(1, 1.0))
+    chained = load_profile(DRAFTED_PROFILE, ("llama-server",))
+    drafting = SettingPrice(1.5, draft_model=True)
+
+    def target(batch: int, rows: float) -> float:
+        return step_seconds(chained, batch, SettingPrice(1.5, rows=rows), [512])
+
+    def decode(batch: int) -> float:
+        return chained.draft_chain_seconds(batch, 1, 512) - chained.draft_chain_seconds(batch, 0, 512)
+
+    mixed = ragged_step_seconds(chained, ((3, 2), (1, 1), (3, 2), (1, 0)), drafting, 512)
+    assert mixed == pytest.approx(target(2, 3.0) + target(2, 1.0) + chained.draft_chain_seconds(4, 0, 512)
+                                  + decode(3) + decode(2))
+    alike = ragged_step_seconds(chained, ((3, 2),) * 4, drafting, 512)
+    assert alike == pytest.approx(target(4, 3.0) + chained.draft_chain_seconds(4, 2, 512))
+
+
+def test_a_batch_of_replayed_steps_is_priced_over_its_draws():
+    """Slots each at a replayed step drawn at random: at B = 2 over two kinds of steps, each pairing in proportion
+    (1/4, 1/2, 1/4) within the draws' noise; at B = 1 the steps' own mean."""
+    profile = load_profile(DRAFTED_PROFILE, ("llama-server",))
+    price = SettingPrice(1.5, draft_model=True)
+    steps = np.array([[1, 1], [4, 3]])
+    rng = np.random.default_rng(0)
+    alone = [ragged_step_seconds(profile, (tuple(step),), price, 512) for step in steps.tolist()]
+    assert mean_ragged_step(profile, steps, 1, price, 512, rng) == pytest.approx(np.mean(alone))
+    pairs = [ragged_step_seconds(profile, mix, price, 512) for mix in (((1, 1), (1, 1)), ((1, 1), (4, 3)),
+                                                                         ((4, 3), (4, 3)))]
+    expected = 0.25 * pairs[0] + 0.5 * pairs[1] + 0.25 * pairs[2]
+    assert mean_ragged_step(profile, steps, 2, price, 512, rng) == pytest.approx(expected, rel=0.05)
 
 
 @pytest.mark.slow
