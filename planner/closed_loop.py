@@ -16,6 +16,7 @@ as their requests' output lengths differ); the prefills are the profile's `targe
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter, deque
 from collections.abc import Callable
@@ -184,24 +185,7 @@ def ragged_step_seconds(profile: LatencyProfile, slots: tuple[tuple[int, int], .
     per batch size a line in the decodes, its slope a decode's; else one batched draft step each). Timed with some
     slots drafting beside plain ones (docs/benchmark-log.md, "llama-server's ragged steps"), the target's step costs
     about that sum, far above t(B, n) of the batch's mean rows, which priced drafts that then lost to no drafting."""
-    seconds = sum(step_seconds(profile, count, replace(price, rows=float(rows), draft_levels=0.0), [context])
-                  for rows, count in Counter(rows for rows, _ in slots).items())
-    if not price.draft_model:
-        return seconds
-    decodes = np.array([decodes for _, decodes in slots])
-    # every slot's verified rows re-decoded: inside the measured work's intercept, else one more batched draft step
-    seconds += _draft_work(profile, len(slots), 0 if profile.draft_chains else 1, context)
-    for position in range(1, int(decodes.max(initial=0)) + 1):  # one batched decode of the slots drafting this far
-        drafting = int((decodes >= position).sum())
-        seconds += _draft_work(profile, drafting, 1, context) - _draft_work(profile, drafting, 0, context)
-    return seconds
-
-
-def _draft_work(profile: LatencyProfile, batch: int, decodes: int, context: int) -> float:
-    work = profile.draft_chain_seconds(batch, decodes, context)
-    if work is None:
-        raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
-    return work
+    return _RaggedPrices(profile, price, context).step(slots)
 
 
 def mean_ragged_step(profile: LatencyProfile, steps: np.ndarray, batch: int, price: SettingPrice, context: int,
@@ -211,7 +195,39 @@ def mean_ragged_step(profile: LatencyProfile, steps: np.ndarray, batch: int, pri
     drawn at random beyond."""
     draws = steps[:, None] if batch == 1 else steps[rng.choice(len(steps), (BATCH_DRAWS, batch))]
     mixes = Counter(tuple(sorted(map(tuple, draw))) for draw in draws.tolist())
-    return sum(count * ragged_step_seconds(profile, mix, price, context) for mix, count in mixes.items()) / len(draws)
+    prices = _RaggedPrices(profile, price, context)
+    return sum(count * prices.step(mix) for mix, count in mixes.items()) / len(draws)
+
+
+class _RaggedPrices:
+    """`ragged_step_seconds` under one setting, each group's price computed once (a batch size's draws repeat them)."""
+
+    def __init__(self, profile: LatencyProfile, price: SettingPrice, context: int) -> None:
+        self.profile, self.price, self.context = profile, price, context
+        self.group = functools.cache(self._group)
+        self.draft = functools.cache(self._draft)
+
+    def step(self, slots: tuple[tuple[int, int], ...]) -> float:
+        seconds = sum(self.group(count, rows) for rows, count in Counter(rows for rows, _ in slots).items())
+        if not self.price.draft_model:
+            return seconds
+        decodes = np.array([decodes for _, decodes in slots])
+        # every slot's verified rows re-decoded: inside the measured work's intercept, else one more batched draft step
+        seconds += self.draft(len(slots), 0 if self.profile.draft_chains else 1)
+        for position in range(1, int(decodes.max(initial=0)) + 1):  # one batched decode of the slots drafting so far
+            drafting = int((decodes >= position).sum())
+            seconds += self.draft(drafting, 1) - self.draft(drafting, 0)
+        return seconds
+
+    def _group(self, count: int, rows: int) -> float:
+        return step_seconds(self.profile, count, replace(self.price, rows=float(rows), draft_levels=0.0),
+                            [self.context])
+
+    def _draft(self, batch: int, decodes: int) -> float:
+        work = self.profile.draft_chain_seconds(batch, decodes, self.context)
+        if work is None:
+            raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
+        return work
 
 
 def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, largest: int, context: int,
