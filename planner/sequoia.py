@@ -655,8 +655,9 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
         steps, topk, draft_tokens = tables.settings(ranked[0].size, ranked[0].depth)
         plan.solver["algorithm"] = "SGLang's dynamic-tree selection over (num_steps, topk, num_draft_tokens)"
         plan.solver["sglang"] = {"num_steps": steps, "topk": topk, "num_draft_tokens": draft_tokens}
+    knobs = None  # the engine's own knobs, where it has them
     if engine in CHAIN_KNOB_ENGINES and acceptance.chains and profile is not None:
-        _use_chain_knobs(plan, engine, acceptance, profile, max_depth, context)
+        knobs = _use_chain_knobs(plan, engine, acceptance, profile, max_depth, context)
     if engine != "specplan":
         free_tables = SequoiaTables(acceptance.positional, max_size, max_depth)
         free = rank_candidates(free_tables, profile, context, prefill_per_token=prefill or 0.0)
@@ -667,7 +668,8 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
                                  "sources": [str(source) for source in rules.sources],
                                  "unconstrained": asdict(unconstrained)}
     if batches is not None:
-        _schedule_chain(plan, rules, acceptance, profile, batches, max_depth, context, schedule_contexts, min_speedup)
+        _schedule_chain(plan, rules, acceptance, profile, batches, max_depth, context, schedule_contexts, min_speedup,
+                        knobs if engine == "llama.cpp" else None)
     elif schedule_contexts:
         raise UserError("--contexts prices a schedule per batch size at each context: it goes with --batches")
     if output_tokens is not None:
@@ -680,10 +682,11 @@ def solve_sequoia(acceptance_path: str | Path, max_size: int, max_depth: int, pr
 
 def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptance, profile: LatencyProfile | None,
                     batches: int, max_depth: int, context: int | None, contexts: tuple[int, ...],
-                    min_speedup: float) -> None:
+                    min_speedup: float, knobs: ChainKnobs | None) -> None:
     """The chain's draft length per batch size (planner/draft_chain.py: chain_schedule), one table per context of
     `contexts` if given; the plan's chain grows to the longest the schedule drafts (an off entry's candidate included),
-    its batch-1 prediction kept."""
+    its batch-1 prediction kept. `knobs`: llama-server's batch-1 setting, whose n-min and p-min its export sets beside
+    each concurrency's draft length (priced so: planner/draft_chain.py, chain_schedule)."""
     if rules.shape != "chain":
         raise UserError("--batches schedules a draft model's chain, the table vLLM and TensorRT-LLM take: solve with "
                         "--engine vllm, trtllm-draft or llama.cpp")
@@ -693,10 +696,6 @@ def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptanc
         raise UserError("--batches replays the acceptance file's chain traces, recorded at temperature 0")
     largest_depth = min(max_depth, rules.max_draft_tokens or max_depth)
     prefill = prompt_prefill_per_token(acceptance, profile) or 0.0
-    knobs = None  # llama-server's n-min and p-min, which its export sets beside each concurrency's draft length
-    if plan.engine == "llama.cpp" and isinstance(plan.solver.get("chain_knobs"), dict):
-        best = plan.solver["chain_knobs"]["best"]
-        knobs = ChainKnobs("llama.cpp", best["draft_max"], best["draft_min"], best["p_min"])
     tables = [chain_schedule(acceptance.chains, profile, batches, largest_depth, at, prefill, min_speedup, knobs)
               for at in (sorted(contexts) or [context])]
     schedule, rates = BatchSchedule.by_context([table for table, _ in tables]), tables[0][1]
@@ -713,10 +712,11 @@ def _schedule_chain(plan: Plan, rules: EngineRules, acceptance: SequoiaAcceptanc
 
 
 def _use_chain_knobs(plan: Plan, engine: str, acceptance: SequoiaAcceptance, profile: LatencyProfile,
-                     max_depth: int, context: int | None) -> None:
+                     max_depth: int, context: int | None) -> ChainKnobs:
     """Replace the chain DP's choice by the engine's own knobs replayed over the chain traces (planner/draft_chain.py):
     the plan's chain is the draft length, its prediction the replay's; where no setting is predicted faster than
-    one-token decoding, the plan drafts nothing (and records the best setting, which `plan bench` still runs)."""
+    one-token decoding, the plan drafts nothing (and records the best setting, which `plan bench` still runs).
+    Returns that best setting."""
     ranked = best_knobs(engine, acceptance.chains, profile, max_depth, context)
     best = ranked[0]
     enabled = bool(best.speedup > 1.0)
@@ -727,11 +727,12 @@ def _use_chain_knobs(plan: Plan, engine: str, acceptance: SequoiaAcceptance, pro
         plan.tree = TokenTree.from_parents([-1])
         step = float(profile.step_seconds(1, context))
         plan.prediction = Prediction(1.0, 1.0, step, 1.0 / step, latency_source=profile.source)
-        return
+        return best
     plan.tree = TokenTree.from_parents(list(range(-1, best.draft_max)))
     plan.prediction = Prediction(best.tokens_per_step, best.speedup, best.step_seconds,
                                  best.tokens_per_step / best.step_seconds, latency_source=profile.source,
                                  replay_exact=True)
+    return best
 
 
 def _models(acceptance: SequoiaAcceptance, profile: LatencyProfile | None, files: str,
