@@ -19,7 +19,7 @@
 #                                                   within 540 s: batched graphs' tests and t(B, n) of an 8B
 #                                                   shape (issue 50), the offload items (52), then test_cuda)
 set -u
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
+export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
 OUT=${OUT:-/tmp/gpu-out}
 LOG="$OUT/session-$1.log"
 mkdir -p "$OUT" /tmp/models /tmp/halves "$SPECPLAN_CACHE/gguf"

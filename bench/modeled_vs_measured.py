@@ -22,6 +22,7 @@ from specplan.profiler.calibration import config_of, fit, read_measured
 from specplan.profiler.latency import ProfileRequest, run_profile
 from specplan.profiler.validation import (
     SUPERSEDED,
+    batched_steps,
     calibration_without,
     data_key,
     leave_one_out,
@@ -46,6 +47,25 @@ def print_published() -> None:
     for what, gpu_name, dtype, mode, ms, modeled, source in published():
         print(f"| {what} | {gpu_name}, {dtype}, {mode} | {ms:.2f} ms | {modeled:.2f} ms | {modeled / ms - 1:+.0%} | "
               f"{source} |")
+
+
+def print_batched(paths: list[str]) -> None:
+    """Measured steps of B sequences against the model with its defaults (fitted to single-sequence H100 steps)."""
+    for path in paths:
+        steps = batched_steps(path)
+        if not steps:
+            continue
+        sizes = sorted({step.n for step in steps})
+        print(f"\n{Path(path).name}: t(B, n) measured / modeled, ms (the defaults' fit saw no batched step)\n")
+        print("| L | B | " + " | ".join(f"n = {n}" for n in sizes) + " |")
+        print("|---|---|" + "---|" * len(sizes))
+        cells = {(step.context, step.batch, step.n): step for step in steps}
+        for context, batch in sorted({(step.context, step.batch) for step in steps}):
+            row = [cells.get((context, batch, n)) for n in sizes]
+            print(f"| {context} | {batch} | " + " | ".join(
+                "" if step is None else f"{step.measured * 1e3:.1f} / {step.modeled * 1e3:.1f}" for step in row) + " |")
+        errors = sorted(abs(step.error) for step in steps)
+        print(f"\n{len(steps)} steps: median |error| {errors[len(errors) // 2]:.1%}, worst {errors[-1]:.1%}")
 
 
 # Decision quality on the H100 data: the plan solved on the modeled profile (calibrated without the measured one),
@@ -122,6 +142,7 @@ def main() -> None:
     print("".join(f"left out: {path}, {why}\n" for path, why in SUPERSEDED.items()))
     print_leave_one_out(paths, args.hold_out)
     print_published()
+    print_batched(paths)
     decisions(paths)
 
 

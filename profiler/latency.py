@@ -90,6 +90,7 @@ class ProfileRequest:
     host_link: str | None = None  # the modeled GPUs' link to host memory (default: the catalogue GPU's own)
     resident: str = "fill"  # fill: keep on the device what fits; none: stream every layer or cached token
     row_totals: int = 0  # also time the target's forward of one sequence at every n up to this (priced ragged steps)
+    engine: str = "specplan"  # whose execution a modeled GPU runs: ours, or vllm's (a batch's attention in one call)
 
     @property
     def target_sizes(self) -> list[int]:
@@ -118,6 +119,8 @@ def run_profile(request: ProfileRequest, output: Path, resume: bool = False,
             torch_dtype(dtype)
     if request.row_totals and (modeled_gpu or request.gpu == "cpu"):
         raise UserError("--row-totals times forwards at every number of rows: it measures the machine at hand")
+    if request.engine == "vllm" and not modeled_gpu:
+        raise UserError("--engine vllm models vLLM's execution on a GPU not at hand: it needs --gpu NAME")
     if request.calibrate and not modeled_gpu:
         raise UserError("--calibrate fits the cost model of a GPU not at hand: it needs --gpu NAME")
     if not request.sizes or min(request.sizes) < 1 or 1 not in request.sizes:
@@ -717,7 +720,8 @@ def _model_gpu(request: ProfileRequest, log) -> dict:
 
     def seconds(role: str, n: int, context: int, batch: int = 1) -> float:
         model = models[role]
-        chip = roofline.gpu_forward_seconds(model.cost, gpu, parameters, n, context, mode, batch=batch)
+        chip = roofline.gpu_forward_seconds(model.cost, gpu, parameters, n, context, mode, batch=batch,
+                                            sequence_kernels=request.engine != "vllm")
         allreduce = setup.allreduce_seconds(batch * n, model.shape.hidden, model.spec.dtype)
         return setup.forward_seconds(chip, model.shape.layers, allreduce, placement(role, context, batch, n))
 
@@ -762,6 +766,8 @@ def _model_gpu(request: ProfileRequest, log) -> dict:
                                                      calibration.engine_overhead else roofline.DEFAULT_ENGINE_OVERHEAD)
     document["target"]["engine_overhead_context"] = min(request.contexts)
     document["settings"] = {"model": "GPU cost model (profiler/roofline.py, profiler/offload.py)", "execution": mode,
+                            "engine": ("vllm: a batch's attention in one call per layer" if request.engine == "vllm"
+                                       else "specplan: each sequence's cache writes and attention apart"),
                             "parameters": parameters.as_dict(),
                             "calibration": calibration.record() if calibration else "catalogue defaults"}
     document["backend"] = "compiled" if mode == "compiled" else "lean"

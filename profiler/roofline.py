@@ -18,6 +18,9 @@ as a CUDA graph), costs the sum of these terms:
   fuses the elementwise operators: COMPILED_KERNEL_FRACTION of them remain) and `eager` (no graphs: the host
   dispatches each operator in eager_op_seconds while the GPU runs the earlier ones, so t = max(that, the sum
   above)). Each kernel lasts at least floor(n): a 135M model on an H100 is bound by this (1,330 kernels, 3 ms).
+  A step of B sequences (t(B, n)) in this decoder runs each sequence's cache writes and attention apart, so its
+  kernels are counted from a batched forward (profiler/operators.py: OperatorCounts); an engine whose attention
+  takes the batch in one call per layer (vLLM: `plan profile --engine vllm`) launches one sequence's.
 - gemm_floor_seconds: a matmul of two rows or more runs a GEMM kernel instead of a GEMV, which costs about a fixed
   time more whatever its size (measured: t(2) - t(1) is about 8 us per fp32 matmul and 3.7 us per bf16 one, for
   smollm2-135m and qwen2.5-coder-1.5b alike); one parameter per bucket of rows and dtype class, as the library
@@ -65,6 +68,7 @@ from dataclasses import dataclass, fields
 
 from specplan.core.errors import UserError
 from specplan.decoder.model import ModelShape, cuda_grouped_attention
+from specplan.profiler.operators import OperatorCounts
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 TILE_ROWS, TILE_COLUMNS = 32, 128  # a typical cuBLAS/CUTLASS tile for skinny GEMMs: sets how many SMs n rows fill
@@ -260,21 +264,25 @@ class GpuModelCost:
     heads: int  # query heads per layer
     head_dim: int
     dtype: str
-    operators: dict[str, int]  # kernels per forward by attention path: single, grouped, masked
+    operators: OperatorCounts  # kernels per forward by attention path (single, grouped, masked), alone and batched
 
     def attention_path(self, n: int, context: int) -> str:
         if n == 1:
             return "single"
         return "grouped" if cuda_grouped_attention(n, context + n, self.dtype == "fp32") else "masked"
 
-    def kernels(self, n: int, context: int, mode: str) -> float:
+    def kernels(self, n: int, context: int, mode: str, batch: int = 1, sequence_kernels: bool = True) -> float:
+        """Kernels of a step of `batch` sequences: in this decoder each further sequence adds its cache writes and
+        attention (`sequence_kernels`); an engine whose attention takes the batch in one call adds none."""
         path = self.attention_path(n, context)
-        count = self.operators[path] + (self.layers * SDPA_KERNELS[dtype_class(self.dtype)] if path != "grouped"
-                                        else 0)
+        sdpa = self.layers * SDPA_KERNELS[dtype_class(self.dtype)] if path != "grouped" else 0
+        if not sequence_kernels:
+            batch = 1
+        count = self.operators.batched(path, batch) + batch * sdpa
         return count * COMPILED_KERNEL_FRACTION[dtype_class(self.dtype)] if mode == "compiled" else count
 
 
-def gpu_model_cost(shape: ModelShape, intermediate: int, dtype: str, operators: dict[str, int],
+def gpu_model_cost(shape: ModelShape, intermediate: int, dtype: str, operators: OperatorCounts,
                    output_rows: int | None = None) -> GpuModelCost:
     """`output_rows`: rows of the output matrix a forward reads (a draft with a limited vocabulary)."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -282,12 +290,11 @@ def gpu_model_cost(shape: ModelShape, intermediate: int, dtype: str, operators: 
     gemms = ((layers, shape.hidden, q + 2 * kv), (layers, q, shape.hidden), (layers, shape.hidden, 2 * intermediate),
              (layers, intermediate, shape.hidden), (1, shape.hidden, output_rows or shape.vocab))
     return GpuModelCost(layers, gemms, 2 * layers * kv * BYTES_PER_ELEMENT[dtype], layers * q, shape.heads,
-                        shape.head_dim, dtype,
-                        operators)
+                        shape.head_dim, dtype, operators)
 
 
 def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, n: int, context: int,
-                        mode: str = "graphs", batch: int = 1) -> float:
+                        mode: str = "graphs", batch: int = 1, sequence_kernels: bool = True) -> float:
     """t(n) at `context` cached tokens (the module docstring's formula); with `batch` > 1, t(B, n): a step of B
     sequences of n new tokens each, every sequence over its own `context` cached tokens. The weights are read once
     for the step, the GEMMs compute B x n rows, and attention reads and scores each sequence's own keys."""
@@ -296,7 +303,7 @@ def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, 
     kind = dtype_class(cost.dtype)
     bandwidth = gpu.bandwidth_gb_s * 1e9 * p.bandwidth_efficiency
     peak = gpu.tflops[cost.dtype] * 1e12 * p.gemm_efficiency(kind, batch * n)
-    kernels = cost.kernels(n, context, mode)
+    kernels = cost.kernels(n, context, mode, batch, sequence_kernels)
     gemm_kernels = sum(count for count, _, _ in cost.gemms)
     rows_in_step = batch * n
     kernel_floor = p.op_seconds + p.op_row_seconds * rows_in_step

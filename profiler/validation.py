@@ -98,6 +98,36 @@ def leave_one_out(paths: list[str], hold_out: str = "profile") -> list[HeldOut]:
     return rows
 
 
+@dataclass(frozen=True)
+class BatchedStep:
+    """One measured step of B sequences, n new tokens each, over `context` cached tokens, against the model."""
+
+    profile: str
+    context: int
+    batch: int
+    n: int
+    measured: float
+    modeled: float
+
+    @property
+    def error(self) -> float:
+        return self.modeled / self.measured - 1
+
+
+def batched_steps(path: str, parameters: roofline.GpuParameters = roofline.DEFAULT_PARAMETERS
+                  ) -> list[BatchedStep]:
+    """Each batched step (B > 1) a measured profile timed, priced by the model with `parameters` (by default the
+    catalogue's, fitted to single-sequence H100 profiles: a profile of another GPU is held out entirely)."""
+    measured = read_measured(path)
+    profile = load_profile(path)
+    gpu, cost = roofline.CATALOGUE[measured.gpu], measured.costs["target"]
+    return [BatchedStep(Path(path).name, context, batch, n, seconds,
+                        roofline.gpu_forward_seconds(cost, gpu, parameters, n, context, measured.mode, batch))
+            for context, batches in sorted(profile.target_batches.items())
+            for batch, curve in sorted(batches.items()) if batch > 1
+            for n, seconds in sorted(curve.items())]
+
+
 # Published single-stream decode latencies: (what, GPU, dtype, execution, config, context, ms per token, source)
 LLAMA2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
                  num_key_value_heads=32, num_hidden_layers=32, vocab_size=32000, max_position_embeddings=4096)

@@ -252,9 +252,11 @@ def _int_list(text: str | None) -> list[int] | None:
 @click.option("--quick", is_flag=True, help="fewer sizes and repeats")
 @click.option("--resume", is_flag=True, help="go on from the timing passes an interrupted run completed")
 @_backend_option("auto")
-@click.option("--engine", type=click.Choice(("specplan", "llama.cpp", "llama-server")), default="specplan",
+@click.option("--engine", type=click.Choice(("specplan", "llama.cpp", "llama-server", "vllm")), default="specplan",
               show_default=True,
-              help="llama.cpp: time llama.cpp's own forward of the model's GGUF (the llamacpp extra), and with "
+              help="vllm (with --gpu NAME): model vLLM's execution, a batch's attention in one call per layer (for "
+                   "`plan solve --engine vllm`; specplan's own runs each sequence's attention apart); "
+                   "llama.cpp: time llama.cpp's own forward of the model's GGUF (the llamacpp extra), and with "
                    "--draft the draft's step, for `plan solve lookahead|sequoia --engine llama.cpp`; llama-server: "
                    "time its server's steps of B slots (--batches) verifying n rows each (make bench-server), for "
                    "`plan solve lookahead --engine llama-server`, and with --draft its draft model's work, for "
@@ -273,7 +275,8 @@ def profile(target: str | None, model_old: str | None, draft: str | None, dtype:
 
     request = ProfileRequest(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype,
                              draft_vocab=draft_vocab, gpu=gpu, calibrate=list(calibrate), backend=backend, gpus=gpus,
-                             offload=offload, host_link=host_link, resident=resident, row_totals=row_totals)
+                             offload=offload, host_link=host_link, resident=resident, row_totals=row_totals,
+                             engine=engine)
     if quick:
         request.sizes, request.repeats, request.warmup = list(QUICK_SIZES), 3, 1
     request.contexts = _int_list(contexts) or request.contexts
