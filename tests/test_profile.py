@@ -369,6 +369,7 @@ def test_every_catalogue_gpu_prices_a_7b_token_by_its_bandwidth():
 @pytest.mark.parametrize("args, message", [
     (["--model", "no-such-model"], "unknown model"),
     (["--model", "tiny-random-llama", "--gpu", "b200"], "unknown GPU"),
+    (["--model", "tiny-random-llama", "--engine", "vllm"], "--engine vllm models vLLM's execution on a GPU not at hand"),
     (["--model", "tiny-random-llama", "--contexts", "8000"], "exceeds"),
     (["--model", "tiny-random-llama", "--gpu", "v100", "--dtype", "bf16"], "no bf16"),
     (["--model", "tiny-random-llama", "--sizes", "2,4"], "include 1"),
@@ -468,3 +469,11 @@ def test_a_modeled_gpu_prices_batched_steps_and_marks_the_batch_that_does_not_fi
     assert profile.batch_latency(128, 16, 512) > profile.batch_latency(8, 16, 512)
     raw = yaml.safe_load(out.read_text())["target"]["contexts"]
     assert raw[512]["batches"][128]["fits_memory"] and not raw[32000]["batches"][128]["fits_memory"]
+    # vLLM's attention takes the batch in one call: the same step without each further sequence's kernels
+    code, _, stderr = run_cli("profile", "--target", "qwen2.5-coder-1.5b", "--gpu", "a100-80g", "--dtype", "bf16",
+                              "--contexts", "512", "--sizes", "1,4", "--batches", "1,8", "--engine", "vllm",
+                              "-o", tmp_path / "vllm.yaml")
+    assert code == 0, stderr
+    vllm = load_profile(tmp_path / "vllm.yaml")
+    assert vllm.batch_latency(1, 4, 512) == profile.batch_latency(1, 4, 512)
+    assert one < vllm.batch_latency(8, 1, 512) < profile.batch_latency(8, 1, 512)
