@@ -15,6 +15,7 @@
 #          or: bash bench/gpu_session.sh offload    (no carry: the offloaded decoding tests of test_cuda, then the
 #                                                   host link's rate and a 13B-shaped model streamed, measured
 #                                                   against its modeled t(n); issue 52)
+#          or: bash bench/gpu_session.sh batched    (carry .gpu .whl: t(B, n) of llama-3.2-1b bf16 and smollm2-135m fp32)
 #          or: bash bench/gpu_session.sh next       (carry .gpu .whl .gpuw1: the open issues' GPU items in order,
 #                                                   within 540 s: batched graphs' tests and t(B, n) of an 8B
 #                                                   shape (issue 50), the offload items (52), then test_cuda)
@@ -61,6 +62,20 @@ next)
   bounded 150 python3 bench/gpu_offload.py --resident 0 2>&1 | tail -8 | tee -a "$LOG"
   # the rest of the GPU path's tests
   bounded 300 $pytest -k "not batched and not offloaded" 2>&1 | tail -15 | tee -a "$LOG"
+  ;;
+batched)
+  # t(B, n) of two more shapes and dtypes on the batched CUDA graphs: held-out data for the cost model's batched step
+  # (bench/modeled_vs_measured.py prints each against it)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  cp .gpu/smollm2-135m/tokenizer*.json .gpu/llama-3.2-1b/
+  for spec in "llama-3.2-1b bf16" "smollm2-135m fp32"; do
+    read -r m dtype <<< "$spec"
+    timeout 40 python3 bench/random_weights.py .gpu/$m /tmp/models/$m --dtype $dtype 2>&1 | tail -1 | tee -a "$LOG"
+    timeout 90 $plan profile --target /tmp/models/$m --gpu "$gpu" --dtype $dtype --contexts 512,4096 \
+      --sizes 1,2,4,8,16 --batches 1,2,4,8,16,32,64 --budgets "" --repeats 3 -o "$OUT/$m.batched.$dtype.yaml" 2>&1 \
+      | tail -3 | tee -a "$LOG"
+  done
   ;;
 offload)
   timeout 120 python3 -m pytest -q tests/test_cuda.py -k offloaded -p no:cacheprovider -o addopts= 2>&1 | tail -5 \
