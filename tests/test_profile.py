@@ -369,7 +369,7 @@ def test_every_catalogue_gpu_prices_a_7b_token_by_its_bandwidth():
 @pytest.mark.parametrize("args, message", [
     (["--model", "no-such-model"], "unknown model"),
     (["--model", "tiny-random-llama", "--gpu", "b200"], "unknown GPU"),
-    (["--model", "tiny-random-llama", "--engine", "vllm"], "--engine vllm models vLLM's execution on a GPU not at hand"),
+    (["--model", "tiny-random-llama", "--engine", "vllm"], "vLLM's execution on a GPU not at hand"),
     (["--model", "tiny-random-llama", "--contexts", "8000"], "exceeds"),
     (["--model", "tiny-random-llama", "--gpu", "v100", "--dtype", "bf16"], "no bf16"),
     (["--model", "tiny-random-llama", "--sizes", "2,4"], "include 1"),
