@@ -720,8 +720,7 @@ def _model_gpu(request: ProfileRequest, log) -> dict:
 
     def seconds(role: str, n: int, context: int, batch: int = 1) -> float:
         model = models[role]
-        chip = roofline.gpu_forward_seconds(model.cost, gpu, parameters, n, context, mode, batch=batch,
-                                            sequence_kernels=request.engine != "vllm")
+        chip = roofline.gpu_forward_seconds(model.cost, gpu, parameters, n, context, mode, batch=batch)
         allreduce = setup.allreduce_seconds(batch * n, model.shape.hidden, model.spec.dtype)
         return setup.forward_seconds(chip, model.shape.layers, allreduce, placement(role, context, batch, n))
 
@@ -799,6 +798,7 @@ class _ModeledModel:
         shard, intermediate = setup.shard(shape, spec.config.intermediate_size, spec.name)
         cost = roofline.gpu_model_cost(shard, intermediate, spec.dtype, gpu_operators(spec.config, spec.dtype),
                                        math.ceil(output_rows / setup.gpus))
+        cost = replace(cost, sequence_kernels=request.engine != "vllm")
         return cls(spec, shape, cost, ModelBytes.of(shape, spec.config.intermediate_size,
                                                     spec.fingerprint["parameters"], spec.dtype, setup.gpus), contexts)
 

@@ -265,20 +265,21 @@ class GpuModelCost:
     head_dim: int
     dtype: str
     operators: OperatorCounts  # kernels per forward by attention path (single, grouped, masked), alone and batched
+    # whether each further sequence of a batched step launches its own cache writes and attention (this decoder), or
+    # the batch's attention is one call per layer (vLLM)
+    sequence_kernels: bool = True
 
     def attention_path(self, n: int, context: int) -> str:
         if n == 1:
             return "single"
         return "grouped" if cuda_grouped_attention(n, context + n, self.dtype == "fp32") else "masked"
 
-    def kernels(self, n: int, context: int, mode: str, batch: int = 1, sequence_kernels: bool = True) -> float:
-        """Kernels of a step of `batch` sequences: in this decoder each further sequence adds its cache writes and
-        attention (`sequence_kernels`); an engine whose attention takes the batch in one call adds none."""
+    def kernels(self, n: int, context: int, mode: str, batch: int = 1) -> float:
+        """Kernels of a step of `batch` sequences (see `sequence_kernels`)."""
         path = self.attention_path(n, context)
         sdpa = self.layers * SDPA_KERNELS[dtype_class(self.dtype)] if path != "grouped" else 0
-        if not sequence_kernels:
-            batch = 1
-        count = self.operators.batched(path, batch) + batch * sdpa
+        launching = batch if self.sequence_kernels else 1
+        count = self.operators.batched(path, launching) + launching * sdpa
         return count * COMPILED_KERNEL_FRACTION[dtype_class(self.dtype)] if mode == "compiled" else count
 
 
@@ -294,7 +295,7 @@ def gpu_model_cost(shape: ModelShape, intermediate: int, dtype: str, operators: 
 
 
 def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, n: int, context: int,
-                        mode: str = "graphs", batch: int = 1, sequence_kernels: bool = True) -> float:
+                        mode: str = "graphs", batch: int = 1) -> float:
     """t(n) at `context` cached tokens (the module docstring's formula); with `batch` > 1, t(B, n): a step of B
     sequences of n new tokens each, every sequence over its own `context` cached tokens. The weights are read once
     for the step, the GEMMs compute B x n rows, and attention reads and scores each sequence's own keys."""
@@ -303,7 +304,7 @@ def gpu_forward_seconds(cost: GpuModelCost, gpu: Accelerator, p: GpuParameters, 
     kind = dtype_class(cost.dtype)
     bandwidth = gpu.bandwidth_gb_s * 1e9 * p.bandwidth_efficiency
     peak = gpu.tflops[cost.dtype] * 1e12 * p.gemm_efficiency(kind, batch * n)
-    kernels = cost.kernels(n, context, mode, batch, sequence_kernels)
+    kernels = cost.kernels(n, context, mode, batch)
     gemm_kernels = sum(count for count, _, _ in cost.gemms)
     rows_in_step = batch * n
     kernel_floor = p.op_seconds + p.op_row_seconds * rows_in_step
