@@ -16,9 +16,9 @@
 #                                                   host link's rate and a 13B-shaped model streamed, measured
 #                                                   against its modeled t(n); issue 52)
 #          or: bash bench/gpu_session.sh batched    (carry .gpu .whl: t(B, n) of llama-3.2-1b bf16 and smollm2-135m fp32)
-#          or: bash bench/gpu_session.sh next       (carry .gpu .whl .gpuw1: the open issues' GPU items in order,
-#                                                   within 540 s: batched graphs' tests and t(B, n) of an 8B
-#                                                   shape (issue 50), the offload items (52), then test_cuda)
+#          or: bash bench/gpu_session.sh next       (carry .whl .gpuw1: the open issues' GPU items in order, within
+#                                                   540 s: a Sequoia plan's step on a 13B shape streamed, with
+#                                                   the link and t(n) (issue 52), then test_cuda)
 set -u
 export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECPLAN_CACHE=/tmp/specplan-cache
 OUT=${OUT:-/tmp/gpu-out}
@@ -45,23 +45,13 @@ next)
   NEXT_BUDGET=540
   cp .gpuw1/part1 /tmp/halves/ 2>/dev/null
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -1
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
   pytest="python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cuda.py"
-  # issue 50: batched CUDA graphs (sequences x rows), then t(B, n) measured with them on Llama-3.1-8B's shape (the
-  # modeled profile it checks: profiles/llama-3.1-8b+3.2-1b.h100.bf16.batched.modeled.yaml's flags, on this GPU)
-  bounded 120 $pytest -k "batched" 2>&1 | tail -5 | tee -a "$LOG"
-  cp .gpu/smollm2-135m/tokenizer*.json .gpu/llama-3.1-8b/
-  bounded 90 python3 bench/random_weights.py .gpu/llama-3.1-8b /tmp/models/llama-3.1-8b --dtype bf16 2>&1 | tail -1 \
-    | tee -a "$LOG"
-  bounded 240 $plan profile --target /tmp/models/llama-3.1-8b --gpu "$gpu" --dtype bf16 --contexts 512,4096 \
-    --sizes 1,2,4,8,16 --batches 1,2,4,8,16,32,64 --budgets "" --repeats 3 -o "$OUT/llama-3.1-8b.batched.bf16.yaml" \
-    2>&1 | tail -12 | tee -a "$LOG"
-  rm -rf /tmp/models/llama-3.1-8b
-  # issue 52: offloaded decoding, the host link, a 13B-shaped model streamed
-  bounded 90 $pytest -k offloaded 2>&1 | tail -5 | tee -a "$LOG"
-  bounded 150 python3 bench/gpu_offload.py --resident 0 2>&1 | tail -8 | tee -a "$LOG"
-  # the rest of the GPU path's tests
-  bounded 300 $pytest -k "not batched and not offloaded" 2>&1 | tail -15 | tee -a "$LOG"
+  # issue 52: a Sequoia plan's step on the 13B shape streamed (the plan solved on the modeled H200 profile of every
+  # layer streamed, its 7B-shaped draft on the device), beside t(1) and t(1024) and the link's rate
+  bounded 240 python3 bench/gpu_offload.py --sizes 1,1024 \
+    --sequoia plans/llama-2-13b.sequoia.h200-all.fp16.modeled.yaml 2>&1 | tail -10 | tee -a "$LOG"
+  # the GPU path's tests
+  bounded 300 $pytest 2>&1 | tail -15 | tee -a "$LOG"
   ;;
 batched)
   # t(B, n) of two more shapes and dtypes on the batched CUDA graphs: held-out data for the cost model's batched step
