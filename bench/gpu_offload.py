@@ -137,15 +137,14 @@ def sequoia_step(plan_path: str, target: LeanModel, draft_config: Path, context:
                              "tokens): no step to time apart from the first")
         step = (long.decode_seconds - short.decode_seconds) / (long.steps - short.steps)
         verify = timed_forward(target, size, context)
+    modeled = plan.prediction.step_seconds  # the solver's price: the profile's t(n) and the draft's levels
     modeled_verify = float(profile.step_seconds(size, context))
-    draft_step = profile.draft_step(context)
-    modeled = modeled_verify + depth * draft_step
-    on_link = streamed.forward_seconds(size, context) + depth * draft_step
+    on_link = modeled - modeled_verify + streamed.forward_seconds(size, context)
     print(f"Sequoia step, tree n = {size}, d = {depth} ({plan_path}):\n"
           f"  measured {step * 1e3:.1f} ms: the verify alone {verify * 1e3:.1f}, the draft's levels and the rest "
           f"{(step - verify) * 1e3:.1f}\n"
-          f"  modeled {modeled * 1e3:.1f} ms: the verify {modeled_verify * 1e3:.1f}, {depth} x the draft's step "
-          f"{draft_step * 1e3:.2f}; measured / modeled {step / modeled:.2f}\n"
+          f"  modeled {modeled * 1e3:.1f} ms: the verify {modeled_verify * 1e3:.1f}, the draft's {depth} levels "
+          f"{(modeled - modeled_verify) * 1e3:.1f}; measured / modeled {step / modeled:.2f}\n"
           f"  modeled on the measured link {on_link * 1e3:.1f} ms; measured / modeled {step / on_link:.2f}", flush=True)
 
 
