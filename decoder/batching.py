@@ -13,6 +13,10 @@ slot's cache keeps what its last sequence left, so that a prompt sharing a prefi
 turn, a conversation's earlier turns) prefills only the rest, as llama-server's slots reuse their prompt caches: a
 joining request takes the free slot holding the longest prefix of its prompt, and what a slot would lose is saved in
 host memory, where any slot's later request may start from it (decoder/prompt_cache.py, llama-server's --cache-ram).
+A joining request whose prompt shares a long prefix with a sequence in flight (questions over one document, sent at
+once) copies it from that sequence's cache, and waits for it where that sequence is still computing it (SGLang 0.5.23's
+radix cache shares a running request's prefix, and its scheduler defers a waiting request whose prefix another waiting
+one will compute: `IN_BATCH_PREFIX_CACHING_*` in srt/managers/schedule_policy.py).
 A request's tokens do not depend on who shares its steps: greedy output is its own one-request greedy output, and
 sampled output is drawn from its own seeded stream.
 
@@ -31,13 +35,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specplan.core.choices import DEFAULT_PROMPT_CACHE_MIB
+from specplan.core.choices import DEFAULT_PROMPT_CACHE_MIB, MIN_SAVED_TOKENS
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
 from specplan.decoder.gate import RecentYields
 from specplan.decoder.model import ForwardItem, prefill_together, prompt_item
-from specplan.decoder.prompt_cache import PromptCache, shared_prefix
+from specplan.decoder.prompt_cache import PromptCache, copy_prefix, shared_prefix
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DraftTree
 
@@ -207,11 +211,14 @@ class Scheduler:
         `prefill_chunk` in all, each a causal item over its own cache (no logits: the prompt's last token is the
         first step's root)."""
         chunks, budget = [], self.prefill_chunk
-        for entry in self.prefilling:
+        for index, entry in enumerate(self.prefilling):
+            if budget == 0:
+                break
+            self._share_prefix(entry)
             cache = entry.run.cache
             n = min(budget, len(entry.prompt) - 1 - cache.length)
-            if n <= 0:
-                break  # the budget is spent (every entry here has prompt tokens left)
+            if n <= 0 or self._waits(entry, self.prefilling[:index]):
+                continue  # its prompt all copied (it starts after this step), or its prefix still being computed
             tokens = torch.tensor(entry.prompt[cache.length:cache.length + n])
             chunks.append((entry, prompt_item(self.engine.target, tokens, cache)))
             budget -= n
@@ -271,6 +278,17 @@ class Scheduler:
             self.prefilling.extend(joining)
             return failed
         self.running.extend(joining)  # before their prefills: a prefill that raises fails them (abort), not lost
+        pending = joining
+        while pending:  # in waves: a prompt sharing a prefix with an earlier one waits to copy it (_waits)
+            for entry in pending:
+                self._share_prefix(entry)
+            wave = [entry for index, entry in enumerate(pending) if not self._waits(entry, pending[:index])]
+            self._prefill(wave)
+            pending = [entry for entry in pending if entry not in wave]
+        return failed
+
+    def _prefill(self, joining: list[_Running]) -> None:
+        """The prompts that fit one prefill chunk prefilled together in one batched forward, the others alone."""
         together = [entry for entry in joining
                     if 0 < len(entry.prompt) - 1 - entry.run.cache.length <= PREFILL_TOGETHER_TOKENS]
         if len(together) > 1 and hasattr(self.engine.target, "forward_many"):
@@ -286,7 +304,38 @@ class Scheduler:
         for entry in joining:
             if entry not in together:
                 entry.run.prefill(entry.prompt)
-        return failed
+
+    def _share_prefix(self, entry: _Running) -> None:
+        """Copy into a joining request's cache the longest prefix of its prompt that a sequence in flight holds (its
+        prompt and output so far), where that beats what its cache holds by MIN_SAVED_TOKENS (decoder/prompt_cache.py:
+        copy_prefix)."""
+        cache = entry.run.cache
+        if not self.keep_prefixes or cache.key_positions is not None:
+            return
+        wanted = np.asarray(entry.prompt[:-1], dtype=np.int64)
+        best, best_shared = None, cache.length + MIN_SAVED_TOKENS - 1
+        for other in self.running + self.prefilling:
+            if other is entry or other.run.cache.key_positions is not None:
+                continue
+            held = np.asarray((other.prompt + other.run.out)[:other.run.cache.length], dtype=np.int64)
+            shared = shared_prefix(held, wanted)
+            if shared > best_shared:
+                best, best_shared = other, shared
+        if best is not None:
+            copy_prefix(best.run.cache, cache, best_shared)
+            entry.run.cached_prompt_tokens = best_shared
+
+    def _waits(self, entry: _Running, earlier: list[_Running]) -> bool:
+        """Whether a joining request should wait for an earlier one to compute a prefix of its prompt (at least
+        MIN_SAVED_TOKENS beyond what its cache holds), to copy it then (`_share_prefix`) instead of computing it too."""
+        if not self.keep_prefixes or entry.run.cache.key_positions is not None:
+            return False
+        wanted = np.asarray(entry.prompt[:-1], dtype=np.int64)
+        for other in earlier:
+            shared = shared_prefix(np.asarray(other.prompt[:-1], dtype=np.int64), wanted)
+            if other.run.cache.length < shared and shared - entry.run.cache.length >= MIN_SAVED_TOKENS:
+                return True
+        return False
 
     def _slot_for(self, prompt: list[int]) -> int:
         """The free slot a request takes: the one whose cache holds the longest prefix of its prompt (llama-server's

@@ -4,7 +4,9 @@ A slot's cache keeps what its last sequence left (KVCache.held), which its next 
 agree. When that next request shares less than half of it, the slot's prefix is saved here before it is overwritten;
 a request whose prompt shares more with a saved prefix than with its slot's own starts from a copy of the saved keys
 and values instead (the same tokens at the same positions: the values a prefill would compute). Saved prefixes are
-dropped least recently used first beyond the memory budget.
+dropped least recently used first beyond the memory budget. A sequence in flight is a source too: a joining request
+whose prompt shares a long prefix with one running or prefilling (questions over one document, sent at once) copies
+that prefix from its cache instead of computing it again (`copy_prefix`; decoder/batching.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ def shared_prefix(tokens: np.ndarray, prompt: np.ndarray) -> int:
     length = min(len(tokens), len(prompt))
     differ = np.flatnonzero(tokens[:length] != prompt[:length])
     return int(differ[0]) if len(differ) else length
+
+
+def copy_prefix(source: KVCache, cache: KVCache, count: int) -> None:
+    """`cache` to hold the first `count` slots of `source` (the same tokens at the same positions: the keys and values
+    a prefill would compute), beyond the prefix it holds already."""
+    start = cache.length
+    cache.k[:, :, start:count] = source.k[:, :, start:count]
+    cache.v[:, :, start:count] = source.v[:, :, start:count]
+    cache.length = count
 
 
 @dataclass(eq=False)  # entries are told apart by identity

@@ -6,12 +6,12 @@ slot's last request), the batch fills and drains as requests start and finish, a
 every output token over the whole wall time. This module replays that load step by step as the decoder's scheduler
 runs it (decoder/batching.py): C clients each send their next prompt when their last one completes; waiting requests
 join free slots (the one holding the longest prefix of the prompt, else the lowest) between steps and are prefilled
-there beyond that prefix, or one the prompt cache kept, before the next step; each step, every
-sequence in flight gains its setting's tokens per step, the setting chosen for the batch size in flight; the step costs
-t(B, n) at the sequences' contexts, the engine's overhead o(n, B), each drafter's host work and the draft model's
-levels. Tokens per step are the replays' means (every sequence advances alike: the waves of a closed loop drain only
-as their requests' output lengths differ); the prefills are the profile's `target.prefill_seconds`, measured with
-`plan profile --batches`.
+there beyond that prefix, or one the prompt cache kept, or one a sequence in flight holds (copied), before the next
+step; each step, every sequence in flight gains its setting's tokens per step, the setting chosen for the batch size in
+flight; the step costs t(B, n) at the sequences' contexts, the engine's overhead o(n, B), each drafter's host work and
+the draft model's levels. Tokens per step are the replays' means (every sequence advances alike: the waves of a closed
+loop drain only as their requests' output lengths differ); the prefills are the profile's `target.prefill_seconds`,
+measured with `plan profile --batches`.
 """
 
 from __future__ import annotations
@@ -95,8 +95,12 @@ def closed_loop_price(profile: LatencyProfile, prompts: list[list[int]], concurr
             joining.append((request, slot))
         if joining:
             joined = setting_for(len(running) + len(joining))  # the batch they join
-            seconds = sum(_prefill(profile, prompts[request], saved.reuse(slots_held[slot], prompts[request]), joined)
-                          for request, slot in joining)
+            in_flight = [prompts[request] for request, _, _ in running]
+            seconds = 0.0
+            for request, slot in joining:
+                held = _copied(prompts[request], saved.reuse(slots_held[slot], prompts[request]), in_flight)
+                seconds += _prefill(profile, prompts[request], held, joined)
+                in_flight.append(prompts[request])
             now += seconds
             prefill_total += seconds
             running += [(request, slot, 0.0) for request, slot in joining]
@@ -144,6 +148,17 @@ class SavedPrefixes:
         if len(held) >= MIN_SAVED_TOKENS and 2 * kept < len(held) and held not in self.prompts:
             self.prompts.append(held)
         return best
+
+
+def _copied(prompt: list[int], held: list[int], in_flight: list[list[int]]) -> list[int]:
+    """What a joining request starts from where a sequence in flight, or one joining before it, holds a longer prefix
+    of its prompt than `held` by MIN_SAVED_TOKENS: that prefix, copied (decoder/batching.py: Scheduler._share_prefix).
+    """
+    def shared(tokens: list[int]) -> int:
+        return len(os.path.commonprefix([tokens, prompt[:-1]]))
+
+    best = max(in_flight, key=shared, default=None)
+    return best if best is not None and shared(best) >= shared(held) + MIN_SAVED_TOKENS else held
 
 
 def _prefill(profile: LatencyProfile, prompt: list[int], held: list[int], setting: SettingPrice) -> float:

@@ -170,15 +170,18 @@ def test_prompts_prefilled_in_chunks_along_the_decode_steps_keep_every_request_i
 
 
 def counted_prefills(target, monkeypatch) -> list[int]:
-    """The prompt tokens each prefill of `target` computes, alone or batched, appended as they run."""
+    """The prompt tokens each prefill of `target` computes, alone, batched or in chunks along the steps, appended as
+    they run."""
     import specplan.decoder.batching as batching
 
     prefilled: list[int] = []
-    alone, together = target.prefill, batching.prefill_together
+    alone, together, chunk = target.prefill, batching.prefill_together, batching.prompt_item
     monkeypatch.setattr(target, "prefill", lambda tokens, *a, **k: prefilled.append(len(tokens)) or alone(
         tokens, *a, **k))
     monkeypatch.setattr(batching, "prefill_together", lambda model, pieces, *a: prefilled.extend(
         len(p) for p in pieces) or together(model, pieces, *a))
+    monkeypatch.setattr(batching, "prompt_item", lambda model, tokens, cache: prefilled.append(len(tokens)) or chunk(
+        model, tokens, cache))
     return prefilled
 
 
@@ -235,6 +238,37 @@ def test_a_prefix_a_slot_lost_is_reused_from_the_prompt_cache_by_any_slot(method
             assert results[i] == SpeculativeEngine(target, make()).generate(
                 request.prompt, request.max_new_tokens, SamplingParams()).tokens, (budget, i)
     monkeypatch.undo()
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+@pytest.mark.parametrize("method", ["one-token", "lookahead", "sequoia", "triforce"])
+def test_requests_sharing_a_document_in_flight_compute_it_once(method, chunk, tiny_pair, monkeypatch):
+    """Four questions over one 300-token document sent at once, then a fifth while they run (three slots): the
+    document is computed once, the others copy it from the cache of the sequence that holds it (waiting for it where
+    it is still being computed), with or without chunked prefill, and report it as cached; every request's greedy
+    tokens equal its own one-request greedy tokens."""
+    loaded, _, draft = tiny_pair
+    target = LeanModel(loaded.model)  # slots holding nothing yet
+    make = {**drafters(target, draft), "triforce": lambda: HierarchicalDrafter(
+        target, StreamingDrafter(draft, gamma=2, sinks=4, window=64), 2, 4, RetrievalSettings(256, 8, 16))}[method]
+    document = long_prompt(300, seed=11)
+    questions = [long_prompt(n, seed=20 + n)[:n] for n in (9, 14, 5, 12, 7)]
+    requests = [Request(document + question, 10 + 3 * i) for i, question in enumerate(questions)]
+    prefilled = counted_prefills(target, monkeypatch)
+    scheduler = Scheduler(SpeculativeEngine(target, make()), drafters_per_slot(make), 3, prefill_chunk=chunk,
+                          prompt_cache_mib=0)
+    for request in requests[:4]:
+        scheduler.submit(request)
+    completions = {c.id: c for c in scheduler.step()}
+    scheduler.submit(requests[4])
+    while not scheduler.idle:
+        completions.update({c.id: c for c in scheduler.step()})
+    monkeypatch.undo()
+    assert sum(prefilled) == len(document) + sum(len(q) - 1 for q in questions), prefilled
+    assert sorted(c.result.cached_prompt_tokens for c in completions.values()) == [0] + [len(document)] * 4
+    for i, request in enumerate(requests):
+        assert completions[i].result.tokens == SpeculativeEngine(target, make()).generate(
+            request.prompt, request.max_new_tokens, SamplingParams()).tokens, i
 
 
 def test_a_request_takes_the_free_slot_holding_its_prompt(tiny_pair):

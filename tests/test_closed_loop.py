@@ -54,6 +54,20 @@ def test_a_prompt_a_slot_lost_is_priced_from_the_prompt_cache():
         3 * 20 * PREFILL_PER_TOKEN)
 
 
+def test_prompts_sharing_a_document_in_flight_are_priced_with_it_computed_once():
+    """Two questions over one 100-token document sent at once: the first prefills it, the other copies it and
+    prefills its question; the next ones join slots that hold it. A shared head shorter than MIN_SAVED_TOKENS is
+    computed by each of the first two."""
+    document = list(range(100, 200))
+    questions = [[1] * 10 + [2], [3] * 20 + [4], [5] * 5 + [6], [7] * 8 + [8]]
+    prompts = [document + question for question in questions]
+    price = closed_loop_price(flat_profile(), prompts, 2, 5, lambda batch: OFF, output_tokens=[2, 5, 5, 5])
+    assert price.prefill_seconds == pytest.approx((100 + 10 + 20 + 5 + 8) * PREFILL_PER_TOKEN)
+    head = list(range(100, 140))
+    short = closed_loop_price(flat_profile(), [head + q for q in questions[:3]], 2, 5, lambda batch: OFF)
+    assert short.prefill_seconds == pytest.approx((2 * 40 + 10 + 20 + 5) * PREFILL_PER_TOKEN)
+
+
 def test_the_setting_follows_the_batch_in_flight():
     seen = []
 
