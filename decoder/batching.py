@@ -310,12 +310,12 @@ class Scheduler:
         prompt and output so far), where that beats what its cache holds by MIN_SAVED_TOKENS (decoder/prompt_cache.py:
         copy_prefix)."""
         cache = entry.run.cache
-        if not self.keep_prefixes or cache.key_positions is not None:
+        if not self._shares_prefixes(entry):
             return
         wanted = np.asarray(entry.prompt[:-1], dtype=np.int64)
         best, best_shared = None, cache.length + MIN_SAVED_TOKENS - 1
         for other in self.running + self.prefilling:
-            if other is entry or other.run.cache.key_positions is not None:
+            if other is entry or not self._shares_prefixes(other):
                 continue
             held = np.asarray((other.prompt + other.run.out)[:other.run.cache.length], dtype=np.int64)
             shared = shared_prefix(held, wanted)
@@ -328,7 +328,7 @@ class Scheduler:
     def _waits(self, entry: _Running, earlier: list[_Running]) -> bool:
         """Whether a joining request should wait for an earlier one to compute a prefix of its prompt (at least
         MIN_SAVED_TOKENS beyond what its cache holds), to copy it then (`_share_prefix`) instead of computing it too."""
-        if not self.keep_prefixes or entry.run.cache.key_positions is not None:
+        if not self._shares_prefixes(entry):
             return False
         wanted = np.asarray(entry.prompt[:-1], dtype=np.int64)
         for other in earlier:
@@ -336,6 +336,10 @@ class Scheduler:
             if other.run.cache.length < shared and shared - entry.run.cache.length >= MIN_SAVED_TOKENS:
                 return True
         return False
+
+    def _shares_prefixes(self, entry: _Running) -> bool:
+        """Whether a sequence's cache may give and take prefixes: slots that are positions, where slots are kept."""
+        return self.keep_prefixes and entry.run.cache.key_positions is None
 
     def _slot_for(self, prompt: list[int]) -> int:
         """The free slot a request takes: the one whose cache holds the longest prefix of its prompt (llama-server's

@@ -91,7 +91,7 @@ def closed_loop_price(profile: LatencyProfile, prompts: list[list[int]], concurr
         while arrivals and arrivals[0][0] <= now and free:
             _, request = arrivals.popleft()
             slot = free.pop(max(range(len(free)), key=lambda i: (  # the longest prefix held, else the lowest slot
-                len(os.path.commonprefix([slots_held[free[i]], prompts[request][:-1]])), -i)))
+                _shared(slots_held[free[i]], prompts[request]), -i)))
             joining.append((request, slot))
         if joining:
             joined = setting_for(len(running) + len(joining))  # the batch they join
@@ -140,7 +140,7 @@ class SavedPrefixes:
         """What a slot holding `held` starts `prompt` from: its own prefix or a saved one, whichever shares more
         (`held` saved where the prompt keeps less than half of it)."""
         def shared(tokens: list[int]) -> int:
-            return len(os.path.commonprefix([tokens, prompt[:-1]]))
+            return _shared(tokens, prompt)
 
         saved = max(self.prompts, key=shared, default=None)
         best = saved if saved is not None and shared(saved) > shared(held) else held
@@ -154,11 +154,13 @@ def _copied(prompt: list[int], held: list[int], in_flight: list[list[int]]) -> l
     """What a joining request starts from where a sequence in flight, or one joining before it, holds a longer prefix
     of its prompt than `held` by MIN_SAVED_TOKENS: that prefix, copied (decoder/batching.py: Scheduler._share_prefix).
     """
-    def shared(tokens: list[int]) -> int:
-        return len(os.path.commonprefix([tokens, prompt[:-1]]))
+    best = max(in_flight, key=lambda tokens: _shared(tokens, prompt), default=None)
+    return best if best is not None and _shared(best, prompt) >= _shared(held, prompt) + MIN_SAVED_TOKENS else held
 
-    best = max(in_flight, key=shared, default=None)
-    return best if best is not None and shared(best) >= shared(held) + MIN_SAVED_TOKENS else held
+
+def _shared(tokens: list[int], prompt: list[int]) -> int:
+    """The leading ids `tokens` holds of `prompt` but its last (the first step's root, never kept)."""
+    return len(os.path.commonprefix([tokens, prompt[:-1]]))
 
 
 def _prefill(profile: LatencyProfile, prompt: list[int], held: list[int], setting: SettingPrice) -> float:
