@@ -1011,9 +1011,9 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
 @click.option("--requests-per-client", type=click.IntRange(min=1), default=REQUESTS_PER_CLIENT, show_default=True,
               help="with --concurrency: each client's requests at a level (more: a steadier low concurrency)")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
-              help="with --concurrency: serve every system this many times a level, in the reverse order every other "
-                   "round, each round's requests in an order of its own (the spread between rounds is the machine's "
-                   "noise and the arrivals', and no system always runs first)")
+              help="with --concurrency: serve every system this many times a level, each round in an order of its "
+                   "own (as many rounds as systems: each at every place once) and its requests in an order of "
+                   "their own (the spread between rounds is the machine's noise and the arrivals')")
 @click.option("--llama-server-drafts", "server_drafts",
               help="with --concurrency and a --draft (or a plan's): also llama-server drafting up to each of these "
                    "draft lengths (--spec-draft-n-max N, its other knobs at llama.cpp's defaults: systems "

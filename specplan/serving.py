@@ -406,18 +406,36 @@ def done_levels(path: Path) -> set[tuple[str, int, int]]:
     return done
 
 
+def round_order(systems: list[System], round_: int) -> list[System]:
+    """The systems in the order round `round_` serves them: the rows of a Williams design in turn (a Latin square
+    whose rows, for an odd count, come reversed as well), so that over as many rounds as systems (twice as many for an
+    odd count) each runs once at every place and right after each other one once: a slot in the order (first after
+    the last round's end, last) or a neighbour's after-effects fall on every system alike. Reversing every other
+    round, with four systems, served the first and last always at the ends and the other two always between them."""
+    count = len(systems)
+    first, low, high = [0], 1, count - 1  # 0, 1, n-1, 2, n-2, ...: every difference between neighbours once
+    while len(first) < count:
+        first.append(low)
+        low += 1
+        if len(first) < count:
+            first.append(high)
+            high -= 1
+    row = round_ % (count if count % 2 == 0 else 2 * count)
+    order = [systems[(index + row) % count] for index in first]
+    return order[::-1] if row >= count else order
+
+
 def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: list[int], max_tokens: int,
                       requests_per_client: int, results: Path, count_tokens: Callable[[str], int], machine: str,
                       say: Callable[[str], None], rounds: int = 1) -> list[LevelResult]:
     """Every system at every concurrency, `rounds` times (systems interleaved within a level, so that a slow spell of
-    the machine falls on all of them, in the reverse order every other round, so that none always runs first; each
-    round's requests in an order of its own: prompts_at_level); results appended to `results` (JSON lines) as they
-    finish, those done skipped."""
+    the machine falls on all of them, in each round's order: round_order; each round's requests in an order of its
+    own: prompts_at_level); results appended to `results` (JSON lines) as they finish, those done skipped."""
     done = done_levels(results)
     finished = []
     for concurrency in levels:
         for round_ in range(rounds):
-            for system in systems if round_ % 2 == 0 else systems[::-1]:
+            for system in round_order(systems, round_):
                 where = f"{system.name} at concurrency {concurrency}" + (f", round {round_ + 1}" if rounds > 1 else "")
                 if (system.name, concurrency, round_) in done:
                     say(f"{where}: done before, skipped")

@@ -704,7 +704,7 @@ def test_the_serving_bench_runs_its_systems_in_the_order_named_and_the_plan_last
 
 
 def test_serving_rounds_alternate_the_order_and_a_rerun_serves_only_the_rounds_not_done(tmp_path):
-    """--rounds 3: every system once a round, in the reverse order every other round, each result with its round;
+    """--rounds 3: every system once a round, two systems in turn first (round_order), each result with its round;
     a rerun with more rounds serves only those missing; the grid's table compares each system with off in its round."""
     from specplan.serving import WARMUP_TOKENS, RequestTiming, System, load_levels, run_serving_bench, serving_table
 
@@ -732,6 +732,26 @@ def test_serving_rounds_alternate_the_order_and_a_rerun_serves_only_the_rounds_n
     assert [line.split(" | ")[2:4] for line in table.splitlines()[2:]] == [
         ["60.0", "1.50"], ["120.0", "1.50"], ["180.0", "1.50"], ["60.0", "1.50"],  # round 4 first served again
         ["40.0", "1.00"], ["80.0", "1.00"], ["120.0", "1.00"], ["40.0", "1.00"]]
+
+
+def test_every_system_serves_at_every_place_and_after_every_other_once_over_its_rounds():
+    """Four systems (a plan, off and two fixed settings): over four rounds each runs first, second, third and last
+    once, and right after each other system once; reversing every other round kept the plan and off at the ends. An
+    odd count takes twice as many rounds; two systems alternate as before."""
+    from specplan.serving import round_order
+
+    for count in (2, 3, 4, 5):
+        systems = [f"system-{index}" for index in range(count)]
+        rounds = count if count % 2 == 0 else 2 * count
+        orders = [round_order(systems, round_) for round_ in range(rounds)]
+        assert all(sorted(order) == systems for order in orders)
+        for place in range(count):
+            assert sorted(order[place] for order in orders) == sorted(systems * (rounds // count))
+        followed = [(order[i], order[i + 1]) for order in orders for i in range(count - 1)]
+        assert sorted(followed) == sorted([(a, b) for a in systems for b in systems if a != b] * (rounds // count))
+        assert round_order(systems, rounds) == orders[0]  # the design repeats
+    assert [round_order(["ours-ar", "ours"], round_) for round_ in range(3)] == [
+        ["ours-ar", "ours"], ["ours", "ours-ar"], ["ours-ar", "ours"]]
 
 
 def test_each_round_sends_its_requests_in_an_order_of_its_own_the_same_for_every_system(tmp_path):
