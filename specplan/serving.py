@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
 import numpy as np
@@ -406,12 +406,16 @@ def done_levels(path: Path) -> set[tuple[str, int, int]]:
     return done
 
 
-def round_order(systems: list[System], round_: int) -> list[System]:
-    """The systems in the order round `round_` serves them: the rows of a Williams design in turn (a Latin square
-    whose rows, for an odd count, come reversed as well), so that over as many rounds as systems (twice as many for an
-    odd count) each runs once at every place and right after each other one once: a slot in the order (first after
-    the last round's end, last) or a neighbour's after-effects fall on every system alike. Reversing every other
-    round, with four systems, served the first and last always at the ends and the other two always between them."""
+Served = TypeVar("Served")  # a system, or its name
+
+
+def round_order(systems: list[Served], round_: int) -> list[Served]:
+    """The systems in the order round `round_` serves them, the first round in the order given: the rows of a
+    Williams design in turn (a Latin square whose rows, for an odd count, come reversed as well), so that over as many
+    rounds as systems (twice as many for an odd count) each runs once at every place and right after each other one
+    once: a slot in the order (first after the last round's end, last) or a neighbour's after-effects fall on every
+    system alike. Reversing every other round, with four systems, served the first and last always at the ends and
+    the other two always between them."""
     count = len(systems)
     first, low, high = [0], 1, count - 1  # 0, 1, n-1, 2, n-2, ...: every difference between neighbours once
     while len(first) < count:
@@ -420,8 +424,9 @@ def round_order(systems: list[System], round_: int) -> list[System]:
         if len(first) < count:
             first.append(high)
             high -= 1
+    system_of = {label: systems[place] for place, label in enumerate(first)}  # the first row: the order given
     row = round_ % (count if count % 2 == 0 else 2 * count)
-    order = [systems[(index + row) % count] for index in first]
+    order = [system_of[(label + row) % count] for label in first]
     return order[::-1] if row >= count else order
 
 

@@ -736,8 +736,8 @@ def test_serving_rounds_alternate_the_order_and_a_rerun_serves_only_the_rounds_n
 
 def test_every_system_serves_at_every_place_and_after_every_other_once_over_its_rounds():
     """Four systems (a plan, off and two fixed settings): over four rounds each runs first, second, third and last
-    once, and right after each other system once; reversing every other round kept the plan and off at the ends. An
-    odd count takes twice as many rounds; two systems alternate as before."""
+    once, and right after each other system once, the first round in the order given; reversing every other round
+    kept the plan and off at the ends. An odd count takes twice as many rounds; two systems alternate as before."""
     from specplan.serving import round_order
 
     for count in (2, 3, 4, 5):
@@ -749,7 +749,7 @@ def test_every_system_serves_at_every_place_and_after_every_other_once_over_its_
             assert sorted(order[place] for order in orders) == sorted(systems * (rounds // count))
         followed = [(order[i], order[i + 1]) for order in orders for i in range(count - 1)]
         assert sorted(followed) == sorted([(a, b) for a in systems for b in systems if a != b] * (rounds // count))
-        assert round_order(systems, rounds) == orders[0]  # the design repeats
+        assert orders[0] == systems and round_order(systems, rounds) == orders[0]  # the order given, repeated
     assert [round_order(["ours-ar", "ours"], round_) for round_ in range(3)] == [
         ["ours-ar", "ours"], ["ours", "ours-ar"], ["ours-ar", "ours"]]
 
