@@ -30,7 +30,7 @@ from specplan.decoder.api import Decoder, load_decoder
 from specplan.decoder.batching import Completion, Request, Scheduler
 from specplan.decoder.gate import StepClock
 from specplan.profiler.haystack import served_prompts
-from specplan.serving import WARMUP_TOKENS, prompts_at_level
+from specplan.serving import WARMUP_TOKENS, prompts_at_level, warmup_prompts
 
 
 class StepLog:
@@ -78,7 +78,8 @@ def closed_loop(scheduler: Scheduler, requests: list[Request], concurrency: int)
 def run(decoder: Decoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int, as_served: bool) -> dict:
     decoder.engine.clock = StepClock()
     decoder.restart()
-    list(decoder.generate_many([Request(ids[::-1], WARMUP_TOKENS) for ids in prompts[:concurrency]], concurrency))
+    list(decoder.generate_many([Request(ids, WARMUP_TOKENS) for ids in warmup_prompts(prompts, concurrency)],
+                               concurrency))
     requests = [Request(ids, max_new_tokens) for ids in prompts]
     with StepLog() as log:
         began = time.perf_counter()

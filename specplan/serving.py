@@ -454,13 +454,22 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
     return finished
 
 
+def warmup_prompts(level_prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """A level's warm-up requests: its first `concurrency` prompts, each with the prefix all the level's prompts
+    share and then its own rest reversed. None starts as a measured prompt does (none of those may sit in an engine's
+    prompt cache already), and they share what the measured ones share: questions over one document prefill the
+    reversed document once and copy it, as the load will, where reversing each whole prompt prefilled it once a
+    request (sixteen 7,680-token prefills before a C = 16 level)."""
+    shared = len(os.path.commonprefix(level_prompts)) if len(level_prompts) > 1 else 0
+    return [prompt[:shared][::-1] + prompt[shared:][::-1] for prompt in level_prompts[:concurrency]]
+
+
 def _serve_level(system: System, level_prompts: list[list[int]], concurrency: int, max_tokens: int,
                  results: Path, count_tokens: Callable[[str], int], machine: str, where: str,
                  say: Callable[[str], None]) -> LevelResult:
     """One system at one concurrency, sent `level_prompts` in that order: its server started, warmed up, driven closed
     loop, stopped; the level's result (priced where the system has a price)."""
-    # warmed up on the prompts reversed: no measured prompt may sit in an engine's prompt cache already
-    warmup = [prompt[::-1] for prompt in level_prompts[:concurrency]]
+    warmup = warmup_prompts(level_prompts, concurrency)
     if system.in_process is not None:
         system.in_process(warmup, concurrency, WARMUP_TOKENS)
         timings, failed = system.in_process(level_prompts, concurrency, max_tokens), 0

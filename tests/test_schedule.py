@@ -754,6 +754,23 @@ def test_every_system_serves_at_every_place_and_after_every_other_once_over_its_
         ["ours-ar", "ours"], ["ours", "ours-ar"], ["ours-ar", "ours"]]
 
 
+def test_warm_up_prompts_share_what_the_level_shares_and_start_like_none_of_its_prompts():
+    """Questions over one document: the warm-up requests share the document (reversed), so a server prefills it once
+    and copies it as the load will, and none of them starts as a measured prompt does (nothing measured is cached by
+    the warm-up); prompts sharing nothing are each reversed whole."""
+    import os
+
+    from specplan.serving import warmup_prompts
+
+    document = list(range(100, 400))
+    level = [document + [7, 8, 9], document + [10, 11], document + [12, 13, 14, 15]]
+    warmup = warmup_prompts(level, 2)
+    assert warmup == [document[::-1] + [9, 8, 7], document[::-1] + [11, 10]]
+    assert all(len(os.path.commonprefix([ahead, measured])) == 0 for ahead in warmup for measured in level)
+    assert warmup_prompts([[1, 2, 3], [4, 5]], 2) == [[3, 2, 1], [5, 4]]
+    assert warmup_prompts([[1, 2, 3]], 1) == [[3, 2, 1]]
+
+
 def test_each_round_sends_its_requests_in_an_order_of_its_own_the_same_for_every_system(tmp_path):
     """A closed loop served the same order twice repeats its arrivals: round 0 sends the prompts in order, every
     later round a permutation of the same requests, drawn once for the round and sent to every system alike."""
