@@ -460,7 +460,7 @@ def warmup_prompts(level_prompts: list[list[int]], concurrency: int) -> list[lis
     prompt cache already), and they share what the measured ones share: questions over one document prefill the
     reversed document once and copy it, as the load will, where reversing each whole prompt prefilled it once a
     request (sixteen 7,680-token prefills before a C = 16 level)."""
-    shared = len(os.path.commonprefix(level_prompts)) if len(level_prompts) > 1 else 0
+    shared = len(os.path.commonprefix(level_prompts))
     return [prompt[:shared][::-1] + prompt[shared:][::-1] for prompt in level_prompts[:concurrency]]
 
 
