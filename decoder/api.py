@@ -29,7 +29,7 @@ from specplan.decoder.draft_rules import RULE_CHAIN_TOKENS, TRTLLM_AUTO_TIERS, r
 from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import GenerationResult, SpeculativeEngine
 from specplan.decoder.gate import StepClock
-from specplan.decoder.model import SUPPORTED_ARCHITECTURES, LeanModel, ModelShape
+from specplan.decoder.model import SUPPORTED_ARCHITECTURES, LeanModel, ModelShape, cache_slots
 from specplan.decoder.offload import DEVICE_RESERVE_BYTES, STREAM_BUFFERS
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.sharing import SharedRows
@@ -219,9 +219,10 @@ class Decoder:
 
 
 def cache_bytes(forward: Forward, max_len: int) -> int:
-    """The bytes of one sequence's KV cache of `max_len` slots on `forward`'s model."""
+    """The bytes of one sequence's KV cache for `max_len` slots on `forward`'s model (its whole blocks: cache_slots)."""
     shape = forward.shape
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * max_len * torch.finfo(forward.dtype).bits // 8
+    slots = cache_slots(max_len, shape.max_context)
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * slots * torch.finfo(forward.dtype).bits // 8
 
 
 def free_memory(device: torch.device) -> int | None:

@@ -41,6 +41,10 @@ from specplan.decoder.rope import RotaryTables
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 GEMMA_FAMILY = ("gemma2", "gemma3_text")
 GRAPH_CACHE_SLOTS = 512  # with CUDA graphs, cache sizes are rounded up to this (see LeanModel.cache_for)
+# Without CUDA graphs, a role's cache grows in blocks of this many slots and serves any sequence it holds: a server
+# slot's next request a few tokens longer than its last (a longer answer allowed, a longer question) keeps the slot's
+# cache instead of zeroing a new one, which for a long context costs more than a decoding step a joining request.
+CACHE_BLOCK_SLOTS = 1024
 # With CUDA graphs, the caches (and the graphs captured over them) kept per role: prompts of mixed lengths
 # alternate among a few rounded sizes, and capturing a graph anew costs tens of its replays (two eager warm-up
 # forwards and the capture).
@@ -398,40 +402,44 @@ class LeanModel:
         return next(iter(kept.values())) if kept else None
 
     def cache_for(self, max_len: int, role: str, exact: bool = False, keep: bool = False) -> KVCache:
-        """An empty cache of `max_len` slots for `role` (the engine's "target", a drafter's own): the one this
-        model kept for that role and size, emptied, else a new one (kept in its place). With `keep` (no CUDA
-        graphs), the kept cache as it is, contents and all, where it holds `max_len` slots or more, else a larger
-        one holding its kept prefix (a server's slot: its next sequence may share a prefix with the last,
-        KVCache.keep_prefix).
+        """An empty cache of at least `max_len` slots for `role` (the engine's "target", a drafter's own), of exactly
+        `max_len` with `exact`. With `keep` (no CUDA graphs), the kept cache as it is, contents and all (a server's
+        slot: its next sequence may share a prefix with the last, KVCache.keep_prefix); where it is too small, a
+        larger one holding its kept prefix.
 
-        With CUDA graphs, `max_len` is rounded up to GRAPH_CACHE_SLOTS (unless `exact`) and up to
-        KEPT_GRAPH_CACHES sizes are kept per role, least recently used first out, so that generations of mixed
-        lengths replay the graphs captured over their caches instead of capturing new ones. Without graphs, one
-        cache per role. Generations of one role must not overlap (they share the cache)."""
-        if self.graphed is not None and not exact:
-            max_len = min(-(-max_len // GRAPH_CACHE_SLOTS) * GRAPH_CACHE_SLOTS, self.shape.max_context)
+        Without CUDA graphs, one cache per role, which serves every sequence it holds and is replaced by a larger one,
+        CACHE_BLOCK_SLOTS at a time, where one does not fit. With CUDA graphs, `max_len` is rounded up to
+        GRAPH_CACHE_SLOTS (unless `exact`) and up to KEPT_GRAPH_CACHES sizes are kept per role, least recently used
+        first out, so that generations of mixed lengths replay the graphs captured over their caches instead of
+        capturing new ones. Generations of one role must not overlap (they share the cache)."""
         kept = self.kept_caches.setdefault(role, OrderedDict())
-        if keep and self.graphed is None and kept:
-            last = next(iter(kept.values()))
-            if last.max_len >= max_len:
+        host = self.offload_kv and role == "target"
+        if self.graphed is None:
+            last = next(iter(kept.values()), None)
+            if last is not None and (last.max_len == max_len if exact else last.max_len >= max_len):
+                if not keep:
+                    last.reset()
                 return last
-            if last.held is not None:  # a larger cache, the kept prefix copied along
-                cache = self.new_cache(max_len, host=self.offload_kv and role == "target")
+            if not keep or last is None or last.held is None:
+                kept.clear()  # free the old cache before the new one takes its memory
+                last = None
+            cache = self.new_cache(max_len if exact else cache_slots(max_len, self.shape.max_context), host=host)
+            if last is not None:  # the kept prefix copied along
                 cache.k[:, :, :last.length] = last.k[:, :, :last.length]
                 cache.v[:, :, :last.length] = last.v[:, :, :last.length]
                 cache.length, cache.held = last.length, last.held
-                kept.clear()
-                kept[max_len] = cache
-                return cache
+            kept.clear()
+            kept[cache.max_len] = cache
+            return cache
+        if not exact:
+            max_len = min(-(-max_len // GRAPH_CACHE_SLOTS) * GRAPH_CACHE_SLOTS, self.shape.max_context)
         cache = kept.pop(max_len, None)
         if cache is None:
-            if self.graphed is None:
-                kept.clear()  # free the old cache before the new one takes its memory
-            cache = self.new_cache(max_len, host=self.offload_kv and role == "target")
+            cache = self.new_cache(max_len, host=host)
         else:
             cache.reset()
         kept[max_len] = cache
-        while len(kept) > (KEPT_GRAPH_CACHES if self.graphed is not None else 1):
+        while len(kept) > KEPT_GRAPH_CACHES:
             kept.popitem(last=False)
         return cache
 
@@ -904,6 +912,11 @@ def draft_vocabulary_ids(size: int, always: Iterable[int], vocab: int) -> list[i
     if not 0 < size <= vocab:
         raise UserError(f"a draft vocabulary of {size} tokens is outside 1..{vocab}")
     return sorted(set(range(size)) | {int(i) for i in always if 0 <= int(i) < vocab})
+
+
+def cache_slots(max_len: int, max_context: int) -> int:
+    """The slots of a new cache for `max_len` without CUDA graphs: whole CACHE_BLOCK_SLOTS, within the context."""
+    return max(max_len, min(-(-max_len // CACHE_BLOCK_SLOTS) * CACHE_BLOCK_SLOTS, max_context))
 
 
 def causal_mask(prefix: int, n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -132,16 +132,26 @@ def test_bf16_model_matches_transformers_on_either_cpu_forward(kernels):
     assert (logits.argmax(-1) == ref[29:].argmax(-1)).float().mean() >= 0.9
 
 
-def test_caches_are_kept_per_role_and_size():
-    """cache_for hands a role its kept cache of that size, emptied; without CUDA graphs one per role, with them
-    up to KEPT_GRAPH_CACHES sizes (the graphs captured over a cache live on it), least recently used out."""
+def test_caches_are_kept_per_role_and_grow_in_blocks():
+    """cache_for hands a role its kept cache, emptied: without CUDA graphs one per role, serving any sequence it holds
+    and replaced by a larger one in whole CACHE_BLOCK_SLOTS (a server slot's prefix copied along); with graphs up to
+    KEPT_GRAPH_CACHES sizes (the graphs captured over a cache live on it), least recently used out."""
     lean = LeanModel(load_model("tiny-random-llama").model)
+    block = model_module.CACHE_BLOCK_SLOTS
     target = lean.cache_for(100, "target")
+    assert target.max_len == block
     target.length = 7
     assert lean.cache_for(100, "target") is target and target.length == 0
     draft = lean.cache_for(100, "draft")
-    assert draft is not target and lean.cache_for(100, "target") is target
-    assert lean.cache_for(200, "target") is not target and lean.cache_for(100, "target") is not target  # one kept
+    assert draft is not target and lean.cache_for(block, "target") is target  # any sequence the cache holds
+    assert lean.cache_for(100, "streaming", exact=True).max_len == 100
+    target.k[:, :, :50], target.length, target.held = 1.0, 50, list(range(50))
+    grown = lean.cache_for(block + 1, "target", keep=True)
+    assert grown.max_len == 2 * block and grown.length == 50 and grown.held == target.held
+    assert bool((grown.k[:, :, :50] == 1.0).all()) and bool((grown.k[:, :, 50:] == 0.0).all())
+    assert lean.cache_for(100, "target") is grown and grown.length == 0  # one kept: the larger
+    assert lean.cache_for(3 * block - 9, "target").max_len == 3 * block
+    assert model_module.cache_slots(3 * block - 9, 3 * block - 5) == 3 * block - 5  # within the model's context
 
     lean.graphed = object()  # cache_for only asks whether graphs are on; no GPU needed to check what it keeps
     sizes = [model_module.GRAPH_CACHE_SLOTS * k for k in range(1, model_module.KEPT_GRAPH_CACHES + 2)]
