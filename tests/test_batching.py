@@ -16,7 +16,8 @@ from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.cuda_graphs import batch_buffers, batch_logits, graph_size, stage_batch, static_items
 from specplan.decoder.drafters import NoDrafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.model import ForwardItem, LeanModel, causal_mask, prefill_together
+from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask, prefill_together
+from specplan.decoder.prompt_cache import PromptCache
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.tree import DETERMINISTIC
 from specplan.decoder.trie import Trie
@@ -238,6 +239,46 @@ def test_a_prefix_a_slot_lost_is_reused_from_the_prompt_cache_by_any_slot(method
             assert results[i] == SpeculativeEngine(target, make()).generate(
                 request.prompt, request.max_new_tokens, SamplingParams()).tokens, (budget, i)
     monkeypatch.undo()
+
+
+def test_saved_prefixes_share_their_heads_and_the_least_recently_used_tail_goes_first(tiny_pair):
+    """Four slots that held questions over one document, saved one after another: the first keeps the document, each
+    other only its own tail; a request starts from exactly the keys and values its prefix was saved with; beyond the
+    budget the least recently used tail goes first and the document stays while a tail reads from it."""
+    _, target, _ = tiny_pair
+    document, tails = list(range(1000, 1100)), [[2000 + i] * 20 for i in range(4)]
+    torch.manual_seed(0)
+    head_k, head_v = torch.randn(2, target.shape.layers, target.shape.kv_heads, 100, target.shape.head_dim)
+
+    def slot(tail: list[int]) -> KVCache:
+        cache = target.new_cache(256)
+        cache.k[:, :, 100:120], cache.v[:, :, 100:120] = torch.randn(2, *cache.k[:, :, 100:120].shape)
+        cache.k[:, :, :100], cache.v[:, :, :100] = head_k, head_v
+        cache.held, cache.length = document + tail, 120
+        return cache
+
+    slots = [slot(tail) for tail in tails]
+    row_bytes = slots[0].k[:, :, :1].nbytes * 2
+    saved = PromptCache(row_bytes * (120 + 2 * 20))
+    for cache in slots[:3]:
+        saved.reuse(cache, [5] * 50)  # a request sharing nothing with the slot: its prefix is saved
+    assert saved.bytes == row_bytes * (120 + 2 * 20) and sorted(e.start for e in saved.entries) == [0, 100, 100]
+
+    def start(tail: list[int]) -> KVCache:  # a request's cache as the engine starts it (SpeculativeEngine.start)
+        cache, prompt = target.new_cache(256), document + tail + [7]
+        saved.reuse(cache, prompt)
+        cache.keep_prefix(prompt)
+        return cache
+
+    for cache, tail in zip(slots[:3], tails):
+        loaded = start(tail)
+        assert loaded.length == 120
+        assert torch.equal(loaded.k[:, :, :120], cache.k[:, :, :120]) and torch.equal(loaded.v[:, :, :120],
+                                                                                      cache.v[:, :, :120])
+    start(tails[1])  # used last; then a fourth saved: the third tail is the least recently used one nothing reads
+    saved.reuse(slots[3], [5] * 50)  # from (the first tail is the document's entry)
+    assert saved.bytes == row_bytes * (120 + 2 * 20)
+    assert start(tails[2]).length == 100 and all(start(tails[i]).length == 120 for i in (0, 1, 3))
 
 
 @pytest.mark.parametrize("chunk", [0, 16])
