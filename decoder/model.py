@@ -43,7 +43,7 @@ GEMMA_FAMILY = ("gemma2", "gemma3_text")
 GRAPH_CACHE_SLOTS = 512  # with CUDA graphs, cache sizes are rounded up to this (see LeanModel.cache_for)
 # Without CUDA graphs, a role's cache grows in blocks of this many slots and serves any sequence it holds: a server
 # slot's next request a few tokens longer than its last (a longer answer allowed, a longer question) keeps the slot's
-# cache instead of zeroing a new one, which for a long context costs more than a decoding step a joining request.
+# cache; zeroing a new long-context cache costs a joining request more than a decoding step.
 CACHE_BLOCK_SLOTS = 1024
 # With CUDA graphs, the caches (and the graphs captured over them) kept per role: prompts of mixed lengths
 # alternate among a few rounded sizes, and capturing a graph anew costs tens of its replays (two eager warm-up

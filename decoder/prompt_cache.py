@@ -71,7 +71,7 @@ class SavedPrefix:
 
 
 class PromptCache:
-    """Saved prefixes, least recently used first out beyond `budget_bytes` (one another's heads last)."""
+    """Saved prefixes, least recently used first out beyond `budget_bytes` (a prefix others read from after them)."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes

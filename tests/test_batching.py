@@ -275,8 +275,10 @@ def test_saved_prefixes_share_their_heads_and_the_least_recently_used_tail_goes_
         assert loaded.length == 120
         assert torch.equal(loaded.k[:, :, :120], cache.k[:, :, :120]) and torch.equal(loaded.v[:, :, :120],
                                                                                       cache.v[:, :, :120])
-    start(tails[1])  # used last; then a fourth saved: the third tail is the least recently used one nothing reads
-    saved.reuse(slots[3], [5] * 50)  # from (the first tail is the document's entry)
+    # the second used last, then a fourth saved: out goes the third, the least recently used prefix that nothing reads
+    # from (the first is the document's own, which the others read)
+    start(tails[1])
+    saved.reuse(slots[3], [5] * 50)
     assert saved.bytes == row_bytes * (120 + 2 * 20)
     assert start(tails[2]).length == 100 and all(start(tails[i]).length == 120 for i in (0, 1, 3))
 
