@@ -78,8 +78,8 @@ def closed_loop(scheduler: Scheduler, requests: list[Request], concurrency: int)
 def run(decoder: Decoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int, as_served: bool) -> dict:
     decoder.engine.clock = StepClock()
     decoder.restart()
-    list(decoder.generate_many([Request(ids, WARMUP_TOKENS) for ids in warmup_prompts(prompts, concurrency)],
-                               concurrency))
+    list(decoder.generate_many([Request(ids, WARMUP_TOKENS, ignore_eos=True)
+                                for ids in warmup_prompts(prompts, concurrency)], concurrency))
     requests = [Request(ids, max_new_tokens) for ids in prompts]
     with StepLog() as log:
         began = time.perf_counter()

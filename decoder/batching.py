@@ -57,6 +57,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     on_tokens: Callable[[list[int]], None] | None = None  # called with each step's emitted tokens (streaming)
+    ignore_eos: bool = False  # runs to max_new_tokens past the stop tokens (vLLM's and llama-server's ignore_eos)
 
 
 @dataclass
@@ -264,7 +265,7 @@ class Scheduler:
             try:
                 run = self.engine.start(request.prompt, request.max_new_tokens, request.params, request.seed,
                                         request.on_tokens, self.drafter_for_slot(slot), role, prefill=False,
-                                        keep_prefix=self.keep_prefixes)
+                                        keep_prefix=self.keep_prefixes, ignore_eos=request.ignore_eos)
             except UserError as exc:  # this request fails alone
                 self.free_slots.insert(0, slot)
                 failed.append(Completion(waiting.id, None, str(exc)))

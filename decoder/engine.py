@@ -244,18 +244,21 @@ class SpeculativeEngine:
 
     def start(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None,
               on_tokens: Callable[[list[int]], None] | None = None, drafter: Drafter | None = None,
-              role: str = "target", prefill: bool = True, keep_prefix: bool = False) -> SequenceRun:
+              role: str = "target", prefill: bool = True, keep_prefix: bool = False,
+              ignore_eos: bool = False) -> SequenceRun:
         """A sequence prefilled and ready to step (see `prepare` for `drafter` and `role`); without `prefill`, its
         cache prepared and empty but for a kept prefix (a batch prefills several together, then calls
         SequenceRun.prefill). `keep_prefix`: the prefix the prompt shares with what the role's cache holds from its
-        last sequence (a server's slot) is kept instead of computed again (KVCache.keep_prefix)."""
+        last sequence (a server's slot) is kept instead of computed again (KVCache.keep_prefix). `ignore_eos`: it
+        stops at `max_new_tokens` only."""
         drafter = drafter or self.drafter
         start = time.perf_counter()
         cache = self.prepare(len(prompt), max_new_tokens, drafter, role, keep=keep_prefix)
         if keep_prefix:
             cache.keep_prefix(prompt)
+        stop_ids = set() if ignore_eos else self.stop_ids
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
-                          self.stop_ids, self.masks, on_tokens, self.pricing, self.schedule, self.clock,
+                          stop_ids, self.masks, on_tokens, self.pricing, self.schedule, self.clock,
                           self.sharing if drafter.shadows else None)
         if prefill:
             run.prefill(prompt)

@@ -169,6 +169,7 @@ class Parsed:
     stream: bool
     chat: bool
     usage: bool = False  # a streamed response ends with a chunk of token counts (stream_options.include_usage)
+    ignore_eos: bool = False
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float) -> Any:
@@ -251,8 +252,11 @@ class Server:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise UserError("stream_options must be an object")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise UserError("ignore_eos must be true or false")
         return Parsed(prompt, max_new, params, _number(body, "seed", int, 0, 2**63 - 1), stream, chat,
-                      usage=options.get("include_usage") is True)
+                      usage=options.get("include_usage") is True, ignore_eos=ignore_eos)
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         tokenizer = self.decoder.tokenizer
@@ -279,8 +283,9 @@ class Server:
         except UserError as exc:
             return _error(400, str(exc))
         loop = asyncio.get_running_loop()
-        ticket = Ticket(Request(parsed.prompt, parsed.max_new_tokens, parsed.params, parsed.seed), asyncio.Queue(),
-                        stream=parsed.stream)
+        generation = Request(parsed.prompt, parsed.max_new_tokens, parsed.params, parsed.seed,
+                             ignore_eos=parsed.ignore_eos)
+        ticket = Ticket(generation, asyncio.Queue(), stream=parsed.stream)
         try:
             self.engine.submit(ticket, loop)
         except QueueFull as exc:

@@ -43,11 +43,12 @@ if TYPE_CHECKING:
 SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
 SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-Bench prompt and its output fit
 SLOT_TREE_ROOM = 64  # a slot's tokens beyond its prompt and output: the largest draft tree a step scores
-# Each warm-up request's new tokens, every system alike: enough steps for a server's start to pass before the measured
-# load (kernels built, graphs captured, and our StepClock's first timings of each kind of step at the level's batch
-# size: a start, four drafted steps and four plain ones; decoder/gate.py), as it has in a server that runs for hours,
-# at the most tokens a drafted step emits here (TriForce 8K: 5-6; at 16 tokens the clock timed C = 8 in the measured
-# load, a fifth of its request-steps sat out)
+# Each warm-up request's new tokens, every system alike and past the stop tokens (ignore_eos): enough steps for a
+# server's start to pass before the measured load, as it has in a server that runs for hours: kernels built, graphs
+# captured, and our StepClock's timings of each kind of step at the level's batch size (a drafter's start, then
+# UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST drafted steps and as many plain ones; decoder/gate.py) at the most tokens a
+# drafted step emits here (TriForce 8K: 5-6). Warm-up requests that ended at their stop tokens a few steps in left the
+# clock to time C = 8 in the measured load, which sat a tenth of its request-steps out.
 WARMUP_TOKENS = 64
 
 
@@ -204,9 +205,9 @@ async def _healthy(url: str) -> bool:
 
 
 async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-                       count_tokens: Callable[[str], int]) -> RequestTiming:
+                       count_tokens: Callable[[str], int], ignore_eos: bool) -> RequestTiming:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     sent = time.perf_counter()
     first, text, counted, steps, drafted, decisions, cached = None, [], None, None, None, None, None
     async with session.post(url + "/v1/completions", json=body) as reply:
@@ -245,7 +246,8 @@ def reported_forwards(timings: dict) -> int | None:
 
 
 async def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
-                      count_tokens: Callable[[str], int]) -> tuple[list[RequestTiming], int]:
+                      count_tokens: Callable[[str], int], ignore_eos: bool = False
+                      ) -> tuple[list[RequestTiming], int]:
     """C clients, each sending the next prompt when its last request completes; (timings, failures)."""
     queue = list(reversed(prompts))
     timings: list[RequestTiming] = []
@@ -259,7 +261,7 @@ async def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_
         while queue:
             index, prompt = len(prompts) - len(queue), queue.pop()
             try:
-                timing = await _one_request(session, url, prompt, max_tokens, count_tokens)
+                timing = await _one_request(session, url, prompt, max_tokens, count_tokens, ignore_eos)
                 timings.append(replace(timing, prompt=index))
             except (UserError, aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
                 failures += 1
@@ -477,7 +479,7 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
         server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"))
         try:
             server.wait_ready()
-            asyncio.run(closed_loop(server.url, warmup, concurrency, WARMUP_TOKENS, count_tokens))
+            asyncio.run(closed_loop(server.url, warmup, concurrency, WARMUP_TOKENS, count_tokens, ignore_eos=True))
             timings, failed = asyncio.run(closed_loop(server.url, level_prompts, concurrency, max_tokens,
                                                       count_tokens))
         finally:

@@ -59,6 +59,7 @@ def test_a_completion_streamed_and_whole_equals_plan_generate(server):
     ({"prompt": "hi", "max_tokens": 5000}, "exceeds the model's context of 4096"),
     ({"prompt": "hi", "max_tokens": 3600}, "exceeds the server's context of 3500 (--context)"),
     ({"prompt": "hi", "n": 3}, "n must be"),
+    ({"prompt": "hi", "extra_body": {"ignore_eos": "yes"}}, "ignore_eos must be true or false"),
 ])
 def test_a_malformed_request_gets_400_and_the_server_keeps_serving(server, body, reason):
     _, running = server
@@ -71,6 +72,20 @@ def test_a_malformed_request_gets_400_and_the_server_keeps_serving(server, body,
     response = connection.getresponse()
     assert response.status == 400 and json.loads(response.read())["error"]["message"] == "the body is not JSON"
     assert client(running).completions.create(model="m", prompt="still there?", max_tokens=3).usage.completion_tokens
+
+
+def test_a_request_that_ignores_eos_runs_to_its_max_tokens_past_a_stop_token(server, monkeypatch):
+    """`ignore_eos` (vLLM's and llama-server's field; the serving bench's warm-up sends it): the reply goes on past a
+    stop token, the same greedy text as a reply with no stop tokens; without it the reply ends there."""
+    decoder, running = server
+    free = decoder.generate("once upon a time", 10, chat=False)
+    monkeypatch.setattr(decoder.engine, "stop_ids", {free.result.tokens[3]})
+    stopped = client(running).completions.create(model="m", prompt="once upon a time", max_tokens=10, temperature=0)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 4
+    ignoring = client(running).completions.create(model="m", prompt="once upon a time", max_tokens=10, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    assert ignoring.choices[0].text == free.text and ignoring.usage.completion_tokens == 10
+    assert ignoring.choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("stream", [True, False])
