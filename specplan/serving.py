@@ -45,11 +45,12 @@ SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-B
 SLOT_TREE_ROOM = 64  # a slot's tokens beyond its prompt and output: the largest draft tree a step scores
 # Each warm-up request's new tokens, every system alike and past the stop tokens (ignore_eos): enough steps for a
 # server's start to pass before the measured load, as it has in a server that runs for hours: kernels built, graphs
-# captured, and our StepClock's timings of each kind of step at the level's batch size (a drafter's start, then
-# UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST drafted steps and as many plain ones; decoder/gate.py) at the most tokens a
-# drafted step emits here (TriForce 8K: 5-6). Warm-up requests that ended at their stop tokens a few steps in left the
-# clock to time C = 8 in the measured load, which sat a tenth of its request-steps out.
-WARMUP_TOKENS = 64
+# captured, and our StepClock's timings of each kind of step at the level's batch size (the steps the requests join
+# in, then UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST drafted steps and as many plain ones; decoder/gate.py: some 11
+# drafted steps and 8 plain) at the most tokens a drafted step emits here (TriForce 8K: 5-6.5). Warm-up requests that
+# ended at their stop tokens a few steps in left the clock to time C = 8 in the measured load, which sat a tenth of its
+# request-steps out.
+WARMUP_TOKENS = 96
 
 
 # (a level's prompts, C, max tokens, tokens per step or None: the plan's, each prompt's output tokens or None: the
