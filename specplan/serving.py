@@ -43,13 +43,12 @@ if TYPE_CHECKING:
 SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
 SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-Bench prompt and its output fit
 SLOT_TREE_ROOM = 64  # a slot's tokens beyond its prompt and output: the largest draft tree a step scores
-# Each warm-up request's new tokens, every system alike and past the stop tokens (ignore_eos): enough steps for a
-# server's start to pass before the measured load, as it has in a server that runs for hours: kernels built, graphs
-# captured, and our StepClock's timings of each kind of step at the level's batch size (the steps the requests join
-# in, then UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST drafted steps and as many plain ones; decoder/gate.py: some 11
-# drafted steps and 8 plain) at the most tokens a drafted step emits here (TriForce 8K: 5-6.5). Warm-up requests that
-# ended at their stop tokens a few steps in left the clock to time C = 8 in the measured load, which sat a tenth of its
-# request-steps out.
+# Each warm-up request's new tokens, every system alike (a server's past its stop tokens: ignore_eos): enough steps for
+# a server's start to pass before the measured load, as it has in a server that runs for hours: kernels built, graphs
+# captured, and our StepClock's timings at the level's batch size (after the steps the requests join in,
+# UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST steps of each kind; decoder/gate.py) at the most tokens a drafted step emits
+# here (TriForce 8K: 5-6.5). Warm-up requests that ended at their stop tokens a few steps in left the clock to time
+# C = 8 in the measured load, which sat a tenth of its request-steps out.
 WARMUP_TOKENS = 96
 
 
@@ -249,7 +248,8 @@ def reported_forwards(timings: dict) -> int | None:
 async def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
                       count_tokens: Callable[[str], int], ignore_eos: bool = False
                       ) -> tuple[list[RequestTiming], int]:
-    """C clients, each sending the next prompt when its last request completes; (timings, failures)."""
+    """C clients, each sending the next prompt when its last request completes; (timings, failures). With
+    `ignore_eos` every request runs to `max_tokens` (a warm-up's)."""
     queue = list(reversed(prompts))
     timings: list[RequestTiming] = []
     failures = 0
