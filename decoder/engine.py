@@ -4,6 +4,7 @@ same loop with a one-node tree."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -13,6 +14,7 @@ import torch
 
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
+from specplan.decoder.chain_length import ChainLengths
 from specplan.decoder.drafters import Drafter, NoDrafter
 from specplan.decoder.gate import DraftGate, Pricing, StepClock, one_kind_of_step
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
@@ -77,9 +79,14 @@ class SequenceRun:
                  params: SamplingParams, seed: int | None, max_new_tokens: int, stop_ids: set[int],
                  masks: TreeMasks, on_tokens: Callable[[list[int]], None] | None = None,
                  pricing: Pricing | None = None, schedule: BatchSchedule | None = None,
-                 clock: StepClock | None = None, sharing: SharedRows | None = None) -> None:
+                 clock: StepClock | None = None, sharing: SharedRows | None = None,
+                 chains: ChainLengths | None = None) -> None:
         self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
         self.schedule = schedule
+        self.chains = chains  # the engine's choice of each step's chain length, where its schedule prices them
+        # a drafted step's price at the plan's setting over its price at the length drafted (chains): what the clock
+        # scales the step's time by
+        self.price_scale = 1.0
         self.sharing = sharing  # the engine's, which decides this request's rows and learns from its surveys
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
         self.gate = (DraftGate(pricing, clock, drafter.shadows)
@@ -118,15 +125,24 @@ class SequenceRun:
 
     def decide(self, batch: int) -> None:
         """How much this request drafts at the coming step of `batch` sequences (an engine's rule, else the schedule's
-        setting there, at its own context), and whether it drafts at all (always, without a gate)."""
-        self.batch = batch
+        setting there, at its own context, or the chain length chosen for the step), and whether it drafts at all
+        (always, without a gate)."""
+        self.batch, price, self.price_scale = batch, None, 1.0
         if self.drafter.rule is not None:
             self.drafter.draft_nodes(self.drafter.rule.tokens(batch) + 1)
         elif self.schedule is not None:
-            self.drafter.follow(self.schedule.entry_for(batch, self.cache.length), gated=self.gate is not None)
+            entry = self.schedule.entry_for(batch, self.cache.length)
+            self.drafter.follow(entry, gated=self.gate is not None)
+            nodes, planned = entry.nodes(self.gate is not None), entry.price_at(batch)
+            chosen = (self.chains.choose(self.schedule.table_for(self.cache.length).chain_lengths, batch, nodes)
+                      if self.chains is not None and nodes > 1 and planned is not None else None)
+            if chosen is not None:
+                self.drafter.draft_nodes(chosen.decoding_length)
+                price = chosen.price_at(batch)
+                self.price_scale = (planned[0] / planned[1]) / (price[0] / price[1])
         if self.gate is not None:
             self.drafter.drafting = self.gate.drafts(batch, self.cache.length, self.drafter.start_tokens(),
-                                                     self.max_new_tokens - len(self.out))
+                                                     self.max_new_tokens - len(self.out), price)
 
     def propose(self, tree: DraftTree | None = None) -> ForwardItem:
         """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
@@ -156,6 +172,8 @@ class SequenceRun:
             self.drafter.started_reading = None
         if self.sharing is not None:
             self.sharing.emitted(self.drafter, len(new))
+        if self.chains is not None:
+            self.chains.observe(self.drafter.prefix_yields())
         if self.gate is not None:
             self.gate.observe(len(new), tree.size - 1)
             self.decisions[f"{self.gate.reason}: {'drafts' if self.gate.drafting else 'plain'}"] += 1
@@ -192,15 +210,19 @@ class SequenceRun:
 class SpeculativeEngine:
     def __init__(self, target: LeanModel, drafter: Drafter | None = None, stop_ids: Collection[int] | None = None,
                  rule: str | None = None, pricing: Pricing | None = None, schedule: BatchSchedule | None = None,
-                 clock: StepClock | None = None, sharing: SharedRows | None = None) -> None:
+                 clock: StepClock | None = None, sharing: SharedRows | None = None,
+                 chains: ChainLengths | None = None) -> None:
         """`pricing`: the plan's predicted tokens per step and speedup per batch size (Plan.predicted_at), against
         which each request decides step by step whether to draft (decoder/gate.py); None: every step drafts.
         `schedule`: the plan's setting per batch size and context, which each request follows step by step.
         `clock`: the steps' measured costs, which price a drafted step once measured (decoder/gate.py); None: the
         plan's price alone. `sharing`: each step's rows shared by the requests' expected yields (decoder/sharing.py),
-        in place of the schedule and the per-request decisions."""
+        in place of the schedule and the per-request decisions. `chains`: each step's chain length chosen among those
+        the schedule priced (decoder/chain_length.py); None: the schedule's setting."""
         self.target = target
         self.sharing = sharing
+        self.chains = chains
+        self.price_scale = 1.0  # the coming step's (SequenceRun.price_scale): what the clock scales its time by
         self.pricing = pricing
         self.clock = clock
         self.schedule = schedule
@@ -259,7 +281,7 @@ class SpeculativeEngine:
         stop_ids = set() if ignore_eos else self.stop_ids
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
                           stop_ids, self.masks, on_tokens, self.pricing, self.schedule, self.clock,
-                          self.sharing if drafter.shadows else None)
+                          self.sharing if drafter.shadows else None, self.chains)
         if prefill:
             run.prefill(prompt)
             run.prefill_seconds = run.started - start
@@ -272,6 +294,8 @@ class SpeculativeEngine:
             for run, rows in zip(runs, self.sharing.decide([run.drafter for run in runs], [run.root for run in runs])):
                 run.decisions[f"shared: {'drafts' if rows > 1 else 'plain'}"] += 1
             return
+        if self.chains is not None:
+            self.chains.begin_step()
         for run in runs:
             run.decide(len(runs))
         gated = [run for run in runs if run.gate is not None]
@@ -279,6 +303,8 @@ class SpeculativeEngine:
             one_kind_of_step([run.gate for run in gated])
             for run in gated:
                 run.drafter.drafting = run.gate.drafting
+        scales = [run.price_scale for run in runs if run.drafter.drafts_now()]
+        self.price_scale = statistics.mean(scales) if scales else 1.0
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
@@ -295,7 +321,8 @@ class SpeculativeEngine:
             finished = run.advance(self.target.forward(*item))
             drafted = run.tree.size > 1
             if self.clock is not None and not (drafted and run.drafter.started_now):
-                self.clock.step_done(1, drafted, time.perf_counter() - start - reading)
+                seconds = time.perf_counter() - start - reading
+                self.clock.step_done(1, drafted, seconds * self.price_scale if drafted else seconds)
             if self.sharing is not None:
                 self.sharing.timed(time.perf_counter() - start)
             if finished:
