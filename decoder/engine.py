@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specplan.core.errors import UserError
-from specplan.core.plan_schema import BatchSchedule
+from specplan.core.plan_schema import BatchSchedule, ChainLength
 from specplan.decoder.chain_length import ChainLengths
 from specplan.decoder.drafters import Drafter, NoDrafter
 from specplan.decoder.gate import DraftGate, Pricing, StepClock, one_kind_of_step
@@ -87,6 +87,7 @@ class SequenceRun:
         # a drafted step's price at the plan's setting over its price at the length drafted (chains): what the clock
         # scales the step's time by
         self.price_scale = 1.0
+        self.chosen: ChainLength | None = None  # the chain length chosen for the coming step, if any
         self.sharing = sharing  # the engine's, which decides this request's rows and learns from its surveys
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
         self.gate = (DraftGate(pricing, clock, drafter.shadows)
@@ -127,7 +128,7 @@ class SequenceRun:
         """How much this request drafts at the coming step of `batch` sequences (an engine's rule, else the schedule's
         setting there, at its own context, or the chain length chosen for the step), and whether it drafts at all
         (always, without a gate)."""
-        self.batch, price, self.price_scale = batch, None, 1.0
+        self.batch, price, self.price_scale, self.chosen = batch, None, 1.0, None
         if self.drafter.rule is not None:
             self.drafter.draft_nodes(self.drafter.rule.tokens(batch) + 1)
         elif self.schedule is not None:
@@ -137,6 +138,7 @@ class SequenceRun:
             chosen = (self.chains.choose(self.schedule.table_for(self.cache.length).chain_lengths, batch, nodes)
                       if self.chains is not None and nodes > 1 and planned is not None else None)
             if chosen is not None:
+                self.chosen = chosen
                 self.drafter.draft_nodes(chosen.decoding_length)
                 price = chosen.price_at(batch)
                 self.price_scale = (planned[0] / planned[1]) / (price[0] / price[1])
@@ -223,6 +225,7 @@ class SpeculativeEngine:
         self.sharing = sharing
         self.chains = chains
         self.price_scale = 1.0  # the coming step's (SequenceRun.price_scale): what the clock scales its time by
+        self.chosen: ChainLength | None = None  # the coming step's chain length, where every drafting sequence's
         self.pricing = pricing
         self.clock = clock
         self.schedule = schedule
@@ -303,8 +306,21 @@ class SpeculativeEngine:
             one_kind_of_step([run.gate for run in gated])
             for run in gated:
                 run.drafter.drafting = run.gate.drafting
-        scales = [run.price_scale for run in runs if run.drafter.drafts_now()]
-        self.price_scale = statistics.mean(scales) if scales else 1.0
+        drafting = [run for run in runs if run.drafter.drafts_now()]
+        self.price_scale = statistics.mean(run.price_scale for run in drafting) if drafting else 1.0
+        chosen = {run.chosen for run in drafting}
+        self.chosen = chosen.pop() if len(chosen) == 1 else None
+
+    def step_timed(self, batch: int, drafted: bool, seconds: float, scale: float, chosen: ChainLength | None) -> None:
+        """A timed step of `batch` sequences to the clock, a drafted one scaled to the plan's setting by `scale` (its
+        `price_scale`), and to the chain lengths' prices where every drafting sequence drafted `chosen`."""
+        if self.clock is None:
+            return
+        self.clock.step_done(batch, drafted, seconds * scale if drafted else seconds)
+        plain = self.clock.plain_seconds(batch)
+        if drafted and chosen is not None and self.chains is not None and plain is not None:
+            tokens, speedup = chosen.price_at(batch)
+            self.chains.timed(chosen.decoding_length, seconds / plain, tokens / speedup)
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
@@ -320,9 +336,8 @@ class SpeculativeEngine:
             reading = run.drafter.reading_seconds
             finished = run.advance(self.target.forward(*item))
             drafted = run.tree.size > 1
-            if self.clock is not None and not (drafted and run.drafter.started_now):
-                seconds = time.perf_counter() - start - reading
-                self.clock.step_done(1, drafted, seconds * self.price_scale if drafted else seconds)
+            if not (drafted and run.drafter.started_now):
+                self.step_timed(1, drafted, time.perf_counter() - start - reading, self.price_scale, self.chosen)
             if self.sharing is not None:
                 self.sharing.timed(time.perf_counter() - start)
             if finished:

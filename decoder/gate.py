@@ -172,6 +172,10 @@ class StepClock:
             return None
         return tokens * statistics.median(self.start_rates) / statistics.median(self.seconds[(near, False)])
 
+    def plain_seconds(self, batch: int) -> float | None:
+        """The median plain step's seconds at `batch` sequences; None before they are timed."""
+        return statistics.median(self.seconds[(batch, False)]) if self._timed(batch, False) else None
+
     def drafted_step_cost(self, batch: int) -> float | None:
         """A drafted step's price in plain steps at `batch` sequences, as measured; None before both kinds are."""
         if not (self._timed(batch, True) and self._timed(batch, False)):

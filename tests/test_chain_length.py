@@ -25,7 +25,7 @@ from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.chain_length import LENGTH_PRIOR, LENGTH_PROBE_SHARE, LENGTH_WINDOW, ChainLengths
 from specplan.decoder.drafters import TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.gate import MEASURED_AT_LEAST, DraftGate, StepClock
+from specplan.decoder.gate import MEASURED_AT_LEAST, UNTIMED_FIRST_STEPS, DraftGate, StepClock
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 from specplan.decoder.triforce import HierarchicalDrafter, bottom_trie_settings
@@ -65,6 +65,29 @@ def test_the_longest_chain_is_kept_until_its_last_positions_stop_paying():
     assert chains.choose((SHORTER, LONGER), 16, 6) is LONGER
     assert chains.mean_yield(LONGER) == pytest.approx((LENGTH_PRIOR * 6.34 + 7 * LENGTH_WINDOW)
                                                       / (LENGTH_PRIOR + LENGTH_WINDOW))
+
+
+def test_a_length_whose_steps_cost_more_than_its_price_is_left_once_timed(tiny_pair):
+    """The shorter chain wins on the plan's prices; timed at 1.2 times its price (the longer at its own), it loses.
+    The engine feeds the timing: a drafted step's seconds over the clock's plain step at that batch size."""
+    _, target, _ = tiny_pair
+    chains = ChainLengths()
+    for _ in range(LENGTH_WINDOW):
+        chains.observe({5: 5, 6: 5})
+    chains.begin_step()
+    assert chains.choose((SHORTER, LONGER), 16, 6) is SHORTER
+    clock = StepClock()
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(16, False, 0.1)
+    engine = SpeculativeEngine(target, clock=clock, chains=chains)
+    shorter_price, longer_price = 5.69 / 1.1245, 6.34 / 1.1708
+    for _ in range(UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST):
+        engine.step_timed(16, True, 0.1 * 1.2 * shorter_price, 1.0, SHORTER)
+        engine.step_timed(16, True, 0.1 * longer_price, 1.0, LONGER)
+    assert chains.price_error(5) == pytest.approx(1.2) and chains.price_error(6) == pytest.approx(1.0)
+    assert chains.price_error(4) == pytest.approx(1.2)  # untimed: the nearest length's
+    chains.begin_step()
+    assert chains.choose((SHORTER, LONGER), 16, 6) is LONGER
 
 
 @torch.inference_mode()
