@@ -29,6 +29,7 @@ from specplan.decoder.gate import MEASURED_AT_LEAST, UNTIMED_FIRST_STEPS, DraftG
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 from specplan.decoder.triforce import HierarchicalDrafter, bottom_trie_settings
+from specplan.show import describe_schedule
 
 from toy import drafters_per_slot, long_prompt
 
@@ -178,6 +179,8 @@ def test_a_schedules_chain_lengths_round_trip_and_bad_ones_fail_in_one_line(tmp_
     plan = _triforce_plan((ChainLength(2, 1.5, (1.1, 1.0)), ChainLength(3, 2.0, (1.2, 1.1))))
     save_plan(plan, tmp_path / "plan.yaml")
     assert load_plan(tmp_path / "plan.yaml").schedule == plan.schedule
+    assert "chain length chosen up to the entry's among gamma2=1, gamma2=2," in describe_schedule(plan.schedule,
+                                                                                                 "triforce")
     document = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     for change, message in [(lambda d: d["schedule"]["chain_lengths"][1].update(decoding_length=4),
                              "chain length exceeds the plan's 3"),
