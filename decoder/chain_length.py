@@ -29,12 +29,11 @@ output and the sampled distribution are the target's whatever the length.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 
 from specplan.core.plan_schema import ChainLength
-from specplan.decoder.gate import MEASURED_AT_LEAST, MEASURED_STEPS, UNTIMED_FIRST_STEPS
+from specplan.decoder.gate import MEASURED_AT_LEAST, MEASURED_STEPS, UNTIMED_FIRST_STEPS, probe_period
 
 # The drafted sequence-steps each length's mean yield is taken over: the chains of one request or a few (64-128 tokens
 # each at 2-6 tokens a step), enough that a 2-3% difference between neighbouring lengths stands out of a step's spread
@@ -80,10 +79,8 @@ class ChainLengths:
         gain = {n: self.mean_yield(length) * length.price_at(batch)[1] / (length.tokens_per_step * self.price_error(n))
                 for n, length in options.items()}  # tokens per plain step's time
         best = max(gain, key=lambda n: (gain[n], n))
-        if best != nodes:
-            loss = 1.0 - gain[nodes] / gain[best]
-            period = 1 << max(0, math.ceil(math.log2(max(loss, LENGTH_PROBE_SHARE) / LENGTH_PROBE_SHARE)))
-            if self.step % period == 0:
+        if best != nodes:  # the entry's length refreshed at the steps its loss's period numbers
+            if self.step % probe_period(1.0 - gain[nodes] / gain[best], LENGTH_PROBE_SHARE) == 0:
                 best = nodes
         return options[best]
 

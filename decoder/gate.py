@@ -338,10 +338,10 @@ class DraftGate:
             self.recent.yields.append(ratio)
 
 
-def probe_period(loss: float) -> int:
+def probe_period(loss: float, share: float = PROBE_SHARE) -> int:
     """The steps between the probes of requests sitting out whose probe loses `loss` plain steps: the power of two at
-    or above the steps whose PROBE_SHARE pays that loss."""
-    return 1 << max(0, math.ceil(math.log2(max(loss, PROBE_SHARE) / PROBE_SHARE)))
+    or above the steps whose `share` pays that loss."""
+    return 1 << max(0, math.ceil(math.log2(max(loss, share) / share)))
 
 
 def one_kind_of_step(gates: list[DraftGate]) -> None:
