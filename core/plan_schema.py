@@ -36,11 +36,7 @@ at most the plan's num_tokens, its n-gram kept. An entry that does not speculate
 {decoding_length, tokens_per_step, speedup}`, its best drafting setting where that is predicted within the margin
 (CANDIDATE_SPEEDUP up to MIN_SPEEDUP, core/choices.py): requests that decide step by step whether to draft
 (decoder/gate.py) draft it only once the steps' measured prices say it pays; engines' tables and fixed settings read the
-entry as off. A TriForce schedule also carries `chain_lengths: [{decoding_length, tokens_per_step, speedups}, ...]`
-in each table: every chain length it chose among, priced at each batch size from 1 (a shorter chain is a prefix of a
-longer one, cut at a round's end), among which the decoder chooses each step's length by what the batch's chains
-have been yielding at each length (decoder/chain_length.py); absent in plans solved before them. A plan without a
-schedule is the batch-1 plan at every batch size.
+entry as off. A plan without a schedule is the batch-1 plan at every batch size.
 
 A Lookahead plan solved with `--share-rows` also carries `sharing: {trie, context, tokens_per_step: {length: tokens},
 step_seconds: {batch size: [seconds at 1, 2, ... rows per sequence]}, min_speedup}` (RowSharing): instead of one
@@ -271,30 +267,6 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class ChainLength:
-    """A chain length a TriForce schedule chose among, priced at each batch size from 1 (beyond the last, the last):
-    what a per-step choice of the chain's length reads (decoder/chain_length.py)."""
-
-    decoding_length: int  # nodes per sequence, root included: gamma2 + 1
-    tokens_per_step: float  # per sequence, replayed over the acceptance traces
-    speedups: tuple[float, ...]  # over no speculation at 1, 2, ... sequences
-
-    def price_at(self, batch: int) -> tuple[float, float]:
-        return self.tokens_per_step, self.speedups[min(batch, len(self.speedups)) - 1]
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> ChainLength:
-        speedups = f.number_list("speedups", low=0.0)
-        if not speedups or min(speedups) <= 0.0:
-            raise f.fail("'speedups' must be a non-empty list of positive speedups, from one sequence up")
-        return cls(f.token_count("decoding_length", low=2), f.number("tokens_per_step", low=1.0), tuple(speedups))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"decoding_length": self.decoding_length, "tokens_per_step": self.tokens_per_step,
-                "speedups": list(self.speedups)}
-
-
-@dataclass(frozen=True)
 class ScheduleEntry:
     """The setting for steps of `low`..`high` sequences, and what it is predicted to give there."""
 
@@ -367,7 +339,6 @@ class BatchSchedule:
     entries: tuple[ScheduleEntry, ...]
     up_to_context: int | None = None
     longer: tuple[BatchSchedule, ...] = ()
-    chain_lengths: tuple[ChainLength, ...] = ()  # a TriForce table's (see the module's docstring); () otherwise
 
     @classmethod
     def merged(cls, context: int | None, per_batch: list[tuple[int | None, float, float, float, Candidate | None]]
@@ -408,14 +379,10 @@ class BatchSchedule:
     def entry_for(self, batch: int, context: int | None = None) -> ScheduleEntry:
         """The entry whose range holds `batch` sequences (the last beyond the last range), in the table of a
         sequence of `context` tokens (None: the first table)."""
-        table = self.table_for(context)
-        return next((e for e in table.entries if e.low <= batch <= e.high), table.entries[-1])
-
-    def table_for(self, context: int | None = None) -> BatchSchedule:
-        """The table a sequence of `context` tokens follows (None: the first)."""
         tables = self.tables
-        return next((t for t in tables if context is None or t.up_to_context is None or context <= t.up_to_context),
-                    tables[-1])
+        table = next((t for t in tables if context is None or t.up_to_context is None or context <= t.up_to_context),
+                     tables[-1])
+        return next((e for e in table.entries if e.low <= batch <= e.high), table.entries[-1])
 
     @classmethod
     def from_fields(cls, f: Fields, largest_draft: int | None, nested: bool = False) -> BatchSchedule:
@@ -439,15 +406,8 @@ class BatchSchedule:
                 raise f.fail("'longer' must be a non-empty list of tables, at the top of the schedule only")
             longer = tuple(cls.from_fields(Fields(item, f"{f.where}: longer[{i}]"), largest_draft, nested=True)
                            for i, item in enumerate(items))
-        lengths = f.data.get("chain_lengths", [])
-        if not isinstance(lengths, list):
-            raise f.fail("'chain_lengths' must be a list")
-        chain_lengths = tuple(ChainLength.from_fields(Fields(c, f"{f.where}: chain_lengths[{i}]"))
-                              for i, c in enumerate(lengths))
-        if any(c.decoding_length > (largest_draft or c.decoding_length) for c in chain_lengths):
-            raise f.fail(f"a chain length exceeds the plan's {largest_draft} nodes")
         schedule = cls(f.token_count("context", required=False), entries,
-                       f.token_count("up_to_context", required=False), longer, chain_lengths)
+                       f.token_count("up_to_context", required=False), longer)
         tables = schedule.tables
         bounds = [table.up_to_context for table in tables]
         if bounds[-1] is not None or any(b is None for b in bounds[:-1]) or bounds[:-1] != sorted(set(bounds[:-1])):
@@ -459,8 +419,6 @@ class BatchSchedule:
         if self.up_to_context is not None:
             out["up_to_context"] = self.up_to_context
         out["entries"] = [e.to_dict() for e in self.entries]
-        if self.chain_lengths:
-            out["chain_lengths"] = [length.to_dict() for length in self.chain_lengths]
         if self.longer:
             out["longer"] = [table.to_dict() for table in self.longer]
         return out
@@ -657,8 +615,6 @@ class Plan:
                                  "that drafts nothing", "prompt-lookup": "an n-gram tree or one that drafts nothing"
                              }.get(method, method))
             plan.schedule = BatchSchedule.from_fields(f.sub("schedule"), largest)
-            if method != "triforce" and any(table.chain_lengths for table in plan.schedule.tables):
-                raise f.fail("'chain_lengths' are a TriForce schedule's")
         if f.has("sharing"):
             if method != "lookahead":
                 raise f.fail("rows shared by the requests' yields ('sharing') are for Lookahead plans")

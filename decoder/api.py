@@ -24,7 +24,6 @@ from specplan.core.plan_schema import Plan, load_plan
 from specplan.core.profile_schema import load_profile
 from specplan.core.prompts import encode_prompt
 from specplan.decoder.batching import Completion, Request, Scheduler
-from specplan.decoder.chain_length import ChainLengths
 from specplan.decoder.cuda_graphs import compile_forward, enable_cuda_graphs
 from specplan.decoder.draft_rules import RULE_CHAIN_TOKENS, TRTLLM_AUTO_TIERS, rule_maker
 from specplan.decoder.drafters import Drafter, NoDrafter, SequoiaDrafter, TrieDrafter
@@ -74,17 +73,15 @@ class Decoder:
         # each request drafts at a step only while its own drafts pay at the plan's price, once measured at the
         # steps' own (decoder/gate.py); or, a plan solved to share a step's rows, by the rows it is given
         # (decoder/sharing.py)
-        chained = plan is not None and plan.schedule is not None and any(t.chain_lengths for t in plan.schedule.tables)
         self.engine = SpeculativeEngine(self.target_forward, make_drafter(), target.stop_token_ids, verify,
                                         plan.predicted_at if plan is not None else None,
                                         plan.schedule if plan is not None else None, StepClock(),
-                                        SharedRows(plan.sharing) if plan is not None and plan.sharing else None,
-                                        ChainLengths() if chained else None)
+                                        SharedRows(plan.sharing) if plan is not None and plan.sharing else None)
         self.slot_drafters: dict[int, Drafter] = {}  # a batch's slots beyond the first (slot 0: the engine's)
 
     def draft_every_step(self) -> None:
         """Draft at every step of every request, as the plan's schedule says, whatever the request's drafts yield."""
-        self.engine.pricing = self.engine.sharing = self.engine.chains = None
+        self.engine.pricing = self.engine.sharing = None
 
     def unshared(self) -> None:
         """The plan as it would run without its `sharing`: its own trie, each request's drafting decided by the
@@ -150,7 +147,7 @@ class Decoder:
     def _draft_with(self, make_drafter: Callable[[], Drafter]) -> None:
         """Every request's drafter from `make_drafter` from now on, which decides its own lengths: no schedule, no
         per-request decisions."""
-        self.engine.schedule = self.engine.pricing = self.engine.sharing = self.engine.chains = None
+        self.engine.schedule = self.engine.pricing = self.engine.sharing = None
         self.make_drafter = make_drafter
         self.engine.drafter = make_drafter()
         self.slot_drafters.clear()

@@ -37,7 +37,6 @@ import torch
 
 from specplan.core.choices import DEFAULT_PROMPT_CACHE_MIB, MIN_SAVED_TOKENS
 from specplan.core.errors import UserError
-from specplan.core.plan_schema import ChainLength
 from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
 from specplan.decoder.gate import RecentYields
@@ -113,9 +112,8 @@ class Scheduler:
         self.cancelled: set[int] = set()
         self.step_done: list[Completion] = []
         self.next_id = 0
-        # the last step: (sequences, drafted, its start, later by the seconds its drafters read before drafting, the
-        # scale of a drafted one's time and its chain length: SpeculativeEngine.price_scale, .chosen)
-        self.timed_step: tuple[int, bool | None, float, float, ChainLength | None] | None = None
+        # the last step: (sequences, drafted, its start, later by the seconds its drafters read before drafting)
+        self.timed_step: tuple[int, bool | None, float] | None = None
         # the mean yield ratio of the last step's requests with drafted steps (decoder/gate.py): a joiner's prior;
         # None once the engine is idle, when a joiner's prior is the engine's recent drafted steps'
         self.batch_yield: float | None = None
@@ -177,8 +175,7 @@ class Scheduler:
         kind = True if drafted else False if trees == {False} else None
         starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)
         reading = sum(entry.run.drafter.reading_seconds for entry in running if entry.run.tree.size > 1)
-        self.timed_step = ((len(running), kind, started + reading, self.engine.price_scale, self.engine.chosen)
-                           if not chunks and not starting else None)
+        self.timed_step = (len(running), kind, started + reading) if not chunks and not starting else None
         items += [item for _, item in chunks]
         target = self.engine.target
         logits = target.forward_many(items) if len(items) > 1 else [target.forward(*items[0])]
@@ -200,14 +197,13 @@ class Scheduler:
         """The last step's seconds, from its start to this one's (the server's work between them included), to the
         engine's clock: a step in which at least half the sequences chose to draft (a trie without a match drafting
         nothing) or none drafted, no prompt prefilled since, no drafter starting its sequence untimed
-        (Drafter.started_now); less what its drafters read before drafting (Drafter.started_reading); a drafted one
-        scaled to the plan's setting, its chain length's time to that length's price (SpeculativeEngine.step_timed).
-        With shared rows, every such step, whatever its kind, to the sharing's step prices (decoder/sharing.py)."""
-        sharing = self.engine.sharing
+        (Drafter.started_now); less what its drafters read before drafting (Drafter.started_reading). With shared rows,
+        every such step, whatever its kind, to the sharing's step prices (decoder/sharing.py)."""
+        clock, sharing = self.engine.clock, self.engine.sharing
         if self.timed_step is not None:
-            batch, drafted, started, scale, chosen = self.timed_step
-            if drafted is not None:
-                self.engine.step_timed(batch, drafted, now - started, scale, chosen)
+            batch, drafted, started = self.timed_step
+            if clock is not None and drafted is not None:
+                clock.step_done(batch, drafted, now - started)
             if sharing is not None:  # a step whose rows were shared: its time against the table's price
                 sharing.timed(now - started)
 

@@ -89,13 +89,6 @@ class Drafter(ABC):
         forward."""
         return []
 
-    def prefix_yields(self) -> dict[int, int]:
-        """The tokens the last drafted step emitted had it drafted each shorter setting whose draft is a prefix of
-        the one drafted (nodes per sequence, root included -> tokens; its own setting included), once: what a per-step
-        choice of the length reads (decoder/chain_length.py). {} for a drafter whose shorter settings' drafts are not
-        prefixes of its drafts, or after a step that drafted nothing."""
-        return {}
-
     def finish(self) -> None:
         """The sequence is done (a batch's slot frees it): let go of what only it needed."""
 

@@ -4,7 +4,6 @@ same loop with a one-node tree."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -13,8 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specplan.core.errors import UserError
-from specplan.core.plan_schema import BatchSchedule, ChainLength
-from specplan.decoder.chain_length import ChainLengths
+from specplan.core.plan_schema import BatchSchedule
 from specplan.decoder.drafters import Drafter, NoDrafter
 from specplan.decoder.gate import DraftGate, Pricing, StepClock, one_kind_of_step
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
@@ -79,15 +77,9 @@ class SequenceRun:
                  params: SamplingParams, seed: int | None, max_new_tokens: int, stop_ids: set[int],
                  masks: TreeMasks, on_tokens: Callable[[list[int]], None] | None = None,
                  pricing: Pricing | None = None, schedule: BatchSchedule | None = None,
-                 clock: StepClock | None = None, sharing: SharedRows | None = None,
-                 chains: ChainLengths | None = None) -> None:
+                 clock: StepClock | None = None, sharing: SharedRows | None = None) -> None:
         self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
         self.schedule = schedule
-        self.chains = chains  # the engine's choice of each step's chain length, where its schedule prices them
-        # a drafted step's price at the plan's setting over its price at the length drafted (chains): what the clock
-        # scales the step's time by
-        self.price_scale = 1.0
-        self.chosen: ChainLength | None = None  # the chain length chosen for the coming step, if any
         self.sharing = sharing  # the engine's, which decides this request's rows and learns from its surveys
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
         self.gate = (DraftGate(pricing, clock, drafter.shadows)
@@ -126,25 +118,15 @@ class SequenceRun:
 
     def decide(self, batch: int) -> None:
         """How much this request drafts at the coming step of `batch` sequences (an engine's rule, else the schedule's
-        setting there, at its own context, or the chain length chosen for the step), and whether it drafts at all
-        (always, without a gate)."""
-        self.batch, price, self.price_scale, self.chosen = batch, None, 1.0, None
+        setting there, at its own context), and whether it drafts at all (always, without a gate)."""
+        self.batch = batch
         if self.drafter.rule is not None:
             self.drafter.draft_nodes(self.drafter.rule.tokens(batch) + 1)
         elif self.schedule is not None:
-            entry = self.schedule.entry_for(batch, self.cache.length)
-            self.drafter.follow(entry, gated=self.gate is not None)
-            nodes, planned = entry.nodes(self.gate is not None), entry.price_at(batch)
-            chosen = (self.chains.choose(self.schedule.table_for(self.cache.length).chain_lengths, batch, nodes)
-                      if self.chains is not None and nodes > 1 and planned is not None else None)
-            if chosen is not None:
-                self.chosen = chosen
-                self.drafter.draft_nodes(chosen.decoding_length)
-                price = chosen.price_at(batch)
-                self.price_scale = (planned[0] / planned[1]) / (price[0] / price[1])
+            self.drafter.follow(self.schedule.entry_for(batch, self.cache.length), gated=self.gate is not None)
         if self.gate is not None:
             self.drafter.drafting = self.gate.drafts(batch, self.cache.length, self.drafter.start_tokens(),
-                                                     self.max_new_tokens - len(self.out), price)
+                                                     self.max_new_tokens - len(self.out))
 
     def propose(self, tree: DraftTree | None = None) -> ForwardItem:
         """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
@@ -174,8 +156,6 @@ class SequenceRun:
             self.drafter.started_reading = None
         if self.sharing is not None:
             self.sharing.emitted(self.drafter, len(new))
-        if self.chains is not None:
-            self.chains.observe(self.drafter.prefix_yields())
         if self.gate is not None:
             self.gate.observe(len(new), tree.size - 1)
             self.decisions[f"{self.gate.reason}: {'drafts' if self.gate.drafting else 'plain'}"] += 1
@@ -212,20 +192,15 @@ class SequenceRun:
 class SpeculativeEngine:
     def __init__(self, target: LeanModel, drafter: Drafter | None = None, stop_ids: Collection[int] | None = None,
                  rule: str | None = None, pricing: Pricing | None = None, schedule: BatchSchedule | None = None,
-                 clock: StepClock | None = None, sharing: SharedRows | None = None,
-                 chains: ChainLengths | None = None) -> None:
+                 clock: StepClock | None = None, sharing: SharedRows | None = None) -> None:
         """`pricing`: the plan's predicted tokens per step and speedup per batch size (Plan.predicted_at), against
         which each request decides step by step whether to draft (decoder/gate.py); None: every step drafts.
         `schedule`: the plan's setting per batch size and context, which each request follows step by step.
         `clock`: the steps' measured costs, which price a drafted step once measured (decoder/gate.py); None: the
         plan's price alone. `sharing`: each step's rows shared by the requests' expected yields (decoder/sharing.py),
-        in place of the schedule and the per-request decisions. `chains`: each step's chain length chosen among those
-        the schedule priced (decoder/chain_length.py); None: the schedule's setting."""
+        in place of the schedule and the per-request decisions."""
         self.target = target
         self.sharing = sharing
-        self.chains = chains
-        self.price_scale = 1.0  # the coming step's (SequenceRun.price_scale): what the clock scales its time by
-        self.chosen: ChainLength | None = None  # the coming step's chain length, where every drafting sequence's
         self.pricing = pricing
         self.clock = clock
         self.schedule = schedule
@@ -284,7 +259,7 @@ class SpeculativeEngine:
         stop_ids = set() if ignore_eos else self.stop_ids
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
                           stop_ids, self.masks, on_tokens, self.pricing, self.schedule, self.clock,
-                          self.sharing if drafter.shadows else None, self.chains)
+                          self.sharing if drafter.shadows else None)
         if prefill:
             run.prefill(prompt)
             run.prefill_seconds = run.started - start
@@ -297,8 +272,6 @@ class SpeculativeEngine:
             for run, rows in zip(runs, self.sharing.decide([run.drafter for run in runs], [run.root for run in runs])):
                 run.decisions[f"shared: {'drafts' if rows > 1 else 'plain'}"] += 1
             return
-        if self.chains is not None:
-            self.chains.begin_step()
         for run in runs:
             run.decide(len(runs))
         gated = [run for run in runs if run.gate is not None]
@@ -306,21 +279,6 @@ class SpeculativeEngine:
             one_kind_of_step([run.gate for run in gated])
             for run in gated:
                 run.drafter.drafting = run.gate.drafting
-        drafting = [run for run in runs if run.drafter.drafts_now()]
-        self.price_scale = statistics.mean(run.price_scale for run in drafting) if drafting else 1.0
-        chosen = {run.chosen for run in drafting}
-        self.chosen = chosen.pop() if len(chosen) == 1 else None
-
-    def step_timed(self, batch: int, drafted: bool, seconds: float, scale: float, chosen: ChainLength | None) -> None:
-        """A timed step of `batch` sequences to the clock, a drafted one scaled to the plan's setting by `scale` (its
-        `price_scale`), and to the chain lengths' prices where every drafting sequence drafted `chosen`."""
-        if self.clock is None:
-            return
-        self.clock.step_done(batch, drafted, seconds * scale if drafted else seconds)
-        plain = self.clock.plain_seconds(batch)
-        if drafted and chosen is not None and self.chains is not None and plain is not None:
-            tokens, speedup = chosen.price_at(batch)
-            self.chains.timed(chosen.decoding_length, seconds / plain, tokens / speedup)
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
@@ -336,8 +294,8 @@ class SpeculativeEngine:
             reading = run.drafter.reading_seconds
             finished = run.advance(self.target.forward(*item))
             drafted = run.tree.size > 1
-            if not (drafted and run.drafter.started_now):
-                self.step_timed(1, drafted, time.perf_counter() - start - reading, self.price_scale, self.chosen)
+            if self.clock is not None and not (drafted and run.drafter.started_now):
+                self.clock.step_done(1, drafted, time.perf_counter() - start - reading)
             if self.sharing is not None:
                 self.sharing.timed(time.perf_counter() - start)
             if finished:

@@ -21,8 +21,7 @@ it emitted: a plan's tokens per step count such steps too, and counting only mat
 overstate r. A shadow step without a match counts the same way (beside others, as one token). A step whose drafter
 cannot draft yet (a TriForce sequence's first: `not_ready`) is a plain step and counts nothing.
 How much it drafts when it does is the plan's setting at the step's batch size and the request's context (its
-schedule's entry), or the chain length chosen for the step among those a TriForce schedule priced
-(decoder/chain_length.py), at that length's price.
+schedule's entry).
 
 A request's prior is the plan's own prediction (r = 1), or, for a request joining a batch in flight, the mean r of
 the batch's requests at its last step (Scheduler): the load in flight is the best evidence of the next request's, and
@@ -112,8 +111,7 @@ class StepClock:
     """What the engine's decoding steps cost now, per batch size: the seconds from one step's start to the next's, of
     steps in which at least half the sequences drafted and of steps in which none did (steps that shared the machine
     with a prompt's prefill are not timed, nor each kind's first UNTIMED_FIRST_STEPS at a batch size; those in which a
-    drafter read tokens before drafting are timed less that reading, which it times apart; a drafted step of a chain
-    length chosen for it is timed as of the plan's setting there, scaled by their prices; decoder/batching.py)."""
+    drafter read tokens before drafting are timed less that reading, which it times apart; decoder/batching.py)."""
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], deque[float]] = {}
@@ -171,10 +169,6 @@ class StepClock:
         if not self.start_rates or near is None:
             return None
         return tokens * statistics.median(self.start_rates) / statistics.median(self.seconds[(near, False)])
-
-    def plain_seconds(self, batch: int) -> float | None:
-        """The median plain step's seconds at `batch` sequences; None before they are timed."""
-        return statistics.median(self.seconds[(batch, False)]) if self._timed(batch, False) else None
 
     def drafted_step_cost(self, batch: int) -> float | None:
         """A drafted step's price in plain steps at `batch` sequences, as measured; None before both kinds are."""
@@ -239,13 +233,11 @@ class DraftGate:
             return 1.0
         return shrunk_mean(self.prior, self.yields)
 
-    def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None,
-               price: tuple[float, float] | None = None) -> bool:
+    def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None) -> bool:
         """Whether the request (`context` tokens so far, `remaining` still to emit) drafts at the coming step of
         `batch` sequences; its drafter reads `start_tokens` first if it does (a draft model's prompt not read yet,
-        the tokens of the steps it sat out). `price`: the tokens per step and speedup of the length it drafts where
-        that is not the plan's setting there (a chain length chosen for the step, decoder/chain_length.py)."""
-        self.priced, self.batch = price or self.pricing(batch, context), batch
+        the tokens of the steps it sat out)."""
+        self.priced, self.batch = self.pricing(batch, context), batch
         self.firm, self.reads_first = True, start_tokens > 0
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
             self.drafting, self.reason = True, "unpriced"
@@ -286,14 +278,12 @@ class DraftGate:
 
     def _step_cost(self, batch: int, context: int, planned: float) -> float:
         """A drafted step's price in plain steps at `batch` sequences (the plan's: `planned`), on the clock where it
-        has timed one: measured there, else at the nearest batch size timed, scaled by the plan's prices at the two
-        (the clock times drafted steps as of the plan's setting at each batch size, and a chain length chosen for the
-        step is priced against that setting's)."""
+        has timed one: measured there, else at the nearest batch size timed, scaled by the plan's prices at the two."""
         near = self.clock.nearest_timed(batch) if self.clock is not None else None
         if near is None:
             return planned
         measured = self.clock.drafted_step_cost(near)
-        there = self.pricing(near, context)
+        there = self.pricing(near, context) if near != batch else None
         return measured * planned / (there[0] / there[1]) if there is not None else measured
 
     def _start_cost(self, batch: int, start_tokens: int) -> float | None:
@@ -338,10 +328,10 @@ class DraftGate:
             self.recent.yields.append(ratio)
 
 
-def probe_period(loss: float, share: float = PROBE_SHARE) -> int:
+def probe_period(loss: float) -> int:
     """The steps between the probes of requests sitting out whose probe loses `loss` plain steps: the power of two at
-    or above the steps whose `share` pays that loss."""
-    return 1 << max(0, math.ceil(math.log2(max(loss, share) / share)))
+    or above the steps whose PROBE_SHARE pays that loss."""
+    return 1 << max(0, math.ceil(math.log2(max(loss, PROBE_SHARE) / PROBE_SHARE)))
 
 
 def one_kind_of_step(gates: list[DraftGate]) -> None:

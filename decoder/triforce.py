@@ -269,8 +269,6 @@ class HierarchicalDrafter(Drafter):
         self.built = False  # the retrieval cache holds a selection of the bound full cache
         self.rebuild_due = False
         self.told = 0  # chain tokens the bottom holds as committed beyond the root, set by propose
-        self.round_ends: list[int] = []  # the last chain's tokens after each of its middle rounds, set by propose
-        self.last_prefix_yields: dict[int, int] = {}  # prefix_yields' answer, from the last drafted step
         self.recent: deque[float] = deque(maxlen=8)
         self.stats = {"rounds": 0, "chains": 0, "chain_tokens": 0, "accepted": 0}
 
@@ -347,9 +345,6 @@ class HierarchicalDrafter(Drafter):
             self._insert(len(accepted))
             return
         accepted_drafts = len(accepted) - 1
-        # a setting of gamma2 g stops at the first round's end holding g tokens or more
-        self.last_prefix_yields = {g + 1: 1 + min(accepted_drafts, next(e for e in self.round_ends if e >= g))
-                                   for g in range(1, self.gamma2 + 1)}
         self.stats["chains"] += 1
         self.stats["chain_tokens"] += tree.size - 1
         self.stats["accepted"] += accepted_drafts
@@ -363,10 +358,6 @@ class HierarchicalDrafter(Drafter):
         low = self.retrieval.settings.rebuild_below
         failing = len(self.recent) == self.recent.maxlen and sum(self.recent) / len(self.recent) < low
         self.rebuild_due |= low > 0 and failing
-
-    def prefix_yields(self) -> dict[int, int]:
-        yields, self.last_prefix_yields = self.last_prefix_yields, {}
-        return yields
 
     def _insert(self, count: int) -> None:
         """The `count` tokens the engine just committed into the full cache, into the retrieval cache (a rebuild
@@ -388,7 +379,6 @@ class _MiddleChain:
         self.base = self.middle.length
         self.position = drafter.full.length  # the root's true position
         self.tokens, self.probs = [root], {}
-        self.round_ends: list[int] = []  # the chain's tokens after each round
         self.mid_root = root
 
     @property
@@ -411,7 +401,6 @@ class _MiddleChain:
                 self.probs[len(self.tokens) - 1] = probabilities(logits[path[i]][None], self.params)[0]
             self.tokens.append(proposal.tokens[node] if node is not None else next_token)
         self.mid_root = next_token
-        self.round_ends.append(len(self.tokens) - 1)
         self.drafter.stats["rounds"] += 1
 
     def finish(self) -> DraftTree:
@@ -419,5 +408,4 @@ class _MiddleChain:
         tree = chain_tree(self.tokens, DETERMINISTIC if self.params.greedy else WITHOUT_REPLACEMENT)
         tree.draft_probs = self.probs
         self.drafter.told = len(self.tokens) - 2
-        self.drafter.round_ends = self.round_ends
         return tree

@@ -23,7 +23,7 @@ from specplan.core.errors import UserError
 from specplan.core.fileio import shown
 from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW, TriForceSettings
 from specplan.core.model_names import same_model
-from specplan.core.plan_schema import BatchSchedule, ChainLength, Plan, PlanModels, Prediction, setting_name
+from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction
 from specplan.core.profile_schema import LatencyProfile, load_profile
 from specplan.core.provenance import provenance
 from specplan.planner.closed_loop import SettingPrice, schedule_table
@@ -108,21 +108,7 @@ def triforce_schedule(plan: Plan, entries: list[TriForceEntry], profile: Latency
     prices = _setting_prices(plan.settings, entry, profile, bottom_seconds, set(range(2, largest_nodes + 1)))
     context = int(round(plan.settings.context + np.mean([len(t.middle) for t in entry.traces]) / 2))
     largest = min(largest_batch, max(profile.batch_sizes), profile.largest_fitting_batch(context) or largest_batch)
-    schedule, rates = schedule_table(prices, profile, largest, context, "triforce", min_speedup)
-    return replace(schedule, chain_lengths=_chain_lengths(prices, rates)), rates
-
-
-def _chain_lengths(prices: dict[int, SettingPrice], rates: dict[str, list[float | None]]) -> tuple[ChainLength, ...]:
-    """Each chain length priced at every batch size of the table (its speedup over none there), which the decoder
-    chooses each step's among (decoder/chain_length.py); one not priced at some size (rows beyond the profile's) is
-    left out."""
-    lengths = []
-    for nodes, price in sorted(prices.items()):
-        per_batch = rates[setting_name("triforce", nodes)]
-        if per_batch and None not in per_batch:
-            speedups = tuple(rate / off for rate, off in zip(per_batch, rates["off"]))
-            lengths.append(ChainLength(nodes, price.tokens_per_step, speedups))
-    return tuple(lengths)
+    return schedule_table(prices, profile, largest, context, "triforce", min_speedup)
 
 
 def plan_setting_prices(plan: Plan, nodes: set[int]) -> dict[int, SettingPrice]:

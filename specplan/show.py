@@ -347,10 +347,6 @@ def describe_schedule(schedule: BatchSchedule, method: str) -> str:
                     if e.high > e.low and e.speedups else "")
             lines.append(f"  {span:>9} {setting:>10} {e.tokens_per_step:>9.3f} {e.tokens_per_second:>8.1f} "
                          f"{e.speedup:>7.3f}{candidate}{last}")
-        if table.chain_lengths:
-            names = ", ".join(setting_name(method, c.decoding_length) for c in table.chain_lengths)
-            lines.append(f"  each step's chain length chosen up to the entry's among {names}, by what the batch's "
-                         "chains yield at each and what its steps cost")
         covered = table.up_to_context or covered
     return "\n".join(lines)
 
