@@ -284,12 +284,13 @@ def _trace(values: np.ndarray, params: SamplingParams) -> np.ndarray:
 def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kind: str, dataset: str,
                             contexts: list[int], samples: int, grid: list[tuple[int, int, int]], max_new_tokens: int,
                             params: SamplingParams, dtype: str, sinks: int, window: int, output: str,
-                            log: Callable[[str], None] = progress.say, decode_with: str | None = None) -> dict:
+                            log: Callable[[str], None] = progress.say, decode_with: str | None = None,
+                            one_document: bool = False, seed: int = 0) -> dict:
     """With `decode_with` (a greedy TriForce plan), the continuations are that plan's decoded outputs: outside
     fp32 the text depends on the forward's size, and a replay over the target's one-token text predicts
     another text than the plan emits. The middle level then runs in the plan's own steps, so that its cache
     holds what the decoder's held at each position. The prompts are decoded as `plan bench` does (in order,
-    one decoder)."""
+    one decoder). `one_document` and `seed` build the prompts as profiler/haystack.py's build_prompts does."""
     from specplan.core.acceptance_schema import TriForceAcceptance
     from specplan.core.errors import UserError
     from specplan.core.fileio import write_yaml
@@ -331,7 +332,7 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
     started = time.perf_counter()
     entries, streaming = [], []
     for context in contexts:
-        prompts = build_prompts(dataset, target.tokenizer, context, samples)
+        prompts = build_prompts(dataset, target.tokenizer, context, samples, seed=seed, one_document=one_document)
         if decoder is not None:
             decoder.restart()  # as `plan bench` does before its prompts
         measured = measure_triforce(lean, prompts, grid, bottom, max_new_tokens, params, target.stop_token_ids,
@@ -344,7 +345,8 @@ def run_triforce_acceptance(target_name: str, draft_name: str | None, bottom_kin
         temperature=params.temperature, streaming=streaming, bottom_cache=(sinks, window),
         decoded_with=None if decoder is None else {"plan": decode_with, **plan_settings},
         extra={"dtype": dtype, "top_p": params.top_p, "max_new_tokens": max_new_tokens,
-               "dataset": {"path": dataset, "contexts": contexts, "prompts_per_context": samples},
+               "dataset": {"path": dataset, "contexts": contexts, "prompts_per_context": samples,
+                           **({"one_document": True} if one_document else {}), **({"seed": seed} if seed else {})},
                "seconds": round(time.perf_counter() - started, 1), "provenance": provenance()})
     document = acceptance.to_dict()
     write_yaml(output, document)

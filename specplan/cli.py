@@ -402,11 +402,16 @@ def accept_lookahead(target: str, dataset: str, prompts: int | None, samples_old
 @click.option("--decode-with", type=click.Path(dir_okay=False), default=None,
               help="a greedy TriForce plan: measure along the text it decodes (outside fp32 it differs from the "
                    "target's one-token text)")
+@click.option("--one-document", is_flag=True,
+              help="every prompt asks about the same document (its last line differs), as the load of `plan bench "
+                   "--one-document` does")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="the order of the essays in the documents (`plan bench` builds its long prompts with seed 0)")
 @_output()
 def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str, prompts: int | None,
                     samples_old: int | None, budgets: str, chunks: str, strides: str, max_new_tokens: int,
                     temperature: float, top_p: float, dtype: str, sinks: int, window: int, decode_with: str | None,
-                    output: Path) -> None:
+                    one_document: bool, seed: int, output: Path) -> None:
     """Acceptance of the retrieval-cache target (per budget/chunk/stride) and of the bottom drafter."""
     samples = _renamed(prompts, samples_old, "--samples", "--prompts") or TRIFORCE_PROMPTS
     from specplan.decoder.sampling import SamplingParams
@@ -415,7 +420,8 @@ def accept_triforce(target: str, draft: str | None, dataset: str, contexts: str,
     grid = [(b, c, r) for b in _int_list(budgets) for c in _int_list(chunks) for r in _int_list(strides)]
     document = run_triforce_acceptance(target, draft, "model" if draft else "trie", dataset, _int_list(contexts),
                                        samples, grid, max_new_tokens, SamplingParams(temperature, top_p), dtype,
-                                       sinks, window, str(output), log=_progress, decode_with=decode_with)
+                                       sinks, window, str(output), log=_progress, decode_with=decode_with,
+                                       one_document=one_document, seed=seed)
     click.echo(f"{'L':>6} {'B':>5} {'s':>3} {'R':>4} {'middle':>7} {'bottom':>7}")
     for e in document["entries"]:
         click.echo(f"{e['context']:>6} {e['budget']:>5} {e['chunk']:>3} {e['stride']:>4} {e['middle']:>7.3f} "

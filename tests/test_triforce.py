@@ -788,6 +788,28 @@ def test_long_prompts_about_one_document_differ_in_their_last_line_only():
     assert [p.category for p in prompts] == ["needle", "summary"] * 2 + ["needle"]
     apart = build_prompts("haystack", tokenizer, 600, 2)
     assert len(os.path.commonprefix([p.ids for p in apart])) < shared
+    with pytest.raises(UserError, match="use a longer --context"):  # every needle planted: 300 tokens hold none
+        build_prompts("haystack", tokenizer, 300, 2, one_document=True)
+
+
+def test_accept_triforce_on_one_document(run_cli, tmp_path):
+    """`plan accept triforce --one-document --seed S` measures on the load `plan bench --one-document` sends (its
+    document's essays in seed S's order) and records both; another seed is another document."""
+    from specplan.core.acceptance_schema import load_triforce_acceptance
+
+    traces = {}
+    for seed in ("0", "1"):
+        out = tmp_path / f"acc-{seed}.yaml"
+        code, _, stderr = run_cli("accept", "triforce", "--target", "tiny-random-llama", "--dataset", "haystack",
+                                  "--contexts", "600", "--prompts", "2", "--budgets", "64", "--chunks", "8",
+                                  "--strides", "16", "--max-new-tokens", "8", "--one-document", "--seed", seed,
+                                  "-o", out)
+        assert code == 0, stderr
+        dataset = yaml.safe_load(out.read_text())["dataset"]
+        assert dataset["one_document"] is True and dataset.get("seed", 0) == int(seed)
+        (entry,) = load_triforce_acceptance(out).entries
+        traces[seed] = [(tuple(t.middle), tuple(t.bottom)) for t in entry.traces]
+    assert traces["0"] != traces["1"]
 
 
 def test_long_prompts_from_a_jsonl_dataset():
