@@ -99,8 +99,8 @@ def _request(kind: str, question: str) -> str:
 def _document(dataset: str | Path, order: list[str], tokenizer: Any, budget: int) -> str:
     """The essays in `order`, cut to `budget` tokens."""
     if budget < 1:
-        raise UserError(f"the prompt's request lines and needles take {-budget} tokens more than its context: use a "
-                        "longer --context")
+        raise UserError(f"the prompt's request lines and needles take {-budget} tokens more than its context: use "
+                        "a longer context")
     body: list[int] = []
     for text in order:
         body.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])

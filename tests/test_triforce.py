@@ -788,7 +788,7 @@ def test_long_prompts_about_one_document_differ_in_their_last_line_only():
     assert [p.category for p in prompts] == ["needle", "summary"] * 2 + ["needle"]
     apart = build_prompts("haystack", tokenizer, 600, 2)
     assert len(os.path.commonprefix([p.ids for p in apart])) < shared
-    with pytest.raises(UserError, match="use a longer --context"):  # every needle planted: 300 tokens hold none
+    with pytest.raises(UserError, match="use a longer context"):  # every needle planted: 300 tokens hold none
         build_prompts("haystack", tokenizer, 300, 2, one_document=True)
 
 
