@@ -4,8 +4,9 @@ same loop with a one-node tree."""
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -34,6 +35,9 @@ class GenerationResult:
     # the per-request decisions' steps by why ("pays: drafts", "sits out: plain"; decoder/gate.py REASONS); {} ungated
     decisions: dict[str, int] = field(default_factory=dict)
     cached_prompt_tokens: int = 0  # of the prompt, those its slot's cache held (a kept prefix), not prefilled
+    # per batch size its decisions were made at: the median price of a drafted step in plain steps (the clock's where it
+    # had timed one, else the plan's) and the median tokens the request expected of it (DraftGate); {} ungated
+    step_prices: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def drafted_steps(self) -> int:
@@ -92,6 +96,7 @@ class SequenceRun:
         self.accepted_per_step: list[int] = []
         self.drafted_per_step: list[int] = []
         self.decisions: Counter[str] = Counter()
+        self.prices: dict[int, list[tuple[float, float]]] = defaultdict(list)  # batch -> (step cost, expected tokens)
         self.stop_reason = "length"
         self.root = -1
         self.batch = 1  # sequences in the coming step (decide)
@@ -159,6 +164,8 @@ class SequenceRun:
         if self.gate is not None:
             self.gate.observe(len(new), tree.size - 1)
             self.decisions[f"{self.gate.reason}: {'drafts' if self.gate.drafting else 'plain'}"] += 1
+            if self.gate.reason != "unpriced":
+                self.prices[self.gate.batch].append((self.gate.step_cost, self.gate.expected))
         if self.drafter.rule is not None:
             self.drafter.rule.observe(tree.size - 1, len(path) - 1, self.batch)
         keep = min(self.max_new_tokens - len(self.out),
@@ -186,7 +193,10 @@ class SequenceRun:
     def result(self) -> GenerationResult:
         return GenerationResult(self.out, self.prefill_seconds, time.perf_counter() - self.started,
                                 len(self.accepted_per_step), self.accepted_per_step, self.stop_reason,
-                                self.drafted_per_step, dict(self.decisions), self.cached_prompt_tokens)
+                                self.drafted_per_step, dict(self.decisions), self.cached_prompt_tokens,
+                                {batch: (statistics.median(cost for cost, _ in decided),
+                                         statistics.median(expected for _, expected in decided))
+                                 for batch, decided in sorted(self.prices.items())})
 
 
 class SpeculativeEngine:

@@ -149,9 +149,11 @@ def _timings(result: GenerationResult) -> dict[str, Any]:
     """Beside the usage, as llama-server gives its `timings`: the tokens, the target forwards they took, those of
     the forwards in which the request drafted (scored draft tokens beside its root), the prompt tokens its slot's
     cache held (llama-server's cache_n), and, where the request decided step by step whether to draft, its steps by
-    why (decoder/gate.py)."""
+    why and the prices it decided at, per batch size (decoder/gate.py)."""
     return {"predicted_n": len(result.tokens), "steps": result.steps, "drafted_steps": result.drafted_steps,
-            "cache_n": result.cached_prompt_tokens, **({"decisions": result.decisions} if result.decisions else {})}
+            "cache_n": result.cached_prompt_tokens, **({"decisions": result.decisions} if result.decisions else {}),
+            **({"step_prices": {str(batch): list(price) for batch, price in result.step_prices.items()}}
+               if result.step_prices else {})}
 
 
 class QueueFull(Exception):

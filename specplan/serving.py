@@ -81,6 +81,7 @@ class RequestTiming:
     drafted_steps: int | None = None  # of those, the forwards in which it drafted (ours: None elsewhere)
     decisions: dict[str, int] | None = None  # its steps by why it drafted or not (ours, with the decisions)
     cached: int | None = None  # its prompt tokens the server's cache held, not prefilled (its report's cache_n)
+    step_prices: dict[str, list[float]] | None = None  # batch size -> [drafted step's price, tokens expected] (ours)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -115,6 +116,9 @@ class LevelResult:
     round: int = 0  # which of the level's rounds (plan bench --rounds): every system once a round
     decisions: dict[str, int] | None = None  # the requests' steps by why they drafted or not (decoder/gate.py)
     cached_share: float | None = None  # of the prompt tokens sent, those the server's caches held (cache_n)
+    # batch size -> the medians over the requests of the price of a drafted step they decided at (in plain steps) and
+    # of the tokens they expected of it (ours, with the decisions): what its drafting was judged on
+    step_prices: dict[str, list[float]] | None = None
     command: list[str] | None = None  # the server's command at this concurrency, its port left out
     price_basis: str | None = None  # what predicted_tokens_per_second's drafting yield was replayed on
 
@@ -132,7 +136,8 @@ class LevelResult:
         return cls(system, concurrency, len(timings), tokens, end - start, tokens / (end - start),
                    percentile(tpots, 50), percentile(tpots, 95), percentile(ttfts, 50), percentile(ttfts, 95),
                    failed, machine, tokens_per_step=measured_tokens_per_step(timings),
-                   drafted_share=drafted_share(timings), decisions=counted_decisions(timings))
+                   drafted_share=drafted_share(timings), decisions=counted_decisions(timings),
+                   step_prices=median_step_prices(timings))
 
 
 def measured_tokens_per_step(timings: list[RequestTiming]) -> float | None:
@@ -151,6 +156,17 @@ def counted_decisions(timings: list[RequestTiming]) -> dict[str, int] | None:
     """The requests' steps by why they drafted or not, summed over the requests whose server reported them."""
     reported = [t.decisions for t in timings if t.decisions]
     return dict(sum((Counter(d) for d in reported), Counter())) if reported else None
+
+
+def median_step_prices(timings: list[RequestTiming]) -> dict[str, list[float]] | None:
+    """Per batch size, the medians over the requests that reported one of their drafted-step price and expected
+    tokens there."""
+    prices: dict[str, list[list[float]]] = {}
+    for timing in timings:
+        for batch, price in (timing.step_prices or {}).items():
+            prices.setdefault(batch, []).append(price)
+    return {batch: [float(np.median([p[0] for p in reported])), float(np.median([p[1] for p in reported]))]
+            for batch, reported in sorted(prices.items(), key=lambda item: int(item[0]))} or None
 
 
 def free_port() -> int:
@@ -209,7 +225,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     sent = time.perf_counter()
-    first, text, counted, steps, drafted, decisions, cached = None, [], None, None, None, None, None
+    first, text, counted, steps, drafted, decisions, cached, prices = None, [], None, None, None, None, None, None
     async with session.post(url + "/v1/completions", json=body) as reply:
         if reply.status != 200:
             raise UserError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
@@ -229,9 +245,10 @@ async def _one_request(session: aiohttp.ClientSession, url: str, prompt: list[in
             drafted = timings.get("drafted_steps", drafted)
             decisions = timings.get("decisions", decisions)
             cached = timings.get("cache_n", cached)
+            prices = timings.get("step_prices", prices)
     done = time.perf_counter()
     return RequestTiming(sent, first, done, counted if counted is not None else count_tokens("".join(text)), steps,
-                         drafted_steps=drafted, decisions=decisions, cached=cached)
+                         drafted_steps=drafted, decisions=decisions, cached=cached, step_prices=prices)
 
 
 def reported_forwards(timings: dict) -> int | None:
@@ -282,7 +299,7 @@ def load_levels(path: str | os.PathLike) -> list[LevelResult]:
     names = [f.name for f in fields(LevelResult)]
     optional = {"predicted_tokens_per_second", "tokens_per_step", "repriced_tokens_per_second",  # older results
                 "output_lengths", "drafted_share", "round", "decisions", "cached_share", "command",
-                "price_basis"}
+                "price_basis", "step_prices"}
     levels = []
     for number, line in enumerate(read_text(Path(path)).splitlines(), 1):
         if not line.strip():
@@ -517,6 +534,9 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
     plain = sorted(((n, why) for why, n in (result.decisions or {}).items() if why.endswith(": plain")), reverse=True)
     why_plain = ", ".join(f"{why.removesuffix(': plain')} {n}" for n, why in plain)
     sat_out = f" (steps without drafting, by why: {why_plain})" if plain else ""
+    at_level = (result.step_prices or {}).get(str(concurrency))
+    if at_level is not None:  # at the batch size the closed loop settles at
+        sat_out += f", a drafted step at B = {concurrency} {at_level[0]:.2f} plain steps for {at_level[1]:.2f} tokens"
     say(f"{where}: {result.tokens_per_second:.1f} tokens/s{priced}"
         f"{drafted}{sat_out}, TPOT p50 {1e3 * (result.tpot_p50 or 0):.0f} ms, "
         f"TTFT p50 {1e3 * (result.ttft_p50 or 0):.0f} ms")

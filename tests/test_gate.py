@@ -183,7 +183,11 @@ def test_each_decision_says_why_and_a_request_counts_its_steps_by_why(tiny_pair)
     assert sum(result.decisions.values()) == result.steps
     assert result.decisions.get("sits out: plain", 0) > 0
     assert set(result.decisions) <= {f"{why}: {kind}" for why in REASONS for kind in ("drafts", "plain")}
-    assert SpeculativeEngine(target).generate(list(range(3, 40)), 5, SamplingParams()).decisions == {}
+    tokens, speedup = PRICE_RARELY_PAID  # no clock: each decision priced at the plan's price, alone in its batch
+    (cost, expected), = result.step_prices.values()
+    assert list(result.step_prices) == [1] and cost == pytest.approx(tokens / speedup) and 0 < expected < cost
+    unpriced = SpeculativeEngine(target).generate(list(range(3, 40)), 5, SamplingParams())
+    assert unpriced.decisions == {} and unpriced.step_prices == {}
 
 
 def test_the_clock_prices_a_drafted_step_once_both_kinds_are_timed():

@@ -222,14 +222,22 @@ def test_the_bench_sums_the_requests_decisions_and_keeps_them_with_the_level(tmp
     from specplan.serve import _timings
     from specplan.serving import LevelResult, RequestTiming, load_levels
 
-    decided = GenerationResult([5, 6, 7], 0.1, 0.2, 2, decisions={"pays: drafts": 1, "sits out: plain": 1})
+    decided = GenerationResult([5, 6, 7], 0.1, 0.2, 2, decisions={"pays: drafts": 1, "sits out: plain": 1},
+                               step_prices={2: (1.25, 1.5)})
     assert _timings(decided)["decisions"] == {"pays: drafts": 1, "sits out: plain": 1}
-    assert "decisions" not in _timings(GenerationResult([5], 0.1, 0.2, 1))
-    timings = [RequestTiming(0.0, 0.1, 1.0, 10, 8, 0, 5, {"pays: drafts": 5, "sits out: plain": 3}),
-               RequestTiming(0.0, 0.2, 1.5, 10, 9, 1, 6, {"pays: drafts": 6, "timing: plain": 3}),
+    assert _timings(decided)["step_prices"] == {"2": [1.25, 1.5]}  # as JSON carries it
+    assert not {"decisions", "step_prices"} & set(_timings(GenerationResult([5], 0.1, 0.2, 1)))
+    timings = [RequestTiming(0.0, 0.1, 1.0, 10, 8, 0, 5, {"pays: drafts": 5, "sits out: plain": 3},
+                             step_prices={"2": [1.2, 1.4], "10": [1.5, 1.3]}),
+               RequestTiming(0.0, 0.2, 1.5, 10, 9, 1, 6, {"pays: drafts": 6, "timing: plain": 3},
+                             step_prices={"2": [1.4, 1.0]}),
                RequestTiming(0.0, 0.2, 1.5, 10, 10, 2)]  # a server that reports none
     level = LevelResult.summarize("ours", 2, timings, 0, "test")
     assert level.decisions == {"pays: drafts": 11, "sits out: plain": 3, "timing: plain": 3}
+    assert level.step_prices == {"2": [pytest.approx(1.3), pytest.approx(1.2)], "10": [1.5, 1.3]}
+    assert list(level.step_prices) == ["2", "10"]  # by batch size
+    assert LevelResult.summarize("ours-ar", 2, timings[2:], 0, "test").step_prices is None
     path = tmp_path / "levels.jsonl"
     path.write_text(json.dumps(asdict(level)) + "\n" + json.dumps({**asdict(level), "decisions": None}) + "\n")
     assert [r.decisions for r in load_levels(path)] == [level.decisions, None]
+    assert load_levels(path)[0].step_prices == level.step_prices
