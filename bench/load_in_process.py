@@ -111,19 +111,21 @@ def describe(name: str, result: dict) -> str:
 
 
 def against_decoder(plan_path: str, plan: Decoder, name: str, parser: argparse.ArgumentParser) -> Decoder:
-    """The system `name` (one of --against's, checked) that the plan at `plan_path` runs against, loaded in this
-    process."""
+    """The system `name` (one of --against's, checked) that the plan at `plan_path` runs against, on the plan
+    decoder's own models: two copies of the same weights in one process ran their forwards 10-15% apart, the copy
+    loaded first the slower (a VM's memory; docs/benchmark-log.md, 2026-12-06), which a comparison read as the
+    systems' difference."""
+    if name == "one-token":
+        return Decoder(plan.target, lambda: None, None, None, plan.target_forward)
+    sibling = Decoder(plan.target, plan.make_drafter, plan.plan, None, plan.target_forward, plan.draft,
+                      plan.draft_forward)
     if name.startswith("setting-"):
-        fixed = load_decoder(plan_path, device="cpu")
-        fixed.fix_setting(int(name.removeprefix("setting-")))
-        return fixed
-    if name == "unshared":
-        if plan.plan.sharing is None:
-            parser.error(f"{plan_path} shares no rows (solved without --share-rows): nothing to compare unshared")
-        unshared = load_decoder(plan_path, device="cpu")
-        unshared.unshared()
-        return unshared
-    return load_decoder(None, target=plan.plan.models.target, dtype=plan.plan.models.dtype, device="cpu")
+        sibling.fix_setting(int(name.removeprefix("setting-")))
+        return sibling
+    if plan.plan.sharing is None:
+        parser.error(f"{plan_path} shares no rows (solved without --share-rows): nothing to compare unshared")
+    sibling.unshared()
+    return sibling
 
 
 def main() -> None:
