@@ -22,13 +22,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, types
-from numba.typed import Dict
+from numba import njit
 
 from specplan.core.method_settings import TrieSettings
 
-KEY_TYPE = types.int64
 _EMPTY = -1
+# A node's children are found through an open-addressing table of (parent, token) keys in two arrays of the state,
+# not a numba typed Dict: a compiled call's dispatch types each argument in Python, a typed Dict slowly, and a
+# decoder's trie calls come right after a forward has swept the caches, where that typing cost more than the call's
+# own work (docs/benchmark-log.md, 2026-12-06). The table is at least twice the node slots: probes stay short.
+_TABLE_LOAD = 2
+_HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: the key times 2^64 / golden ratio, bits 32 up the slot
 
 
 def accepted_run(draft_tokens: np.ndarray, draft_parents: np.ndarray, wanted: np.ndarray) -> int:
@@ -49,10 +53,22 @@ def _key(parent: int, token: int) -> int:
 
 
 @njit(cache=True)
-def _child(children, parent: int, token: int) -> int:
+def _slot(child_keys, key: int) -> int:
+    """Where `key` is in the table, or the free entry where it would go (linear probing from its hash)."""
+    mask = child_keys.shape[0] - 1
+    slot = (np.uint64(key) * np.uint64(_HASH_MULTIPLIER)) >> np.uint64(32)
+    slot = np.int64(slot) & mask
+    while child_keys[slot] != key and child_keys[slot] != _EMPTY:
+        slot = (slot + 1) & mask
+    return slot
+
+
+@njit(cache=True)
+def _child(state, parent: int, token: int) -> int:
     key = _key(parent, token)
-    if key in children:
-        return children[key]
+    slot = _slot(state.child_keys, key)
+    if state.child_keys[slot] == key:
+        return state.child_nodes[slot]
     return _EMPTY
 
 
@@ -66,11 +82,13 @@ class TrieArrays(NamedTuple):
     output_count: np.ndarray  # [slots] float64: windows of generated text through the node (decayed)
     prompt_count: np.ndarray  # [slots] float64: windows of the live prompt through the node
     size: np.ndarray  # [1] int64: nodes in use (an array, so that compiled code can grow it)
+    child_keys: np.ndarray  # [table] int64: a child's _key(parent, token), _EMPTY for a free entry
+    child_nodes: np.ndarray  # [table] int64: that child
 
 
 @njit(cache=True)
-def _add_child(state, children, parent: int, token: int) -> int:
-    tokens, parents, first_child, next_sibling, output_count, prompt_count, size = state
+def _add_child(state, parent: int, token: int) -> int:
+    tokens, parents, first_child, next_sibling, output_count, prompt_count, size, child_keys, child_nodes = state
     node = size[0]
     tokens[node] = token
     parents[node] = parent
@@ -79,13 +97,16 @@ def _add_child(state, children, parent: int, token: int) -> int:
     first_child[parent] = node
     output_count[node] = 0.0
     prompt_count[node] = 0.0
-    children[_key(parent, token)] = node
+    key = _key(parent, token)
+    slot = _slot(child_keys, key)
+    child_keys[slot] = key
+    child_nodes[slot] = node
     size[0] = node + 1
     return node
 
 
 @njit(cache=True)
-def _count_windows(state, children, sequence, old_length, new_length, window, from_prompt, delta):
+def _count_windows(state, sequence, old_length, new_length, window, from_prompt, delta):
     """Add `delta` to the counts of the windows of sequence[:new_length] that gained tokens since old_length
     (the arrays must have room for (new_length - old_length + window) * window new nodes). A negative delta
     withdraws an earlier insertion of the same tokens: it creates no nodes and stops at pruned ones."""
@@ -96,38 +117,38 @@ def _count_windows(state, children, sequence, old_length, new_length, window, fr
         done = min(start + window, old_length)  # tokens of this window counted before
         for position in range(start, end):
             token = sequence[position]
-            nxt = _child(children, node, token)
+            nxt = _child(state, node, token)
             if nxt == _EMPTY:
                 if delta < 0:
                     break
-                nxt = _add_child(state, children, node, token)
+                nxt = _add_child(state, node, token)
             node = nxt
             if position >= done:
                 counts[node] = max(counts[node] + delta, 0.0)
 
 
 @njit(cache=True)
-def _match(children, sequence, length, prefix_length):
+def _match(state, sequence, length, prefix_length):
     node = 0
     for position in range(length - prefix_length, length):
-        node = _child(children, node, sequence[position])
+        node = _child(state, node, sequence[position])
         if node == _EMPTY:
             return _EMPTY
     return node
 
 
 @njit(cache=True)
-def _retrieve(state, children, sequence, length, decoding_length, branch_length, max_prefix, prompt_weight,
+def _retrieve(state, sequence, length, decoding_length, branch_length, max_prefix, prompt_weight,
               draft_tokens, draft_parents):
     """Fill draft_tokens/draft_parents (node 0 = the root, sequence[length-1]); returns the draft size."""
-    tokens, parents, first_child, next_sibling, output_count, prompt_count, size = state
+    tokens, parents, first_child, next_sibling, output_count, prompt_count, size, _, _ = state
     draft_tokens[0] = sequence[length - 1]
     draft_parents[0] = -1
     count = 1
     for prefix_length in range(min(max_prefix, length), 0, -1):
         if count >= decoding_length:
             break
-        matched = _match(children, sequence, length, prefix_length)
+        matched = _match(state, sequence, length, prefix_length)
         if matched == _EMPTY:
             continue
         # Best-first over the subtree below `matched`; heap entries (-weight, depth, trie node, draft parent).
@@ -210,7 +231,7 @@ def _heappop(heap):
 @njit(cache=True)
 def _surviving(state, decay, drop_prompt):
     """Decay output counts (and forget prompt counts if asked); mark the nodes that stay (parents first)."""
-    tokens, parents, first_child, next_sibling, output_count, prompt_count, size = state
+    tokens, parents, first_child, next_sibling, output_count, prompt_count, size, _, _ = state
     n = size[0]
     keep = np.zeros(n, dtype=np.bool_)
     keep[0] = True
@@ -231,10 +252,11 @@ class Trie:
         self.draft_parents = np.zeros(settings.decoding_length, dtype=np.int64)
 
     def _allocate(self, slots: int) -> None:
+        table = 1 << int(_TABLE_LOAD * slots - 1).bit_length()  # a power of two, at least _TABLE_LOAD x the slots
         self.state = TrieArrays(np.zeros(slots, np.int64), np.full(slots, -1, np.int64),
                                 np.full(slots, -1, np.int64), np.full(slots, -1, np.int64), np.zeros(slots),
-                                np.zeros(slots), np.ones(1, np.int64))
-        self.children = Dict.empty(key_type=KEY_TYPE, value_type=KEY_TYPE)
+                                np.zeros(slots), np.ones(1, np.int64), np.full(table, _EMPTY, np.int64),
+                                np.zeros(table, np.int64))
 
     @property
     def size(self) -> int:
@@ -246,7 +268,7 @@ class Trie:
         needed = (new_length - max(0, old_length - window + 1)) * window
         if len(self.state.tokens) - self.size < needed:
             self._rebuild(np.ones(self.size, dtype=bool), room=needed)
-        _count_windows(self.state, self.children, sequence, old_length, new_length, window, from_prompt, 1.0)
+        _count_windows(self.state, sequence, old_length, new_length, window, from_prompt, 1.0)
         if from_prompt:
             self.prompt_floor = self.size
         elif self.size > self.prompt_floor + self.settings.capacity:
@@ -255,8 +277,7 @@ class Trie:
     def withdraw(self, sequence: np.ndarray, old_length: int, new_length: int) -> None:
         """Undo `insert(sequence, old_length, new_length)` of output tokens that turned out not to be the text
         (a hierarchy's bottom follows its middle level's tokens before the top verifies them)."""
-        _count_windows(self.state, self.children, sequence, old_length, new_length, self.settings.window, False,
-                       -1.0)
+        _count_windows(self.state, sequence, old_length, new_length, self.settings.window, False, -1.0)
 
     def retrieve(self, sequence: np.ndarray, length: int, decoding_length: int | None = None,
                  branch_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -264,7 +285,7 @@ class Trie:
         if decoding_length is not None and not 1 <= decoding_length <= s.decoding_length:
             # the draft buffers hold the settings' decoding length (the compiled retrieval does not check its writes)
             raise ValueError(f"a draft of {decoding_length} nodes from a trie of decoding length {s.decoding_length}")
-        count = _retrieve(self.state, self.children, sequence, length, decoding_length or s.decoding_length,
+        count = _retrieve(self.state, sequence, length, decoding_length or s.decoding_length,
                           branch_length or s.branch_length, s.max_prefix, s.prompt_weight,
                           self.draft_tokens, self.draft_parents)
         return self.draft_tokens[:count], self.draft_parents[:count]
@@ -284,25 +305,25 @@ class Trie:
     def end_prompt(self, sequence: np.ndarray, length: int) -> None:
         """Branch eliminating in a trie shared by requests in flight: withdraw one finished prompt's windows
         (sequence[:length]), keeping the other live prompts' branches."""
-        _count_windows(self.state, self.children, sequence, 0, length, self.settings.window, True, -1.0)
+        _count_windows(self.state, sequence, 0, length, self.settings.window, True, -1.0)
         self._rebuild(_surviving(self.state, 1.0, False))
         self.prompt_floor = int(np.count_nonzero(self.state.prompt_count[:self.size] > 0))
 
     def _rebuild(self, keep: np.ndarray, room: int = 0) -> None:
         """Copy the kept nodes (parents always precede children) into fresh arrays with `room` to spare."""
-        tokens, parents, _, _, output_count, prompt_count, _ = self.state
+        tokens, parents, _, _, output_count, prompt_count, _, _, _ = self.state
         old_ids = np.nonzero(keep)[0]
         self._allocate(max(1024, 2 * self.settings.capacity, 2 * (len(old_ids) + room)))
-        _copy_nodes(self.state, self.children, old_ids, tokens, parents, output_count, prompt_count)
+        _copy_nodes(self.state, old_ids, tokens, parents, output_count, prompt_count)
 
 
 @njit(cache=True)
-def _copy_nodes(state, children, old_ids, tokens, parents, output_count, prompt_count):
+def _copy_nodes(state, old_ids, tokens, parents, output_count, prompt_count):
     new_id = np.full(tokens.shape[0], -1, dtype=np.int64)
     new_id[0] = 0
     for i in range(1, old_ids.shape[0]):
         old = old_ids[i]
-        node = _add_child(state, children, new_id[parents[old]], tokens[old])
+        node = _add_child(state, new_id[parents[old]], tokens[old])
         new_id[old] = node
         state.output_count[node] = output_count[old]
         state.prompt_count[node] = prompt_count[old]

@@ -22,7 +22,8 @@ def reference_counts(sequence: list[int], window: int) -> collections.Counter:
 
 
 def trie_counts(trie: Trie, prompt: bool) -> dict:
-    tokens, parents, _, _, output, prompt_counts, size = trie.state
+    tokens, parents, output, prompt_counts, size = (trie.state.tokens, trie.state.parents, trie.state.output_count,
+                                                    trie.state.prompt_count, trie.state.size)
     paths, out = {0: ()}, {}
     for node in range(1, int(size[0])):
         paths[node] = paths[int(parents[node])] + (int(tokens[node]),)
