@@ -97,6 +97,11 @@ TIMED_NEAR_FACTOR = 2
 # step at B = 4 from B = 2's 5.3 plain steps where B = 4's own measured 3.8-4.0, sitting a C = 4 load out of most of its
 # steps; those passed through as requests join and leave run a few each
 SETTLED_STEPS = 32
+# Timed steps of the other kind at a batch size after which a kind's own timings there are stale and it is timed
+# afresh: where a load drafts nearly every step, its plain steps come seldom, and the median of the last few, some from
+# another spell of the machine, priced a served fp32 plan's drafted step at B = 3-8 at 0.86-1.14 plain steps (1.3-1.45
+# timed in one process) and kept it drafting 65% of its steps at a loss (docs/benchmark-log.md, 2026-12-06)
+STALE_AFTER = 4 * MEASURED_STEPS
 
 # (batch size, the request's context) -> (predicted tokens per step, speedup) or None
 Pricing = Callable[[int, int], "tuple[float, float] | None"]
@@ -116,6 +121,8 @@ class StepClock:
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], deque[float]] = {}
         self.seen: dict[tuple[int, bool], int] = {}  # steps of each kind the engine finished, timed or not
+        self.timed_steps: dict[int, int] = {}  # steps timed at each batch size, of either kind
+        self.last_timed: dict[tuple[int, bool], int] = {}  # timed_steps at the batch size when each kind was last
         self.step = 0  # the steps begun: the requests sitting out probe together at multiples of their period
         self.start_rates: deque[float] = deque(maxlen=MEASURED_STEPS)  # a drafter's start: seconds per token read
 
@@ -132,22 +139,31 @@ class StepClock:
 
     def record(self, batch: int, drafted: bool, seconds: float) -> None:
         self.seconds.setdefault((batch, drafted), deque(maxlen=MEASURED_STEPS)).append(seconds)
+        self.timed_steps[batch] = self.timed_steps.get(batch, 0) + 1
+        self.last_timed[(batch, drafted)] = self.timed_steps[batch]
+
+    def _stale(self, batch: int, drafted: bool) -> bool:
+        return self.timed_steps.get(batch, 0) - self.last_timed.get((batch, drafted), 0) > STALE_AFTER
 
     def _timed(self, batch: int, drafted: bool) -> bool:
         return len(self.seconds.get((batch, drafted), ())) >= MEASURED_AT_LEAST
 
     def wanted(self, batch: int, drafted_too: bool = True) -> bool | None:
         """The kind of step at `batch` sequences still to be timed (True: a drafted one), drafted first unless not
-        `drafted_too`; None once those are, or where a batch size near it is (TIMED_NEAR_FACTOR) and it has not run
-        SETTLED_STEPS timed steps. Every request in a step reads the same answer, so the step is of one kind."""
+        `drafted_too`, or timed afresh once both are but its timings went stale (STALE_AFTER); None once those are, or
+        where a batch size near it is (TIMED_NEAR_FACTOR) and it has not run SETTLED_STEPS timed steps. Every request
+        in a step reads the same answer, so the step is of one kind."""
         near = self.nearest_timed(batch) if batch > 1 else None
         settled = self.seen.get((batch, True), 0) + self.seen.get((batch, False), 0) >= SETTLED_STEPS
         if (near is not None and near > 1 and max(near, batch) <= TIMED_NEAR_FACTOR * min(near, batch)
                 and not settled):
             return None
-        for drafted in (True, False) if drafted_too else (False,):
+        kinds = (True, False) if drafted_too else (False,)
+        for drafted in kinds:
             if not self._timed(batch, drafted):
                 return drafted
+        if self._timed(batch, True):
+            return next((drafted for drafted in kinds if self._stale(batch, drafted)), None)
         return None
 
     def nearest_timed(self, batch: int, drafted_too: bool = True) -> int | None:

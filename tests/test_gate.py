@@ -17,9 +17,11 @@ from specplan.decoder.drafters import Drafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.gate import (
     MEASURED_AT_LEAST,
+    MEASURED_STEPS,
     PROBE_SHARE,
     REASONS,
     SETTLED_STEPS,
+    STALE_AFTER,
     UNTIMED_FIRST_STEPS,
     YIELD_WINDOW,
     DraftGate,
@@ -217,6 +219,26 @@ def test_each_kinds_first_steps_at_a_batch_size_are_not_timed():
         clock.step_done(1, False, 0.1)
         clock.step_done(2, False, 0.2)
     assert clock.drafted_step_cost(1) == pytest.approx(2.5) and not clock.seconds.get((2, False))
+
+
+def test_a_kind_timed_long_ago_is_timed_afresh():
+    """A load drafting nearly every step times plain steps seldom: once STALE_AFTER drafted steps have been timed since
+    the last plain one, the clock wants a plain step (every request's answer), and a fresh plain step reprices."""
+    clock = StepClock()
+    for _ in range(UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST):
+        clock.step_done(8, False, 0.080)  # a slow spell
+        clock.step_done(8, True, 0.085)
+    assert clock.wanted(8) is None and clock.drafted_step_cost(8) == pytest.approx(0.085 / 0.080)
+    for _ in range(STALE_AFTER - 1):  # with the one drafted step timed after the last plain one: STALE_AFTER
+        clock.step_done(8, True, 0.075)
+    assert clock.wanted(8) is None  # not stale yet
+    clock.step_done(8, True, 0.075)
+    assert clock.wanted(8) is False and clock.wanted(8, drafted_too=False) is False
+    gate = DraftGate(lambda batch, context: (3.0, 1.5), clock)
+    assert gate.drafts(8, 100) is False and gate.reason == "timing"
+    for _ in range(MEASURED_STEPS):
+        clock.step_done(8, False, 0.055)
+    assert clock.wanted(8) is None and clock.drafted_step_cost(8) == pytest.approx(0.075 / 0.055)
 
 
 def test_measured_steps_replace_the_plans_price():
