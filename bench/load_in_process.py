@@ -113,8 +113,8 @@ def describe(name: str, result: dict) -> str:
 def against_decoder(plan_path: str, plan: Decoder, name: str, parser: argparse.ArgumentParser) -> Decoder:
     """The system `name` (one of --against's, checked) that the plan at `plan_path` runs against, on the plan
     decoder's own models: two copies of the same weights in one process ran their forwards 10-15% apart, the copy
-    loaded first the slower (a VM's memory; docs/benchmark-log.md, 2026-12-06), which a comparison read as the
-    systems' difference."""
+    loaded first the slower (a VM's memory; docs/benchmark-log.md: "Two copies of one model"), which a comparison
+    read as the systems' difference."""
     if name == "one-token":
         return Decoder(plan.target, lambda: None, None, None, plan.target_forward)
     sibling = Decoder(plan.target, plan.make_drafter, plan.plan, None, plan.target_forward, plan.draft,

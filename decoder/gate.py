@@ -100,7 +100,7 @@ SETTLED_STEPS = 32
 # Timed steps of the other kind at a batch size after which a kind's own timings there are stale and it is timed
 # afresh: where a load drafts nearly every step, its plain steps come seldom, and the median of the last few, some from
 # another spell of the machine, priced a served fp32 plan's drafted step at B = 3-8 at 0.86-1.14 plain steps (1.3-1.45
-# timed in one process) and kept it drafting 65% of its steps at a loss (docs/benchmark-log.md, 2026-12-06)
+# timed in one process) and kept it drafting 65% of its steps at a loss (docs/benchmark-log.md: "Stale timings")
 STALE_AFTER = 4 * MEASURED_STEPS
 
 # (batch size, the request's context) -> (predicted tokens per step, speedup) or None

@@ -30,7 +30,8 @@ _EMPTY = -1
 # A node's children are found through an open-addressing table of (parent, token) keys in two arrays of the state,
 # not a numba typed Dict: a compiled call's dispatch types each argument in Python, a typed Dict slowly, and a
 # decoder's trie calls come right after a forward has swept the caches, where that typing cost more than the call's
-# own work (docs/benchmark-log.md, 2026-12-06). The table is at least twice the node slots: probes stay short.
+# own work (docs/benchmark-log.md: "Where a sitting-out plan's time goes"). The table is at least twice the node
+# slots: probes stay short.
 _TABLE_LOAD = 2
 _HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: the key times 2^64 / golden ratio, bits 32 up the slot
 
