@@ -117,14 +117,14 @@ def against_decoder(plan_path: str, plan: Decoder, name: str, parser: argparse.A
     read as the systems' difference."""
     if name == "one-token":
         return Decoder(plan.target, lambda: None, None, None, plan.target_forward)
+    if name == "unshared" and plan.plan.sharing is None:
+        parser.error(f"{plan_path} shares no rows (solved without --share-rows): nothing to compare unshared")
     sibling = Decoder(plan.target, plan.make_drafter, plan.plan, None, plan.target_forward, plan.draft,
                       plan.draft_forward)
     if name.startswith("setting-"):
         sibling.fix_setting(int(name.removeprefix("setting-")))
-        return sibling
-    if plan.plan.sharing is None:
-        parser.error(f"{plan_path} shares no rows (solved without --share-rows): nothing to compare unshared")
-    sibling.unshared()
+    else:
+        sibling.unshared()
     return sibling
 
 
