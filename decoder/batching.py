@@ -72,6 +72,29 @@ class Completion:
 
 
 @dataclass
+class StepRecord:
+    """One scheduler step as a step log sees it (`Scheduler.step_log`): when it began (time.perf_counter), its seconds
+    to the next step's start (the server's work between them, and the prefills of the requests admitted then,
+    included), its sequences and how many drafted, the kind its engine's clock counts it as (None: some sequences
+    drafted, too few to count), whether the clock timed it, the requests that finished in it and those admitted before
+    the next, and the prices its requests decided at: the mean over its gated requests of a drafted step's price in
+    plain steps and of the tokens each expected of one (None without gates)."""
+
+    started: float
+    batch: int
+    drafted: int
+    kind: str | None
+    price: float | None
+    expected: float | None
+    prompt_chunks: int = 0
+    seconds: float = 0.0
+    timed: bool = False
+    finished: int = 0
+    admitted_after: int = 0
+    clock_price: float | None = None  # the clock's measured price at its batch size once it was timed (or not)
+
+
+@dataclass
 class _Waiting:
     id: int
     request: Request
@@ -118,6 +141,8 @@ class Scheduler:
         # None once the engine is idle, when a joiner's prior is the engine's recent drafted steps'
         self.batch_yield: float | None = None
         self.recent_yields = RecentYields()
+        self.step_log: Callable[[StepRecord], None] | None = None  # handed every step once its seconds are known
+        self.logged_step: StepRecord | None = None  # the last step, its seconds not known yet
         target = engine.target
         # prefixes kept in the slots' caches: on the CPU kernels only (CUDA graphs are captured per cache state),
         # and where a prefix's keys do not depend on the whole prompt (RoPE scaled by the prompt's length; Phi-3)
@@ -149,16 +174,18 @@ class Scheduler:
         self.prefilling = [entry for entry in self.prefilling if not self._drop_if_cancelled(entry, done)]
         waiting = len(self.waiting)
         done += self._admit()
-        if len(self.waiting) != waiting:  # the time since the last step's start holds prefills: not a step's cost
+        admitted = waiting - len(self.waiting)
+        if admitted:  # the time since the last step's start holds prefills: not a step's cost
             self.timed_step = None
         self._prefilled([])  # prompts their slots' kept prefixes already hold
         running = self.running
         chunks = self._prompt_chunks()
         if not running and not chunks:
             self.timed_step = None
+            self._log_last_step(time.perf_counter(), admitted, False)
             return done
         started = time.perf_counter()
-        self._time_last_step(started)
+        self._log_last_step(started, admitted, self._time_last_step(started))
         if self.engine.clock is not None:
             self.engine.clock.begin_step()
         self.engine.decide([entry.run for entry in running])
@@ -176,6 +203,8 @@ class Scheduler:
         starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)
         reading = sum(entry.run.drafter.reading_seconds for entry in running if entry.run.tree.size > 1)
         self.timed_step = (len(running), kind, started + reading) if not chunks and not starting else None
+        if self.step_log is not None:
+            self.logged_step = _step_record(started, running, kind, len(chunks))
         items += [item for _, item in chunks]
         target = self.engine.target
         logits = target.forward_many(items) if len(items) > 1 else [target.forward(*items[0])]
@@ -185,6 +214,8 @@ class Scheduler:
                 done.append(self._complete(entry))
             else:
                 self.running.append(entry)
+        if self.logged_step is not None:
+            self.logged_step.finished = len(running) - len(self.running)
         self._prefilled(chunks)
         measured = [run.gate.yield_ratio for run in gated if run.gate.yields]
         if not self.running:  # idle: the next request's load is not this one's
@@ -193,19 +224,31 @@ class Scheduler:
             self.batch_yield = statistics.mean(measured)
         return done
 
-    def _time_last_step(self, now: float) -> None:
+    def _log_last_step(self, now: float, admitted: int, timed: bool) -> None:
+        """The last step to the step log, its seconds ending `now`, `admitted` requests prefilled since."""
+        record, self.logged_step = self.logged_step, None
+        if record is None or self.step_log is None:
+            return
+        record.seconds, record.timed, record.admitted_after = now - record.started, timed, admitted
+        clock = self.engine.clock
+        record.clock_price = clock.drafted_step_cost(record.batch) if clock is not None else None
+        self.step_log(record)
+
+    def _time_last_step(self, now: float) -> bool:
         """The last step's seconds, from its start to this one's (the server's work between them included), to the
         engine's clock: a step in which at least half the sequences chose to draft (a trie without a match drafting
         nothing) or none drafted, no prompt prefilled since, no drafter starting its sequence untimed
         (Drafter.started_now); less what its drafters read before drafting (Drafter.started_reading). With shared rows,
         every such step, whatever its kind, to the sharing's step prices (decoder/sharing.py)."""
         clock, sharing = self.engine.clock, self.engine.sharing
+        recorded = False
         if self.timed_step is not None:
             batch, drafted, started = self.timed_step
             if clock is not None and drafted is not None:
-                clock.step_done(batch, drafted, now - started)
+                recorded = clock.step_done(batch, drafted, now - started)
             if sharing is not None:  # a step whose rows were shared: its time against the table's price
                 sharing.timed(now - started)
+        return recorded
 
     def _prompt_chunks(self) -> list[tuple[_Running, ForwardItem]]:
         """With a prefill chunk: the next prompt tokens of the sequences prefilling, oldest first, at most
@@ -396,6 +439,14 @@ class Scheduler:
 def _target_role(slot: int) -> str:
     """The target cache's role of a slot (slot 0: the one-request decoder's own, "target")."""
     return "target" + (f".{slot}" if slot else "")
+
+
+def _step_record(started: float, running: list[_Running], kind: bool | None, prompt_chunks: int) -> StepRecord:
+    gates = [entry.run.gate for entry in running if entry.run.gate is not None and entry.run.gate.priced is not None]
+    return StepRecord(started, len(running), sum(entry.run.tree.size > 1 for entry in running),
+                      None if kind is None else "drafted" if kind else "plain",
+                      statistics.fmean(g.step_cost for g in gates) if gates else None,
+                      statistics.fmean(g.expected for g in gates) if gates else None, prompt_chunks)
 
 
 def _draft(running: list[_Running]) -> list[DraftTree]:

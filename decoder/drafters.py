@@ -168,6 +168,9 @@ class NoDrafter(Drafter):
     def propose(self, root, params, draw, generator):
         return DraftTree([root], [-1])
 
+    def drafts_now(self) -> bool:
+        return False  # its steps are plain ones, as a batch's clock counts them
+
     def target_tree_sizes(self):
         return (1,)
 

@@ -129,13 +129,15 @@ class StepClock:
     def begin_step(self) -> None:
         self.step += 1
 
-    def step_done(self, batch: int, drafted: bool, seconds: float) -> None:
+    def step_done(self, batch: int, drafted: bool, seconds: float) -> bool:
         """A step of `batch` sequences the engine timed: recorded unless among the first UNTIMED_FIRST_STEPS of its
-        kind at that batch size."""
+        kind at that batch size; whether it was."""
         key = (batch, drafted)
         self.seen[key] = self.seen.get(key, 0) + 1
-        if self.seen[key] > UNTIMED_FIRST_STEPS:
-            self.record(batch, drafted, seconds)
+        if self.seen[key] <= UNTIMED_FIRST_STEPS:
+            return False
+        self.record(batch, drafted, seconds)
+        return True
 
     def record(self, batch: int, drafted: bool, seconds: float) -> None:
         self.seconds.setdefault((batch, drafted), deque(maxlen=MEASURED_STEPS)).append(seconds)

@@ -876,13 +876,17 @@ def generate(plan_path: Path | None, prompt: str | None, prompt_file: Path | Non
 @click.option("--cache-ram", "prompt_cache_mib", type=click.IntRange(min=0), default=DEFAULT_PROMPT_CACHE_MIB,
               show_default=True, help="MiB of host memory for the prefixes slots would lose, which later requests "
                                       "sharing them start from (llama-server's --cache-ram; 0: none)")
+@click.option("--step-log", type=click.Path(dir_okay=False, path_type=Path),
+              help="write every decoding step here, one JSON line each: its batch size, how many sequences drafted, "
+                   "its seconds, whether the clock timed it, the prices its requests decided at")
 @_offload_options()
 def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: str | None, draft_dtype: str | None,
           verify: str | None, device: str | None, backend: str | None, host: str, port: int, concurrency: int,
           prefill_chunk: int, fixed_drafting: bool, no_sharing: bool, rule: str | None, setting: int | None,
           max_queue: int,
           max_new_tokens: int,
-          context: int | None, prompt_cache_mib: int, offload: str | None, resident_layers: int | None) -> None:
+          context: int | None, prompt_cache_mib: int, step_log: Path | None, offload: str | None,
+          resident_layers: int | None) -> None:
     """An OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions) over continuous batching."""
     from specplan.decoder.api import load_decoder
     from specplan.serve import ServeOptions, serve_forever
@@ -908,7 +912,7 @@ def serve(plan_path: Path | None, target: str | None, draft: str | None, dtype: 
     decoder.check_memory(concurrency, context or longest)
     name = target or (decoder.plan.models.target if decoder.plan else "model")
     serve_forever(decoder, name, ServeOptions(concurrency, max_queue, max_new_tokens, prefill_chunk, context,
-                                              prompt_cache_mib), host, port, _progress)
+                                              prompt_cache_mib, step_log), host, port, _progress)
 
 
 def _check_no_sharing(plan_path: Path | None, no_sharing: bool) -> None:
@@ -1041,6 +1045,9 @@ def _generate_requests(decoder, entries: list, concurrency: int, max_new_tokens:
               help="with --context: every prompt asks about the same document (its last line differs), as clients "
                    "asking questions of one long text do")
 @click.option("--device", type=click.Choice(DEVICES), help="default: cuda when available")
+@click.option("--step-logs", is_flag=True,
+              help="with --concurrency: our servers log every step (`plan serve --step-log`) beside -o, a file per "
+                   "system, level and round")
 @click.option("--reprice", is_flag=True,
               help="re-time the forwards (and builds) the plan's prediction priced, between the prompts, and report "
                    "the prediction re-priced with them (TriForce, Sequoia and Lookahead plans)")
@@ -1051,7 +1058,7 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
           server_drafts: str | None, server_ngrams: str | None, target: str | None,
           draft: str | None, dtype: str | None, draft_dtype: str | None, temperature: float | None,
           top_p: float | None, verify: str | None, seed: int, chat: bool, context: int | None, one_document: bool,
-          device: str | None, reprice: bool, backend: str | None, output: Path) -> None:
+          device: str | None, step_logs: bool, reprice: bool, backend: str | None, output: Path) -> None:
     """Our decoder against transformers and llama.cpp baselines on the same prompts, in one run."""
     from specplan.bench import LOOKUP_BASELINES, BenchRequest, markdown_table, run_bench
     from specplan.core.plan_schema import load_plan
@@ -1065,11 +1072,11 @@ def bench(plan_path: Path | None, dataset: str, prompts: int, max_new_tokens: in
                        _int_list(settings) if settings else [], [r for r in (rules or "").split(",") if r],
                        _int_list(server_drafts) if server_drafts else [], _ngram_pairs(server_ngrams),
                        requests_per_client, rounds, target, draft,
-                       dtype, chat, context, one_document, output)
+                       dtype, chat, context, one_document, step_logs, output)
         return
-    if settings or rules or server_drafts or server_ngrams or rounds != 1:
-        raise UserError("--settings, --rules, --rounds, --llama-server-drafts and --llama-server-ngrams go with "
-                        "--concurrency (the serving benchmark)")
+    if settings or rules or server_drafts or server_ngrams or rounds != 1 or step_logs:
+        raise UserError("--settings, --rules, --rounds, --llama-server-drafts, --llama-server-ngrams and --step-logs "
+                        "go with --concurrency (the serving benchmark)")
     baselines = baselines if baselines is not None else "hf,hf-assisted,ours-ar"
     lookup_plan = load_plan(plan_path) if plan_path is not None else None
     if lookup_plan is not None and lookup_plan.method != "prompt-lookup":
@@ -1114,7 +1121,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
                    levels: list[int], settings: list[int], rules: list[str], server_drafts: list[int],
                    server_ngrams: list[tuple[int, int]], requests_per_client: int, rounds: int, target: str | None,
                    draft: str | None, dtype: str | None, chat: bool, context: int | None, one_document: bool,
-                   output: Path) -> None:
+                   step_logs: bool, output: Path) -> None:
     """plan bench --concurrency: our server and llama.cpp's, closed loop, at each concurrency (specplan/serving.py)."""
     import os
 
@@ -1173,20 +1180,22 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     prices, basis = serving_prices(plan, settings, max_new_tokens, requests_per_client, _progress, encoded) \
         if plan else ({}, None)
     systems = []
+
+    def ours(name: str, options: list[str]) -> System:
+        return System(name, plan_serve_command(options, slot), logs_steps=step_logs)
+
     for name in dict.fromkeys(names):
         if name == "ours-ar":
-            systems.append(System(name, plan_serve_command(["--target", target, "--dtype", dtype], slot)))
+            systems.append(ours(name, ["--target", target, "--dtype", dtype]))
         elif name in ("ours", "ours-fixed", "ours-unshared"):
             if plan_path is None:
                 raise UserError(f"{name} serves a --plan")
             fixed = {"ours-fixed": ["--fixed-drafting"], "ours-unshared": ["--no-sharing"]}.get(name, [])
-            systems.append(System(name, plan_serve_command(["--plan", str(plan_path), *fixed], slot)))
+            systems.append(ours(name, ["--plan", str(plan_path), *fixed]))
         elif name.startswith("rule-"):
-            systems.append(System(name, plan_serve_command(["--plan", str(plan_path), "--rule",
-                                                            name.removeprefix("rule-")], slot)))
+            systems.append(ours(name, ["--plan", str(plan_path), "--rule", name.removeprefix("rule-")]))
         elif name.startswith("setting-"):
-            systems.append(System(name, plan_serve_command(["--plan", str(plan_path), "--setting",
-                                                            name.removeprefix("setting-")], slot)))
+            systems.append(ours(name, ["--plan", str(plan_path), "--setting", name.removeprefix("setting-")]))
         elif name == "hf-batch":
             if dtype == "gguf":
                 raise UserError("hf-batch runs transformers on dequantized weights: give --dtype fp32 or bf16")

@@ -21,15 +21,16 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
 
 from aiohttp import web
 
 from specplan.core.choices import DEFAULT_PROMPT_CACHE_MIB
 from specplan.core.errors import UserError
 from specplan.decoder.api import Decoder
-from specplan.decoder.batching import Completion, Request
+from specplan.decoder.batching import Completion, Request, StepRecord
 from specplan.decoder.engine import GenerationResult
 from specplan.decoder.sampling import SamplingParams
 
@@ -44,7 +45,8 @@ MAX_PROMPT_CHARS = 8 << 20
 class ServeOptions:
     """How `plan serve` serves: sequences in flight, requests waiting beyond them, a request's default new tokens,
     prompt tokens a step carries for joining requests (0: prefill them before the next step), and the most tokens a
-    request may hold, prompt and output (None: the model's context; llama-server's per-slot -c)."""
+    request may hold, prompt and output (None: the model's context; llama-server's per-slot -c); where every step is
+    logged (None: nowhere)."""
 
     concurrency: int = 4
     max_queue: int = 64
@@ -52,6 +54,7 @@ class ServeOptions:
     prefill_chunk: int = 0
     context: int | None = None
     prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB
+    step_log: Path | None = None
 
 
 @dataclass
@@ -71,9 +74,11 @@ class EngineLoop:
     safe to call from any thread."""
 
     def __init__(self, decoder: Decoder, concurrency: int, max_queue: int, prefill_chunk: int = 0,
-                 prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB) -> None:
+                 prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB, step_log: IO[str] | None = None) -> None:
         self.decoder = decoder
         self.scheduler = decoder.scheduler(concurrency, prefill_chunk, prompt_cache_mib)
+        self.step_log = StepLogWriter(step_log) if step_log is not None else None
+        self.scheduler.step_log = self.step_log
         self.capacity = concurrency + max_queue
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -106,6 +111,13 @@ class EngineLoop:
 
     def run(self) -> None:
         """Step the scheduler until `stop`."""
+        try:
+            self._run()
+        finally:
+            if self.step_log is not None:
+                self.step_log.handle.close()
+
+    def _run(self) -> None:
         while not self.stopping:
             self._drain_inbox()
             if self.scheduler.idle:
@@ -154,6 +166,19 @@ def _timings(result: GenerationResult) -> dict[str, Any]:
             "cache_n": result.cached_prompt_tokens, **({"decisions": result.decisions} if result.decisions else {}),
             **({"step_prices": {str(batch): list(price) for batch, price in result.step_prices.items()}}
                if result.step_prices else {})}
+
+
+class StepLogWriter:
+    """Scheduler steps as JSON lines (StepRecord's fields; `started` in seconds since the log began)."""
+
+    def __init__(self, handle: IO[str]) -> None:
+        self.handle = handle
+        self.began = time.perf_counter()
+
+    def __call__(self, record: StepRecord) -> None:
+        line = {key: round(value, 6) if isinstance(value, float) else value for key, value in asdict(record).items()}
+        line["started"] = round(record.started - self.began, 6)
+        self.handle.write(json.dumps(line) + "\n")
 
 
 class QueueFull(Exception):
@@ -422,8 +447,14 @@ class RunningServer:
 def build(decoder: Decoder, model_name: str, options: ServeOptions) -> tuple[web.Application, EngineLoop]:
     if options.max_queue < 0:
         raise UserError(f"the queue limit must be >= 0, got {options.max_queue}")
+    step_log = None
+    if options.step_log is not None:
+        try:
+            step_log = open(options.step_log, "w", buffering=1)  # line-buffered: a stopped server leaves whole lines
+        except OSError as exc:
+            raise UserError(f"cannot write the step log {options.step_log} ({exc.strerror or exc})") from None
     engine = EngineLoop(decoder, options.concurrency, options.max_queue, options.prefill_chunk,
-                        options.prompt_cache_mib)
+                        options.prompt_cache_mib, step_log)
     return Server(decoder, engine, model_name, options).app(), engine
 
 

@@ -68,6 +68,7 @@ class System:
     in_process: Callable[[list[list[int]], int, int], list[RequestTiming]] | None = None  # (prompts, C, max_tokens)
     predict: LevelPricer | None = None  # the price of a level's load, at the plan's acceptance or a measured one
     price_basis: str | None = None  # what the price's drafting yield was replayed on (serving_prices)
+    logs_steps: bool = False  # a `plan serve` asked for its step log (`--step-log`), one file per level and round
 
 
 @dataclass
@@ -176,10 +177,10 @@ def free_port() -> int:
 
 
 class RunningProcess:
-    def __init__(self, system: System, concurrency: int, log_path: Path) -> None:
+    def __init__(self, system: System, concurrency: int, log_path: Path, extra: list[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = system.command(self.port, concurrency)
+        argv = system.command(self.port, concurrency) + list(extra)
         self.log = open(log_path, "ab")
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **system.environment}, start_new_session=True)
@@ -466,12 +467,18 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
                     say(f"{where}: done before, skipped")
                     continue
                 result = _serve_level(system, prompts_at_level(prompts, concurrency, requests_per_client, round_),
-                                      concurrency, max_tokens, results, count_tokens, machine, where, say)
+                                      concurrency, max_tokens, results, count_tokens, machine, where, say, round_)
                 result.round = round_
                 with open(results, "a") as handle:
                     handle.write(json.dumps(asdict(result)) + "\n")
                 finished.append(result)
     return finished
+
+
+def step_log_path(results: Path, system: str, concurrency: int, round_: int) -> Path:
+    """Where `plan bench --step-logs` has a server of ours log its steps: beside the results, by system, level and
+    round (the warm-up's steps first)."""
+    return results.with_suffix(f".{system}.c{concurrency}.r{round_ + 1}.steps.log")
 
 
 def warmup_prompts(level_prompts: list[list[int]], concurrency: int) -> list[list[int]]:
@@ -486,7 +493,7 @@ def warmup_prompts(level_prompts: list[list[int]], concurrency: int) -> list[lis
 
 def _serve_level(system: System, level_prompts: list[list[int]], concurrency: int, max_tokens: int,
                  results: Path, count_tokens: Callable[[str], int], machine: str, where: str,
-                 say: Callable[[str], None]) -> LevelResult:
+                 say: Callable[[str], None], round_: int = 0) -> LevelResult:
     """One system at one concurrency, sent `level_prompts` in that order: its server started, warmed up, driven closed
     loop, stopped; the level's result (priced where the system has a price)."""
     warmup = warmup_prompts(level_prompts, concurrency)
@@ -494,7 +501,9 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
         system.in_process(warmup, concurrency, WARMUP_TOKENS)
         timings, failed = system.in_process(level_prompts, concurrency, max_tokens), 0
     else:
-        server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"))
+        extra = (["--step-log", str(step_log_path(results, system.name, concurrency, round_))]
+                 if system.logs_steps else [])
+        server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"), extra)
         try:
             server.wait_ready()
             asyncio.run(closed_loop(server.url, warmup, concurrency, WARMUP_TOKENS, count_tokens, ignore_eos=True))

@@ -38,7 +38,7 @@ from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.draft_rules import SglangEma
 from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.gate import StepClock
+from specplan.decoder.gate import MEASURED_AT_LEAST, StepClock
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 from specplan.planner.closed_loop import SettingPrice, schedule_table
@@ -268,6 +268,40 @@ def test_an_off_entrys_candidate_drafts_only_where_requests_decide_and_time_it(t
         for i, request in enumerate(requests):
             assert results[i].tokens == SpeculativeEngine(target, make()).generate(
                 request.prompt, request.max_new_tokens, SamplingParams()).tokens, i
+
+
+def test_the_step_log_sees_every_step_and_the_steps_the_clock_timed(tiny_pair):
+    """`plan serve --step-log`: each step once its seconds are known, with its batch, its drafted sequences, its kind;
+    the steps it says the clock timed are those the clock holds, second for second; a prefill after a step untimes
+    it."""
+    _, target, _ = tiny_pair
+    schedule = BatchSchedule(None, (ScheduleEntry(1, 8, False, None, 1.0, 1.0, 1.0, Candidate(6, 2.0, 0.95)),))
+    make = lambda: TrieDrafter(Trie(TrieSettings.sized(8, 3)))  # noqa: E731
+    phrase = torch.randint(0, 250, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    requests = [Request(phrase * 3 + [i], n) for i, n in enumerate((60, 6, 8, 40, 30))]
+    clock = StepClock()
+    for _ in range(MEASURED_AT_LEAST):  # B = 2 priced before the load: 1.5 plain steps a drafted one
+        clock.record(2, True, 0.003)
+        clock.record(2, False, 0.002)
+    scheduler = Scheduler(SpeculativeEngine(target, make(), pricing=lambda batch, context: schedule.entry_for(
+        batch, context).price_at(batch), schedule=schedule, clock=clock), drafters_per_slot(make), 2)
+    records = []
+    scheduler.step_log = records.append
+    results = list(scheduler.run(requests))
+    assert len(records) >= max(r.result.steps for r in results)
+    assert all(1 <= r.batch <= 2 and 0 <= r.drafted <= r.batch for r in records)
+    assert sum(r.finished for r in records) + (scheduler.logged_step.finished if scheduler.logged_step else 0) == 5
+    assert {r.kind for r in records} >= {"drafted", "plain"} and all(r.price is not None for r in records)
+    assert not any(r.timed for r in records if r.admitted_after or r.kind is None)
+    for batch in (1, 2):
+        timed = [r for r in records if r.timed and r.batch == batch]
+        assert len(timed) == clock.timed_steps.get(batch, 0) - (2 * MEASURED_AT_LEAST if batch == 2 else 0)
+        for drafted, kind in ((True, "drafted"), (False, "plain")):
+            logged, held = [r.seconds for r in timed if r.kind == kind], list(clock.seconds.get((batch, drafted), ()))
+            count = min(len(logged), len(held))
+            assert logged[len(logged) - count:] == held[len(held) - count:]
+    at_two = [r for r in records if r.batch == 2]
+    assert at_two[-1].clock_price == clock.drafted_step_cost(2) and at_two[0].clock_price is not None
 
 
 def test_a_fixed_setting_drafts_that_length_at_every_batch_size(tiny_pair):

@@ -133,13 +133,18 @@ def test_a_step_that_raises_fails_its_requests_and_the_server_keeps_serving(serv
 
 @pytest.mark.slow  # a `plan serve` process per level
 def test_the_serving_benchmark_writes_each_level_as_it_finishes_and_resumes(run_cli, tmp_path):
-    """plan bench --concurrency: `plan serve` started as its own process per level, closed-loop clients over HTTP;
-    a rerun skips the levels already in the results file."""
+    """plan bench --concurrency: `plan serve` started as its own process per level, closed-loop clients over HTTP,
+    each step in its step log (`--step-logs`); a rerun skips the levels already in the results file."""
     out = tmp_path / "serving.jsonl"
     args = ("bench", "--concurrency", "3", "--target", "tiny-random-llama", "--dataset", "specbench",
-            "--baselines", "ours-ar,hf-batch", "--max-new-tokens", 8, "--prompts", 6, "-o", out)
+            "--baselines", "ours-ar,hf-batch", "--max-new-tokens", 8, "--prompts", 6, "--step-logs", "-o", out)
     code, _, err = run_cli(*args)
     assert code == 0, err
+    steps = [json.loads(line) for line in (tmp_path / "serving.ours-ar.c3.r1.steps.log").read_text().splitlines()]
+    assert len(steps) >= 8 and all(1 <= s["batch"] <= 3 and s["drafted"] == 0 and s["seconds"] > 0 for s in steps)
+    started = [s["started"] for s in steps]
+    assert sum(s["finished"] for s in steps) >= 6 and started == sorted(started) and {s["kind"] for s in steps} == {
+        "plain"}
     levels = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["system"], r["concurrency"], r["requests"]) for r in levels] == [("ours-ar", 3, 6), ("hf-batch", 3, 6)]
     for level in levels:  # the same greedy tokens, counted the same way (no end-of-sequence token in 8)
