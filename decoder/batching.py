@@ -39,7 +39,7 @@ from specplan.core.choices import DEFAULT_PROMPT_CACHE_MIB, MIN_SAVED_TOKENS
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter, propose_all
 from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
-from specplan.decoder.gate import RecentYields
+from specplan.decoder.gate import UNTIMED_AFTER_JOIN, RecentYields
 from specplan.decoder.model import ForwardItem, prefill_together, prompt_item
 from specplan.decoder.prompt_cache import PromptCache, copy_prefix, shared_prefix
 from specplan.decoder.sampling import SamplingParams
@@ -137,6 +137,7 @@ class Scheduler:
         self.next_id = 0
         # the last step: (sequences, drafted, its start, later by the seconds its drafters read before drafting)
         self.timed_step: tuple[int, bool | None, float] | None = None
+        self.steps_since_join = 0  # steps begun since a sequence last joined the running batch (UNTIMED_AFTER_JOIN)
         # the mean yield ratio of the last step's requests with drafted steps (decoder/gate.py): a joiner's prior;
         # None once the engine is idle, when a joiner's prior is the engine's recent drafted steps'
         self.batch_yield: float | None = None
@@ -202,7 +203,9 @@ class Scheduler:
         kind = True if drafted else False if trees == {False} else None
         starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)
         reading = sum(entry.run.drafter.reading_seconds for entry in running if entry.run.tree.size > 1)
-        self.timed_step = (len(running), kind, started + reading) if not chunks and not starting else None
+        settled = self.steps_since_join >= UNTIMED_AFTER_JOIN
+        self.timed_step = (len(running), kind, started + reading) if settled and not chunks and not starting else None
+        self.steps_since_join += 1
         if self.step_log is not None:
             self.logged_step = _step_record(started, running, kind, len(chunks))
         items += [item for _, item in chunks]
@@ -237,7 +240,8 @@ class Scheduler:
     def _time_last_step(self, now: float) -> bool:
         """The last step's seconds, from its start to this one's (the server's work between them included), to the
         engine's clock: a step in which at least half the sequences chose to draft (a trie without a match drafting
-        nothing) or none drafted, no prompt prefilled since, no drafter starting its sequence untimed
+        nothing) or none drafted, no prompt prefilled since, none of the UNTIMED_AFTER_JOIN after a sequence joined
+        (decoder/gate.py), no drafter starting its sequence untimed
         (Drafter.started_now); less what its drafters read before drafting (Drafter.started_reading). With shared rows,
         every such step, whatever its kind, to the sharing's step prices (decoder/sharing.py)."""
         clock, sharing = self.engine.clock, self.engine.sharing
@@ -278,6 +282,7 @@ class Scheduler:
                 entry.run.prefill(entry.prompt, prefilled=True)
                 entry.run.prefill_seconds = entry.run.started - entry.admitted  # steps shared with others included
                 self.running.append(entry)
+                self.steps_since_join = 0
             else:
                 still.append(entry)
         self.prefilling = still
@@ -322,6 +327,8 @@ class Scheduler:
             self.prefilling.extend(joining)
             return failed
         self.running.extend(joining)  # before their prefills: a prefill that raises fails them (abort), not lost
+        if joining:
+            self.steps_since_join = 0
         pending = joining
         while pending:  # in waves: a prompt sharing a prefix with an earlier one waits to copy it (_waits)
             for entry in pending:

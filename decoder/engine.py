@@ -4,6 +4,7 @@ same loop with a one-node tree."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -15,7 +16,7 @@ import torch
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.decoder.drafters import Drafter, NoDrafter
-from specplan.decoder.gate import DraftGate, Pricing, StepClock, one_kind_of_step
+from specplan.decoder.gate import UNTIMED_AFTER_JOIN, DraftGate, Pricing, StepClock, one_kind_of_step
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.sharing import SharedRows
@@ -295,7 +296,7 @@ class SpeculativeEngine:
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         run = self.start(prompt, max_new_tokens, params, seed, on_tokens)
         self.cache = run.cache
-        while True:
+        for step in itertools.count():
             start = time.perf_counter()
             if self.clock is not None:
                 self.clock.begin_step()
@@ -303,10 +304,10 @@ class SpeculativeEngine:
             item = run.propose()
             reading = run.drafter.reading_seconds
             finished = run.advance(self.target.forward(*item))
-            drafted = run.tree.size > 1
-            if self.clock is not None and not (drafted and run.drafter.started_now):
+            drafted, settled = run.tree.size > 1, step >= UNTIMED_AFTER_JOIN
+            if self.clock is not None and settled and not (drafted and run.drafter.started_now):
                 self.clock.step_done(1, drafted, time.perf_counter() - start - reading)
-            if self.sharing is not None:
+            if self.sharing is not None and settled:
                 self.sharing.timed(time.perf_counter() - start)
             if finished:
                 return run.result()

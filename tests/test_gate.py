@@ -12,6 +12,7 @@ import torch
 from specplan.core.choices import CANDIDATE_SPEEDUP
 from specplan.core.method_settings import TrieSettings
 from specplan.core.plan_schema import BatchSchedule, Plan, PlanModels, Prediction, ScheduleEntry
+from specplan.decoder import batching
 from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.drafters import Drafter, SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
@@ -503,8 +504,9 @@ def test_a_draft_model_reads_the_steps_it_sat_out_before_drafting_timed_apart(ti
 def test_a_step_whose_drafters_read_first_is_timed_less_their_reading(tiny_pair, monkeypatch):
     """At 8 in flight nearly every drafted step has some draft model catching up on steps it sat out: the clock times
     such a step less that reading. The first step of 4 requests (each draft model reading its long prompt there) is
-    timed as a drafted step at 4, at less than its drafters' reading."""
+    timed as a drafted step at 4, at less than its drafters' reading (the steps after a join timed, for this test)."""
     _, target, draft = tiny_pair
+    monkeypatch.setattr(batching, "UNTIMED_AFTER_JOIN", 0)
     engine = SpeculativeEngine(target, SequoiaDrafter(draft, [-1, 0]), pricing=lambda batch, context: (1.5, 1.2),
                                clock=StepClock())
     recorded: list[tuple[int, bool, float]] = []

@@ -38,7 +38,7 @@ from specplan.decoder.batching import Request, Scheduler
 from specplan.decoder.draft_rules import SglangEma
 from specplan.decoder.drafters import SequoiaDrafter, TrieDrafter
 from specplan.decoder.engine import SpeculativeEngine
-from specplan.decoder.gate import MEASURED_AT_LEAST, StepClock
+from specplan.decoder.gate import MEASURED_AT_LEAST, UNTIMED_AFTER_JOIN, StepClock
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
 from specplan.planner.closed_loop import SettingPrice, schedule_table
@@ -273,7 +273,7 @@ def test_an_off_entrys_candidate_drafts_only_where_requests_decide_and_time_it(t
 def test_the_step_log_sees_every_step_and_the_steps_the_clock_timed(tiny_pair):
     """`plan serve --step-log`: each step once its seconds are known, with its batch, its drafted sequences, its kind;
     the steps it says the clock timed are those the clock holds, second for second; a prefill after a step untimes
-    it."""
+    it, and so does a join in the UNTIMED_AFTER_JOIN steps before it."""
     _, target, _ = tiny_pair
     schedule = BatchSchedule(None, (ScheduleEntry(1, 8, False, None, 1.0, 1.0, 1.0, Candidate(6, 2.0, 0.95)),))
     make = lambda: TrieDrafter(Trie(TrieSettings.sized(8, 3)))  # noqa: E731
@@ -293,6 +293,8 @@ def test_the_step_log_sees_every_step_and_the_steps_the_clock_timed(tiny_pair):
     assert sum(r.finished for r in records) + (scheduler.logged_step.finished if scheduler.logged_step else 0) == 5
     assert {r.kind for r in records} >= {"drafted", "plain"} and all(r.price is not None for r in records)
     assert not any(r.timed for r in records if r.admitted_after or r.kind is None)
+    for index, record in enumerate(records):  # nor the first steps after a sequence joins
+        assert not (record.timed and any(r.admitted_after for r in records[max(0, index - UNTIMED_AFTER_JOIN):index]))
     for batch in (1, 2):
         timed = [r for r in records if r.timed and r.batch == batch]
         assert len(timed) == clock.timed_steps.get(batch, 0) - (2 * MEASURED_AT_LEAST if batch == 2 else 0)
