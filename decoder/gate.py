@@ -86,10 +86,11 @@ MEASURED_AT_LEAST = 4
 # hierarchy's first drafted steps took 480-594 ms, later ones 248-272, on cpu-2c-zen3), and a price kept from them sat
 # a TriForce load out of steps that paid; the serving bench's warm-up requests run them
 UNTIMED_FIRST_STEPS = 4
-# Nor are the first steps after a sequence joins the batch timed, whatever their kind: served, the two after a join
-# ran 1.8-2.2x a step's time (every system, plain and drafted alike, `plan serve --step-log`), and the plan's plain
-# steps, which its joiners' first decisions bring, fell on them: a drafted step's price at B = 4 slid from 1.56 to 0.79
-# plain steps and the plan drafted its way to 0.79 of one-token decoding (docs/benchmark-log.md: "Steps after a join")
+# Nor are the first steps after a sequence joins the batch timed, whatever their kind: in a slow spell of a VM, the two
+# after a join (its prefill's burst) ran 1.5-3x a step's time served, for every system and kind (`plan serve
+# --step-log`), and a plan's plain steps, which its joiners' first decisions bring, fell on them: a drafted step's price
+# at B = 4 slid from 1.56 to 0.79 plain steps and the plan drafted at a loss (docs/benchmark-log.md: "Steps after a
+# join")
 UNTIMED_AFTER_JOIN = 2
 # A batch size beyond one within this factor of one whose steps of both kinds are timed takes its price from there
 # (scaled by the plan's prices at the two) instead of timing its own: a served closed loop passes through every batch
