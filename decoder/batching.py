@@ -224,7 +224,7 @@ class Scheduler:
         if not self.running:  # idle: the next request's load is not this one's
             self.batch_yield = None
         elif measured:
-            self.batch_yield = statistics.mean(measured)
+            self.batch_yield = statistics.fmean(measured)
         return done
 
     def _log_last_step(self, now: float, admitted: int, timed: bool) -> None:

@@ -130,6 +130,10 @@ class StepClock:
         self.seen: dict[tuple[int, bool], int] = {}  # steps of each kind the engine finished, timed or not
         self.timed_steps: dict[int, int] = {}  # steps timed at each batch size, of either kind
         self.last_timed: dict[tuple[int, bool], int] = {}  # timed_steps at the batch size when each kind was last
+        # the batch sizes whose plain steps are timed (MEASURED_AT_LEAST of them), and those whose drafted ones are too:
+        # asked at every request's every decision, kept as they come rather than searched for
+        self.timed_plain: set[int] = set()
+        self.timed_both: set[int] = set()
         self.step = 0  # the steps begun: the requests sitting out probe together at multiples of their period
         self.start_rates: deque[float] = deque(maxlen=MEASURED_STEPS)  # a drafter's start: seconds per token read
 
@@ -150,6 +154,10 @@ class StepClock:
         self.seconds.setdefault((batch, drafted), deque(maxlen=MEASURED_STEPS)).append(seconds)
         self.timed_steps[batch] = self.timed_steps.get(batch, 0) + 1
         self.last_timed[(batch, drafted)] = self.timed_steps[batch]
+        if self._timed(batch, False):
+            self.timed_plain.add(batch)
+            if self._timed(batch, True):
+                self.timed_both.add(batch)
 
     def _stale(self, batch: int, drafted: bool) -> bool:
         return self.timed_steps.get(batch, 0) - self.last_timed.get((batch, drafted), 0) > STALE_AFTER
@@ -178,9 +186,8 @@ class StepClock:
     def nearest_timed(self, batch: int, drafted_too: bool = True) -> int | None:
         """The batch size nearest `batch` (the larger of two as near) with plain steps timed, and drafted ones if
         `drafted_too`; None before any."""
-        timed = [b for b, drafted in self.seconds if not drafted and self._timed(b, False)
-                 and (not drafted_too or self._timed(b, True))]
-        return min(timed, key=lambda b: (abs(b - batch), -b), default=None)
+        return min(self.timed_both if drafted_too else self.timed_plain, key=lambda b: (abs(b - batch), -b),
+                   default=None)
 
     def record_start(self, tokens: int, seconds: float) -> None:
         """A drafter's start: `tokens` read (a draft model's prompt) in `seconds`."""
@@ -370,7 +377,7 @@ def one_kind_of_step(gates: list[DraftGate]) -> None:
         return
     timing = any(gate.drafting and gate.reason == "timing" for gate in gates)
     share = CANDIDATE_SPEEDUP if timing else 1.0
-    pays = statistics.mean(g.expected for g in gates) >= share * statistics.mean(g.step_cost for g in gates)
+    pays = statistics.fmean(g.expected for g in gates) >= share * statistics.fmean(g.step_cost for g in gates)
     for gate in gates:
         drafting = pays and (gate.drafting or not gate.reads_first)
         if drafting != gate.drafting:
