@@ -203,8 +203,8 @@ class Scheduler:
         kind = True if drafted else False if trees == {False} else None
         starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)
         reading = sum(entry.run.drafter.reading_seconds for entry in running if entry.run.tree.size > 1)
-        settled = self.steps_since_join >= UNTIMED_AFTER_JOIN
-        self.timed_step = (len(running), kind, started + reading) if settled and not chunks and not starting else None
+        past_join = self.steps_since_join >= UNTIMED_AFTER_JOIN
+        self.timed_step = (len(running), kind, started + reading) if past_join and not chunks and not starting else None
         self.steps_since_join += 1
         if self.step_log is not None:
             self.logged_step = _step_record(started, running, kind, len(chunks))

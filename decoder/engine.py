@@ -304,10 +304,10 @@ class SpeculativeEngine:
             item = run.propose()
             reading = run.drafter.reading_seconds
             finished = run.advance(self.target.forward(*item))
-            drafted, settled = run.tree.size > 1, step >= UNTIMED_AFTER_JOIN
-            if self.clock is not None and settled and not (drafted and run.drafter.started_now):
+            drafted, past_join = run.tree.size > 1, step >= UNTIMED_AFTER_JOIN
+            if self.clock is not None and past_join and not (drafted and run.drafter.started_now):
                 self.clock.step_done(1, drafted, time.perf_counter() - start - reading)
-            if self.sharing is not None and settled:
+            if self.sharing is not None and past_join:
                 self.sharing.timed(time.perf_counter() - start)
             if finished:
                 return run.result()

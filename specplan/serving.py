@@ -36,6 +36,7 @@ import numpy as np
 
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import Plan
+from specplan.decoder.gate import MEASURED_AT_LEAST, UNTIMED_AFTER_JOIN, UNTIMED_FIRST_STEPS
 
 if TYPE_CHECKING:
     from specplan.core.models import LoadedModel
@@ -43,13 +44,16 @@ if TYPE_CHECKING:
 SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
 SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-Bench prompt and its output fit
 SLOT_TREE_ROOM = 64  # a slot's tokens beyond its prompt and output: the largest draft tree a step scores
+# The most tokens a drafted step emits a request in the loads benchmarked here (TriForce 8K: 8-10)
+MOST_TOKENS_PER_DRAFTED_STEP = 10
 # Each warm-up request's new tokens, every system alike (a server's past its stop tokens: ignore_eos): enough steps for
 # a server's start to pass before the measured load, as it has in a server that runs for hours: kernels built, graphs
-# captured, and our StepClock's timings at the level's batch size (after the steps the requests join in,
-# UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST steps of each kind; decoder/gate.py) at the most tokens a drafted step emits
-# here (TriForce 8K: 5-6.5). Warm-up requests that ended at their stop tokens a few steps in left the clock to time
-# C = 8 in the measured load, which sat a tenth of its request-steps out.
-WARMUP_TOKENS = 96
+# captured, and our StepClock's timings at the level's batch size (decoder/gate.py: after the steps the requests join
+# in, UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST steps of each kind, drafted ones first). Warm-up requests that ended at
+# their stop tokens a few steps in left the clock to time C = 8 in the measured load, which sat a tenth of its
+# request-steps out; 96 tokens, once the steps after a join went untimed, left a TriForce plan's plain steps untimed.
+WARMUP_TOKENS = ((UNTIMED_AFTER_JOIN + UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST) * MOST_TOKENS_PER_DRAFTED_STEP
+                 + UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST)
 
 
 # (a level's prompts, C, max tokens, tokens per step or None: the plan's, each prompt's output tokens or None: the
