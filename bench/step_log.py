@@ -1,7 +1,7 @@
 """A served run's steps, by batch size and kind, from the step logs `plan bench --step-logs` has our servers write
-(`plan serve --step-log`): how many of each, the median seconds of those the engine's clock timed, and of the steps
-that follow a request's end (its response going out, the client's next request coming in) apart from the rest; the
-clock's measured price of a drafted step in plain steps as it went, and the prices the requests decided at.
+(`plan serve --step-log`): how many of each, the median seconds of the steps that follow a join (the clock's
+UNTIMED_AFTER_JOIN) apart from the rest, of those the clock timed, the clock's measured price of a drafted step in plain
+steps as it went, and the prices the requests decided at.
 
     .venv/bin/python bench/step_log.py docs/reports/serving/RESULTS.ours.c8.r1.steps.log [MORE.steps.log ...]
 """
@@ -13,8 +13,7 @@ import json
 import statistics
 from collections import defaultdict
 
-# Steps after a request's end that count as its wake (the client's round trip and the next request's arrival)
-WAKE_STEPS = 2
+from specplan.decoder.gate import UNTIMED_AFTER_JOIN
 
 
 def median_ms(values: list[float]) -> str:
@@ -24,23 +23,24 @@ def median_ms(values: list[float]) -> str:
 def summarize(path: str) -> None:
     with open(path) as handle:
         steps = [json.loads(line) for line in handle if line.strip()]
-    since_end = WAKE_STEPS + 1
+    since_join = UNTIMED_AFTER_JOIN  # steps since the last one after which requests joined
     rows: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for step in steps:
         kind = step["kind"] or "mixed"
         row = rows[step["batch"]]
         row[kind].append(step)
+        if not step["admitted_after"]:  # a step whose seconds hold no prefill
+            row[f"{kind} {'after a join' if since_join < UNTIMED_AFTER_JOIN else 'rest'}"].append(step["seconds"])
         if step["timed"]:
             row[f"timed {kind}"].append(step["seconds"])
-            row[f"timed {kind} {'wake' if since_end <= WAKE_STEPS else 'quiet'}"].append(step["seconds"])
         if step["clock_price"] is not None:
             row["clock"].append(step["clock_price"])
         if step["price"] is not None:
             row["price"].append((step["price"], step["expected"]))
-        since_end = 1 if step["finished"] else since_end + 1
+        since_join = 0 if step["admitted_after"] else since_join + 1
     print(f"{path}: {len(steps)} steps")
-    print("| B | drafted / plain / mixed steps | timed drafted ms (quiet, wake) | timed plain ms (quiet, wake) | "
-          "measured ratio | the clock's price (first, min, max, last) | decided at: price / expected (median) |")
+    print("| B | drafted / plain / mixed steps | drafted ms: timed (rest, after a join) | plain ms: timed (rest, "
+          "after a join) | measured ratio | the clock's price (first, min, max, last) | decided at: price / expected |")
     print("|---|---|---|---|---|---|---|")
     for batch in sorted(rows):
         row = rows[batch]
@@ -54,8 +54,8 @@ def summarize(path: str) -> None:
         cells = [f"{len(row['drafted'])} / {len(row['plain'])} / {len(row['mixed'])}"]
         for kind in ("drafted", "plain"):
             cells.append(f"{median_ms(row[f'timed {kind}'])} x {len(row[f'timed {kind}'])} "
-                         f"({median_ms(row[f'timed {kind} quiet'])}, {median_ms(row[f'timed {kind} wake'])} x "
-                         f"{len(row[f'timed {kind} wake'])})")
+                         f"({median_ms(row[f'{kind} rest'])}, {median_ms(row[f'{kind} after a join'])} x "
+                         f"{len(row[f'{kind} after a join'])})")
         print(f"| {batch} | " + " | ".join(cells + [ratio, clock_text, priced_text]) + " |")
 
 
