@@ -7,17 +7,26 @@ price the bench wrote beside it (planner/closed_loop.py; and the price at the me
 its drafting was replayed on printed first), or for results from before, the plan solver's decode-step rate at B = the
 concurrency.
 
+Where the run kept step logs (`plan bench --step-logs`), also the schedule against the best fixed setting in the
+seconds of its servers' level steps outside prefills: the steps after the warm-up's requests (the first `concurrency`
+to finish), a step after which requests joined counted at the median of the steps of its batch size and kind without
+one. Every system serves the same requests to the same tokens, so that ratio compares the decoding alone, where a level's wall also holds its prefills: over one long document (TriForce's
+haystack) a single prefill of 18-28 s is a third of a level, and its spread from one server to the next is several
+percent of the level.
+
     .venv/bin/python bench/schedule_grid.py PLAN.yaml RUN1.jsonl [RUN2.jsonl ...]
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 from specplan.core.plan_schema import load_plan, setting_name
-from specplan.serving import is_fixed_setting, load_levels
+from specplan.serving import is_fixed_setting, load_levels, step_log_path
 
 
 def predicted_rates(plan_path: str) -> dict[str, list[float | None]]:
@@ -37,6 +46,7 @@ def predicted_rates(plan_path: str) -> dict[str, list[float | None]]:
 def main(plan_path: str, runs: list[str]) -> None:
     measured: dict[tuple[str, int], list[float]] = defaultdict(list)
     side_by_side: dict[tuple[str, int], dict[tuple[int, int], float]] = defaultdict(dict)  # (run, round) -> tokens/s
+    decoding: dict[tuple[str, int], dict[tuple[int, int], float]] = defaultdict(dict)  # (run, round) -> seconds
     priced: dict[tuple[str, int], list[tuple[float, float | None]]] = defaultdict(list)  # (measured/price, /repriced)
     bases: set[str] = set()
     for number, run in enumerate(runs):
@@ -45,6 +55,9 @@ def main(plan_path: str, runs: list[str]) -> None:
             bases |= {level.price_basis} if level.price_basis else set()
             measured[key].append(level.tokens_per_second)
             side_by_side[key][(number, level.round)] = level.tokens_per_second
+            log = step_log_path(Path(run), level.system, level.concurrency, level.round)
+            if log.exists():
+                decoding[key][(number, level.round)] = seconds_outside_prefills(log, level.concurrency)
             if level.predicted_tokens_per_second:
                 priced[key].append((level.tokens_per_second / level.predicted_tokens_per_second,
                                     level.tokens_per_second / level.repriced_tokens_per_second
@@ -70,10 +83,33 @@ def main(plan_path: str, runs: list[str]) -> None:
             print(f"      schedule / best fixed ({best}) {means['ours'] / fixed[best]:.3f}"
                   f"{_round_range(paired, side_by_side[(best, concurrency)])}, schedule / off "
                   f"{means['ours'] / means['ours-ar']:.3f}{_round_range(paired, off)}")
+        if "ours" in means and decoding[("ours", concurrency)] and decoding[(best, concurrency)]:
+            ours, other = decoding[("ours", concurrency)], decoding[(best, concurrency)]
+            print(f"      outside prefills: schedule / best fixed ({best}) "
+                  f"{statistics.mean(other.values()) / statistics.mean(ours.values()):.3f}"
+                  f"{_round_range({k: 1 / v for k, v in ours.items()}, {k: 1 / v for k, v in other.items()})}")
         if "ours" in means and "ours-unshared" in means:  # a plan's shared rows against its static schedule
             unshared = side_by_side[("ours-unshared", concurrency)]
             print(f"      shared rows / unshared {means['ours'] / means['ours-unshared']:.3f}"
                   f"{_round_range(side_by_side[('ours', concurrency)], unshared)}")
+
+
+def seconds_outside_prefills(path: Path, warmup_requests: int) -> float:
+    """A server's step seconds after its warm-up's requests finished, each step after which requests joined (its
+    seconds hold their prefills) counted at the median of its batch size and kind without one (its own seconds where
+    there is none)."""
+    with open(path) as handle:
+        steps = [json.loads(line) for line in handle if line.strip()]
+    finished = 0
+    while steps and finished < warmup_requests:
+        finished += steps.pop(0)["finished"]
+    plain_steps: dict[tuple[int, str | None], list[float]] = defaultdict(list)
+    for step in steps:
+        if not step["admitted_after"]:
+            plain_steps[(step["batch"], step["kind"])].append(step["seconds"])
+    return sum(statistics.median(plain_steps[(step["batch"], step["kind"])])
+               if step["admitted_after"] and plain_steps[(step["batch"], step["kind"])] else step["seconds"]
+               for step in steps)
 
 
 def _round_range(ours: dict[tuple[int, int], float], other: dict[tuple[int, int], float]) -> str:
