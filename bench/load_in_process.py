@@ -2,7 +2,7 @@
 process (`generate_many`, no HTTP server), in rounds of rotating order: where two servers of `plan bench
 --concurrency` differ by tens of percent running the same steps (the order the clients' requests arrive in decides
 whether a batch runs in lockstep), this says what the plan's own steps cost. Each run is warmed up first
-(WARMUP_TOKENS, as the serving bench does, on fresh drafters and clock), then every scheduler step is timed with its
+(warmup_tokens, as the serving bench does, on fresh drafters and clock), then every scheduler step is timed with its
 batch size, whether any sequence drafted, and the roots its draft models had still to read. `--as-served` sends
 the requests as the serving bench's clients do (its order per round, each client's next request a step after its
 last completed) where a served gap is in question.
@@ -30,7 +30,7 @@ from specplan.decoder.api import Decoder, load_decoder
 from specplan.decoder.batching import Completion, Request, Scheduler
 from specplan.decoder.gate import StepClock
 from specplan.profiler.haystack import served_prompts
-from specplan.serving import WARMUP_TOKENS, prompts_at_level, warmup_prompts
+from specplan.serving import prompts_at_level, warmup_prompts, warmup_tokens
 
 
 class StepLog:
@@ -75,10 +75,11 @@ def closed_loop(scheduler: Scheduler, requests: list[Request], concurrency: int)
     return done
 
 
-def run(decoder: Decoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int, as_served: bool) -> dict:
+def run(decoder: Decoder, prompts: list[list[int]], concurrency: int, max_new_tokens: int, as_served: bool,
+        warmup: int) -> dict:
     decoder.engine.clock = StepClock()
     decoder.restart()
-    list(decoder.generate_many([Request(ids, WARMUP_TOKENS, ignore_eos=True)
+    list(decoder.generate_many([Request(ids, warmup, ignore_eos=True)
                                 for ids in warmup_prompts(prompts, concurrency)], concurrency))
     requests = [Request(ids, max_new_tokens) for ids in prompts]
     with StepLog() as log:
@@ -166,7 +167,8 @@ def main() -> None:
         order = systems[shift:] + systems[:shift]
         sent = (prompts_at_level(prompts, args.concurrency, max(1, len(prompts) // args.concurrency), round_)
                 if args.as_served else prompts)
-        results = {name: run(decoder, sent, args.concurrency, args.max_new_tokens, args.as_served)
+        results = {name: run(decoder, sent, args.concurrency, args.max_new_tokens, args.as_served,
+                             warmup_tokens(plan.plan))
                    for name, decoder in order}
         for name in others:
             ratios[name].append(results["plan"]["tokens_per_second"] / results[name]["tokens_per_second"])

@@ -549,6 +549,22 @@ class Plan:
             return self.settings.num_tokens + 1
         return None
 
+    @property
+    def most_tokens_per_step(self) -> int:
+        """The most tokens one drafted step can emit a sequence: its deepest draft path accepted whole and the target's
+        next token (a hierarchy's chain collects middle rounds until it holds gamma2 tokens, its last round up to
+        gamma1 + 1 of them: gamma1 + gamma2 in all)."""
+        if self.method == "lookahead":
+            return self.settings.branch_length + 1
+        if self.method == "sequoia":
+            return self.tree.depth + 1
+        if self.method == "triforce":
+            settings = self.settings
+            if not settings.speculate:
+                return 1
+            return settings.gamma2 + 1 + (settings.gamma1 if settings.bottom in ("trie", "model") else 0)
+        return self.settings.max_draft_tokens + 1  # prompt lookup
+
     def predicted_at(self, batch: int, context: int | None = None) -> tuple[float, float] | None:
         """The tokens per step and the speedup over one-token decoding the plan predicts for its drafted steps at
         `batch` sequences of `context` tokens (its schedule's entry there, else its batch-1 prediction): the price a

@@ -1142,6 +1142,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
         serving_prices,
         slot_context,
         transformers_static_batches,
+        warmup_tokens,
     )
 
     if not levels or min(levels) < 1:
@@ -1217,7 +1218,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
         system.predict = prices.get(system.name)
         system.price_basis = basis if system.predict is not None else None
     run_serving_bench(systems, encoded, levels, max_new_tokens, requests_per_client, output, lambda text: len(
-        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), machine, _progress, rounds)
+        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), machine, _progress, warmup_tokens(plan), rounds)
     click.echo(f"wrote {output}")
 
 

@@ -44,16 +44,24 @@ if TYPE_CHECKING:
 SERVER_START_SECONDS = 600  # loading a model (and, for ours, building the CPU kernels once) before it answers
 SLOT_CONTEXT = 4096  # tokens per request slot, both servers: the longest Spec-Bench prompt and its output fit
 SLOT_TREE_ROOM = 64  # a slot's tokens beyond its prompt and output: the largest draft tree a step scores
-# The most tokens a drafted step emits a request in the loads benchmarked here (TriForce 8K: 8-10)
+# The tokens per drafted step a warm-up allows for at least, whatever the plan: a warm-up also builds a server's kernels
+# and fills a Lookahead trie, which the loads benchmarked so far (their plans' steps emit at most 2-10) had this many
+# steps' worth of
 MOST_TOKENS_PER_DRAFTED_STEP = 10
-# Each warm-up request's new tokens, every system alike (a server's past its stop tokens: ignore_eos): enough steps for
-# a server's start to pass before the measured load, as it has in a server that runs for hours: kernels built, graphs
-# captured, and our StepClock's timings at the level's batch size (decoder/gate.py: after the steps the requests join
-# in, UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST steps of each kind, drafted ones first). Warm-up requests that ended at
-# their stop tokens a few steps in left the clock to time C = 8 in the measured load, which sat a tenth of its
-# request-steps out; 96 tokens, once the steps after a join went untimed, left a TriForce plan's plain steps untimed.
-WARMUP_TOKENS = ((UNTIMED_AFTER_JOIN + UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST) * MOST_TOKENS_PER_DRAFTED_STEP
-                 + UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST)
+
+
+def warmup_tokens(plan: Plan | None) -> int:
+    """Each warm-up request's new tokens, every system alike (a server's past its stop tokens: ignore_eos): enough
+    steps for a server's start to pass before the measured load, as it has in a server that runs for hours:
+    kernels built, graphs captured, and our StepClock's timings at the level's batch size (decoder/gate.py:
+    after the steps the requests join in, UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST steps of each kind, drafted
+    ones first, each emitting up to the plan's most tokens a step). Warm-up requests that ended at their stop
+    tokens a few steps in left the clock to time C = 8 in the measured load, which sat a tenth of its
+    request-steps out; 108 tokens left the plain steps of a TriForce plan whose steps emit 10-11 tokens untimed,
+    and its C = 4 load sat 40-46 request-steps out to time them."""
+    per_step = max(MOST_TOKENS_PER_DRAFTED_STEP, plan.most_tokens_per_step if plan is not None else 1)
+    return (UNTIMED_AFTER_JOIN + UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST) * per_step + UNTIMED_FIRST_STEPS \
+        + MEASURED_AT_LEAST
 
 
 # (a level's prompts, C, max tokens, tokens per step or None: the plan's, each prompt's output tokens or None: the
@@ -457,10 +465,11 @@ def round_order(systems: list[Served], round_: int) -> list[Served]:
 
 def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: list[int], max_tokens: int,
                       requests_per_client: int, results: Path, count_tokens: Callable[[str], int], machine: str,
-                      say: Callable[[str], None], rounds: int = 1) -> list[LevelResult]:
+                      say: Callable[[str], None], warmup: int, rounds: int = 1) -> list[LevelResult]:
     """Every system at every concurrency, `rounds` times (systems interleaved within a level, so that a slow spell of
     the machine falls on all of them, in each round's order: round_order; each round's requests in an order of its
-    own: prompts_at_level); results appended to `results` (JSON lines) as they finish, those done skipped."""
+    own: prompts_at_level), each server warmed up with `warmup` tokens a request (warmup_tokens); results appended to
+    `results` (JSON lines) as they finish, those done skipped."""
     done = done_levels(results)
     finished = []
     for concurrency in levels:
@@ -471,7 +480,8 @@ def run_serving_bench(systems: list[System], prompts: list[list[int]], levels: l
                     say(f"{where}: done before, skipped")
                     continue
                 result = _serve_level(system, prompts_at_level(prompts, concurrency, requests_per_client, round_),
-                                      concurrency, max_tokens, results, count_tokens, machine, where, say, round_)
+                                      concurrency, max_tokens, warmup, results, count_tokens, machine, where, say,
+                                      round_)
                 result.round = round_
                 with open(results, "a") as handle:
                     handle.write(json.dumps(asdict(result)) + "\n")
@@ -495,14 +505,14 @@ def warmup_prompts(level_prompts: list[list[int]], concurrency: int) -> list[lis
     return [prompt[:shared][::-1] + prompt[shared:][::-1] for prompt in level_prompts[:concurrency]]
 
 
-def _serve_level(system: System, level_prompts: list[list[int]], concurrency: int, max_tokens: int,
+def _serve_level(system: System, level_prompts: list[list[int]], concurrency: int, max_tokens: int, warmup_length: int,
                  results: Path, count_tokens: Callable[[str], int], machine: str, where: str,
                  say: Callable[[str], None], round_: int = 0) -> LevelResult:
     """One system at one concurrency, sent `level_prompts` in that order: its server started, warmed up, driven closed
     loop, stopped; the level's result (priced where the system has a price)."""
     warmup = warmup_prompts(level_prompts, concurrency)
     if system.in_process is not None:
-        system.in_process(warmup, concurrency, WARMUP_TOKENS)
+        system.in_process(warmup, concurrency, warmup_length)
         timings, failed = system.in_process(level_prompts, concurrency, max_tokens), 0
     else:
         extra = (["--step-log", str(step_log_path(results, system.name, concurrency, round_))]
@@ -510,7 +520,7 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
         server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"), extra)
         try:
             server.wait_ready()
-            asyncio.run(closed_loop(server.url, warmup, concurrency, WARMUP_TOKENS, count_tokens, ignore_eos=True))
+            asyncio.run(closed_loop(server.url, warmup, concurrency, warmup_length, count_tokens, ignore_eos=True))
             timings, failed = asyncio.run(closed_loop(server.url, level_prompts, concurrency, max_tokens,
                                                       count_tokens))
         finally:

@@ -742,13 +742,13 @@ def test_the_serving_bench_runs_its_systems_in_the_order_named_and_the_plan_last
 def test_serving_rounds_alternate_the_order_and_a_rerun_serves_only_the_rounds_not_done(tmp_path):
     """--rounds 3: every system once a round, two systems in turn first (round_order), each result with its round;
     a rerun with more rounds serves only those missing; the grid's table compares each system with off in its round."""
-    from specplan.serving import WARMUP_TOKENS, RequestTiming, System, load_levels, run_serving_bench, serving_table
+    from specplan.serving import RequestTiming, System, load_levels, run_serving_bench, serving_table, warmup_tokens
 
     served = []
 
     def system(name: str, tokens_per_second: float) -> System:
         def run(prompts, concurrency, max_tokens):  # each round's machine faster than the last
-            if max_tokens != WARMUP_TOKENS:
+            if max_tokens != warmup_tokens(None):
                 served.append(name)
             seconds = max_tokens / (tokens_per_second * max(served.count(name), 1))
             return [RequestTiming(0.0, 0.1, seconds, max_tokens, prompt=i) for i in range(len(prompts))]
@@ -756,13 +756,15 @@ def test_serving_rounds_alternate_the_order_and_a_rerun_serves_only_the_rounds_n
 
     systems = [system("ours-ar", 20.0), system("ours", 30.0)]
     results = tmp_path / "grid.jsonl"
-    run_serving_bench(systems, [[1, 2, 3]] * 4, [2], 40, 1, results, len, "test", lambda line: None, rounds=3)
+    run_serving_bench(systems, [[1, 2, 3]] * 4, [2], 40, 1, results, len, "test", lambda line: None,
+                      warmup_tokens(None), rounds=3)
     assert served == ["ours-ar", "ours", "ours", "ours-ar", "ours-ar", "ours"]
     levels = load_levels(results)
     assert [(r.system, r.round) for r in levels] == [("ours-ar", 0), ("ours", 0), ("ours", 1), ("ours-ar", 1),
                                                      ("ours-ar", 2), ("ours", 2)]
     served.clear()
-    run_serving_bench(systems, [[1, 2, 3]] * 4, [2], 40, 1, results, len, "test", lambda line: None, rounds=4)
+    run_serving_bench(systems, [[1, 2, 3]] * 4, [2], 40, 1, results, len, "test", lambda line: None,
+                      warmup_tokens(None), rounds=4)
     assert served == ["ours", "ours-ar"]  # round 4 (reversed) only
     table = serving_table(load_levels(results))
     assert [line.split(" | ")[2:4] for line in table.splitlines()[2:]] == [
@@ -807,10 +809,42 @@ def test_warm_up_prompts_share_what_the_level_shares_and_start_like_none_of_its_
     assert warmup_prompts([[1, 2, 3]], 1) == [[3, 2, 1]]
 
 
+def test_a_warm_up_lasts_until_the_clock_has_timed_both_kinds_at_the_plans_longest_steps():
+    """warmup_tokens: warm-up requests whose every drafted step emits the plan's most tokens (a TriForce chain of
+    gamma1 + gamma2 tokens accepted whole and the target's next) still reach the plain steps the clock wants at B = C
+    after the drafted ones (the steps after they join untimed, the first of each kind too); the warm-up for steps of
+    ten tokens at most ends on drafted steps for such a plan and leaves its plain ones to the measured load."""
+    from specplan.serving import warmup_tokens
+
+    plan = Plan.from_dict({"kind": "plan/triforce", "models": {"target": "tiny-random-llama"},
+                           "prediction": {"tokens_per_step": 12.0, "speedup": 1.5},
+                           "triforce": {"gamma1": 4, "gamma2": 12, "budget": 256, "chunk": 8, "stride": 64,
+                                        "context": 1024, "rebuild_below": 0.0, "bottom": "trie", "sinks": 4,
+                                        "window": 64}}, "p.yaml")
+    assert plan.most_tokens_per_step == 4 + 12 + 1
+
+    def timed_in(warmup: int, batch: int = 4) -> list[int]:
+        """The steps of each kind (drafted, plain) the clock holds after the warm-up, every drafted step emitting the
+        plan's most tokens and each step of the kind the clock wants while it wants one."""
+        clock, emitted, steps = StepClock(), 0, 0
+        while emitted < warmup:
+            drafted = clock.wanted(batch) is not False
+            if steps >= UNTIMED_AFTER_JOIN:
+                clock.step_done(batch, drafted, 0.1)
+            emitted += plan.most_tokens_per_step if drafted else 1
+            steps += 1
+        return [len(clock.seconds.get((batch, drafted), ())) for drafted in (True, False)]
+
+    assert min(timed_in(warmup_tokens(plan))) >= MEASURED_AT_LEAST
+    assert timed_in(warmup_tokens(None))[1] < MEASURED_AT_LEAST
+    assert warmup_tokens(plan) > warmup_tokens(None) == warmup_tokens(Plan.from_dict(lookahead_plan_with(
+        BatchSchedule(None, (ScheduleEntry(1, 8, True, 8, 1.5, 1.0, 1.2),)).to_dict()), "l.yaml"))
+
+
 def test_each_round_sends_its_requests_in_an_order_of_its_own_the_same_for_every_system(tmp_path):
     """A closed loop served the same order twice repeats its arrivals: round 0 sends the prompts in order, every
     later round a permutation of the same requests, drawn once for the round and sent to every system alike."""
-    from specplan.serving import RequestTiming, System, prompts_at_level, run_serving_bench
+    from specplan.serving import RequestTiming, System, prompts_at_level, run_serving_bench, warmup_tokens
 
     prompts = [[i] for i in range(8)]
     assert prompts_at_level(prompts, 2, 4) == prompts
@@ -829,7 +863,7 @@ def test_each_round_sends_its_requests_in_an_order_of_its_own_the_same_for_every
         return System(name, in_process=run)
 
     run_serving_bench([system("ours-ar"), system("ours")], prompts, [2], 40, 4, tmp_path / "grid.jsonl", len,
-                      "test", lambda line: None, rounds=3)
+                      "test", lambda line: None, warmup_tokens(None), rounds=3)
     for round_ in range(3):
         assert sent[("ours-ar", round_)] == sent[("ours", round_)] == prompts_at_level(prompts, 2, 4, round_)
 
