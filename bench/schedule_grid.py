@@ -7,12 +7,12 @@ price the bench wrote beside it (planner/closed_loop.py; and the price at the me
 its drafting was replayed on printed first), or for results from before, the plan solver's decode-step rate at B = the
 concurrency.
 
-Where the run kept step logs (`plan bench --step-logs`), also the schedule against the best fixed setting in the
-seconds of its servers' level steps outside prefills: the steps after the warm-up's requests (the first `concurrency`
-to finish), a step after which requests joined counted at the median of the steps of its batch size and kind without
-one. Every system serves the same requests to the same tokens, so that ratio compares the decoding alone, where a level's wall also holds its prefills: over one long document (TriForce's
-haystack) a single prefill of 18-28 s is a third of a level, and its spread from one server to the next is several
-percent of the level.
+Where the run kept step logs (`plan bench --step-logs`), also the schedule against the best fixed setting in the seconds
+of its servers' level steps outside prefills: the steps after the warm-up's requests (the first `concurrency` to
+finish), a step after which requests joined counted at the median of the steps of its batch size and kind without one.
+Every system serves the same requests to the same tokens, so that ratio compares the decoding alone, where a level's
+wall also holds its prefills: over one long document (TriForce's haystack) a single prefill of 18-28 s is a third of a
+level, and its spread from one server to the next is several percent of the level.
 
     .venv/bin/python bench/schedule_grid.py PLAN.yaml RUN1.jsonl [RUN2.jsonl ...]
 """
