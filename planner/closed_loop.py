@@ -249,13 +249,15 @@ class _RaggedPrices:
 
 def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, largest: int, context: int,
                    method: str, min_speedup: float = MIN_SPEEDUP,
-                   priced_step: Callable[[int, int, SettingPrice], float] | None = None
-                   ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
+                   priced_step: Callable[[int, int, SettingPrice], float] | None = None,
+                   exact: tuple[int, float] | None = None) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """At each batch size 1..`largest`, the setting of `prices` (keyed by decoding length: nodes per sequence, root
     included) giving the most output tokens/s over the batch at `context` if that is at least `min_speedup` times
     none's (below 1: drafting even where predicted slower), else none, which keeps that setting as its candidate where
     it is predicted at least CANDIDATE_SPEEDUP times none's (core/plan_schema.py: Candidate); ranges of equal settings
     merged. `priced_step(batch, length, price)`: a setting's step in seconds (default: `step_seconds` at its rows).
+    `exact`: (a length whose price replays the acceptance exactly, a margin): another setting, priced approximately,
+    replaces it at a batch size only where predicted faster by more than the margin.
     Also every setting's tokens/s per batch size ({"off": [...], "L_d=4": [...]}, named as `method` names them; None:
     rows beyond what was profiled at that batch size)."""
     def at_its_rows(batch: int, _: int, price: SettingPrice) -> float:
@@ -272,6 +274,7 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
         off = batch / step_seconds(profile, batch, OFF, [context])
         rates["off"].append(off)
         best: tuple[int | None, float, float] = (None, 1.0, 0.0)  # the best drafted setting
+        exact_best = None
         for length, price in prices.items():
             try:
                 rate = batch * price.tokens_per_step / priced_step(batch, length, price)
@@ -281,6 +284,10 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
             rates[name[length]].append(rate)
             if rate > best[2]:
                 best = (length, price.tokens_per_step, rate)
+            if exact is not None and length == exact[0]:
+                exact_best = (length, price.tokens_per_step, rate)
+        if exact_best is not None and best[2] <= exact_best[2] * (1.0 + exact[1]):
+            best = exact_best
         length, per_step, rate = best
         if length is not None and rate >= min_speedup * off:
             chosen.append((length, per_step, rate, rate / off, None))

@@ -97,7 +97,10 @@ def triforce_schedule(plan: Plan, entries: list[TriForceEntry], profile: Latency
                       ) -> tuple[BatchSchedule, dict[str, list[float | None]]]:
     """The chain length per batch size: at each B, gamma2 = 1..the plan's (its bottom, gamma1 and retrieval cache
     kept) or none, whichever gives the most output tokens/s over the batch (planner/closed_loop.py: schedule_table,
-    each setting's price from triforce_cost.setting_price), at the plan's context plus half a continuation."""
+    each setting's price from triforce_cost.setting_price), at the plan's context plus half a continuation. Where the
+    acceptance was decoded with the plan's own chain, its replay is exact and the others' approximate: another chain
+    length replaces it at a batch size only where priced REPLAY_SWITCH_MARGIN faster, as in the plan's own choice
+    (docs/design.md)."""
     if not profile.target_batches:
         raise UserError("a schedule per batch size needs a profile with --batches (t(B, n))")
     largest_nodes = plan.largest_setting
@@ -108,7 +111,8 @@ def triforce_schedule(plan: Plan, entries: list[TriForceEntry], profile: Latency
     prices = _setting_prices(plan.settings, entry, profile, bottom_seconds, set(range(2, largest_nodes + 1)))
     context = int(round(plan.settings.context + np.mean([len(t.middle) for t in entry.traces]) / 2))
     largest = min(largest_batch, max(profile.batch_sizes), profile.largest_fitting_batch(context) or largest_batch)
-    return schedule_table(prices, profile, largest, context, "triforce", min_speedup)
+    exact = (largest_nodes, REPLAY_SWITCH_MARGIN) if plan.prediction.replay_exact else None
+    return schedule_table(prices, profile, largest, context, "triforce", min_speedup, exact=exact)
 
 
 def plan_setting_prices(plan: Plan, nodes: set[int]) -> dict[int, SettingPrice]:

@@ -90,6 +90,21 @@ def test_the_schedule_drafts_where_it_pays_and_turns_off_where_the_batch_is_comp
     assert len(rates["off"]) == 8 and set(rates) == {"off", "L_d=2", "L_d=4", "L_d=8"}
 
 
+def test_a_setting_replayed_exactly_keeps_its_batch_sizes_unless_another_is_priced_ahead_by_the_margin():
+    """A TriForce schedule's chains beside the one the acceptance was decoded with are replayed approximately: at a
+    batch size where one is priced ahead of the exact one by less than the margin, the exact one stays; by more, it
+    takes the batch size (and without an exact one, the fastest always does)."""
+    flat = LatencyProfile.from_dict({"kind": "profile/latency", "models": {"target": "toy"}, "target": {
+        "t_seconds": {1: 0.010, 2: 0.010}, "contexts": {64: {"t_seconds": {1: 0.010, 2: 0.010},
+                                                              "batches": {2: {"t_seconds": {1: 0.02, 2: 0.02}}}}}}},
+        "synthetic")
+    for ahead, exact, chosen in ((1.01, (3, 0.02), 3), (1.03, (3, 0.02), 2), (1.01, None, 2)):
+        prices = {2: SettingPrice(1.5 * ahead, rows=2.0), 3: SettingPrice(1.5, rows=2.0)}
+        schedule, rates = schedule_table(prices, flat, 2, 64, "triforce", exact=exact)
+        assert rates["gamma2=1"][0] == pytest.approx(ahead * rates["gamma2=2"][0])
+        assert [schedule.entry_for(b).decoding_length for b in (1, 2)] == [chosen, chosen]
+
+
 def test_a_schedule_drafts_only_where_predicted_ahead_by_its_margin(run_cli, tmp_path):
     """A step of 1 or 2 rows costs the same, so a setting emitting 1.03 tokens a step is priced 1.03x off: inside
     the served runs' spread, so off by default; drafting where asked for less, and at 1.10 tokens a step; a setting
