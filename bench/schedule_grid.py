@@ -19,11 +19,14 @@ level, and its spread from one server to the next is several percent of the leve
 
 from __future__ import annotations
 
-import json
+import bisect
+import itertools
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from step_log import read_steps
 
 from specplan.core.plan_schema import load_plan, setting_name
 from specplan.serving import is_fixed_setting, load_levels, step_log_path
@@ -98,11 +101,9 @@ def seconds_outside_prefills(path: Path, warmup_requests: int) -> float:
     """A server's step seconds after its warm-up's requests finished, each step after which requests joined (its
     seconds hold their prefills) counted at the median of its batch size and kind without one (its own seconds where
     there is none)."""
-    with open(path) as handle:
-        steps = [json.loads(line) for line in handle if line.strip()]
-    finished = 0
-    while steps and finished < warmup_requests:
-        finished += steps.pop(0)["finished"]
+    steps = read_steps(path)
+    finished = list(itertools.accumulate(step["finished"] for step in steps))
+    steps = steps[bisect.bisect_left(finished, warmup_requests) + 1:]  # after the step the warm-up ended in
     plain_steps: dict[tuple[int, str | None], list[float]] = defaultdict(list)
     for step in steps:
         if not step["admitted_after"]:

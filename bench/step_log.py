@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from collections import defaultdict
 
@@ -20,9 +21,14 @@ def median_ms(values: list[float]) -> str:
     return f"{1e3 * statistics.median(values):.1f}" if values else "-"
 
 
-def summarize(path: str) -> None:
+def read_steps(path: str | os.PathLike) -> list[dict]:
+    """A step log's records, in the order the steps ran."""
     with open(path) as handle:
-        steps = [json.loads(line) for line in handle if line.strip()]
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def summarize(path: str) -> None:
+    steps = read_steps(path)
     since_join = UNTIMED_AFTER_JOIN  # steps since the last one after which requests joined
     rows: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for step in steps:
