@@ -40,10 +40,11 @@ class Ledger:
         self.seconds: dict[str, float] = defaultdict(float)
         self.profiled: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.rows: dict[str, int] = defaultdict(int)  # a forward's new tokens, summed over its calls
         self.on = False
 
     def wrap(self, owner: object, method: str, name: str | Callable[..., str],
-             price: Callable[..., float] | None = None) -> None:
+             price: Callable[..., float] | None = None, rows: Callable[..., int] | None = None) -> None:
         original = getattr(owner, method)
 
         def timed(*args, **kwargs):
@@ -56,6 +57,8 @@ class Ledger:
             self.calls[label] += 1
             if price is not None:
                 self.profiled[label] += price(*args)
+            if rows is not None:
+                self.rows[label] += rows(*args)
             return result
 
         setattr(owner, method, timed)
@@ -86,7 +89,7 @@ class InstrumentedRun:
             return float(profile.latency(int(tokens.shape[0]), int(cache.length)))
 
         ledger = self.ledger
-        ledger.wrap(target, "forward", forward_label, forward_price)
+        ledger.wrap(target, "forward", forward_label, forward_price, lambda tokens, *rest: int(tokens.shape[0]))
         if isinstance(drafter, StreamingDrafter) and drafter.model is not target:
             ledger.wrap(drafter.model, "forward", "streaming drafts",
                         lambda tokens, positions, cache, *rest: profile.draft_step(int(cache.length)))
@@ -155,6 +158,8 @@ def main() -> None:
             timed += seconds
             profiled = ledger.profiled.get(label)
             extra = f"  profile says {profiled:.2f} s ({seconds / profiled:.3f}x)" if profiled else ""
+            if ledger.rows.get(label):
+                extra += f", {ledger.rows[label] / ledger.calls[label]:.2f} rows a call"
             print(f"  {label:<18} {seconds:7.2f} s  {ledger.calls[label]:6d} calls  "
                   f"{seconds / total:6.1%}{extra}")
         print(f"  {'the rest':<18} {total - timed:7.2f} s  {'':6}        {(total - timed) / total:6.1%}  "
