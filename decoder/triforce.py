@@ -7,8 +7,9 @@
   chunk scored per layer and KV head by (query . mean key of the chunk), the query summed over the query heads
   that share the KV head (GQA); the sink chunk and the unchunked tail are always kept, then the best chunks.
   Chunks are laid out best first, so the lowest-ranked slots are the last ones: accepted tokens overwrite
-  them from the end. It is rebuilt from the latest query every `stride` tokens, when the slots run out, or
-  when the rolling acceptance of the top level falls below `rebuild_below`.
+  them from the end. It is rebuilt from the latest query every `stride` tokens, when the slots run out, when the
+  rolling acceptance of the top level falls below `rebuild_below`, or when its sequence drafts again after sitting
+  out RESELECT_AFTER_IDLE_STEPS steps.
 - HierarchicalDrafter: the middle level is the target over the retrieval cache. The bottom drafter proposes
   gamma1 tokens, the middle level verifies them (a verification rule from decoder/verify.py: the residual
   norm(max(p_hat - q, 0)) on rejection), and rounds repeat until at least gamma2 tokens are collected. The
@@ -36,6 +37,12 @@ from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask
 from specplan.decoder.sampling import SamplingParams, probabilities
 from specplan.decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
 from specplan.decoder.verify import choose_rule
+
+# A retrieval cache holds the chunks the query of the step that built it scored highest. A sequence that sat out this
+# many steps (its drafts not paying: decoder/gate.py) resumes on text that selection was not made for, and its chains
+# would be drafted over the chunks chosen for its question: it rebuilds on the resuming step's root instead
+# (`bench/gate_replay.py` on documents no plan was solved on, docs/benchmark-log.md).
+RESELECT_AFTER_IDLE_STEPS = 8
 
 
 def bottom_trie_settings(gamma1: int) -> TrieSettings:
@@ -268,6 +275,7 @@ class HierarchicalDrafter(Drafter):
         self.queried = False
         self.built = False  # the retrieval cache holds a selection of the bound full cache
         self.rebuild_due = False
+        self.idle_steps = 0  # steps sat out since its last drafted one (RESELECT_AFTER_IDLE_STEPS)
         self.told = 0  # chain tokens the bottom holds as committed beyond the root, set by propose
         self.recent: deque[float] = deque(maxlen=8)
         self.stats = {"rounds": 0, "chains": 0, "chain_tokens": 0, "accepted": 0}
@@ -281,6 +289,7 @@ class HierarchicalDrafter(Drafter):
         self.bottom.reset(prompt, max_len)
         self.full = None
         self.rebuild_due = False
+        self.idle_steps = 0
         self.recent.clear()
 
     def bind(self, target_cache: KVCache) -> None:
@@ -294,9 +303,12 @@ class HierarchicalDrafter(Drafter):
     @torch.inference_mode()
     def _ensure_retrieval(drafters: list[HierarchicalDrafter]) -> None:
         """Each drafter's retrieval cache ready for its next round: built at its sequence's first drafted step, or
-        rebuilt when due since the last step's update, scored with the last step root's query either way (built
-        only now, so that a generation's last step pays for none)."""
+        rebuilt when due since the last step's update or when it resumes drafting after RESELECT_AFTER_IDLE_STEPS
+        steps sat out, scored with the last step root's query either way (built only now, so that a generation's
+        last step pays for none)."""
         for drafter in drafters:
+            drafter.rebuild_due |= drafter.built and drafter.idle_steps >= RESELECT_AFTER_IDLE_STEPS
+            drafter.idle_steps = 0
             drafter.started_now = not drafter.built
             if not drafter.built or drafter.rebuild_due:
                 drafter.retrieval.build(drafter.full, drafter.queries)
@@ -311,6 +323,7 @@ class HierarchicalDrafter(Drafter):
 
     def idle(self, root):
         self.bottom.extend([root])  # the root is committed text to the bottom, whatever the target emits after it
+        self.idle_steps += 1
         return super().idle(root)
 
     def propose(self, root, params, draw, generator):

@@ -19,7 +19,12 @@ from specplan.decoder.engine import SpeculativeEngine
 from specplan.decoder.model import LeanModel, causal_mask
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.trie import Trie
-from specplan.decoder.triforce import HierarchicalDrafter, RetrievalCache, StreamingDrafter
+from specplan.decoder.triforce import (
+    RESELECT_AFTER_IDLE_STEPS,
+    HierarchicalDrafter,
+    RetrievalCache,
+    StreamingDrafter,
+)
 
 from toy import (
     SAMPLES,
@@ -136,6 +141,28 @@ def test_hierarchy_greedy_equals_transformers_greedy(bottom, tiny_pair):
         # Each rebuild is built when the next step starts: none after the last step.
         assert drafter.retrieval.builds == 1 + sum(due_after_step[:-1])
         assert result.tokens_per_step > 1.0
+
+
+@pytest.mark.parametrize("sat_out", [RESELECT_AFTER_IDLE_STEPS - 1, RESELECT_AFTER_IDLE_STEPS])
+def test_a_sequence_drafting_again_after_sitting_out_long_reselects_its_retrieval_cache(sat_out, tiny_pair):
+    """A sequence that sat out RESELECT_AFTER_IDLE_STEPS steps rebuilds its retrieval cache at the step it drafts
+    again, on that step's root; one that sat out fewer keeps its selection. The output is the target's either way."""
+    loaded, target, _ = tiny_pair
+    prompt = long_prompt(400, 3)
+    drafter = HierarchicalDrafter(target, NoDrafter(), 1, 2, RetrievalSettings(384, 8, 1000))
+    # after each step, whether the next drafts: the first drafted step builds, then `sat_out` steps sit out
+    decisions = iter([True] + [False] * sat_out + [True] * 64)
+    update = drafter.update
+
+    def deciding_update(*args):
+        update(*args)
+        drafter.drafting = next(decisions)
+
+    drafter.update = deciding_update
+    result = SpeculativeEngine(target, drafter).generate(prompt, 40, SamplingParams())
+    assert result.tokens == hf_greedy(loaded, prompt, 40)
+    assert result.drafted_per_step[2:2 + sat_out] == [0] * sat_out and result.drafted_per_step[2 + sat_out] > 0
+    assert drafter.retrieval.builds == (2 if sat_out >= RESELECT_AFTER_IDLE_STEPS else 1)
 
 
 def test_bottom_follows_the_top_and_does_not_cost_acceptance(tiny_pair):
