@@ -48,6 +48,10 @@ from specplan.decoder.tree import DraftTree
 # Prompts up to this many tokens join one batched prefill when several requests are admitted at once; longer ones are
 # prefilled alone in chunks (LeanModel.prefill), as one request's prompt always is.
 PREFILL_TOGETHER_TOKENS = 512
+# The last steps whose most sequences a drafter's reading is priced at (DraftGate.drafts: `load`): enough to span the
+# tail of a closed loop's level (its requests finishing a few steps apart) into the next level's first step, where one
+# request runs alone before its burst joins; few enough that an engine whose load fell prices at the new one soon
+LOAD_STEPS = 32
 
 
 @dataclass
@@ -138,6 +142,7 @@ class Scheduler:
         # the last step: (sequences, drafted, its start, later by the seconds its drafters read before drafting)
         self.timed_step: tuple[int, bool | None, float] | None = None
         self.steps_since_join = 0  # steps begun since a sequence last joined the running batch (UNTIMED_AFTER_JOIN)
+        self.recent_batches: deque[int] = deque(maxlen=LOAD_STEPS)  # the sequences of the last steps, idle or not
         # the mean yield ratio of the last step's requests with drafted steps (decoder/gate.py): a joiner's prior;
         # None once the engine is idle, when a joiner's prior is the engine's recent drafted steps'
         self.batch_yield: float | None = None
@@ -189,7 +194,8 @@ class Scheduler:
         self._log_last_step(started, admitted, self._time_last_step(started))
         if self.engine.clock is not None:
             self.engine.clock.begin_step()
-        self.engine.decide([entry.run for entry in running])
+        self.recent_batches.append(len(running))
+        self.engine.decide([entry.run for entry in running], max(self.recent_batches))
         gated = [entry.run for entry in running if entry.run.gate is not None]
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
         # the step's kind for the clock: drafted where at least half the sequences chose to draft (where a few sit

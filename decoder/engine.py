@@ -122,9 +122,10 @@ class SequenceRun:
         self.drafter.bind(self.cache)
         self.root = prompt[-1]
 
-    def decide(self, batch: int) -> None:
+    def decide(self, batch: int, load: int | None = None) -> None:
         """How much this request drafts at the coming step of `batch` sequences (an engine's rule, else the schedule's
-        setting there, at its own context), and whether it drafts at all (always, without a gate)."""
+        setting there, at its own context), and whether it drafts at all (always, without a gate; `load`: the most
+        sequences the engine ran at recently, which its drafter's reading is priced at: DraftGate.drafts)."""
         self.batch = batch
         if self.drafter.rule is not None:
             self.drafter.draft_nodes(self.drafter.rule.tokens(batch) + 1)
@@ -132,7 +133,7 @@ class SequenceRun:
             self.drafter.follow(self.schedule.entry_for(batch, self.cache.length), gated=self.gate is not None)
         if self.gate is not None:
             self.drafter.drafting = self.gate.drafts(batch, self.cache.length, self.drafter.start_tokens(),
-                                                     self.max_new_tokens - len(self.out))
+                                                     self.max_new_tokens - len(self.out), load)
 
     def propose(self, tree: DraftTree | None = None) -> ForwardItem:
         """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
@@ -276,15 +277,16 @@ class SpeculativeEngine:
             run.prefill_seconds = run.started - start
         return run
 
-    def decide(self, runs: list[SequenceRun]) -> None:
+    def decide(self, runs: list[SequenceRun], load: int | None = None) -> None:
         """How much each of `runs`, the sequences of the coming step, drafts: the step's rows shared by their expected
-        yields; else each its own decision (SequenceRun.decide), made one kind of step where they differ."""
+        yields; else each its own decision (SequenceRun.decide; `load`: the most sequences of the engine's recent
+        steps), made one kind of step where they differ."""
         if self.sharing is not None and all(run.sharing is not None for run in runs):
             for run, rows in zip(runs, self.sharing.decide([run.drafter for run in runs], [run.root for run in runs])):
                 run.decisions[f"shared: {'drafts' if rows > 1 else 'plain'}"] += 1
             return
         for run in runs:
-            run.decide(len(runs))
+            run.decide(len(runs), load)
         gated = [run for run in runs if run.gate is not None]
         if len(gated) > 1:
             one_kind_of_step([run.gate for run in gated])

@@ -53,7 +53,12 @@ tokens of the steps it sat out) has that reading priced too, once the clock has 
 resumes drafting only if drafting its remaining tokens saves more than the reading costs, and a probe's reading counts
 against the probe's share; a probe that would read before any reading is timed waits (its cost unknown, it cannot be
 held to the share, and the batch waits for every reading). A draft model catching up costs about as much per step sat
-out as the probe share allows, so a request whose draft model stopped paying seldom probes.
+out as the probe share allows, so a request whose draft model stopped paying seldom probes. The reading is repaid only
+by the drafted steps after it, so it is priced at the batch size the engine is likely to run at, the most sequences of
+its recent steps (Scheduler: `load`), where that is above the step's: a closed loop's level begins with one request
+alone for a step, the rest of its burst joining at the next, and that request read its draft model's prompt at B = 1
+for a schedule off from B = 2, a 0.3-1.7 s prefill at every level start that cost a served C = 8 load 6-10% while it
+drafted no step (docs/benchmark-log.md: "A lone first request's draft prompt").
 
 Why a plain mean: a step's yield is skewed (most drafted steps emit one or two tokens, a few emit many), so an average
 that weighs the last steps most sits below its mean most of the time and declines drafts that pay on average
@@ -265,10 +270,12 @@ class DraftGate:
             return 1.0
         return shrunk_mean(self.prior, self.yields)
 
-    def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None) -> bool:
+    def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None,
+               load: int | None = None) -> bool:
         """Whether the request (`context` tokens so far, `remaining` still to emit) drafts at the coming step of
         `batch` sequences; its drafter reads `start_tokens` first if it does (a draft model's prompt not read yet,
-        the tokens of the steps it sat out)."""
+        the tokens of the steps it sat out), which is priced at `load` sequences where that is more (the engine's
+        recent most)."""
         self.priced, self.batch = self.pricing(batch, context), batch
         self.firm, self.reads_first = True, start_tokens > 0
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
@@ -278,8 +285,7 @@ class DraftGate:
         step_cost = self._step_cost(batch, context, tokens / speedup)
         start = self._start_cost(batch, start_tokens)
         expected = self.yield_ratio * tokens  # what its next drafted step should emit
-        # drafting the remaining tokens saves remaining x (1 - step_cost / expected) plain steps; the start must be less
-        start_repaid = not start or remaining is None or remaining * (1.0 - step_cost / expected) > start
+        start_repaid = self._start_repaid(batch, context, start_tokens, remaining, load, (start, step_cost, expected))
         # a drafted step times the clock only where this request's own yield comes near paying at the price known
         wanted = (self.clock.wanted(batch, drafted_too=expected >= CANDIDATE_SPEEDUP * step_cost)
                   if self.clock is not None else None)
@@ -317,6 +323,22 @@ class DraftGate:
         measured = self.clock.drafted_step_cost(near)
         there = self.pricing(near, context) if near != batch else None
         return measured * planned / (there[0] / there[1]) if there is not None else measured
+
+    def _start_repaid(self, batch: int, context: int, start_tokens: int, remaining: int | None, load: int | None,
+                      here: tuple[float | None, float, float]) -> bool:
+        """Whether drafting the `remaining` tokens saves more plain steps, remaining x (1 - step cost / expected),
+        than the drafter's reading of `start_tokens` costs (a reading not priced yet: it does, and times one); at the
+        coming step's `batch` (`here`: the reading's cost, the drafted step's and its expected tokens, in plain steps
+        there) or, where the engine's recent `load` is more, at that batch size (none where nothing drafts there)."""
+        start, step_cost, expected = here
+        if load is not None and load > batch and start_tokens:
+            priced = self.pricing(load, context)
+            if priced is None:
+                return False
+            tokens, speedup = priced
+            start, step_cost = self._start_cost(load, start_tokens), self._step_cost(load, context, tokens / speedup)
+            expected = self.yield_ratio * tokens
+        return not start or remaining is None or remaining * (1.0 - step_cost / expected) > start
 
     def _start_cost(self, batch: int, start_tokens: int) -> float | None:
         """The drafter's reading before it drafts, in plain steps at `batch` sequences: 0 with nothing to read (or no

@@ -379,6 +379,49 @@ def test_a_request_starts_drafting_only_where_its_drafts_can_repay_the_start():
     assert DraftGate(lambda batch, context: (3.0, 1.5), clock).drafts(1, 100, start_tokens=0, remaining=5)
 
 
+def test_a_reading_is_priced_at_the_load_the_engine_recently_ran_at():
+    """A request alone for a step of an engine that ran 8 sequences a few steps ago (a closed loop's level starting:
+    its burst joins at the next step) prices its draft model's reading at B = 8: where the schedule drafts nothing
+    there, it does not start, though drafting pays at B = 1 (unpriced reading and all); where the load is its own
+    batch size, or its drafter reads nothing, the decision is the step's alone."""
+    clock = StepClock()
+    off_from_two = lambda batch, context: (3.0, 1.5) if batch == 1 else None  # noqa: E731
+    assert DraftGate(off_from_two, clock).drafts(1, 100, start_tokens=100, remaining=60, load=1)
+    gate = DraftGate(off_from_two, clock)
+    assert not gate.drafts(1, 100, start_tokens=100, remaining=60, load=8) and gate.reason == "start not repaid"
+    assert DraftGate(off_from_two, clock).drafts(1, 100, start_tokens=0, remaining=60, load=8)
+    for _ in range(MEASURED_AT_LEAST):  # priced at B = 8 too: there a drafted step of 3 tokens costs 2.5 plain steps
+        clock.record(8, True, 0.250)
+        clock.record(8, False, 0.100)
+    clock.record_start(100, 0.2)  # 2 plain steps at B = 8
+    everywhere = lambda batch, context: (3.0, 1.5)  # noqa: E731
+    assert DraftGate(everywhere, clock).drafts(1, 100, start_tokens=100, remaining=60, load=8)  # saves 10 > 2
+    assert not DraftGate(everywhere, clock).drafts(1, 100, start_tokens=100, remaining=10, load=8)  # 1.7 < 2
+
+
+def test_a_lone_request_after_a_batch_does_not_read_its_draft_prompt_for_one_step(tiny_pair):
+    """A schedule that drafts at B = 1 only: on a fresh scheduler a lone request drafts (its draft model reads its
+    prompt); after two requests ran together, the next one alone for its first steps prices the reading at B = 2,
+    where nothing drafts, and reads nothing while those steps are among the last LOAD_STEPS (its output unchanged)."""
+    _, target, draft = tiny_pair
+    make = lambda: SequoiaDrafter(draft, [-1, 0, 1])  # noqa: E731
+    prompts = [list(range(5 + k, 45 + k)) for k in range(3)]
+
+    def scheduled() -> Scheduler:
+        engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (2.5, 1.5) if batch == 1 else None,
+                                   clock=StepClock())
+        return Scheduler(engine, drafters_per_slot(make), 2)
+
+    alone = next(scheduled().run([Request(prompts[2], 8)])).result
+    assert alone.drafted_steps > 0
+    scheduler = scheduled()
+    list(scheduler.run([Request(prompt, 8) for prompt in prompts[:2]]))
+    after = next(scheduler.run([Request(prompts[2], 8)])).result
+    assert after.drafted_steps == 0 and after.decisions.get("start not repaid: plain", 0) > 0
+    assert after.tokens == alone.tokens
+    assert max(scheduler.recent_batches) == 2 and len(scheduler.recent_batches) <= batching.LOAD_STEPS
+
+
 def test_the_clock_learns_what_a_draft_models_start_costs(tiny_pair):
     _, target, draft = tiny_pair
     clock = StepClock()

@@ -910,7 +910,7 @@ def test_a_triforce_hierarchy_follows_its_schedule_and_every_request_keeps_its_g
              for r in requests]
     decided, chains = [], []
     decide, propose_many = SequenceRun.decide, HierarchicalDrafter.propose_many
-    monkeypatch.setattr(SequenceRun, "decide", lambda run, batch: decide(run, batch) or decided.append(
+    monkeypatch.setattr(SequenceRun, "decide", lambda run, batch, load=None: decide(run, batch, load) or decided.append(
         (batch, run.drafter.gamma2)))
 
     def recorded(drafters, *args):
