@@ -14,9 +14,10 @@ log measured it (bench/step_log.py: its "measured ratio").
 batching scheduler, after the serving bench's warm-up, with the engine's clock on (decoder/gate.py: StepClock) and
 every decision a served plan makes at C in flight (the batch's one kind of step, the clock's timing steps and borrowed
 prices, joiners' priors). The clock reads priced time, not the machine's: each step advances it by t(B, 1) of the
-plan's profile at the step's B sequences, a step in which any sequence drafted by that times the drafted step's
-price at B (the plan's, or `--step-cost`). One-token decoding's steps follow from the output lengths alone (every
-sequence emits one token a step; a slot freed takes the next request at the next step), priced the same way.
+plan's profile at the step's B sequences, a step in which all drafted by that times the drafted step's price at B
+(the plan's, or `--step-cost`), one in which k of them did by t(B, 1) + t(k, 1) x (the price at k - 1), as the gate
+prices a step's mix (decoder/gate.py: settle_step). One-token decoding's steps follow from the output lengths alone
+(every sequence emits one token a step; a slot freed takes the next request at the next step), priced the same way.
 
     .venv/bin/python bench/gate_replay.py plans/smollm2-135m.lookahead.cpu-2c.fp32.batched.yaml \
         --dataset specbench:summarization,rag,coding --prompts 16 --max-new-tokens 64 [--no-chat]
@@ -156,12 +157,17 @@ class BatchedReplay:
                 "drafted_steps": drafted_steps, "plain_steps": plain_steps}
 
     def _price(self, runs: list[SequenceRun]) -> float:
-        """A step's priced seconds: t(B, 1), times the drafted step's price where any sequence drafted."""
+        """A step's priced seconds: t(B, 1), times the drafted step's price where all B sequences drafted; where k of
+        them did, plus a drafted step's extra at k sequences, (its price there - 1) x t(k, 1), as the gate prices such
+        a step (DraftGate.mix_cost)."""
         if not runs:
             return 0.0
         batch = len(runs)
-        drafted = any(run.drafted_per_step[-1] for run in runs)
-        return self.plain_seconds(batch) * (self.drafted_price(batch) if drafted else 1.0)
+        drafting = sum(1 for run in runs if run.drafted_per_step[-1])
+        if drafting == batch:
+            return self.plain_seconds(batch) * self.drafted_price(batch)
+        extra = (self.drafted_price(drafting) - 1.0) * self.plain_seconds(drafting) if drafting else 0.0
+        return self.plain_seconds(batch) + extra
 
     def one_token(self, lengths: list[int]) -> float:
         """One-token decoding's priced seconds for requests of these output lengths, queued at once."""

@@ -19,15 +19,17 @@ the command that solved it). Method-specific fields:
   the best speculative setting's, which `plan bench` runs its TriForce baselines with.
 
 A plan solved with `--batches` also carries `schedule: {context, entries: [{batches: [low, high], speculate,
-decoding_length, tokens_per_step, tokens_per_second, speedup, speedups}, ...]}`: for each range of batch sizes (the
-sequences a step decodes together, ranges contiguous from 1), the setting predicted to give the most output tokens per
-second over the whole batch at `context`, and that prediction at the range's first size (speedup: over no speculation at
-the same batch size; `speedups`: the drafted setting's, or an off entry's candidate's, at each size of the range, absent
-in plans solved before them). The decoder picks the entry of the sequences in flight at each step; beyond the last
-range, the last entry. Solved with `--contexts` too, the schedule holds one such table per context: the first with
-`up_to_context` (the longest sequence it covers), then `longer: [{context, up_to_context, entries}, ..., {context,
-entries}]`, each sequence following the table of its own current length. Lookahead's entries vary the decoding length
-under the plan's own trie (`speculate: false`: the root alone, the trie still learning); a draft-model chain's (a
+decoding_length, tokens_per_step, tokens_per_second, speedup, speedups}, ...], plain_seconds}`: for each range of batch
+sizes (the sequences a step decodes together, ranges contiguous from 1), the setting predicted to give the most output
+tokens per second over the whole batch at `context`, and that prediction at the range's first size (speedup: over no
+speculation at the same batch size; `speedups`: the drafted setting's, or an off entry's candidate's, at each size of
+the range, absent in plans solved before them). `plain_seconds`: a plain step's seconds at 1, 2, ... sequences of
+`context` tokens, as the profile priced it, what k of B sequences drafting add to a step is priced by (decoder/gate.py:
+settle_step; absent in plans solved before it). The decoder picks the entry of the sequences in flight at each step;
+beyond the last range, the last entry. Solved with `--contexts` too, the schedule holds one such table per context: the
+first with `up_to_context` (the longest sequence it covers), then `longer: [{context, up_to_context, entries}, ...,
+{context, entries}]`, each sequence following the table of its own current length. Lookahead's entries vary the decoding
+length under the plan's own trie (`speculate: false`: the root alone, the trie still learning); a draft-model chain's (a
 Sequoia plan whose tree is a chain, solved for a chain engine) vary the draft length, `decoding_length` - 1 tokens, at
 most the plan's chain; a TriForce hierarchy's vary its chain's length, gamma2 = `decoding_length` - 1 (the middle
 level's rounds collect at least that many tokens), at most the plan's gamma2, its bottom, gamma1 and retrieval cache
@@ -339,14 +341,15 @@ class BatchSchedule:
     entries: tuple[ScheduleEntry, ...]
     up_to_context: int | None = None
     longer: tuple[BatchSchedule, ...] = ()
+    plain_seconds: tuple[float, ...] = ()  # a plain step's at 1, 2, ... sequences (the module's doc)
 
     @classmethod
-    def merged(cls, context: int | None, per_batch: list[tuple[int | None, float, float, float, Candidate | None]]
-               ) -> BatchSchedule:
+    def merged(cls, context: int | None, per_batch: list[tuple[int | None, float, float, float, Candidate | None]],
+               plain_seconds: tuple[float, ...] = ()) -> BatchSchedule:
         """The schedule of a setting chosen for each batch size 1, 2, ...: (decoding length, None: off; tokens per
         step, tokens/s, speedup; off, its candidate or None), each range of equal settings (and candidates' lengths)
         one entry predicted at its first size, with its priced setting's speedup at each size (the setting's; off, its
-        candidate's, where it has one)."""
+        candidate's, where it has one); `plain_seconds`: a plain step's at each size."""
         entries: list[ScheduleEntry] = []
         for batch, (length, per_step, rate, speedup, candidate) in enumerate(per_batch, start=1):
             last = entries[-1] if entries else None
@@ -357,7 +360,7 @@ class BatchSchedule:
             else:
                 entries.append(ScheduleEntry(batch, batch, length is not None, length, per_step, rate, speedup,
                                              candidate, priced))
-        return cls(context, tuple(entries))
+        return cls(context, tuple(entries), plain_seconds=plain_seconds)
 
     @classmethod
     def by_context(cls, tables: list[BatchSchedule]) -> BatchSchedule:
@@ -379,10 +382,20 @@ class BatchSchedule:
     def entry_for(self, batch: int, context: int | None = None) -> ScheduleEntry:
         """The entry whose range holds `batch` sequences (the last beyond the last range), in the table of a
         sequence of `context` tokens (None: the first table)."""
-        tables = self.tables
-        table = next((t for t in tables if context is None or t.up_to_context is None or context <= t.up_to_context),
-                     tables[-1])
+        table = self.table_for(context)
         return next((e for e in table.entries if e.low <= batch <= e.high), table.entries[-1])
+
+    def plain_step_seconds(self, batch: int, context: int | None = None) -> float | None:
+        """A plain step's seconds at `batch` sequences, in the table of a sequence of `context` tokens, as the profile
+        priced it; None beyond the sizes priced, or in a plan solved before they were."""
+        seconds = self.table_for(context).plain_seconds
+        return seconds[batch - 1] if batch <= len(seconds) else None
+
+    def table_for(self, context: int | None) -> BatchSchedule:
+        """The table of a sequence of `context` tokens (None: the first)."""
+        tables = self.tables
+        return next((t for t in tables if context is None or t.up_to_context is None or context <= t.up_to_context),
+                    tables[-1])
 
     @classmethod
     def from_fields(cls, f: Fields, largest_draft: int | None, nested: bool = False) -> BatchSchedule:
@@ -406,8 +419,11 @@ class BatchSchedule:
                 raise f.fail("'longer' must be a non-empty list of tables, at the top of the schedule only")
             longer = tuple(cls.from_fields(Fields(item, f"{f.where}: longer[{i}]"), largest_draft, nested=True)
                            for i, item in enumerate(items))
+        plain_seconds = f.number_list("plain_seconds", required=False, low=0.0, high=MAX_SECONDS) or []
+        if any(seconds <= 0 for seconds in plain_seconds):
+            raise f.fail("'plain_seconds' must be positive seconds, one per batch size from 1")
         schedule = cls(f.token_count("context", required=False), entries,
-                       f.token_count("up_to_context", required=False), longer)
+                       f.token_count("up_to_context", required=False), longer, tuple(plain_seconds))
         tables = schedule.tables
         bounds = [table.up_to_context for table in tables]
         if bounds[-1] is not None or any(b is None for b in bounds[:-1]) or bounds[:-1] != sorted(set(bounds[:-1])):
@@ -419,6 +435,8 @@ class BatchSchedule:
         if self.up_to_context is not None:
             out["up_to_context"] = self.up_to_context
         out["entries"] = [e.to_dict() for e in self.entries]
+        if self.plain_seconds:
+            out["plain_seconds"] = list(self.plain_seconds)
         if self.longer:
             out["longer"] = [table.to_dict() for table in self.longer]
         return out

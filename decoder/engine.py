@@ -16,7 +16,7 @@ import torch
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.decoder.drafters import Drafter, NoDrafter
-from specplan.decoder.gate import UNTIMED_AFTER_JOIN, DraftGate, Pricing, StepClock, one_kind_of_step
+from specplan.decoder.gate import UNTIMED_AFTER_JOIN, DraftGate, Pricing, StepClock, settle_step
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.sharing import SharedRows
@@ -87,7 +87,8 @@ class SequenceRun:
         self.schedule = schedule
         self.sharing = sharing  # the engine's, which decides this request's rows and learns from its surveys
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
-        self.gate = (DraftGate(pricing, clock, drafter.shadows)
+        self.gate = (DraftGate(pricing, clock, drafter.shadows,
+                               schedule.plain_step_seconds if schedule is not None else None)
                      if pricing is not None and drafter.gated and sharing is None else None)
         self.clock = clock
         drafter.drafting = True
@@ -289,7 +290,7 @@ class SpeculativeEngine:
             run.decide(len(runs), load)
         gated = [run for run in runs if run.gate is not None]
         if len(gated) > 1:
-            one_kind_of_step([run.gate for run in gated])
+            settle_step([run.gate for run in gated])
             for run in gated:
                 run.drafter.drafting = run.gate.drafting
 

@@ -14,7 +14,9 @@ a probe's step costs its price less the tokens r expects of it, so a request jus
 yield swings across the line from step to step; docs/design.md), one whose drafts fail outright seldom. With an
 engine's clock, the requests sitting out probe together, at the steps numbered a multiple of their probe period, a
 power of two so that the periods of requests at different yields nest: a probe costs the whole step a draft forward
-(a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of one each. A step
+(a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of one each. A probe is
+priced as a lone drafter's step, once the clock has timed plain steps at B and at one (DraftGate.mix_cost): at B = 8 a
+lone TriForce chain cost the batch 8-11 plain steps of its requests' where a share of a drafted step is 5.4. A step
 whose drafter had nothing to propose (a trie without a match) cost a plain step alone and does not count; beside
 other sequences it rode the batch's drafted step (the clock times such a step as drafted) and counts as the one token
 it emitted: a plan's tokens per step count such steps too, and counting only matched steps beside others would
@@ -25,7 +27,7 @@ schedule's entry).
 
 A request's prior is the plan's own prediction (r = 1), or, for a request joining a batch in flight, the mean r of
 the batch's requests at its last step (Scheduler): the load in flight is the best evidence of the next request's, and
-joiners at the plan's r would outvote a batch whose drafts miss (one_kind_of_step), each batch of them paying a drafted
+joiners at the plan's r would outvote a batch whose drafts miss (settle_step), each batch of them paying a drafted
 step to learn what the batch knew. A request joining an idle engine takes the mean of the engine's last YIELD_WINDOW
 drafted steps (any request's) beside PRIOR_STEPS at the plan's (RecentYields), but decides its first drafted step at
 the plan's r = 1: the engine's recent requests tell how far to trust the plan once the request has seen one drafted
@@ -44,7 +46,7 @@ paying at the price known so far (the nearest batch size timed, else the plan's)
 between steps, which no profile times, can tip it (core/choices.py), and an "off" schedule entry keeps such a setting as
 its candidate to be timed (core/plan_schema.py: Candidate); further below, timing a loss buys nothing the estimate
 does not say, and a batch size reached as requests join (their prefill steps go untimed) would time it for many steps
-(docs/design.md). Where the requests of a step answer differently, their mean settles its kind (one_kind_of_step),
+(docs/design.md). Where the requests of a step answer differently, the step's mix settles it (settle_step),
 and a drafted step the clock wants is taken where their mean comes within CANDIDATE_SPEEDUP of paying: held to paying,
 a batch whose requests straddle that band never timed one, and priced its drafts at the plan's price for good.
 
@@ -67,6 +69,7 @@ that weighs the last steps most sits below its mean most of the time and decline
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -116,9 +119,11 @@ STALE_AFTER = 4 * MEASURED_STEPS
 
 # (batch size, the request's context) -> (predicted tokens per step, speedup) or None
 Pricing = Callable[[int, int], "tuple[float, float] | None"]
+# (batch size, the request's context) -> a plain step's seconds as the plan priced it, or None
+PlainSeconds = Callable[[int, int], "float | None"]
 # Why a request drafted or sat a step out (DraftGate.reason), counted per request (GenerationResult.decisions):
 # nothing priced there; the clock timing a kind of step; its drafts pay the price; they would, but not the reading its
-# drafter does first; they do not; a probe; the batch's mean overruling it (one_kind_of_step); its drafter not able to
+# drafter does first; they do not; a probe; the step's mix overruling it (settle_step); its drafter not able to
 # draft yet (`not_ready`)
 REASONS = ("unpriced", "timing", "pays", "start not repaid", "sits out", "probe", "batch", "not ready")
 
@@ -207,6 +212,10 @@ class StepClock:
             return None
         return tokens * statistics.median(self.start_rates) / statistics.median(self.seconds[(near, False)])
 
+    def plain_seconds(self, batch: int) -> float | None:
+        """A plain step's seconds at `batch` sequences, as measured; None before they are."""
+        return statistics.median(self.seconds[(batch, False)]) if batch in self.timed_plain else None
+
     def drafted_step_cost(self, batch: int) -> float | None:
         """A drafted step's price in plain steps at `batch` sequences, as measured; None before both kinds are."""
         if not (self._timed(batch, True) and self._timed(batch, False)):
@@ -234,8 +243,10 @@ class RecentYields:
 class DraftGate:
     """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted, drafted)` after it."""
 
-    def __init__(self, pricing: Pricing, clock: StepClock | None = None, shadowed: bool = False) -> None:
+    def __init__(self, pricing: Pricing, clock: StepClock | None = None, shadowed: bool = False,
+                 plain_seconds: PlainSeconds | None = None) -> None:
         self.pricing = pricing
+        self.plain_seconds = plain_seconds  # the plan's (BatchSchedule.plain_step_seconds); None: the clock's alone
         self.clock = clock  # the engine's measured step costs; None: the plan's price alone
         self.shadowed = shadowed  # its drafter drafts in the shadow of the steps it sits out: it never probes
         self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
@@ -248,6 +259,7 @@ class DraftGate:
         self.prior_from_first = False
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
         self.batch = 1  # the sequences of the step being decided
+        self.context = 0  # the request's tokens at it
         self.drafting = True
         # the last decision's grounds: what its drafted step should emit, at what price in plain steps; whether the
         # decision is firm (a step timing the clock, a probe, nothing priced); whether its drafter reads tokens first
@@ -276,7 +288,7 @@ class DraftGate:
         `batch` sequences; its drafter reads `start_tokens` first if it does (a draft model's prompt not read yet,
         the tokens of the steps it sat out), which is priced at `load` sequences where that is more (the engine's
         recent most)."""
-        self.priced, self.batch = self.pricing(batch, context), batch
+        self.priced, self.batch, self.context = self.pricing(batch, context), batch, context
         self.firm, self.reads_first = True, start_tokens > 0
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
             self.drafting, self.reason = True, "unpriced"
@@ -297,14 +309,16 @@ class DraftGate:
             drafting, self.firm = start_repaid, False
             self.reason = "pays" if start_repaid else "start not repaid"
         else:
-            drafting = not self.shadowed and self._probe_due(batch, step_cost - expected, start)
+            alone = self.mix_cost(batch, 1) if batch > 1 else None  # where measured, a probe drafting alone
+            loss = step_cost - expected if alone is None else batch * alone - (expected - 1.0)
+            drafting = not self.shadowed and self._probe_due(batch, loss, start)
             self.firm = drafting  # a probe
             self.reason = "probe" if drafting else "sits out"
         self.overrule(drafting)
         return drafting
 
     def overrule(self, drafting: bool) -> None:
-        """The coming step's decision, as the batch's step takes it (one_kind_of_step)."""
+        """The coming step's decision, as the batch's step takes it (settle_step)."""
         self.drafting = drafting
         self.idle_steps = 0 if drafting else self.idle_steps + 1
 
@@ -323,6 +337,30 @@ class DraftGate:
         measured = self.clock.drafted_step_cost(near)
         there = self.pricing(near, context) if near != batch else None
         return measured * planned / (there[0] / there[1]) if there is not None else measured
+
+    def mix_cost(self, batch: int, drafting: int) -> float | None:
+        """What `drafting` of a step's `batch` sequences drafting (fewer than all) adds to its plain step, in plain
+        steps at `batch` (the whole batch's time): a drafted step's extra at `drafting` sequences alone, its price there
+        less one, times the plain step's seconds there over those at `batch`: the drafting sequences' draft forwards
+        run over them alone, and their extra rows cost about what they cost there. Those seconds as the clock timed
+        them, else as the plan priced them; None where neither has both, or nothing drafts at `drafting`."""
+        if drafting == 0:
+            return 0.0
+        ratio = self._plain_ratio(drafting, batch)
+        priced = self.pricing(drafting, self.context)
+        if ratio is None or priced is None:
+            return None
+        return (self._step_cost(drafting, self.context, priced[0] / priced[1]) - 1.0) * ratio
+
+    def _plain_ratio(self, fewer: int, batch: int) -> float | None:
+        """A plain step's seconds at `fewer` sequences over those at `batch`: as the clock timed both, else as the
+        plan priced both; None where neither has."""
+        timed: tuple[float | None, float | None] = (None, None)
+        if self.clock is not None:
+            timed = (self.clock.plain_seconds(batch), self.clock.plain_seconds(fewer))
+        if None in timed and self.plain_seconds is not None:
+            timed = (self.plain_seconds(batch, self.context), self.plain_seconds(fewer, self.context))
+        return None if None in timed else timed[1] / timed[0]
 
     def _start_repaid(self, batch: int, context: int, start_tokens: int, remaining: int | None, load: int | None,
                       here: tuple[float | None, float, float]) -> bool:
@@ -350,7 +388,9 @@ class DraftGate:
 
     def _probe_due(self, batch: int, loss: float, start: float | None) -> bool:
         """Whether a request sitting steps out drafts at the coming one: once its probe (the plain steps a drafted step
-        loses at its expected yield, `loss`, and its own reading, `start`, which the batch waits for) costs at most
+        loses at its expected yield, `loss`: where the clock prices a lone drafter's step (`mix_cost`), the batch's
+        steps that costs less the tokens it gains, else its own at the drafted price, as where the whole batch probes
+        together; and its own reading, `start`, which the batch waits for) costs at most
         PROBE_SHARE of the time it sat out; with a clock, at the steps numbered a multiple of the period that share
         gives a probe, rounded up to a power of two (requests at different yields probe together at the longer one's
         steps). A reading not priced yet (None) cannot be held to that share: no probe."""
@@ -388,20 +428,44 @@ def probe_period(loss: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(loss, PROBE_SHARE) / PROBE_SHARE)))
 
 
-def one_kind_of_step(gates: list[DraftGate]) -> None:
-    """The requests of one step (their gates just decided) made to draft all or none. A step's cost grows with the
-    rows it scores, and on a CPU the first rows beyond one a sequence are dear (t(2) against t(1) in the profile), so a
-    step where a few requests draft costs the whole batch nearly a drafted step while only those few gain:
-    where the decisions differ and none is firm, every request drafts if the batch's mean expected yield pays the
-    drafted step's price (those whose drafters need not read first), else none. Where a request drafts to time the
-    clock, the mean need only come within CANDIDATE_SPEEDUP of the price, the band a request times a drafted step in."""
-    if len({gate.drafting for gate in gates}) < 2 or any(gate.firm for gate in gates):
+def settle_step(gates: list[DraftGate]) -> None:
+    """Which requests of one step (their gates just decided) draft, where their decisions differ: those whose decision
+    is firm (a probe, nothing priced) as decided; of the others, the ones expecting most, as many as gain the most
+    tokens over plain steps for the step's cost, priced by its mix (DraftGate.mix_cost: what k of B drafting add to the
+    step, for B sequences) where the clock has timed plain steps at some k below B and at B. A step's cost grows with
+    the rows it scores and the draft forwards it runs, and on a CPU the first of either cost the most (t(2) against
+    t(1) in the profile; a lone TriForce chain beside seven plain sequences added 1.2-1.4 plain steps of B = 8 to the
+    batch's step where all eight chains added 5.4), so a drafter alone must expect far more than one among many.
+    Where that is not measured, the first rows are taken to cost the batch a drafted step: every request drafts if
+    the batch's mean expected yield pays the drafted price (those whose drafters need not read first), else none; so
+    also where a request drafts to time the clock, whose mean need only come within CANDIDATE_SPEEDUP of the price,
+    the band a request times a drafted step in; and where a decision is firm, the others stand."""
+    if len({gate.drafting for gate in gates}) < 2 or all(gate.firm for gate in gates):
         return
+    batch = len(gates)
     timing = any(gate.drafting and gate.reason == "timing" for gate in gates)
-    share = CANDIDATE_SPEEDUP if timing else 1.0
-    pays = statistics.fmean(g.expected for g in gates) >= share * statistics.fmean(g.step_cost for g in gates)
+    mix = [gates[0].mix_cost(batch, drafting) for drafting in range(batch)]
+    able = [gate for gate in gates if not gate.firm and (gate.drafting or not gate.reads_first)]
+    if timing or all(cost is None for cost in mix[1:]):
+        if any(gate.firm for gate in gates):
+            return
+        share = CANDIDATE_SPEEDUP if timing else 1.0
+        pays = statistics.fmean(g.expected for g in gates) >= share * statistics.fmean(g.step_cost for g in gates)
+        chosen = able if pays else []
+    else:
+        mix.append(statistics.fmean(gate.step_cost for gate in gates) - 1.0)  # all of them: a drafted step
+        fixed = sum(gate.drafting for gate in gates if gate.firm)
+        able.sort(key=lambda gate: gate.expected, reverse=True)
+        gains = itertools.accumulate((gate.expected - 1.0 for gate in able), initial=0.0)
+        net = {count: gain - batch * mix[fixed + count] for count, gain in enumerate(gains)
+               if mix[fixed + count] is not None}
+        if not net:  # the firm drafters' own mix not measured: the others stand
+            return
+        chosen = able[:max(net, key=net.__getitem__)]
     for gate in gates:
-        drafting = pays and (gate.drafting or not gate.reads_first)
+        if gate.firm:
+            continue
+        drafting = any(gate is other for other in chosen)
         if drafting != gate.drafting:
             gate.reason = "batch"
         gate.overrule(drafting)

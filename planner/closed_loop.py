@@ -268,10 +268,12 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
     name = {length: setting_name(method, length) for length in prices}
     rates: dict[str, list[float | None]] = {"off": [], **{name[d]: [] for d in prices}}
     drafts = any(price.draft_levels for price in prices.values())
+    plain: list[float] = []  # a plain step's seconds at each batch size
     for batch in range(1, largest + 1):
         if drafts and profile.draft_chain_seconds(batch, 1, context) is None:
             raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
-        off = batch / step_seconds(profile, batch, OFF, [context])
+        plain.append(step_seconds(profile, batch, OFF, [context]))
+        off = batch / plain[-1]
         rates["off"].append(off)
         best: tuple[int | None, float, float] = (None, 1.0, 0.0)  # the best drafted setting
         exact_best = None
@@ -295,4 +297,4 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
             candidate = (Candidate(length, per_step, rate / off)
                          if length is not None and rate >= CANDIDATE_SPEEDUP * off else None)
             chosen.append((None, 1.0, off, 1.0, candidate))
-    return BatchSchedule.merged(context, chosen), rates
+    return BatchSchedule.merged(context, chosen, tuple(plain)), rates

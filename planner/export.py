@@ -17,7 +17,7 @@ import yaml
 
 from specplan.core.choices import EXPORT_FORMATS, VLLM_METHODS
 from specplan.core.errors import UserError
-from specplan.core.plan_schema import BatchSchedule, Plan, TokenTree
+from specplan.core.plan_schema import Plan, TokenTree
 from specplan.core.validate import Fields
 from specplan.planner.draft_chain import HF_SCHEDULES
 from specplan.planner.engines import (
@@ -73,20 +73,15 @@ def _schedule_rows(plan: Plan, context: int) -> list[tuple[int, int, int]]:
     `context` tokens, where the plan has one per context range (the engines' tables have a batch axis only); ranges
     of equal K joined (off entries that differ only in the candidate our per-request decisions may draft)."""
     runs = [(drafted, list(entries)) for drafted, entries
-            in groupby(_table_at(plan, context).entries, key=lambda e: (e.decoding_length or 1) - 1)]
+            in groupby(plan.schedule.table_for(context).entries, key=lambda e: (e.decoding_length or 1) - 1)]
     return [(entries[0].low, entries[-1].high, drafted) for drafted, entries in runs]
-
-
-def _table_at(plan: Plan, context: int) -> BatchSchedule:
-    tables = plan.schedule.tables
-    return next((t for t in tables if t.up_to_context is None or context <= t.up_to_context), tables[-1])
 
 
 def _context_note(plan: Plan, context: int) -> str:
     """Which of the plan's context tables an engine's batch-size table was taken from (nothing where it has one)."""
     if len(plan.schedule.tables) == 1:
         return ""
-    table = _table_at(plan, context)
+    table = plan.schedule.table_for(context)
     return (f"; the plan's table for sequences of {context} tokens (priced at {table.context}; --context picks "
             f"another of its {len(plan.schedule.tables)})")
 

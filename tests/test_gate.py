@@ -28,8 +28,8 @@ from specplan.decoder.gate import (
     DraftGate,
     RecentYields,
     StepClock,
-    one_kind_of_step,
     probe_period,
+    settle_step,
     shrunk_mean,
 )
 from specplan.decoder.sampling import SamplingParams
@@ -176,7 +176,7 @@ def test_each_decision_says_why_and_a_request_counts_its_steps_by_why(tiny_pair)
     timing = DraftGate(lambda batch, context: (3.0, 1.5), StepClock())
     assert timing.drafts(4, 100) and timing.reason == "timing"
     batch = [_decided([0.8] * 8), _decided([1.0] * 8), _decided([0.4] * 8)]
-    one_kind_of_step(batch)
+    settle_step(batch)
     assert [g.reason for g in batch] == ["pays", "pays", "batch"] and all(g.drafting for g in batch)
     assert {g.reason for g in (_decided([0.3]), probing, timing)} <= set(REASONS)
     _, target, _ = tiny_pair
@@ -674,13 +674,13 @@ def test_a_steps_requests_draft_all_or_none_by_their_mean_yield():
     whose drafter would read tokens first is not made to draft."""
     paying = [_decided([0.8] * 8), _decided([1.0] * 8), _decided([0.4] * 8), _decided([0.5] * 8)]
     assert [g.drafting for g in paying] == [True, True, False, False]
-    one_kind_of_step(paying)
+    settle_step(paying)
     assert all(g.drafting for g in paying) and all(g.idle_steps == 0 for g in paying)
     losing = [_decided([0.8] * 8), _decided([1.0] * 8), _decided([0.4] * 8), _decided([0.1] * 8)]
-    one_kind_of_step(losing)
+    settle_step(losing)
     assert not any(g.drafting for g in losing) and [g.idle_steps for g in losing] == [1, 1, 2, 2]
     reading = [_decided([1.0] * 8), _decided([1.0] * 8), _decided([0.5] * 8, start_tokens=40)]
-    one_kind_of_step(reading)
+    settle_step(reading)
     assert [g.drafting for g in reading] == [True, True, False]
 
 
@@ -691,12 +691,108 @@ def test_firm_decisions_are_not_made_one_kind():
     probing.idle_steps = 1000  # long enough sitting out that a probe is due
     assert probing.drafts(4, 100) and probing.firm
     gates = [probing, _decided([0.3] * 8), _decided([0.3] * 8)]
-    one_kind_of_step(gates)
+    settle_step(gates)
     assert [g.drafting for g in gates] == [True, False, False]
 
 
+def _timed_clock(plain: dict[int, float], drafted: dict[int, float]) -> StepClock:
+    """A clock that timed MEASURED_AT_LEAST steps of each kind at these batch sizes (seconds), and times no more."""
+    clock = StepClock()
+    for timings, kind in ((plain, False), (drafted, True)):
+        for batch, seconds in timings.items():
+            for _ in range(MEASURED_AT_LEAST):
+                clock.record(batch, kind, seconds)
+    clock.record = lambda batch, drafted, seconds: None
+    return clock
+
+
+# A TriForce step at B = 8 over long contexts, as a served step log timed it: plain 50 ms at B = 1 and 240 at 8, a
+# drafted one 6 and 6.25 plain steps there; a lone chain beside 7 plain sequences costs the batch 5 x 50 / 240 plain
+# steps of B = 8, 8.3 of its requests' plain steps, where all eight chains cost each request 5.25
+LONG_CONTEXT_STEPS = ({1: 0.050, 8: 0.240}, {1: 0.300, 8: 1.500})
+
+
+def _gates_at_8(yields: list[list[float]], clock: StepClock | None,
+                plain_seconds: dict[int, float] | None = None) -> list[DraftGate]:
+    gates = []
+    for own in yields:
+        gate = DraftGate(lambda batch, context: (9.5, 9.5 / 6.0), clock, plain_seconds=(
+            None if plain_seconds is None else lambda batch, context: plain_seconds.get(batch)))
+        gate.yields.extend(own)
+        gate.drafts(8, 100)
+        gates.append(gate)
+    return gates
+
+
+def test_a_lone_request_drafts_beside_plain_ones_only_where_it_gains_what_its_mix_costs():
+    """At B = 8, a drafted step priced 6.25 plain steps: a request expecting 7.5 tokens pays that price but, drafting
+    alone beside seven sitting out, gains 6.5 tokens for 8.3 of the batch's: the step is plain. One expecting 13.3
+    drafts alone beside the seven, whose mean (4.6) pays no drafted step for all eight. Without the mix timed (no
+    plain step at B = 1), the batch's mean settles the step as before: none drafts; unless the plan priced plain steps
+    at both sizes (its schedule's `plain_seconds`)."""
+    for strong, drafts_alone in ((0.75, False), (1.5, True)):
+        gates = _gates_at_8([[strong] * 8] + [[0.2] * 8] * 7, _timed_clock(*LONG_CONTEXT_STEPS))
+        assert gates[0].reason == "pays" and not any(g.drafting for g in gates[1:])
+        assert gates[0].mix_cost(8, 1) == pytest.approx(5 * 0.050 / 0.240)
+        settle_step(gates)
+        assert gates[0].drafting == drafts_alone and not any(g.drafting for g in gates[1:])
+        assert gates[0].reason == ("pays" if drafts_alone else "batch")
+    untimed = _gates_at_8([[1.5] * 8] + [[0.2] * 8] * 7, _timed_clock({8: 0.240}, {8: 1.500}))
+    assert untimed[0].mix_cost(8, 1) is None
+    settle_step(untimed)
+    assert not any(g.drafting for g in untimed)
+    planned = _gates_at_8([[1.5] * 8] + [[0.2] * 8] * 7, _timed_clock({8: 0.240}, {8: 1.500}), {1: 0.05, 8: 0.24})
+    assert planned[0].mix_cost(8, 1) == pytest.approx(5.25 * 0.05 / 0.24)
+    settle_step(planned)
+    assert planned[0].drafting and not any(g.drafting for g in planned[1:])
+
+
+def test_a_probe_is_priced_as_a_lone_drafter_where_the_mix_is_timed():
+    """A request sitting out at B = 8 expecting 5.7 tokens of a drafted step priced 6.25 plain steps: as a share of
+    the batch's drafted step its probe loses 0.55 plain steps and is due after 18 steps sat out; alone beside seven
+    plain sequences it loses 8.3 - 4.7 = 3.6 and waits 120."""
+    for clock, due in ((_timed_clock({8: 0.240}, {8: 1.500}), 18), (_timed_clock(*LONG_CONTEXT_STEPS), 120)):
+        for idle, probes in ((due - 2, False), (due + 1, True)):
+            gate = _gates_at_8([[0.5] * 8], clock)[0]
+            gate.idle_steps = idle
+            assert gate.drafts(8, 100) == probes and gate.reason == ("probe" if probes else "sits out")
+
+
 @pytest.mark.parametrize("concurrency", [2, 4])
-def test_one_kind_steps_keep_every_requests_greedy_tokens(concurrency, tiny_pair, monkeypatch):
+def test_steps_of_a_timed_mix_keep_every_requests_greedy_tokens(concurrency, tiny_pair):
+    """Lookahead requests at 2 and 4 in flight on a clock whose drafted steps cost their rows alone (a lone drafter as
+    dear as a share of a drafted step): those whose drafts pay draft beside those sitting out, step after step; each
+    request's greedy tokens its own."""
+    _, target, _ = tiny_pair
+    make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
+    gen = torch.Generator().manual_seed(5)
+    motif = torch.randint(0, 250, (6,), generator=gen).tolist()
+    requests = [Request(motif * 3 + torch.randint(0, 250, (n,), generator=gen).tolist(), m)
+                for n, m in ((7, 30), (3, 25), (12, 33), (5, 18))]
+    clock = _timed_clock({b: 0.010 * b for b in range(1, 5)}, {b: 0.012 * b for b in range(1, 5)})
+    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (1.6, 1.2), clock=clock)
+    kinds = []
+    step = Scheduler.step
+
+    def recorded(scheduler):
+        done = step(scheduler)
+        if len(scheduler.running) > 1:
+            kinds.append({run.run.drafter.drafting for run in scheduler.running})
+        return done
+
+    Scheduler.step = recorded
+    try:
+        results = {c.id: c.result.tokens for c in Scheduler(engine, drafters_per_slot(make), concurrency).run(requests)}
+    finally:
+        Scheduler.step = step
+    assert any(len(kind) == 2 for kind in kinds)
+    for i, request in enumerate(requests):
+        assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
+                                                                        SamplingParams()).tokens
+
+
+@pytest.mark.parametrize("concurrency", [2, 4])
+def test_steps_settled_by_the_mean_keep_every_requests_greedy_tokens(concurrency, tiny_pair, monkeypatch):
     """Lookahead requests at a price some of their drafts pay: the batch's steps, where the requests' decisions
     differ, drafted by all or none; each request's greedy tokens its own."""
     from specplan.decoder import engine as engine_module
@@ -705,9 +801,9 @@ def test_one_kind_steps_keep_every_requests_greedy_tokens(concurrency, tiny_pair
 
     def resolved(gates):
         mixed.append(len({gate.drafting for gate in gates}) > 1)
-        one_kind_of_step(gates)
+        settle_step(gates)
 
-    monkeypatch.setattr(engine_module, "one_kind_of_step", resolved)
+    monkeypatch.setattr(engine_module, "settle_step", resolved)
     _, target, _ = tiny_pair
     make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
     gen = torch.Generator().manual_seed(5)
@@ -789,7 +885,7 @@ def test_a_request_whose_drafts_miss_does_not_draft_to_time_the_clock():
         missing.observe(1, 4)
     assert fresh.drafts(8, 100) and not fresh.firm
     assert not missing.drafts(8, 100) and not missing.firm and clock.wanted(8, drafted_too=False) is False
-    one_kind_of_step([fresh, missing])  # mean expected (3 + 1.5) / 2 >= 2
+    settle_step([fresh, missing])  # mean expected (3 + 1.5) / 2 >= 2
     assert fresh.drafting and missing.drafting
 
 
@@ -809,7 +905,7 @@ def test_a_batch_within_the_timing_band_drafts_the_step_its_clock_wants():
         assert not low.drafts(4, 100) and low.reason == "sits out" and not low.firm
         mean = (timing.expected + low.expected) / 2
         assert mean < 2.0 and (mean >= CANDIDATE_SPEEDUP * 2.0) == drafts
-        one_kind_of_step([timing, low])
+        settle_step([timing, low])
         assert timing.drafting == drafts and low.drafting == drafts
 
 
