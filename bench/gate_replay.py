@@ -11,13 +11,14 @@ prompts the decisions keep, on the price they are given (whether that price hold
 log measured it (bench/step_log.py: its "measured ratio").
 
 `--concurrency C` (C > 1) replays a served level instead: the prompts queued at once on C slots of the continuous-
-batching scheduler, after the serving bench's warm-up, with the engine's clock on (decoder/gate.py: StepClock) and
-every decision a served plan makes at C in flight (the batch's one kind of step, the clock's timing steps and borrowed
-prices, joiners' priors). The clock reads priced time, not the machine's: each step advances it by t(B, 1) of the
-plan's profile at the step's B sequences, a step in which all drafted by that times the drafted step's price at B
-(the plan's, or `--step-cost`), one in which k of them did by t(B, 1) + t(k, 1) x (the price at k - 1), as the gate
-prices a step's mix (decoder/gate.py: settle_step). One-token decoding's steps follow from the output lengths alone
-(every sequence emits one token a step; a slot freed takes the next request at the next step), priced the same way.
+batching scheduler, after the serving bench's warm-up, with the engine's clock on (decoder/gate.py: StepClock) and every
+decision a served plan makes at C in flight (the step's mix, the clock's timing steps and borrowed prices,
+joiners' priors). The clock reads priced time, not the machine's: each step advances it by t(B, 1) of the plan's profile
+at the step's B sequences, a step in which all drafted by that times the drafted step's price at B (the plan's, or
+`--step-cost`), one in which k of them did by the plan's share for that mix of what a drafted step adds (its schedule's
+`mix_shares`; all of it without them), as the gate prices it (decoder/gate.py: settle_step). One-token decoding's steps
+follow from the output lengths alone (every sequence emits one token a step; a slot freed takes the next request at the
+next step), priced the same way.
 
     .venv/bin/python bench/gate_replay.py plans/smollm2-135m.lookahead.cpu-2c.fp32.batched.yaml \
         --dataset specbench:summarization,rag,coding --prompts 16 --max-new-tokens 64 [--no-chat]
@@ -105,10 +106,11 @@ class BatchedReplay:
     """A served level replayed on priced time (see the module's doc): `run` the decoder's plan, then `one_token`."""
 
     def __init__(self, concurrency: int, plain_seconds: Callable[[int], float],
-                 drafted_price: Callable[[int], float]) -> None:
+                 drafted_price: Callable[[int], float], mix_share: Callable[[int, int], float | None]) -> None:
         self.concurrency = concurrency
         self.plain_seconds = plain_seconds  # t(B, 1)
         self.drafted_price = drafted_price  # a drafted step's price in plain steps at B
+        self.mix_share = mix_share  # what k of B drafting add, as a share of what all B add (None: as all B)
 
     def run(self, decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, warmup: int) -> dict:
         """The warm-up requests, then the prompts, through one scheduler (a served server's); the measured
@@ -157,17 +159,15 @@ class BatchedReplay:
                 "drafted_steps": drafted_steps, "plain_steps": plain_steps}
 
     def _price(self, runs: list[SequenceRun]) -> float:
-        """A step's priced seconds: t(B, 1), times the drafted step's price where all B sequences drafted; where k of
-        them did, plus a drafted step's extra at k sequences, (its price there - 1) x t(k, 1), as the gate prices such
-        a step (DraftGate.mix_cost)."""
+        """A step's priced seconds: t(B, 1), plus where k of its B sequences drafted the plan's share for that mix of
+        what a drafted step adds (all of it where the plan priced no mix), as the gate prices such a step
+        (DraftGate.mix_cost)."""
         if not runs:
             return 0.0
         batch = len(runs)
         drafting = sum(1 for run in runs if run.drafted_per_step[-1])
-        if drafting == batch:
-            return self.plain_seconds(batch) * self.drafted_price(batch)
-        extra = (self.drafted_price(drafting) - 1.0) * self.plain_seconds(drafting) if drafting else 0.0
-        return self.plain_seconds(batch) + extra
+        share = self.mix_share(batch, drafting) if drafting else 0.0
+        return self.plain_seconds(batch) * (1.0 + (self.drafted_price(batch) - 1.0) * (1.0 if share is None else share))
 
     def one_token(self, lengths: list[int]) -> float:
         """One-token decoding's priced seconds for requests of these output lengths, queued at once."""
@@ -192,7 +192,11 @@ def batched_replay(args: argparse.Namespace, plan: Plan, decoder: Decoder, promp
             raise SystemExit(f"the plan prices no drafted step at B = {batch}: give --step-cost")
         return predicted[0] / predicted[1]
 
-    replay = BatchedReplay(args.concurrency, lambda batch: profile.batch_latency(batch, 1, context), drafted_price)
+    def mix_share(batch: int, drafting: int) -> float | None:
+        return plan.schedule.mix_share(batch, drafting, int(context)) if plan.schedule is not None else None
+
+    replay = BatchedReplay(args.concurrency, lambda batch: profile.batch_latency(batch, 1, context), drafted_price,
+                           mix_share)
     warmup = warmup_tokens(plan)
     decided = replay.run(decoder, prompts, args.max_new_tokens, warmup)
     decoder.draft_every_step()

@@ -19,26 +19,28 @@ the command that solved it). Method-specific fields:
   the best speculative setting's, which `plan bench` runs its TriForce baselines with.
 
 A plan solved with `--batches` also carries `schedule: {context, entries: [{batches: [low, high], speculate,
-decoding_length, tokens_per_step, tokens_per_second, speedup, speedups}, ...], plain_seconds}`: for each range of batch
+decoding_length, tokens_per_step, tokens_per_second, speedup, speedups}, ...], mix_shares}`: for each range of batch
 sizes (the sequences a step decodes together, ranges contiguous from 1), the setting predicted to give the most output
 tokens per second over the whole batch at `context`, and that prediction at the range's first size (speedup: over no
 speculation at the same batch size; `speedups`: the drafted setting's, or an off entry's candidate's, at each size of
-the range, absent in plans solved before them). `plain_seconds`: a plain step's seconds at 1, 2, ... sequences of
-`context` tokens, as the profile priced it, what k of B sequences drafting add to a step is priced by (decoder/gate.py:
-settle_step; absent in plans solved before it). The decoder picks the entry of the sequences in flight at each step;
-beyond the last range, the last entry. Solved with `--contexts` too, the schedule holds one such table per context: the
-first with `up_to_context` (the longest sequence it covers), then `longer: [{context, up_to_context, entries}, ...,
-{context, entries}]`, each sequence following the table of its own current length. Lookahead's entries vary the decoding
-length under the plan's own trie (`speculate: false`: the root alone, the trie still learning); a draft-model chain's (a
-Sequoia plan whose tree is a chain, solved for a chain engine) vary the draft length, `decoding_length` - 1 tokens, at
-most the plan's chain; a TriForce hierarchy's vary its chain's length, gamma2 = `decoding_length` - 1 (the middle
-level's rounds collect at least that many tokens), at most the plan's gamma2, its bottom, gamma1 and retrieval cache
-kept; an engine's n-gram chain (a prompt-lookup plan for llama-server) varies its tokens drafted, `decoding_length` - 1,
-at most the plan's num_tokens, its n-gram kept. An entry that does not speculate may keep a `candidate:
-{decoding_length, tokens_per_step, speedup}`, its best drafting setting where that is predicted within the margin
-(CANDIDATE_SPEEDUP up to MIN_SPEEDUP, core/choices.py): requests that decide step by step whether to draft
-(decoder/gate.py) draft it only once the steps' measured prices say it pays; engines' tables and fixed settings read the
-entry as off. A plan without a schedule is the batch-1 plan at every batch size.
+the range, absent in plans solved before them). `mix_shares`: at each batch size B from 1, what k of the B sequences
+drafting the setting priced there (an off entry's candidate) add to a plain step, as a share of what all B add, at k =
+1, 2, 4, ... below B (`mix_points`; linear between them): the profile's t(B, n) of the step's rows and the draft's
+forwards over the k alone (planner/closed_loop.py: step_seconds), by which the decoder prices a step where some of its
+requests draft (decoder/gate.py: settle_step); empty where nothing drafts at B, absent in plans solved before them. The
+decoder picks the entry of the sequences in flight at each step; beyond the last range, the last entry. Solved with
+`--contexts` too, the schedule holds one such table per context: the first with `up_to_context` (the longest sequence it
+covers), then `longer: [{context, up_to_context, entries}, ..., {context, entries}]`, each sequence following the table
+of its own current length. Lookahead's entries vary the decoding length under the plan's own trie (`speculate: false`:
+the root alone, the trie still learning); a draft-model chain's (a Sequoia plan whose tree is a chain, solved for a
+chain engine) vary the draft length, `decoding_length` - 1 tokens, at most the plan's chain; a TriForce hierarchy's vary
+its chain's length, gamma2 = `decoding_length` - 1 (the middle level's rounds collect at least that many tokens), at
+most the plan's gamma2, its bottom, gamma1 and retrieval cache kept; an engine's n-gram chain (a prompt-lookup plan for
+llama-server) varies its tokens drafted, `decoding_length` - 1, at most the plan's num_tokens, its n-gram kept. An entry
+that does not speculate may keep a `candidate: {decoding_length, tokens_per_step, speedup}`, its best drafting setting
+where that is predicted within the margin (CANDIDATE_SPEEDUP up to MIN_SPEEDUP, core/choices.py): requests that decide
+step by step whether to draft (decoder/gate.py) draft it only once the steps' measured prices say it pays; engines'
+tables and fixed settings read the entry as off. A plan without a schedule is the batch-1 plan at every batch size.
 
 A Lookahead plan solved with `--share-rows` also carries `sharing: {trie, context, tokens_per_step: {length: tokens},
 step_seconds: {batch size: [seconds at 1, 2, ... rows per sequence]}, min_speedup}` (RowSharing): instead of one
@@ -61,7 +63,7 @@ from specplan.core.errors import UserError
 from specplan.core.fileio import check_plain_values, plain, read_yaml, write_yaml
 from specplan.core.method_settings import NgramTreeSettings, PromptLookupSettings, TrieSettings, TriForceSettings
 from specplan.core.model_names import same_model
-from specplan.core.validate import FORMAT_VERSION, MAX_SECONDS, MAX_VOCABULARY, Fields, token_count_key
+from specplan.core.validate import FORMAT_VERSION, MAX_SECONDS, MAX_VOCABULARY, Fields, check_number, token_count_key
 
 PLAN_KINDS = ("plan/sequoia", "plan/lookahead", "plan/triforce", "plan/prompt-lookup")
 MAX_TREE_NODES = 1 << 16  # far above any tree a target verifies in one forward
@@ -341,15 +343,15 @@ class BatchSchedule:
     entries: tuple[ScheduleEntry, ...]
     up_to_context: int | None = None
     longer: tuple[BatchSchedule, ...] = ()
-    plain_seconds: tuple[float, ...] = ()  # a plain step's at 1, 2, ... sequences (the module's doc)
+    mix_shares: tuple[tuple[float, ...], ...] = ()  # at each batch size from 1 (the module's doc)
 
     @classmethod
     def merged(cls, context: int | None, per_batch: list[tuple[int | None, float, float, float, Candidate | None]],
-               plain_seconds: tuple[float, ...] = ()) -> BatchSchedule:
+               mix_shares: tuple[tuple[float, ...], ...] = ()) -> BatchSchedule:
         """The schedule of a setting chosen for each batch size 1, 2, ...: (decoding length, None: off; tokens per
         step, tokens/s, speedup; off, its candidate or None), each range of equal settings (and candidates' lengths)
         one entry predicted at its first size, with its priced setting's speedup at each size (the setting's; off, its
-        candidate's, where it has one); `plain_seconds`: a plain step's at each size."""
+        candidate's, where it has one); `mix_shares`: at each size, its steps' where some of the sequences draft."""
         entries: list[ScheduleEntry] = []
         for batch, (length, per_step, rate, speedup, candidate) in enumerate(per_batch, start=1):
             last = entries[-1] if entries else None
@@ -360,7 +362,7 @@ class BatchSchedule:
             else:
                 entries.append(ScheduleEntry(batch, batch, length is not None, length, per_step, rate, speedup,
                                              candidate, priced))
-        return cls(context, tuple(entries), plain_seconds=plain_seconds)
+        return cls(context, tuple(entries), mix_shares=mix_shares)
 
     @classmethod
     def by_context(cls, tables: list[BatchSchedule]) -> BatchSchedule:
@@ -385,11 +387,16 @@ class BatchSchedule:
         table = self.table_for(context)
         return next((e for e in table.entries if e.low <= batch <= e.high), table.entries[-1])
 
-    def plain_step_seconds(self, batch: int, context: int | None = None) -> float | None:
-        """A plain step's seconds at `batch` sequences, in the table of a sequence of `context` tokens, as the profile
-        priced it; None beyond the sizes priced, or in a plan solved before they were."""
-        seconds = self.table_for(context).plain_seconds
-        return seconds[batch - 1] if batch <= len(seconds) else None
+    def mix_share(self, batch: int, drafting: int, context: int | None = None) -> float | None:
+        """What `drafting` of a step's `batch` sequences drafting add to a plain step, as a share of what all of them
+        add, in the table of a sequence of `context` tokens; None where the plan priced no such step (nothing drafts
+        there, beyond the sizes priced, or a plan solved before it did)."""
+        if drafting <= 0 or drafting >= batch:
+            return 0.0 if drafting <= 0 else 1.0
+        shares = self.table_for(context).mix_shares
+        if batch > len(shares) or not shares[batch - 1]:
+            return None
+        return float(np.interp(drafting, [0, *mix_points(batch), batch], [0.0, *shares[batch - 1], 1.0]))
 
     def table_for(self, context: int | None) -> BatchSchedule:
         """The table of a sequence of `context` tokens (None: the first)."""
@@ -419,11 +426,17 @@ class BatchSchedule:
                 raise f.fail("'longer' must be a non-empty list of tables, at the top of the schedule only")
             longer = tuple(cls.from_fields(Fields(item, f"{f.where}: longer[{i}]"), largest_draft, nested=True)
                            for i, item in enumerate(items))
-        plain_seconds = f.number_list("plain_seconds", required=False, low=0.0, high=MAX_SECONDS) or []
-        if any(seconds <= 0 for seconds in plain_seconds):
-            raise f.fail("'plain_seconds' must be positive seconds, one per batch size from 1")
+        raw_shares = f.data.get("mix_shares", [])
+        if not isinstance(raw_shares, list) or not all(isinstance(shares, list) for shares in raw_shares):
+            raise f.fail("'mix_shares' must be a list of lists of shares, one per batch size from 1")
+        mix_shares = tuple(tuple(check_number(share, f"{f.where}: mix_shares[{i}][{j}]", 0.0, 1.0)
+                                 for j, share in enumerate(shares)) for i, shares in enumerate(raw_shares))
+        for batch, shares in enumerate(mix_shares, start=1):
+            if shares and len(shares) != len(mix_points(batch)):
+                raise f.fail(f"'mix_shares' at batch size {batch}: none, or one share at each of {mix_points(batch)} "
+                             f"sequences drafting")
         schedule = cls(f.token_count("context", required=False), entries,
-                       f.token_count("up_to_context", required=False), longer, tuple(plain_seconds))
+                       f.token_count("up_to_context", required=False), longer, mix_shares)
         tables = schedule.tables
         bounds = [table.up_to_context for table in tables]
         if bounds[-1] is not None or any(b is None for b in bounds[:-1]) or bounds[:-1] != sorted(set(bounds[:-1])):
@@ -435,11 +448,18 @@ class BatchSchedule:
         if self.up_to_context is not None:
             out["up_to_context"] = self.up_to_context
         out["entries"] = [e.to_dict() for e in self.entries]
-        if self.plain_seconds:
-            out["plain_seconds"] = list(self.plain_seconds)
+        if self.mix_shares:
+            out["mix_shares"] = [list(shares) for shares in self.mix_shares]
         if self.longer:
             out["longer"] = [table.to_dict() for table in self.longer]
         return out
+
+
+def mix_points(batch: int) -> list[int]:
+    """The numbers of a step's `batch` sequences drafting that a schedule's `mix_shares` are priced at: the powers of
+    two below it (between them a step's rows grow linearly in the profile's t(B, n), and the draft's forwards
+    little)."""
+    return [1 << i for i in range(batch.bit_length()) if 1 << i < batch]
 
 
 def _candidate_length(candidate: Candidate | None) -> int | None:

@@ -88,7 +88,7 @@ class SequenceRun:
         self.sharing = sharing  # the engine's, which decides this request's rows and learns from its surveys
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
         self.gate = (DraftGate(pricing, clock, drafter.shadows,
-                               schedule.plain_step_seconds if schedule is not None else None)
+                               schedule.mix_share if schedule is not None else None)
                      if pricing is not None and drafter.gated and sharing is None else None)
         self.clock = clock
         drafter.drafting = True

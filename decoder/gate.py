@@ -15,8 +15,8 @@ yield swings across the line from step to step; docs/design.md), one whose draft
 engine's clock, the requests sitting out probe together, at the steps numbered a multiple of their probe period, a
 power of two so that the periods of requests at different yields nest: a probe costs the whole step a draft forward
 (a draft model's, a TriForce chain's), so one forward serves every probe of the batch instead of one each. A probe is
-priced as a lone drafter's step, once the clock has timed plain steps at B and at one (DraftGate.mix_cost): at B = 8 a
-lone TriForce chain cost the batch 8-11 plain steps of its requests' where a share of a drafted step is 5.4. A step
+priced as a lone drafter's step where the plan priced a step's mix (DraftGate.mix_cost): at B = 8 a lone TriForce chain
+cost the batch 8-11 plain steps of its requests' where a share of a drafted step is 5.4. A step
 whose drafter had nothing to propose (a trie without a match) cost a plain step alone and does not count; beside
 other sequences it rode the batch's drafted step (the clock times such a step as drafted) and counts as the one token
 it emitted: a plan's tokens per step count such steps too, and counting only matched steps beside others would
@@ -119,8 +119,9 @@ STALE_AFTER = 4 * MEASURED_STEPS
 
 # (batch size, the request's context) -> (predicted tokens per step, speedup) or None
 Pricing = Callable[[int, int], "tuple[float, float] | None"]
-# (batch size, the request's context) -> a plain step's seconds as the plan priced it, or None
-PlainSeconds = Callable[[int, int], "float | None"]
+# (batch size, sequences drafting, the request's context) -> what they add to a plain step, as a share of what all add
+# (BatchSchedule.mix_share), or None
+MixShare = Callable[[int, int, int], "float | None"]
 # Why a request drafted or sat a step out (DraftGate.reason), counted per request (GenerationResult.decisions):
 # nothing priced there; the clock timing a kind of step; its drafts pay the price; they would, but not the reading its
 # drafter does first; they do not; a probe; the step's mix overruling it (settle_step); its drafter not able to
@@ -212,10 +213,6 @@ class StepClock:
             return None
         return tokens * statistics.median(self.start_rates) / statistics.median(self.seconds[(near, False)])
 
-    def plain_seconds(self, batch: int) -> float | None:
-        """A plain step's seconds at `batch` sequences, as measured; None before they are."""
-        return statistics.median(self.seconds[(batch, False)]) if batch in self.timed_plain else None
-
     def drafted_step_cost(self, batch: int) -> float | None:
         """A drafted step's price in plain steps at `batch` sequences, as measured; None before both kinds are."""
         if not (self._timed(batch, True) and self._timed(batch, False)):
@@ -244,9 +241,9 @@ class DraftGate:
     """One request's decisions: `drafts(batch, context)` before a step, `observe(emitted, drafted)` after it."""
 
     def __init__(self, pricing: Pricing, clock: StepClock | None = None, shadowed: bool = False,
-                 plain_seconds: PlainSeconds | None = None) -> None:
+                 mix_share: MixShare | None = None) -> None:
         self.pricing = pricing
-        self.plain_seconds = plain_seconds  # the plan's (BatchSchedule.plain_step_seconds); None: the clock's alone
+        self.mix_share = mix_share  # the plan's; None: a step costs a drafted one as soon as any request drafts
         self.clock = clock  # the engine's measured step costs; None: the plan's price alone
         self.shadowed = shadowed  # its drafter drafts in the shadow of the steps it sits out: it never probes
         self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
@@ -309,7 +306,7 @@ class DraftGate:
             drafting, self.firm = start_repaid, False
             self.reason = "pays" if start_repaid else "start not repaid"
         else:
-            alone = self.mix_cost(batch, 1) if batch > 1 else None  # where measured, a probe drafting alone
+            alone = self.mix_cost(batch, 1, step_cost) if batch > 1 else None  # where priced, a probe drafting alone
             loss = step_cost - expected if alone is None else batch * alone - (expected - 1.0)
             drafting = not self.shadowed and self._probe_due(batch, loss, start)
             self.firm = drafting  # a probe
@@ -338,29 +335,13 @@ class DraftGate:
         there = self.pricing(near, context) if near != batch else None
         return measured * planned / (there[0] / there[1]) if there is not None else measured
 
-    def mix_cost(self, batch: int, drafting: int) -> float | None:
-        """What `drafting` of a step's `batch` sequences drafting (fewer than all) adds to its plain step, in plain
-        steps at `batch` (the whole batch's time): a drafted step's extra at `drafting` sequences alone, its price there
-        less one, times the plain step's seconds there over those at `batch`: the drafting sequences' draft forwards
-        run over them alone, and their extra rows cost about what they cost there. Those seconds as the clock timed
-        them, else as the plan priced them; None where neither has both, or nothing drafts at `drafting`."""
-        if drafting == 0:
-            return 0.0
-        ratio = self._plain_ratio(drafting, batch)
-        priced = self.pricing(drafting, self.context)
-        if ratio is None or priced is None:
-            return None
-        return (self._step_cost(drafting, self.context, priced[0] / priced[1]) - 1.0) * ratio
-
-    def _plain_ratio(self, fewer: int, batch: int) -> float | None:
-        """A plain step's seconds at `fewer` sequences over those at `batch`: as the clock timed both, else as the
-        plan priced both; None where neither has."""
-        timed: tuple[float | None, float | None] = (None, None)
-        if self.clock is not None:
-            timed = (self.clock.plain_seconds(batch), self.clock.plain_seconds(fewer))
-        if None in timed and self.plain_seconds is not None:
-            timed = (self.plain_seconds(batch, self.context), self.plain_seconds(fewer, self.context))
-        return None if None in timed else timed[1] / timed[0]
+    def mix_cost(self, batch: int, drafting: int, step_cost: float) -> float | None:
+        """What `drafting` of a step's `batch` sequences drafting add to its plain step, in plain steps at `batch` (the
+        whole batch's time), where all of them drafting add `step_cost` - 1: that times the plan's share for the step's
+        mix (BatchSchedule.mix_share: its rows in t(B, n), the draft's forwards over the drafting sequences alone);
+        None where the plan priced no such step."""
+        share = self.mix_share(batch, drafting, self.context) if self.mix_share is not None else None
+        return None if share is None else (step_cost - 1.0) * share
 
     def _start_repaid(self, batch: int, context: int, start_tokens: int, remaining: int | None, load: int | None,
                       here: tuple[float | None, float, float]) -> bool:
@@ -388,7 +369,7 @@ class DraftGate:
 
     def _probe_due(self, batch: int, loss: float, start: float | None) -> bool:
         """Whether a request sitting steps out drafts at the coming one: once its probe (the plain steps a drafted step
-        loses at its expected yield, `loss`: where the clock prices a lone drafter's step (`mix_cost`), the batch's
+        loses at its expected yield, `loss`: where the plan prices a lone drafter's step (`mix_cost`), the batch's
         steps that costs less the tokens it gains, else its own at the drafted price, as where the whole batch probes
         together; and its own reading, `start`, which the batch waits for) costs at most
         PROBE_SHARE of the time it sat out; with a clock, at the steps numbered a multiple of the period that share
@@ -429,39 +410,36 @@ def probe_period(loss: float) -> int:
 
 
 def settle_step(gates: list[DraftGate]) -> None:
-    """Which requests of one step (their gates just decided) draft, where their decisions differ: those whose decision
-    is firm (a probe, nothing priced) as decided; of the others, the ones expecting most, as many as gain the most
-    tokens over plain steps for the step's cost, priced by its mix (DraftGate.mix_cost: what k of B drafting add to the
-    step, for B sequences) where the clock has timed plain steps at some k below B and at B. A step's cost grows with
-    the rows it scores and the draft forwards it runs, and on a CPU the first of either cost the most (t(2) against
-    t(1) in the profile; a lone TriForce chain beside seven plain sequences added 1.2-1.4 plain steps of B = 8 to the
-    batch's step where all eight chains added 5.4), so a drafter alone must expect far more than one among many.
-    Where that is not measured, the first rows are taken to cost the batch a drafted step: every request drafts if
-    the batch's mean expected yield pays the drafted price (those whose drafters need not read first), else none; so
-    also where a request drafts to time the clock, whose mean need only come within CANDIDATE_SPEEDUP of the price,
-    the band a request times a drafted step in; and where a decision is firm, the others stand."""
+    """Which requests of one step (their gates just decided) draft, where their decisions differ. Where none is firm,
+    every request drafts if their mean expected yield pays the drafted step's price (those whose drafters need not
+    read first), else none: a step's cost grows with the rows it scores and the draft forwards it runs, and these
+    cost most where they are fewest (on a CPU the one-row matmul gives way to tiles; a lone TriForce chain's middle
+    rounds beside seven plain sequences added 1.2-1.4 plain steps of B = 8 to the batch's step, where all eight chains
+    added 5.4), and choosing the requests expecting most instead picks those whose estimates ran highest by chance: a
+    served C = 8 load settled so drafted its top 7 of 8 at a loss, 0.90 of one-token decoding where the batch's mean
+    held it to 0.97 (docs/benchmark-log.md: "A step's mix"). Where one of them drafts to time the clock, the mean need
+    only come within CANDIDATE_SPEEDUP of the price, the band a request times a drafted step in. Where some decisions
+    are firm (a probe, nothing priced), those stand, and the others join them where they gain more tokens than they
+    add to the step, priced by its mix where the plan priced it (DraftGate.mix_cost: what k of B drafting add), the
+    ones expecting most first; else the others stand too."""
     if len({gate.drafting for gate in gates}) < 2 or all(gate.firm for gate in gates):
         return
     batch = len(gates)
-    timing = any(gate.drafting and gate.reason == "timing" for gate in gates)
-    mix = [gates[0].mix_cost(batch, drafting) for drafting in range(batch)]
+    drafted = statistics.fmean(gate.step_cost for gate in gates)  # a drafted step's price, all of them drafting
     able = [gate for gate in gates if not gate.firm and (gate.drafting or not gate.reads_first)]
-    if timing or all(cost is None for cost in mix[1:]):
-        if any(gate.firm for gate in gates):
-            return
+    fixed = sum(gate.firm for gate in gates)  # drafting: a probe, or a request whose drafts nothing prices
+    timing = any(gate.drafting and gate.reason == "timing" for gate in gates)
+    if not fixed:
         share = CANDIDATE_SPEEDUP if timing else 1.0
-        pays = statistics.fmean(g.expected for g in gates) >= share * statistics.fmean(g.step_cost for g in gates)
-        chosen = able if pays else []
+        chosen = able if statistics.fmean(gate.expected for gate in gates) >= share * drafted else []
     else:
-        mix.append(statistics.fmean(gate.step_cost for gate in gates) - 1.0)  # all of them: a drafted step
-        fixed = sum(gate.drafting for gate in gates if gate.firm)
+        mix = [gates[0].mix_cost(batch, drafting, drafted) for drafting in range(fixed, batch)] + [drafted - 1.0]
+        if timing or None in mix:
+            return
         able.sort(key=lambda gate: gate.expected, reverse=True)
         gains = itertools.accumulate((gate.expected - 1.0 for gate in able), initial=0.0)
-        net = {count: gain - batch * mix[fixed + count] for count, gain in enumerate(gains)
-               if mix[fixed + count] is not None}
-        if not net:  # the firm drafters' own mix not measured: the others stand
-            return
-        chosen = able[:max(net, key=net.__getitem__)]
+        net = [gain - batch * mix[count] for count, gain in enumerate(gains)]
+        chosen = able[:net.index(max(net))]
     for gate in gates:
         if gate.firm:
             continue

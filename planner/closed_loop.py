@@ -26,7 +26,7 @@ import numpy as np
 
 from specplan.core.choices import CANDIDATE_SPEEDUP, MIN_SAVED_TOKENS, MIN_SPEEDUP
 from specplan.core.errors import UserError
-from specplan.core.plan_schema import BatchSchedule, Candidate, setting_name
+from specplan.core.plan_schema import BatchSchedule, Candidate, mix_points, setting_name
 from specplan.core.profile_schema import LatencyProfile
 
 # A completed request's client sends its next one this long after the server's last token (the HTTP round trip on
@@ -174,22 +174,38 @@ def _prefill(profile: LatencyProfile, prompt: list[int], held: list[int], settin
     return seconds + setting.request_seconds
 
 
-def step_seconds(profile: LatencyProfile, batch: int, setting: SettingPrice, contexts: list[float]) -> float:
-    """One step of `batch` sequences under `setting` at their `contexts`: t(B, n) with n the setting's rows, the
-    engine's overhead o(n, B), every drafter's host work and the draft model's levels."""
-    seconds = profile.batch_latency(batch, setting.rows, contexts) + float(profile.engine_overhead(setting.rows, batch))
-    seconds += batch * setting.host_seconds
-    if setting.draft_levels:
-        draft = profile.draft_chain_seconds(batch, setting.draft_levels,
+def step_seconds(profile: LatencyProfile, batch: int, setting: SettingPrice, contexts: list[float],
+                 drafting: int | None = None) -> float:
+    """One step of `batch` sequences under `setting` at their `contexts`, `drafting` of them drafting (default: all;
+    the others one row each): t(B, n) with n the step's mean rows, the engine's overhead o(n, B), the drafters' host
+    work and the draft model's levels (a TriForce middle level's rounds) over the drafting sequences alone."""
+    drafting = batch if drafting is None else drafting
+    rows = 1.0 + drafting * (setting.rows - 1.0) / batch
+    seconds = profile.batch_latency(batch, rows, contexts) + float(profile.engine_overhead(rows, batch))
+    seconds += drafting * setting.host_seconds
+    if setting.draft_levels and drafting:
+        draft = profile.draft_chain_seconds(drafting, setting.draft_levels,
                                             setting.draft_context or float(np.mean(contexts)))
         if draft is None:
-            raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
+            raise UserError(f"the profile has no draft step for {drafting} sequences: profile the draft with "
+                            "--batches")
         seconds += draft
-    if setting.middle_rounds:
-        rows = setting.middle_rows
-        seconds += setting.middle_rounds * (profile.batch_latency(batch, rows, setting.middle_context)
-                                            + float(profile.engine_overhead(rows, batch)))
+    if setting.middle_rounds and drafting:
+        middle = setting.middle_rows
+        seconds += setting.middle_rounds * (profile.batch_latency(drafting, middle, setting.middle_context)
+                                            + float(profile.engine_overhead(middle, drafting)))
     return seconds
+
+
+def mix_shares(profile: LatencyProfile, batch: int, setting: SettingPrice, context: float) -> tuple[float, ...]:
+    """What k of a step's `batch` sequences drafting `setting` add to its plain step, as shares of what all of them
+    add, at each k of `mix_points` (BatchSchedule.mix_shares); none where drafting adds nothing."""
+    plain = step_seconds(profile, batch, setting, [context], drafting=0)
+    added = step_seconds(profile, batch, setting, [context]) - plain
+    if added <= 0:
+        return ()
+    return tuple(min(1.0, max(0.0, (step_seconds(profile, batch, setting, [context], k) - plain) / added))
+                 for k in mix_points(batch))
 
 
 def ragged_step_seconds(profile: LatencyProfile, slots: tuple[tuple[int, int], ...], price: SettingPrice,
@@ -268,12 +284,11 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
     name = {length: setting_name(method, length) for length in prices}
     rates: dict[str, list[float | None]] = {"off": [], **{name[d]: [] for d in prices}}
     drafts = any(price.draft_levels for price in prices.values())
-    plain: list[float] = []  # a plain step's seconds at each batch size
+    shares: list[tuple[float, ...]] = []  # per B: its mix's (BatchSchedule.mix_shares)
     for batch in range(1, largest + 1):
         if drafts and profile.draft_chain_seconds(batch, 1, context) is None:
             raise UserError(f"the profile has no draft step for {batch} sequences: profile the draft with --batches")
-        plain.append(step_seconds(profile, batch, OFF, [context]))
-        off = batch / plain[-1]
+        off = batch / step_seconds(profile, batch, OFF, [context])
         rates["off"].append(off)
         best: tuple[int | None, float, float] = (None, 1.0, 0.0)  # the best drafted setting
         exact_best = None
@@ -291,10 +306,11 @@ def schedule_table(prices: dict[int, SettingPrice], profile: LatencyProfile, lar
         if exact_best is not None and best[2] <= exact_best[2] * (1.0 + exact[1]):
             best = exact_best
         length, per_step, rate = best
+        shares.append(mix_shares(profile, batch, prices[length], context) if length is not None else ())
         if length is not None and rate >= min_speedup * off:
             chosen.append((length, per_step, rate, rate / off, None))
         else:
             candidate = (Candidate(length, per_step, rate / off)
                          if length is not None and rate >= CANDIDATE_SPEEDUP * off else None)
             chosen.append((None, 1.0, off, 1.0, candidate))
-    return BatchSchedule.merged(context, chosen, tuple(plain)), rates
+    return BatchSchedule.merged(context, chosen, tuple(shares)), rates

@@ -8,7 +8,14 @@ import yaml
 
 from specplan.core.errors import UserError
 from specplan.core.profile_schema import LatencyProfile
-from specplan.planner.closed_loop import CLIENT_TURNAROUND_SECONDS, OFF, SettingPrice, closed_loop_price
+from specplan.planner.closed_loop import (
+    CLIENT_TURNAROUND_SECONDS,
+    OFF,
+    SettingPrice,
+    closed_loop_price,
+    mix_shares,
+    step_seconds,
+)
 
 STEP = 0.010  # every step of 1 or 2 sequences, any rows up to 4
 PREFILL_PER_TOKEN = 0.001
@@ -20,6 +27,34 @@ def flat_profile(prefills: bool = True) -> LatencyProfile:
     if prefills:
         target["prefill_seconds"] = {10: 10 * PREFILL_PER_TOKEN, 100: 100 * PREFILL_PER_TOKEN}
     return LatencyProfile.from_dict({"kind": "profile/latency", "target": target}, "flat")
+
+
+def test_a_step_where_some_sequences_draft_is_priced_by_its_rows_and_their_draft_forwards():
+    """A step of 4 sequences, k drafting a 4-row setting: t(4, n) at its mean rows, the draft's forwards (a TriForce
+    middle level's rounds) over the k alone. Where rows cost nothing more (a flat t(B, n)), what k drafting add is
+    the middle forwards at k: shares t(1) / t(4) and t(2) / t(4) of what all four add; where nothing is added,
+    none."""
+    by_batch = {1: 0.010, 2: 0.015, 4: 0.020}
+    flat = {n: by_batch[1] for n in (1, 2, 4)}
+    batches = {b: {"t_seconds": {n: seconds for n in (1, 2, 4)}} for b, seconds in by_batch.items() if b > 1}
+    target = {"t_seconds": flat, "contexts": {64: {"t_seconds": flat, "batches": batches}}}
+    profile = LatencyProfile.from_dict({"kind": "profile/latency", "target": target}, "flat in n")
+    chain = SettingPrice(3.0, rows=4.0, middle_rounds=2.0, middle_rows=4, middle_context=64)
+    assert step_seconds(profile, 4, chain, [64], drafting=0) == pytest.approx(step_seconds(profile, 4, OFF, [64]))
+    assert step_seconds(profile, 4, chain, [64], drafting=4) == step_seconds(profile, 4, chain, [64])
+    assert mix_shares(profile, 4, chain, 64) == pytest.approx((0.010 / 0.020, 0.015 / 0.020))
+    rows = SettingPrice(2.0, rows=4.0)  # rows alone: nothing added where they cost nothing; else growing with k
+    assert mix_shares(flat_profile(), 2, rows, 64) == ()
+    shares = mix_shares(_rows_profile(), 4, rows, 64)
+    assert len(shares) == 2 and 0.0 < shares[0] < shares[1] < 1.0
+
+
+def _rows_profile() -> LatencyProfile:
+    """t(B, n) growing with the step's rows, B x n, at 1, 2 and 4 sequences."""
+    curve = lambda batch: {n: 0.010 + 0.001 * batch * n for n in (1, 2, 4)}  # noqa: E731
+    target = {"t_seconds": curve(1),
+              "contexts": {64: {"t_seconds": curve(1), "batches": {b: {"t_seconds": curve(b)} for b in (2, 4)}}}}
+    return LatencyProfile.from_dict({"kind": "profile/latency", "target": target}, "rows")
 
 
 def test_one_client_pays_its_prefill_then_a_step_per_token_or_per_drafted_run():

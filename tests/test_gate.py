@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -695,82 +696,75 @@ def test_firm_decisions_are_not_made_one_kind():
     assert [g.drafting for g in gates] == [True, False, False]
 
 
-def _timed_clock(plain: dict[int, float], drafted: dict[int, float]) -> StepClock:
-    """A clock that timed MEASURED_AT_LEAST steps of each kind at these batch sizes (seconds), and times no more."""
-    clock = StepClock()
-    for timings, kind in ((plain, False), (drafted, True)):
-        for batch, seconds in timings.items():
-            for _ in range(MEASURED_AT_LEAST):
-                clock.record(batch, kind, seconds)
-    clock.record = lambda batch, drafted, seconds: None
-    return clock
+# A TriForce step at B = 8 over long contexts as a served step log timed it: a drafted step 6.25 plain steps, a lone
+# chain beside 7 plain sequences 1.1 plain steps more than a plain step, a fifth of what all eight chains add (its
+# middle rounds at B = 1); drafting alone costs the batch 8.4 of its requests' plain steps, where all eight chains cost
+# each request 5.25. What k of the 8 drafting add, as shares of that, at k = 0, 1, 2, 4, 8
+CHAIN_MIX = ([0, 1, 2, 4, 8], [0.0, 0.2, 0.3, 0.5, 1.0])
 
 
-# A TriForce step at B = 8 over long contexts, as a served step log timed it: plain 50 ms at B = 1 and 240 at 8, a
-# drafted one 6 and 6.25 plain steps there; a lone chain beside 7 plain sequences costs the batch 5 x 50 / 240 plain
-# steps of B = 8, 8.3 of its requests' plain steps, where all eight chains cost each request 5.25
-LONG_CONTEXT_STEPS = ({1: 0.050, 8: 0.240}, {1: 0.300, 8: 1.500})
-
-
-def _gates_at_8(yields: list[list[float]], clock: StepClock | None,
-                plain_seconds: dict[int, float] | None = None) -> list[DraftGate]:
+def _gates_at_8(yields: list[list[float]], mix: tuple[list[int], list[float]] | None) -> list[DraftGate]:
+    """Gates priced at 9.5 tokens for a drafted step of 6.25 plain steps at B = 8, their requests' drafts having
+    yielded `yields`; what k of the 8 drafting add to a step, `mix` (None: the plan priced no mix)."""
     gates = []
     for own in yields:
-        gate = DraftGate(lambda batch, context: (9.5, 9.5 / 6.0), clock, plain_seconds=(
-            None if plain_seconds is None else lambda batch, context: plain_seconds.get(batch)))
+        gate = DraftGate(lambda batch, context: (9.5, 9.5 / 6.25), mix_share=(
+            None if mix is None else lambda batch, drafting, context: float(np.interp(drafting, *mix))))
         gate.yields.extend(own)
         gate.drafts(8, 100)
         gates.append(gate)
     return gates
 
 
-def test_a_lone_request_drafts_beside_plain_ones_only_where_it_gains_what_its_mix_costs():
-    """At B = 8, a drafted step priced 6.25 plain steps: a request expecting 7.5 tokens pays that price but, drafting
-    alone beside seven sitting out, gains 6.5 tokens for 8.3 of the batch's: the step is plain. One expecting 13.3
-    drafts alone beside the seven, whose mean (4.6) pays no drafted step for all eight. Without the mix timed (no
-    plain step at B = 1), the batch's mean settles the step as before: none drafts; unless the plan priced plain steps
-    at both sizes (its schedule's `plain_seconds`)."""
-    for strong, drafts_alone in ((0.75, False), (1.5, True)):
-        gates = _gates_at_8([[strong] * 8] + [[0.2] * 8] * 7, _timed_clock(*LONG_CONTEXT_STEPS))
-        assert gates[0].reason == "pays" and not any(g.drafting for g in gates[1:])
-        assert gates[0].mix_cost(8, 1) == pytest.approx(5 * 0.050 / 0.240)
-        settle_step(gates)
-        assert gates[0].drafting == drafts_alone and not any(g.drafting for g in gates[1:])
-        assert gates[0].reason == ("pays" if drafts_alone else "batch")
-    untimed = _gates_at_8([[1.5] * 8] + [[0.2] * 8] * 7, _timed_clock({8: 0.240}, {8: 1.500}))
-    assert untimed[0].mix_cost(8, 1) is None
-    settle_step(untimed)
-    assert not any(g.drafting for g in untimed)
-    planned = _gates_at_8([[1.5] * 8] + [[0.2] * 8] * 7, _timed_clock({8: 0.240}, {8: 1.500}), {1: 0.05, 8: 0.24})
-    assert planned[0].mix_cost(8, 1) == pytest.approx(5.25 * 0.05 / 0.24)
-    settle_step(planned)
-    assert planned[0].drafting and not any(g.drafting for g in planned[1:])
+def test_requests_ride_a_probes_step_where_they_gain_what_they_add_else_a_step_drafts_all_or_none():
+    """At B = 8, a drafted step priced 6.25 plain steps. Beside a probe (firm), each of the next two drafters adds
+    8 x 5.25 x 0.1 = 4.2 of the batch's plain steps: a request expecting 7.6 tokens gains 6.6 and one sitting out at
+    5.5 gains 4.5, so both draft; those expecting 3.4 would gain 2.4 and sit out. Where the plan priced no mix, each
+    request's own decision stands. Without a probe, a request expecting 13.3 among seven at 3.4 (mean 4.65) does not
+    draft alone, whatever it would gain: the batch's mean settles the step."""
+    for mix, near_rides in ((CHAIN_MIX, True), (None, False)):
+        probe, paying, near, *sitting = _gates_at_8([[0.1] * 8, [0.75] * 8, [0.475] * 8] + [[0.2] * 8] * 5, mix)
+        probe.idle_steps = 10_000
+        assert probe.drafts(8, 100) and probe.reason == "probe" and probe.firm
+        assert paying.reason == "pays" and near.reason == "sits out" and near.expected == pytest.approx(5.51)
+        settle_step([probe, paying, near, *sitting])
+        assert probe.drafting and paying.drafting and near.drafting == near_rides
+        assert not any(g.drafting for g in sitting)
+    strong, *rest = _gates_at_8([[1.5] * 8] + [[0.2] * 8] * 7, CHAIN_MIX)
+    assert strong.reason == "pays" and strong.expected == pytest.approx(13.3)
+    settle_step([strong, *rest])
+    assert not strong.drafting and strong.reason == "batch"
 
 
-def test_a_probe_is_priced_as_a_lone_drafter_where_the_mix_is_timed():
+def test_a_probe_is_priced_as_a_lone_drafter_where_the_plan_priced_its_mix():
     """A request sitting out at B = 8 expecting 5.7 tokens of a drafted step priced 6.25 plain steps: as a share of
     the batch's drafted step its probe loses 0.55 plain steps and is due after 18 steps sat out; alone beside seven
-    plain sequences it loses 8.3 - 4.7 = 3.6 and waits 120."""
-    for clock, due in ((_timed_clock({8: 0.240}, {8: 1.500}), 18), (_timed_clock(*LONG_CONTEXT_STEPS), 120)):
+    plain sequences it loses 8.4 - 4.7 = 3.7 and waits 122."""
+    for mix, due in ((None, 18), (CHAIN_MIX, 122)):
         for idle, probes in ((due - 2, False), (due + 1, True)):
-            gate = _gates_at_8([[0.5] * 8], clock)[0]
+            gate = _gates_at_8([[0.5] * 8], mix)[0]
             gate.idle_steps = idle
             assert gate.drafts(8, 100) == probes and gate.reason == ("probe" if probes else "sits out")
 
 
 @pytest.mark.parametrize("concurrency", [2, 4])
-def test_steps_of_a_timed_mix_keep_every_requests_greedy_tokens(concurrency, tiny_pair):
-    """Lookahead requests at 2 and 4 in flight on a clock whose drafted steps cost their rows alone (a lone drafter as
-    dear as a share of a drafted step): those whose drafts pay draft beside those sitting out, step after step; each
-    request's greedy tokens its own."""
+def test_steps_where_some_requests_draft_keep_every_requests_greedy_tokens(concurrency, tiny_pair, monkeypatch):
+    """Lookahead requests at 2 and 4 in flight, every other one made to sit each step out (as a probe's step with
+    riders, or a plan priced so, leaves them): each request's greedy tokens its own."""
+    from specplan.decoder import engine as engine_module
+
+    def alternate(gates: list[DraftGate]) -> None:
+        for index, gate in enumerate(gates):
+            gate.overrule(index % 2 == 0)
+
+    monkeypatch.setattr(engine_module, "settle_step", alternate)
     _, target, _ = tiny_pair
     make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
     gen = torch.Generator().manual_seed(5)
     motif = torch.randint(0, 250, (6,), generator=gen).tolist()
     requests = [Request(motif * 3 + torch.randint(0, 250, (n,), generator=gen).tolist(), m)
                 for n, m in ((7, 30), (3, 25), (12, 33), (5, 18))]
-    clock = _timed_clock({b: 0.010 * b for b in range(1, 5)}, {b: 0.012 * b for b in range(1, 5)})
-    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (1.6, 1.2), clock=clock)
+    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (1.6, 1.2))
     kinds = []
     step = Scheduler.step
 

@@ -207,7 +207,8 @@ def lookahead_plan_with(schedule: dict) -> dict:
 def test_a_plan_carries_its_schedule_and_a_bad_one_is_one_line():
     schedule = BatchSchedule(64, (ScheduleEntry(1, 2, True, 8, 2.1, 150.0, 1.6, speedups=(1.6, 1.4)),
                                   ScheduleEntry(3, 4, False, None, 1.0, 300.0, 1.0, Candidate(4, 1.4, 0.97)),
-                                  ScheduleEntry(5, 16, False, None, 1.0, 400.0, 1.0)), plain_seconds=(0.05, 0.07, 0.09))
+                                  ScheduleEntry(5, 16, False, None, 1.0, 400.0, 1.0)),
+                             mix_shares=((), (0.6,), (0.4, 0.7), (0.3, 0.5)))
     document = lookahead_plan_with(schedule.to_dict())
     plan = Plan.from_dict(document, "p.yaml")
     assert plan.schedule == schedule and Plan.from_dict(plan.to_dict(), "again").schedule == schedule
@@ -215,7 +216,9 @@ def test_a_plan_carries_its_schedule_and_a_bad_one_is_one_line():
     # off entry's candidate's, none beyond; a drafter without a per-request decision drafts no candidate
     assert [plan.predicted_at(b) for b in (1, 2, 3, 4, 5)] == [(2.1, 1.6), (2.1, 1.4), (1.4, 0.97), (1.4, 0.97), None]
     assert [(e.nodes(gated=True), e.nodes(gated=False)) for e in schedule.entries] == [(8, 8), (4, 1), (1, 1)]
-    assert [plan.schedule.plain_step_seconds(b) for b in (1, 3, 4)] == [0.05, 0.09, None]
+    # a step's mix: its share at 1, 2, 4, ... sequences drafting, linear between them, none beyond the sizes priced
+    assert [plan.schedule.mix_share(4, k) for k in range(5)] == [0.0, 0.3, 0.5, pytest.approx(0.75), 1.0]
+    assert plan.schedule.mix_share(1, 1) == 1.0 and plan.schedule.mix_share(8, 1) is None
     off = {"batches": [1, 1], "speculate": False, "tokens_per_step": 1.0, "tokens_per_second": 1.0, "speedup": 1.0}
     candidate = {"decoding_length": 4, "tokens_per_step": 1.4, "speedup": 0.97}
     for broken, message in [
@@ -229,7 +232,9 @@ def test_a_plan_carries_its_schedule_and_a_bad_one_is_one_line():
         ({"entries": [{**schedule.entries[0].to_dict(), "speedups": [1.6]}]}, "one speedup per batch size"),
         ({"entries": [{**off, "speedups": [1.0]}]}, "of a setting or a candidate"),
         ({"entries": [{**schedule.entries[0].to_dict(), "speedups": [1.6, float("nan")]}]}, "speedups"),
-        ({"entries": [schedule.entries[0].to_dict()], "plain_seconds": [0.05, 0.0]}, "positive seconds"),
+        ({"entries": [schedule.entries[0].to_dict()], "mix_shares": [[], [1.5]]}, "mix_shares"),
+        ({"entries": [schedule.entries[0].to_dict()], "mix_shares": [[], [0.5, 0.6]]}, "one share at each of"),
+        ({"entries": [schedule.entries[0].to_dict()], "mix_shares": [0.5]}, "lists of shares"),
     ]:
         with pytest.raises(UserError, match=message):
             Plan.from_dict(lookahead_plan_with(broken), "p.yaml")
