@@ -747,17 +747,9 @@ def test_a_probe_is_priced_as_a_lone_drafter_where_the_plan_priced_its_mix():
             assert gate.drafts(8, 100) == probes and gate.reason == ("probe" if probes else "sits out")
 
 
-@pytest.mark.parametrize("concurrency", [2, 4])
-def test_steps_where_some_requests_draft_keep_every_requests_greedy_tokens(concurrency, tiny_pair, monkeypatch):
-    """Lookahead requests at 2 and 4 in flight, every other one made to sit each step out (as a probe's step with
-    riders, or a plan priced so, leaves them): each request's greedy tokens its own."""
-    from specplan.decoder import engine as engine_module
-
-    def alternate(gates: list[DraftGate]) -> None:
-        for index, gate in enumerate(gates):
-            gate.overrule(index % 2 == 0)
-
-    monkeypatch.setattr(engine_module, "settle_step", alternate)
+def _step_kinds_keeping_greedy_tokens(tiny_pair, concurrency: int) -> list[set[bool]]:
+    """Lookahead requests at `concurrency` in flight, at a price some of their drafts pay: each step's drafting
+    decisions (of steps with more than one sequence), each request's greedy tokens checked to be its own."""
     _, target, _ = tiny_pair
     make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
     gen = torch.Generator().manual_seed(5)
@@ -779,16 +771,30 @@ def test_steps_where_some_requests_draft_keep_every_requests_greedy_tokens(concu
         results = {c.id: c.result.tokens for c in Scheduler(engine, drafters_per_slot(make), concurrency).run(requests)}
     finally:
         Scheduler.step = step
-    assert any(len(kind) == 2 for kind in kinds)
     for i, request in enumerate(requests):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens
+    return kinds
+
+
+@pytest.mark.parametrize("concurrency", [2, 4])
+def test_steps_where_some_requests_draft_keep_every_requests_greedy_tokens(concurrency, tiny_pair, monkeypatch):
+    """Every other request made to sit each step out (as a probe's step with riders leaves them): each request's
+    greedy tokens its own."""
+    from specplan.decoder import engine as engine_module
+
+    def alternate(gates: list[DraftGate]) -> None:
+        for index, gate in enumerate(gates):
+            gate.overrule(index % 2 == 0)
+
+    monkeypatch.setattr(engine_module, "settle_step", alternate)
+    assert any(len(kind) == 2 for kind in _step_kinds_keeping_greedy_tokens(tiny_pair, concurrency))
 
 
 @pytest.mark.parametrize("concurrency", [2, 4])
 def test_steps_settled_by_the_mean_keep_every_requests_greedy_tokens(concurrency, tiny_pair, monkeypatch):
-    """Lookahead requests at a price some of their drafts pay: the batch's steps, where the requests' decisions
-    differ, drafted by all or none; each request's greedy tokens its own."""
+    """Where the requests' decisions differ, the batch's steps drafted by all or none; each request's greedy tokens
+    its own."""
     from specplan.decoder import engine as engine_module
 
     mixed = []
@@ -798,31 +804,8 @@ def test_steps_settled_by_the_mean_keep_every_requests_greedy_tokens(concurrency
         settle_step(gates)
 
     monkeypatch.setattr(engine_module, "settle_step", resolved)
-    _, target, _ = tiny_pair
-    make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
-    gen = torch.Generator().manual_seed(5)
-    motif = torch.randint(0, 250, (6,), generator=gen).tolist()
-    requests = [Request(motif * 3 + torch.randint(0, 250, (n,), generator=gen).tolist(), m)
-                for n, m in ((7, 30), (3, 25), (12, 33), (5, 18))]
-    engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (1.6, 1.2))
-    kinds = []
-    step = Scheduler.step
-
-    def recorded(scheduler):
-        done = step(scheduler)
-        if len(scheduler.running) > 1:
-            kinds.append({run.run.drafter.drafting for run in scheduler.running})
-        return done
-
-    Scheduler.step = recorded
-    try:
-        results = {c.id: c.result.tokens for c in Scheduler(engine, drafters_per_slot(make), concurrency).run(requests)}
-    finally:
-        Scheduler.step = step
+    kinds = _step_kinds_keeping_greedy_tokens(tiny_pair, concurrency)
     assert kinds and all(len(kind) == 1 for kind in kinds) and any(mixed)
-    for i, request in enumerate(requests):
-        assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
-                                                                        SamplingParams()).tokens
 
 
 def test_a_drafted_step_is_timed_though_one_trie_has_no_match(tiny_pair):
