@@ -37,18 +37,19 @@ locked measured requests out after a warm-up unlike them).
 
 A drafted step's price is the plan's until the engine has timed both kinds of step (StepClock): then it is their
 measured ratio at that batch size, or at the nearest one timed, scaled by the plan's prices at the two. The measure
-carries what no profile does: the server's own work between steps, and the spell the machine is in (a VM's slow
-spells slow a one-row step over a long context more than a drafted step's many rows). A batch size not yet timed has
-its first steps drafted, then plain, until a few of each are timed, unless one within a factor of two of it (beyond
-B = 1) has been (TIMED_NEAR_FACTOR) and it has not yet run many steps (SETTLED_STEPS: where the load settles, a
-borrowed price is timed afresh); drafted ones only where the request's own yield comes within CANDIDATE_SPEEDUP of
-paying at the price known so far (the nearest batch size timed, else the plan's): within that, the server's own work
-between steps, which no profile times, can tip it (core/choices.py), and an "off" schedule entry keeps such a setting as
-its candidate to be timed (core/plan_schema.py: Candidate); further below, timing a loss buys nothing the estimate
-does not say, and a batch size reached as requests join (their prefill steps go untimed) would time it for many steps
-(docs/design.md). Where the requests of a step answer differently, the step's mix settles it (settle_step),
-and a drafted step the clock wants is taken where their mean comes within CANDIDATE_SPEEDUP of paying: held to paying,
-a batch whose requests straddle that band never timed one, and priced its drafts at the plan's price for good.
+carries what no profile does: the server's own work between steps, and the spell the machine is in (a VM's slow spells
+slow a one-row step over a long context more than a drafted step's many rows). A batch size not yet timed has its first
+steps drafted, then plain, until a few of each are timed, unless one within a factor of two of it (beyond B = 1) has
+been (TIMED_NEAR_FACTOR) and it has not yet run many steps (SETTLED_STEPS: where the load settles, a borrowed price is
+timed afresh); drafted ones only where the request's own yield comes within CANDIDATE_SPEEDUP of paying at the price
+known so far (the nearest batch size timed, else the plan's): within that, the server's own work between steps, which no
+profile times, can tip it (core/choices.py), and an "off" schedule entry keeps such a setting as its candidate to be
+timed (core/plan_schema.py: Candidate); further below, timing a loss buys nothing the estimate does not say, and a batch
+size reached as requests join (their prefill steps go untimed) would time it for many steps (docs/design.md). Where the
+requests of a step answer differently, their mean settles its kind, or beside a probe the step's mix which of them join
+it (settle_step), and a drafted step the clock wants is taken where their mean comes within CANDIDATE_SPEEDUP of paying:
+held to paying, a batch whose requests straddle that band never timed one, and priced its drafts at the plan's price for
+good.
 
 A drafter that reads tokens before it can draft (a draft model's prompt, at its sequence's first drafted step; the
 tokens of the steps it sat out) has that reading priced too, once the clock has timed one: a request starts or
