@@ -45,6 +45,7 @@ from specplan.serving import (
     System,
     draft_model_flags,
     llama_server_command,
+    llama_server_environment,
     llama_server_gguf,
     ngram_simple_flags,
 )
@@ -150,6 +151,7 @@ def profile_llama_server(request: ProfileRequest, log: Callable[[str], None]) ->
         "threads": request.threads, "slot_context": SLOT_CONTEXT, "warmup_waves": request.warmup,
         "timed_waves": request.repeats, "steps_per_request": STEPS_PER_REQUEST,
         **({"draft_gguf": draft.gguf_file().name} if draft is not None else {}),
+        **({"environment": environment} if (environment := llama_server_environment()) else {}),
         "drafting": f"--spec-type ngram-simple, size_n 1, size_m n-1, on a passage of {len(cycle)} distinct tokens "
                     "repeated", "accepted_share": accepted}
     document["measurement_seconds"] = round(time.perf_counter() - started, 1)

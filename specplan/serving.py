@@ -202,7 +202,7 @@ class RunningProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise UserError(f"the server exited with code {self.process.returncode} before it answered "
-                                f"(its log: {self.log.name})")
+                                f"(its log: {self.log.name}){_crash_hint(Path(self.log.name))}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     pass
@@ -222,6 +222,28 @@ class RunningProcess:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.log.close()
+
+
+def _crash_hint(log: Path) -> str:
+    """What to do about a known crash of a server's, from its log: llama-server's AMX kernels (the weights it
+    repacks for them, "AMX model buffer") have crashed its warm-up on a Q4_K_M model on an AMX host."""
+    if "AMX model buffer" in log.read_text(errors="replace"):
+        return "; it had put weights in its AMX buffer: LLAMA_ARG_REPACK=false (its --no-repack) keeps them out"
+    return ""
+
+
+def llama_server_environment() -> dict[str, str]:
+    """The llama-server options this environment sets (its LLAMA_ARG_ variables), which every llama-server started
+    here takes: a profile and a served level record them beside the command."""
+    return {name: value for name, value in sorted(os.environ.items()) if name.startswith("LLAMA_ARG_")}
+
+
+def recorded_command(argv: list[str]) -> list[str]:
+    """A served level's command as its result records it: without the port (a free one each run), a llama-server's
+    after the options it took from the environment (llama_server_environment), as a shell runs it again."""
+    port = argv.index("--port") if "--port" in argv else len(argv)
+    environment = llama_server_environment() if Path(argv[0]).name == "llama-server" else {}
+    return [f"{name}={value}" for name, value in environment.items()] + argv[:port] + argv[port + 2:]
 
 
 async def _healthy(url: str) -> bool:
@@ -529,9 +551,7 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
         raise UserError(f"{where}: every request failed")
     result = LevelResult.summarize(system.name, concurrency, timings, failed, machine)
     if system.command is not None:
-        argv = system.command(0, concurrency)
-        port = argv.index("--port") if "--port" in argv else len(argv)
-        result.command = argv[:port] + argv[port + 2:]
+        result.command = recorded_command(system.command(0, concurrency))
     reported = [t for t in timings if t.cached is not None and t.prompt is not None]
     if reported:
         result.cached_share = sum(t.cached for t in reported) / sum(len(level_prompts[t.prompt]) for t in reported)

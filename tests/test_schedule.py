@@ -489,6 +489,36 @@ def test_chain_schedules_export_as_vllm_and_tensorrt_llm_take_them():
         export_plan(growing, "trtllm-draft", "draft/path")
 
 
+def test_a_served_llama_servers_command_carries_the_options_it_took_from_the_environment(monkeypatch):
+    """LLAMA_ARG_ variables set llama-server's options (LLAMA_ARG_REPACK=false: --no-repack); a level's recorded
+    command puts them before the binary, as a shell runs it again, and drops the port; ours takes none of them."""
+    from specplan.serving import llama_server_environment, recorded_command
+
+    monkeypatch.setenv("LLAMA_ARG_REPACK", "false")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert llama_server_environment() == {"LLAMA_ARG_REPACK": "false"}
+    assert recorded_command(["/bin/llama-server", "-m", "m.gguf", "--port", "8080", "-np", "4"]) == [
+        "LLAMA_ARG_REPACK=false", "/bin/llama-server", "-m", "m.gguf", "-np", "4"]
+    assert recorded_command(["/bin/plan", "serve", "--port", "8080"]) == ["/bin/plan", "serve"]
+
+
+@pytest.mark.parametrize("log_line, hint", [("load_tensors: AMX model buffer size = 950.71 MiB", True),
+                                            ("load_tensors: CPU_Mapped model buffer size = 877.31 MiB", False)])
+def test_a_server_that_crashes_before_it_answers_fails_in_one_line_naming_its_log(tmp_path, log_line, hint):
+    """llama-server's AMX kernels crashed its warm-up on a Q4_K_M model on an AMX host: the line says how to keep the
+    weights out of them; any other crash names the exit code and the log alone."""
+    from specplan.serving import RunningProcess, System
+
+    crash = System("llama-server", lambda port, c: ["sh", "-c", f"echo '{log_line}'; kill -SEGV $$"])
+    server = RunningProcess(crash, 1, tmp_path / "server.log")
+    with pytest.raises(UserError) as failure:
+        server.wait_ready()
+    server.stop()
+    message = str(failure.value)
+    assert "exited with code -11" in message and str(tmp_path / "server.log") in message
+    assert ("LLAMA_ARG_REPACK=false" in message) == hint and "\n" not in message
+
+
 def test_llama_server_gets_the_schedules_setting_at_the_stated_concurrency():
     plan = chain_plan(SHRINKING)
     with pytest.raises(UserError, match="give --concurrency"):
