@@ -194,6 +194,7 @@ class RunningProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         argv = system.command(self.port, concurrency) + list(extra)
         self.log = open(log_path, "ab")
+        self.log_start = self.log.tell()  # the log is a system's over every level: this server's lines follow
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **system.environment}, start_new_session=True)
 
@@ -202,7 +203,7 @@ class RunningProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise UserError(f"the server exited with code {self.process.returncode} before it answered "
-                                f"(its log: {self.log.name}){_crash_hint(Path(self.log.name))}")
+                                f"(its log: {self.log.name}){_crash_hint(Path(self.log.name), self.log_start)}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     pass
@@ -224,11 +225,13 @@ class RunningProcess:
         self.log.close()
 
 
-def _crash_hint(log: Path) -> str:
-    """What to do about a known crash of a server's, from its log: llama-server's AMX kernels (the weights it
-    repacks for them, "AMX model buffer") have crashed its warm-up on a Q4_K_M model on an AMX host."""
-    if "AMX model buffer" in log.read_text(errors="replace"):
-        return "; it had put weights in its AMX buffer: LLAMA_ARG_REPACK=false (its --no-repack) keeps them out"
+def _crash_hint(log: Path, start: int) -> str:
+    """What to do about a known crash of a server's, from its log's lines from `start`: llama-server's AMX kernels
+    (the weights it repacks for them, "AMX model buffer") have crashed its warm-up on a Q4_K_M model on an AMX host."""
+    with open(log, "rb") as lines:
+        lines.seek(start)
+        if b"AMX model buffer" in lines.read():
+            return "; it had put weights in its AMX buffer: LLAMA_ARG_REPACK=false (its --no-repack) keeps them out"
     return ""
 
 

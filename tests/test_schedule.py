@@ -506,9 +506,11 @@ def test_a_served_llama_servers_command_carries_the_options_it_took_from_the_env
                                             ("load_tensors: CPU_Mapped model buffer size = 877.31 MiB", False)])
 def test_a_server_that_crashes_before_it_answers_fails_in_one_line_naming_its_log(tmp_path, log_line, hint):
     """llama-server's AMX kernels crashed its warm-up on a Q4_K_M model on an AMX host: the line says how to keep the
-    weights out of them; any other crash names the exit code and the log alone."""
+    weights out of them; any other crash (an earlier server's lines in the same log aside) names the exit code and the
+    log alone."""
     from specplan.serving import RunningProcess, System
 
+    (tmp_path / "server.log").write_text("load_tensors: AMX model buffer size = 1 MiB\n")  # an earlier level's server
     crash = System("llama-server", lambda port, c: ["sh", "-c", f"echo '{log_line}'; kill -SEGV $$"])
     server = RunningProcess(crash, 1, tmp_path / "server.log")
     with pytest.raises(UserError) as failure:
