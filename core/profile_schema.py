@@ -103,6 +103,8 @@ class LatencyProfile:
     draft_dtype: str | None = None
     hardware: dict[str, Any] = field(default_factory=dict)
     measurement_seconds: float | None = None
+    # the engine's options its environment set (a llama-server's LLAMA_ARG_ variables): part of what was timed
+    engine_environment: dict[str, str] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -184,6 +186,7 @@ class LatencyProfile:
             draft_dtype=f.string("draft_dtype", required=False, choices=PROFILE_DTYPES),
             hardware=_hardware(f.sub("hardware", required=False)),
             measurement_seconds=f.number("measurement_seconds", required=False, low=0.0),
+            engine_environment=_environment(f.sub("settings", required=False)),
             raw=data,
         )
 
@@ -385,8 +388,22 @@ class LatencyProfile:
         return machine_identity(self.hardware)
 
     def plan_inputs(self, path: str | os.PathLike) -> dict[str, Any]:
-        """What a plan records of the profile it was solved with."""
-        return {"file": str(path), "source": self.source, "machine": self.machine}
+        """What a plan records of the profile it was solved with (an export runs the engine as it was timed)."""
+        return {"file": str(path), "source": self.source, "machine": self.machine,
+                **({"environment": dict(self.engine_environment)} if self.engine_environment else {})}
+
+
+def _environment(settings: Fields | None) -> dict[str, str]:
+    """`settings.environment: {LLAMA_ARG_NAME: value}`, the options llama-server took from its environment."""
+    if settings is None or not settings.has("environment"):
+        return {}
+    environment = settings.data["environment"]
+    if not isinstance(environment, dict) or not all(
+            isinstance(name, str) and name.startswith("LLAMA_ARG_") and isinstance(value, str)
+            for name, value in environment.items()):
+        raise settings.fail("'environment' must map LLAMA_ARG_ names to strings (the options llama-server took "
+                            "from its environment)")
+    return dict(environment)
 
 
 def _names(models: Fields | None) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import shlex
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
@@ -192,7 +193,7 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         # (--model-draft) is loaded but not drafted with unless --spec-type names draft-simple
         return Export(f"--spec-type draft-simple --spec-draft-model {draft_path} --spec-draft-n-max {depth} "
                       f"--spec-draft-n-min {draft_min} --spec-draft-p-min {p_min}",
-                      "llama-server -m TARGET.gguf <these flags>" + (
+                      f"{_llama_server_invocation(plan)} <these flags>" + (
                           "" if best is not None else " (draft-p-min 0: every step drafts the full chain the plan "
                                                       "priced)"))
     config = {"assistant_model": draft_path,
@@ -245,15 +246,27 @@ def _llama_server_at(plan: Plan, draft_path: str, best: Fields | None, concurren
     slots = _llama_server_slots(concurrency, context)
     entry = plan.schedule.entry_for(concurrency, context)
     if not entry.speculate:
-        return Export(slots, f"llama-server -m TARGET.gguf <these flags>: at {concurrency} requests no draft length "
-                             "was predicted to pay, so no draft model")
+        return Export(slots, f"{_llama_server_invocation(plan)} <these flags>: at {concurrency} requests no draft "
+                             "length was predicted to pay, so no draft model")
     draft_min, p_min = (best.integer("draft_min", low=0), best.number("p_min", low=0.0, high=1.0)) \
         if best is not None else (0, 0.0)
     k = entry.decoding_length - 1
     return Export(f"{slots} --spec-type draft-simple --spec-draft-model {draft_path} --spec-draft-n-max {k} "
                   f"--spec-draft-n-min {min(draft_min, k)} --spec-draft-p-min {p_min}",
-                  f"llama-server -m TARGET.gguf <these flags>: the schedule's draft length at {concurrency} requests "
-                  f"(batch sizes {entry.low}-{entry.high})")
+                  f"{_llama_server_invocation(plan)} <these flags>: the schedule's draft length at {concurrency} "
+                  f"requests (batch sizes {entry.low}-{entry.high})")
+
+
+def _llama_server_invocation(plan: Plan) -> str:
+    """How to start llama-server as the plan's profile timed it: after the options its environment set there
+    (`LLAMA_ARG_REPACK=false` where its AMX kernels crash)."""
+    environment = (plan.inputs.get("profile") or {}).get("environment") or {}
+    if not isinstance(environment, dict) or not all(
+            isinstance(name, str) and name.startswith("LLAMA_ARG_") and isinstance(value, str)
+            for name, value in environment.items()):
+        raise UserError(f"{plan.source}: inputs: profile: environment must map LLAMA_ARG_ names to strings")
+    return " ".join([f"{name}={shlex.quote(value)}" for name, value in environment.items()]
+                    + ["llama-server -m TARGET.gguf"])
 
 
 def _llama_server_slots(concurrency: int | None, context: int) -> str:
@@ -275,11 +288,11 @@ def _llama_server_ngram(plan: Plan, concurrency: int | None, context: int) -> Ex
         entry = plan.schedule.entry_for(concurrency, context)
         drafted = entry.decoding_length - 1 if entry.speculate else None
     if drafted is None:
-        return Export(slots, f"llama-server -m TARGET.gguf <these flags>: at {concurrency} requests no n-gram "
+        return Export(slots, f"{_llama_server_invocation(plan)} <these flags>: at {concurrency} requests no n-gram "
                              "drafting was predicted to pay, so no --spec-type")
     return Export(f"{slots} --spec-type ngram-simple --spec-ngram-simple-size-n {settings.max_ngram} "
                   f"--spec-ngram-simple-size-m {drafted}",
-                  f"llama-server -m TARGET.gguf <these flags> (llama.cpp build {LLAMA_SERVER_NGRAM.commit}'s "
+                  f"{_llama_server_invocation(plan)} <these flags> (llama.cpp build {LLAMA_SERVER_NGRAM.commit}'s "
                   f"ngram-simple, as replayed)")
 
 

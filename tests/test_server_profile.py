@@ -158,3 +158,25 @@ def test_llama_servers_own_steps_are_timed(run_cli, tmp_path):
     assert profile.prompt_prefills["target"] and profile.prompt_prefills["draft"]
     assert set(profile.draft_chains[512]) == {1, 2} and profile.draft_chains[512][2][2] > 0
     assert profile.draft_chain_seconds(2, 2, 512) == profile.draft_chains[512][2][2]
+
+
+def test_the_options_llama_server_took_from_its_environment_go_with_its_plan_into_the_export(run_cli, tmp_path):
+    """What llama-server took from its environment while profiled (LLAMA_ARG_REPACK=false, where its AMX kernels
+    crash) is part of what was timed: the plan records it and the export's instructions start llama-server with it; a
+    malformed one is refused in one line."""
+    source = yaml.safe_load(open(DRAFTED_PROFILE))
+    source["settings"]["environment"] = {"LLAMA_ARG_REPACK": "false"}
+    profile, plan = tmp_path / "profile.yaml", tmp_path / "plan.yaml"
+    profile.write_text(yaml.safe_dump(source))
+    solve = ["solve", "sequoia", "--acceptance", "acceptance/qwen2.5-coder-1.5b+0.5b.sequoia.specbench.t0.gguf.yaml",
+             "--engine", "llama.cpp", "--profile", profile, "--max-size", 9, "--max-depth", 8, "--batches", 16]
+    code, _, stderr = run_cli(*solve, "-o", plan)
+    assert code == 0, stderr
+    assert load_plan(plan).inputs["profile"]["environment"] == {"LLAMA_ARG_REPACK": "false"}
+    code, flags, stderr = run_cli("export", plan, "--format", "llama.cpp", "--draft-path", "d.gguf", "--concurrency", 4)
+    assert code == 0 and flags.strip() == "-np 4 -c 16384", stderr
+    assert "LLAMA_ARG_REPACK=false llama-server -m TARGET.gguf <these flags>" in stderr
+    source["settings"]["environment"] = {"REPACK": False}
+    profile.write_text(yaml.safe_dump(source))
+    code, _, stderr = run_cli(*solve, "-o", tmp_path / "refused.yaml")
+    assert code == 2 and "LLAMA_ARG_" in stderr and one_error(stderr) and not (tmp_path / "refused.yaml").exists()
