@@ -29,6 +29,8 @@ them is B = 1.
 `plan profile --engine llama-server --draft` also gives, per context, the draft's `chains: {B: {k: seconds}}`: the
 draft model's work in llama-server's step drafting k tokens for each of B sequences (its k batched decodes and its
 re-decoding of the k + 1 rows the target verified), what the server's step costs beyond the target's t(B, k + 1).
+Its `settings.environment: {LLAMA_ARG_NAME: value}` holds the options llama-server took from its environment while
+timed (`LLAMA_ARG_REPACK: 'false'`), which a plan solved on it records and its export starts llama-server with.
 """
 
 from __future__ import annotations
