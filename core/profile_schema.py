@@ -395,14 +395,19 @@ class LatencyProfile:
                 **({"environment": dict(self.engine_environment)} if self.engine_environment else {})}
 
 
+def is_llama_server_environment(environment: Any) -> bool:
+    """Whether `environment` maps LLAMA_ARG_ names to strings: options llama-server takes from its environment."""
+    return isinstance(environment, dict) and all(
+        isinstance(name, str) and name.startswith("LLAMA_ARG_") and isinstance(value, str)
+        for name, value in environment.items())
+
+
 def _environment(settings: Fields | None) -> dict[str, str]:
     """`settings.environment: {LLAMA_ARG_NAME: value}`, the options llama-server took from its environment."""
     if settings is None or not settings.has("environment"):
         return {}
     environment = settings.data["environment"]
-    if not isinstance(environment, dict) or not all(
-            isinstance(name, str) and name.startswith("LLAMA_ARG_") and isinstance(value, str)
-            for name, value in environment.items()):
+    if not is_llama_server_environment(environment):
         raise settings.fail("'environment' must map LLAMA_ARG_ names to strings (the options llama-server took "
                             "from its environment)")
     return dict(environment)

@@ -19,6 +19,7 @@ import yaml
 from specplan.core.choices import EXPORT_FORMATS, VLLM_METHODS
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import Plan, TokenTree
+from specplan.core.profile_schema import is_llama_server_environment
 from specplan.core.validate import Fields
 from specplan.planner.draft_chain import HF_SCHEDULES
 from specplan.planner.engines import (
@@ -260,10 +261,9 @@ def _llama_server_at(plan: Plan, draft_path: str, best: Fields | None, concurren
 def _llama_server_invocation(plan: Plan) -> str:
     """How to start llama-server as the plan's profile timed it: after the options its environment set there
     (`LLAMA_ARG_REPACK=false` where its AMX kernels crash)."""
-    environment = (plan.inputs.get("profile") or {}).get("environment") or {}
-    if not isinstance(environment, dict) or not all(
-            isinstance(name, str) and name.startswith("LLAMA_ARG_") and isinstance(value, str)
-            for name, value in environment.items()):
+    profile = plan.inputs.get("profile")
+    environment = (profile.get("environment") if isinstance(profile, dict) else None) or {}
+    if not is_llama_server_environment(environment):
         raise UserError(f"{plan.source}: inputs: profile: environment must map LLAMA_ARG_ names to strings")
     return " ".join([f"{name}={shlex.quote(value)}" for name, value in environment.items()]
                     + ["llama-server -m TARGET.gguf"])

@@ -35,6 +35,7 @@ import aiohttp
 import numpy as np
 
 from specplan.core.errors import UserError
+from specplan.core.machine import cpu_info
 from specplan.core.plan_schema import Plan
 from specplan.decoder.gate import MEASURED_AT_LEAST, UNTIMED_AFTER_JOIN, UNTIMED_FIRST_STEPS
 
@@ -193,8 +194,8 @@ class RunningProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = system.command(self.port, concurrency) + list(extra)
+        self.argv = argv
         self.log = open(log_path, "ab")
-        self.log_start = self.log.tell()  # the log is a system's over every level: this server's lines follow
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **system.environment}, start_new_session=True)
 
@@ -203,7 +204,7 @@ class RunningProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise UserError(f"the server exited with code {self.process.returncode} before it answered "
-                                f"(its log: {self.log.name}){_crash_hint(Path(self.log.name), self.log_start)}")
+                                f"(its log: {self.log.name}){_crash_hint(self.argv, self.process.returncode)}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     pass
@@ -225,13 +226,15 @@ class RunningProcess:
         self.log.close()
 
 
-def _crash_hint(log: Path, start: int) -> str:
-    """What to do about a known crash of a server's, from its log's lines from `start`: llama-server's AMX kernels
-    (the weights it repacks for them, "AMX model buffer") have crashed its warm-up on a Q4_K_M model on an AMX host."""
-    with open(log, "rb") as lines:
-        lines.seek(start)
-        if b"AMX model buffer" in lines.read():
-            return "; it had put weights in its AMX buffer: LLAMA_ARG_REPACK=false (its --no-repack) keeps them out"
+def _crash_hint(argv: list[str], returncode: int) -> str:
+    """What to do about a known crash of a server's: on an AMX host llama-server's AMX kernels (the weights it repacks
+    for them) killed its warm-up, SIGILL on a Q4_1 model and SIGSEGV on a Q4_K_M one, where its log at the default
+    verbosity says nothing of them; without the repacking it runs."""
+    if (Path(argv[0]).name == "llama-server" and returncode in (-signal.SIGILL, -signal.SIGSEGV)
+            and "amx_tile" in cpu_info()["cpu_flags"] and "LLAMA_ARG_REPACK" not in os.environ
+            and "--no-repack" not in argv and "-nr" not in argv):
+        return ("; on an AMX host its AMX kernels have crashed so: LLAMA_ARG_REPACK=false (its --no-repack) keeps the "
+                "weights out of them")
     return ""
 
 
