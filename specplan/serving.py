@@ -27,7 +27,7 @@ import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -77,7 +77,6 @@ class System:
 
     name: str
     command: Callable[[int, int], list[str]] | None = None  # (port, concurrency) -> argv
-    environment: dict[str, str] = field(default_factory=dict)
     in_process: Callable[[list[list[int]], int, int], list[RequestTiming]] | None = None  # (prompts, C, max_tokens)
     predict: LevelPricer | None = None  # the price of a level's load, at the plan's acceptance or a measured one
     price_basis: str | None = None  # what the price's drafting yield was replayed on (serving_prices)
@@ -193,11 +192,9 @@ class RunningProcess:
     def __init__(self, system: System, concurrency: int, log_path: Path, extra: list[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = system.command(self.port, concurrency) + list(extra)
-        self.argv = argv
+        self.argv = system.command(self.port, concurrency) + list(extra)  # run in this environment (LLAMA_ARG_...)
         self.log = open(log_path, "ab")
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **system.environment}, start_new_session=True)
+        self.process = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + SERVER_START_SECONDS
