@@ -381,9 +381,16 @@ def catalogue_name(device_name: str) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
+# A GPU's bare name where the catalogue holds several variants of it: the SXM one with the most memory, as `h100` is
+# the SXM5 (a profile names the variant it modeled: hardware.gpu)
+BARE_NAMES = {"a100": "a100-80g"}
+
+
 def accelerator(name: str) -> Accelerator:
-    """A catalogue GPU by its name there, or by the device's own name (what nvidia-smi and torch print)."""
-    key = name.lower() if name.lower() in CATALOGUE else catalogue_name(name)
+    """A catalogue GPU by its name there (or its bare name: BARE_NAMES), or by the device's own name (what
+    nvidia-smi and torch print)."""
+    lowered = BARE_NAMES.get(name.lower(), name.lower())
+    key = lowered if lowered in CATALOGUE else catalogue_name(name)
     if key is None:
         raise UserError(f"unknown GPU {name!r} (known: {', '.join(CATALOGUE)}, or cpu)")
     return CATALOGUE[key]

@@ -346,6 +346,14 @@ def test_device_names_map_to_one_catalogue_gpu(device, name):
     assert roofline.catalogue_name(device) == name
 
 
+@pytest.mark.parametrize("name, variant", [("a100", "a100-80g"), ("A100", "a100-80g"), ("h100", "h100"),
+                                           ("a100-40g", "a100-40g"), ("NVIDIA A100-SXM4-40GB", "a100-40g")])
+def test_a_gpus_bare_name_is_its_sxm_variant(name, variant):
+    """`plan profile --gpu a100` models an A100 as `--gpu h100` models an H100: the SXM variant with the most memory;
+    a variant or device name keeps its own."""
+    assert roofline.accelerator(name).name == variant
+
+
 def test_every_catalogue_gpu_prices_a_7b_token_by_its_bandwidth():
     """One bf16/fp16 token of Llama-2-7B streams its 13.2 GB of matmul weights: no GPU does it faster than its
     datasheet bandwidth allows, and a GPU with more bandwidth does it sooner (the kernels' costs are shared)."""
