@@ -4,6 +4,7 @@ tokens stay its own."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -940,3 +941,27 @@ def test_a_request_joining_a_batch_takes_its_yield_as_prior_and_one_joining_an_i
     for i, request in enumerate(requests + [Request(motif * 4, 8)]):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens
+
+
+def test_a_request_run_past_its_stop_token_leaves_the_engines_recent_yields(tiny_pair, monkeypatch):
+    """`ignore_eos` (the serving bench's warm-up) runs a request on past its stop token into text no request has,
+    which a trie drafts well (it repeats itself): its drafted steps after the one that emitted the token stay its own
+    and do not enter the prior of the requests joining the engine next. Its tokens are its own as before."""
+    _, target, _ = tiny_pair
+    make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
+    motif = torch.randint(0, 250, (5,), generator=torch.Generator().manual_seed(7)).tolist()
+    prompt = motif * 4
+    plain = SpeculativeEngine(target, make()).generate(prompt, 40, SamplingParams()).tokens
+    stop = plain[6]
+    engine = SpeculativeEngine(target, make(), stop_ids={stop}, pricing=lambda batch, context: (2.5, 1.2))
+    runs = []
+    start = engine.start
+    monkeypatch.setattr(engine, "start", lambda *args, **kwargs: runs.append(start(*args, **kwargs)) or runs[-1])
+    scheduler = Scheduler(engine, drafters_per_slot(make), 1)
+    result = next(iter(scheduler.run([Request(prompt, 40, ignore_eos=True)]))).result
+    assert result.tokens == plain and result.stop_reason == "length"
+    emitted = list(itertools.accumulate(runs[0].accepted_per_step))
+    stopped_at = next(step for step, total in enumerate(emitted) if total > plain.index(stop))
+    counted = sum(1 for drafted in runs[0].drafted_per_step[:stopped_at + 1] if drafted)
+    assert 0 < len(scheduler.recent_yields.yields) == min(counted, YIELD_WINDOW)
+    assert sum(1 for drafted in runs[0].drafted_per_step if drafted) > counted
