@@ -86,7 +86,7 @@ class SequenceRun:
                  ignored_stop_ids: Collection[int] = ()) -> None:
         self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
         # the stop tokens it runs past (ignore_eos): the text after one is no request's, so from then on its yields
-        # leave the engine's recent ones (DraftGate.leave_engine), which a joining request's prior is
+        # stay out of the engine's recent ones, a joining request's prior (DraftGate.leave_engine)
         self.ignored_stop_ids = set(ignored_stop_ids)
         self.schedule = schedule
         self.sharing = sharing  # the engine's, which decides this request's rows and learns from its surveys
