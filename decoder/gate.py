@@ -33,9 +33,9 @@ drafted steps (any request's) beside PRIOR_STEPS at the plan's (RecentYields), b
 the plan's r = 1: the engine's recent requests tell how far to trust the plan once the request has seen one drafted
 step of its own (where they missed, one that misses stops it; where they landed, it rides out an unlucky one), and they
 cannot keep it from drafting at all (docs/design.md: a prior over finished requests that decided from the first step
-locked measured requests out after a warm-up unlike them). A request run past its stop tokens (`ignore_eos`: a benchmark's
-clients, the serving bench's warm-up) keeps its later drafted steps to itself: what a model writes after its end, no
-request's text, repeats itself, and drafts land on it as on little else.
+locked measured requests out after a warm-up unlike them). A request run past its stop tokens (`ignore_eos`: a
+benchmark's clients, the serving bench's warm-up) keeps its later drafted steps to itself: what a model writes after its
+end, no request's text, repeats itself, and drafts land on it as on little else.
 
 A drafted step's price is the plan's until the engine has timed both kinds of step (StepClock): then it is their
 measured ratio at that batch size, or at the nearest one timed, scaled by the plan's prices at the two. The measure
