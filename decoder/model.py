@@ -650,28 +650,28 @@ class LeanModel:
         sequence's block [heads, n, head_dim]) over each sequence's keys and values [kv_heads, slots, head_dim] up to
         its end; [rows, heads * head_dim]. A prompt (from the kernels' prompt_rows new tokens; not under a soft cap)
         attends through SDPA, as it would alone, so a request's cache does not depend on the prompts prefilled beside
-        it; the other sequences' rows in one kernels.attention call. One sequence of several rows attends through SDPA
-        from the host's sdpa_rows, except where the matmuls round their input (exact_attention): there each decoding
-        row's bits are its own (cpu_kernels.cpp)."""
+        it; the other sequences' rows in one kernels.attention call. A sequence of the host's sdpa_rows new tokens or
+        more attends through SDPA too, alone or beside others, except where the matmuls round their input
+        (exact_attention): there each decoding row's bits are its own (cpu_kernels.cpp)."""
         shape, scale = self.shape, self.architecture.attention_scale
         softcap = self.architecture.attention_softcap or 0.0
         exact = self.exact_attention
-        first_prompt_rows = self.kernels.sdpa_rows if len(counts) == 1 and not exact else self.kernels.prompt_rows
-        prompts = [b for b, n in enumerate(counts) if n >= first_prompt_rows and not softcap]
-        if not prompts:
+        sdpa_from = self.kernels.prompt_rows if exact else self.kernels.sdpa_rows
+        through_sdpa = [b for b, n in enumerate(counts) if n >= sdpa_from and not softcap]
+        if not through_sdpa:
             return self.kernels.attention(q, keys, values, counts, ends, [_kernel_mask(m) for m in masks], scale,
                                           softcap, exact)
         blocks = list(q.split([shape.heads * n for n in counts]))
-        decoding = [b for b in range(len(counts)) if b not in prompts]
+        in_kernels = [b for b in range(len(counts)) if b not in through_sdpa]
         attended: list[torch.Tensor | None] = [None] * len(counts)
-        if decoding:
-            rows = self.kernels.attention(torch.cat([blocks[b] for b in decoding]), [keys[b] for b in decoding],
-                                          [values[b] for b in decoding], [counts[b] for b in decoding],
-                                          [ends[b] for b in decoding], [_kernel_mask(masks[b]) for b in decoding],
+        if in_kernels:
+            rows = self.kernels.attention(torch.cat([blocks[b] for b in in_kernels]), [keys[b] for b in in_kernels],
+                                          [values[b] for b in in_kernels], [counts[b] for b in in_kernels],
+                                          [ends[b] for b in in_kernels], [_kernel_mask(masks[b]) for b in in_kernels],
                                           scale, softcap, exact)
-            for b, part in zip(decoding, rows.split([counts[b] for b in decoding])):
+            for b, part in zip(in_kernels, rows.split([counts[b] for b in in_kernels])):
                 attended[b] = part
-        for b in prompts:  # [heads, n, d] -> [n, heads * d]
+        for b in through_sdpa:  # [heads, n, d] -> [n, heads * d]
             n, end = counts[b], ends[b]
             out = F.scaled_dot_product_attention(
                 blocks[b].view(1, shape.heads, n, shape.head_dim), keys[b][None, :, :end], values[b][None, :, :end],

@@ -575,16 +575,18 @@ void accumulate_values_avx2(const float* p, int64_t stride, const float* values,
 #define TILED_GEMM_ROWS 10
 #endif
 
-// Without `exact`, from this many new tokens of one sequence the forward attends through PyTorch's SDPA (its CPU
-// flash attention) rather than attention() (decoder/model.py reads it as the module's sdpa_rows). SDPA beat
-// attention() for every 2 to 512 rows over 256 to 4,096 keys on a 2-core AVX2 EPYC, fp32 and bf16. On AVX-512 hosts
-// (an AMD EPYC and an Intel Xeon with AMX) attention() is ahead up to 16 rows, most over long caches, and SDPA from
-// 32 (bench/kernel_variants.py forward SDPA_ROWS=2 SDPA_ROWS=17 rows=2,4,8,16,32 context=7680; docs/benchmark-log.md).
+// Without `exact`, a sequence of this many new tokens or more attends through PyTorch's SDPA (its CPU flash
+// attention) rather than attention(), alone or beside others (decoder/model.py reads it as the module's sdpa_rows).
+// On a 2-core AVX2 EPYC attention() is ahead for 2-3 rows (8-22% of a forward over 256-7,680 keys, alone or 2-4
+// sequences a step) and SDPA from 4 (level at 4 rows over 256 keys, up to 1.35x faster for 8-11 rows over 7,680).
+// On AVX-512 hosts (an AMD EPYC and an Intel Xeon with AMX) attention() is ahead up to 16 rows, most over long
+// caches, and SDPA from 32 (bench/kernel_variants.py forward SDPA_ROWS=2 SDPA_ROWS=17 rows=2,4,8,16,32 context=7680;
+// docs/benchmark-log.md).
 #ifndef SDPA_ROWS
 #if defined(__AVX512F__)
 #define SDPA_ROWS 17
 #else
-#define SDPA_ROWS 2
+#define SDPA_ROWS 4
 #endif
 #endif
 
