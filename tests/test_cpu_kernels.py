@@ -339,21 +339,22 @@ def test_a_sequence_attends_the_same_way_alone_or_beside_others(monkeypatch):
                         lambda *args, **kwargs: sdpa_calls.append(args[0].shape[2]) or real_sdpa(*args, **kwargs))
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, VOCAB, (40,), generator=gen)
+
+    def step(tokens: torch.Tensor, beside: bool) -> torch.Tensor:
+        cache, other = lean.new_cache(64), lean.new_cache(64)
+        lean.prefill(prompt, cache, logits=False)
+        lean.prefill(prompt[:9], other, logits=False)
+        rows = tokens.shape[0]
+        items = [ForwardItem(tokens, cache.length + torch.arange(rows), cache,
+                             causal_mask(cache.length, rows, torch.float32, "cpu"), None)]
+        if beside:
+            items.append(ForwardItem(prompt[9:10], torch.tensor([9]), other, None, None))
+        return lean.forward_many(items)[0]
+
     for rows in (K.sdpa_rows - 1, K.sdpa_rows):
         tokens = torch.randint(0, VOCAB, (rows,), generator=gen)
-
-        def step(beside: bool) -> torch.Tensor:
-            cache, other = lean.new_cache(64), lean.new_cache(64)
-            lean.prefill(prompt, cache, logits=False)
-            lean.prefill(prompt[:9], other, logits=False)
-            items = [ForwardItem(tokens, cache.length + torch.arange(rows), cache,
-                                 causal_mask(cache.length, rows, torch.float32, "cpu"), None)]
-            if beside:
-                items.append(ForwardItem(prompt[9:10], torch.tensor([9]), other, None, None))
-            return lean.forward_many(items)[0]
-
         sdpa_calls.clear()
-        alone, batched = step(False), step(True)
+        alone, batched = step(tokens, False), step(tokens, True)
         decoding_calls = [n for n in sdpa_calls if n == rows]  # the prompts' own prefills attend through SDPA too
         assert len(decoding_calls) == (2 * lean.shape.layers if rows >= K.sdpa_rows else 0), rows
         torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
