@@ -329,9 +329,9 @@ def test_a_tree_verifies_with_one_token_decodings_logits_to_the_bit_on_k_quants(
 
 @torch.inference_mode()
 def test_a_sequence_attends_the_same_way_alone_or_beside_others(monkeypatch):
-    """From the host's sdpa_rows new tokens a sequence attends through SDPA in a batched step as it does alone (on a
-    2-core AVX2 EPYC 1.1-1.35x faster there for 4-11 rows over 2,064-7,680 keys), fewer rows in the kernels: its
-    logits beside another sequence are its logits alone, up to the matmuls' summation order."""
+    """From the host's sdpa_rows new tokens a sequence attends through SDPA in a batched step as it does alone (why:
+    cpu_kernels.cpp, SDPA_ROWS), fewer rows in the kernels: its logits beside another sequence are its logits alone,
+    up to the matmuls' summation order."""
     _, lean = toy_model(0)
     sdpa_calls = []
     real_sdpa = F.scaled_dot_product_attention
