@@ -38,8 +38,8 @@ import torch
 from specplan.core.choices import DEFAULT_PROMPT_CACHE_MIB, MIN_SAVED_TOKENS
 from specplan.core.errors import UserError
 from specplan.decoder.drafters import Drafter, propose_all
-from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine
-from specplan.decoder.gate import UNTIMED_AFTER_JOIN, RecentYields
+from specplan.decoder.engine import GenerationResult, SequenceRun, SpeculativeEngine, draft_passes
+from specplan.decoder.gate import UNTIMED_AFTER_JOIN, DraftPasses, RecentYields
 from specplan.decoder.model import ForwardItem, prefill_together, prompt_item
 from specplan.decoder.prompt_cache import PromptCache, copy_prefix, shared_prefix
 from specplan.decoder.sampling import SamplingParams
@@ -139,8 +139,9 @@ class Scheduler:
         self.cancelled: set[int] = set()
         self.step_done: list[Completion] = []
         self.next_id = 0
-        # the last step: (sequences, drafted, its start, later by the seconds its drafters read before drafting)
-        self.timed_step: tuple[int, bool | None, float] | None = None
+        # the last step: (sequences, drafted, its start, later by the seconds its drafters read before drafting, its
+        # drafters' passes where they follow the text)
+        self.timed_step: tuple[int, bool | None, float, DraftPasses | None] | None = None
         self.steps_since_join = 0  # steps begun since a sequence last joined the running batch (UNTIMED_AFTER_JOIN)
         self.recent_batches: deque[int] = deque(maxlen=LOAD_STEPS)  # the sequences of the last steps, idle or not
         # the mean yield ratio of the last step's requests with drafted steps (decoder/gate.py): a joiner's prior;
@@ -197,7 +198,9 @@ class Scheduler:
         self.recent_batches.append(len(running))
         self.engine.decide([entry.run for entry in running], max(self.recent_batches))
         gated = [entry.run for entry in running if entry.run.gate is not None]
+        drafting_started = time.perf_counter()
         items = [run.propose(tree) for run, tree in zip((entry.run for entry in running), _draft(running))]
+        drafting_seconds = time.perf_counter() - drafting_started
         # the step's kind for the clock: drafted where at least half the sequences chose to draft (where a few sit
         # out, the step costs nearly what one where all draft does, and a batch whose joiners' draft models have their
         # prompts still to read may never have another drafted step to time), though a trie without a match drafts
@@ -210,7 +213,9 @@ class Scheduler:
         starting = any(entry.run.drafter.started_now for entry in running if entry.run.tree.size > 1)
         reading = sum(entry.run.drafter.reading_seconds for entry in running if entry.run.tree.size > 1)
         past_join = self.steps_since_join >= UNTIMED_AFTER_JOIN
-        self.timed_step = (len(running), kind, started + reading) if past_join and not chunks and not starting else None
+        passes = draft_passes([entry.run for entry in running], drafting_seconds - reading)
+        self.timed_step = (len(running), kind, started + reading, passes) \
+            if past_join and not chunks and not starting else None
         self.steps_since_join += 1
         if self.step_log is not None:
             self.logged_step = _step_record(started, running, kind, len(chunks))
@@ -253,9 +258,9 @@ class Scheduler:
         clock, sharing = self.engine.clock, self.engine.sharing
         recorded = False
         if self.timed_step is not None:
-            batch, drafted, started = self.timed_step
+            batch, drafted, started, passes = self.timed_step
             if clock is not None and drafted is not None:
-                recorded = clock.step_done(batch, drafted, now - started)
+                recorded = clock.step_done(batch, drafted, now - started, passes)
             if sharing is not None:  # a step whose rows were shared: its time against the table's price
                 sharing.timed(now - started)
         return recorded

@@ -40,6 +40,10 @@ class Drafter(ABC):
     # The tokens the last proposal read before drafting (a draft model's prompt, the steps it sat out) and their
     # seconds, timed apart: the rest of its step is what a drafted step costs
     started_reading: tuple[int, float] | None = None
+    # The draft forwards of its last proposal where their number follows the text (a TriForce chain's middle rounds:
+    # where its bottom misses, a round adds a token, where it lands several), which a drafted step's price follows
+    # (StepClock.pass_price); None where a drafted step's forwards are the setting's alone
+    draft_passes: int | None = None
 
     @property
     def reading_seconds(self) -> float:

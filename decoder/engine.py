@@ -16,7 +16,7 @@ import torch
 from specplan.core.errors import UserError
 from specplan.core.plan_schema import BatchSchedule
 from specplan.decoder.drafters import Drafter, NoDrafter
-from specplan.decoder.gate import UNTIMED_AFTER_JOIN, DraftGate, Pricing, StepClock, settle_step
+from specplan.decoder.gate import UNTIMED_AFTER_JOIN, DraftGate, DraftPasses, Pricing, StepClock, settle_step
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel
 from specplan.decoder.sampling import SamplingParams
 from specplan.decoder.sharing import SharedRows
@@ -169,7 +169,7 @@ class SequenceRun:
         if self.sharing is not None:
             self.sharing.emitted(self.drafter, len(new))
         if self.gate is not None:
-            self.gate.observe(len(new), tree.size - 1)
+            self.gate.observe(len(new), tree.size - 1, self.drafter.draft_passes)
             self.decisions[f"{self.gate.reason}: {'drafts' if self.gate.drafting else 'plain'}"] += 1
             if self.gate.reason != "unpriced":
                 self.prices[self.gate.batch].append((self.gate.step_cost, self.gate.expected))
@@ -312,11 +312,20 @@ class SpeculativeEngine:
             self.decide([run])
             item = run.propose()
             reading = run.drafter.reading_seconds
+            passes = draft_passes([run], time.perf_counter() - start - reading)
             finished = run.advance(self.target.forward(*item))
             drafted, past_join = run.tree.size > 1, step >= UNTIMED_AFTER_JOIN
             if self.clock is not None and past_join and not (drafted and run.drafter.started_now):
-                self.clock.step_done(1, drafted, time.perf_counter() - start - reading)
+                self.clock.step_done(1, drafted, time.perf_counter() - start - reading, passes)
             if self.sharing is not None and past_join:
                 self.sharing.timed(time.perf_counter() - start)
             if finished:
                 return run.result()
+
+
+def draft_passes(runs: list[SequenceRun], seconds: float) -> DraftPasses | None:
+    """The draft forwards of `runs`' trees just proposed, in `seconds` of proposing, where their drafters' number
+    follows the text (Drafter.draft_passes); None where none does."""
+    passes = [run.drafter.draft_passes for run in runs
+              if run.tree is not None and run.tree.size > 1 and run.drafter.draft_passes is not None]
+    return DraftPasses(seconds, sum(passes), len(passes)) if passes else None

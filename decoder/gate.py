@@ -77,6 +77,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from specplan.core.choices import CANDIDATE_SPEEDUP
 
@@ -132,6 +133,15 @@ MixShare = Callable[[int, int, int], "float | None"]
 REASONS = ("unpriced", "timing", "pays", "start not repaid", "sits out", "probe", "batch", "not ready")
 
 
+class DraftPasses(NamedTuple):
+    """A drafted step's draft forwards where their number follows the text (Drafter.draft_passes): their `passes`
+    over the `sequences` that took any, in `seconds` of drafting (what the drafters read first not included)."""
+
+    seconds: float
+    passes: int
+    sequences: int
+
+
 class StepClock:
     """What the engine's decoding steps cost now, per batch size: the seconds from one step's start to the next's, of
     steps in which at least half the sequences drafted and of steps in which none did (steps that shared the machine
@@ -150,18 +160,24 @@ class StepClock:
         self.timed_both: set[int] = set()
         self.step = 0  # the steps begun: the requests sitting out probe together at multiples of their period
         self.start_rates: deque[float] = deque(maxlen=MEASURED_STEPS)  # a drafter's start: seconds per token read
+        # per batch size, its timed drafted steps' DraftPasses as (seconds of one sequence's pass, passes a sequence)
+        self.passes: dict[int, deque[tuple[float, float]]] = {}
 
     def begin_step(self) -> None:
         self.step += 1
 
-    def step_done(self, batch: int, drafted: bool, seconds: float) -> bool:
-        """A step of `batch` sequences the engine timed: recorded unless among the first UNTIMED_FIRST_STEPS of its
-        kind at that batch size; whether it was."""
+    def step_done(self, batch: int, drafted: bool, seconds: float, passes: DraftPasses | None = None) -> bool:
+        """A step of `batch` sequences the engine timed (a drafted one's `passes`, where its drafters' forwards follow
+        the text): recorded unless among the first UNTIMED_FIRST_STEPS of its kind at that batch size; whether it
+        was."""
         key = (batch, drafted)
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] <= UNTIMED_FIRST_STEPS:
             return False
         self.record(batch, drafted, seconds)
+        if drafted and passes is not None and passes.passes > 0:
+            self.passes.setdefault(batch, deque(maxlen=MEASURED_STEPS)).append(
+                (passes.seconds / passes.passes, passes.passes / passes.sequences))
         return True
 
     def record(self, batch: int, drafted: bool, seconds: float) -> None:
@@ -216,6 +232,15 @@ class StepClock:
             return None
         return tokens * statistics.median(self.start_rates) / statistics.median(self.seconds[(near, False)])
 
+    def pass_price(self, batch: int) -> tuple[float, float] | None:
+        """At `batch` sequences, timed: the mean draft forwards a drafting sequence took in its timed drafted steps
+        (DraftPasses), and one sequence's forward in plain steps there; None before both kinds and such steps are."""
+        timed = self.passes.get(batch)
+        if not timed or not self._timed(batch, False):
+            return None
+        return (statistics.fmean(passes for _, passes in timed),
+                statistics.median(seconds for seconds, _ in timed) / statistics.median(self.seconds[(batch, False)]))
+
     def drafted_step_cost(self, batch: int) -> float | None:
         """A drafted step's price in plain steps at `batch` sequences, as measured; None before both kinds are."""
         if not (self._timed(batch, True) and self._timed(batch, False)):
@@ -250,6 +275,7 @@ class DraftGate:
         self.clock = clock  # the engine's measured step costs; None: the plan's price alone
         self.shadowed = shadowed  # its drafter drafts in the shadow of the steps it sits out: it never probes
         self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
+        self.passes: deque[int] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' draft forwards (Drafter.draft_passes)
         self.recent: RecentYields | None = None  # the engine's, which its drafted steps join (`join`)
         self.idle_steps = 0
         # the weight of PRIOR_STEPS in r: the plan's prediction, its batch's mean r when it joined one, the engine's
@@ -334,13 +360,26 @@ class DraftGate:
 
     def _step_cost(self, batch: int, context: int, planned: float) -> float:
         """A drafted step's price in plain steps at `batch` sequences (the plan's: `planned`), on the clock where it
-        has timed one: measured there, else at the nearest batch size timed, scaled by the plan's prices at the two."""
+        has timed one: measured there, else at the nearest batch size timed, scaled by the plan's prices at the two;
+        and its own draft forwards beyond those of the steps timed there, where their number follows the text."""
         near = self.clock.nearest_timed(batch) if self.clock is not None else None
         if near is None:
             return planned
         measured = self.clock.drafted_step_cost(near)
         there = self.pricing(near, context) if near != batch else None
-        return measured * planned / (there[0] / there[1]) if there is not None else measured
+        return (measured * planned / (there[0] / there[1]) if there is not None else measured) + self._own_passes(near)
+
+    def _own_passes(self, near: int) -> float:
+        """What its recent drafted steps' draft forwards cost beyond the mean of the steps the clock timed at `near`,
+        in plain steps there (fewer: a saving), each a sequence's share of a pass: a TriForce chain whose bottom
+        misses takes up to gamma2 middle rounds where the load the clock timed took a few, and its drafted steps cost
+        it nearly twice the median (docs/benchmark-log.md: "A drafted step's own forwards"). 0 where no pass is timed
+        there, or it has drafted none."""
+        price = self.clock.pass_price(near) if self.passes else None
+        if price is None:
+            return 0.0
+        timed_passes, pass_cost = price
+        return (statistics.fmean(self.passes) - timed_passes) * pass_cost
 
     def mix_cost(self, batch: int, drafting: int, step_cost: float) -> float | None:
         """What `drafting` of a step's `batch` sequences drafting add to its plain step, in plain steps at `batch` (the
@@ -386,10 +425,13 @@ class DraftGate:
             return False
         return self.clock is None or self.clock.step % probe_period(loss) == 0
 
-    def observe(self, emitted: int, drafted: int) -> None:
-        """The step just verified scored `drafted` draft tokens and emitted `emitted` (the accepted drafts and the
-        target's next token). A drafting request whose drafter had nothing to propose (a trie without a match) counts
-        beside other sequences, as the one token it emitted: its batch's step was a drafted one, priced as such."""
+    def observe(self, emitted: int, drafted: int, passes: int | None = None) -> None:
+        """The step just verified scored `drafted` draft tokens, drafted in `passes` forwards where their number
+        follows the text (Drafter.draft_passes), and emitted `emitted` (the accepted drafts and the target's next
+        token). A drafting request whose drafter had nothing to propose (a trie without a match) counts beside other
+        sequences, as the one token it emitted: its batch's step was a drafted one, priced as such."""
+        if self.drafting and drafted > 0 and passes is not None:
+            self.passes.append(passes)
         if self.drafting and self.priced is not None and self._counts(drafted > 0):
             self._add_yield(emitted / self.priced[0])
 

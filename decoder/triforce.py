@@ -393,6 +393,7 @@ class _MiddleChain:
         self.position = drafter.full.length  # the root's true position
         self.tokens, self.probs = [root], {}
         self.mid_root = root
+        self.rounds = 0
 
     @property
     def done(self) -> bool:
@@ -414,6 +415,7 @@ class _MiddleChain:
                 self.probs[len(self.tokens) - 1] = probabilities(logits[path[i]][None], self.params)[0]
             self.tokens.append(proposal.tokens[node] if node is not None else next_token)
         self.mid_root = next_token
+        self.rounds += 1
         self.drafter.stats["rounds"] += 1
 
     def finish(self) -> DraftTree:
@@ -421,4 +423,5 @@ class _MiddleChain:
         tree = chain_tree(self.tokens, DETERMINISTIC if self.params.greedy else WITHOUT_REPLACEMENT)
         tree.draft_probs = self.probs
         self.drafter.told = len(self.tokens) - 2
+        self.drafter.draft_passes = self.rounds
         return tree

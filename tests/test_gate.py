@@ -28,6 +28,7 @@ from specplan.decoder.gate import (
     UNTIMED_FIRST_STEPS,
     YIELD_WINDOW,
     DraftGate,
+    DraftPasses,
     RecentYields,
     StepClock,
     probe_period,
@@ -207,6 +208,25 @@ def test_the_clock_prices_a_drafted_step_once_both_kinds_are_timed():
         clock.record(1, False, 0.010)
     assert clock.drafted_step_cost(2) == pytest.approx(0.033 / 0.020)
     assert clock.drafted_step_cost(1) is None
+
+
+def test_a_request_whose_drafts_take_more_passes_than_the_timed_ones_is_priced_for_them():
+    """Where a drafted step's forwards follow its text (DraftPasses: a TriForce chain's middle rounds), the clock
+    times one pass apart: a request whose recent drafted steps took more than the mean of the steps the clock timed
+    pays for the extra ones, and at a yield that drafts beside that load it sits out; one that took fewer pays less;
+    a drafter whose forwards are its setting's pays the median."""
+    clock = StepClock()
+    for _ in range(UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST):
+        clock.step_done(1, False, 0.05)
+        clock.step_done(1, True, 0.30, DraftPasses(0.16, 4, 1))  # 6 plain steps, four middle rounds of 40 ms
+    assert clock.drafted_step_cost(1) == pytest.approx(6.0) and clock.pass_price(1) == pytest.approx((4.0, 0.8))
+    gates = {passes: DraftGate(lambda batch, context: (8.0, 1.2), clock) for passes in (9, 3, None)}
+    for passes, gate in gates.items():
+        assert gate.drafts(1, 100) and gate.step_cost == pytest.approx(6.0)  # nothing of its own yet: the median
+        gate.observe(7, 10, passes)  # 7 of the 8 tokens predicted: r = (2 + 7 / 8) / 3, 7.67 tokens expected
+    decisions = {passes: gate.drafts(1, 100) for passes, gate in gates.items()}
+    assert decisions == {9: False, 3: True, None: True}
+    assert {passes: gate.step_cost for passes, gate in gates.items()} == pytest.approx({9: 10.0, 3: 5.2, None: 6.0})
 
 
 def test_each_kinds_first_steps_at_a_batch_size_are_not_timed():

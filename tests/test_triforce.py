@@ -189,6 +189,28 @@ def test_bottom_follows_the_top_and_does_not_cost_acceptance(tiny_pair):
         assert top_acceptance[name] >= 0.9 * top_acceptance["two-level"], top_acceptance
 
 
+def test_a_chain_reports_its_middle_rounds_as_its_draft_passes(tiny_pair):
+    """A drafted step's middle rounds follow its text, which its price follows (decoder/gate.py, DraftPasses): each
+    chain reports its own; without a bottom a round adds one token, so a chain of gamma2 takes gamma2 rounds."""
+    _, target, draft = tiny_pair
+    for name, make in bottoms(target, draft).items():
+        drafter = HierarchicalDrafter(target, make(), 2, 6, RetrievalSettings(384, 8, 64))
+        passes: list[int] = []
+        update = drafter.update
+
+        def noting_update(tree, accepted, next_token, update=update, drafter=drafter, passes=passes):
+            if tree.size > 1:
+                passes.append(drafter.draft_passes)
+            update(tree, accepted, next_token)
+
+        drafter.update = noting_update
+        SpeculativeEngine(target, drafter).generate(long_prompt(400, 3), 40, SamplingParams())
+        assert passes and sum(passes) == drafter.stats["rounds"], name
+        assert all(1 <= p <= 6 for p in passes), name
+        if name == "two-level":
+            assert set(passes) == {6}
+
+
 def test_streaming_only_drafter_is_lossless(tiny_pair):
     loaded, target, _ = tiny_pair
     prompt = long_prompt(300, 5)
