@@ -195,6 +195,7 @@ class Scheduler:
         self._log_last_step(started, admitted, self._time_last_step(started))
         if self.engine.clock is not None:
             self.engine.clock.begin_step()
+        self.recent_yields.step += 1
         self.recent_batches.append(len(running))
         self.engine.decide([entry.run for entry in running], max(self.recent_batches))
         gated = [entry.run for entry in running if entry.run.gate is not None]
@@ -330,7 +331,7 @@ class Scheduler:
                 failed.append(Completion(waiting.id, None, str(exc)))
                 continue
             if run.gate is not None:
-                run.gate.join(self.recent_yields, self.batch_yield)
+                run.gate.join(self.recent_yields, self.batch_yield, adds_to_recent=not request.ignore_eos)
             joining.append(_Running(waiting.id, slot, run, waiting.submitted, request.prompt))
         if self.prefill_chunk:
             for entry in joining:

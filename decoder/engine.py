@@ -82,12 +82,8 @@ class SequenceRun:
                  params: SamplingParams, seed: int | None, max_new_tokens: int, stop_ids: set[int],
                  masks: TreeMasks, on_tokens: Callable[[list[int]], None] | None = None,
                  pricing: Pricing | None = None, schedule: BatchSchedule | None = None,
-                 clock: StepClock | None = None, sharing: SharedRows | None = None,
-                 ignored_stop_ids: Collection[int] = ()) -> None:
+                 clock: StepClock | None = None, sharing: SharedRows | None = None) -> None:
         self.target, self.drafter, self.cache, self.rule, self.params = target, drafter, cache, rule, params
-        # the stop tokens it runs past (ignore_eos): the text after one is no request's, so from then on its yields
-        # stay out of the engine's recent ones, a joining request's prior (DraftGate.leave_engine)
-        self.ignored_stop_ids = set(ignored_stop_ids)
         self.schedule = schedule
         self.sharing = sharing  # the engine's, which decides this request's rows and learns from its surveys
         # whether to draft at each step, from this request's own drafts (decoder/gate.py)
@@ -179,8 +175,6 @@ class SequenceRun:
                    next((i + 1 for i, t in enumerate(new) if t in self.stop_ids), len(new)))
         if any(t in self.stop_ids for t in new[:keep]):
             self.stop_reason = "stop"
-        if self.gate is not None and any(t in self.ignored_stop_ids for t in new[:keep]):
-            self.gate.leave_engine()
         # The drafter learns exactly the emitted tokens (a trie must not see tokens past the end).
         if keep < len(new):
             self.drafter.update(tree, path[:keep + 1], None)
@@ -278,7 +272,7 @@ class SpeculativeEngine:
         stop_ids = set() if ignore_eos else self.stop_ids
         run = SequenceRun(self.target, drafter, cache, self.rule_for(params, drafter), params, seed, max_new_tokens,
                           stop_ids, self.masks, on_tokens, self.pricing, self.schedule, self.clock,
-                          self.sharing if drafter.shadows else None, self.stop_ids if ignore_eos else ())
+                          self.sharing if drafter.shadows else None)
         if prefill:
             run.prefill(prompt)
             run.prefill_seconds = run.started - start

@@ -29,13 +29,14 @@ A request's prior is the plan's own prediction (r = 1), or, for a request joinin
 the batch's requests at its last step (Scheduler): the load in flight is the best evidence of the next request's, and
 joiners at the plan's r would outvote a batch whose drafts miss (settle_step), each batch of them paying a drafted
 step to learn what the batch knew. A request joining an idle engine takes the mean of the engine's last YIELD_WINDOW
-drafted steps (any request's) beside PRIOR_STEPS at the plan's (RecentYields), but decides its first drafted step at
-the plan's r = 1: the engine's recent requests tell how far to trust the plan once the request has seen one drafted
-step of its own (where they missed, one that misses stops it; where they landed, it rides out an unlucky one), and they
-cannot keep it from drafting at all (docs/design.md: a prior over finished requests that decided from the first step
-locked measured requests out after a warm-up unlike them). A request run past its stop tokens (`ignore_eos`: a
-benchmark's clients, the serving bench's warm-up) keeps its later drafted steps to itself: what a model writes after its
-end, no request's text, repeats itself, and drafts land on it as on little else.
+drafted steps (any request's, within RECENT_STEPS of the engine's steps) beside PRIOR_STEPS at the plan's
+(RecentYields), from its first step: one request at a time, each paying a drafted step at the plan's r to learn what
+the last ones knew cost an unseen TriForce load at C = 1 4% against one-token decoding (docs/benchmark-log.md: "An idle
+engine's evidence from the first step"). A request run past its stop tokens (`ignore_eos`: the serving bench's
+warm-up, a fixed-length benchmark's clients) keeps its drafted steps to itself: a warm-up's prompts are unlike the
+load's (reversed, so that no load's prompt sits in a cache), and what a model writes after its end, no request's text,
+repeats itself, so drafts land on it as on little else; from a warm-up on reversed prompts, the requests of the load
+after it took a prior that locked them out of drafts that paid.
 
 A drafted step's price is the plan's until the engine has timed both kinds of step (StepClock): then it is their
 measured ratio at that batch size, or at the nearest one timed, scaled by the plan's prices at the two. The measure
@@ -76,7 +77,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 from specplan.core.choices import CANDIDATE_SPEEDUP
@@ -89,6 +90,10 @@ PRIOR_STEPS = 2
 # The share of a request's time sitting out that its probes may cost (a probe's step over a plain one, and its
 # drafter's catching up): within the 3% a plan may cost against one-token decoding where its drafts never pay
 PROBE_SHARE = 0.03
+# The engine's steps a drafted step stays evidence for the requests joining an idle engine: where it locks a load unlike
+# the last one out, for at most so many steps (eight replies of 128 tokens, one at a time); where the load's drafts
+# keep missing, a request tries the plan's prediction again that seldom
+RECENT_STEPS = 1024
 # The steps of each kind (most sequences drafting, none) a batch size's measured price is the median of: recent enough
 # to follow the machine's spells, enough to ride out a step that the OS or a prefill elsewhere slowed
 MEASURED_STEPS = 16
@@ -248,21 +253,26 @@ class StepClock:
         return statistics.median(self.seconds[(batch, True)]) / statistics.median(self.seconds[(batch, False)])
 
 
-def shrunk_mean(prior: float, yields: deque[float]) -> float:
+def shrunk_mean(prior: float, yields: Collection[float]) -> float:
     """The mean of `yields` beside PRIOR_STEPS pseudo-steps at `prior`."""
     return (PRIOR_STEPS * prior + sum(yields)) / (PRIOR_STEPS + len(yields))
 
 
 class RecentYields:
-    """The engine's last drafted steps' yields (tokens over the plan's prediction), whichever requests drafted them:
-    the prior of a request joining an idle engine."""
+    """The engine's last drafted steps' yields (tokens over the plan's prediction), whichever requests drafted them,
+    each with the engine's step it came at (`step`, counted by the engine): the prior of a request joining an idle
+    engine, from those of the last RECENT_STEPS."""
 
     def __init__(self) -> None:
-        self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)
+        self.yields: deque[tuple[int, float]] = deque(maxlen=YIELD_WINDOW)
+        self.step = 0
+
+    def add(self, ratio: float) -> None:
+        self.yields.append((self.step, ratio))
 
     @property
     def prior(self) -> float:
-        return shrunk_mean(1.0, self.yields)
+        return shrunk_mean(1.0, [ratio for step, ratio in self.yields if self.step - step < RECENT_STEPS])
 
 
 class DraftGate:
@@ -279,10 +289,8 @@ class DraftGate:
         self.recent: RecentYields | None = None  # the engine's, which its drafted steps join (`join`)
         self.idle_steps = 0
         # the weight of PRIOR_STEPS in r: the plan's prediction, its batch's mean r when it joined one, the engine's
-        # recent drafted steps' when it joined an idle engine; `prior_from_first` while the first drafted step of its
-        # own is decided at the plan's r = 1 whatever the prior (an idle engine's recent requests cannot lock it out)
+        # recent drafted steps' when it joined an idle engine
         self.prior = 1.0
-        self.prior_from_first = False
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
         self.batch = 1  # the sequences of the step being decided
         self.context = 0  # the request's tokens at it
@@ -292,24 +300,16 @@ class DraftGate:
         self.expected, self.step_cost, self.firm, self.reads_first = 0.0, 1.0, True, False
         self.reason = "unpriced"  # the last decision's, one of REASONS
 
-    def join(self, recent: RecentYields, batch_yield: float | None) -> None:
-        """The request joins an engine whose recent drafted steps are `recent`, and whose batch in flight has the mean
-        r `batch_yield` (None: the engine is idle): its prior."""
-        self.recent = recent
-        if batch_yield is not None:
-            self.prior = batch_yield
-        else:
-            self.prior, self.prior_from_first = recent.prior, True
-
-    def leave_engine(self) -> None:
-        """Its later drafted steps no longer join the engine's recent ones (a request run past its stop tokens)."""
-        self.recent = None
+    def join(self, recent: RecentYields, batch_yield: float | None, adds_to_recent: bool = True) -> None:
+        """The request joins an engine whose recent drafted steps are `recent`, which its own join unless not
+        `adds_to_recent` (a request run past its stop tokens), and whose batch in flight has the mean r `batch_yield`
+        (None: the engine is idle): its prior."""
+        self.recent = recent if adds_to_recent else None
+        self.prior = batch_yield if batch_yield is not None else recent.prior
 
     @property
     def yield_ratio(self) -> float:
         """r: the request's tokens per drafted step over the plan's prediction (its prior before its first)."""
-        if self.prior_from_first and not self.yields:
-            return 1.0
         return shrunk_mean(self.prior, self.yields)
 
     def drafts(self, batch: int, context: int, start_tokens: int = 0, remaining: int | None = None,
@@ -449,7 +449,7 @@ class DraftGate:
     def _add_yield(self, ratio: float) -> None:
         self.yields.append(ratio)
         if self.recent is not None:
-            self.recent.yields.append(ratio)
+            self.recent.add(ratio)
 
 
 def probe_period(loss: float) -> int:

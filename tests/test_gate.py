@@ -4,7 +4,6 @@ tokens stay its own."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
@@ -23,6 +22,7 @@ from specplan.decoder.gate import (
     MEASURED_STEPS,
     PROBE_SHARE,
     REASONS,
+    RECENT_STEPS,
     SETTLED_STEPS,
     STALE_AFTER,
     UNTIMED_FIRST_STEPS,
@@ -70,25 +70,27 @@ def test_a_request_stops_drafting_when_its_drafts_fail_and_probes_again():
         unpriced.observe(1, 4)
 
 
-def test_an_idle_engines_recent_yields_set_the_prior_from_a_requests_first_drafted_step():
+def test_an_idle_engines_recent_yields_set_a_joining_requests_prior_from_its_first_step():
     """A drafted step costs 2 plain ones (3 tokens predicted for 1.5x). After the engine's recent drafted steps
-    yielded a fifth of the prediction, a request joining the idle engine still drafts its first step (decided at the
-    plan's r = 1: the recent requests cannot lock it out); one yielding half stops it (r = (2 x 0.36 + 0.5) / 3), where
-    after recent steps that landed it drafts on; a request's drafted steps join the engine's."""
-    def joining(recent_yields: list[float]) -> DraftGate:
+    yielded a fifth of the prediction, a request joining the idle engine sits its first step out (r = (2 + 8 x 0.2) /
+    10: 1.08 tokens expected); after recent steps that landed it drafts, and its drafted steps join the engine's;
+    steps more than RECENT_STEPS of the engine's old no longer count."""
+    def joining(recent_yields: list[float], age: int = 0) -> DraftGate:
         recent = RecentYields()
-        recent.yields.extend(recent_yields)
+        for ratio in recent_yields:
+            recent.add(ratio)
+        recent.step += age
         gate = DraftGate(lambda batch, context: (3.0, 1.5))
         gate.join(recent, None)
         return gate
 
     after_misses, after_landings = joining([0.2] * YIELD_WINDOW), joining([1.0] * YIELD_WINDOW)
     assert after_misses.prior == pytest.approx((2 + 0.2 * YIELD_WINDOW) / (2 + YIELD_WINDOW))
-    for gate in (after_misses, after_landings):
-        assert gate.drafts(1, 100)
-        gate.observe(1.5, 4)
-        assert gate.recent.yields[-1] == 0.5
     assert not after_misses.drafts(1, 100) and after_landings.drafts(1, 100)
+    after_landings.observe(1.5, 4)
+    assert after_landings.recent.yields[-1] == (0, 0.5)
+    long_ago = joining([0.2] * YIELD_WINDOW, age=RECENT_STEPS)
+    assert long_ago.prior == 1.0 and long_ago.drafts(1, 100)
     unaided = DraftGate(lambda batch, context: (3.0, 1.5))  # the plan's prior alone: (2 + 0.5) / 3 pays
     assert unaided.drafts(1, 100)
     unaided.observe(1.5, 4)
@@ -928,7 +930,7 @@ def test_a_request_joining_a_batch_takes_its_yield_as_prior_and_one_joining_an_i
                                                                                                         monkeypatch):
     """At 2 in flight, a third request joins when the short second one ends: its prior is the mean r of the last
     step's requests (the load in flight), not the plan's; once the engine is idle, the next request's prior is the
-    engine's recent drafted steps', from its own first drafted step on. Every request's tokens stay its own."""
+    engine's recent drafted steps'. Every request's tokens stay its own."""
     _, target, _ = tiny_pair
     make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
     gen = torch.Generator().manual_seed(7)
@@ -951,22 +953,21 @@ def test_a_request_joining_a_batch_takes_its_yield_as_prior_and_one_joining_an_i
     assert priors_on_admission[0] is None and runs[0].gate.prior == runs[1].gate.prior == 1.0
     joined = priors_on_admission[1]
     assert joined is not None and joined != 1.0 and runs[2].gate.prior == joined
-    assert not runs[2].gate.prior_from_first
     assert scheduler.batch_yield is None
-    recent = list(scheduler.recent_yields.yields)
+    recent = [ratio for _, ratio in scheduler.recent_yields.yields]
     assert len(recent) == YIELD_WINDOW
     results[3] = next(iter(scheduler.run([Request(motif * 4, 8)]))).result.tokens
     assert runs[3].gate.prior == pytest.approx((2 + sum(recent)) / (2 + YIELD_WINDOW)) != 1.0
-    assert runs[3].gate.prior_from_first
     for i, request in enumerate(requests + [Request(motif * 4, 8)]):
         assert results[i] == SpeculativeEngine(target, make()).generate(request.prompt, request.max_new_tokens,
                                                                         SamplingParams()).tokens
 
 
-def test_a_request_run_past_its_stop_token_leaves_the_engines_recent_yields(tiny_pair, monkeypatch):
-    """`ignore_eos` (the serving bench's warm-up) runs a request on past its stop token into text no request has,
-    which a trie drafts well (it repeats itself): its drafted steps after the one that emitted the token stay its own
-    and do not enter the prior of the requests joining the engine next. Its tokens are its own as before."""
+def test_a_request_run_past_its_stop_token_keeps_its_drafted_steps_out_of_the_engines_recent_yields(tiny_pair,
+                                                                                                     monkeypatch):
+    """`ignore_eos` (the serving bench's warm-up, on reversed prompts) runs a request on past its stop token into text
+    no request has, which a trie drafts well (it repeats itself): none of its drafted steps enter the prior of the
+    requests joining the engine next, while it takes that prior as any request does. Its tokens are its own."""
     _, target, _ = tiny_pair
     make = lambda: TrieDrafter(Trie(TrieSettings(decoding_length=6, branch_length=3)))  # noqa: E731
     motif = torch.randint(0, 250, (5,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -978,10 +979,10 @@ def test_a_request_run_past_its_stop_token_leaves_the_engines_recent_yields(tiny
     start = engine.start
     monkeypatch.setattr(engine, "start", lambda *args, **kwargs: runs.append(start(*args, **kwargs)) or runs[-1])
     scheduler = Scheduler(engine, drafters_per_slot(make), 1)
+    scheduler.recent_yields.add(0.5)
     result = next(iter(scheduler.run([Request(prompt, 40, ignore_eos=True)]))).result
     assert result.tokens == plain and result.stop_reason == "length"
-    emitted = list(itertools.accumulate(runs[0].accepted_per_step))
-    stopped_at = next(step for step, total in enumerate(emitted) if total > plain.index(stop))
-    counted = sum(1 for drafted in runs[0].drafted_per_step[:stopped_at + 1] if drafted)
-    assert 0 < len(scheduler.recent_yields.yields) == min(counted, YIELD_WINDOW)
-    assert sum(1 for drafted in runs[0].drafted_per_step if drafted) > counted
+    assert runs[0].gate.prior == pytest.approx((2 + 0.5) / 3)
+    assert any(runs[0].drafted_per_step) and list(scheduler.recent_yields.yields) == [(0, 0.5)]
+    after = next(iter(scheduler.run([Request(prompt, 40)]))).result
+    assert after.tokens == plain[:plain.index(stop) + 1] and len(scheduler.recent_yields.yields) > 1
