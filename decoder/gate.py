@@ -259,20 +259,34 @@ def shrunk_mean(prior: float, yields: Collection[float]) -> float:
 
 
 class RecentYields:
-    """The engine's last drafted steps' yields (tokens over the plan's prediction), whichever requests drafted them,
-    each with the engine's step it came at (`step`, counted by the engine): the prior of a request joining an idle
-    engine, from those of the last RECENT_STEPS."""
+    """The engine's last drafted steps' yields (tokens over the plan's prediction) and draft forwards (where they
+    follow the text: Drafter.draft_passes), whichever requests drafted them, each with the engine's step it came at
+    (`step`, counted by the engine): the priors of a request joining an idle engine, from those of the last
+    RECENT_STEPS."""
 
     def __init__(self) -> None:
         self.yields: deque[tuple[int, float]] = deque(maxlen=YIELD_WINDOW)
+        self.passes: deque[tuple[int, int]] = deque(maxlen=YIELD_WINDOW)
         self.step = 0
 
     def add(self, ratio: float) -> None:
         self.yields.append((self.step, ratio))
 
+    def add_passes(self, passes: int) -> None:
+        self.passes.append((self.step, passes))
+
     @property
     def prior(self) -> float:
-        return shrunk_mean(1.0, [ratio for step, ratio in self.yields if self.step - step < RECENT_STEPS])
+        return shrunk_mean(1.0, self._recent(self.yields))
+
+    @property
+    def prior_passes(self) -> float | None:
+        """The mean draft forwards of the recent drafted steps; None without any."""
+        recent = self._recent(self.passes)
+        return statistics.fmean(recent) if recent else None
+
+    def _recent(self, kept: deque[tuple[int, float]]) -> list[float]:
+        return [value for step, value in kept if self.step - step < RECENT_STEPS]
 
 
 class DraftGate:
@@ -289,8 +303,10 @@ class DraftGate:
         self.recent: RecentYields | None = None  # the engine's, which its drafted steps join (`join`)
         self.idle_steps = 0
         # the weight of PRIOR_STEPS in r: the plan's prediction, its batch's mean r when it joined one, the engine's
-        # recent drafted steps' when it joined an idle engine
+        # recent drafted steps' when it joined an idle engine; and the draft forwards it is priced at before it has
+        # drafted (None: those of the steps the clock timed), the recent drafted steps' when it joined an idle engine
         self.prior = 1.0
+        self.prior_passes: float | None = None
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
         self.batch = 1  # the sequences of the step being decided
         self.context = 0  # the request's tokens at it
@@ -305,7 +321,10 @@ class DraftGate:
         `adds_to_recent` (a request run past its stop tokens), and whose batch in flight has the mean r `batch_yield`
         (None: the engine is idle): its prior."""
         self.recent = recent if adds_to_recent else None
-        self.prior = batch_yield if batch_yield is not None else recent.prior
+        if batch_yield is not None:
+            self.prior = batch_yield
+        else:
+            self.prior, self.prior_passes = recent.prior, recent.prior_passes
 
     @property
     def yield_ratio(self) -> float:
@@ -371,15 +390,17 @@ class DraftGate:
 
     def _own_passes(self, near: int) -> float:
         """What its recent drafted steps' draft forwards cost beyond the mean of the steps the clock timed at `near`,
-        in plain steps there (fewer: a saving), each a sequence's share of a pass: a TriForce chain whose bottom
-        misses takes up to gamma2 middle rounds where the load the clock timed took a few, and its drafted steps cost
-        it nearly twice the median (docs/benchmark-log.md: "A drafted step's own forwards"). 0 where no pass is timed
-        there, or it has drafted none."""
-        price = self.clock.pass_price(near) if self.passes else None
+        in plain steps there (fewer: a saving), each a sequence's share of a pass; before its first, those of its
+        prior (an idle engine's recent drafted steps). A TriForce chain whose bottom misses takes up to gamma2 middle
+        rounds where the steps the clock timed took a few (a warm-up past its end, the load's own text), and its
+        drafted steps cost it nearly twice their median (docs/benchmark-log.md: "A drafted step's own forwards").
+        0 where no pass is timed there, or nothing is known of its own."""
+        own = statistics.fmean(self.passes) if self.passes else self.prior_passes
+        price = self.clock.pass_price(near) if own is not None else None
         if price is None:
             return 0.0
         timed_passes, pass_cost = price
-        return (statistics.fmean(self.passes) - timed_passes) * pass_cost
+        return (own - timed_passes) * pass_cost
 
     def mix_cost(self, batch: int, drafting: int, step_cost: float) -> float | None:
         """What `drafting` of a step's `batch` sequences drafting add to its plain step, in plain steps at `batch` (the
@@ -432,6 +453,8 @@ class DraftGate:
         sequences, as the one token it emitted: its batch's step was a drafted one, priced as such."""
         if self.drafting and drafted > 0 and passes is not None:
             self.passes.append(passes)
+            if self.recent is not None:
+                self.recent.add_passes(passes)
         if self.drafting and self.priced is not None and self._counts(drafted > 0):
             self._add_yield(emitted / self.priced[0])
 

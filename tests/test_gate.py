@@ -216,7 +216,8 @@ def test_a_request_whose_drafts_take_more_passes_than_the_timed_ones_is_priced_f
     """Where a drafted step's forwards follow its text (DraftPasses: a TriForce chain's middle rounds), the clock
     times one pass apart: a request whose recent drafted steps took more than the mean of the steps the clock timed
     pays for the extra ones, and at a yield that drafts beside that load it sits out; one that took fewer pays less;
-    a drafter whose forwards are its setting's pays the median."""
+    a drafter whose forwards are its setting's pays the median; a request joining an idle engine, before it drafts,
+    the passes of the engine's recent drafted steps."""
     clock = StepClock()
     for _ in range(UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST):
         clock.step_done(1, False, 0.05)
@@ -229,6 +230,13 @@ def test_a_request_whose_drafts_take_more_passes_than_the_timed_ones_is_priced_f
     decisions = {passes: gate.drafts(1, 100) for passes, gate in gates.items()}
     assert decisions == {9: False, 3: True, None: True}
     assert {passes: gate.step_cost for passes, gate in gates.items()} == pytest.approx({9: 10.0, 3: 5.2, None: 6.0})
+    recent = RecentYields()  # an idle engine's recent drafted steps: their passes price a joiner's first
+    for _ in range(3):
+        recent.add(1.0)
+        recent.add_passes(9)
+    joiner = DraftGate(lambda batch, context: (8.0, 1.2), clock)
+    joiner.join(recent, None)
+    assert joiner.prior == 1.0 and not joiner.drafts(1, 100) and joiner.step_cost == pytest.approx(10.0)
 
 
 def test_each_kinds_first_steps_at_a_batch_size_are_not_timed():
