@@ -24,6 +24,7 @@ RoPE factors re-encodes one cache (`LongRopeSwitch`, state in `KVCache.long_rope
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -606,6 +607,11 @@ class LeanModel:
                 cache.tokens[start:end] = item.tokens
             mask = None if item.mask is None else item.mask.float()
             item_masks.append(self._layer_masks(mask, item.positions, cache, end, None))
+        # per item whose cache takes its root's queries (TriForce's retrieval), per layer: the root's row of each head,
+        # stacked into the cache once after the layers (a copy a layer was the dearest of the engine's work in a step)
+        firsts = list(itertools.accumulate([0] + counts[:-1]))
+        root_rows: dict[int, list[torch.Tensor]] = {j: [] for j, item in enumerate(items)
+                                                    if item.cache.root_queries is not None}
         residual = None  # each block's output, added to x by the next norm
         for i, layer in enumerate(self.layers):
             views = [item.cache.layer_views[i] for item in items]
@@ -615,12 +621,8 @@ class LeanModel:
             cos, sin = rope[arch.layer_rope[i]]
             q = kernels.rope_store(qkv, cos, sin, keys, values, starts, counts, shape.heads, shape.kv_heads,
                                    layer["q_norm"], layer["k_norm"], eps, gemma)  # [rows * heads, head_dim]
-            first = 0
-            for item, count in zip(items, counts):
-                if item.cache.root_queries is not None:  # the block [heads, n, d] of the item's rows
-                    item.cache.root_queries[i] = q[shape.heads * first:shape.heads * (first + count)].view(
-                        shape.heads, count, shape.head_dim)[:, 0]
-                first += count
+            for j, rows in root_rows.items():  # the block [heads, n, d] of the item's rows: every n-th row its root's
+                rows.append(q[shape.heads * firsts[j]:shape.heads * (firsts[j] + counts[j]):counts[j]])
             attended = self._attend(q, keys, values, counts, ends, [layer_masks[i] for layer_masks in item_masks])
             out = self._linear(attended, layer["wo"], layer["bo"])
             if arch.sandwich_norms:
@@ -632,6 +634,8 @@ class LeanModel:
             residual = self._linear(gated, layer["w_down"], layer["b_down"])
             if arch.sandwich_norms:
                 residual = kernels.rms_norm(residual, None, layer["post_feedforward_layernorm"], eps, gemma)
+        for j, rows in root_rows.items():
+            torch.stack(rows, out=items[j].cache.root_queries)
         h = kernels.rms_norm(x, residual, self.final_norm, eps, gemma)
         if len(items) == 1:
             rows = items[0].logits_rows

@@ -360,6 +360,34 @@ def test_a_sequence_attends_the_same_way_alone_or_beside_others(monkeypatch):
         torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_a_batched_forward_takes_each_sequences_root_queries_as_the_operators_do():
+    """TriForce's retrieval scores with the rotated queries of a sequence's last root (KVCache.root_queries): the
+    kernels' batched forward takes each sequence's own, its first row's at every layer and head, as PyTorch's
+    operators do."""
+    _, lean = toy_model(0)
+    shape = lean.shape
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, VOCAB, (40,), generator=gen)
+    tokens = [torch.randint(0, VOCAB, (rows,), generator=gen) for rows in (3, 1, 2)]
+
+    def root_queries(forward) -> list[torch.Tensor]:
+        items = []
+        for length, new in zip((40, 9, 17), tokens):
+            cache = lean.new_cache(64)
+            lean.prefill(prompt[:length], cache, logits=False)
+            cache.root_queries = torch.zeros(shape.layers, shape.heads, shape.head_dim)
+            rows = new.shape[0]
+            mask = causal_mask(cache.length, rows, torch.float32, "cpu") if rows > 1 else None
+            items.append(ForwardItem(new, cache.length + torch.arange(rows), cache, mask, None))
+        forward(items)
+        return [item.cache.root_queries for item in items]
+
+    for by_kernels, by_operators in zip(root_queries(lean._forward_kernels), root_queries(lean._forward_operators)):
+        assert by_kernels.abs().sum() > 0
+        torch.testing.assert_close(by_kernels, by_operators, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_activation_and_rope_round_as_the_eager_forward(dtype):
     """rms_norm (with the residual add), gated_activation and rope_store against the same steps in PyTorch: equal
