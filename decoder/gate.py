@@ -31,7 +31,7 @@ joiners at the plan's r would outvote a batch whose drafts miss (settle_step), e
 step to learn what the batch knew. A request joining an idle engine takes the mean of the engine's last YIELD_WINDOW
 drafted steps (any request's, within RECENT_STEPS of the engine's steps) beside PRIOR_STEPS at the plan's
 (RecentYields), from its first step: one request at a time, each paying a drafted step at the plan's r to learn what
-the last ones knew cost an unseen TriForce load at C = 1 4% against one-token decoding (docs/benchmark-log.md: "An idle
+the last ones knew held an unseen TriForce load at C = 1 to 0.96 of one-token decoding (docs/benchmark-log.md: "An idle
 engine's evidence from the first step"). A request run past its stop tokens (`ignore_eos`: the serving bench's
 warm-up, a fixed-length benchmark's clients) keeps its drafted steps to itself: a warm-up's prompts are unlike the
 load's (reversed, so that no load's prompt sits in a cache), and what a model writes after its end, no request's text,
