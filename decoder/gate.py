@@ -266,7 +266,7 @@ class RecentYields:
 
     def __init__(self) -> None:
         self.yields: deque[tuple[int, float]] = deque(maxlen=YIELD_WINDOW)
-        self.passes: deque[tuple[int, int]] = deque(maxlen=YIELD_WINDOW)
+        self.passes: deque[tuple[int, float]] = deque(maxlen=YIELD_WINDOW)
         self.step = 0
 
     def add(self, ratio: float) -> None:
