@@ -135,12 +135,13 @@ class SequenceRun:
         if self.gate is not None:
             self.drafter.drafting = self.gate.drafts(batch, self.cache.length, self.drafter.start_tokens(),
                                                      self.max_new_tokens - len(self.out), load)
+            if self.drafter.drafting and self.gate.priced is not None and not self.drafter.drafts_now():
+                self.gate.not_ready()
+                self.drafter.drafting = False
 
     def propose(self, tree: DraftTree | None = None) -> ForwardItem:
         """The next tree to score (proposed by the drafter unless given: a batch's drafts made together)."""
-        drafts_now, gate = self.drafter.drafts_now(), self.gate
-        if gate is not None and gate.drafting and gate.priced is not None and not drafts_now:
-            gate.not_ready()
+        drafts_now = self.drafter.drafts_now()
         if tree is None:
             tree = (self.drafter.propose(self.root, self.params, self.rule.draw, self.generator)
                     if drafts_now else self.drafter.idle(self.root))

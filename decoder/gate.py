@@ -32,11 +32,18 @@ step to learn what the batch knew. A request joining an idle engine takes the me
 drafted steps (any request's, within RECENT_STEPS of the engine's steps) beside PRIOR_STEPS at the plan's
 (RecentYields), from its first step: one request at a time, each paying a drafted step at the plan's r to learn what
 the last ones knew held an unseen TriForce load at C = 1 to 0.96 of one-token decoding (docs/benchmark-log.md: "An idle
-engine's evidence from the first step"). A request run past its stop tokens (`ignore_eos`: the serving bench's
-warm-up, a fixed-length benchmark's clients) keeps its drafted steps to itself: a warm-up's prompts are unlike the
-load's (reversed, so that no load's prompt sits in a cache), and what a model writes after its end, no request's text,
-repeats itself, so drafts land on it as on little else; from a warm-up on reversed prompts, the requests of the load
-after it took a prior that locked them out of drafts that paid.
+engine's evidence from the first step"). So does one joining a batch none of whose requests has drafted yet, and each
+follows those steps as they come until its own first drafted step counts; of a burst with none to go by at all (a
+fresh engine's: `uninformed`), one drafts a step for the rest (settle_step), whose first decisions then follow its
+yield: each of an unseen TriForce load's bursts at C = 8 drafted a step of 3 s at the plan's r, eight chains missing
+together (docs/benchmark-log.md: "One drafts for a fresh burst"). A request run past its stop tokens (`ignore_eos`:
+the serving bench's warm-up, a fixed-length benchmark's clients) keeps its drafted steps to itself: a warm-up's prompts
+are unlike the load's (reversed, so that no load's prompt sits in a cache), and what a model writes after its end, no
+request's text, repeats itself, so drafts land on it as on little else; from a warm-up on reversed prompts, the
+requests of the load after it took a prior that locked them out of drafts that paid. Its drafts are the clock's: it
+drafts the steps the clock wants timed whatever it yields, and its step's mix does not overrule it, so that a warm-up
+times the drafted step the load is priced at (one drafting by its own low yield timed none at B = 8, and left that to
+the load's first steps).
 
 A drafted step's price is the plan's until the engine has timed both kinds of step (StepClock): then it is their
 measured ratio at that batch size, or at the nearest one timed, scaled by the plan's prices at the two. The measure
@@ -277,7 +284,11 @@ class RecentYields:
 
     @property
     def prior(self) -> float:
-        return shrunk_mean(1.0, self._recent(self.yields))
+        return shrunk_mean(1.0, self.yields_now())
+
+    def yields_now(self) -> list[float]:
+        """The yields of the recent drafted steps (within RECENT_STEPS)."""
+        return self._recent(self.yields)
 
     @property
     def prior_passes(self) -> float | None:
@@ -301,10 +312,14 @@ class DraftGate:
         self.yields: deque[float] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' tokens over the prediction
         self.passes: deque[int] = deque(maxlen=YIELD_WINDOW)  # its drafted steps' draft forwards (Drafter.draft_passes)
         self.recent: RecentYields | None = None  # the engine's, which its drafted steps join (`join`)
+        # the engine's recent drafted steps its priors follow until its own first counts (it joined an idle engine)
+        self.follows: RecentYields | None = None
+        self.of_load = True  # its text is the load's: not run past its stop tokens (`join`)
         self.idle_steps = 0
         # the weight of PRIOR_STEPS in r: the plan's prediction, its batch's mean r when it joined one, the engine's
-        # recent drafted steps' when it joined an idle engine; and the draft forwards it is priced at before it has
-        # drafted (None: those of the steps the clock timed), the recent drafted steps' when it joined an idle engine
+        # recent drafted steps' when it joined an idle engine (`follows`); and the draft forwards it is priced at
+        # before it has drafted (None: those of the steps the clock timed), the recent drafted steps' when it joined
+        # an idle engine
         self.prior = 1.0
         self.prior_passes: float | None = None
         self.priced: tuple[float, float] | None = None  # the prediction of the step being decided
@@ -318,13 +333,22 @@ class DraftGate:
 
     def join(self, recent: RecentYields, batch_yield: float | None, adds_to_recent: bool = True) -> None:
         """The request joins an engine whose recent drafted steps are `recent`, which its own join unless not
-        `adds_to_recent` (a request run past its stop tokens), and whose batch in flight has the mean r `batch_yield`
-        (None: the engine is idle): its prior."""
+        `adds_to_recent` (a request run past its stop tokens: its text is no evidence of the load's), and whose batch
+        in flight has the mean r `batch_yield`: its prior; or, where that is None (the engine idle, or its batch
+        without a drafted step yet), the engine's recent drafted steps as they stand at each of its decisions until its
+        own first counts."""
         self.recent = recent if adds_to_recent else None
+        self.of_load = adds_to_recent
         if batch_yield is not None:
             self.prior = batch_yield
         else:
-            self.prior, self.prior_passes = recent.prior, recent.prior_passes
+            self.follows = recent
+
+    @property
+    def uninformed(self) -> bool:
+        """Whether it decides on the plan's prediction alone, its text the load's: no drafted step of its own, its
+        batch's or the engine's recent ones to go by (a burst joining a fresh engine)."""
+        return self.of_load and self.follows is not None and not self.follows.yields_now()
 
     @property
     def yield_ratio(self) -> float:
@@ -339,6 +363,8 @@ class DraftGate:
         recent most)."""
         self.priced, self.batch, self.context = self.pricing(batch, context), batch, context
         self.firm, self.reads_first = True, start_tokens > 0
+        if self.follows is not None:
+            self.prior, self.prior_passes = self.follows.prior, self.follows.prior_passes
         if self.priced is None:  # nothing priced (or the schedule off there): the drafter's setting decides
             self.drafting, self.reason = True, "unpriced"
             return True
@@ -347,12 +373,15 @@ class DraftGate:
         start = self._start_cost(batch, start_tokens)
         expected = self.yield_ratio * tokens  # what its next drafted step should emit
         start_repaid = self._start_repaid(batch, context, start_tokens, remaining, load, (start, step_cost, expected))
-        # a drafted step times the clock only where this request's own yield comes near paying at the price known
-        wanted = (self.clock.wanted(batch, drafted_too=expected >= CANDIDATE_SPEEDUP * step_cost)
-                  if self.clock is not None else None)
+        # a drafted step times the clock only where this request's own yield comes near paying at the price known, or
+        # where its text is no evidence of the load's (a warm-up's: it times the price the load decides at)
+        near_paying = expected >= CANDIDATE_SPEEDUP * step_cost or not self.of_load
+        wanted = self.clock.wanted(batch, drafted_too=near_paying) if self.clock is not None else None
         self.expected, self.step_cost = expected, step_cost
         if wanted is not None and (start_repaid or not wanted):  # the few steps that time each kind
-            drafting, self.firm = wanted, False  # where the batch's answers differ, its mean settles the step's kind
+            # where the batch's answers differ, its mean settles the step's kind; a drafted one timed past the stop
+            # tokens stands
+            drafting, self.firm = wanted, wanted and not self.of_load
             self.reason = "timing"
         elif expected >= step_cost:
             drafting, self.firm = start_repaid, False
@@ -373,9 +402,10 @@ class DraftGate:
 
     def not_ready(self) -> None:
         """Its drafter cannot draft at the coming step it decided to draft (a TriForce sequence's first step, whose
-        forward gives the query of its first build): a plain step, not a drafted one without a draft (`observe`)."""
+        forward gives the query of its first build): a plain step, not a drafted one without a draft (`observe`), which
+        its step's mix does not overrule (settle_step)."""
         self.overrule(False)
-        self.reason = "not ready"
+        self.firm, self.reason = True, "not ready"
 
     def _step_cost(self, batch: int, context: int, planned: float) -> float:
         """A drafted step's price in plain steps at `batch` sequences (the plan's: `planned`), on the clock where it
@@ -470,6 +500,7 @@ class DraftGate:
         return matched or self.batch > 1
 
     def _add_yield(self, ratio: float) -> None:
+        self.follows = None  # its priors stay those its first counted step was decided at
         self.yields.append(ratio)
         if self.recent is not None:
             self.recent.add(ratio)
@@ -493,13 +524,20 @@ def settle_step(gates: list[DraftGate]) -> None:
     only come within CANDIDATE_SPEEDUP of the price, the band a request times a drafted step in. Where some decisions
     are firm (a probe, nothing priced), those stand, and the others join them where they gain more tokens than they
     add to the step, priced by its mix where the plan priced it (DraftGate.mix_cost: what k of B drafting add), the
-    ones expecting most first; else the others stand too."""
+    ones expecting most first; else the others stand too. Before all that, of the requests that would draft with
+    nothing but the plan's prediction to go by (DraftGate.uninformed), the first alone does: its yield is the others'
+    prior at the next step, where each drafting at the plan's r paid a drafted step to learn it (a lone TriForce chain
+    beside seven plain sequences costs the step a fifth of what eight chains do)."""
+    for gate in [gate for gate in gates if gate.drafting and gate.uninformed][1:]:
+        gate.overrule(False)
+        gate.firm, gate.reason = True, "batch"
     if len({gate.drafting for gate in gates}) < 2 or all(gate.firm for gate in gates):
         return
     batch = len(gates)
     drafted = statistics.fmean(gate.step_cost for gate in gates)  # a drafted step's price, all of them drafting
     able = [gate for gate in gates if not gate.firm and (gate.drafting or not gate.reads_first)]
-    fixed = sum(gate.firm for gate in gates)  # drafting: a probe, or a request whose drafts nothing prices
+    # drafting: a probe, a request whose drafts nothing prices, one timing the clock past its stop tokens
+    fixed = sum(gate.firm and gate.drafting for gate in gates)
     timing = any(gate.drafting and gate.reason == "timing" for gate in gates)
     if not fixed:
         share = CANDIDATE_SPEEDUP if timing else 1.0

@@ -74,7 +74,9 @@ def test_an_idle_engines_recent_yields_set_a_joining_requests_prior_from_its_fir
     """A drafted step costs 2 plain ones (3 tokens predicted for 1.5x). After the engine's recent drafted steps
     yielded a fifth of the prediction, a request joining the idle engine sits its first step out (r = (2 + 8 x 0.2) /
     10: 1.08 tokens expected); after recent steps that landed it drafts, and its drafted steps join the engine's;
-    steps more than RECENT_STEPS of the engine's old no longer count."""
+    steps more than RECENT_STEPS of the engine's old no longer count. Until its own first drafted step counts, its
+    prior follows the engine's steps as they come: a burst joining a fresh engine learns from the first of it to
+    draft; after that, the prior it decided that step at stays."""
     def joining(recent_yields: list[float], age: int = 0) -> DraftGate:
         recent = RecentYields()
         for ratio in recent_yields:
@@ -85,16 +87,48 @@ def test_an_idle_engines_recent_yields_set_a_joining_requests_prior_from_its_fir
         return gate
 
     after_misses, after_landings = joining([0.2] * YIELD_WINDOW), joining([1.0] * YIELD_WINDOW)
-    assert after_misses.prior == pytest.approx((2 + 0.2 * YIELD_WINDOW) / (2 + YIELD_WINDOW))
     assert not after_misses.drafts(1, 100) and after_landings.drafts(1, 100)
+    assert after_misses.prior == pytest.approx((2 + 0.2 * YIELD_WINDOW) / (2 + YIELD_WINDOW))
     after_landings.observe(1.5, 4)
     assert after_landings.recent.yields[-1] == (0, 0.5)
     long_ago = joining([0.2] * YIELD_WINDOW, age=RECENT_STEPS)
     assert long_ago.prior == 1.0 and long_ago.drafts(1, 100)
+    fresh = RecentYields()
+    first, second = (DraftGate(lambda batch, context: (3.0, 1.2)) for _ in range(2))  # 2.5 plain steps
+    first.join(fresh, None)
+    second.join(fresh, None)
+    assert first.drafts(2, 100)
+    first.observe(1, 4)  # a third of the prediction: (2 + 1 / 3) / 3 leaves 2.33 tokens expected
+    assert not second.drafts(2, 100) and second.prior == pytest.approx(first.yield_ratio)
+    second.drafting = True
+    second.observe(3, 4)
+    first.observe(3, 4)
+    assert second.prior == pytest.approx((2 + 1 / 3) / 3) and second.follows is None
     unaided = DraftGate(lambda batch, context: (3.0, 1.5))  # the plan's prior alone: (2 + 0.5) / 3 pays
     assert unaided.drafts(1, 100)
     unaided.observe(1.5, 4)
     assert unaided.drafts(1, 100)
+
+
+def test_of_a_burst_joining_a_fresh_engine_one_drafts_and_the_rest_follow_its_yield():
+    """Three requests join an engine without a drafted step (2.5 plain steps for 3 tokens: r = 1 pays): one drafts the
+    step, the others sit it out; a fourth run past its stop tokens (a warm-up's) drafts as it decided. Once the first
+    step's yield is a third of the prediction, the rest expect (2 + 1 / 3) / 3 x 3 = 2.33 tokens and sit out; where
+    the engine's recent steps yielded the prediction, all of a burst draft."""
+    for recent_yield, rest_draft in ((None, False), (1.0, True)):
+        recent = RecentYields()
+        if recent_yield is not None:
+            recent.add(recent_yield)
+        gates = [DraftGate(lambda batch, context: (3.0, 1.2)) for _ in range(4)]
+        for gate in gates[:3]:
+            gate.join(recent, None)
+        gates[3].join(recent, None, adds_to_recent=False)
+        assert all(gate.drafts(4, 100) for gate in gates)
+        settle_step(gates)
+        assert [gate.drafting for gate in gates] == [True, rest_draft, rest_draft, True]
+        for gate in gates:
+            gate.observe(1, 4)
+        assert [gate.drafts(4, 100) for gate in gates[:3]] == [False] * 3
 
 
 def test_skewed_yields_that_pay_on_average_keep_drafting():
@@ -597,6 +631,7 @@ def test_a_step_whose_drafters_read_first_is_timed_less_their_reading(tiny_pair,
 
     monkeypatch.setattr(SequoiaDrafter, "propose_many", staticmethod(noting_reads))
     scheduler = Scheduler(engine, drafters_per_slot(lambda: SequoiaDrafter(draft, [-1, 0])), concurrency=4)
+    scheduler.recent_yields.add(1.0)  # a drafted step of the load before: the four draft their first step together
     list(scheduler.run([Request([5 + (i * 7 + j) % 90 for j in range(400)], 8) for i in range(4)]))
     assert recorded[0][:2] == (4, True)
     assert 0 < recorded[0][2] < reads[0]
@@ -824,8 +859,8 @@ def test_steps_where_some_requests_draft_keep_every_requests_greedy_tokens(concu
 
 @pytest.mark.parametrize("concurrency", [2, 4])
 def test_steps_settled_by_the_mean_keep_every_requests_greedy_tokens(concurrency, tiny_pair, monkeypatch):
-    """Where the requests' decisions differ, the batch's steps drafted by all or none; each request's greedy tokens
-    its own."""
+    """Where the requests' decisions differ, the batch's steps drafted by all or none (but the first, where one drafts
+    for a burst joining a fresh engine); each request's greedy tokens its own."""
     from specplan.decoder import engine as engine_module
 
     mixed = []
@@ -836,7 +871,7 @@ def test_steps_settled_by_the_mean_keep_every_requests_greedy_tokens(concurrency
 
     monkeypatch.setattr(engine_module, "settle_step", resolved)
     kinds = _step_kinds_keeping_greedy_tokens(tiny_pair, concurrency)
-    assert kinds and all(len(kind) == 1 for kind in kinds) and any(mixed)
+    assert kinds and all(len(kind) == 1 for kind in kinds[1:]) and any(mixed)
 
 
 def test_a_drafted_step_is_timed_though_one_trie_has_no_match(tiny_pair):
@@ -872,6 +907,7 @@ def test_a_step_whose_drafter_cannot_draft_yet_leaves_the_requests_yield_alone(t
 
     engine = SpeculativeEngine(target, make(), pricing=lambda batch, context: (3.0, 1.5))
     scheduler = Scheduler(engine, drafters_per_slot(make), 2)
+    scheduler.recent_yields.add(1.0)  # a drafted step of the load before: both draft once ready
     for i in range(2):
         scheduler.submit(Request(long_prompt(300 + 30 * i, i), 12))
     scheduler.step()
@@ -895,6 +931,30 @@ def test_a_request_whose_drafts_miss_does_not_draft_to_time_the_clock():
     assert not missing.drafts(8, 100) and not missing.firm and clock.wanted(8, drafted_too=False) is False
     settle_step([fresh, missing])  # mean expected (3 + 1.5) / 2 >= 2
     assert fresh.drafting and missing.drafting
+
+
+def test_a_request_run_past_its_stop_tokens_times_the_drafted_steps_its_clock_wants_whatever_it_yields():
+    """Nothing timed at B = 8: a request whose text is the load's and whose drafts emitted a tenth of the plan's tokens
+    times plain steps; one run past its stop tokens (a warm-up's: its text no evidence of the load's) drafts to time
+    the drafted step the load will be priced at, and the step's mean does not overrule it. Once the drafted steps
+    are timed, it times plain ones as any request would, and then decides by its yield."""
+    clock = StepClock()
+    recent = RecentYields()
+    load, past_stop = (DraftGate(lambda batch, context: (3.0, 1.5), clock) for _ in range(2))
+    load.join(recent, None)
+    past_stop.join(recent, None, adds_to_recent=False)
+    for gate in (load, past_stop):
+        gate.yields.extend([0.1] * YIELD_WINDOW)
+    assert not load.drafts(8, 100) and load.reason == "timing"
+    assert past_stop.drafts(8, 100) and past_stop.reason == "timing" and past_stop.firm
+    settle_step([load, past_stop])
+    assert past_stop.drafting and not load.drafting
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(8, True, 0.020)
+    assert not past_stop.drafts(8, 100) and past_stop.reason == "timing" and not past_stop.firm
+    for _ in range(MEASURED_AT_LEAST):
+        clock.record(8, False, 0.010)
+    assert not past_stop.drafts(8, 100) and past_stop.reason == "sits out"
 
 
 def test_a_batch_within_the_timing_band_drafts_the_step_its_clock_wants():
