@@ -346,9 +346,10 @@ class DraftGate:
 
     @property
     def uninformed(self) -> bool:
-        """Whether it decides on the plan's prediction alone, its text the load's: no drafted step of its own, its
-        batch's or the engine's recent ones to go by (a burst joining a fresh engine)."""
-        return self.of_load and self.follows is not None and not self.follows.yields_now()
+        """Whether it decided its coming step on the plan's prediction alone, its text the load's: no drafted step of
+        its own, its batch's or the engine's recent ones to go by (a burst joining a fresh engine)."""
+        return (self.of_load and self.priced is not None and self.follows is not None
+                and not self.follows.yields_now())
 
     @property
     def yield_ratio(self) -> float:

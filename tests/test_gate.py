@@ -129,6 +129,12 @@ def test_of_a_burst_joining_a_fresh_engine_one_drafts_and_the_rest_follow_its_yi
         for gate in gates:
             gate.observe(1, 4)
         assert [gate.drafts(4, 100) for gate in gates[:3]] == [False] * 3
+    unpriced = [DraftGate(lambda batch, context: None) for _ in range(2)]  # the drafters' settings decide, as ever
+    for gate in unpriced:
+        gate.join(RecentYields(), None)
+    assert all(gate.drafts(4, 100) for gate in unpriced)
+    settle_step(unpriced)
+    assert all(gate.drafting for gate in unpriced)
 
 
 def test_skewed_yields_that_pay_on_average_keep_drafting():
