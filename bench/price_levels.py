@@ -53,9 +53,10 @@ def main() -> None:
         lengths = level.output_lengths or recorded.get(level.concurrency)  # None: every output at the max
         predicted = price(sent, level.concurrency, args.max_new_tokens, None, lengths)
         again = ""
-        if level.tokens_per_step:
-            repriced = price(sent, level.concurrency, args.max_new_tokens, level.tokens_per_step, lengths)
-            again = f", x{level.tokens_per_second / repriced:.2f} at {level.tokens_per_step:.2f} tokens/step"
+        if (measured := level.measured_steps) is not None:
+            repriced = price(sent, level.concurrency, args.max_new_tokens, measured, lengths)
+            again = (f", x{level.tokens_per_second / repriced:.2f} at its {measured.drafted_share:.1%} drafted steps' "
+                     f"{measured.drafted_tokens:.2f} tokens")
         recorded_price = (f"; recorded price {level.predicted_tokens_per_second:.1f}"
                           if level.predicted_tokens_per_second else "")
         print(f"C={level.concurrency:2d} {level.system:10s} {level.tokens_per_second:6.1f} tokens/s: "

@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import aiohttp
 import numpy as np
@@ -65,9 +65,17 @@ def warmup_tokens(plan: Plan | None) -> int:
         + MEASURED_AT_LEAST
 
 
-# (a level's prompts, C, max tokens, tokens per step or None: the plan's, each prompt's output tokens or None: the
-# max tokens) -> tokens/s
-LevelPricer = Callable[[list[list[int]], int, int, float | None, list[int] | None], float]
+class MeasuredSteps(NamedTuple):
+    """What a level's requests' steps did, as their server reported: the tokens a drafted step emitted per sequence,
+    and the share of their steps that drafted (the rest emitted one token each)."""
+
+    drafted_tokens: float
+    drafted_share: float
+
+
+# (a level's prompts, C, max tokens, its measured steps or None: the plan's prediction, each prompt's output tokens or
+# None: the max tokens) -> tokens/s
+LevelPricer = Callable[[list[list[int]], int, int, MeasuredSteps | None, list[int] | None], float]
 
 
 @dataclass
@@ -123,7 +131,7 @@ class LevelResult:
     machine: str
     predicted_tokens_per_second: float | None = None  # the plan's price of this load (planner/closed_loop.py)
     tokens_per_step: float | None = None  # per sequence, over the requests whose server reported its steps
-    repriced_tokens_per_second: float | None = None  # the load priced again at the measured tokens per step
+    repriced_tokens_per_second: float | None = None  # the load priced again at its measured steps (MeasuredSteps)
     output_lengths: list[int] | None = None  # each prompt's output tokens, in the level's prompt order
     drafted_share: float | None = None  # of the requests' steps, those in which they drafted (ours)
     round: int = 0  # which of the level's rounds (plan bench --rounds): every system once a round
@@ -134,6 +142,15 @@ class LevelResult:
     step_prices: dict[str, list[float]] | None = None
     command: list[str] | None = None  # the server's command at this concurrency, its port left out
     price_basis: str | None = None  # what predicted_tokens_per_second's drafting yield was replayed on
+
+    @property
+    def measured_steps(self) -> MeasuredSteps | None:
+        """Its drafted steps' tokens per sequence and their share of the steps (a plain step emits one token, so the
+        drafted ones emitted the rest); None where none drafted or its server reported no steps."""
+        if not self.tokens_per_step or not self.drafted_share:
+            return None
+        plain = 1.0 - self.drafted_share
+        return MeasuredSteps((self.tokens_per_step - plain) / self.drafted_share, self.drafted_share)
 
     @classmethod
     def summarize(cls, system: str, concurrency: int, timings: list[RequestTiming], failed: int,
@@ -569,11 +586,11 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
                                                             lengths)
         result.price_basis = system.price_basis
         priced = f", {result.tokens_per_second / result.predicted_tokens_per_second:.2f}x its price"
-        if result.tokens_per_step:
-            result.repriced_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens,
-                                                               result.tokens_per_step, lengths)
-            priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at "
-                       f"{result.tokens_per_step:.2f} tokens/step)")
+        if (measured := result.measured_steps) is not None:
+            result.repriced_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens, measured,
+                                                               lengths)
+            priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at its "
+                       f"{measured.drafted_share:.1%} drafted steps' {measured.drafted_tokens:.2f} tokens)")
     drafted = f", {result.drafted_share:.0%} of steps drafted" if result.drafted_share is not None else ""
     if result.cached_share is not None:
         drafted += f", {result.cached_share:.0%} of prompt tokens cached"
@@ -649,14 +666,23 @@ def serving_prices(plan: Plan, settings: list[int], max_tokens: int, requests_pe
         return prices[entry.decoding_length] if entry is not None and entry.speculate else off
 
     def priced(policy: Callable[[int], SettingPrice]) -> LevelPricer:
-        def price(prompts: list[list[int]], concurrency: int, max_tokens: int, tokens_per_step: float | None,
+        def price(prompts: list[list[int]], concurrency: int, max_tokens: int, measured: MeasuredSteps | None,
                   output_tokens: list[int] | None = None) -> float:
-            def setting(batch: int) -> SettingPrice:
-                chosen = policy(batch)
-                return chosen if tokens_per_step is None or chosen.rows == 1 else replace(
-                    chosen, tokens_per_step=tokens_per_step)
-            return closed_loop_price(profile, prompts, concurrency, max_tokens, setting,
-                                     output_tokens).tokens_per_second
+            def rate(setting: Callable[[int], SettingPrice]) -> float:
+                return closed_loop_price(profile, prompts, concurrency, max_tokens, setting,
+                                         output_tokens).tokens_per_second
+
+            if measured is None:
+                return rate(policy)
+            # every step drafted at the measured tokens, and every step plain: the level's time is theirs weighted by
+            # the share of its tokens each kind of step emitted (a request deciding per step runs both)
+            drafted = rate(lambda batch: chosen if (chosen := policy(batch)).rows == 1 else replace(
+                chosen, tokens_per_step=measured.drafted_tokens))
+            drafted_tokens = measured.drafted_share * measured.drafted_tokens
+            plain_tokens = 1.0 - measured.drafted_share
+            if not plain_tokens:
+                return drafted
+            return (drafted_tokens + plain_tokens) / (drafted_tokens / drafted + plain_tokens / rate(lambda _: off))
         return price
 
     policies = {"ours": scheduled, "ours-fixed": scheduled, "ours-ar": lambda batch: OFF,

@@ -126,7 +126,7 @@ def test_plan_bench_prices_each_system_of_a_lookahead_schedule(run_cli, tmp_path
 
     from specplan.core.acceptance_schema import LookaheadAcceptance
     from specplan.core.plan_schema import load_plan
-    from specplan.serving import serving_prices
+    from specplan.serving import MeasuredSteps, serving_prices
 
     acceptance, profile, plan_path = (tmp_path / name for name in ("a.yaml", "p.yaml", "plan.yaml"))
     acceptance.write_text(yaml.safe_dump(LookaheadAcceptance(
@@ -149,8 +149,28 @@ def test_plan_bench_prices_each_system_of_a_lookahead_schedule(run_cli, tmp_path
     # alone the schedule drafts and is priced above no drafting; at 8 in flight it is off: the same load, one price
     assert prices["ours"](prompts[:2], 1, 32, None) > prices["ours-ar"](prompts[:2], 1, 32, None)
     assert prices["ours"](prompts, 8, 32, None) == pytest.approx(prices["ours-ar"](prompts, 8, 32, None))
-    # priced again at a measured tokens per step of 1: drafting costs its rows and yields nothing
-    assert prices["setting-4"](prompts[:2], 1, 32, 1.0) < prices["ours-ar"](prompts[:2], 1, 32, None)
+    # priced again at drafted steps measured to emit one token: drafting costs its rows and yields nothing
+    plain = prices["ours-ar"](prompts[:2], 1, 32, None)
+    assert prices["setting-4"](prompts[:2], 1, 32, MeasuredSteps(1.0, 1.0)) < plain
+    # a request deciding per step runs both kinds: none drafted is no drafting's price, a mix lies between the two
+    drafted = prices["ours"](prompts[:2], 1, 32, MeasuredSteps(3.0, 1.0))
+    assert prices["ours"](prompts[:2], 1, 32, MeasuredSteps(3.0, 0.0)) == pytest.approx(plain)
+    assert drafted > prices["ours"](prompts[:2], 1, 32, MeasuredSteps(3.0, 0.5)) > plain
+
+
+def test_a_levels_measured_steps_are_its_drafted_steps_tokens_and_share():
+    """LevelResult.measured_steps: a plain step emits one token, so the drafted steps emitted the rest; None where
+    none drafted or no server reported its steps."""
+    from specplan.serving import LevelResult, MeasuredSteps, RequestTiming
+
+    def level(*requests: tuple[int, int | None, int | None]) -> LevelResult:
+        timings = [RequestTiming(0.0, 0.1, 1.0, tokens, steps, drafted_steps=drafted)
+                   for tokens, steps, drafted in requests]
+        return LevelResult.summarize("ours", len(timings), timings, 0, "test")
+
+    measured = level((16, 10, 2), (8, 8, 0)).measured_steps
+    assert measured == pytest.approx(MeasuredSteps((24 - 16) / 2, 2 / 18))
+    assert level((8, 8, 0)).measured_steps is None and level((8, None, None)).measured_steps is None
 
 
 def test_a_load_of_the_prompts_a_lookahead_plan_was_solved_on_is_priced_on_their_own_records(run_cli, tmp_path):
@@ -161,7 +181,7 @@ def test_a_load_of_the_prompts_a_lookahead_plan_was_solved_on_is_priced_on_their
     from specplan.core.acceptance_schema import LookaheadAcceptance, LookaheadRecord
     from specplan.core.plan_schema import load_plan
     from specplan.planner.lookahead import plan_setting_prices, replay, served_records, solved_records
-    from specplan.serving import serving_prices
+    from specplan.serving import MeasuredSteps, serving_prices
 
     phrase = list(range(10, 22))
     repeating = [LookaheadRecord(f"r{i}", "toy", phrase * 2 + [30 + i], (phrase * 4)[i:i + 40]) for i in range(3)]
@@ -188,6 +208,6 @@ def test_a_load_of_the_prompts_a_lookahead_plan_was_solved_on_is_priced_on_their
     assert served.tokens_per_step > everything.tokens_per_step  # the novel outputs draft nothing
     level = [r.prompt for r in repeating]
     assert prices["setting-4"](level, 1, 40, None) == pytest.approx(
-        prices["setting-4"](level, 1, 40, served.tokens_per_step))
+        prices["setting-4"](level, 1, 40, MeasuredSteps(served.tokens_per_step, 1.0)))
     _, unseen = serving_prices(plan, [4], 40, 2, lambda line: None, [[7, 8, 9]])
     assert unseen.startswith("the plan's acceptance records")
