@@ -1,11 +1,11 @@
-"""A schedule against its fixed settings, from `plan bench --concurrency ... --settings ... [--rules ...]` runs:
-per concurrency, every system's aggregate tokens/s (the mean over the runs and rounds given, and their spread), the best
+"""A schedule against its fixed settings, from `plan bench --concurrency ... --settings ... [--rules ...]` runs: per
+concurrency, every system's aggregate tokens/s (the mean over the runs and rounds given, and their spread), the best
 fixed setting (ours-ar: off), the schedule's ratio to it and to off (ratio of the means, and the range of the ratios
 within each round, where the two ran side by side; a plan's shared rows also against the plan without them,
-ours-unshared), and each system's measured / predicted: the load's
-price the bench wrote beside it (planner/closed_loop.py; and the price at the measured tokens per step; the records
-its drafting was replayed on printed first), or for results from before, the plan solver's decode-step rate at B = the
-concurrency.
+ours-unshared; and against the best of the engines' drafting rules served beside it), and each system's measured /
+predicted: the load's price the bench wrote beside it (planner/closed_loop.py; and the price at the measured tokens per
+step; the records its drafting was replayed on printed first), or for results from before, the plan solver's decode-step
+rate at B = the concurrency.
 
 Where the run kept step logs (`plan bench --step-logs`), also the schedule against the best fixed setting in the seconds
 of its servers' level steps outside prefills: the steps after the warm-up's requests (the first `concurrency` to
@@ -91,6 +91,11 @@ def main(plan_path: str, runs: list[str]) -> None:
             print(f"      outside prefills: schedule / best fixed ({best}) "
                   f"{statistics.mean(other.values()) / statistics.mean(ours.values()):.3f}"
                   f"{_round_range({k: 1 / v for k, v in ours.items()}, {k: 1 / v for k, v in other.items()})}")
+        rules = {s: rate for s, rate in means.items() if s.startswith("rule-")}  # `--rules`: the engines' rules
+        if "ours" in means and rules:
+            top = max(rules, key=rules.get)
+            print(f"      schedule / best rule ({top}) {means['ours'] / rules[top]:.3f}"
+                  f"{_round_range(side_by_side[('ours', concurrency)], side_by_side[(top, concurrency)])}")
         if "ours" in means and "ours-unshared" in means:  # a plan's shared rows against its static schedule
             unshared = side_by_side[("ours-unshared", concurrency)]
             print(f"      shared rows / unshared {means['ours'] / means['ours-unshared']:.3f}"
