@@ -117,7 +117,7 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
         raise UserError(f"--format {fmt} needs --draft-path: the draft model as {fmt} loads it (a path or hub id)")
     depth = tree.depth
     choices = _choices(tree)
-    target = plan.models.target or "TARGET"
+    target = _served_target(plan)
     if fmt == "sequoia":
         buffer = io.BytesIO()
         import torch
@@ -208,12 +208,19 @@ def export_plan(plan: Plan, fmt: str, draft_path: str | None = None, heads: int 
                                       "knobs from the assistant's generation config, not from generate's kwargs")
 
 
+def _served_target(plan: Plan) -> str:
+    """The target as the engine's command line names it: the plan's, unless a config.json a modeled plan was solved on
+    (the engine loads the real weights, which only the user can name)."""
+    target = plan.models.target
+    return "TARGET" if target is None or target.endswith(".json") else target
+
+
 def _sglang_schedule(plan: Plan, draft_path: str, method: str, concurrency: int | None, context: int) -> Export:
     """A chain schedule for SGLang: with an EAGLE head (`--method eagle|eagle3`), its adaptive-steps config, one tier
     per range keyed at the range's first batch size with the range's draft length its one candidate (SGLang routes a
     batch to the largest key at or below it); a standalone draft runs no adaptive steps there, so its static flags
     at the `concurrency` stated."""
-    target = plan.models.target or "TARGET"
+    target = _served_target(plan)
     rows = _schedule_rows(plan, context)
     if method in ("eagle", "eagle3"):
         config: dict[str, Any] = {"written_for": f"SGLang {SGLANG_ADAPTIVE.path} at {SGLANG_ADAPTIVE.commit[:12]}"}

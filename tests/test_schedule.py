@@ -489,6 +489,17 @@ def test_chain_schedules_export_as_vllm_and_tensorrt_llm_take_them():
         export_plan(growing, "trtllm-draft", "draft/path")
 
 
+def test_the_engines_command_names_the_target_a_plan_was_solved_for_not_a_modeled_config():
+    """A plan solved on a config.json (a modeled GPU profile) has no weights the engine could load: its command names
+    TARGET for the user to fill in; a preset or a model directory is named as it stands."""
+    plan = chain_plan(SHRINKING)
+    assert export_plan(plan, "vllm", "draft/path").instructions.startswith("vllm serve t ")
+    modeled = replace(plan, models=PlanModels(target="/any/where/llama-3.1-8b.json", draft="d"))
+    for fmt in ("vllm", "sglang"):
+        instructions = export_plan(modeled, fmt, "draft/path", concurrency=4).instructions
+        assert "TARGET" in instructions and ".json" not in instructions
+
+
 def test_a_served_llama_servers_command_carries_the_options_it_took_from_the_environment(monkeypatch):
     """LLAMA_ARG_ variables set llama-server's options (LLAMA_ARG_REPACK=false: --no-repack); a level's recorded
     command puts them before the binary, as a shell runs it again, and drops the port; ours takes none of them."""
