@@ -55,8 +55,7 @@ def main() -> None:
         again = ""
         if (measured := level.measured_steps) is not None:
             repriced = price(sent, level.concurrency, args.max_new_tokens, measured, lengths)
-            again = (f", x{level.tokens_per_second / repriced:.2f} at its {measured.drafted_share:.1%} drafted steps' "
-                     f"{measured.drafted_tokens:.2f} tokens")
+            again = f", x{level.tokens_per_second / repriced:.2f} at {measured}"
         recorded_price = (f"; recorded price {level.predicted_tokens_per_second:.1f}"
                           if level.predicted_tokens_per_second else "")
         print(f"C={level.concurrency:2d} {level.system:10s} {level.tokens_per_second:6.1f} tokens/s: "

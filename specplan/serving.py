@@ -72,6 +72,9 @@ class MeasuredSteps(NamedTuple):
     drafted_tokens: float
     drafted_share: float
 
+    def __str__(self) -> str:
+        return f"its {self.drafted_share:.1%} drafted steps' {self.drafted_tokens:.2f} tokens"
+
 
 # (a level's prompts, C, max tokens, its measured steps or None: the plan's prediction, each prompt's output tokens or
 # None: the max tokens) -> tokens/s
@@ -589,8 +592,7 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
         if (measured := result.measured_steps) is not None:
             result.repriced_tokens_per_second = system.predict(level_prompts, concurrency, max_tokens, measured,
                                                                lengths)
-            priced += (f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at its "
-                       f"{measured.drafted_share:.1%} drafted steps' {measured.drafted_tokens:.2f} tokens)")
+            priced += f" ({result.tokens_per_second / result.repriced_tokens_per_second:.2f}x at {measured})"
     drafted = f", {result.drafted_share:.0%} of steps drafted" if result.drafted_share is not None else ""
     if result.cached_share is not None:
         drafted += f", {result.cached_share:.0%} of prompt tokens cached"
