@@ -4,11 +4,12 @@ requested; TORCH_GEMM_ROWS, the activation rows from which a matmul runs as torc
 Q8K_ROW_TILE, the activation rows per pass over a K-quant weight row; AVX2_ROW_TILE and AVX2_BALANCED_PASSES, the same
 over an fp32, Q4_1, Q5_0 or Q8_0 row on AVX2 and how a matmul's rows are shared among its passes; X8_ACT_TILE, the
 same over 8 interleaved Q4_K rows (and whether to interleave at all), Q4K_X8_ZMM, whether AVX-512 pairs two such
-groups in a zmm; ATTENTION_YMM, the attention's register-tiled
-ymm paths, and TILED_GEMM_ROWS and L2_KEYS, where those hand a chunk to the GEMM and how many keys they take at a
-time; SDPA_ROWS, the new tokens of one sequence from which a forward attends through torch's SDPA (PROMPT_ROWS where
-each decoding row attends alone, ATTENTION_CHUNK its keys per chunk). The kernels are built with other -D values and
-timed on whole passes over real weights, and on attention over a long cache.
+groups in a zmm; ATTENTION_YMM, the attention's register-tiled ymm paths, ATTENTION_PREFETCH_BYTES, how far ahead
+they ask for a cache's keys and values (0: not at all), and TILED_GEMM_ROWS and L2_KEYS, where those hand a chunk to
+the GEMM and how many keys they take at a time; SDPA_ROWS, the new tokens of one sequence from which a forward
+attends through torch's SDPA (PROMPT_ROWS where each decoding row attends alone, ATTENTION_CHUNK its keys per chunk).
+The kernels are built with other -D values and timed on whole passes over real weights, and on attention over a long
+cache.
 
     .venv/bin/python bench/kernel_variants.py tiles 8x2 4x4 6x4 2x8 12x2      # fp32/bf16 passes, smollm2-135m
     .venv/bin/python bench/kernel_variants.py prefetch 1024 2048 4096 8192     # Q4_K/Q6_K one-row, qwen2.5-coder-1.5b
@@ -21,6 +22,7 @@ timed on whole passes over real weights, and on attention over a long cache.
     .venv/bin/python bench/kernel_variants.py prefetch-f32 256 512 4096        # fp32 one-row, smollm2-135m
     .venv/bin/python bench/kernel_variants.py attention ATTENTION_YMM=0 ATTENTION_YMM=1   # NAME=VALUE,...
     .venv/bin/python bench/kernel_variants.py attention-layers TILED_GEMM_ROWS=10 TILED_GEMM_ROWS=1000
+    .venv/bin/python bench/kernel_variants.py attention-layers ATTENTION_PREFETCH_BYTES=0 ATTENTION_PREFETCH_BYTES=2048
     .venv/bin/python bench/kernel_variants.py gemm 3 6 12 65 100000            # TORCH_GEMM_ROWS: tiles or torch's GEMM
     .venv/bin/python bench/kernel_variants.py forward AVX2_DIRECT_ROWS_F32=4,TORCH_GEMM_ROWS_F32=5 \
         AVX2_DIRECT_ROWS_F32=16,TORCH_GEMM_ROWS_F32=17 [dtype=gguf rows=16,32 context=7680]   # whole smollm2 forwards

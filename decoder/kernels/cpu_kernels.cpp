@@ -477,15 +477,30 @@ inline __m128 hsum8_four(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// scores[r * stride + (j - j0)] = q_r . key_j for R rows q [R, d] and keys j0..j1 of a [slots, d] block; d % 8 == 0.
+// A decoding row's attention streams its cache's keys and values once, a core a task, faster when asked for this far
+// ahead than the hardware prefetcher alone brings them (0: not asked; bench/kernel_variants.py attention-layers)
+#ifndef ATTENTION_PREFETCH_BYTES
+#define ATTENTION_PREFETCH_BYTES 2048
+#endif
+inline void prefetch_rows(const float* first, int64_t floats) {
+  if constexpr (ATTENTION_PREFETCH_BYTES > 0) {
+    const char* ahead = reinterpret_cast<const char*>(first) + ATTENTION_PREFETCH_BYTES;
+    for (int64_t line = 0; line < floats * 4; line += 64) __builtin_prefetch(ahead + line);
+  }
+}
+
+// scores[r * stride + (j - j0)] = (q_r . key_j) scale for R rows q [R, d] and keys j0..j1 of a [slots, d] block;
+// d % 8 == 0.
 // KT keys per pass share each query vector: R x KT accumulators + KT keys + 1 query of the 16 registers. Every
-// score is the same sum, whatever R, KT or the key's place in the pass.
+// score is the same sum, whatever R, KT or the key's place in the pass. Out of line: inlined into attention()'s task
+// loop, GCC stored its accumulators to the stack at every step.
 template <int R>
-void head_scores_avx2(const float* q, const float* keys, int64_t d, int64_t j0, int64_t j1, float* scores,
-                      int64_t stride) {
+__attribute__((noinline)) void head_scores_avx2(const float* q, const float* keys, int64_t d, int64_t j0, int64_t j1,
+                                                float scale, float* scores, int64_t stride) {
   constexpr int KT = R <= 2 ? 4 : 3;
   int64_t j = j0;
   for (; j + KT <= j1; j += KT) {
+    prefetch_rows(keys + j * d, KT * d);
     __m256 acc[R][4];
     for (int r = 0; r < R; r++)
       for (int t = 0; t < 4; t++) acc[r][t] = _mm256_setzero_ps();
@@ -499,7 +514,7 @@ void head_scores_avx2(const float* q, const float* keys, int64_t d, int64_t j0, 
     }
     for (int r = 0; r < R; r++) {
       alignas(16) float sums[4];
-      _mm_store_ps(sums, hsum8_four(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+      _mm_store_ps(sums, _mm_mul_ps(hsum8_four(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(scale)));
       std::copy(sums, sums + KT, scores + r * stride + (j - j0));
     }
   }
@@ -508,14 +523,14 @@ void head_scores_avx2(const float* q, const float* keys, int64_t d, int64_t j0, 
       __m256 acc = _mm256_setzero_ps();
       for (int64_t e = 0; e < d; e += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + e), _mm256_loadu_ps(keys + j * d + e), acc);
-      scores[r * stride + (j - j0)] = _mm_cvtss_f32(hsum8_four(acc, acc, acc, acc));  // summed as a grouped key's
+      scores[r * stride + (j - j0)] = _mm_cvtss_f32(hsum8_four(acc, acc, acc, acc)) * scale;  // as a grouped key's
     }
 }
 
 // acc[r] += sum_j p[r * stride + (j - j0)] value_j over values j0..j1 of a [slots, d] block for the 16-float slice
 // from e of NR rows [NR, d], and with SUM sums[r] += sum_j p[...] key by key, in order (every lane the same sum). 2 NR
 // accumulators, the slice's two value vectors, the broadcast weight (and the NR sums).
-template <int NR, bool SUM>
+template <int NR, bool SUM, bool FIRST = SUM>
 inline void accumulate_slice_avx2(const float* p, int64_t stride, const float* values, int64_t d, int64_t e,
                                   int64_t j0, int64_t j1, float* acc, __m256* sums) {
   __m256 lo[NR], hi[NR];
@@ -524,6 +539,7 @@ inline void accumulate_slice_avx2(const float* p, int64_t stride, const float* v
     hi[r] = _mm256_loadu_ps(acc + r * d + e + 8);
   }
   for (int64_t j = j0; j < j1; j++) {
+    if constexpr (FIRST) prefetch_rows(values + j * d, d);  // the later slices find the rows in L2
     const __m256 v_lo = _mm256_loadu_ps(values + j * d + e), v_hi = _mm256_loadu_ps(values + j * d + e + 8);
     for (int r = 0; r < NR; r++) {
       const __m256 weight = _mm256_broadcast_ss(p + r * stride + (j - j0));
@@ -546,7 +562,7 @@ void accumulate_values_avx2(const float* p, int64_t stride, const float* values,
   __m256 sums[NR];
   for (int r = 0; r < NR; r++) sums[r] = _mm256_set1_ps(total ? total[r] : 0.0f);
   if (total) accumulate_slice_avx2<NR, true>(p, stride, values, d, 0, j0, j1, acc, sums);
-  else accumulate_slice_avx2<NR, false>(p, stride, values, d, 0, j0, j1, acc, sums);
+  else accumulate_slice_avx2<NR, false, true>(p, stride, values, d, 0, j0, j1, acc, sums);
   for (int64_t e = 16; e < d; e += 16) accumulate_slice_avx2<NR, false>(p, stride, values, d, e, j0, j1, acc, sums);
   if (total)
     for (int r = 0; r < NR; r++) total[r] = _mm256_cvtss_f32(sums[r]);
@@ -809,16 +825,16 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> k_caches, st
           const int64_t je = std::min(j1, jb + L2_KEYS);
           for (int64_t r0 = 0; r0 < rows; r0 += 3)
             with_count<3>(std::min<int64_t>(3, rows - r0), [&](auto r) {
-              head_scores_avx2<decltype(r)::value>(qh + r0 * d, head_keys, d, jb, je,
+              head_scores_avx2<decltype(r)::value>(qh + r0 * d, head_keys, d, jb, je, fscale,
                                                    scores.data() + r0 * stride + (jb - j0), stride);
             });
         }
 #endif
-        for (int64_t r = 0; r < rows; r++) {
+        for (int64_t r = 0; (cap > 0.0f || head_mask) && r < rows; r++) {  // the scores come scaled
           float* out = scores.data() + r * stride;
           const float* row_mask = head_mask ? head_mask + (r % n_b) * part.mask_row + j0 : nullptr;
           for (int64_t j = 0; j < span; j++) {
-            float score = out[j] * fscale;
+            float score = out[j];
             if (cap > 0.0f) score = cap * std::tanh(score / cap);
             out[j] = row_mask ? score + row_mask[j] : score;
           }

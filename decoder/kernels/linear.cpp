@@ -387,65 +387,65 @@ inline void dot_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t 
 // Q5_0 y = d (q - 16), Q5_1 y = d q + m, Q8_0 y = d q.
 template <int F> inline void widen_avx2(const uint8_t* block, __m256 w[4]);
 
-// A block's 16 bytes of nibbles as four 8-value pieces: elements 8a .. 8a + 7
-inline void nibble_pieces(const uint8_t* nibbles, __m128i pieces[4]) {
-  const __m128i low_nibbles = _mm_set1_epi8(15);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles));
-  const __m128i lo = _mm_and_si128(bytes, low_nibbles), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-  pieces[0] = lo, pieces[1] = _mm_srli_si128(lo, 8), pieces[2] = hi, pieces[3] = _mm_srli_si128(hi, 8);
+// A block's 16 bytes of nibbles as four 8-value pieces of int32: elements 8a .. 8a + 7 (each half of the bytes
+// widened once, its low nibbles masked and its high ones shifted down: fewer shuffles than splitting the nibbles
+// into bytes first, on a compute-bound one-row pass)
+inline void nibble_values(const uint8_t* nibbles, __m256i values[4]) {
+  const __m256i low_nibble = _mm256_set1_epi32(15);
+  const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(nibbles)));
+  const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(nibbles + 8)));
+  values[0] = _mm256_and_si256(first, low_nibble), values[1] = _mm256_and_si256(second, low_nibble);
+  values[2] = _mm256_srli_epi32(first, 4), values[3] = _mm256_srli_epi32(second, 4);
 }
 
-// Piece a's values with their fifth bits (bit j of qh for element j), as 8 int32
-inline __m256i with_fifth_bits(__m128i piece, uint32_t qh, int a) {
+// Piece a's values with their fifth bits (bit j of qh for element j)
+inline __m256i with_fifth_bits(__m256i values, uint32_t qh, int a) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i fifth = _mm256_and_si256(
       _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(qh)), _mm256_add_epi32(lane, _mm256_set1_epi32(8 * a))),
       _mm256_set1_epi32(1));
-  return _mm256_or_si256(_mm256_cvtepu8_epi32(piece), _mm256_slli_epi32(fifth, 4));
+  return _mm256_or_si256(values, _mm256_slli_epi32(fifth, 4));
 }
 
 template <> inline void widen_avx2<Q4_0>(const uint8_t* block, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(block));
-  __m128i pieces[4];
-  nibble_pieces(block + 2, pieces);
-  for (int a = 0; a < 4; a++) {
-    const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(pieces[a]), _mm256_set1_epi32(8));
-    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
-  }
+  __m256i values[4];
+  nibble_values(block + 2, values);
+  for (int a = 0; a < 4; a++) w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(values[a], _mm256_set1_epi32(8))), d);
 }
 
 template <> inline void widen_avx2<Q5_1>(const uint8_t* block, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(block)), m = _mm256_set1_ps(half_at(block + 2));
   uint32_t qh; std::memcpy(&qh, block + 4, 4);
-  __m128i pieces[4];
-  nibble_pieces(block + 8, pieces);
-  for (int a = 0; a < 4; a++) w[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(with_fifth_bits(pieces[a], qh, a)), d, m);
+  __m256i values[4];
+  nibble_values(block + 8, values);
+  for (int a = 0; a < 4; a++) w[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(with_fifth_bits(values[a], qh, a)), d, m);
 }
 
 template <> inline void widen_avx2<Q4_1>(const uint8_t* block, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(block)), m = _mm256_set1_ps(half_at(block + 2));
-  __m128i pieces[4];
-  nibble_pieces(block + 4, pieces);
-  for (int a = 0; a < 4; a++) w[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pieces[a])), d, m);
+  __m256i values[4];
+  nibble_values(block + 4, values);
+  for (int a = 0; a < 4; a++) w[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(values[a]), d, m);
 }
 
 template <> inline void widen_avx2<Q5_0>(const uint8_t* block, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(block));
   uint32_t qh; std::memcpy(&qh, block + 2, 4);
-  __m128i pieces[4];
-  nibble_pieces(block + 6, pieces);
+  __m256i values[4];
+  nibble_values(block + 6, values);
   for (int a = 0; a < 4; a++) {
-    const __m256i q = _mm256_sub_epi32(with_fifth_bits(pieces[a], qh, a), _mm256_set1_epi32(16));
+    const __m256i q = _mm256_sub_epi32(with_fifth_bits(values[a], qh, a), _mm256_set1_epi32(16));
     w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
   }
 }
 
 template <> inline void widen_avx2<Q8_0>(const uint8_t* block, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(block));
-  const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-  const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
-  const __m128i pieces[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-  for (int a = 0; a < 4; a++) w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(pieces[a])), d);
+  for (int a = 0; a < 4; a++) {
+    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * a)));
+    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+  }
 }
 
 // A Q4_1, Q5_0 or Q8_0 row against NR activation rows on native ymm registers: four accumulators per row for one or two
