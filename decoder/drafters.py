@@ -93,6 +93,13 @@ class Drafter(ABC):
         forward."""
         return []
 
+    def shadow_passes(self) -> list[int]:
+        """For steps the sequence sat out, the draft forwards a drafted step would have taken there where their
+        number follows the text (`draft_passes`), told without a forward, since the last call: so that a sequence
+        sitting out sees its drafted step's price fall (or rise) with the text (decoder/gate.py). [] where they
+        cannot be told so."""
+        return []
+
     def finish(self) -> None:
         """The sequence is done (a batch's slot frees it): let go of what only it needed."""
 
@@ -574,8 +581,13 @@ class TrieDrafter(Drafter):
         self.pending = pending
 
     def extend(self, tokens):
-        # Only a hierarchy calls this, re-committing chain tokens whose windows its rounds already counted.
+        # Only a hierarchy calls this: re-committing chain tokens whose windows its rounds already counted, or the
+        # root of a step it sat out, whose windows enter the trie now (they would at its next drafted step's first
+        # round), so that what it drafts in the shadow of such steps, and first when it resumes, reads the text
         self._commit(tokens)
+        if self.counted < self.length:
+            self.trie.insert(self.sequence, self.counted, self.length)
+            self.counted = self.length
 
     def _commit(self, tokens: list[int]) -> None:
         needed = self.length + len(tokens) + 1

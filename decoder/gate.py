@@ -8,7 +8,10 @@ YIELD_WINDOW drafted steps and PRIOR_STEPS steps at its prior (before the first,
 break-even it steps without drafting (the root alone: exact as any tree is, so greedy output and the sampled
 distribution are those of the target). A drafter whose drafts cost no forward (a trie) still drafts at the steps it
 sits out, in the shadow: nothing is scored, and the text that follows tells what each such draft would have emitted,
-which enters the same mean, so the request resumes as soon as its text turns predictable. Any other drafts once more,
+which enters the same mean, so the request resumes as soon as its text turns predictable. A TriForce chain's trie
+bottom does so for the price: the middle rounds its first-round drafts say a chain would take (the price follows a
+request's own rounds: _own_passes), where a request that sat out on its first chains' dear rounds would otherwise
+see its text turn copyable through a probe a few dozen steps. Any other drafts once more,
 to see whether it has, when such probes cost at most PROBE_SHARE of the time it sits out, as its own r expects them to:
 a probe's step costs its price less the tokens r expects of it, so a request just under break-even probes often (its
 yield swings across the line from step to step; docs/design.md), one whose drafts fail outright seldom. With an
@@ -494,6 +497,12 @@ class DraftGate:
         without a `matched` draft, it counts as `observe` counts such a drafted step: beside other sequences only."""
         if self.priced is not None and self._counts(matched):
             self._add_yield(emitted / self.priced[0])
+
+    def observe_shadow_passes(self, passes: int) -> None:
+        """A step the request sat out would have taken `passes` draft forwards had it drafted (Drafter.shadow_passes):
+        they join its own drafted steps' in the mean its drafted step's price follows (`_own_passes`), so that a
+        request sitting out sees that price move with its text where a probe comes seldom."""
+        self.passes.append(passes)
 
     def _counts(self, matched: bool) -> bool:
         """Whether a step (drafted or in the shadow) counts: one without a match only beside other sequences, where it

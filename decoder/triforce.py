@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -32,7 +33,7 @@ from specplan.core.method_settings import (
     TrieSettings,
     check_gammas,
 )
-from specplan.decoder.drafters import Drafter, choose_children, forward_all, propose_all
+from specplan.decoder.drafters import Drafter, ShadowDraft, TrieDrafter, choose_children, forward_all, propose_all
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask
 from specplan.decoder.sampling import SamplingParams, probabilities
 from specplan.decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
@@ -278,6 +279,9 @@ class HierarchicalDrafter(Drafter):
         self.idle_steps = 0  # steps sat out since its last drafted one (RESELECT_AFTER_IDLE_STEPS)
         self.told = 0  # chain tokens the bottom holds as committed beyond the root, set by propose
         self.recent: deque[float] = deque(maxlen=8)
+        # a trie bottom's first-round drafts at the steps sat out, walked by the text that follows (`shadow_passes`)
+        self.pending_shadows: list[ShadowDraft] = []
+        self.shadow_rounds: list[int] = []  # the middle rounds each settled one stands for, not yet drained
         self.stats = {"rounds": 0, "chains": 0, "chain_tokens": 0, "accepted": 0}
 
     def use_slot(self, slot: int) -> None:
@@ -291,6 +295,7 @@ class HierarchicalDrafter(Drafter):
         self.rebuild_due = False
         self.idle_steps = 0
         self.recent.clear()
+        self.pending_shadows, self.shadow_rounds = [], []
 
     def bind(self, target_cache: KVCache) -> None:
         """The target's verifying forwards over its full cache write their root's rotated queries into
@@ -322,9 +327,34 @@ class HierarchicalDrafter(Drafter):
         return self.drafting and self.gamma2 > 0 and self.queried
 
     def idle(self, root):
+        self._follow_shadows(root)
         self.bottom.extend([root])  # the root is committed text to the bottom, whatever the target emits after it
         self.idle_steps += 1
+        if isinstance(self.bottom, TrieDrafter) and self.gamma2 > 0:  # its draft costs no forward
+            bottom = self.bottom
+            tokens, parents = bottom.trie.retrieve(bottom.sequence, bottom.length, bottom.max_tree_size)
+            if len(tokens) > 1:
+                self.pending_shadows.append(ShadowDraft(tokens.tolist(), parents.tolist()))
+            else:  # no match: every round would add the middle's one token
+                self.shadow_rounds.append(self.gamma2)
         return super().idle(root)
+
+    def _follow_shadows(self, token: int) -> None:
+        """The text's next token down the pending shadow drafts. One it leaves stands for a chain whose every round
+        lands as its first would have: the bottom's matched tokens and the middle's own, gamma2 tokens in
+        ceil(gamma2 / (matched + 1)) middle rounds, the passes a drafted step there would have taken (its middle
+        taken to agree with the text)."""
+        pending = []
+        for shadow in self.pending_shadows:
+            if shadow.follow(token):
+                pending.append(shadow)
+            elif self.gamma2 > 0:
+                self.shadow_rounds.append(math.ceil(self.gamma2 / shadow.emitted))
+        self.pending_shadows = pending
+
+    def shadow_passes(self):
+        rounds, self.shadow_rounds = self.shadow_rounds, []
+        return rounds
 
     def propose(self, root, params, draw, generator):
         if not self.drafts_now():
@@ -342,6 +372,8 @@ class HierarchicalDrafter(Drafter):
         they batch), then one batched middle forward scores every sequence's proposal over its own retrieval
         cache; a sequence leaves the rounds once it holds gamma2 tokens."""
         HierarchicalDrafter._ensure_retrieval(drafters)
+        for drafter in drafters:
+            drafter.pending_shadows = []  # a drafted step's own passes count from here
         chains = [_MiddleChain(*args) for args in zip(drafters, roots, params, generators)]
         while active := [chain for chain in chains if not chain.done]:
             proposals = propose_all([c.drafter.bottom for c in active], [c.mid_root for c in active],

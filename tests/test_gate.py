@@ -279,6 +279,25 @@ def test_a_request_whose_drafts_take_more_passes_than_the_timed_ones_is_priced_f
     assert joiner.prior == 1.0 and not joiner.drafts(1, 100) and joiner.step_cost == pytest.approx(10.0)
 
 
+def test_a_request_sitting_out_is_priced_by_the_rounds_its_shadow_chains_would_take():
+    """A request sitting out counts no middle rounds of its own; the rounds its trie bottom's shadow says a chain would
+    take (Drafter.shadow_passes) join its own, and its drafted step's price follows them: its text turned copyable
+    prices a drafted step below the median of the steps the clock timed at its start, and it drafts again."""
+    clock = StepClock()
+    for _ in range(UNTIMED_FIRST_STEPS + MEASURED_AT_LEAST):
+        clock.step_done(1, False, 0.05)
+        clock.step_done(1, True, 0.30, DraftPasses(0.16, 4, 1))  # 6 plain steps, four middle rounds of 40 ms
+    gate = DraftGate(lambda batch, context: (8.0, 1.2), clock)
+    assert gate.drafts(1, 100)
+    for emitted in (3, 2):  # r = (2 + 3 / 8 + 2 / 8) / 4: 5.25 tokens expected of a step priced 6
+        gate.observe(emitted, 10, 4)
+    assert not gate.drafts(1, 100) and gate.reason == "sits out"
+    for _ in range(YIELD_WINDOW):
+        gate.observe_shadow_passes(1)
+    assert gate.drafts(1, 100) and gate.reason == "pays"
+    assert gate.step_cost == pytest.approx(6.0 - (4 - 1) * 0.8)
+
+
 def test_each_kinds_first_steps_at_a_batch_size_are_not_timed():
     """A forward's first calls at new shapes are dear: the engine's first UNTIMED_FIRST_STEPS steps of each kind at a
     batch size do not price it, the later ones do."""

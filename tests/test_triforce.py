@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -24,6 +25,7 @@ from specplan.decoder.triforce import (
     HierarchicalDrafter,
     RetrievalCache,
     StreamingDrafter,
+    bottom_trie_settings,
 )
 
 from toy import (
@@ -209,6 +211,29 @@ def test_a_chain_reports_its_middle_rounds_as_its_draft_passes(tiny_pair):
         assert all(1 <= p <= 6 for p in passes), name
         if name == "two-level":
             assert set(passes) == {6}
+
+
+def test_a_trie_bottom_sitting_out_tells_the_middle_rounds_its_chains_would_take(tiny_pair):
+    """A sequence sitting out drafts nothing, yet its trie bottom's first-round draft at each step it sits out, walked
+    by the text that follows, tells the middle rounds a chain there would take (Drafter.shadow_passes, which its
+    drafted step's price follows): ceil(gamma2 / (matched + 1)), gamma2 where the bottom has no match. The roots it
+    sits out enter the trie at once, so that text seen only while sitting out is drafted from; off, it tells none."""
+    _, target, _ = tiny_pair
+    gamma1, gamma2 = 2, 6
+    drafter = HierarchicalDrafter(target, TrieDrafter(Trie(bottom_trie_settings(gamma1))), gamma1, gamma2,
+                                  RetrievalSettings(384, 8, 64))
+    drafter.reset(long_prompt(400, 5), 600)
+    fresh = [300, 301, 302, 303, 304, 305]  # ids the prompt (below 256) does not hold
+    for token in fresh:
+        drafter.idle(token)
+    assert drafter.shadow_passes() == [gamma2] * len(fresh)
+    for token in fresh:  # again: the trie took them while the sequence sat out, and every first round lands
+        drafter.idle(token)
+    told = drafter.shadow_passes()
+    assert told and set(told) == {math.ceil(gamma2 / (gamma1 + 1))} and drafter.shadow_passes() == []
+    drafter.draft_nodes(1)  # the schedule's off
+    drafter.idle(300)
+    assert drafter.shadow_passes() == []
 
 
 def test_streaming_only_drafter_is_lossless(tiny_pair):
