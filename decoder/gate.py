@@ -9,9 +9,9 @@ break-even it steps without drafting (the root alone: exact as any tree is, so g
 distribution are those of the target). A drafter whose drafts cost no forward (a trie) still drafts at the steps it
 sits out, in the shadow: nothing is scored, and the text that follows tells what each such draft would have emitted,
 which enters the same mean, so the request resumes as soon as its text turns predictable. A TriForce chain's trie
-bottom does so for the price: the middle rounds its first-round drafts say a chain would take (the price follows a
-request's own rounds: _own_passes), where a request that sat out on its first chains' dear rounds would otherwise
-see its text turn copyable through a probe a few dozen steps. Any other drafts once more,
+bottom does so for the price: the middle rounds its first-round drafts say a chain would take join the request's own
+(_own_passes), so that a request that sat out on its first chains' dear rounds sees its text turn copyable at once,
+not at a probe every few dozen steps. Any other drafts once more,
 to see whether it has, when such probes cost at most PROBE_SHARE of the time it sits out, as its own r expects them to:
 a probe's step costs its price less the tokens r expects of it, so a request just under break-even probes often (its
 yield swings across the line from step to step; docs/design.md), one whose drafts fail outright seldom. With an
