@@ -457,6 +457,14 @@ class ShadowDraft:
         return child in self.parents
 
 
+def walk_shadows(shadows: list[ShadowDraft], emitted: list[int]) -> tuple[list[ShadowDraft], list[ShadowDraft]]:
+    """The text's next tokens, `emitted`, walked down each shadow draft: those still followed, and those it left."""
+    pending, settled = [], []
+    for shadow in shadows:
+        (pending if all(shadow.follow(token) for token in emitted) else settled).append(shadow)
+    return pending, settled
+
+
 class TrieDrafter(Drafter):
     """Lookahead: drafts retrieved from a token trie of the prompt and of the output so far. The trie lives
     across requests (outputs of earlier requests keep helping); a request's prompt branches leave with it.
@@ -571,14 +579,16 @@ class TrieDrafter(Drafter):
 
     def _settle(self, emitted: list[int]) -> None:
         """The text's next tokens, `emitted`, walked down every pending shadow draft."""
-        pending = []
-        for shadow in self.pending:
-            if all(shadow.follow(token) for token in emitted):
-                pending.append(shadow)
-            else:
-                self.settled.append(shadow)
-                self.last_emitted = shadow.emitted
-        self.pending = pending
+        self.pending, settled = walk_shadows(self.pending, emitted)
+        self.settled.extend(settled)
+        if settled:
+            self.last_emitted = settled[-1].emitted
+
+    def committed_draft(self) -> ShadowDraft:
+        """The draft it would retrieve now from the committed text, whose last token is the root (a hierarchy's
+        bottom sitting a step out: decoder/triforce.py)."""
+        tokens, parents = self.trie.retrieve(self.sequence, self.length, self.max_tree_size)
+        return ShadowDraft(tokens.tolist(), parents.tolist())
 
     def extend(self, tokens):
         # Only a hierarchy calls this: re-committing chain tokens whose windows its rounds already counted, or the

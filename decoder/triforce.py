@@ -33,7 +33,15 @@ from specplan.core.method_settings import (
     TrieSettings,
     check_gammas,
 )
-from specplan.decoder.drafters import Drafter, ShadowDraft, TrieDrafter, choose_children, forward_all, propose_all
+from specplan.decoder.drafters import (
+    Drafter,
+    ShadowDraft,
+    TrieDrafter,
+    choose_children,
+    forward_all,
+    propose_all,
+    walk_shadows,
+)
 from specplan.decoder.model import ForwardItem, KVCache, LeanModel, causal_mask
 from specplan.decoder.sampling import SamplingParams, probabilities
 from specplan.decoder.tree import DETERMINISTIC, WITHOUT_REPLACEMENT, DraftTree, ancestor_matrix, tree_attention_mask
@@ -331,10 +339,9 @@ class HierarchicalDrafter(Drafter):
         self.bottom.extend([root])  # the root is committed text to the bottom, whatever the target emits after it
         self.idle_steps += 1
         if isinstance(self.bottom, TrieDrafter) and self.gamma2 > 0:  # its draft costs no forward
-            bottom = self.bottom
-            tokens, parents = bottom.trie.retrieve(bottom.sequence, bottom.length, bottom.max_tree_size)
-            if len(tokens) > 1:
-                self.pending_shadows.append(ShadowDraft(tokens.tolist(), parents.tolist()))
+            shadow = self.bottom.committed_draft()
+            if shadow.matched:
+                self.pending_shadows.append(shadow)
             else:  # no match: every round would add the middle's one token
                 self.shadow_rounds.append(self.gamma2)
         return super().idle(root)
@@ -344,13 +351,9 @@ class HierarchicalDrafter(Drafter):
         lands as its first would have: the bottom's matched tokens and the middle's own, gamma2 tokens in
         ceil(gamma2 / (matched + 1)) middle rounds, the passes a drafted step there would have taken (its middle
         taken to agree with the text)."""
-        pending = []
-        for shadow in self.pending_shadows:
-            if shadow.follow(token):
-                pending.append(shadow)
-            elif self.gamma2 > 0:
-                self.shadow_rounds.append(math.ceil(self.gamma2 / shadow.emitted))
-        self.pending_shadows = pending
+        self.pending_shadows, settled = walk_shadows(self.pending_shadows, [token])
+        if self.gamma2 > 0:
+            self.shadow_rounds += [math.ceil(self.gamma2 / shadow.emitted) for shadow in settled]
 
     def shadow_passes(self):
         rounds, self.shadow_rounds = self.shadow_rounds, []

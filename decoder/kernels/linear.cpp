@@ -411,7 +411,8 @@ template <> inline void widen_avx2<Q4_0>(const uint8_t* block, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(block));
   __m256i values[4];
   nibble_values(block + 2, values);
-  for (int a = 0; a < 4; a++) w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(values[a], _mm256_set1_epi32(8))), d);
+  for (int a = 0; a < 4; a++)
+    w[a] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(values[a], _mm256_set1_epi32(8))), d);
 }
 
 template <> inline void widen_avx2<Q5_1>(const uint8_t* block, __m256 w[4]) {
