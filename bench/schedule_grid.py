@@ -28,6 +28,7 @@ from pathlib import Path
 
 from step_log import read_steps
 
+from specplan.core.errors import UserError
 from specplan.core.plan_schema import load_plan, setting_name
 from specplan.serving import is_fixed_setting, load_levels, step_log_path
 
@@ -138,4 +139,8 @@ def _ratio(priced: list[tuple[float, float | None]], decode_rates: list[float | 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    try:
+        main(sys.argv[1], sys.argv[2:])
+    except UserError as error:  # a missing or malformed run: one line, as the CLI says it
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
