@@ -186,9 +186,9 @@ class SequenceRun:
                 self.gate.observe_shadow(shadow.emitted, shadow.matched)
             if self.sharing is not None:
                 self.sharing.observe(shadow)
-        for passes in self.drafter.shadow_passes():
-            if self.gate is not None:
-                self.gate.observe_shadow_passes(passes)
+        shadow_passes = self.drafter.shadow_passes()  # drained whether or not a gate reads them
+        if self.gate is not None and shadow_passes:
+            self.gate.observe_shadow_passes(shadow_passes)
         self.out.extend(new[:keep])
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()

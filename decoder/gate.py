@@ -498,11 +498,11 @@ class DraftGate:
         if self.priced is not None and self._counts(matched):
             self._add_yield(emitted / self.priced[0])
 
-    def observe_shadow_passes(self, passes: int) -> None:
-        """A step the request sat out would have taken `passes` draft forwards had it drafted (Drafter.shadow_passes):
-        they join its own drafted steps' in the mean its drafted step's price follows (`_own_passes`), so that a
-        request sitting out sees that price move with its text where a probe comes seldom."""
-        self.passes.append(passes)
+    def observe_shadow_passes(self, passes: list[int]) -> None:
+        """Steps the request sat out would have taken `passes` draft forwards each had they drafted
+        (Drafter.shadow_passes): they join its own drafted steps' in the mean its drafted step's price follows
+        (`_own_passes`), so that a request sitting out sees that price move with its text where a probe comes seldom."""
+        self.passes.extend(passes)
 
     def _counts(self, matched: bool) -> bool:
         """Whether a step (drafted or in the shadow) counts: one without a match only beside other sequences, where it

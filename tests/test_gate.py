@@ -293,7 +293,7 @@ def test_a_request_sitting_out_is_priced_by_the_rounds_its_shadow_chains_would_t
         gate.observe(emitted, 10, 4)
     assert not gate.drafts(1, 100) and gate.reason == "sits out"
     for _ in range(YIELD_WINDOW):
-        gate.observe_shadow_passes(1)
+        gate.observe_shadow_passes([1])
     assert gate.drafts(1, 100) and gate.reason == "pays"
     assert gate.step_cost == pytest.approx(6.0 - (4 - 1) * 0.8)
 
