@@ -1,4 +1,5 @@
-"""Where a generated document came from: its input files' hashes, the package version and the date."""
+"""Where a generated document came from: its input files' hashes, the package version, the date and, written by the
+`plan` CLI, the command line that wrote it (making it again, on another host or after a change, is one copy away)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,24 @@ import datetime
 import os
 import platform
 from collections.abc import Iterable
+from contextvars import ContextVar
 
 from specplan import __version__
 from specplan.core.errors import UserError
 from specplan.core.fileio import sha256_file
 
+# The `plan` command line being run (specplan/cli.py sets it); None outside the CLI
+COMMAND: ContextVar[str | None] = ContextVar("COMMAND", default=None)
+
 
 def provenance(inputs: Iterable[str | os.PathLike] = ()) -> dict:
+    command = COMMAND.get()
     return {
         "specplan_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "inputs": {str(path): {"sha256": sha256_file(path)} for path in inputs},
+        **({"command": command} if command is not None else {}),
     }
 
 

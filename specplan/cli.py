@@ -8,7 +8,6 @@ import shlex
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,8 @@ from specplan.core.choices import (
 )
 from specplan.core.errors import UserError
 from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
-from specplan.core.plan_schema import Plan
+from specplan.core.plan_schema import Plan, save_plan
+from specplan.core.provenance import COMMAND
 from specplan.profiler.datasets import DATASETS
 
 PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
@@ -480,7 +480,7 @@ def solve_sequoia_cmd(acceptance_path: Path, profile_path: Path | None, max_size
         if c.speedup is not None:
             row += f" {c.step_seconds * 1e3:>9.3f} {c.speedup:>8.3f} {c.tokens_per_second:>8.2f}"
         click.echo(row)
-    _save_solved(plan, output)
+    save_plan(plan, output)
     if plan.engine != "specplan":
         click.echo(describe_engine_cost(plan))
     if plan.schedule is not None:
@@ -558,7 +558,7 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
                                    tuple(shared) if shared else None)
     _echo_ranked(ranked[:top], [("L_d", lambda c: c.decoding_length), ("L_b", lambda c: c.branch_length)],
                  profile_path is not None)
-    _save_solved(plan, output)
+    save_plan(plan, output)
     if plan.schedule is not None:
         click.echo(describe_schedule(plan.schedule, plan.method))
     click.echo(f"replayed {len(ranked)} settings in {plan.solver['seconds']:.1f} s; chose L_d = "
@@ -566,13 +566,6 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     _note_inexact_replay(plan)
 
 
-def _save_solved(plan: Plan, output: Path) -> None:
-    """Write a solved plan with the command that solved it in its provenance: solving it again is one copy away."""
-    from specplan.core.plan_schema import save_plan
-
-    argv = (click.get_current_context().find_root().obj or {}).get("argv")
-    provenance = plan.provenance if argv is None else {**plan.provenance, "command": shlex.join(["plan", *argv])}
-    save_plan(replace(plan, provenance=provenance), output)
 
 
 def _echo_ranked(rows: list, knobs: list[tuple[str, Callable[[Any], Any]]], priced: bool) -> None:
@@ -629,7 +622,7 @@ def _solve_prompt_lookup(acceptance_path: Path, profile_path: Path | None, engin
     knobs = [(key, lambda c, key=key: getattr(c.settings, key)) for key in ranked[0].settings.to_dict()
              if key != "enabled"]
     _echo_ranked(ranked[:top], knobs, profile_path is not None)
-    _save_solved(plan, output)
+    save_plan(plan, output)
     if plan.schedule is not None:
         click.echo(describe_schedule(plan.schedule, plan.method))
     chosen = ", ".join(f"{key} {value}" for key, value in plan.settings.to_dict().items() if key != "enabled")
@@ -679,7 +672,7 @@ def solve_triforce_cmd(acceptance_path: Path, profile_path: Path, context: int |
             levels = (f"{'two-level' if c.gamma1 == 0 else 'hierarchy':<9} {c.gamma1:>3} {c.gamma2:>3} {c.budget:>5} "
                       f"{c.chunk:>3} {c.stride:>4} {c.middle_acceptance:>6.3f} {c.bottom_acceptance:>6.3f}")
         click.echo(f"{levels} {c.tokens_per_step:>8.2f} {c.seconds_per_token * 1e3:>7.2f} {c.speedup:>7.3f}")
-    _save_solved(plan, output)
+    save_plan(plan, output)
     if plan.schedule is not None:
         click.echo(describe_schedule(plan.schedule, plan.method))
     click.echo(f"wrote {output}")
@@ -1234,8 +1227,9 @@ def _one_line(message: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    command = COMMAND.set(shlex.join(["plan", *args]))  # every document written records it (core/provenance.py)
     try:
-        cli.main(args=args, prog_name="plan", standalone_mode=False, obj={"argv": args})
+        cli.main(args=args, prog_name="plan", standalone_mode=False)
     except UserError as exc:
         click.echo(ERROR_PREFIX + _one_line(str(exc)), err=True)
         return 2
@@ -1251,6 +1245,8 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, click.exceptions.Abort):
         click.echo("plan: interrupted", err=True)
         return 130
+    finally:
+        COMMAND.reset(command)
     return 0
 
 

@@ -5,6 +5,7 @@ and a failure that stays one line whatever happened before it."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import yaml
@@ -53,6 +54,23 @@ def test_old_flag_names_still_work_for_a_release_and_say_the_new_one(run_cli, da
     code, _, stderr = run_cli("profile", "--model", "tiny-random-llama", "--sizes", "1,2", "--contexts", "16",
                               "--repeats", 1, "-o", tmp_path / "p.yaml")
     assert code == 0 and "--model is deprecated; use --target" in stderr, stderr
+
+
+def test_every_file_the_cli_writes_records_the_command_that_wrote_it(run_cli, dataset, tmp_path):
+    """Profiles and acceptance files as plans: making one again (on another host, after a change) is one copy away;
+    a library call writes none."""
+    from specplan.core.provenance import provenance
+
+    profile, acceptance = tmp_path / "p.yaml", tmp_path / "a.yaml"
+    profiling = ["profile", "--target", "tiny-random-llama", "--sizes", "1,2", "--contexts", "16", "--repeats", "1",
+                 "-o", str(profile)]
+    accepting = ["accept", "lookahead", "--target", "tiny-random-llama", "--dataset", str(dataset),
+                 "--max-new-tokens", "4", "-o", str(acceptance)]
+    for args, path in ((profiling, profile), (accepting, acceptance)):
+        code, _, stderr = run_cli(*args)
+        assert code == 0, stderr
+        assert yaml.safe_load(path.read_text())["provenance"]["command"] == shlex.join(["plan", *args])
+    assert "command" not in provenance()
 
 
 def test_progress_goes_to_stderr_when_it_is_not_a_terminal_and_quiet_silences_it(run_cli, dataset, tmp_path):
