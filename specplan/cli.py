@@ -566,8 +566,6 @@ def solve_lookahead_cmd(acceptance_path: Path, profile_path: Path | None, decodi
     _note_inexact_replay(plan)
 
 
-
-
 def _echo_ranked(rows: list, knobs: list[tuple[str, Callable[[Any], Any]]], priced: bool) -> None:
     """A replay solver's ranked settings: its knobs (column title, value), tokens/step, and with a profile the step
     time and the predicted speedup."""
