@@ -14,11 +14,11 @@ from specplan.core.errors import UserError
 from specplan.core.fileio import sha256_file
 
 # The `plan` command line being run (specplan/cli.py sets it); None outside the CLI
-COMMAND: ContextVar[str | None] = ContextVar("COMMAND", default=None)
+cli_command: ContextVar[str | None] = ContextVar("cli_command", default=None)
 
 
 def provenance(inputs: Iterable[str | os.PathLike] = ()) -> dict:
-    command = COMMAND.get()
+    command = cli_command.get()
     return {
         "specplan_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -36,7 +36,7 @@ from specplan.core.choices import (
 from specplan.core.errors import UserError
 from specplan.core.method_settings import STREAMING_SINKS, STREAMING_WINDOW
 from specplan.core.plan_schema import Plan, save_plan
-from specplan.core.provenance import COMMAND
+from specplan.core.provenance import cli_command
 from specplan.profiler.datasets import DATASETS
 
 PROMPTS_HELP = ("NAME[:category[,category]] (NAME: one of the carried sets, " + ", ".join(DATASETS)
@@ -1225,7 +1225,7 @@ def _one_line(message: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    command = COMMAND.set(shlex.join(["plan", *args]))  # every document written records it (core/provenance.py)
+    command_token = cli_command.set(shlex.join(["plan", *args]))  # every file written records it
     try:
         cli.main(args=args, prog_name="plan", standalone_mode=False)
     except UserError as exc:
@@ -1244,7 +1244,7 @@ def main(argv: list[str] | None = None) -> int:
         click.echo("plan: interrupted", err=True)
         return 130
     finally:
-        COMMAND.reset(command)
+        cli_command.reset(command_token)
     return 0
 
 
