@@ -57,6 +57,17 @@ def show_files(paths: list[str | os.PathLike], plot: str | os.PathLike | None = 
 def show_file(path: str | os.PathLike, plot: str | os.PathLike | None = None,
               compare: str | os.PathLike | None = None) -> str:
     data = read_yaml(path)
+    text = describe_file(data, path, plot, compare)
+    provenance = data.get("provenance")
+    command = provenance.get("command") if isinstance(provenance, dict) else None
+    if isinstance(command, str) and not str(data.get("kind")).startswith("plan/"):  # a plan shows its provenance
+        text += f"\nwritten by: {command}"
+    return text
+
+
+def describe_file(data: dict[str, Any], path: str | os.PathLike, plot: str | os.PathLike | None,
+                  compare: str | os.PathLike | None) -> str:
+    """A plan, profile or acceptance file's text (and its plot), by its kind."""
     kind = data.get("kind")
     if kind == "profile/latency":
         profile = LatencyProfile.from_dict(data, str(path))

@@ -70,6 +70,8 @@ def test_every_file_the_cli_writes_records_the_command_that_wrote_it(run_cli, da
         code, _, stderr = run_cli(*args)
         assert code == 0, stderr
         assert yaml.safe_load(path.read_text())["provenance"]["command"] == shlex.join(["plan", *args])
+        code, stdout, stderr = run_cli("show", path)
+        assert code == 0 and stdout.rstrip().endswith(f"written by: {shlex.join(['plan', *args])}"), stderr
     assert "command" not in provenance()
 
 
