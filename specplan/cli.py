@@ -1167,7 +1167,8 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
     draft = draft or (plan.models.draft if plan else None)
     loaded = load_model(target, dtype, log=_progress)
     encoded = served_prompts(dataset, loaded.tokenizer, prompts, chat, context, one_document)
-    slot = slot_context(encoded, max_new_tokens)
+    warmup = warmup_tokens(plan)
+    slot = slot_context(encoded, max_new_tokens, warmup)
     threads = os.cpu_count() or 1
     prices, basis = serving_prices(plan, settings, max_new_tokens, requests_per_client, _progress, encoded) \
         if plan else ({}, None)
@@ -1209,7 +1210,7 @@ def _serving_bench(plan_path: Path | None, dataset: str, prompts: int, max_new_t
         system.predict = prices.get(system.name)
         system.price_basis = basis if system.predict is not None else None
     run_serving_bench(systems, encoded, levels, max_new_tokens, requests_per_client, output, lambda text: len(
-        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), machine, _progress, warmup_tokens(plan), rounds)
+        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]), machine, _progress, warmup, rounds)
     click.echo(f"wrote {output}")
 
 

@@ -708,9 +708,10 @@ def prompts_at_level(prompts: list[list[int]], concurrency: int, requests_per_cl
     return [sent[i] for i in order]
 
 
-def slot_context(prompts: list[list[int]], max_tokens: int) -> int:
-    """Tokens per request slot, both servers: SLOT_CONTEXT, or the longest prompt, its output and a draft tree."""
-    return max(SLOT_CONTEXT, max(len(prompt) for prompt in prompts) + max_tokens + SLOT_TREE_ROOM)
+def slot_context(prompts: list[list[int]], max_tokens: int, warmup: int) -> int:
+    """Tokens per request slot, both servers: SLOT_CONTEXT, or the longest prompt, the longer of its output and a
+    warm-up request's (`warmup` tokens past its stop tokens, warmup_tokens) and a draft tree."""
+    return max(SLOT_CONTEXT, max(len(prompt) for prompt in prompts) + max(max_tokens, warmup) + SLOT_TREE_ROOM)
 
 
 def plan_serve_command(options: list[str], slot: int = SLOT_CONTEXT) -> Callable[[int, int], list[str]]:

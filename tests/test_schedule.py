@@ -916,6 +916,18 @@ def test_a_warm_up_lasts_until_the_clock_has_timed_both_kinds_at_the_plans_longe
         BatchSchedule(None, (ScheduleEntry(1, 8, True, 8, 1.5, 1.0, 1.2),)).to_dict()), "l.yaml"))
 
 
+def test_a_slot_holds_the_longest_prompt_with_a_warm_up_longer_than_its_output():
+    """slot_context: a TriForce plan's warm-up (its chains of gamma1 + gamma2 + 1 tokens) runs longer than the load's
+    128 new tokens; its server's slots take the longest prompt with that many (a 7,680-token prompt's warm-up was
+    refused by a server sized for the output alone), and SLOT_CONTEXT where every prompt is short."""
+    from specplan.serving import SLOT_CONTEXT, SLOT_TREE_ROOM, slot_context
+
+    long_prompt, warmup = [1] * 7680, 198
+    assert slot_context([[1] * 10, long_prompt], 128, warmup) == 7680 + warmup + SLOT_TREE_ROOM
+    assert slot_context([long_prompt], 300, warmup) == 7680 + 300 + SLOT_TREE_ROOM
+    assert slot_context([[1] * 10], 64, warmup) == SLOT_CONTEXT
+
+
 def test_each_round_sends_its_requests_in_an_order_of_its_own_the_same_for_every_system(tmp_path):
     """A closed loop served the same order twice repeats its arrivals: round 0 sends the prompts in order, every
     later round a permutation of the same requests, drawn once for the round and sent to every system alike."""
