@@ -565,7 +565,11 @@ def _serve_level(system: System, level_prompts: list[list[int]], concurrency: in
         server = RunningProcess(system, concurrency, results.with_suffix(f".{system.name}.log"), extra)
         try:
             server.wait_ready()
-            asyncio.run(closed_loop(server.url, warmup, concurrency, warmup_length, count_tokens, ignore_eos=True))
+            _, warmup_failed = asyncio.run(closed_loop(server.url, warmup, concurrency, warmup_length, count_tokens,
+                                                       ignore_eos=True))
+            if warmup_failed:  # a server that refuses its warm-up would be measured cold, or refuse the load too
+                raise UserError(f"{where}: {warmup_failed} of {len(warmup)} warm-up requests failed; "
+                                f"see {server.log.name}")
             timings, failed = asyncio.run(closed_loop(server.url, level_prompts, concurrency, max_tokens,
                                                       count_tokens))
         finally:

@@ -847,6 +847,47 @@ def test_serving_rounds_alternate_the_order_and_a_rerun_serves_only_the_rounds_n
         ["40.0", "1.00"], ["80.0", "1.00"], ["120.0", "1.00"], ["40.0", "1.00"]]
 
 
+REFUSING_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["ignore_eos"]:  # a warm-up: its prompt and its tokens past the slot
+            self.send_response(400)
+            self.end_headers()
+            self.wfile.write(b"the request exceeds the available context size")
+            return
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'data: {"choices": [{"text": "a"}], "usage": {"completion_tokens": 1}}\\n\\n')
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_a_level_whose_warm_up_fails_stops_before_it_is_measured(tmp_path):
+    """A server that refuses its warm-up (a slot too short for it) would be measured cold, or refuse the load as
+    well: the bench stops in one line naming the level and the server's log, and records no result for it."""
+    import sys
+
+    from specplan.serving import System, run_serving_bench
+
+    script = tmp_path / "server.py"
+    script.write_text(REFUSING_SERVER)
+    results = tmp_path / "grid.jsonl"
+    system = System("ours", lambda port, concurrency: [sys.executable, str(script), str(port)])
+    with pytest.raises(UserError, match=r"^ours at concurrency 2: 2 of 2 warm-up requests failed; see .*grid\.ours"
+                                        r"\.log$"):
+        run_serving_bench([system], [[1, 2, 3]] * 4, [2], 4, 1, results, len, "test", lambda line: None, 8)
+    assert not results.exists()
+
+
 def test_every_system_serves_at_every_place_and_after_every_other_once_over_its_rounds():
     """Four systems (a plan, off and two fixed settings): over four rounds each runs first, second, third and last
     once, and right after each other system once, the first round in the order given; reversing every other round
