@@ -203,11 +203,30 @@ def test_a_chain_engine_plan_carries_and_exports_its_knobs(engine, run_cli, tmp_
         assert config["assistant_confidence_threshold"] == 0.0
 
 
+def shape_rounding(gguf: str, ids: list[int], one_row_token: int, other_token: int) -> tuple[float, float]:
+    """llama.cpp's logits after `ids`, its forward fed one token at a time and all at once: the one-row margin of
+    `one_row_token` over `other_token`, and the most either logit moves between the two shapes. On AVX2 hosts its
+    quantized matmuls round a batch's rows differently from one row's, so a verification's greedy token can leave the
+    one-token output where the two come closer than that."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=128, logits_all=True, n_threads=2, verbose=False)
+    llm.eval(ids)
+    batched = np.array(llm.scores[len(ids) - 1])
+    llm.reset()
+    for token in ids:
+        llm.eval([token])
+    one_row = np.array(llm.scores[len(ids) - 1])
+    pair = [one_row_token, other_token]
+    return float(one_row[one_row_token] - one_row[other_token]), float(np.abs(one_row[pair] - batched[pair]).max())
+
+
 @pytest.mark.parametrize("p_min, fewest_per_step, most_per_step", [(0.0, 1.01, 5.0), (1.01, 1.0, 1.0)])
 def test_llama_cpp_python_runs_the_draft_rule(p_min, fewest_per_step, most_per_step):
     """llama-server's draft-model rule behind llama-cpp-python's draft interface (specplan/llamacpp.py), the model
-    drafting for itself: greedy output unchanged; draft-max 4 yields up to 5 tokens a step, and a p_min no
-    probability reaches drafts nothing (one token a step)."""
+    drafting for itself: greedy output unchanged (but at a token llama.cpp's rounding between a batch and one row
+    decides: shape_rounding); draft-max 4 yields up to 5 tokens a step, and a p_min no probability reaches drafts
+    nothing (one token a step)."""
     pytest.importorskip("llama_cpp")
     from specplan.core.models import load_model
     from specplan.llamacpp import DraftChainSettings, LlamaCpp
@@ -217,7 +236,10 @@ def test_llama_cpp_python_runs_the_draft_rule(p_min, fewest_per_step, most_per_s
     plain = LlamaCpp(model, 128).generate(ids, 24, SamplingParams(), 0)[0]
     chained = LlamaCpp(model, 128, draft_chain=DraftChainSettings(model, 4, 0, p_min))
     tokens, extra = chained.generate(ids, 24, SamplingParams(), 0)
-    assert tokens == plain
+    if tokens != plain:  # only where llama.cpp's own rounding between shapes decides the token
+        at = next(i for i, (a, b) in enumerate(zip(plain, tokens)) if a != b)
+        margin, rounding = shape_rounding(str(model.gguf_file()), ids + plain[:at], plain[at], tokens[at])
+        assert margin < rounding, f"token {at}: {plain[at]} one token at a time, {tokens[at]} drafted"
     decode_tokens, _ = extra["decode"]
     assert fewest_per_step <= decode_tokens / extra["decode_forwards"] <= most_per_step
 
