@@ -54,6 +54,7 @@ import numbers
 import os
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -376,9 +377,10 @@ class BatchSchedule:
                    for table, following in zip(tables, tables[1:])] + [tables[-1]]
         return replace(bounded[0], longer=tuple(bounded[1:]))
 
-    @property
+    @cached_property
     def tables(self) -> tuple[BatchSchedule, ...]:
-        """Every context range's table, shortest first (this one's own first)."""
+        """Every context range's table, shortest first (this one's own first). Kept: a decoder looks its entry up
+        for every request at every step, and copying this table each time cost most of that look-up."""
         return (replace(self, longer=()), *self.longer)
 
     def entry_for(self, batch: int, context: int | None = None) -> ScheduleEntry:
